@@ -1,0 +1,27 @@
+"""Fill: put the placed arrays into the skeleton with one `eqx.tree_at`.
+
+```python
+model = fill(skel, arrays)    # every ShapeDtypeStruct replaced by its jax.Array
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from ._skeleton import leaves
+
+
+def fill(skeleton: Any, arrays: Mapping[str, jax.Array]) -> Any:
+    """Replace the leaves at the paths of `arrays` in one `eqx.tree_at` call."""
+    paths = list(arrays)
+
+    def where(module: Any) -> list[Any]:
+        by_path = leaves(module)
+        return [by_path[p] for p in paths]
+
+    return eqx.tree_at(where, skeleton, [arrays[p] for p in paths])

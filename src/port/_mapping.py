@@ -1,0 +1,261 @@
+"""Mapping: a TOML file relating state-dict keys to Equinox module paths.
+
+```toml
+model = "port.models.gpt2:GPT2"          # module:Class with from_config(config, *, key)
+model_types = ["gpt2"]                    # config.json model_type values it serves
+prefixes = ["transformer."]               # optional key prefixes, stripped when present
+ignore = ["h.*.attn.bias"]                # buffers, never read
+tied = { "lm_head.weight" = "wte.weight" }  # may be present; a copy, never read
+
+[rules]                                   # logical axis -> mesh axis (or list of them)
+embed = "data"
+heads = "model"
+
+[[params]]
+key = "h.{layer}.attn.c_attn.weight"      # {layer} stacks every layer on a leading axis
+path = "blocks.attn.wq"
+transforms = [{ split = { axis = 1, parts = 3, index = 0 } },
+              { transpose = [1, 0] },
+              { reshape = ["n_head", -1, "n_embd"] }]   # names are config.json values
+axes = ["layers", "heads", "head_dim", "embed"]
+```
+
+```python
+mapping = load_mapping("mappings/gpt2.toml")
+mapping = mapping_for({"model_type": "gpt2"})   # the shipped one
+```
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.resources
+import os
+import re
+import tomllib
+from collections.abc import Mapping as AnyMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._errors import PortError
+from ._transforms import Cast, Reshape, Split, Transform, Transpose
+
+LAYER = "{layer}"
+_TOP = {"model", "model_types", "prefixes", "ignore", "tied", "rules", "params"}
+_PARAM = {"key", "path", "axes", "transforms"}
+_DTYPES = {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
+
+
+@dataclass(frozen=True)
+class Param:
+    """One mapping entry: a source key pattern, a module path, transforms and logical axes."""
+
+    key: str
+    path: str
+    axes: tuple[str | None, ...]
+    transforms: tuple[tuple[str, Any], ...]
+
+    @property
+    def stacked(self) -> bool:
+        return LAYER in self.key
+
+    def pattern(self) -> re.Pattern:
+        """Matches the stripped source keys of this entry; group 1 is the layer index."""
+        return re.compile(re.escape(self.key).replace(re.escape(LAYER), r"(\d+)") + "$")
+
+    def build(self, config: AnyMapping[str, Any]) -> list[Transform]:
+        """The transforms, with config names in reshapes replaced by their values."""
+        return [_build(op, arg, config, self) for op, arg in self.transforms]
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """A parsed mapping file."""
+
+    source: str
+    text: str
+    model: str
+    model_types: tuple[str, ...]
+    prefixes: tuple[str, ...]
+    ignore: tuple[str, ...]
+    tied: dict[str, str]
+    rules: dict[str, tuple[str, ...]]
+    params: tuple[Param, ...]
+
+    def model_class(self) -> type:
+        """Import the `module:Class` named by `model`."""
+        module, _, name = self.model.partition(":")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise PortError(f"{self.source}: model '{self.model}' cannot be imported ({e})") from None
+
+
+def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
+    """Parse and check the structure of a mapping; config-dependent checks wait for `plan`."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise PortError(f"{source}: invalid TOML: {e}") from None
+
+    def fail(msg: str) -> PortError:
+        return PortError(f"{source}: {msg}")
+
+    unknown = set(data) - _TOP
+    if unknown:
+        raise fail(f"unknown key '{sorted(unknown)[0]}' (expected {', '.join(sorted(_TOP))})")
+    model = data.get("model")
+    if not isinstance(model, str) or ":" not in model:
+        raise fail("'model' must be a string 'package.module:Class'")
+
+    def strings(name: str) -> tuple[str, ...]:
+        value = data.get(name, [])
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise fail(f"'{name}' must be a list of strings")
+        return tuple(value)
+
+    tied = data.get("tied", {})
+    if not isinstance(tied, dict) or not all(isinstance(v, str) for v in tied.values()):
+        raise fail("'tied' must be a table of key = \"key it copies\"")
+    rules = {}
+    for axis, mesh_axes in data.get("rules", {}).items():
+        if isinstance(mesh_axes, str):
+            mesh_axes = [mesh_axes]
+        if not isinstance(mesh_axes, list) or not all(isinstance(m, str) for m in mesh_axes):
+            raise fail(f"rules.{axis} must be a mesh axis name or a list of them")
+        rules[axis] = tuple(mesh_axes)
+    params = data.get("params")
+    if not isinstance(params, list) or not params:
+        raise fail("no [[params]] entries")
+    parsed = tuple(_param(entry, i, fail) for i, entry in enumerate(params))
+    seen: dict[str, str] = {}
+    for p in parsed:
+        if p.path in seen:
+            raise fail(f"path '{p.path}' is filled by both '{seen[p.path]}' and '{p.key}'")
+        seen[p.path] = p.key
+    return Mapping(
+        source, text, model, strings("model_types"), strings("prefixes"), strings("ignore"),
+        dict(tied), rules, parsed,
+    )
+
+
+def _param(entry: Any, i: int, fail) -> Param:
+    if not isinstance(entry, dict):
+        raise fail(f"params[{i}] must be a table")
+    where = f"params[{i}] ({entry.get('key', '?')})"
+    unknown = set(entry) - _PARAM
+    if unknown:
+        raise fail(f"{where}: unknown field '{sorted(unknown)[0]}'")
+    for name in ("key", "path"):
+        if not isinstance(entry.get(name), str) or not entry[name]:
+            raise fail(f"{where}: '{name}' must be a non-empty string")
+    axes = entry.get("axes")
+    if not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
+        raise fail(f"{where}: 'axes' must be a list of logical axis names, one per target dimension")
+    transforms = []
+    for t in entry.get("transforms", []):
+        if not isinstance(t, dict) or len(t) != 1:
+            raise fail(f"{where}: each transform is a one-key table such as {{ transpose = [1, 0] }}")
+        ((op, arg),) = t.items()
+        _check_transform(op, arg, f"{where}: {op}", fail)
+        transforms.append((op, arg))
+    return Param(entry["key"], entry["path"], tuple(a or None for a in axes), tuple(transforms))
+
+
+def _check_transform(op: str, arg: Any, where: str, fail) -> None:
+    ints = lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v)  # noqa: E731
+    if op == "transpose":
+        if not ints(arg):
+            raise fail(f"{where} takes a permutation such as [1, 0]")
+    elif op == "reshape":
+        if not isinstance(arg, list) or not all(isinstance(x, (int, str)) for x in arg):
+            raise fail(f"{where} takes a list of sizes, -1 or config names")
+    elif op == "split":
+        if not isinstance(arg, dict) or set(arg) - {"axis", "index", "parts", "sizes"}:
+            raise fail(f"{where} takes {{ axis, index, parts | sizes }}")
+        if not isinstance(arg.get("axis"), int) or not isinstance(arg.get("index"), int):
+            raise fail(f"{where} needs integer 'axis' and 'index'")
+        if ("parts" in arg) == ("sizes" in arg):
+            raise fail(f"{where} needs exactly one of 'parts' or 'sizes'")
+        if "parts" in arg and not isinstance(arg["parts"], int):
+            raise fail(f"{where}: 'parts' must be an integer")
+        if "sizes" in arg and not isinstance(arg["sizes"], list):
+            raise fail(f"{where}: 'sizes' must be a list of sizes or config names")
+    elif op == "cast":
+        if arg not in _DTYPES:
+            raise fail(f"{where}: unknown dtype '{arg}' (expected one of {', '.join(sorted(_DTYPES))})")
+    else:
+        raise fail(f"{where}: unknown transform (expected transpose, reshape, split or cast)")
+
+
+def _value(x: int | str, config: AnyMapping[str, Any], param: Param) -> int:
+    if isinstance(x, int):
+        return x
+    value = config.get(x)
+    if not isinstance(value, int):
+        raise PortError(f"mapping entry '{param.key}': config.json has no integer '{x}'")
+    return value
+
+
+def _build(op: str, arg: Any, config: AnyMapping[str, Any], param: Param) -> Transform:
+    if op == "transpose":
+        return Transpose(tuple(arg))
+    if op == "reshape":
+        return Reshape(tuple(_value(x, config, param) for x in arg))
+    if op == "split":
+        sizes = arg.get("sizes")
+        sizes = None if sizes is None else tuple(_value(x, config, param) for x in sizes)
+        return Split(arg["axis"], arg["index"], arg.get("parts"), sizes)
+    return Cast(dtype(arg))
+
+
+def dtype(name: str) -> np.dtype:
+    """A numpy dtype from its name, bfloat16 included."""
+    import ml_dtypes
+
+    if name == "bfloat16":
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        return np.dtype(name)
+    except TypeError:
+        raise PortError(f"unknown dtype '{name}'") from None
+
+
+def load_mapping(path: str | os.PathLike) -> Mapping:
+    """Read and parse a mapping file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise PortError(f"{path}: cannot read mapping file ({e.strerror or e})") from None
+    return parse_mapping(text, str(path))
+
+
+def shipped_mappings() -> list[Path]:
+    """The mapping files that ship with port (in the wheel, or `mappings/` of a checkout)."""
+    packaged = Path(str(importlib.resources.files("port"))) / "mappings"
+    checkout = Path(__file__).resolve().parents[2] / "mappings"
+    for directory in (packaged, checkout):
+        if directory.is_dir():
+            return sorted(directory.glob("*.toml"))
+    return []
+
+
+def mapping_for(config: AnyMapping[str, Any]) -> Mapping:
+    """The shipped mapping serving `config["model_type"]`."""
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str):
+        raise PortError("config.json: no 'model_type'; give a mapping with --mapping")
+    known = []
+    for path in shipped_mappings():
+        mapping = load_mapping(path)
+        if model_type in mapping.model_types:
+            return mapping
+        known.extend(mapping.model_types)
+    raise PortError(
+        f"config.json: model_type '{model_type}' has no mapping (known: {', '.join(sorted(known)) or 'none'}); "
+        "give one with --mapping"
+    )

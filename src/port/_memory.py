@@ -1,0 +1,54 @@
+"""Peak anonymous host memory, sampled from `/proc/self/status` (`RssAnon`).
+
+`ru_maxrss` also counts pages of the memory-mapped checkpoint; `RssAnon` does not.
+
+```python
+with PeakMemory() as peak:
+    work()
+peak.bytes, peak.above_start
+```
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+def rss_anon() -> int:
+    """Current anonymous resident memory of this process, in bytes (0 where unknown)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakMemory:
+    """Samples `rss_anon` on a thread every `interval` seconds while in use."""
+
+    def __init__(self, interval: float = 0.005):
+        self.interval = interval
+        self.start = self.bytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.bytes = max(self.bytes, rss_anon())
+
+    @property
+    def above_start(self) -> int:
+        return max(0, self.bytes - self.start)
+
+    def __enter__(self) -> PeakMemory:
+        self.start = self.bytes = rss_anon()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.bytes = max(self.bytes, rss_anon())

@@ -1,0 +1,74 @@
+"""Meshes: `"4x2"` -> a `jax.sharding.Mesh` with axes `data` x `model`.
+
+On a machine with no accelerator, a mesh needing more devices than there are is
+simulated with host CPU devices, which JAX allows only before it starts.
+
+```python
+mesh = make_mesh("4x2")            # Mesh(data=4, model=2)
+mesh_shape("8")                    # {"data": 8, "model": 1}
+```
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from ._errors import PortError
+
+AXES = ("data", "model")
+
+
+def mesh_shape(spec: str) -> dict[str, int]:
+    """Parse `"4x2"` (data x model) or `"8"` (data only) into axis sizes."""
+    if not re.fullmatch(r"\s*[0-9]+(\s*x\s*[0-9]+)?\s*", spec or ""):
+        raise PortError(f"--mesh '{spec}': expected DATAxMODEL such as 4x2, or a device count such as 8")
+    sizes = [int(s) for s in spec.split("x")] + [1]
+    if min(sizes) < 1:
+        raise PortError(f"--mesh '{spec}': every axis needs at least one device")
+    return dict(zip(AXES, sizes[:2]))
+
+
+def simulate_devices(count: int) -> bool:
+    """Ask JAX for `count` host CPU devices if it has not started; True when it applied.
+
+    Only the CPU platform is affected; an accelerator backend keeps its devices. A
+    device count the user set (`XLA_FLAGS`, `JAX_NUM_CPU_DEVICES`) is kept.
+    """
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return False
+    if os.environ.get("JAX_NUM_CPU_DEVICES"):
+        return False
+    if jax.config.jax_num_cpu_devices >= count:
+        return False
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # JAX has started: its devices are what they are
+        return False
+    return True
+
+
+def make_mesh(spec: str | dict[str, int], devices: list | None = None) -> Mesh:
+    """A mesh with axes `data` x `model` from `"4x2"`, over the first devices JAX has."""
+    shape = mesh_shape(spec) if isinstance(spec, str) else dict(spec)
+    needed = math.prod(shape.values())
+    label = spec if isinstance(spec, str) else "x".join(map(str, shape.values()))
+    if devices is None:
+        simulate_devices(needed)
+        devices = jax.devices()
+    if len(devices) < needed:
+        platform = devices[0].platform if devices else "no"
+        hint = (
+            " (JAX started before port could add CPU devices: call port.make_mesh first, or set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={needed})"
+            if platform == "cpu"
+            else " (JAX_PLATFORMS=cpu simulates them on the host)"
+        )
+        raise PortError(f"--mesh {label} needs {needed} devices but JAX has {len(devices)} {platform}{hint}")
+    grid = np.array(devices[:needed]).reshape(tuple(shape.values()))
+    return Mesh(grid, tuple(shape))

@@ -1,0 +1,340 @@
+"""Plan: one recipe per target leaf, validated before any tensor byte is read.
+
+`plan` is a pure function of the skeleton, the mapping, the checkpoint headers and
+the mesh's axis sizes. It checks that every leaf is filled exactly once, every
+source key is used, ignored or tied, shapes and dtypes agree, and every logical
+axis has a rule naming mesh axes that exist. A dimension a mesh axis does not
+divide is replicated on that axis, and the leaf's `notes` say so.
+
+```python
+p = plan(skel, mapping, ckpt.tensors, ckpt.config, {"data": 4, "model": 2})
+p.leaves[0].spec       # PartitionSpec(None, 'data'): vocab 50257 not divisible by model=2
+print(p.table())
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import itertools
+import math
+from collections.abc import Mapping as AnyMapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from ._errors import PortError
+from ._mapping import Mapping, Param, dtype as dtype_named
+from ._skeleton import leaves as skeleton_leaves
+from ._source import Region, TensorInfo
+from ._transforms import Cast, Chain
+
+
+@dataclass(frozen=True)
+class LeafPlan:
+    """How one target leaf is made: source keys (one per layer when stacked), chain, sharding."""
+
+    path: str
+    pattern: str
+    keys: tuple[str, ...]
+    stacked: bool
+    chain: Chain
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    source_dtype: np.dtype
+    axes: tuple[str | None, ...]
+    spec: PartitionSpec
+    notes: tuple[str, ...]
+    device_bytes: int
+    read_bytes: int
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def shards(self, mesh_shape: AnyMapping[str, int]) -> list[Region]:
+        """Every distinct shard box of this leaf under its spec."""
+        per_dim = []
+        for dim, entry in zip(self.shape, tuple(self.spec) + (None,) * len(self.shape)):
+            n = _count(entry, mesh_shape)
+            per_dim.append([(i * dim // n, (i + 1) * dim // n) for i in range(n)])
+        return list(itertools.product(*per_dim))
+
+    def source_region(self, box: Region) -> tuple[Region, tuple[str, ...]]:
+        """The source region and keys a target box needs."""
+        if self.stacked:
+            (l0, l1), inner = box[0], box[1:]
+            return self.chain.regions(inner)[0], self.keys[l0:l1]
+        return self.chain.regions(box)[0], self.keys
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The validated plan: leaves in a fixed order, and what the checkpoint holds besides."""
+
+    leaves: tuple[LeafPlan, ...]
+    mesh_shape: dict[str, int]
+    ignored: tuple[str, ...]
+    tied: tuple[tuple[str, str], ...]
+
+    @property
+    def params(self) -> int:
+        return sum(leaf.size for leaf in self.leaves)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes each device holds (shards of a NamedSharding are equal in size)."""
+        return sum(leaf.device_bytes for leaf in self.leaves)
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes read from the checkpoint when every distinct shard is read once."""
+        return sum(leaf.read_bytes for leaf in self.leaves)
+
+    def table(self) -> list[dict[str, str]]:
+        """One row per leaf, as `port plan` prints it."""
+        return [
+            {
+                "source": leaf.pattern + (f" x{len(leaf.keys)}" if leaf.stacked else ""),
+                "target": leaf.path,
+                "transforms": str(leaf.chain),
+                "shape": "[" + ", ".join(map(str, leaf.shape)) + "]",
+                "dtype": leaf.dtype.name,
+                "spec": _spec_str(leaf.spec),
+                "bytes/device": str(leaf.device_bytes),
+                "notes": "; ".join(leaf.notes),
+            }
+            for leaf in self.leaves
+        ]
+
+
+def _count(entry: Any, mesh_shape: AnyMapping[str, int]) -> int:
+    if entry is None:
+        return 1
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh_shape[n] for n in names)
+
+
+def _spec_str(spec: PartitionSpec) -> str:
+    def one(e: Any) -> str:
+        if e is None:
+            return "-"
+        return "(" + ",".join(e) + ")" if isinstance(e, tuple) else e
+
+    return "(" + ", ".join(one(e) for e in spec) + ")"
+
+
+def partition(
+    shape: tuple[int, ...],
+    axes: tuple[str | None, ...],
+    rules: AnyMapping[str, tuple[str, ...]],
+    mesh_shape: AnyMapping[str, int],
+) -> tuple[PartitionSpec, tuple[str, ...]]:
+    """The PartitionSpec for logical `axes`, replicating what a mesh axis does not divide."""
+    used: set[str] = set()
+    spec, notes = [], []
+    for dim, axis in zip(shape, axes):
+        chosen: list[str] = []
+        for name in rules.get(axis, ()) if axis else ():
+            size = mesh_shape.get(name)
+            if size is None:  # reported by plan
+                continue
+            if name in used:
+                notes.append(f"{axis}: mesh axis {name} already used, replicated on it")
+            elif dim % (math.prod(mesh_shape[c] for c in chosen) * size):
+                notes.append(f"{axis} {dim} not divisible by {name}={size}: replicated on {name}")
+            else:
+                chosen.append(name)
+                used.add(name)
+        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    return PartitionSpec(*spec), tuple(notes)
+
+
+def plan(
+    skeleton: Any,
+    mapping: Mapping,
+    tensors: AnyMapping[str, TensorInfo],
+    config: AnyMapping[str, Any],
+    mesh_shape: AnyMapping[str, int],
+    dtype: str | np.dtype | None = None,
+) -> Plan:
+    """Validate everything and make one recipe per leaf; reads no tensor data.
+
+    Raises `PortError` naming the first problem (and how many more there are).
+    """
+    problems = plan_problems(skeleton, mapping, tensors, config, mesh_shape, dtype)
+    if isinstance(problems, Plan):
+        return problems
+    more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+    raise PortError(problems[0] + more)
+
+
+def plan_problems(
+    skeleton: Any,
+    mapping: Mapping,
+    tensors: AnyMapping[str, TensorInfo],
+    config: AnyMapping[str, Any],
+    mesh_shape: AnyMapping[str, int],
+    dtype: str | np.dtype | None = None,
+) -> Plan | list[str]:
+    """The plan, or every problem found, each naming the mapping entry or key it comes from."""
+    problems: list[str] = []
+    mesh_shape = dict(mesh_shape)
+    target_dtype = dtype_named(dtype) if isinstance(dtype, str) else dtype
+    for axis, names in mapping.rules.items():
+        for name in names:
+            if name not in mesh_shape:
+                problems.append(
+                    f"{mapping.source}: rules.{axis} names mesh axis '{name}', which the mesh "
+                    f"({', '.join(mesh_shape)}) does not have"
+                )
+    stripped = _strip(mapping, tensors, problems)
+    targets = {p: leaf for p, leaf in skeleton_leaves(skeleton).items() if hasattr(leaf, "shape")}
+    used: set[str] = set()
+    leaf_plans = []
+    for param in mapping.params:
+        leaf = _leaf(param, mapping, stripped, tensors, targets, config, mesh_shape, target_dtype, problems)
+        if leaf is not None:
+            leaf_plans.append(leaf)
+            used.update(leaf.keys)
+    filled = {p.path for p in mapping.params}
+    for path in targets:
+        if path not in filled:
+            problems.append(f"{mapping.source}: leaf '{path}' of {mapping.model} has no mapping entry")
+    ignored, tied = [], []
+    for name, key in stripped.items():
+        if key in used:
+            continue
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in mapping.ignore):
+            ignored.append(key)
+        elif name in mapping.tied:
+            tied.append((key, mapping.tied[name]))
+        elif not any(param.pattern().match(name) for param in mapping.params):
+            problems.append(
+                f"{tensors[key].file.name}: tensor '{key}' is not used by the mapping "
+                f"{mapping.source} (map it, or add it to ignore)"
+            )
+    if problems:
+        return problems
+    return Plan(tuple(leaf_plans), mesh_shape, tuple(ignored), tuple(tied))
+
+
+def _strip(mapping: Mapping, tensors: AnyMapping[str, TensorInfo], problems: list[str]) -> dict[str, str]:
+    """Source keys without their optional prefix: stripped name -> key in the checkpoint."""
+    stripped: dict[str, str] = {}
+    for key in tensors:
+        name = next((key[len(p) :] for p in mapping.prefixes if key.startswith(p)), key)
+        if name in stripped:
+            problems.append(f"{tensors[key].file.name}: both '{stripped[name]}' and '{key}' are present")
+        stripped[name] = key
+    return stripped
+
+
+def _leaf(
+    param: Param,
+    mapping: Mapping,
+    stripped: dict[str, str],
+    tensors: AnyMapping[str, TensorInfo],
+    targets: dict[str, Any],
+    config: AnyMapping[str, Any],
+    mesh_shape: dict[str, int],
+    target_dtype: np.dtype | None,
+    problems: list[str],
+) -> LeafPlan | None:
+    where = f"{mapping.source}: entry '{param.key}'"
+    if param.path not in targets:
+        problems.append(f"{where}: path '{param.path}' is not a leaf of {mapping.model}")
+        return None
+    target = targets[param.path]
+    pattern = param.pattern()
+    matches = {}
+    for name, key in stripped.items():
+        m = pattern.match(name)
+        if m:
+            matches[int(m.group(1)) if param.stacked else 0] = key
+    if not matches:
+        problems.append(f"{where}: missing tensor: no key in the checkpoint matches")
+        return None
+    if param.stacked:
+        layers = target.shape[0] if target.shape else 0
+        missing = [i for i in range(layers) if i not in matches]
+        extra = sorted(i for i in matches if i >= layers)
+        if missing:
+            key = param.key.replace("{layer}", str(missing[0]))
+            problems.append(f"{where}: missing tensor '{key}' ({layers} layers expected)")
+            return None
+        if extra:
+            problems.append(
+                f"{where}: tensor '{matches[extra[0]]}' is beyond the model's {layers} layers"
+            )
+            return None
+    keys = tuple(matches[i] for i in sorted(matches))
+    infos = [tensors[k] for k in keys]
+    first = infos[0]
+    for info in infos[1:]:
+        if info.shape != first.shape or info.dtype != first.dtype:
+            problems.append(
+                f"{where}: '{info.key}' is {info.dtype.name}{list(info.shape)} but "
+                f"'{first.key}' is {first.dtype.name}{list(first.shape)}"
+            )
+            return None
+    try:
+        transforms = param.build(config)
+        chain = Chain.build(transforms, first.shape)
+    except PortError as e:
+        problems.append(str(e))
+        return None
+    except ValueError as e:
+        problems.append(f"{where}: {e} (source '{first.key}' is {list(first.shape)})")
+        return None
+    shape = ((len(keys),) if param.stacked else ()) + chain.shape
+    if shape != tuple(target.shape):
+        via = f" through {chain}" if transforms else ""
+        problems.append(
+            f"{where}: shape mismatch: '{first.key}' {list(first.shape)}{via} gives "
+            f"{list(shape)} but '{param.path}' is {list(target.shape)}"
+        )
+        return None
+    if len(param.axes) != len(shape):
+        problems.append(f"{where}: {len(param.axes)} axes for a {len(shape)}-d leaf '{param.path}'")
+        return None
+    for axis in param.axes:
+        if axis is not None and axis not in mapping.rules:
+            problems.append(f"{where}: logical axis '{axis}' has no rule in [rules]")
+            return None
+    current = first.dtype
+    for t in transforms:
+        if isinstance(t, Cast):
+            current = np.dtype(t.dtype)
+    leaf_kind = np.dtype(target.dtype).kind
+    if (current.kind in "fV") != (leaf_kind in "fV"):
+        problems.append(
+            f"{where}: dtype mismatch: '{first.key}' is {current.name} but '{param.path}' is "
+            f"{np.dtype(target.dtype).name}"
+        )
+        return None
+    explicit_cast = any(isinstance(t, Cast) for t in transforms)
+    out_dtype = current
+    if target_dtype is not None and not explicit_cast and _floating(current):
+        out_dtype = np.dtype(target_dtype)
+    if out_dtype != current:
+        chain = Chain.build([*transforms, Cast(out_dtype)], first.shape)
+    spec, notes = partition(shape, param.axes, mapping.rules, mesh_shape)
+    leaf = LeafPlan(
+        param.path, param.key, keys, param.stacked, chain, shape, out_dtype, first.dtype,
+        param.axes, spec, notes, 0, 0,
+    )
+    shards = leaf.shards(mesh_shape)
+    read_bytes = 0
+    for box in shards:
+        region, box_keys = leaf.source_region(box)
+        read_bytes += math.prod(b - a for a, b in region) * first.dtype.itemsize * len(box_keys)
+    device_bytes = math.prod(b - a for a, b in shards[0]) * out_dtype.itemsize
+    return dataclasses.replace(leaf, device_bytes=device_bytes, read_bytes=read_bytes)
+
+
+def _floating(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2")

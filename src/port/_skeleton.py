@@ -1,0 +1,45 @@
+"""Skeleton: the target module's shapes and dtypes, built with no memory.
+
+```python
+model = skeleton(mapping, config)   # leaves are jax.ShapeDtypeStruct
+leaves(model)["blocks.attn.wq"]      # ShapeDtypeStruct((12, 12, 64, 768), float32)
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping as AnyMapping
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from ._errors import PortError
+from ._mapping import Mapping
+
+
+def skeleton(mapping: Mapping, config: AnyMapping[str, Any]) -> eqx.Module:
+    """`eqx.filter_eval_shape` of the mapping's model class built from `config`."""
+    cls = mapping.model_class()
+    if not hasattr(cls, "from_config"):
+        raise PortError(f"{mapping.source}: model '{mapping.model}' has no from_config(config, *, key)")
+    return eqx.filter_eval_shape(lambda: cls.from_config(dict(config), key=jax.random.key(0)))
+
+
+def path_str(keypath: tuple) -> str:
+    """A pytree key path as a dotted module path: `blocks.attn.wq`, `layers.0.weight`."""
+    parts = []
+    for k in keypath:
+        for attr in ("name", "key", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def leaves(module: Any) -> dict[str, Any]:
+    """Every leaf of `module` by its dotted path (arrays, or their ShapeDtypeStructs)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(module)
+    return {path_str(p): leaf for p, leaf in flat}

@@ -1,0 +1,264 @@
+"""Source: a checkpoint directory, its `config.json` and safetensors headers.
+
+Opening a checkpoint reads only `config.json` and the safetensors headers. Tensor
+bytes are read later, region by region, through [`Checkpoint.read`][], which counts
+every byte it reads.
+
+```python
+ckpt = open_checkpoint("path/to/gpt2")     # or a Hugging Face repo id
+ckpt.tensors["h.0.attn.c_attn.weight"].shape    # (768, 2304), no data read
+block = ckpt.read("wte.weight", ((0, 50257), (0, 192)))
+ckpt.bytes_read                                  # 50257 * 192 * 4
+```
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from ._errors import PortError
+
+Region = tuple[tuple[int, int], ...]
+"""A box in a tensor: one `(start, stop)` per dimension."""
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+
+_MAX_HEADER = 100 * 1024 * 1024
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+_REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: file, absolute byte offset, dtype and shape."""
+
+    key: str
+    file: Path
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def read_header(path: Path) -> dict[str, TensorInfo]:
+    """Parse and validate the header of one safetensors file; reads no tensor data."""
+    name = path.name
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise PortError(f"{name}: truncated: {size} bytes, too short for a safetensors header")
+            n = int.from_bytes(head, "little")
+            if n > min(size - 8, _MAX_HEADER):
+                raise PortError(
+                    f"{name}: corrupt header: header length {n} does not fit in a file of {size} bytes"
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise PortError(f"{name}: cannot read: {e.strerror or e}") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PortError(f"{name}: corrupt header: not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise PortError(f"{name}: corrupt header: expected a JSON object")
+    data_start, data_size = 8 + n, size - 8 - n
+    tensors = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            shape = tuple(int(d) for d in shape)
+            begin, end = int(begin), int(end)
+        except (TypeError, KeyError, ValueError):
+            raise PortError(f"{name}: corrupt header: bad entry for tensor '{key}'") from None
+        if dtype_name not in DTYPES:
+            raise PortError(f"{name}: tensor '{key}' has unsupported dtype {dtype_name}")
+        info = TensorInfo(key, path, DTYPES[dtype_name], shape, data_start + begin)
+        if begin < 0 or any(d < 0 for d in shape) or end - begin != info.nbytes:
+            raise PortError(
+                f"{name}: corrupt header: tensor '{key}' {dtype_name}{list(shape)} needs "
+                f"{info.nbytes} bytes but its offsets span {end - begin}"
+            )
+        if end > data_size:
+            raise PortError(
+                f"{name}: truncated: tensor '{key}' ends at data byte {end} but the file holds "
+                f"only {data_size} data bytes"
+            )
+        tensors[key] = info
+    return tensors
+
+
+def resolve(model: str | os.PathLike) -> Path:
+    """A local checkpoint directory, or a Hugging Face repo id fetched through its cache."""
+    path = Path(model)
+    if path.exists():
+        if not path.is_dir():
+            raise PortError(f"{model}: not a directory (give the checkpoint's directory)")
+        return path
+    text = str(model)
+    if not _REPO_ID.match(text):
+        raise PortError(f"{model}: no such directory, and not a Hugging Face repo id")
+    try:
+        import huggingface_hub
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+        snapshot = huggingface_hub.snapshot_download(
+            text, allow_patterns=["config.json", "*.safetensors", _INDEX]
+        )
+    except LocalEntryNotFoundError:
+        raise PortError(
+            f"{model}: no such directory, and not in the Hugging Face cache (offline or no network)"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PortError(f"{model}: no such directory, and the Hugging Face Hub said: {reason}") from None
+    return Path(snapshot)
+
+
+def _files(directory: Path) -> list[Path]:
+    index = directory / _INDEX
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise PortError(f"{index}: not a valid safetensors index (no weight_map)") from None
+        missing = [n for n in names if not (directory / n).exists()]
+        if missing:
+            raise PortError(f"{index}: lists {missing[0]}, which is not in {directory}")
+        return [directory / n for n in names]
+    if (directory / _SINGLE).exists():
+        return [directory / _SINGLE]
+    found = sorted(directory.glob("*.safetensors"))
+    if found:
+        return found
+    if any((directory / n).exists() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        raise PortError(
+            f"{directory}: has only PyTorch pickle weights (pytorch_model.bin); port reads "
+            "safetensors: re-save with save_pretrained(..., safe_serialization=True)"
+        )
+    raise PortError(f"{directory}: no safetensors weights ({_SINGLE} or {_INDEX})")
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: config, tensor headers, and counted reads of regions."""
+
+    directory: Path
+    config: dict
+    tensors: dict[str, TensorInfo]
+    bytes_read: int = 0
+    _fds: dict[Path, int] = field(default_factory=dict, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def read(self, key: str, region: Region) -> np.ndarray:
+        """Read exactly the bytes of `region` of tensor `key` into a new array."""
+        info = self.tensors[key]
+        out = np.empty(tuple(b - a for a, b in region), info.dtype)
+        if out.size == 0:
+            return out
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        fd = self._fd(info.file)
+        length, offsets = _runs(info, region)
+        for i, offset in enumerate(offsets):
+            _read_into(fd, view[i * length : (i + 1) * length], offset, info)
+        with self._lock:
+            self.bytes_read += out.nbytes
+        return out
+
+    def _fd(self, path: Path) -> int:
+        with self._lock:
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            return self._fds[path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _runs(info: TensorInfo, region: Region) -> tuple[int, Iterator[int]]:
+    """The contiguous byte runs of `region`: one run length, and each run's file offset."""
+    shape, item = info.shape, info.dtype.itemsize
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    k = len(shape) - 1  # the outermost dim from which the region is contiguous
+    while k > 0 and region[k] == (0, shape[k]):
+        k -= 1
+    if not shape:
+        return item, iter([info.offset])
+    a_k, b_k = region[k]
+    length = (b_k - a_k) * strides[k] * item
+    start = info.offset + a_k * strides[k] * item
+    outer = [np.arange(a, b, dtype=np.int64) * strides[i] * item for i, (a, b) in enumerate(region[:k])]
+    if not outer:
+        return length, iter([start])
+    grid = outer[0]
+    for axis in outer[1:]:
+        grid = (grid[:, None] + axis[None, :]).reshape(-1)
+    return length, iter((grid + start).tolist())
+
+
+def _read_into(fd: int, buffer: memoryview, offset: int, info: TensorInfo) -> None:
+    while len(buffer):
+        n = os.preadv(fd, [buffer], offset)
+        if n <= 0:
+            raise PortError(f"{info.file.name}: truncated: tensor '{info.key}' stops at byte {offset}")
+        buffer, offset = buffer[n:], offset + n
+
+
+def open_checkpoint(model: str | os.PathLike) -> Checkpoint:
+    """Open a checkpoint directory or Hugging Face repo id, reading only config and headers."""
+    directory = resolve(model)
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise PortError(f"{directory}: no config.json")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PortError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise PortError(f"{config_path}: expected a JSON object")
+    tensors: dict[str, TensorInfo] = {}
+    for path in _files(directory):
+        for key, info in read_header(path).items():
+            if key in tensors:
+                raise PortError(f"{path.name}: tensor '{key}' is also in {tensors[key].file.name}")
+            tensors[key] = info
+    return Checkpoint(directory, config, tensors)

@@ -1,0 +1,1 @@
+"""Equinox model modules, one per architecture family."""

@@ -1,0 +1,292 @@
+"""GPT-2 as an Equinox model.
+
+The transformer blocks are stored *stacked*: every array in `GPT2.blocks` has a
+leading axis of size `n_layer`, and the forward pass runs them with
+`jax.lax.scan`. This keeps compile time independent of depth.
+
+Example:
+    ```python
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    from port.models.gpt2 import GPT2
+
+    config = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768,
+              "n_layer": 12, "n_head": 12}
+    model = GPT2.from_config(config, key=jax.random.key(0))
+    logits = eqx.filter_jit(model)(jnp.zeros((1, 8), dtype=jnp.int32))
+    # logits.shape == (1, 8, 50257)
+
+    # Shapes only, no memory allocated (e.g. before loading a checkpoint):
+    abstract = eqx.filter_eval_shape(GPT2.from_config, config, key=jax.random.key(0))
+    ```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from port._errors import PortError
+
+_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+}
+
+_MISSING = object()
+
+
+def _get(config: dict, key: str, kind: type, default: Any = _MISSING) -> Any:
+    """Read `config[key]`, checking its type; `kind` is `int`, `float` or `bool`."""
+    if key not in config:
+        if default is _MISSING:
+            raise PortError(f"config.json: required key {key!r} is missing")
+        return default
+    value = config[key]
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+    else:
+        ok = (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and value > 0
+        )
+    if not ok:
+        expected = {bool: "a boolean", int: "a positive integer"}.get(
+            kind, "a positive number"
+        )
+        raise PortError(f"config.json: {key!r} must be {expected}, got {value!r}")
+    return kind(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    """The hyperparameters of a GPT-2 model, as read from a Hugging Face config.json."""
+
+    vocab_size: int
+    n_positions: int
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_inner: int
+    layer_norm_epsilon: float
+    activation_function: str
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def from_hf(cls, config: dict) -> GPT2Config:
+        """Build from a Hugging Face `config.json` dict; raises `PortError` if unsupported."""
+        n_embd = _get(config, "n_embd", int)
+        n_head = _get(config, "n_head", int)
+        if n_embd % n_head != 0:
+            raise PortError(
+                f"config.json: 'n_embd' ({n_embd}) must be divisible by "
+                f"'n_head' ({n_head})"
+            )
+        n_inner = config.get("n_inner")
+        n_inner = 4 * n_embd if n_inner is None else _get(config, "n_inner", int)
+        activation = config.get("activation_function", "gelu_new")
+        if activation not in _ACTIVATIONS:
+            raise PortError(
+                f"config.json: 'activation_function' {activation!r} is not supported "
+                f"(supported: {', '.join(sorted(_ACTIVATIONS))})"
+            )
+        if _get(config, "add_cross_attention", bool, False):
+            raise PortError(
+                "config.json: 'add_cross_attention' is true; "
+                "cross-attention GPT-2 is not supported"
+            )
+        # `reorder_and_upcast_attn` only changes where the softmax is upcast; we
+        # always compute the softmax in float32, so it needs no handling.
+        _get(config, "reorder_and_upcast_attn", bool, False)
+        return cls(
+            vocab_size=_get(config, "vocab_size", int),
+            n_positions=_get(config, "n_positions", int),
+            n_embd=n_embd,
+            n_layer=_get(config, "n_layer", int),
+            n_head=n_head,
+            n_inner=n_inner,
+            layer_norm_epsilon=_get(config, "layer_norm_epsilon", float, 1e-5),
+            activation_function=activation,
+            scale_attn_weights=_get(config, "scale_attn_weights", bool, True),
+            scale_attn_by_inverse_layer_idx=_get(
+                config, "scale_attn_by_inverse_layer_idx", bool, False
+            ),
+        )
+
+
+def _normal(key: PRNGKeyArray, shape: tuple[int, ...], dtype: Any) -> Array:
+    return 0.02 * jax.random.normal(key, shape, dtype)
+
+
+def _linear(
+    in_features: int, out_features: int, dtype: Any, *, key: PRNGKeyArray
+) -> eqx.nn.Linear:
+    """An `eqx.nn.Linear` with GPT-2's init: weights N(0, 0.02), zero bias."""
+    linear = eqx.nn.Linear(in_features, out_features, dtype=dtype, key=key)
+    weight = _normal(jax.random.fold_in(key, 1), (out_features, in_features), dtype)
+    bias = jnp.zeros((out_features,), dtype)
+    return eqx.tree_at(lambda l: (l.weight, l.bias), linear, (weight, bias))
+
+
+class Attention(eqx.Module):
+    """Causal multi-head self-attention with per-head projection weights."""
+
+    wq: Float[Array, "head head_dim embd"]
+    wk: Float[Array, "head head_dim embd"]
+    wv: Float[Array, "head head_dim embd"]
+    bq: Float[Array, "head head_dim"]
+    bk: Float[Array, "head head_dim"]
+    bv: Float[Array, "head head_dim"]
+    wo: Float[Array, "embd head head_dim"]
+    bo: Float[Array, " embd"]
+    scale_attn_weights: bool = eqx.field(static=True)
+    scale_attn_by_inverse_layer_idx: bool = eqx.field(static=True)
+
+    def __init__(self, config: GPT2Config, dtype: Any, *, key: PRNGKeyArray):
+        h, d, e = config.n_head, config.head_dim, config.n_embd
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.wq = _normal(kq, (h, d, e), dtype)
+        self.wk = _normal(kk, (h, d, e), dtype)
+        self.wv = _normal(kv, (h, d, e), dtype)
+        self.bq = jnp.zeros((h, d), dtype)
+        self.bk = jnp.zeros((h, d), dtype)
+        self.bv = jnp.zeros((h, d), dtype)
+        self.wo = _normal(ko, (e, h, d), dtype)
+        self.bo = jnp.zeros((e,), dtype)
+        self.scale_attn_weights = config.scale_attn_weights
+        self.scale_attn_by_inverse_layer_idx = config.scale_attn_by_inverse_layer_idx
+
+    def __call__(
+        self, x: Float[Array, "seq embd"], layer_idx: Int[Array, ""]
+    ) -> Float[Array, "seq embd"]:
+        q = jnp.einsum("te,hde->thd", x, self.wq) + self.bq
+        k = jnp.einsum("te,hde->thd", x, self.wk) + self.bk
+        v = jnp.einsum("te,hde->thd", x, self.wv) + self.bv
+        scores = jnp.einsum("qhd,khd->hqk", q, k).astype(jnp.float32)
+        if self.scale_attn_weights:
+            scores = scores / math.sqrt(q.shape[-1])
+        if self.scale_attn_by_inverse_layer_idx:
+            scores = scores / (layer_idx + 1).astype(jnp.float32)
+        seq = x.shape[0]
+        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        attn = jnp.einsum("hqk,khd->qhd", weights, v)
+        return jnp.einsum("thd,ehd->te", attn, self.wo) + self.bo
+
+
+class MLP(eqx.Module):
+    """The position-wise feed-forward network."""
+
+    fc: eqx.nn.Linear
+    proj: eqx.nn.Linear
+    activation: str = eqx.field(static=True)
+
+    def __init__(self, config: GPT2Config, dtype: Any, *, key: PRNGKeyArray):
+        kfc, kproj = jax.random.split(key)
+        self.fc = _linear(config.n_embd, config.n_inner, dtype, key=kfc)
+        self.proj = _linear(config.n_inner, config.n_embd, dtype, key=kproj)
+        self.activation = config.activation_function
+
+    def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
+        x = jax.vmap(self.fc)(x)
+        x = _ACTIVATIONS[self.activation](x)
+        return jax.vmap(self.proj)(x)
+
+
+class Block(eqx.Module):
+    """One pre-LayerNorm transformer block."""
+
+    ln_1: eqx.nn.LayerNorm
+    attn: Attention
+    ln_2: eqx.nn.LayerNorm
+    mlp: MLP
+
+    def __init__(self, config: GPT2Config, dtype: Any, *, key: PRNGKeyArray):
+        kattn, kmlp = jax.random.split(key)
+        eps = config.layer_norm_epsilon
+        self.ln_1 = eqx.nn.LayerNorm(config.n_embd, eps=eps, dtype=dtype)
+        self.attn = Attention(config, dtype, key=kattn)
+        self.ln_2 = eqx.nn.LayerNorm(config.n_embd, eps=eps, dtype=dtype)
+        self.mlp = MLP(config, dtype, key=kmlp)
+
+    def __call__(
+        self, x: Float[Array, "seq embd"], layer_idx: Int[Array, ""]
+    ) -> Float[Array, "seq embd"]:
+        x = x + self.attn(jax.vmap(self.ln_1)(x), layer_idx)
+        return x + self.mlp(jax.vmap(self.ln_2)(x))
+
+
+class GPT2(eqx.Module):
+    """GPT-2 language model with a tied LM head. Arrays in `blocks` are stacked over layers."""
+
+    wte: Float[Array, "vocab embd"]
+    wpe: Float[Array, "n_positions embd"]
+    blocks: Block
+    ln_f: eqx.nn.LayerNorm
+    config: GPT2Config = eqx.field(static=True)
+
+    def __init__(
+        self, config: GPT2Config, *, key: PRNGKeyArray, dtype: Any = jnp.float32
+    ):
+        kwte, kwpe, kblocks = jax.random.split(key, 3)
+        self.wte = _normal(kwte, (config.vocab_size, config.n_embd), dtype)
+        self.wpe = _normal(kwpe, (config.n_positions, config.n_embd), dtype)
+        make_block = lambda k: Block(config, dtype, key=k)
+        self.blocks = eqx.filter_vmap(make_block)(
+            jax.random.split(kblocks, config.n_layer)
+        )
+        self.ln_f = eqx.nn.LayerNorm(
+            config.n_embd, eps=config.layer_norm_epsilon, dtype=dtype
+        )
+        self.config = config
+
+    @classmethod
+    def from_config(
+        cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32
+    ) -> GPT2:
+        """Randomly initialise from a Hugging Face `config.json` dict."""
+        return cls(GPT2Config.from_hf(config), key=key, dtype=dtype)
+
+    def __call__(
+        self, input_ids: Int[Array, "batch seq"]
+    ) -> Float[Array, "batch seq vocab"]:
+        return jax.vmap(self._forward)(input_ids)
+
+    def _forward(self, input_ids: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        seq = input_ids.shape[0]
+        x = self.wte[input_ids] + self.wpe[:seq]
+
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def step(x, layer):
+            block_params, layer_idx = layer
+            block = eqx.combine(block_params, static)
+            return block(x, layer_idx), None
+
+        layers = (params, jnp.arange(self.config.n_layer))
+        x, _ = jax.lax.scan(step, x, layers)
+        x = jax.vmap(self.ln_f)(x)
+        return x @ self.wte.T
