@@ -97,10 +97,15 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
             continue
         try:
             dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            shape = tuple(int(d) for d in shape)
-            begin, end = int(begin), int(end)
         except (TypeError, KeyError, ValueError):
             raise PortError(f"{name}: corrupt header: bad entry for tensor '{key}'") from None
+        if not (
+            isinstance(dtype_name, str)
+            and isinstance(shape, list)
+            and all(type(d) is int for d in [*shape, begin, end])
+        ):
+            raise PortError(f"{name}: corrupt header: bad entry for tensor '{key}'")
+        shape = tuple(shape)
         if dtype_name not in DTYPES:
             raise PortError(f"{name}: tensor '{key}' has unsupported dtype {dtype_name}")
         info = TensorInfo(key, path, DTYPES[dtype_name], shape, data_start + begin)
@@ -184,6 +189,10 @@ class Checkpoint:
     def read(self, key: str, region: Region) -> np.ndarray:
         """Read exactly the bytes of `region` of tensor `key` into a new array."""
         info = self.tensors[key]
+        if len(region) != len(info.shape) or any(
+            not 0 <= a <= b <= n for (a, b), n in zip(region, info.shape)
+        ):
+            raise ValueError(f"region {region} is outside tensor '{key}' of shape {info.shape}")
         out = np.empty(tuple(b - a for a, b in region), info.dtype)
         if out.size == 0:
             return out

@@ -70,8 +70,8 @@ class Split:
         n = in_shape[axis]
         if self.sizes is not None:
             sizes = list(self.sizes)
-            if sum(sizes) != n:
-                raise ValueError(f"split sizes {sizes} do not add up to axis {self.axis} of size {n}")
+            if sum(sizes) != n or min(sizes) < 0:
+                raise ValueError(f"split sizes {sizes} are not a partition of axis {self.axis} of size {n}")
         else:
             if not self.parts or n % self.parts:
                 raise ValueError(f"split of axis {self.axis} (size {n}) into {self.parts} equal parts")
@@ -167,7 +167,8 @@ class Reshape:
             if len(src) == 1 and len(dst) == 1:
                 pos += 1
             elif not src:
-                block = np.expand_dims(block, pos)
+                (a, b), = boxes
+                block = np.expand_dims(block, pos)[(slice(None),) * pos + (slice(0, b - a),)]
                 pos += 1
             elif not dst:
                 block = block.squeeze(axis=pos)
@@ -187,7 +188,7 @@ class Reshape:
                 src_sizes = [in_shape[i] for i in src]
                 box = _merge_box(a, b, src_sizes)
                 first = sum(lo * s for (lo, _), s in zip(box, _strides(src_sizes)))
-                flat = block.reshape(block.shape[:pos] + (-1,) + block.shape[pos + len(src) :])
+                flat = block.reshape(block.shape[:pos] + (math.prod(block.shape[pos : pos + len(src)]),) + block.shape[pos + len(src) :])
                 block = flat[(slice(None),) * pos + (slice(a - first, b - first),)]
                 pos += 1
         return block

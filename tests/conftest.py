@@ -1,0 +1,75 @@
+"""Eight simulated CPU devices, and GPT-2 checkpoints written by `transformers`."""
+
+import jax
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+VOCAB = 101  # not divisible by the model axis: exercises replication
+
+
+def gpt2_config(**overrides):
+    from transformers import GPT2Config
+
+    # Large init so a wrong epsilon, GELU or layout shows far above the tolerance.
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4,
+        bos_token_id=0, eos_token_id=0, initializer_range=0.2, **overrides,
+    )
+    config._attn_implementation = "eager"
+    return config
+
+
+def torch_gpt2(seed=0, **overrides):
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(gpt2_config(**overrides)).eval()
+    with torch.no_grad():  # non-trivial norms and biases
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or ".ln_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+INPUT_IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+
+
+def torch_logits(model, ids=INPUT_IDS):
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.float().numpy()
+
+
+@pytest.fixture(scope="session")
+def gpt2_checkpoints(tmp_path_factory):
+    """Three layouts of one GPT-2, and its PyTorch logits.
+
+    - `lm`: GPT2LMHeadModel.save_pretrained (keys with `transformer.`, no lm_head: tied)
+    - `base`: GPT2Model.save_pretrained (no prefix)
+    - `sharded`: GPT2LMHeadModel saved in many files with an index
+    """
+    model = torch_gpt2()
+    root = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(root / "lm")
+    model.transformer.save_pretrained(root / "base")
+    model.save_pretrained(root / "sharded", max_shard_size="20KB")
+    assert (root / "sharded" / "model.safetensors.index.json").exists()
+    return {name: root / name for name in ("lm", "base", "sharded")}, torch_logits(model)
+
+
+def write_checkpoint(directory: Path, tensors: dict, config: dict) -> Path:
+    """A safetensors checkpoint of NumPy arrays, for hand-made (and broken) inputs."""
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, directory / "model.safetensors")
+    return directory
