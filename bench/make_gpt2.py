@@ -1,0 +1,52 @@
+"""Write GPT-2 checkpoints of the real sizes with random weights (no download).
+
+    python bench/make_gpt2.py small /tmp/gpt2-small [--dtype bfloat16]
+
+Sizes: small (124M), medium (355M), large (774M). The layout is what
+`GPT2LMHeadModel.save_pretrained` writes: `transformer.` keys, tied head absent.
+"""
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+SIZES = {
+    "small": dict(n_embd=768, n_layer=12, n_head=12),
+    "medium": dict(n_embd=1024, n_layer=24, n_head=16),
+    "large": dict(n_embd=1280, n_layer=36, n_head=20),
+}
+
+_spec = importlib.util.spec_from_file_location(
+    "make_tiny_gpt2", Path(__file__).parents[1] / "examples" / "make_tiny_gpt2.py"
+)
+_tiny = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_tiny)
+
+
+def config(size: str) -> dict:
+    return {**_tiny.CONFIG, "vocab_size": 50257, "n_positions": 1024, "bos_token_id": 50256,
+            "eos_token_id": 50256, **SIZES[size]}
+
+
+def write(size: str, out: Path, dtype: str = "float32") -> Path:
+    cfg = config(size)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    target = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    tensors = {k: v.astype(target) for k, v in _tiny.tensors(cfg).items()}
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("size", choices=sorted(SIZES))
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args()
+    write(args.size, args.out, args.dtype)

@@ -1,0 +1,141 @@
+"""Mapping files: parsing errors, the shipped files in the wheel, and a user's own module."""
+
+import json
+import zipfile
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import port
+from conftest import write_checkpoint
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("model = ", "invalid TOML"),
+        ('model = "x"\n[[params]]\nkey="a"\npath="b"\naxes=[]', "'model' must be"),
+        ('model = "m:C"\nfoo = 1', "unknown key 'foo'"),
+        ('model = "m:C"', r"no \[\[params\]\]"),
+        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"', "'axes' must be"),
+        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{rotate=1}]', "unknown transform"),
+        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{cast="float12"}]', "unknown dtype"),
+        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\n[[params]]\nkey="c"\npath="b"\naxes=[]',
+         "path 'b' is filled by both"),
+    ],
+)
+def test_malformed_mappings(text, message):
+    with pytest.raises(port.PortError, match=message) as info:
+        port.parse_mapping(text, "bad.toml")
+    assert str(info.value).startswith("bad.toml: ") and "\n" not in str(info.value)
+
+
+def test_shipped_mapping_is_found_by_model_type():
+    assert port.mapping_for({"model_type": "gpt2"}).model == "port.models.gpt2:GPT2"
+    with pytest.raises(port.PortError, match="model_type 'bert-ish' has no mapping"):
+        port.mapping_for({"model_type": "bert-ish"})
+
+
+def test_wheel_carries_the_mappings(tmp_path):
+    from hatchling.builders.wheel import WheelBuilder
+
+    (wheel,) = WheelBuilder(str(ROOT)).build(directory=str(tmp_path), versions=["standard"])
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "port/mappings/gpt2.toml" in names
+    assert "port/models/gpt2.py" in names
+
+
+class Tiny(eqx.Module):
+    """A user's own module: nothing port ships knows about it."""
+
+    up: jax.Array
+    down: jax.Array
+    scale: jax.Array
+
+    def __init__(self, hidden: int, inner: int, *, key):
+        self.up = jnp.zeros((inner, hidden))
+        self.down = jnp.zeros((hidden, inner))
+        self.scale = jnp.zeros((2, hidden))
+
+
+MAPPING = """
+model = "unused:Unused"
+prefixes = ["net."]
+ignore = ["*.num_batches_tracked"]
+
+[rules]
+hidden = "data"
+inner = "model"
+layers = []
+
+[[params]]
+key = "fc1.weight"
+path = "up"
+axes = ["inner", "hidden"]
+
+[[params]]
+key = "fc2.weight"
+path = "down"
+transforms = [{ transpose = [1, 0] }, { cast = "float32" }]
+axes = ["hidden", "inner"]
+
+[[params]]
+key = "norms.{layer}.scale"
+path = "scale"
+axes = ["layers", "hidden"]
+"""
+
+
+def test_convert_into_a_users_own_skeleton(tmp_path):
+    rng = np.random.default_rng(0)
+    tensors = {
+        "net.fc1.weight": rng.standard_normal((8, 4)).astype(np.float32),
+        "net.fc2.weight": rng.standard_normal((8, 4)).astype(np.float16),
+        "net.norms.0.scale": rng.standard_normal(4).astype(np.float32),
+        "net.norms.1.scale": rng.standard_normal(4).astype(np.float32),
+        "net.bn.num_batches_tracked": np.array(3, np.int64),
+    }
+    write_checkpoint(tmp_path / "ckpt", tensors, {"model_type": "tiny"})
+    (tmp_path / "tiny.toml").write_text(MAPPING)
+    skeleton = eqx.filter_eval_shape(Tiny, 4, 8, key=jax.random.key(0))
+    model = port.convert(tmp_path / "ckpt", skeleton, tmp_path / "tiny.toml", port.make_mesh("2x2"))
+    np.testing.assert_array_equal(np.asarray(model.up), tensors["net.fc1.weight"])
+    np.testing.assert_array_equal(np.asarray(model.down), tensors["net.fc2.weight"].T.astype(np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(model.scale), np.stack([tensors["net.norms.0.scale"], tensors["net.norms.1.scale"]])
+    )
+    assert model.up.sharding.spec == P("model", "data")
+    assert model.down.sharding.spec == P("data", "model")
+    assert model.scale.sharding.spec == P(None, "data")
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda m: m.replace('path = "scale"', 'path = "nope"'), "path 'nope' is not a leaf"),
+        (lambda m: m.replace('hidden = "data"', 'hidden = "fsdp"'), "mesh axis 'fsdp'"),
+        (lambda m: m.replace('layers = []', ''), "logical axis 'layers' has no rule"),
+        (lambda m: m.replace('{ transpose = [1, 0] }, ', ''), "shape mismatch"),
+        (lambda m: m.replace('key = "fc1.weight"', 'key = "fc9.weight"'), "no key in the checkpoint matches"),
+    ],
+)
+def test_plan_problems_name_their_entry(tmp_path, change, message):
+    tensors = {
+        "fc1.weight": np.zeros((8, 4), np.float32),
+        "fc2.weight": np.zeros((8, 4), np.float32),
+        "norms.0.scale": np.zeros(4, np.float32),
+        "norms.1.scale": np.zeros(4, np.float32),
+    }
+    write_checkpoint(tmp_path / "ckpt", tensors, {"model_type": "tiny"})
+    mapping = port.parse_mapping(change(MAPPING), "tiny.toml")
+    skeleton = eqx.filter_eval_shape(Tiny, 4, 8, key=jax.random.key(0))
+    with port.open_checkpoint(tmp_path / "ckpt") as ckpt, pytest.raises(port.PortError, match=message) as info:
+        port.plan(skeleton, mapping, ckpt.tensors, ckpt.config, {"data": 2, "model": 2})
+    assert str(info.value).startswith("tiny.toml: ")

@@ -1,0 +1,53 @@
+"""`port.save` / `port restore`: an Orbax output loads onto any mesh with the same logits."""
+
+import equinox as eqx
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import port
+from conftest import INPUT_IDS
+
+
+@eqx.filter_jit
+def logits(model, ids):
+    return model(ids)
+
+
+@pytest.fixture(scope="module")
+def saved(gpt2_checkpoints, tmp_path_factory):
+    directories, expected = gpt2_checkpoints
+    out = tmp_path_factory.mktemp("out") / "gpt2"
+    with port.open_checkpoint(directories["sharded"]) as ckpt:
+        mapping = port.mapping_for(ckpt.config)
+        model = port.load(directories["sharded"], mesh=port.make_mesh("4x2"))
+        port.save(model, out, mapping, ckpt.config)
+    return out, np.asarray(logits(model, INPUT_IDS)), expected
+
+
+@pytest.mark.parametrize("mesh_spec", ["2x4", "1x1", "8x1"])
+def test_restore_on_another_mesh(saved, mesh_spec):
+    out, written_logits, expected = saved
+    mesh = port.make_mesh(mesh_spec)
+    model = port.restore(out, mesh)
+    ours = np.asarray(logits(model, INPUT_IDS))
+    assert np.abs(ours - written_logits).max() < 1e-5
+    assert np.abs(ours - expected).max() < 1e-4
+    assert model.blocks.attn.wq.sharding.mesh.shape == mesh.shape
+    spec = {"2x4": P(None, "model", None, "data"), "1x1": P(None, "model", None, "data"),
+            "8x1": P(None, "model", None, "data")}[mesh_spec]
+    assert model.blocks.attn.wq.sharding.spec == spec
+    # vocab 101 is divisible by model=1 but not by model=4
+    assert model.wte.sharding.spec == (P(None, "data") if mesh_spec == "2x4" else P("model", "data"))
+
+
+def test_save_refuses_an_existing_directory(saved):
+    out, _, _ = saved
+    model = port.restore(out, port.make_mesh("1x1"))
+    with pytest.raises(port.PortError, match="already exists"):
+        port.save(model, out, port.mapping_for({"model_type": "gpt2"}), {"model_type": "gpt2"})
+
+
+def test_restore_of_something_else(tmp_path):
+    with pytest.raises(port.PortError, match="not a port output"):
+        port.restore(tmp_path, port.make_mesh("1x1"))
