@@ -131,12 +131,12 @@ def convert(
         from ._plan import plan
         from ._save import save
 
-        device_mesh = make_mesh(mesh)
-        if simulated and jax.default_backend() == "cpu":
-            _say(f"no accelerator: simulating {device_mesh.size} CPU devices for --mesh {mesh}")
         ckpt, mapping_, skel = _open(model, mapping)
         with ckpt:
-            recipe = plan(skel, mapping_, ckpt.tensors, ckpt.config, device_mesh.shape, target)
+            recipe = plan(skel, mapping_, ckpt.tensors, ckpt.config, shape, target)
+            device_mesh = make_mesh(mesh)
+            if simulated and jax.default_backend() == "cpu":
+                _say(f"no accelerator: simulating {device_mesh.size} CPU devices for --mesh {mesh}")
             bar = _progress(progress, len(recipe.leaves), recipe.read_bytes)
 
             placed = 0

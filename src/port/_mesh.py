@@ -34,15 +34,22 @@ def mesh_shape(spec: str) -> dict[str, int]:
     return dict(zip(AXES, sizes[:2]))
 
 
+def _user_count() -> str | None:
+    """The environment variable through which the user set the CPU device count, if any."""
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return "XLA_FLAGS"
+    if os.environ.get("JAX_NUM_CPU_DEVICES"):
+        return "JAX_NUM_CPU_DEVICES"
+    return None
+
+
 def simulate_devices(count: int) -> bool:
     """Ask JAX for `count` host CPU devices if it has not started; True when it applied.
 
     Only the CPU platform is affected; an accelerator backend keeps its devices. A
     device count the user set (`XLA_FLAGS`, `JAX_NUM_CPU_DEVICES`) is kept.
     """
-    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return False
-    if os.environ.get("JAX_NUM_CPU_DEVICES"):
+    if _user_count():
         return False
     if jax.config.jax_num_cpu_devices >= count:
         return False
@@ -63,12 +70,15 @@ def make_mesh(spec: str | dict[str, int], devices: list | None = None) -> Mesh:
         devices = jax.devices()
     if len(devices) < needed:
         platform = devices[0].platform if devices else "no"
-        hint = (
-            " (JAX started before port could add CPU devices: call port.make_mesh first, or set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={needed})"
-            if platform == "cpu"
-            else " (JAX_PLATFORMS=cpu simulates them on the host)"
-        )
+        if platform != "cpu":
+            hint = " (JAX_PLATFORMS=cpu simulates them on the host)"
+        elif _user_count():
+            hint = f" (the CPU device count is set by {_user_count()})"
+        else:
+            hint = (
+                " (JAX started before port could add CPU devices: call port.make_mesh first, or set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={needed})"
+            )
         raise PortError(f"--mesh {label} needs {needed} devices but JAX has {len(devices)} {platform}{hint}")
     grid = np.array(devices[:needed]).reshape(tuple(shape.values()))
     return Mesh(grid, tuple(shape))

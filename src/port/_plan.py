@@ -292,11 +292,12 @@ def _leaf(
         return None
     shape = ((len(keys),) if param.stacked else ()) + chain.shape
     if shape != tuple(target.shape):
-        via = f" through {chain}" if transforms else ""
-        problems.append(
-            f"{where}: shape mismatch: '{first.key}' {list(first.shape)}{via} gives "
-            f"{list(shape)} but '{param.path}' is {list(target.shape)}"
-        )
+        source = f"'{first.key}' is {list(first.shape)}"
+        if param.stacked:
+            source = f"{len(keys)} layers of {source}"
+        if transforms:
+            source += f", through {chain} gives {list(shape)},"
+        problems.append(f"{where}: shape mismatch: {source} but '{param.path}' is {list(target.shape)}")
         return None
     if len(param.axes) != len(shape):
         problems.append(f"{where}: {len(param.axes)} axes for a {len(shape)}-d leaf '{param.path}'")

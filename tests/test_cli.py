@@ -1,0 +1,252 @@
+"""The `port` command line, run as a user runs it: `python -m port` in a subprocess.
+
+Bad input must end with one line on stderr (`port: error: ...`) naming the file,
+key or flag and the problem, a non-zero status, no traceback, and no output
+directory (nor the hidden temporary sibling the converter writes first).
+"""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import torch_gpt2, write_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "tiny-gpt2"
+GPT2_MAPPING = REPO / "mappings" / "gpt2.toml"
+
+def _make_tiny():
+    spec = importlib.util.spec_from_file_location("make_tiny_gpt2", REPO / "examples" / "make_tiny_gpt2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TINY = _make_tiny()
+
+
+def run_cli(*args, env=None, cwd=None):
+    """`python -m port ARGS`, without device settings inherited from this process, offline."""
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PORT_DEBUG")}
+    base |= {"HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "port", *map(str, args)],
+        capture_output=True, text=True, env=base | (env or {}), cwd=cwd, timeout=120,
+    )
+
+
+def assert_one_line_error(result, *substrings, out=None):
+    """Failed, one `port: error:` line naming `substrings`, no traceback, nothing left at `out`."""
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "Traceback" not in output, output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, output
+    assert lines[0].startswith("port: error:"), output
+    for s in substrings:
+        assert s in lines[0], f"{s!r} not in {lines[0]!r}"
+    if out is not None:
+        assert not out.exists()
+        assert not [p.name for p in out.parent.iterdir() if p.name.startswith("." + out.name)]
+
+
+def safetensors_header(path):
+    """(header length, header dict) of a safetensors file, parsed here independently of port."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return n, json.loads(f.read(n))
+
+
+def tensor_bytes(path):
+    _, header = safetensors_header(path)
+    return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """make(**changes): a valid tiny GPT-2 checkpoint, with tensors/config changed as asked."""
+
+    def make(drop=(), add=None, config=None):
+        tensors = {k: v for k, v in TINY.tensors(TINY.CONFIG).items() if k not in drop} | (add or {})
+        return write_checkpoint(tmp_path / "model", tensors, TINY.CONFIG | (config or {}))
+
+    return make
+
+
+def convert_fails(model, tmp_path, *substrings, extra=(), env=None):
+    out = tmp_path / "out"
+    result = run_cli("convert", model, "--mesh", "4x2", "--out", out, *extra, env=env)
+    assert_one_line_error(result, *substrings, out=out)
+    return result
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_missing_tensor(tiny, tmp_path):
+    model = tiny(drop={"transformer.h.1.mlp.c_fc.weight"})
+    convert_fails(model, tmp_path, "h.1.mlp.c_fc.weight", "missing")
+
+
+def test_extra_tensor(tiny, tmp_path):
+    import numpy as np
+
+    model = tiny(add={"transformer.h.0.attn.extra.weight": np.zeros((2, 2), np.float32)})
+    convert_fails(model, tmp_path, "transformer.h.0.attn.extra.weight", "not used")
+
+
+def test_shape_mismatch(tiny, tmp_path):
+    import numpy as np
+
+    wpe = np.zeros((TINY.CONFIG["n_positions"] + 1, TINY.CONFIG["n_embd"]), np.float32)
+    model = tiny(add={"transformer.wpe.weight": wpe})
+    convert_fails(model, tmp_path, "shape mismatch", "transformer.wpe.weight", "[65, 64]")
+
+
+def test_truncated_safetensors(tiny, tmp_path):
+    model = tiny()
+    path = model / "model.safetensors"
+    os.truncate(path, path.stat().st_size - 100)
+    convert_fails(model, tmp_path, "model.safetensors", "truncated")
+
+
+def test_corrupt_header(tiny, tmp_path):
+    model = tiny()
+    with open(model / "model.safetensors", "r+b") as f:
+        f.seek(8)
+        f.write(b"not json")
+    convert_fails(model, tmp_path, "model.safetensors", "corrupt header")
+
+
+def test_unknown_model_type(tiny, tmp_path):
+    model = tiny(config={"model_type": "not-a-model"})
+    convert_fails(model, tmp_path, "model_type", "not-a-model")
+
+
+def test_invalid_toml_mapping(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('model = "port.models.gpt2:GPT2"\n[[params]\nkey = \n')
+    convert_fails(EXAMPLE, tmp_path, "bad.toml", "invalid TOML", extra=("--mapping", bad))
+
+
+def test_unknown_transform_in_mapping(tmp_path):
+    text = GPT2_MAPPING.read_text()
+    old = '{ transpose = [1, 0] }, { reshape = ["n_embd", "n_head", -1] }'
+    assert old in text
+    bad = tmp_path / "rotating.toml"
+    bad.write_text(text.replace(old, "{ rotate = 1 }"))
+    convert_fails(EXAMPLE, tmp_path, "rotating.toml", "rotate", "unknown transform", extra=("--mapping", bad))
+
+
+def test_mesh_needs_more_devices(tmp_path):
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    convert_fails(EXAMPLE, tmp_path, "--mesh 4x2", "needs 8 devices", env=env)
+
+
+def test_malformed_mesh(tmp_path):
+    out = tmp_path / "out"
+    result = run_cli("convert", EXAMPLE, "--mesh", "4xq", "--out", out)
+    assert_one_line_error(result, "--mesh", "4xq", out=out)
+
+
+def test_no_such_directory(tmp_path):
+    convert_fails("/nonexistent/dir", tmp_path, "/nonexistent/dir", "no such directory")
+
+
+def test_repo_id_not_cached_offline(tmp_path):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
+    convert_fails("nobody/no-such-model", tmp_path, "nobody/no-such-model", "Hugging Face cache", env=env)
+
+
+def test_out_exists_without_force(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run_cli("convert", EXAMPLE, "--mesh", "4x2", "--out", out)
+    assert_one_line_error(result, str(out), "already exists", "--force")
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert (out / "keep.txt").read_text() == "mine"
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+# ---------------------------------------------------------------- success
+
+
+def test_convert_report_and_force(gpt2_checkpoints, tmp_path):
+    model = gpt2_checkpoints[0]["lm"]
+    out, report = tmp_path / "out", tmp_path / "R.json"
+    result = run_cli("convert", model, "--mesh", "4x2", "--out", out, "--report", report)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "simulating 8 CPU devices" in result.stderr
+    summary = [line for line in result.stderr.splitlines() if "peak host memory" in line]
+    assert len(summary) == 1 and "params" in summary[0], result.stderr
+    assert (out / "port.json").is_file() and (out / "params").is_dir()
+
+    data = json.loads(report.read_text())
+    assert {"seconds", "bytes_read", "params", "device_bytes", "peak_host_bytes"} <= set(data)
+    assert sum(p.numel() for p in torch_gpt2().transformer.parameters()) == data["params"]
+    # Every tensor of the checkpoint is read exactly once on this mesh.
+    assert data["bytes_read"] == sum(tensor_bytes(model / "model.safetensors").values())
+    assert len(data["device_bytes"]) == 8
+    assert all(0 < b <= 4 * data["params"] for b in data["device_bytes"].values())
+    assert sum(data["device_bytes"].values()) >= 4 * data["params"]  # float32, at least once each
+    assert 0 < data["seconds"] < 120
+    assert data["peak_host_bytes"] > 0
+
+    (out / "stale.txt").write_text("from before")
+    again = run_cli("convert", model, "--mesh", "4x2", "--out", out, "--force")
+    assert again.returncode == 0, again.stderr
+    assert (out / "port.json").is_file() and not (out / "stale.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["R.json", "out"]
+
+
+def test_plan_reads_no_tensor_data(gpt2_checkpoints, tmp_path):
+    model = shutil.copytree(gpt2_checkpoints[0]["lm"], tmp_path / "garbage")
+    path = model / "model.safetensors"
+    n, header = safetensors_header(path)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:  # same size, same header, every data byte 0xff (NaN in float32)
+        f.seek(8 + n)
+        f.write(b"\xff" * (size - 8 - n))
+    assert path.stat().st_size == size
+
+    result = run_cli("plan", model, "--mesh", "4x2", env={"COLUMNS": "400"})
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert "blocks.attn.wq" in result.stdout
+    assert "vocab 101 not divisible by model=2: replicated on model" in result.stdout
+    if "lm_head.weight" in header:
+        assert "tied: lm_head.weight" in result.stdout
+    else:  # transformers does not save a tied lm_head
+        assert "tied:" not in result.stdout
+
+
+def test_readme_quickstart(tmp_path):
+    out = tmp_path / "tiny-gpt2-jax"
+    result = run_cli("convert", "examples/tiny-gpt2", "--mesh", "4x2", "--out", out, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert (out / "port.json").is_file() and (out / "params").is_dir()
+
+
+def test_plan_reads_no_tensor_data(gpt2_checkpoints, monkeypatch):
+    """Tensor bytes are only ever read through os.preadv; `port plan` must never call it."""
+    from typer.testing import CliRunner
+
+    import port._cli
+    import port._source
+
+    def no_reads(*args):
+        raise AssertionError("port plan read tensor data")
+
+    monkeypatch.setattr(port._source.os, "preadv", no_reads)
+    directories, _ = gpt2_checkpoints
+    result = CliRunner().invoke(port._cli.app, ["plan", str(directories["sharded"]), "--mesh", "4x2"])
+    assert result.exit_code == 0, result.output
+    assert "blocks.attn.wq" in result.output
