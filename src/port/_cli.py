@@ -213,10 +213,95 @@ def plan_command(
         console.print(f"ignored: {key}")
     for key, copy_of in recipe.tied:
         console.print(f"tied: {key} = {copy_of}, not read")
+    for path in recipe.empty:
+        console.print(f"absent: {path} (optional, not in the checkpoint: None)")
     console.print(
         f"{_count(recipe.params)} params in {len(recipe.leaves)} leaves; "
         f"{_size(recipe.read_bytes)} to read, {_size(recipe.device_bytes)} per device"
     )
+
+
+@app.command()
+def check(
+    mapping: Annotated[Path, typer.Argument(help="The mapping file to check.")],
+    model: Model,
+    mesh: MeshOpt = "1x1",
+) -> None:
+    """Check a mapping against a checkpoint and its model, reading no tensor data."""
+    from ._mapping import load_mapping
+    from ._mesh import mesh_shape
+    from ._plan import Plan, plan_problems
+    from ._skeleton import skeleton
+    from ._source import open_checkpoint
+
+    shape = mesh_shape(mesh)
+    parsed = load_mapping(mapping)
+    with open_checkpoint(model) as ckpt:
+        result = plan_problems(skeleton(parsed, ckpt.config), parsed, ckpt.tensors, ckpt.config, shape)
+    if isinstance(result, Plan):
+        print(
+            f"{mapping}: ok: {len(result.leaves)} leaves from {model} ({_count(result.params)} params), "
+            f"{len(result.ignored)} keys ignored, {len(result.tied)} tied, {len(result.empty)} optional absent"
+        )
+        return
+    for problem in result:
+        print(problem)
+    raise PortError(f"{mapping}: {len(result)} problem{'s' if len(result) > 1 else ''} with {model}")
+
+
+@app.command()
+def verify(
+    model: Model,
+    mesh: MeshOpt = "1x1",
+    dtype: DtypeOpt = None,
+    mapping: MappingOpt = None,
+    tolerance: Annotated[
+        Optional[float],
+        typer.Option(help="Largest allowed difference (default 1e-4, or 2e-2 for 16-bit, x max(1, max |reference|))."),
+    ] = None,
+) -> None:
+    """Convert MODEL, run it and the PyTorch reference on the same inputs, compare."""
+    from ._mesh import make_mesh, mesh_shape, simulate_devices
+    from ._verify import _torch, verify as run_verify
+
+    shape = mesh_shape(mesh)
+    _torch()
+    simulate_devices(shape["data"] * shape["model"])
+    result = run_verify(model, make_mesh(mesh), mapping, _dtype_name(dtype))
+    bound = result.tolerance if tolerance is None else tolerance
+    verdict = "ok" if result.max_abs_diff <= bound else "FAILED"
+    print(
+        f"{model}: max abs difference {result.max_abs_diff:.3g} vs {result.reference} "
+        f"({result.dtype} {list(result.shape)}, max |reference| {result.max_abs_reference:.3g}) "
+        f"on mesh {mesh}: {verdict} (tolerance {bound:.3g})"
+    )
+    if verdict != "ok":
+        raise typer.Exit(1)
+
+
+@app.command()
+def scaffold(
+    model: Model,
+    module: Annotated[str, typer.Option("--module", help="Your Equinox module, package.module:Class.")],
+    out: Annotated[Optional[Path], typer.Option("--out", help="Write the draft here (default: stdout).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Write a draft mapping file pairing MODEL's keys with your module's leaves."""
+    from ._mapping import import_object
+    from ._scaffold import scaffold as draft
+    from ._skeleton import skeleton
+    from ._source import open_checkpoint
+
+    if out is not None and out.exists() and not force:
+        raise PortError(f"--out {out}: already exists (use --force to replace it)")
+    cls = import_object(module, "--module")
+    with open_checkpoint(model) as ckpt:
+        text = draft(ckpt, skeleton(cls, ckpt.config), module)
+    if out is None:
+        print(text, end="")
+    else:
+        out.write_text(text)
+        _say(f"wrote {out}: review the entries marked CHECK and TODO, then run port check {out} {model}")
 
 
 def main() -> None:

@@ -6,6 +6,8 @@ model_types = ["gpt2"]                    # config.json model_type values it ser
 prefixes = ["transformer."]               # optional key prefixes, stripped when present
 ignore = ["h.*.attn.bias"]                # buffers, never read
 tied = { "lm_head.weight" = "wte.weight" }  # may be present; a copy, never read
+aliases = { "LayerNorm.gamma" = "LayerNorm.weight" }  # legacy key endings
+reference = { class = "transformers:GPT2LMHeadModel", output = "logits" }  # for port verify
 
 [rules]                                   # logical axis -> mesh axis (or list of them)
 embed = "data"
@@ -18,6 +20,12 @@ transforms = [{ split = { axis = 1, parts = 3, index = 0 } },
               { transpose = [1, 0] },
               { reshape = ["n_head", -1, "n_embd"] }]   # names are config.json values
 axes = ["layers", "heads", "head_dim", "embed"]
+
+[[params]]
+key = "lm_head.weight"
+path = "lm_head"
+optional = true      # the model may lack the leaf (None: tied head), or the checkpoint the key
+axes = ["vocab", "embed"]
 ```
 
 ```python
@@ -32,6 +40,7 @@ import importlib
 import importlib.resources
 import os
 import re
+import sys
 import tomllib
 from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
@@ -44,8 +53,8 @@ from ._errors import PortError
 from ._transforms import Cast, Reshape, Split, Transform, Transpose
 
 LAYER = "{layer}"
-_TOP = {"model", "model_types", "prefixes", "ignore", "tied", "rules", "params"}
-_PARAM = {"key", "path", "axes", "transforms"}
+_TOP = {"model", "model_types", "prefixes", "ignore", "tied", "aliases", "reference", "rules", "params"}
+_PARAM = {"key", "path", "axes", "transforms", "optional"}
 _DTYPES = {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
 
 
@@ -57,6 +66,7 @@ class Param:
     path: str
     axes: tuple[str | None, ...]
     transforms: tuple[tuple[str, Any], ...]
+    optional: bool = False
 
     @property
     def stacked(self) -> bool:
@@ -84,14 +94,23 @@ class Mapping:
     tied: dict[str, str]
     rules: dict[str, tuple[str, ...]]
     params: tuple[Param, ...]
+    aliases: dict[str, str]
+    reference: dict[str, str]
 
     def model_class(self) -> type:
         """Import the `module:Class` named by `model`."""
-        module, _, name = self.model.partition(":")
-        try:
-            return getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
-            raise PortError(f"{self.source}: model '{self.model}' cannot be imported ({e})") from None
+        return import_object(self.model, f"{self.source}: model")
+
+
+def import_object(spec: str, what: str) -> Any:
+    """Import `package.module:Name`; `what` starts the error message."""
+    module, _, name = spec.partition(":")
+    if os.getcwd() not in sys.path:  # a user's own module beside them, as with `python -m`
+        sys.path.append(os.getcwd())
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise PortError(f"{what} '{spec}' cannot be imported ({e})") from None
 
 
 def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
@@ -117,9 +136,17 @@ def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
             raise fail(f"'{name}' must be a list of strings")
         return tuple(value)
 
-    tied = data.get("tied", {})
-    if not isinstance(tied, dict) or not all(isinstance(v, str) for v in tied.values()):
-        raise fail("'tied' must be a table of key = \"key it copies\"")
+    def table(name: str, shape: str) -> dict[str, str]:
+        value = data.get(name, {})
+        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+            raise fail(f"'{name}' must be a table of {shape}")
+        return dict(value)
+
+    tied = table("tied", 'key = "key it copies"')
+    aliases = table("aliases", '"legacy ending" = "ending"')
+    reference = table("reference", '{ class = "module:Class", output = "attribute" }')
+    if reference and set(reference) != {"class", "output"}:
+        raise fail("'reference' needs exactly 'class' (module:Class) and 'output' (an attribute)")
     rules = {}
     for axis, mesh_axes in data.get("rules", {}).items():
         if isinstance(mesh_axes, str):
@@ -138,7 +165,7 @@ def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
         seen[p.path] = p.key
     return Mapping(
         source, text, model, strings("model_types"), strings("prefixes"), strings("ignore"),
-        dict(tied), rules, parsed,
+        tied, rules, parsed, aliases, reference,
     )
 
 
@@ -155,6 +182,8 @@ def _param(entry: Any, i: int, fail) -> Param:
     axes = entry.get("axes")
     if not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
         raise fail(f"{where}: 'axes' must be a list of logical axis names, one per target dimension")
+    if not isinstance(entry.get("optional", False), bool):
+        raise fail(f"{where}: 'optional' must be true or false")
     transforms = []
     for t in entry.get("transforms", []):
         if not isinstance(t, dict) or len(t) != 1:
@@ -162,7 +191,10 @@ def _param(entry: Any, i: int, fail) -> Param:
         ((op, arg),) = t.items()
         _check_transform(op, arg, f"{where}: {op}", fail)
         transforms.append((op, arg))
-    return Param(entry["key"], entry["path"], tuple(a or None for a in axes), tuple(transforms))
+    return Param(
+        entry["key"], entry["path"], tuple(a or None for a in axes), tuple(transforms),
+        entry.get("optional", False),
+    )
 
 
 def _check_transform(op: str, arg: Any, where: str, fail) -> None:

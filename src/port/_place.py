@@ -54,9 +54,12 @@ def place(
     checkpoint: Checkpoint,
     mesh: Mesh,
     progress: Callable[[LeafPlan], None] | None = None,
-) -> dict[str, jax.Array]:
-    """Every leaf of `plan`, one at a time; `progress` is called after each."""
-    arrays = {}
+) -> dict[str, jax.Array | None]:
+    """Every leaf of `plan`, one at a time; `progress` is called after each.
+
+    Optional leaves the checkpoint lacks (`plan.empty`) are None.
+    """
+    arrays: dict[str, jax.Array | None] = dict.fromkeys(plan.empty)
     for leaf in plan.leaves:
         arrays[leaf.path] = place_leaf(leaf, checkpoint, mesh)
         if progress is not None:

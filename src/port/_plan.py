@@ -79,6 +79,7 @@ class Plan:
     mesh_shape: dict[str, int]
     ignored: tuple[str, ...]
     tied: tuple[tuple[str, str], ...]
+    empty: tuple[str, ...] = ()  # optional leaves the checkpoint lacks: set to None
 
     @property
     def params(self) -> int:
@@ -184,42 +185,93 @@ def plan_problems(
     problems: list[str] = []
     mesh_shape = dict(mesh_shape)
     target_dtype = dtype_named(dtype) if isinstance(dtype, str) else dtype
-    for axis, names in mapping.rules.items():
-        for name in names:
+    for axis, mesh_axes in mapping.rules.items():
+        for name in mesh_axes:
             if name not in mesh_shape:
                 problems.append(
                     f"{mapping.source}: rules.{axis} names mesh axis '{name}', which the mesh "
                     f"({', '.join(mesh_shape)}) does not have"
                 )
     stripped = _strip(mapping, tensors, problems)
+    names = config_names(skeleton, config)
     targets = {p: leaf for p, leaf in skeleton_leaves(skeleton).items() if hasattr(leaf, "shape")}
-    used: set[str] = set()
-    leaf_plans = []
+    claimed: set[str] = set()  # keys of every entry whose leaf exists, planned or not
+    leaf_plans, empty = [], []
     for param in mapping.params:
-        leaf = _leaf(param, mapping, stripped, tensors, targets, config, mesh_shape, target_dtype, problems)
+        where = f"{mapping.source}: entry '{param.key}'"
+        if param.path not in targets:
+            if not _is_none(skeleton, param.path):
+                problems.append(f"{where}: path '{param.path}' is not a leaf of {mapping.model}")
+            elif not param.optional:
+                problems.append(
+                    f"{where}: '{param.path}' is None in {mapping.model} built from this config.json "
+                    "(mark the entry optional if the model may lack it)"
+                )
+            continue  # an optional leaf the model lacks: its keys must be tied or ignored
+        matches = {}
+        pattern = param.pattern()
+        for name, key in stripped.items():
+            if m := pattern.match(name):
+                matches[int(m.group(1)) if param.stacked else 0] = key
+        claimed.update(matches.values())
+        if not matches and param.optional:
+            empty.append(param.path)
+            continue
+        target = targets[param.path]
+        leaf = _leaf(param, where, matches, tensors, target, names, mapping.rules, mesh_shape, target_dtype, problems)
         if leaf is not None:
             leaf_plans.append(leaf)
-            used.update(leaf.keys)
     filled = {p.path for p in mapping.params}
     for path in targets:
         if path not in filled:
             problems.append(f"{mapping.source}: leaf '{path}' of {mapping.model} has no mapping entry")
     ignored, tied = [], []
     for name, key in stripped.items():
-        if key in used:
+        if key in claimed:
             continue
         if any(fnmatch.fnmatchcase(name, pattern) for pattern in mapping.ignore):
             ignored.append(key)
         elif name in mapping.tied:
             tied.append((key, mapping.tied[name]))
-        elif not any(param.pattern().match(name) for param in mapping.params):
+        else:
             problems.append(
                 f"{tensors[key].file.name}: tensor '{key}' is not used by the mapping "
                 f"{mapping.source} (map it, or add it to ignore)"
             )
     if problems:
         return problems
-    return Plan(tuple(leaf_plans), mesh_shape, tuple(ignored), tuple(tied))
+    return Plan(tuple(leaf_plans), mesh_shape, tuple(ignored), tuple(tied), tuple(empty))
+
+
+def config_names(skeleton: Any, config: AnyMapping[str, Any]) -> dict[str, Any]:
+    """Values a mapping may name: config.json, completed by the model's own config dataclass.
+
+    A model normalises its config (`num_key_value_heads` defaults to the head count,
+    `head_dim` to embed / heads); where config.json omits a value or leaves it null,
+    the model's value is used.
+    """
+    names = dict(config)
+    model_config = getattr(skeleton, "config", None)
+    if dataclasses.is_dataclass(model_config):
+        for field in dataclasses.fields(model_config):
+            if names.get(field.name) is None:
+                names[field.name] = getattr(model_config, field.name)
+    return names
+
+
+def _is_none(module: Any, path: str) -> bool:
+    """Whether `path` names an attribute of `module` that is None (an absent optional leaf)."""
+    node = module
+    for part in path.split("."):
+        if part.isdigit() and isinstance(node, (list, tuple)):
+            if int(part) >= len(node):
+                return False
+            node = node[int(part)]
+        elif hasattr(node, part):
+            node = getattr(node, part)
+        else:
+            return False
+    return node is None
 
 
 def _strip(mapping: Mapping, tensors: AnyMapping[str, TensorInfo], problems: list[str]) -> dict[str, str]:
@@ -227,6 +279,10 @@ def _strip(mapping: Mapping, tensors: AnyMapping[str, TensorInfo], problems: lis
     stripped: dict[str, str] = {}
     for key in tensors:
         name = next((key[len(p) :] for p in mapping.prefixes if key.startswith(p)), key)
+        for legacy, modern in mapping.aliases.items():
+            if name.endswith(legacy):
+                name = name[: -len(legacy)] + modern
+                break
         if name in stripped:
             problems.append(f"{tensors[key].file.name}: both '{stripped[name]}' and '{key}' are present")
         stripped[name] = key
@@ -235,26 +291,16 @@ def _strip(mapping: Mapping, tensors: AnyMapping[str, TensorInfo], problems: lis
 
 def _leaf(
     param: Param,
-    mapping: Mapping,
-    stripped: dict[str, str],
+    where: str,
+    matches: dict[int, str],
     tensors: AnyMapping[str, TensorInfo],
-    targets: dict[str, Any],
-    config: AnyMapping[str, Any],
+    target: Any,
+    names: AnyMapping[str, Any],
+    rules: AnyMapping[str, tuple[str, ...]],
     mesh_shape: dict[str, int],
     target_dtype: np.dtype | None,
     problems: list[str],
 ) -> LeafPlan | None:
-    where = f"{mapping.source}: entry '{param.key}'"
-    if param.path not in targets:
-        problems.append(f"{where}: path '{param.path}' is not a leaf of {mapping.model}")
-        return None
-    target = targets[param.path]
-    pattern = param.pattern()
-    matches = {}
-    for name, key in stripped.items():
-        m = pattern.match(name)
-        if m:
-            matches[int(m.group(1)) if param.stacked else 0] = key
     if not matches:
         problems.append(f"{where}: missing tensor: no key in the checkpoint matches")
         return None
@@ -282,7 +328,7 @@ def _leaf(
             )
             return None
     try:
-        transforms = param.build(config)
+        transforms = param.build(names)
         chain = Chain.build(transforms, first.shape)
     except PortError as e:
         problems.append(str(e))
@@ -303,7 +349,7 @@ def _leaf(
         problems.append(f"{where}: {len(param.axes)} axes for a {len(shape)}-d leaf '{param.path}'")
         return None
     for axis in param.axes:
-        if axis is not None and axis not in mapping.rules:
+        if axis is not None and axis not in rules:
             problems.append(f"{where}: logical axis '{axis}' has no rule in [rules]")
             return None
     current = first.dtype
@@ -323,7 +369,7 @@ def _leaf(
         out_dtype = np.dtype(target_dtype)
     if out_dtype != current:
         chain = Chain.build([*transforms, Cast(out_dtype)], first.shape)
-    spec, notes = partition(shape, param.axes, mapping.rules, mesh_shape)
+    spec, notes = partition(shape, param.axes, rules, mesh_shape)
     leaf = LeafPlan(
         param.path, param.key, keys, param.stacked, chain, shape, out_dtype, first.dtype,
         param.axes, spec, notes, 0, 0,

@@ -123,5 +123,7 @@ def restore(directory: str | os.PathLike, mesh: Mesh) -> Any:
         targets[path] = jax.ShapeDtypeStruct(
             shape, dtype_named(info["dtype"]), sharding=NamedSharding(mesh, spec)
         )
-    restored = ocp.StandardCheckpointer().restore(directory / "params", _nest(targets))
-    return fill(skeleton(mapping, meta["config"]), _flatten(restored))
+    restored = _flatten(ocp.StandardCheckpointer().restore(directory / "params", _nest(targets)))
+    skel = skeleton(mapping, meta["config"])
+    absent = {p: None for p, leaf in leaves(skel).items() if hasattr(leaf, "shape") and p not in restored}
+    return fill(skel, restored | absent)

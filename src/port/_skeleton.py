@@ -18,11 +18,11 @@ from ._errors import PortError
 from ._mapping import Mapping
 
 
-def skeleton(mapping: Mapping, config: AnyMapping[str, Any]) -> eqx.Module:
-    """`eqx.filter_eval_shape` of the mapping's model class built from `config`."""
-    cls = mapping.model_class()
+def skeleton(model: Mapping | type, config: AnyMapping[str, Any]) -> eqx.Module:
+    """`eqx.filter_eval_shape` of a model class (or a mapping's) built from `config`."""
+    cls = model.model_class() if isinstance(model, Mapping) else model
     if not hasattr(cls, "from_config"):
-        raise PortError(f"{mapping.source}: model '{mapping.model}' has no from_config(config, *, key)")
+        raise PortError(f"model '{cls.__module__}:{cls.__qualname__}' has no from_config(config, *, key)")
     return eqx.filter_eval_shape(lambda: cls.from_config(dict(config), key=jax.random.key(0)))
 
 

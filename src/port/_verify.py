@@ -1,0 +1,102 @@
+"""Verify: the converted JAX model against the PyTorch reference on the same inputs.
+
+The mapping's `reference` names the `transformers` class (loaded with
+`from_pretrained` from the same checkpoint) and the output attribute to compare.
+
+```python
+result = verify("path/to/checkpoint", port.make_mesh("4x2"))
+result.max_abs_diff, result.shape        # e.g. 4.3e-06, (2, 16, 50257)
+```
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from ._errors import PortError
+from ._mapping import Mapping, import_object, load_mapping, mapping_for
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The largest absolute difference of the outputs, and what was compared."""
+
+    max_abs_diff: float
+    max_abs_reference: float
+    shape: tuple[int, ...]
+    dtype: str
+    reference: str
+
+    @property
+    def tolerance(self) -> float:
+        """Default bound: 1e-4 (float32) or 2e-2 (16-bit) relative to max(1, max |reference|)."""
+        return (1e-4 if self.dtype == "float32" else 2e-2) * max(1.0, self.max_abs_reference)
+
+
+def _torch():
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise PortError("port verify needs PyTorch and transformers: pip install 'port[torch]'") from None
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    return torch
+
+
+def input_ids(config: dict, batch: int = 2, seq: int = 16, seed: int = 0) -> np.ndarray:
+    """Random token ids within the vocabulary and the position range of `config`."""
+    vocab = config.get("vocab_size")
+    if not isinstance(vocab, int):
+        raise PortError("config.json: no integer 'vocab_size' to draw input ids from")
+    positions = config.get("n_positions") or config.get("max_position_embeddings") or seq
+    return np.random.default_rng(seed).integers(0, vocab, (batch, min(seq, positions)))
+
+
+def verify(
+    model: str | os.PathLike,
+    mesh: Mesh,
+    mapping: str | os.PathLike | Mapping | None = None,
+    dtype: str | None = None,
+) -> Verification:
+    """Convert `model` onto `mesh`, run it and the PyTorch reference, compare the outputs."""
+    import equinox as eqx
+
+    from ._load import load
+    from ._source import open_checkpoint, resolve
+
+    torch = _torch()
+    directory = resolve(model)
+    with open_checkpoint(directory) as ckpt:
+        config = ckpt.config
+        if mapping is None:
+            mapping = mapping_for(config)
+        elif not isinstance(mapping, Mapping):
+            mapping = load_mapping(mapping)
+    if not mapping.reference:
+        raise PortError(f"{mapping.source}: no 'reference' (the PyTorch class to compare with)")
+    converted = load(directory, mesh=mesh, dtype=dtype, mapping=mapping)
+    ids = input_ids(config)
+    ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, ids))
+    reference_cls = import_object(mapping.reference["class"], f"{mapping.source}: reference")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
+        str(ours.dtype), torch.float32
+    )
+    reference = reference_cls.from_pretrained(directory, dtype=torch_dtype, attn_implementation="eager").eval()
+    with torch.no_grad():
+        theirs = getattr(reference(input_ids=torch.tensor(ids)), mapping.reference["output"])
+    theirs = theirs.float().numpy()
+    if theirs.shape != ours.shape:
+        raise PortError(f"output shapes differ: port {list(ours.shape)}, {reference_cls.__name__} {list(theirs.shape)}")
+    return Verification(
+        float(np.abs(ours.astype(np.float32) - theirs).max()),
+        float(np.abs(theirs).max()),
+        ours.shape,
+        str(ours.dtype),
+        f"{reference_cls.__name__}.{mapping.reference['output']}",
+    )
