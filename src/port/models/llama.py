@@ -1,0 +1,485 @@
+"""Llama, Mistral and Qwen2 (decoder-only, RMSNorm, RoPE, SwiGLU, GQA) as one Equinox model.
+
+One class serves the `model_type`s "llama", "mistral" and "qwen2"; they differ only in
+which projections carry biases and in sliding-window attention. The transformer blocks
+are stored *stacked*: every array in `Llama.blocks` has a leading axis of size
+`num_hidden_layers`, and the forward pass runs them with `jax.lax.scan`.
+
+The dtype of the parameters is the compute dtype (bfloat16 params: bfloat16 compute,
+with RMSNorm statistics and the attention softmax in float32, as in transformers).
+
+Example:
+    ```python
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    from port.models.llama import Llama
+
+    config = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 2048,
+              "intermediate_size": 8192, "num_hidden_layers": 16,
+              "num_attention_heads": 32, "num_key_value_heads": 8,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    model = Llama.from_config(config, key=jax.random.key(0), dtype=jnp.bfloat16)
+    logits = eqx.filter_jit(model)(jnp.zeros((1, 8), dtype=jnp.int32))
+    # logits.shape == (1, 8, 32000), logits.dtype == bfloat16
+
+    # Shapes only, no memory allocated (e.g. before loading a checkpoint):
+    abstract = eqx.filter_eval_shape(Llama.from_config, config, key=jax.random.key(0))
+    ```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from port._errors import PortError
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+# Where transformers' config classes disagree on a default (used when the key is absent).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "sliding_window": None},
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096,
+                "num_key_value_heads": 8},
+    "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096,
+              "num_key_value_heads": 32},
+}
+
+_MISSING = object()
+
+
+def _check(key: str, value: Any, kind: type) -> Any:
+    """Check `config[key]`'s type; `kind` is `int`, `float` (both positive) or `bool`."""
+    if kind is bool:
+        ok = isinstance(value, bool)
+    else:
+        ok = (
+            isinstance(value, int if kind is int else (int, float))
+            and not isinstance(value, bool)
+            and value > 0
+        )
+    if not ok:
+        expected = {bool: "a boolean", int: "a positive integer"}.get(
+            kind, "a positive number"
+        )
+        raise PortError(f"config.json: {key!r} must be {expected}, got {value!r}")
+    return kind(value)
+
+
+def _get(config: dict, key: str, kind: type, default: Any = _MISSING) -> Any:
+    """Read and check `config[key]`; an absent or null key yields `default` if given."""
+    value = config.get(key)
+    if value is None and default is not _MISSING:
+        return default
+    if key not in config:
+        raise PortError(f"config.json: required key {key!r} is missing")
+    return _check(key, value, kind)
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def _rope_parameters(config: dict) -> tuple[str, dict]:
+    """The config.json key holding the RoPE settings, and the settings standardised as
+    transformers 5 does it.
+
+    transformers 5 writes `rope_parameters` (holding `rope_theta` and `rope_type`);
+    transformers 4 wrote a top-level `rope_theta` and an optional `rope_scaling`
+    (with `rope_type` or the legacy `type`). As in transformers, `rope_scaling` wins.
+    """
+    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = config.get(key) or {}
+    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+        raise PortError(
+            f"config.json: {key!r} must be one flat dict (per-layer-type RoPE "
+            f"is not supported), got {rope!r}"
+        )
+    rope = dict(rope)
+    rope["rope_theta"] = _first(rope.get("rope_theta"), config.get("rope_theta"), 10000.0)
+    rope["rope_type"] = _first(rope.get("rope_type"), rope.get("type"), "default")
+    if "original_max_position_embeddings" in config:  # transformers gives it priority
+        rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise PortError(
+            f"config.json: 'partial_rotary_factor' {partial!r} is not supported (only 1.0)"
+        )
+    return key, rope
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The hyperparameters of a Llama/Mistral/Qwen2 model, as read from a config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = False
+    model_type: str = "llama"
+    qkv_bias: bool = False  # q_proj, k_proj, v_proj
+    o_bias: bool = False  # o_proj
+    mlp_bias: bool = False  # gate_proj, up_proj, down_proj
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_factor: float = 1.0  # "linear" and "llama3"
+    rope_low_freq_factor: float = 1.0  # "llama3"
+    rope_high_freq_factor: float = 4.0  # "llama3"
+    rope_original_max_position_embeddings: int = 8192  # "llama3"
+    sliding_window: int | None = None  # attend to the last `sliding_window` positions...
+    sliding_layers: tuple[bool, ...] = ()  # ...in the layers marked True here
+
+    @classmethod
+    def from_hf(cls, config: dict) -> LlamaConfig:
+        """Build from a Hugging Face `config.json` dict; raises `PortError` if unsupported."""
+        model_type = config.get("model_type", "llama")
+        if model_type not in MODEL_TYPES:
+            raise PortError(
+                f"config.json: 'model_type' {model_type!r} is not supported by "
+                f"port.models.llama (supported: {', '.join(MODEL_TYPES)})"
+            )
+        defaults = _DEFAULTS[model_type]
+        hidden = _get(config, "hidden_size", int)
+        heads = _get(config, "num_attention_heads", int)
+        layers = _get(config, "num_hidden_layers", int)
+        # Absent: the config class's default; null: one kv head per query head.
+        kv_heads = config.get("num_key_value_heads", defaults.get("num_key_value_heads"))
+        kv_heads = heads if kv_heads is None else _check("num_key_value_heads", kv_heads, int)
+        if heads % kv_heads != 0:
+            raise PortError(
+                f"config.json: 'num_key_value_heads' ({kv_heads}) must divide "
+                f"'num_attention_heads' ({heads})"
+            )
+        head_dim = _get(config, "head_dim", int, hidden // heads)
+        act = config.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise PortError(f"config.json: 'hidden_act' {act!r} is not supported (only 'silu')")
+
+        attention_bias = _get(config, "attention_bias", bool, False)
+        mlp_bias = _get(config, "mlp_bias", bool, False)
+        # What transformers' modeling code builds, whatever else config.json says:
+        qkv_bias, o_bias, mlp_bias = {
+            "llama": (attention_bias, attention_bias, mlp_bias),
+            "mistral": (False, False, False),
+            "qwen2": (True, False, False),
+        }[model_type]
+
+        window = config.get("sliding_window", defaults["sliding_window"])
+        if model_type == "llama" or (
+            model_type == "qwen2" and not _get(config, "use_sliding_window", bool, False)
+        ):
+            window = None
+        if window is not None:
+            window = _check("sliding_window", window, int)
+        sliding = (window is not None,) * layers
+        if window is not None and model_type == "qwen2":
+            sliding = _qwen2_sliding_layers(config, layers)
+
+        rope_key, rope = _rope_parameters(config)
+        rope_type = rope["rope_type"]
+        if rope_type not in ROPE_TYPES:
+            raise PortError(
+                f"config.json: {rope_key}: rope type {rope_type!r} is not supported "
+                f"(supported: {', '.join(ROPE_TYPES)})"
+            )
+
+        def rope_get(name: str, kind: type) -> Any:
+            if rope.get(name) is None:
+                raise PortError(f"config.json: required key '{rope_key}.{name}' is missing")
+            return _check(f"{rope_key}.{name}", rope[name], kind)
+
+        extra: dict[str, Any] = {}
+        if rope_type in ("linear", "llama3"):
+            extra["rope_factor"] = rope_get("factor", float)
+        if rope_type == "llama3":
+            rope.setdefault(
+                "original_max_position_embeddings",
+                config.get("max_position_embeddings", defaults["max_position_embeddings"]),
+            )
+            extra["rope_low_freq_factor"] = rope_get("low_freq_factor", float)
+            extra["rope_high_freq_factor"] = rope_get("high_freq_factor", float)
+            extra["rope_original_max_position_embeddings"] = rope_get(
+                "original_max_position_embeddings", int
+            )
+        return cls(
+            vocab_size=_get(config, "vocab_size", int),
+            hidden_size=hidden,
+            intermediate_size=_get(config, "intermediate_size", int),
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=_get(config, "rms_norm_eps", float, 1e-6),
+            hidden_act="silu",
+            tie_word_embeddings=_get(config, "tie_word_embeddings", bool, False),
+            model_type=model_type,
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=mlp_bias,
+            rope_theta=rope_get("rope_theta", float),
+            rope_type=rope_type,
+            sliding_window=window,
+            sliding_layers=sliding,
+            **extra,
+        )
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies [head_dim // 2] in float32, computed as transformers does."""
+        dim = self.head_dim
+        exponents = np.arange(0, dim, 2).astype(np.float32) / np.float32(dim)
+        inv_freq = np.float32(1.0) / np.float32(self.rope_theta) ** exponents
+        if self.rope_type == "linear":
+            inv_freq = inv_freq / np.float32(self.rope_factor)
+        elif self.rope_type == "llama3":
+            factor = np.float32(self.rope_factor)
+            low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+            old_len = self.rope_original_max_position_embeddings
+            low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+            wavelen = np.float32(2 * math.pi) / inv_freq
+            scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+            smooth = (np.float32(old_len) / wavelen - np.float32(low)) / np.float32(high - low)
+            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+            medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+            inv_freq = np.where(medium, smoothed, scaled)
+        return inv_freq.astype(np.float32)
+
+
+def _qwen2_sliding_layers(config: dict, layers: int) -> tuple[bool, ...]:
+    """Qwen2's sliding layers: `layer_types`, else those from `max_window_layers` on."""
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        first = config.get("max_window_layers", 28)
+        if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+            raise PortError(
+                f"config.json: 'max_window_layers' must be a non-negative integer, got {first!r}"
+            )
+        return tuple(i >= first for i in range(layers))
+    kinds = ("full_attention", "sliding_attention")
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != layers
+        or any(t not in kinds for t in layer_types)
+    ):
+        raise PortError(
+            f"config.json: 'layer_types' must list {layers} of {kinds}, got {layer_types!r}"
+        )
+    return tuple(t == "sliding_attention" for t in layer_types)
+
+
+def _normal(key: PRNGKeyArray, shape: tuple[int, ...], dtype: Any) -> Array:
+    return 0.02 * jax.random.normal(key, shape, dtype)
+
+
+def _zeros_if(flag: bool, shape: tuple[int, ...], dtype: Any) -> Array | None:
+    return jnp.zeros(shape, dtype) if flag else None
+
+
+def _rms_norm(x: Float[Array, "seq embd"], weight: Float[Array, " embd"], eps: float) -> Array:
+    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale."""
+    h = x.astype(jnp.float32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    return weight * h.astype(x.dtype)
+
+
+def _rotate_half(x: Array) -> Array:
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate((-x2, x1), axis=-1)
+
+
+def _apply_rope(x: Float[Array, "seq head dim"], cos: Array, sin: Array) -> Array:
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+class Attention(eqx.Module):
+    """Causal grouped-query self-attention with rotary position embeddings."""
+
+    wq: Float[Array, "head head_dim embd"]
+    wk: Float[Array, "kv_head head_dim embd"]
+    wv: Float[Array, "kv_head head_dim embd"]
+    wo: Float[Array, "embd head head_dim"]
+    bq: Float[Array, "head head_dim"] | None
+    bk: Float[Array, "kv_head head_dim"] | None
+    bv: Float[Array, "kv_head head_dim"] | None
+    bo: Float[Array, " embd"] | None
+
+    def __init__(self, config: LlamaConfig, dtype: Any, *, key: PRNGKeyArray):
+        h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        e = config.hidden_size
+        kq, kk, kvv, ko = jax.random.split(key, 4)
+        self.wq = _normal(kq, (h, d, e), dtype)
+        self.wk = _normal(kk, (kv, d, e), dtype)
+        self.wv = _normal(kvv, (kv, d, e), dtype)
+        self.wo = _normal(ko, (e, h, d), dtype)
+        self.bq = _zeros_if(config.qkv_bias, (h, d), dtype)
+        self.bk = _zeros_if(config.qkv_bias, (kv, d), dtype)
+        self.bv = _zeros_if(config.qkv_bias, (kv, d), dtype)
+        self.bo = _zeros_if(config.o_bias, (e,), dtype)
+
+    def __call__(
+        self,
+        x: Float[Array, "seq embd"],
+        cos: Float[Array, "seq head_dim"],
+        sin: Float[Array, "seq head_dim"],
+        mask: Bool[Array, "seq seq"],
+    ) -> Float[Array, "seq embd"]:
+        def project(w: Array, b: Array | None) -> Array:
+            y = jnp.einsum("te,hde->thd", x, w)
+            return y if b is None else y + b
+
+        q = _apply_rope(project(self.wq, self.bq), cos, sin)
+        k = _apply_rope(project(self.wk, self.bk), cos, sin)
+        v = project(self.wv, self.bv)
+        seq, heads, dim = q.shape
+        kv_heads = k.shape[1]
+        # Query head h uses kv head h // groups (transformers' repeat_kv).
+        q = q.reshape(seq, kv_heads, heads // kv_heads, dim)
+        scores = jnp.einsum("qkgd,skd->kgqs", q, k) * (dim**-0.5)
+        scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("kgqs,skd->qkgd", weights, v).reshape(seq, heads, dim)
+        y = jnp.einsum("thd,ehd->te", out, self.wo)
+        return y if self.bo is None else y + self.bo
+
+
+class MLP(eqx.Module):
+    """SwiGLU feed-forward: `down(silu(gate x) * up x)`."""
+
+    gate: Float[Array, "inter embd"]
+    up: Float[Array, "inter embd"]
+    down: Float[Array, "embd inter"]
+    bgate: Float[Array, " inter"] | None
+    bup: Float[Array, " inter"] | None
+    bdown: Float[Array, " embd"] | None
+
+    def __init__(self, config: LlamaConfig, dtype: Any, *, key: PRNGKeyArray):
+        e, i = config.hidden_size, config.intermediate_size
+        kg, ku, kd = jax.random.split(key, 3)
+        self.gate = _normal(kg, (i, e), dtype)
+        self.up = _normal(ku, (i, e), dtype)
+        self.down = _normal(kd, (e, i), dtype)
+        self.bgate = _zeros_if(config.mlp_bias, (i,), dtype)
+        self.bup = _zeros_if(config.mlp_bias, (i,), dtype)
+        self.bdown = _zeros_if(config.mlp_bias, (e,), dtype)
+
+    def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
+        def linear(x: Array, w: Array, b: Array | None) -> Array:
+            y = jnp.einsum("ti,oi->to", x, w)
+            return y if b is None else y + b
+
+        h = jax.nn.silu(linear(x, self.gate, self.bgate)) * linear(x, self.up, self.bup)
+        return linear(h, self.down, self.bdown)
+
+
+class Block(eqx.Module):
+    """One pre-RMSNorm decoder block."""
+
+    attn_norm: Float[Array, " embd"]
+    attn: Attention
+    mlp_norm: Float[Array, " embd"]
+    mlp: MLP
+
+    def __init__(self, config: LlamaConfig, dtype: Any, *, key: PRNGKeyArray):
+        kattn, kmlp = jax.random.split(key)
+        self.attn_norm = jnp.ones((config.hidden_size,), dtype)
+        self.attn = Attention(config, dtype, key=kattn)
+        self.mlp_norm = jnp.ones((config.hidden_size,), dtype)
+        self.mlp = MLP(config, dtype, key=kmlp)
+
+    def __call__(
+        self,
+        x: Float[Array, "seq embd"],
+        cos: Array,
+        sin: Array,
+        mask: Bool[Array, "seq seq"],
+        eps: float,
+    ) -> Float[Array, "seq embd"]:
+        x = x + self.attn(_rms_norm(x, self.attn_norm, eps), cos, sin, mask)
+        return x + self.mlp(_rms_norm(x, self.mlp_norm, eps))
+
+
+class Llama(eqx.Module):
+    """Llama / Mistral / Qwen2 causal LM. Arrays in `blocks` are stacked over layers."""
+
+    embed: Float[Array, "vocab embd"]
+    blocks: Block
+    norm: Float[Array, " embd"]
+    lm_head: Float[Array, "vocab embd"] | None
+    config: LlamaConfig = eqx.field(static=True)
+
+    def __init__(
+        self, config: LlamaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32
+    ):
+        kembed, kblocks, khead = jax.random.split(key, 3)
+        self.embed = _normal(kembed, (config.vocab_size, config.hidden_size), dtype)
+        make_block = lambda k: Block(config, dtype, key=k)
+        self.blocks = eqx.filter_vmap(make_block)(
+            jax.random.split(kblocks, config.num_hidden_layers)
+        )
+        self.norm = jnp.ones((config.hidden_size,), dtype)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else _normal(khead, (config.vocab_size, config.hidden_size), dtype)
+        )
+        self.config = config
+
+    @classmethod
+    def from_config(
+        cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32
+    ) -> Llama:
+        """Randomly initialise from a Hugging Face `config.json` dict."""
+        return cls(LlamaConfig.from_hf(config), key=key, dtype=dtype)
+
+    def __call__(
+        self, input_ids: Int[Array, "batch seq"]
+    ) -> Float[Array, "batch seq vocab"]:
+        return jax.vmap(self._forward)(input_ids)
+
+    def _forward(self, input_ids: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
+        config = self.config
+        x = self.embed[input_ids]
+        seq = input_ids.shape[0]
+
+        positions = jnp.arange(seq, dtype=jnp.float32)
+        freqs = positions[:, None] * jnp.asarray(config.inv_freq())
+        angles = jnp.concatenate((freqs, freqs), axis=-1)
+        cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+
+        q_pos, k_pos = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
+        causal = k_pos <= q_pos
+        windowed = causal
+        if config.sliding_window is not None:
+            windowed = causal & (k_pos > q_pos - config.sliding_window)
+
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+
+        def step(x: Array, layer: tuple[Block, Array]) -> tuple[Array, None]:
+            block_params, sliding = layer
+            block = eqx.combine(block_params, static)
+            mask = jnp.where(sliding, windowed, causal)
+            return block(x, cos, sin, mask, config.rms_norm_eps), None
+
+        layers = config.num_hidden_layers
+        if config.sliding_window is None:
+            sliding = jnp.zeros((layers,), dtype=bool)
+        else:
+            sliding = jnp.asarray(config.sliding_layers or (True,) * layers, dtype=bool)
+        x, _ = jax.lax.scan(step, x, (params, sliding))
+        x = _rms_norm(x, self.norm, config.rms_norm_eps)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return jnp.einsum("te,ve->tv", x, head)
