@@ -1,0 +1,83 @@
+"""`port check` lists every problem with its entry; `port verify` compares with PyTorch."""
+
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import port._cli
+from conftest import VOCAB
+
+GPT2 = (port._mapping.shipped_mappings()[0].parent / "gpt2.toml").read_text()
+
+
+def run(*args):
+    """The CLI in this process, with its one-line error handling; returns (exit code, output)."""
+    result = CliRunner().invoke(port._cli.app, [str(a) for a in args])
+    if isinstance(result.exception, port.PortError):
+        return 1, result.output + f"port: error: {result.exception}\n"
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, result.output
+
+
+def test_check_passes_the_shipped_mapping(gpt2_checkpoints):
+    directories, _ = gpt2_checkpoints
+    code, output = run("check", port._mapping.shipped_mappings()[0].parent / "gpt2.toml", directories["lm"])
+    assert code == 0 and ": ok: 20 leaves" in output
+
+
+def test_check_lists_every_problem_with_its_entry(gpt2_checkpoints, tmp_path):
+    directories, _ = gpt2_checkpoints
+    broken = (
+        GPT2.replace('path = "wpe"', 'path = "wpe_typo"')  # unknown module path
+        .replace('key = "ln_f.bias"', 'key = "ln_final.bias"')  # pattern matching nothing
+        .replace('{ transpose = [1, 0] }]\naxes = ["layers", "mlp", "embed"]', ']\naxes = ["layers", "mlp", "embed"]')
+    )
+    mapping = tmp_path / "broken.toml"
+    mapping.write_text(broken)
+    code, output = run("check", mapping, directories["lm"])
+    assert code == 1
+    lines = output.strip().splitlines()
+    expected = [
+        f"{mapping}: entry 'wpe.weight': path 'wpe_typo' is not a leaf of port.models.gpt2:GPT2",
+        f"{mapping}: entry 'h.{{layer}}.mlp.c_fc.weight': shape mismatch: 2 layers of "
+        "'transformer.h.0.mlp.c_fc.weight' is [64, 256] but 'blocks.mlp.fc.weight' is [2, 256, 64]",
+        f"{mapping}: entry 'ln_final.bias': missing tensor: no key in the checkpoint matches",
+        f"{mapping}: leaf 'wpe' of port.models.gpt2:GPT2 has no mapping entry",
+        f"model.safetensors: tensor 'transformer.ln_f.bias' is not used by the mapping {mapping} "
+        "(map it, or add it to ignore)",
+        f"model.safetensors: tensor 'transformer.wpe.weight' is not used by the mapping {mapping} "
+        "(map it, or add it to ignore)",
+        f"port: error: {mapping}: 6 problems with {directories['lm']}",
+    ]
+    assert lines == expected
+    # the no-rule problem: the wpe entry already fails on its path, so break a valid one instead
+    mapping.write_text(GPT2.replace('axes = ["positions", "embed"]', 'axes = ["positionz", "embed"]'))
+    code, output = run("check", mapping, directories["lm"])
+    assert code == 1 and "entry 'wpe.weight': logical axis 'positionz' has no rule in [rules]" in output
+    assert output.strip().splitlines()[-1].endswith("1 problem with " + str(directories["lm"]))
+
+
+def test_verify_reports_the_difference(gpt2_checkpoints):
+    directories, _ = gpt2_checkpoints
+    code, output = run("verify", directories["sharded"], "--mesh", "4x2")
+    assert code == 0, output
+    assert f"vs GPT2LMHeadModel.logits (float32 [2, 16, {VOCAB}]" in output and ": ok (tolerance" in output
+    difference = float(output.split("max abs difference ")[1].split()[0])
+    assert difference < 1e-4
+
+
+def test_verify_fails_beyond_the_tolerance(gpt2_checkpoints):
+    directories, _ = gpt2_checkpoints
+    code, output = run("verify", directories["lm"], "--tolerance", "1e-12")
+    assert code == 1 and "FAILED" in output
+
+
+def test_verify_without_pytorch_says_how_to_install(gpt2_checkpoints, monkeypatch):
+    directories, _ = gpt2_checkpoints
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    code, output = run("verify", directories["lm"])
+    assert code == 1
+    assert output.strip().splitlines()[-1] == (
+        "port: error: port verify needs PyTorch and transformers: pip install 'port[torch]'"
+    )
