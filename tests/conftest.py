@@ -73,3 +73,17 @@ def write_checkpoint(directory: Path, tensors: dict, config: dict) -> Path:
     (directory / "config.json").write_text(json.dumps(config))
     save_file(tensors, directory / "model.safetensors")
     return directory
+
+
+def cli(*args):
+    """The CLI in this process, with its one-line error handling; returns (exit code, output)."""
+    from typer.testing import CliRunner
+
+    import port
+    import port._cli
+
+    result = CliRunner().invoke(port._cli.app, [str(a) for a in args])
+    if isinstance(result.exception, port.PortError):
+        return 1, result.output + f"port: error: {result.exception}\n"
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result.exit_code, result.output

@@ -2,22 +2,10 @@
 
 import sys
 
-import pytest
-from typer.testing import CliRunner
-
-import port._cli
-from conftest import VOCAB
+import port
+from conftest import VOCAB, cli as run
 
 GPT2 = (port._mapping.shipped_mappings()[0].parent / "gpt2.toml").read_text()
-
-
-def run(*args):
-    """The CLI in this process, with its one-line error handling; returns (exit code, output)."""
-    result = CliRunner().invoke(port._cli.app, [str(a) for a in args])
-    if isinstance(result.exception, port.PortError):
-        return 1, result.output + f"port: error: {result.exception}\n"
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result.exit_code, result.output
 
 
 def test_check_passes_the_shipped_mapping(gpt2_checkpoints):

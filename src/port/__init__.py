@@ -26,7 +26,9 @@ from ._mesh import make_mesh as make_mesh, mesh_shape as mesh_shape
 from ._place import place as place
 from ._plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
 from ._save import restore as restore, save as save
+from ._scaffold import scaffold as scaffold
 from ._skeleton import skeleton as skeleton
 from ._source import Checkpoint as Checkpoint, open_checkpoint as open_checkpoint
+from ._verify import Verification as Verification, verify as verify
 
 __version__ = "0.1.0"

@@ -1,0 +1,270 @@
+"""`scaffold`: a draft mapping from checkpoint headers and a module skeleton."""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import port
+from conftest import torch_gpt2, write_checkpoint
+from port._scaffold import scaffold
+
+V, E, H, D, F, L, T = 11, 12, 3, 4, 20, 2, 8
+CONFIG = {
+    "model_type": "tinynet", "vocab_size": V, "hidden_size": E, "num_attention_heads": H,
+    "intermediate_size": F, "num_hidden_layers": L, "tie_word_embeddings": False,
+}
+
+
+class Attention(eqx.Module):
+    wq: jax.Array  # [heads, head_dim, embed]: torch q_proj [H*D, E] split on its out axis
+    wk: jax.Array
+    wv: jax.Array
+    wo: jax.Array  # [embed, heads, head_dim]: torch o_proj [E, H*D] split on its in axis
+    bo: jax.Array
+
+    def __init__(self, key):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.wq = jax.random.normal(kq, (H, D, E))
+        self.wk = jax.random.normal(kk, (H, D, E))
+        self.wv = jax.random.normal(kv, (H, D, E))
+        self.wo = jax.random.normal(ko, (E, H, D))
+        self.bo = jnp.zeros(E)
+
+
+class MLP(eqx.Module):
+    up: eqx.nn.Linear  # weight [F, E], as torch
+    down: eqx.nn.Linear
+
+    def __init__(self, key):
+        ku, kd = jax.random.split(key)
+        self.up = eqx.nn.Linear(E, F, key=ku)
+        self.down = eqx.nn.Linear(F, E, key=kd)
+
+
+class Block(eqx.Module):
+    ln_attn: eqx.nn.LayerNorm
+    attn: Attention
+    ln_mlp: eqx.nn.LayerNorm
+    mlp: MLP
+
+    def __init__(self, key):
+        ka, km = jax.random.split(key)
+        self.ln_attn = eqx.nn.LayerNorm(E)
+        self.attn = Attention(ka)
+        self.ln_mlp = eqx.nn.LayerNorm(E)
+        self.mlp = MLP(km)
+
+
+class TinyNet(eqx.Module):
+    embed: jax.Array  # [vocab, embed]
+    layers: Block  # every leaf stacked: [L, ...]
+    final_norm: eqx.nn.LayerNorm
+    unembed: jax.Array  # [embed, vocab]: logits = x @ unembed, torch lm_head transposed
+
+    def __init__(self, config, key):
+        ke, kl, ku = jax.random.split(key, 3)
+        self.embed = jax.random.normal(ke, (config["vocab_size"], config["hidden_size"]))
+        self.layers = eqx.filter_vmap(Block)(jax.random.split(kl, config["num_hidden_layers"]))
+        self.final_norm = eqx.nn.LayerNorm(config["hidden_size"])
+        self.unembed = jax.random.normal(ku, (config["hidden_size"], config["vocab_size"]))
+
+    @classmethod
+    def from_config(cls, config, *, key):
+        return cls(config, key)
+
+
+def tinynet_tensors():
+    """A torch-layout state dict under `net.`, with a causal-mask buffer per layer."""
+    rng = np.random.default_rng(0)
+    f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    tensors = {"net.embed_tokens.weight": f32(V, E), "net.norm.weight": f32(E), "net.norm.bias": f32(E),
+               "net.lm_head.weight": f32(V, E)}
+    for i in range(L):
+        p = f"net.layers.{i}."
+        tensors.update({
+            p + "attention_norm.weight": f32(E), p + "attention_norm.bias": f32(E),
+            p + "attn.q_proj.weight": f32(E, E), p + "attn.k_proj.weight": f32(E, E),
+            p + "attn.v_proj.weight": f32(E, E), p + "attn.o_proj.weight": f32(E, E),
+            p + "attn.o_proj.bias": f32(E),
+            p + "attn.bias": np.tril(np.ones((1, 1, T, T), bool)),
+            p + "ffn_norm.weight": f32(E), p + "ffn_norm.bias": f32(E),
+            p + "mlp.fc1.weight": f32(F, E), p + "mlp.fc1.bias": f32(F),
+            p + "mlp.fc2.weight": f32(E, F), p + "mlp.fc2.bias": f32(E),
+        })
+    return tensors
+
+
+def entries(mapping):
+    return {p.path: p for p in mapping.params}
+
+
+def test_scaffold_of_a_users_module_converts_unedited(tmp_path):
+    tensors = tinynet_tensors()
+    ckpt_dir = write_checkpoint(tmp_path / "ckpt", tensors, CONFIG)
+    skeleton = eqx.filter_eval_shape(TinyNet.from_config, CONFIG, key=jax.random.key(0))
+    with port.open_checkpoint(ckpt_dir) as ckpt:
+        text = scaffold(ckpt, skeleton, "test_scaffold:TinyNet")
+        assert scaffold(ckpt, skeleton, "test_scaffold:TinyNet") == text  # deterministic
+        mapping = port.parse_mapping(text, "draft.toml")
+        recipe = port.plan(skeleton, mapping, ckpt.tensors, ckpt.config, {"data": 2, "model": 2})
+
+    assert "17 entries paired, 0 source keys unpaired (0 patterns), 0 leaves unfilled" in text
+    assert "# TODO" not in text
+    assert mapping.model == "test_scaffold:TinyNet" and mapping.model_types == ("tinynet",)
+    assert mapping.prefixes == ("net.",)
+    assert mapping.ignore == ("layers.*.attn.bias",)
+    assert len(recipe.ignored) == L
+    by_path = entries(mapping)
+    assert {p.key for p in mapping.params if p.stacked} == {
+        f"layers.{{layer}}.{k}" for k in (
+            "attention_norm.weight", "attention_norm.bias", "attn.q_proj.weight", "attn.k_proj.weight",
+            "attn.v_proj.weight", "attn.o_proj.weight", "attn.o_proj.bias", "ffn_norm.weight",
+            "ffn_norm.bias", "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias",
+        )
+    }
+    assert by_path["layers.ln_attn.weight"].key == "layers.{layer}.attention_norm.weight"
+    assert by_path["layers.ln_mlp.bias"].key == "layers.{layer}.ffn_norm.bias"
+    assert by_path["layers.attn.wq"].transforms == (("reshape", ["num_attention_heads", -1, "hidden_size"]),)
+    assert by_path["layers.attn.wo"].transforms == (("reshape", ["hidden_size", "num_attention_heads", -1]),)
+    assert by_path["layers.attn.wq"].axes == ("layers", "heads", "head_dim", "embed")
+    assert by_path["unembed"].key == "lm_head.weight"
+    assert by_path["unembed"].transforms == (("transpose", [1, 0]),)
+    assert by_path["unembed"].axes == ("embed", "vocab")
+    assert by_path["embed"].transforms == () and by_path["embed"].key == "embed_tokens.weight"
+    assert by_path["layers.mlp.up.weight"].transforms == ()
+    assert by_path["layers.mlp.up.weight"].axes == ("layers", "mlp", "embed")
+    assert by_path["final_norm.bias"].key == "norm.bias"
+    assert mapping.rules == {
+        "embed": ("data",), "head_dim": (), "heads": ("model",), "layers": (), "mlp": ("model",),
+        "vocab": ("model",),
+    }
+
+    model = port.convert(ckpt_dir, skeleton, mapping, port.make_mesh("2x2"))
+    stack = lambda name, f=lambda x: x: np.stack([f(tensors[f"net.layers.{i}.{name}"]) for i in range(L)])  # noqa: E731
+    expected = {
+        "embed": tensors["net.embed_tokens.weight"],
+        "unembed": tensors["net.lm_head.weight"].T,
+        "final_norm.weight": tensors["net.norm.weight"],
+        "final_norm.bias": tensors["net.norm.bias"],
+        "layers.ln_attn.weight": stack("attention_norm.weight"),
+        "layers.ln_attn.bias": stack("attention_norm.bias"),
+        "layers.ln_mlp.weight": stack("ffn_norm.weight"),
+        "layers.ln_mlp.bias": stack("ffn_norm.bias"),
+        "layers.attn.wq": stack("attn.q_proj.weight", lambda x: x.reshape(H, D, E)),
+        "layers.attn.wk": stack("attn.k_proj.weight", lambda x: x.reshape(H, D, E)),
+        "layers.attn.wv": stack("attn.v_proj.weight", lambda x: x.reshape(H, D, E)),
+        "layers.attn.wo": stack("attn.o_proj.weight", lambda x: x.reshape(E, H, D)),
+        "layers.attn.bo": stack("attn.o_proj.bias"),
+        "layers.mlp.up.weight": stack("mlp.fc1.weight"),
+        "layers.mlp.up.bias": stack("mlp.fc1.bias"),
+        "layers.mlp.down.weight": stack("mlp.fc2.weight"),
+        "layers.mlp.down.bias": stack("mlp.fc2.bias"),
+    }
+    got = port._skeleton.leaves(model)
+    assert set(got) == set(expected)
+    for path, value in expected.items():
+        np.testing.assert_array_equal(np.asarray(got[path]), value, err_msg=path)
+
+
+@pytest.fixture(scope="module")
+def gpt2_draft(tmp_path_factory):
+    from port.models.gpt2 import GPT2
+
+    directory = tmp_path_factory.mktemp("gpt2") / "lm"
+    torch_gpt2().save_pretrained(directory)
+    ckpt = port.open_checkpoint(directory)
+    skeleton = eqx.filter_eval_shape(GPT2.from_config, ckpt.config, key=jax.random.key(0))
+    return ckpt, skeleton, scaffold(ckpt, skeleton, "port.models.gpt2:GPT2")
+
+
+def test_scaffold_of_gpt2_pairs_all_but_the_fused_attention(gpt2_draft):
+    ckpt, skeleton, text = gpt2_draft
+    mapping = port.parse_mapping(text, "draft.toml")
+    assert mapping.prefixes == ("transformer.",)
+    assert mapping.model_types == ("gpt2",)
+    shipped = entries(port.mapping_for({"model_type": "gpt2"}))
+    by_path = entries(mapping)
+    for path in [
+        "wte", "wpe", "ln_f.weight", "ln_f.bias", "blocks.ln_1.weight", "blocks.ln_1.bias",
+        "blocks.ln_2.weight", "blocks.ln_2.bias", "blocks.mlp.fc.weight", "blocks.mlp.fc.bias",
+        "blocks.mlp.proj.weight", "blocks.mlp.proj.bias", "blocks.attn.wo", "blocks.attn.bo",
+    ]:
+        assert by_path[path].key == shipped[path].key, path
+        assert by_path[path].transforms == shipped[path].transforms, path
+        assert by_path[path].axes == shipped[path].axes, path
+    assert by_path["blocks.attn.wo"].transforms == (
+        ("transpose", [1, 0]), ("reshape", ["n_embd", "n_head", -1]),
+    )
+    assert by_path["blocks.mlp.fc.weight"].transforms == (("transpose", [1, 0]),)
+    assert set(by_path) == set(shipped) - {f"blocks.attn.{x}" for x in ("wq", "wk", "wv", "bq", "bk", "bv")}
+    assert "14 entries paired, 4 source keys unpaired (2 patterns), 6 leaves unfilled" in text
+
+    unpaired = text.split("# TODO unpaired source keys")[1].split("# TODO unfilled leaves")[0]
+    assert "#   h.{layer}.attn.c_attn.weight  2 layers of [64, 192] float32" in unpaired
+    assert "#   h.{layer}.attn.c_attn.bias  2 layers of [192] float32" in unpaired
+    assert (
+        "fused? [64, 192] on axis 1 is 3 x [64, 64]: try { split = { axis = 1, parts = 3, index = 0 } }"
+        in unpaired
+    )
+    assert "fused? [192] on axis 0 is 3 x [64]: try { split = { axis = 0, parts = 3, index = 0 } }" in unpaired
+    unfilled = text.split("# TODO unfilled leaves")[1]
+    for name in ("wq", "wk", "wv"):
+        assert f"#   blocks.attn.{name}  [2, 4, 16, 64] float32" in unfilled
+    for name in ("bq", "bk", "bv"):
+        assert f"#   blocks.attn.{name}  [2, 4, 16] float32" in unfilled
+
+
+def test_gpt2_draft_with_its_fused_suggestions_uncommented_is_the_shipped_mapping(gpt2_draft):
+    ckpt, skeleton, text = gpt2_draft
+    uncommented = re.sub(r"^# (\[\[params\]\]|key = |path = |transforms = |axes = )", r"\1", text, flags=re.M)
+    mapping = port.parse_mapping(uncommented, "draft.toml")
+    shipped = port.mapping_for({"model_type": "gpt2"})
+    assert entries(mapping) == entries(shipped)
+    assert {a: r for a, r in mapping.rules.items()} == shipped.rules
+    port.plan(skeleton, mapping, ckpt.tensors, ckpt.config, {"data": 2, "model": 2})
+
+
+def test_scaffold_suggests_a_tie_and_flags_unknown_axes(tmp_path):
+    class Small(eqx.Module):
+        embed: jax.Array
+        gain: jax.Array
+
+        def __init__(self, config):
+            self.embed = jnp.zeros((config["vocab_size"], config["d_model"]))
+            self.gain = jnp.zeros(7)
+
+        @classmethod
+        def from_config(cls, config, *, key):
+            return cls(config)
+
+    config = {"model_type": "small", "vocab_size": 10, "d_model": 6}
+    tensors = {
+        "model.embed_tokens.weight": np.ones((10, 6), np.float32),
+        "model.gain": np.ones(7, np.float32),
+        "model.rotary_emb.inv_freq": np.ones(3, np.float32),
+        "lm_head.weight": np.ones((10, 6), np.float32),
+    }
+    ckpt_dir = write_checkpoint(tmp_path / "ckpt", tensors, config)
+    skeleton = eqx.filter_eval_shape(Small.from_config, config, key=jax.random.key(0))
+    with port.open_checkpoint(ckpt_dir) as ckpt:
+        text = scaffold(ckpt, skeleton, "x:Small")
+        mapping = port.parse_mapping(text)
+        recipe = port.plan(skeleton, mapping, ckpt.tensors, ckpt.config, {"data": 2, "model": 1})
+    assert mapping.prefixes == ("model.",)
+    assert mapping.tied == {"lm_head.weight": "embed_tokens.weight"}
+    assert mapping.ignore == ("rotary_emb.inv_freq",)
+    assert entries(mapping)["gain"].axes == ("dim7",)
+    assert "# TODO: name this axis: dim7" in text
+    assert mapping.rules["dim7"] == ()
+    assert recipe.tied == (("lm_head.weight", "embed_tokens.weight"),)
+
+
+def test_scaffold_refuses_a_model_that_fits_nothing(tmp_path):
+    ckpt_dir = write_checkpoint(tmp_path / "ckpt", {"a": np.ones(3, np.float32)}, {"model_type": "x"})
+    skeleton = eqx.filter_eval_shape(TinyNet.from_config, CONFIG, key=jax.random.key(0))
+    with port.open_checkpoint(ckpt_dir) as ckpt, pytest.raises(port.PortError, match="fits any leaf"):
+        scaffold(ckpt, skeleton, "test_scaffold:TinyNet")
