@@ -1,10 +1,11 @@
-"""Measure logit parity of port's GPT-2 against transformers' GPT2LMHeadModel, per mesh.
+"""Measure output parity of port's models against `transformers`, per family and mesh.
 
-    python bench/parity.py [--size tiny|small] [--meshes 1x1,2x2,4x2,8x1]
+    python bench/parity.py [--cases gpt2,llama-gqa,...] [--meshes 1x1,2x2,4x2,8x1] [--gpt2-small]
 
-Writes a random-init checkpoint with `transformers` (float32) into a temporary
-directory, converts it with `port.load` on each mesh, and prints the largest
-absolute difference of the logits on the same random input ids.
+Each case writes a random-init checkpoint with `transformers` (float32) into a
+temporary directory and runs `port.verify` on it: convert onto the mesh, run the
+jitted JAX model and the PyTorch model on the same random token ids [2, 16], and
+take the largest absolute difference of the logits (the last hidden state for BERT).
 """
 
 import argparse
@@ -14,42 +15,52 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-import equinox as eqx  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+import transformers  # noqa: E402
 
 import port  # noqa: E402
 
-CONFIGS = {
-    "tiny": dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, initializer_range=0.2),
-    "small": dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12),
+SMALL = dict(initializer_range=0.2, bos_token_id=0, eos_token_id=0)
+LLAMA = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **SMALL)
+LLAMA3 = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+              high_freq_factor=4.0, original_max_position_embeddings=8)
+CASES = {
+    "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config,
+             dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, **SMALL)),
+    "gpt2-small-124M": (transformers.GPT2LMHeadModel, transformers.GPT2Config, dict(bos_token_id=0, eos_token_id=0)),
+    "llama-gqa-untied": (transformers.LlamaForCausalLM, transformers.LlamaConfig, LLAMA),
+    "llama-tied-llama3-rope": (transformers.LlamaForCausalLM, transformers.LlamaConfig,
+                               dict(LLAMA, tie_word_embeddings=True, rope_parameters=LLAMA3)),
+    "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, dict(LLAMA, sliding_window=4)),
+    "qwen2-biases": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, LLAMA),
+    "bert": (transformers.BertModel, transformers.BertConfig,
+             dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128, max_position_embeddings=32, initializer_range=0.2)),
 }
+DEFAULT = [c for c in CASES if c != "gpt2-small-124M"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", default="tiny", choices=sorted(CONFIGS))
+    parser.add_argument("--cases", default=",".join(DEFAULT), help=f"from {', '.join(CASES)}")
     parser.add_argument("--meshes", default="1x1,2x2,4x2,8x1")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    config = GPT2Config(**CONFIGS[args.size], bos_token_id=0, eos_token_id=0)
-    config._attn_implementation = "eager"
-    model = GPT2LMHeadModel(config).eval()
-    ids = np.random.default_rng(0).integers(0, config.vocab_size, (2, 32))
-    with torch.no_grad():
-        expected = model(torch.tensor(ids)).logits.numpy()
-    forward = eqx.filter_jit(lambda m, x: m(x))
-    with tempfile.TemporaryDirectory() as directory:
-        model.save_pretrained(directory)
-        print(f"GPT-2 {args.size}: {sum(p.numel() for p in model.transformer.parameters()) / 1e6:.1f}M params, "
-              f"max |logit| {np.abs(expected).max():.3f}")
-        print("| mesh | max abs error |")
-        print("|---|---|")
-        for mesh in args.meshes.split(","):
-            converted = port.load(directory, mesh=port.make_mesh(mesh))
-            error = np.abs(np.asarray(forward(converted, ids)) - expected).max()
-            print(f"| {mesh} | {error:.2e} |")
+    transformers.logging.set_verbosity_error()
+    meshes = args.meshes.split(",")
+    print("| case | params | max abs reference | " + " | ".join(f"error {m}" for m in meshes) + " |")
+    print("|---|---|---|" + "---|" * len(meshes))
+    for case in args.cases.split(","):
+        cls, config_cls, overrides = CASES[case]
+        torch.manual_seed(0)
+        model = cls(config_cls(**overrides)).eval()
+        params = sum(p.numel() for name, p in model.named_parameters() if "lm_head" not in name or
+                     not model.config.tie_word_embeddings)
+        with tempfile.TemporaryDirectory() as directory:
+            model.save_pretrained(directory)
+            results = [port.verify(directory, port.make_mesh(m)) for m in meshes]
+        row = " | ".join(f"{r.max_abs_diff:.2e}" for r in results)
+        print(f"| {case} | {params / 1e6:.2f}M | {results[0].max_abs_reference:.3g} | {row} |", flush=True)
 
 
 if __name__ == "__main__":

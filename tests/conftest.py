@@ -87,3 +87,19 @@ def cli(*args):
         return 1, result.output + f"port: error: {result.exception}\n"
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     return result.exit_code, result.output
+
+
+def view_offsets(checkpoint, key, view) -> np.ndarray:
+    """The file offset of every byte a view of the memory-mapped `key` covers.
+
+    Computed from the view's data pointer and strides, so it is what copying the view
+    reads: the proof that a read touches only its region.
+    """
+    info = checkpoint.tensors[key]
+    file_start = np.frombuffer(checkpoint._map(info.file), np.uint8).ctypes.data
+    if view.size == 0:
+        return np.zeros(0, np.int64)
+    starts = np.asarray(view.ctypes.data - file_start, np.int64)
+    for n, stride in zip(view.shape, view.strides):
+        starts = starts[..., None] + np.arange(n, dtype=np.int64) * stride
+    return (starts.reshape(-1)[:, None] + np.arange(view.itemsize)).reshape(-1)

@@ -19,7 +19,7 @@ def test_check_lists_every_problem_with_its_entry(gpt2_checkpoints, tmp_path):
     broken = (
         GPT2.replace('path = "wpe"', 'path = "wpe_typo"')  # unknown module path
         .replace('key = "ln_f.bias"', 'key = "ln_final.bias"')  # pattern matching nothing
-        .replace('{ transpose = [1, 0] }]\naxes = ["layers", "mlp", "embed"]', ']\naxes = ["layers", "mlp", "embed"]')
+        .replace('transforms = [{ reshape = ["n_head", -1, "n_embd"] }]', "transforms = []")
     )
     mapping = tmp_path / "broken.toml"
     mapping.write_text(broken)
@@ -28,8 +28,8 @@ def test_check_lists_every_problem_with_its_entry(gpt2_checkpoints, tmp_path):
     lines = output.strip().splitlines()
     expected = [
         f"{mapping}: entry 'wpe.weight': path 'wpe_typo' is not a leaf of port.models.gpt2:GPT2",
-        f"{mapping}: entry 'h.{{layer}}.mlp.c_fc.weight': shape mismatch: 2 layers of "
-        "'transformer.h.0.mlp.c_fc.weight' is [64, 256] but 'blocks.mlp.fc.weight' is [2, 256, 64]",
+        f"{mapping}: entry 'h.{{layer}}.attn.c_proj.weight': shape mismatch: 2 layers of "
+        "'transformer.h.0.attn.c_proj.weight' is [64, 64] but 'blocks.attn.wo' is [2, 4, 16, 64]",
         f"{mapping}: entry 'ln_final.bias': missing tensor: no key in the checkpoint matches",
         f"{mapping}: leaf 'wpe' of port.models.gpt2:GPT2 has no mapping entry",
         f"model.safetensors: tensor 'transformer.ln_f.bias' is not used by the mapping {mapping} "

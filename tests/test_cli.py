@@ -137,7 +137,7 @@ def test_invalid_toml_mapping(tmp_path):
 
 def test_unknown_transform_in_mapping(tmp_path):
     text = GPT2_MAPPING.read_text()
-    old = '{ transpose = [1, 0] }, { reshape = ["n_embd", "n_head", -1] }'
+    old = '{ reshape = ["n_head", -1, "n_embd"] }'
     assert old in text
     bad = tmp_path / "rotating.toml"
     bad.write_text(text.replace(old, "{ rotate = 1 }"))

@@ -39,7 +39,7 @@ def _to_eqx(hf: transformers.GPT2LMHeadModel) -> GPT2:
         return jnp.asarray(np.stack([fn(f"transformer.h.{i}.") for i in range(cfg.n_layer)]))
 
     def qkv_weight(j):  # c_attn is Conv1D [in, 3*out]
-        return stack(lambda p: sd[p + "attn.c_attn.weight"][:, j * e : (j + 1) * e].T.reshape(h, d, e))
+        return stack(lambda p: sd[p + "attn.c_attn.weight"][:, j * e : (j + 1) * e].reshape(e, h, d))
 
     def qkv_bias(j):
         return stack(lambda p: sd[p + "attn.c_attn.bias"][j * e : (j + 1) * e].reshape(h, d))
@@ -60,12 +60,12 @@ def _to_eqx(hf: transformers.GPT2LMHeadModel) -> GPT2:
         lambda m: m.blocks.attn.bk: qkv_bias(1),
         lambda m: m.blocks.attn.bv: qkv_bias(2),
         # c_proj is Conv1D [in = H*D, out = E]
-        lambda m: m.blocks.attn.wo: stack(lambda p: sd[p + "attn.c_proj.weight"].T.reshape(e, h, d)),
+        lambda m: m.blocks.attn.wo: stack(lambda p: sd[p + "attn.c_proj.weight"].reshape(h, d, e)),
         lambda m: m.blocks.attn.bo: stack(lambda p: sd[p + "attn.c_proj.bias"]),
-        lambda m: m.blocks.mlp.fc.weight: stack(lambda p: sd[p + "mlp.c_fc.weight"].T),
-        lambda m: m.blocks.mlp.fc.bias: stack(lambda p: sd[p + "mlp.c_fc.bias"]),
-        lambda m: m.blocks.mlp.proj.weight: stack(lambda p: sd[p + "mlp.c_proj.weight"].T),
-        lambda m: m.blocks.mlp.proj.bias: stack(lambda p: sd[p + "mlp.c_proj.bias"]),
+        lambda m: m.blocks.mlp.w_fc: stack(lambda p: sd[p + "mlp.c_fc.weight"]),
+        lambda m: m.blocks.mlp.b_fc: stack(lambda p: sd[p + "mlp.c_fc.bias"]),
+        lambda m: m.blocks.mlp.w_proj: stack(lambda p: sd[p + "mlp.c_proj.weight"]),
+        lambda m: m.blocks.mlp.b_proj: stack(lambda p: sd[p + "mlp.c_proj.bias"]),
     }
     model = GPT2.from_config(hf.config.to_dict(), key=jax.random.key(0))
     for where, value in leaves.items():
@@ -96,9 +96,9 @@ def test_logits_match_transformers(overrides):
 
 def test_stacked_field_shapes():
     model = eqx.filter_eval_shape(GPT2.from_config, SMALL, key=jax.random.key(0))
-    assert model.blocks.attn.wq.shape == (2, 4, 16, 64)
-    assert model.blocks.attn.wo.shape == (2, 64, 4, 16)
-    assert model.blocks.mlp.fc.weight.shape == (2, 256, 64)
+    assert model.blocks.attn.wq.shape == (2, 64, 4, 16)
+    assert model.blocks.attn.wo.shape == (2, 4, 16, 64)
+    assert model.blocks.mlp.w_fc.shape == (2, 64, 256)
     assert model.blocks.ln_1.weight.shape == (2, 64)
     assert model.ln_f.weight.shape == (64,)
 

@@ -44,18 +44,18 @@ def test_megatron_and_fsdp_layout_on_4x2(gpt2_checkpoints):
     specs = {
         "wte": P(None, "data"),  # vocab 101 is not divisible by model=2
         "wpe": P(None, "data"),
-        "blocks.attn.wq": P(None, "model", None, "data"),
+        "blocks.attn.wq": P(None, "data", "model", None),
         "blocks.attn.bq": P(None, "model", None),
-        "blocks.attn.wo": P(None, "data", "model", None),
-        "blocks.mlp.fc.weight": P(None, "model", "data"),
-        "blocks.mlp.proj.weight": P(None, "data", "model"),
+        "blocks.attn.wo": P(None, "model", None, "data"),
+        "blocks.mlp.w_fc": P(None, "data", "model"),
+        "blocks.mlp.w_proj": P(None, "model", "data"),
         "ln_f.weight": P("data"),
     }
     arrays = port._skeleton.leaves(model)
     for path, spec in specs.items():
         assert arrays[path].sharding.spec == spec, path
-    # Shard shapes: wq [layers, heads/2, head_dim, embed/4]
-    assert arrays["blocks.attn.wq"].addressable_shards[0].data.shape == (2, 2, 16, 16)
+    # Shard shapes: wq [layers, embed/4, heads/2, head_dim]
+    assert arrays["blocks.attn.wq"].addressable_shards[0].data.shape == (2, 16, 2, 16)
 
 
 def test_plan_says_vocab_is_replicated(gpt2_checkpoints):

@@ -1,7 +1,7 @@
 """Each device block is built from only the source bytes it needs, read once."""
 
 import math
-import os
+import threading
 
 import numpy as np
 import pytest
@@ -9,25 +9,30 @@ import pytest
 import port
 import port._place
 import port._source
+from conftest import view_offsets
 
 
 @pytest.fixture
 def reads(monkeypatch):
-    """Every (file offset, length) passed to os.preadv, grouped by the block being read."""
-    calls, blocks = [], []
-    real_preadv, real_read_block = os.preadv, port._place.read_block
+    """Every view read, as (leaf, box, [(key, file byte offsets)]) per block built.
 
-    def preadv(fd, buffers, offset):
-        calls.append((offset, sum(len(b) for b in buffers)))
-        return real_preadv(fd, buffers, offset)
+    Blocks are built on worker threads; a thread-local list collects each block's views.
+    """
+    blocks, local = [], threading.local()
+    real_view, real_read_block = port._source.Checkpoint.view, port._place.read_block
 
-    def read_block(leaf, checkpoint, box):
-        start = len(calls)
-        out = real_read_block(leaf, checkpoint, box)
-        blocks.append((leaf, box, calls[start:]))
+    def view(self, key, region):
+        out = real_view(self, key, region)
+        local.views.append((key, view_offsets(self, key, out)))
         return out
 
-    monkeypatch.setattr(port._source.os, "preadv", preadv)
+    def read_block(leaf, checkpoint, box):
+        local.views = []
+        out = real_read_block(leaf, checkpoint, box)
+        blocks.append((leaf, box, local.views))
+        return out
+
+    monkeypatch.setattr(port._source.Checkpoint, "view", view)
     monkeypatch.setattr(port._place, "read_block", read_block)
     return blocks
 
@@ -48,11 +53,12 @@ def test_each_block_reads_exactly_its_region(gpt2_checkpoints, reads):
         port.place(recipe, ckpt, mesh)
         total = ckpt.bytes_read
     by_leaf = {}
-    for leaf, box, calls in reads:
+    for leaf, box, views in reads:
         by_leaf.setdefault(leaf.path, []).append(box)
         region, keys = leaf.source_region(box)
+        assert [k for k, _ in views] == list(keys)
         wanted = set().union(*(element_bytes(ckpt.tensors[k], region) for k in keys))
-        got = [o + i for o, n in calls for i in range(n)]
+        got = np.concatenate([offsets for _, offsets in views]).tolist()
         assert len(got) == len(set(got)), f"{leaf.path}: a byte read twice"
         assert set(got) == wanted, f"{leaf.path} {box}: read bytes outside its region"
     for leaf in recipe.leaves:  # one read per distinct block, though 8 devices ask
@@ -68,8 +74,8 @@ def test_fused_and_replicated_tensors_are_read_once(gpt2_checkpoints, reads):
         port.load(directories["lm"], mesh=mesh)
         infos = ckpt.tensors
     read = {}
-    for leaf, _, calls in reads:
-        read[leaf.path] = read.get(leaf.path, 0) + sum(n for _, n in calls)
+    for leaf, _, views in reads:
+        read[leaf.path] = read.get(leaf.path, 0) + sum(len(offsets) for _, offsets in views)
     c_attn = infos["transformer.h.0.attn.c_attn.weight"].nbytes * 2  # two layers
     # q, k and v each read their own third of the fused c_attn, nothing more.
     assert read["blocks.attn.wq"] == read["blocks.attn.wk"] == read["blocks.attn.wv"] == c_attn // 3
@@ -77,3 +83,18 @@ def test_fused_and_replicated_tensors_are_read_once(gpt2_checkpoints, reads):
     assert read["wte"] == infos["transformer.wte.weight"].nbytes
     # Every source byte is read exactly once in all.
     assert sum(read.values()) == sum(i.nbytes for i in infos.values())
+
+
+def test_every_device_owns_an_aligned_buffer(gpt2_checkpoints):
+    """Replicated blocks are read once but copied per device: no two devices share memory
+    (a donated buffer must not change another device's copy)."""
+    directories, _ = gpt2_checkpoints
+    model = port.load(directories["lm"], mesh=port.make_mesh("4x2"))
+    shards = model.wte.addressable_shards  # vocab 101 replicated on `model`
+    pointers = [s.data.unsafe_buffer_pointer() for s in shards]
+    assert len(set(pointers)) == 8
+    assert all(p % port._place.ALIGN == 0 for p in pointers)
+    by_index = {}
+    for s in shards:
+        by_index.setdefault(str(s.index), []).append(np.asarray(s.data))
+    assert all(len(v) == 2 and np.array_equal(*v) for v in by_index.values())

@@ -190,16 +190,15 @@ def test_scaffold_of_gpt2_pairs_all_but_the_fused_attention(gpt2_draft):
     by_path = entries(mapping)
     for path in [
         "wte", "wpe", "ln_f.weight", "ln_f.bias", "blocks.ln_1.weight", "blocks.ln_1.bias",
-        "blocks.ln_2.weight", "blocks.ln_2.bias", "blocks.mlp.fc.weight", "blocks.mlp.fc.bias",
-        "blocks.mlp.proj.weight", "blocks.mlp.proj.bias", "blocks.attn.wo", "blocks.attn.bo",
+        "blocks.ln_2.weight", "blocks.ln_2.bias", "blocks.mlp.w_fc", "blocks.mlp.b_fc",
+        "blocks.mlp.w_proj", "blocks.mlp.b_proj", "blocks.attn.wo", "blocks.attn.bo",
     ]:
         assert by_path[path].key == shipped[path].key, path
         assert by_path[path].transforms == shipped[path].transforms, path
         assert by_path[path].axes == shipped[path].axes, path
-    assert by_path["blocks.attn.wo"].transforms == (
-        ("transpose", [1, 0]), ("reshape", ["n_embd", "n_head", -1]),
-    )
-    assert by_path["blocks.mlp.fc.weight"].transforms == (("transpose", [1, 0]),)
+    # GPT-2's Conv1D (in, out) orientation is port's too: reshapes only, no transposes.
+    assert by_path["blocks.attn.wo"].transforms == (("reshape", ["n_head", -1, "n_embd"]),)
+    assert by_path["blocks.mlp.w_fc"].transforms == ()
     assert set(by_path) == set(shipped) - {f"blocks.attn.{x}" for x in ("wq", "wk", "wv", "bq", "bk", "bv")}
     assert "14 entries paired, 4 source keys unpaired (2 patterns), 6 leaves unfilled" in text
 
@@ -213,7 +212,7 @@ def test_scaffold_of_gpt2_pairs_all_but_the_fused_attention(gpt2_draft):
     assert "fused? [192] on axis 0 is 3 x [64]: try { split = { axis = 0, parts = 3, index = 0 } }" in unpaired
     unfilled = text.split("# TODO unfilled leaves")[1]
     for name in ("wq", "wk", "wv"):
-        assert f"#   blocks.attn.{name}  [2, 4, 16, 64] float32" in unfilled
+        assert f"#   blocks.attn.{name}  [2, 64, 4, 16] float32" in unfilled
     for name in ("bq", "bk", "bv"):
         assert f"#   blocks.attn.{name}  [2, 4, 16] float32" in unfilled
 

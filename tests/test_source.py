@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from collections import Counter
 from pathlib import Path
 
 import ml_dtypes
@@ -17,6 +15,8 @@ from safetensors.numpy import save_file
 
 from port._errors import PortError
 from port._source import Checkpoint, read_header
+
+from conftest import view_offsets
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -99,7 +99,7 @@ def test_read_equals_array_box(checkpoint_dir, headers, data):
     region = data.draw(regions(array.shape, allow_empty=data.draw(st.booleans())), label="region")
     ckpt = Checkpoint(checkpoint_dir, {}, headers)
     try:
-        got = ckpt.read(key, region)
+        got = np.array(ckpt.view(key, region))
         want = array[_slices(region)]
         assert got.dtype == want.dtype  # bfloat16 stays bfloat16
         assert got.shape == want.shape
@@ -111,10 +111,10 @@ def test_read_equals_array_box(checkpoint_dir, headers, data):
 
 def test_read_whole_bfloat16_and_scalar(checkpoint_dir, headers):
     with Checkpoint(checkpoint_dir, {}, headers) as ckpt:
-        got = ckpt.read("bf16.3d", ((0, 4), (0, 3), (0, 8)))
+        got = ckpt.view("bf16.3d", ((0, 4), (0, 3), (0, 8)))
         assert got.dtype == BF16
         np.testing.assert_array_equal(got, ARRAYS["bf16.3d"])
-        scalar = ckpt.read("f32.scalar", ())
+        scalar = ckpt.view("f32.scalar", ())
         assert scalar.shape == () and scalar == np.float32(3.5)
         assert ckpt.bytes_read == ARRAYS["bf16.3d"].nbytes + 4
 
@@ -122,39 +122,23 @@ def test_read_whole_bfloat16_and_scalar(checkpoint_dir, headers):
 def test_bytes_read_accumulates(checkpoint_dir, headers):
     ckpt = Checkpoint(checkpoint_dir, {}, headers)
     with ckpt:
-        ckpt.read("f32.3d", ((1, 3), (0, 6), (2, 5)))
-        ckpt.read("i64.1d", ((4, 9),))
-        ckpt.read("f16.2d", ((0, 0), (0, 4)))  # empty: nothing read
+        ckpt.view("f32.3d", ((1, 3), (0, 6), (2, 5)))
+        ckpt.view("i64.1d", ((4, 9),))
+        ckpt.view("f16.2d", ((0, 0), (0, 4)))  # empty: nothing read
         assert ckpt.bytes_read == 2 * 6 * 3 * 4 + 5 * 8
 
 
-def test_read_of_truncated_data_raises(tmp_path):
+def test_view_of_truncated_data_raises(tmp_path):
     path = tmp_path / "cut.safetensors"
     save_file({"w": np.arange(100, dtype=np.float32)}, str(path))
     tensors = read_header(path)
     path.write_bytes(path.read_bytes()[:-40])  # cut after the header was read
-    with Checkpoint(tmp_path, {}, tensors) as ckpt:
-        ckpt.read("w", ((0, 10),))
-        with pytest.raises(PortError, match="truncated") as e:
-            ckpt.read("w", ((80, 100),))
-    assert "cut.safetensors" in str(e.value)
+    with Checkpoint(tmp_path, {}, tensors) as ckpt, pytest.raises(PortError, match="truncated") as e:
+        ckpt.view("w", ((0, 10),))
+    assert "cut.safetensors" in str(e.value) and "\n" not in str(e.value)
 
 
 # -------------------------------------------------- a read touches only its region
-
-
-class Recorder:
-    """Wraps os.preadv, recording (offset, bytes asked, bytes read) of every call."""
-
-    def __init__(self, real):
-        self.real = real
-        self.calls: list[tuple[int, int, int]] = []
-
-    def __call__(self, fd, buffers, offset, *args):
-        asked = sum(memoryview(b).nbytes for b in buffers)
-        n = self.real(fd, buffers, offset, *args)
-        self.calls.append((offset, asked, n))
-        return n
 
 
 def _element_offsets(info, region) -> list[int]:
@@ -164,75 +148,23 @@ def _element_offsets(info, region) -> list[int]:
     return (info.offset + np.asarray(flat).reshape(-1) * info.dtype.itemsize).tolist()
 
 
-def _contiguous_runs(starts: list[int], item: int) -> int:
-    starts = sorted(starts)
-    return sum(1 for i, s in enumerate(starts) if i == 0 or starts[i - 1] + item != s)
-
-
-def _check_reads_only_region(ckpt, key, region, array):
-    info = ckpt.tensors[key]
-    item = info.dtype.itemsize
-    real = os.preadv
-    recorder = Recorder(real)
-    before = ckpt.bytes_read
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("port._source.os.preadv", recorder)
-        got = ckpt.read(key, region)
-    assert os.preadv is real
-    want = array[_slices(region)]
-    assert got.tobytes() == np.ascontiguousarray(want).tobytes()
-
-    nbytes = math.prod(b - a for a, b in region) * item
-    assert ckpt.bytes_read - before == nbytes
-    assert sum(n for _, _, n in recorder.calls) == nbytes
-    assert all(asked == n for _, asked, n in recorder.calls)  # no short reads from a local file
-
-    elements = set(_element_offsets(info, region)) if nbytes else set()
-    touched: Counter[int] = Counter()
-    for offset, _, n in recorder.calls:
-        # Each range is a union of whole elements of the region...
-        assert n > 0 and n % item == 0, (offset, n)
-        for start in range(offset, offset + n, item):
-            assert start in elements, f"read element at byte {start} outside region {region}"
-            touched[start] += 1
-    # ...no byte is read twice, and together they are the region.
-    assert all(c == 1 for c in touched.values())
-    assert set(touched) == elements
-    # One call per maximal contiguous run of the region's bytes, no more.
-    assert len(recorder.calls) == _contiguous_runs(list(elements), item)
-    return recorder.calls
-
-
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
-def test_read_touches_only_region_bytes(checkpoint_dir, headers, data):
+def test_view_covers_only_region_bytes(checkpoint_dir, headers, data):
+    """A view's bytes (from its pointer and strides) are exactly the region's, each once."""
     key = data.draw(st.sampled_from(["f32.3d", "bf16.3d", "f32.4d", "f16.2d", "i64.1d"]), label="key")
     array = ARRAYS[key]
     region = data.draw(regions(array.shape, allow_empty=data.draw(st.booleans())), label="region")
     with Checkpoint(checkpoint_dir, {}, headers) as ckpt:
-        _check_reads_only_region(ckpt, key, region, array)
-
-
-def test_runs_per_outer_index(checkpoint_dir, headers):
-    array = ARRAYS["f32.3d"]  # (5, 6, 7)
-    with Checkpoint(checkpoint_dir, {}, headers) as ckpt:
-        # Whole inner dims: the region is one contiguous run.
-        calls = _check_reads_only_region(ckpt, "f32.3d", ((1, 4), (0, 6), (0, 7)), array)
-        assert len(calls) == 1 and calls[0][2] == 3 * 6 * 7 * 4
-        # Whole last dim, partial middle dim: one run per outer index.
-        calls = _check_reads_only_region(ckpt, "f32.3d", ((1, 4), (2, 5), (0, 7)), array)
-        assert len(calls) == 3 and all(n == 3 * 7 * 4 for _, _, n in calls)
-        info = ckpt.tensors["f32.3d"]
-        assert [o for o, _, _ in calls] == [info.offset + (i * 42 + 14) * 4 for i in (1, 2, 3)]
-        # Partial last dim: one run per (outer, middle) index.
-        calls = _check_reads_only_region(ckpt, "f32.3d", ((1, 4), (2, 5), (1, 3)), array)
-        assert len(calls) == 9 and all(n == 2 * 4 for _, _, n in calls)
-        # One outer index and whole inner dims of a partial middle: still one run.
-        calls = _check_reads_only_region(ckpt, "f32.3d", ((2, 3), (1, 5), (0, 7)), array)
-        assert len(calls) == 1
-        # An empty region reads nothing.
-        calls = _check_reads_only_region(ckpt, "f32.3d", ((2, 3), (1, 1), (0, 7)), array)
-        assert calls == []
+        info = ckpt.tensors[key]
+        view = ckpt.view(key, region)
+        assert not view.flags.writeable
+        covered = view_offsets(ckpt, key, view)
+        nbytes = math.prod(b - a for a, b in region) * info.dtype.itemsize
+        assert len(covered) == len(set(covered.tolist())) == nbytes == ckpt.bytes_read
+        wanted = {start + i for start in _element_offsets(info, region) for i in range(info.dtype.itemsize)}
+        assert set(covered.tolist()) == (wanted if nbytes else set())
+        assert np.array(view).tobytes() == np.ascontiguousarray(array[_slices(region)]).tobytes()
 
 
 # ----------------------------------------------------------------- corrupt inputs

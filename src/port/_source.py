@@ -1,13 +1,13 @@
 """Source: a checkpoint directory, its `config.json` and safetensors headers.
 
 Opening a checkpoint reads only `config.json` and the safetensors headers. Tensor
-bytes are read later, region by region, through [`Checkpoint.read`][], which counts
-every byte it reads.
+bytes are read later, region by region, through [`Checkpoint.view`][]: a view of
+the memory-mapped file covering exactly the region, counted in `bytes_read`.
 
 ```python
 ckpt = open_checkpoint("path/to/gpt2")     # or a Hugging Face repo id
 ckpt.tensors["h.0.attn.c_attn.weight"].shape    # (768, 2304), no data read
-block = ckpt.read("wte.weight", ((0, 50257), (0, 192)))
+block = ckpt.view("wte.weight", ((0, 50257), (0, 192)))   # read when copied
 ckpt.bytes_read                                  # 50257 * 192 * 4
 ```
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -177,79 +177,54 @@ def _files(directory: Path) -> list[Path]:
 
 @dataclass
 class Checkpoint:
-    """An opened checkpoint: config, tensor headers, and counted reads of regions."""
+    """An opened checkpoint: config, tensor headers, and counted views of regions."""
 
     directory: Path
     config: dict
     tensors: dict[str, TensorInfo]
     bytes_read: int = 0
-    _fds: dict[Path, int] = field(default_factory=dict, repr=False)
+    _maps: dict[Path, mmap.mmap] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def read(self, key: str, region: Region) -> np.ndarray:
-        """Read exactly the bytes of `region` of tensor `key` into a new array."""
+    def view(self, key: str, region: Region) -> np.ndarray:
+        """A read-only view of exactly `region` of tensor `key`, straight from the memory map.
+
+        Nothing is copied here: the bytes are read when the view is (copied into its
+        destination), and only the region's bytes are. `bytes_read` counts them.
+        """
         info = self.tensors[key]
         if len(region) != len(info.shape) or any(
             not 0 <= a <= b <= n for (a, b), n in zip(region, info.shape)
         ):
             raise ValueError(f"region {region} is outside tensor '{key}' of shape {info.shape}")
-        out = np.empty(tuple(b - a for a, b in region), info.dtype)
-        if out.size == 0:
-            return out
-        view = memoryview(out.reshape(-1).view(np.uint8))
-        fd = self._fd(info.file)
-        length, offsets = _runs(info, region)
-        for i, offset in enumerate(offsets):
-            _read_into(fd, view[i * length : (i + 1) * length], offset, info)
+        buffer = self._map(info.file)
+        if info.offset + info.nbytes > len(buffer):  # cut since its header was read
+            raise PortError(
+                f"{info.file.name}: truncated: tensor '{key}' ends at byte {info.offset + info.nbytes} "
+                f"but the file has {len(buffer)}"
+            )
+        whole = np.ndarray(info.shape, info.dtype, buffer=buffer, offset=info.offset)
+        view = whole[tuple(slice(a, b) for a, b in region)]
         with self._lock:
-            self.bytes_read += out.nbytes
-        return out
+            self.bytes_read += view.nbytes
+        return view
 
-    def _fd(self, path: Path) -> int:
+    def _map(self, path: Path) -> mmap.mmap:
         with self._lock:
-            if path not in self._fds:
-                self._fds[path] = os.open(path, os.O_RDONLY)
-            return self._fds[path]
+            if path not in self._maps:
+                with open(path, "rb") as f:
+                    self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            return self._maps[path]
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        """Drop the memory maps (arrays placed from them hold copies, never views)."""
+        self._maps.clear()
 
     def __enter__(self) -> Checkpoint:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _runs(info: TensorInfo, region: Region) -> tuple[int, Iterator[int]]:
-    """The contiguous byte runs of `region`: one run length, and each run's file offset."""
-    shape, item = info.shape, info.dtype.itemsize
-    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
-    k = len(shape) - 1  # the outermost dim from which the region is contiguous
-    while k > 0 and region[k] == (0, shape[k]):
-        k -= 1
-    if not shape:
-        return item, iter([info.offset])
-    a_k, b_k = region[k]
-    length = (b_k - a_k) * strides[k] * item
-    start = info.offset + a_k * strides[k] * item
-    outer = [np.arange(a, b, dtype=np.int64) * strides[i] * item for i, (a, b) in enumerate(region[:k])]
-    if not outer:
-        return length, iter([start])
-    grid = outer[0]
-    for axis in outer[1:]:
-        grid = (grid[:, None] + axis[None, :]).reshape(-1)
-    return length, iter((grid + start).tolist())
-
-
-def _read_into(fd: int, buffer: memoryview, offset: int, info: TensorInfo) -> None:
-    while len(buffer):
-        n = os.preadv(fd, [buffer], offset)
-        if n <= 0:
-            raise PortError(f"{info.file.name}: truncated: tensor '{info.key}' stops at byte {offset}")
-        buffer, offset = buffer[n:], offset + n
 
 
 def open_checkpoint(model: str | os.PathLike) -> Checkpoint:

@@ -140,26 +140,20 @@ def _normal(key: PRNGKeyArray, shape: tuple[int, ...], dtype: Any) -> Array:
     return 0.02 * jax.random.normal(key, shape, dtype)
 
 
-def _linear(
-    in_features: int, out_features: int, dtype: Any, *, key: PRNGKeyArray
-) -> eqx.nn.Linear:
-    """An `eqx.nn.Linear` with GPT-2's init: weights N(0, 0.02), zero bias."""
-    linear = eqx.nn.Linear(in_features, out_features, dtype=dtype, key=key)
-    weight = _normal(jax.random.fold_in(key, 1), (out_features, in_features), dtype)
-    bias = jnp.zeros((out_features,), dtype)
-    return eqx.tree_at(lambda l: (l.weight, l.bias), linear, (weight, bias))
-
-
 class Attention(eqx.Module):
-    """Causal multi-head self-attention with per-head projection weights."""
+    """Causal multi-head self-attention with per-head projection weights.
 
-    wq: Float[Array, "head head_dim embd"]
-    wk: Float[Array, "head head_dim embd"]
-    wv: Float[Array, "head head_dim embd"]
+    Weights keep GPT-2's `Conv1D` orientation, (in, out), split per head: loading
+    them is a copy, never a transpose.
+    """
+
+    wq: Float[Array, "embd head head_dim"]
+    wk: Float[Array, "embd head head_dim"]
+    wv: Float[Array, "embd head head_dim"]
     bq: Float[Array, "head head_dim"]
     bk: Float[Array, "head head_dim"]
     bv: Float[Array, "head head_dim"]
-    wo: Float[Array, "embd head head_dim"]
+    wo: Float[Array, "head head_dim embd"]
     bo: Float[Array, " embd"]
     scale_attn_weights: bool = eqx.field(static=True)
     scale_attn_by_inverse_layer_idx: bool = eqx.field(static=True)
@@ -167,13 +161,13 @@ class Attention(eqx.Module):
     def __init__(self, config: GPT2Config, dtype: Any, *, key: PRNGKeyArray):
         h, d, e = config.n_head, config.head_dim, config.n_embd
         kq, kk, kv, ko = jax.random.split(key, 4)
-        self.wq = _normal(kq, (h, d, e), dtype)
-        self.wk = _normal(kk, (h, d, e), dtype)
-        self.wv = _normal(kv, (h, d, e), dtype)
+        self.wq = _normal(kq, (e, h, d), dtype)
+        self.wk = _normal(kk, (e, h, d), dtype)
+        self.wv = _normal(kv, (e, h, d), dtype)
         self.bq = jnp.zeros((h, d), dtype)
         self.bk = jnp.zeros((h, d), dtype)
         self.bv = jnp.zeros((h, d), dtype)
-        self.wo = _normal(ko, (e, h, d), dtype)
+        self.wo = _normal(ko, (h, d, e), dtype)
         self.bo = jnp.zeros((e,), dtype)
         self.scale_attn_weights = config.scale_attn_weights
         self.scale_attn_by_inverse_layer_idx = config.scale_attn_by_inverse_layer_idx
@@ -181,9 +175,9 @@ class Attention(eqx.Module):
     def __call__(
         self, x: Float[Array, "seq embd"], layer_idx: Int[Array, ""]
     ) -> Float[Array, "seq embd"]:
-        q = jnp.einsum("te,hde->thd", x, self.wq) + self.bq
-        k = jnp.einsum("te,hde->thd", x, self.wk) + self.bk
-        v = jnp.einsum("te,hde->thd", x, self.wv) + self.bv
+        q = jnp.einsum("te,ehd->thd", x, self.wq) + self.bq
+        k = jnp.einsum("te,ehd->thd", x, self.wk) + self.bk
+        v = jnp.einsum("te,ehd->thd", x, self.wv) + self.bv
         scores = jnp.einsum("qhd,khd->hqk", q, k).astype(jnp.float32)
         if self.scale_attn_weights:
             scores = scores / math.sqrt(q.shape[-1])
@@ -194,26 +188,29 @@ class Attention(eqx.Module):
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
         attn = jnp.einsum("hqk,khd->qhd", weights, v)
-        return jnp.einsum("thd,ehd->te", attn, self.wo) + self.bo
+        return jnp.einsum("thd,hde->te", attn, self.wo) + self.bo
 
 
 class MLP(eqx.Module):
-    """The position-wise feed-forward network."""
+    """The position-wise feed-forward network, weights in `Conv1D` orientation (in, out)."""
 
-    fc: eqx.nn.Linear
-    proj: eqx.nn.Linear
+    w_fc: Float[Array, "embd inner"]
+    b_fc: Float[Array, " inner"]
+    w_proj: Float[Array, "inner embd"]
+    b_proj: Float[Array, " embd"]
     activation: str = eqx.field(static=True)
 
     def __init__(self, config: GPT2Config, dtype: Any, *, key: PRNGKeyArray):
         kfc, kproj = jax.random.split(key)
-        self.fc = _linear(config.n_embd, config.n_inner, dtype, key=kfc)
-        self.proj = _linear(config.n_inner, config.n_embd, dtype, key=kproj)
+        self.w_fc = _normal(kfc, (config.n_embd, config.n_inner), dtype)
+        self.b_fc = jnp.zeros((config.n_inner,), dtype)
+        self.w_proj = _normal(kproj, (config.n_inner, config.n_embd), dtype)
+        self.b_proj = jnp.zeros((config.n_embd,), dtype)
         self.activation = config.activation_function
 
     def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
-        x = jax.vmap(self.fc)(x)
-        x = _ACTIVATIONS[self.activation](x)
-        return jax.vmap(self.proj)(x)
+        x = _ACTIVATIONS[self.activation](x @ self.w_fc + self.b_fc)
+        return x @ self.w_proj + self.b_proj
 
 
 class Block(eqx.Module):
