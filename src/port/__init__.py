@@ -12,6 +12,7 @@ model = port.restore("out/gpt2", port.make_mesh("2x4"))
 ```
 """
 
+from ._distributed import initialize as initialize
 from ._errors import PortError as PortError
 from ._fill import fill as fill
 from ._load import convert as convert, load as load

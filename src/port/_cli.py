@@ -110,15 +110,31 @@ def convert(
     progress: Annotated[
         Optional[bool], typer.Option("--progress/--no-progress", help="Progress bar (default: on a terminal).")
     ] = None,
+    coordinator: Annotated[
+        Optional[str], typer.Option("--coordinator", help="HOST:PORT of process 0, for a multi-process run.")
+    ] = None,
+    num_processes: Annotated[Optional[int], typer.Option("--num-processes", help="Processes in the run.")] = None,
+    process_id: Annotated[Optional[int], typer.Option("--process-id", help="This process, 0 to N-1.")] = None,
 ) -> None:
-    """Convert MODEL into a sharded Equinox model and save it with Orbax to --out."""
+    """Convert MODEL into a sharded Equinox model and save it with Orbax to --out.
+
+    For a multi-process run, start the same command in every process, adding
+    --coordinator, --num-processes and --process-id (or JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID): each process reads only what its devices hold.
+    """
+    from ._distributed import _env_int, initialize
     from ._mesh import make_mesh, mesh_shape, simulate_devices
     from ._memory import PeakMemory
     from ._save import check_out
 
     start = time.perf_counter()
     shape = mesh_shape(mesh)
-    simulated = simulate_devices(shape["data"] * shape["model"])
+    processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES") or 1
+    total = shape["data"] * shape["model"]
+    if processes < 1 or total % processes:
+        raise PortError(f"--mesh {mesh} ({total} devices) does not split evenly over {processes} processes")
+    simulated = simulate_devices(total // processes)
+    initialize(coordinator, num_processes, process_id)
     target = _dtype_name(dtype)
     check_out(out, force)
     if report is not None and not report.absolute().parent.is_dir():
@@ -136,7 +152,8 @@ def convert(
             recipe = plan(skel, mapping_, ckpt.tensors, ckpt.config, shape, target)
             device_mesh = make_mesh(mesh)
             if simulated and jax.default_backend() == "cpu":
-                _say(f"no accelerator: simulating {device_mesh.size} CPU devices for --mesh {mesh}")
+                each = f" in each of {processes} processes" if processes > 1 else ""
+                _say(f"no accelerator: simulating {total // processes} CPU devices{each} for --mesh {mesh}")
             bar = _progress(progress, len(recipe.leaves), recipe.read_bytes)
 
             placed = 0
@@ -164,6 +181,8 @@ def convert(
             device_bytes[key] = device_bytes.get(key, 0) + shard.data.nbytes
     seconds = time.perf_counter() - start
     summary = {
+        "process": jax.process_index(),
+        "num_processes": jax.process_count(),
         "model": model,
         "out": str(written),
         "mesh": dict(device_mesh.shape),
@@ -174,12 +193,15 @@ def convert(
         "device_bytes": device_bytes,
         "peak_host_bytes": peak.bytes,
     }
+    who = f"process {jax.process_index()}/{jax.process_count()}: " if jax.process_count() > 1 else ""
     _say(
-        f"converted {model}: {_count(recipe.params)} params onto mesh {mesh} in {seconds:.1f} s; "
+        f"{who}converted {model}: {_count(recipe.params)} params onto mesh {mesh} in {seconds:.1f} s; "
         f"read {_size(ckpt.bytes_read)}, {_size(max(device_bytes.values()))} per device, "
         f"peak host memory {_size(peak.bytes)} -> {written}"
     )
     if report is not None:
+        if jax.process_count() > 1:  # each process reports its own reads: run.json -> run.1.json
+            report = report.with_name(f"{report.stem}.{jax.process_index()}{report.suffix}")
         report.write_text(json.dumps(summary, indent=1) + "\n")
 
 

@@ -66,7 +66,12 @@ def make_mesh(spec: str | dict[str, int], devices: list | None = None) -> Mesh:
     needed = math.prod(shape.values())
     label = spec if isinstance(spec, str) else "x".join(map(str, shape.values()))
     if devices is None:
-        simulate_devices(needed)
+        if jax.distributed.is_initialized():  # every process adds its share
+            from jax._src.distributed import global_state
+
+            simulate_devices(-(-needed // (global_state.num_processes or 1)))
+        else:
+            simulate_devices(needed)
         devices = jax.devices()
     if len(devices) < needed:
         platform = devices[0].platform if devices else "no"

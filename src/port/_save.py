@@ -3,7 +3,10 @@
 The output directory holds `params/` (Orbax `StandardCheckpointer`) and
 `port.json` (the mapping text, `config.json`, and each leaf's shape, dtype and
 logical axes), so `restore` can rebuild the module and shard it for a new mesh.
-A failed save leaves no directory behind.
+It is written beside the target under a hidden name and renamed when complete, so
+a failed save leaves no directory behind. In a multi-process run every process
+calls `save` with the same directory (on a file system they share), each writes
+its own shards, and process 0 finishes the directory.
 
 ```python
 save(model, "out/gpt2", mapping, config)
@@ -24,6 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from ._distributed import barrier
 from ._errors import PortError
 from ._fill import fill
 from ._mapping import Mapping, dtype as dtype_named, parse_mapping
@@ -85,18 +89,26 @@ def save(
             for p, a in arrays.items()
         },
     }
-    tmp = directory.parent / f".{directory.name}.port-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    # One name for every process of a multi-process run: they write one checkpoint.
+    tmp = directory.parent / f".{directory.name}.port-partial"
+    lead = jax.process_index() == 0
+    if lead:
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier("port-save-start")
     try:
         checkpointer = ocp.StandardCheckpointer()
         checkpointer.save(tmp / "params", _nest(arrays))
         checkpointer.wait_until_finished()
-        (tmp / "port.json").write_text(json.dumps(meta, indent=1))
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.rename(tmp, directory)
+        barrier("port-save-written")
+        if lead:
+            (tmp / "port.json").write_text(json.dumps(meta, indent=1))
+            if directory.exists():
+                shutil.rmtree(directory)
+            os.rename(tmp, directory)
+        barrier("port-save-done")
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 

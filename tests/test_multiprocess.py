@@ -1,0 +1,142 @@
+"""Two processes of 4 CPU devices each, on JAX's own runtime (jax.distributed, gloo).
+
+Each process reads only the blocks of its own devices; together they write one
+Orbax checkpoint that restores in a single process with the same logits.
+"""
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import equinox as eqx
+import numpy as np
+import pytest
+
+import port
+from conftest import INPUT_IDS
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(argv_for, env_for=lambda i: {}, timeout=240):
+    """Start the two processes (never fork: fresh interpreters), wait, return their results."""
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PORT_DEBUG")}
+    base["JAX_PLATFORMS"] = "cpu"
+    procs = [
+        subprocess.Popen(argv_for(i), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=base | env_for(i))
+        for i in range(2)
+    ]
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        results.append((p.returncode, out, err))
+    for code, out, err in results:
+        assert code == 0, err
+    return results
+
+
+def expected_reads(directory, mesh_shape: dict, processes: int = 2) -> list[int]:
+    """Bytes each process must read: the distinct blocks of its devices, through the plan.
+
+    Devices are laid out as port.make_mesh does: jax.devices() order, process 0's first,
+    filling the mesh in row-major order over (data, model).
+    """
+    with port.open_checkpoint(directory) as ckpt:
+        mapping = port.mapping_for(ckpt.config)
+        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh_shape)
+        itemsize = {k: t.dtype.itemsize for k, t in ckpt.tensors.items()}
+    names = list(mesh_shape)
+    per_process = math.prod(mesh_shape.values()) // processes
+    reads = [0] * processes
+    for leaf in recipe.leaves:
+        boxes = [set() for _ in range(processes)]
+        for device, coords in enumerate(np.ndindex(*mesh_shape.values())):
+            position = dict(zip(names, coords))
+            box = []
+            for dim, entry in zip(leaf.shape, tuple(leaf.spec) + (None,) * len(leaf.shape)):
+                n, i = (1, 0) if entry is None else (mesh_shape[entry], position[entry])
+                box.append((i * dim // n, (i + 1) * dim // n))
+            boxes[device // per_process].add(tuple(box))
+        for p, distinct in enumerate(boxes):
+            for box in distinct:
+                region, keys = leaf.source_region(box)
+                reads[p] += math.prod(b - a for a, b in region) * itemsize[keys[0]] * len(keys)
+    return reads
+
+
+@pytest.mark.parametrize("mesh_spec, via_env", [("4x2", False), ("8x1", True)])
+def test_two_processes_convert_and_read_only_their_share(gpt2_checkpoints, tmp_path, mesh_spec, via_env):
+    directories, expected_logits = gpt2_checkpoints
+    source, out, address = directories["sharded"], tmp_path / "out", f"127.0.0.1:{free_port()}"
+    command = [sys.executable, "-m", "port", "convert", str(source), "--mesh", mesh_spec,
+               "--out", str(out), "--report", str(tmp_path / "run.json")]
+    if via_env:  # JAX's own variables
+        results = run_processes(lambda i: command, lambda i: {
+            "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
+    else:
+        results = run_processes(lambda i: command + [
+            "--coordinator", address, "--num-processes", "2", "--process-id", str(i)])
+    for i, (_, _, err) in enumerate(results):
+        assert f"simulating 4 CPU devices in each of 2 processes for --mesh {mesh_spec}" in err
+        assert f"process {i}/2: converted" in err
+
+    reports = [json.loads((tmp_path / f"run.{i}.json").read_text()) for i in range(2)]
+    total = sum(t.nbytes for t in port.open_checkpoint(source).tensors.values())
+    shares = expected_reads(source, port.mesh_shape(mesh_spec))
+    for i, report in enumerate(reports):
+        assert report["process"] == i and report["num_processes"] == 2
+        assert len(report["device_bytes"]) == 4  # its own devices only
+        assert report["bytes_read"] == shares[i]
+        assert report["bytes_read"] < 0.6 * total  # about half: parameters split across processes
+    assert sum(r["bytes_read"] for r in reports) >= total
+
+    # One process restores the collectively written checkpoint: same logits.
+    assert sorted(os.listdir(out)) == ["params", "port.json"]
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".out")]
+    model = port.restore(out, port.make_mesh("4x2"))
+    logits = np.asarray(eqx.filter_jit(lambda m, x: m(x))(model, INPUT_IDS))
+    single = port.load(source, mesh=port.make_mesh(mesh_spec))
+    np.testing.assert_allclose(logits, np.asarray(eqx.filter_jit(lambda m, x: m(x))(single, INPUT_IDS)), atol=1e-5)
+    assert np.abs(logits - expected_logits).max() < 1e-4
+
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import equinox as eqx
+    import numpy as np
+    import port
+
+    directory, address, process, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    assert port.initialize(address, num_processes=2, process_id=process, local_devices=4)
+    import jax
+    from jax.experimental import multihost_utils
+
+    model = port.load(directory, mesh=port.make_mesh("4x2"))
+    ids = np.asarray(eval(sys.argv[5]))
+    logits = eqx.filter_jit(lambda m, x: m(x))(model, ids)
+    gathered = multihost_utils.process_allgather(logits, tiled=True)
+    if jax.process_index() == 0:
+        np.save(out, np.asarray(gathered))
+""")
+
+
+def test_python_api_in_two_processes(gpt2_checkpoints, tmp_path):
+    directories, expected_logits = gpt2_checkpoints
+    address, out = f"127.0.0.1:{free_port()}", tmp_path / "logits.npy"
+    ids = repr(INPUT_IDS.tolist())
+    run_processes(lambda i: [sys.executable, "-c", SCRIPT, str(directories["lm"]), address, str(i), str(out), ids])
+    assert np.abs(np.load(out) - expected_logits).max() < 1e-4
