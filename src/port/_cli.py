@@ -166,6 +166,7 @@ def convert(
 
             if bar is not None:
                 bar.start()
+            placing = time.perf_counter()
             try:
                 arrays = place(recipe, ckpt, device_mesh, advance)
             finally:
@@ -173,7 +174,9 @@ def convert(
                     bar.stop()
             filled = fill(skel, arrays)
             jax.block_until_ready(arrays)
+            writing = time.perf_counter()
             written = save(filled, out, mapping_, ckpt.config, force=force)
+            done = time.perf_counter()
     device_bytes: dict[str, int] = {}
     for array in arrays.values():
         for shard in array.addressable_shards:
@@ -188,6 +191,8 @@ def convert(
         "mesh": dict(device_mesh.shape),
         "dtype": target,
         "seconds": round(seconds, 3),
+        "place_seconds": round(writing - placing, 3),
+        "save_seconds": round(done - writing, 3),
         "params": recipe.params,
         "bytes_read": ckpt.bytes_read,
         "device_bytes": device_bytes,
@@ -195,7 +200,8 @@ def convert(
     }
     who = f"process {jax.process_index()}/{jax.process_count()}: " if jax.process_count() > 1 else ""
     _say(
-        f"{who}converted {model}: {_count(recipe.params)} params onto mesh {mesh} in {seconds:.1f} s; "
+        f"{who}converted {model}: {_count(recipe.params)} params onto mesh {mesh} in {seconds:.1f} s "
+        f"(placing {writing - placing:.1f} s, writing {done - writing:.1f} s); "
         f"read {_size(ckpt.bytes_read)}, {_size(max(device_bytes.values()))} per device, "
         f"peak host memory {_size(peak.bytes)} -> {written}"
     )
