@@ -103,7 +103,6 @@ def _port(directory: Path, mesh):
 
 def _recipe(directory: Path, mesh):
     """What users write today: whole state dict in NumPy, reshape by hand, then shard."""
-    import equinox as eqx
     import jax
     import numpy as np
     from jax.sharding import NamedSharding

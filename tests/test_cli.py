@@ -235,8 +235,8 @@ def test_readme_quickstart(tmp_path):
     assert (out / "port.json").is_file() and (out / "params").is_dir()
 
 
-def test_plan_reads_no_tensor_data(gpt2_checkpoints, monkeypatch):
-    """Tensor bytes are only ever read through os.preadv; `port plan` must never call it."""
+def test_plan_never_reads_a_tensor(gpt2_checkpoints, monkeypatch):
+    """Tensor bytes are only ever read through Checkpoint.view; `port plan` must never call it."""
     from typer.testing import CliRunner
 
     import port._cli
@@ -245,7 +245,7 @@ def test_plan_reads_no_tensor_data(gpt2_checkpoints, monkeypatch):
     def no_reads(*args):
         raise AssertionError("port plan read tensor data")
 
-    monkeypatch.setattr(port._source.os, "preadv", no_reads)
+    monkeypatch.setattr(port._source.Checkpoint, "view", no_reads)
     directories, _ = gpt2_checkpoints
     result = CliRunner().invoke(port._cli.app, ["plan", str(directories["sharded"]), "--mesh", "4x2"])
     assert result.exit_code == 0, result.output

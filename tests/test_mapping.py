@@ -1,6 +1,5 @@
 """Mapping files: parsing errors, the shipped files in the wheel, and a user's own module."""
 
-import json
 import zipfile
 from pathlib import Path
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -38,41 +37,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from port._errors import PortError
-
-_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-}
-
-_MISSING = object()
+from port.models._config import ACTIVATIONS, activation, get
 
 
-def _get(config: dict, key: str, kind: type, default: Any = _MISSING) -> Any:
-    """Read `config[key]`, checking its type; `kind` is `int`, `float` or `bool`."""
-    if key not in config:
-        if default is _MISSING:
-            raise PortError(f"config.json: required key {key!r} is missing")
-        return default
-    value = config[key]
-    if kind is bool:
-        ok = isinstance(value, bool)
-    elif kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-    else:
-        ok = (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and value > 0
-        )
-    if not ok:
-        expected = {bool: "a boolean", int: "a positive integer"}.get(
-            kind, "a positive number"
-        )
-        raise PortError(f"config.json: {key!r} must be {expected}, got {value!r}")
-    return kind(value)
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,19 +65,14 @@ class BertConfig:
     @classmethod
     def from_hf(cls, config: dict) -> BertConfig:
         """Build from a Hugging Face `config.json` dict; raises `PortError` if unsupported."""
-        hidden = _get(config, "hidden_size", int)
-        heads = _get(config, "num_attention_heads", int)
+        hidden = get(config, "hidden_size", int)
+        heads = get(config, "num_attention_heads", int)
         if hidden % heads != 0:
             raise PortError(
                 f"config.json: 'hidden_size' ({hidden}) must be divisible by "
                 f"'num_attention_heads' ({heads})"
             )
-        act = config.get("hidden_act", "gelu")
-        if not isinstance(act, str) or act not in _ACTIVATIONS:
-            raise PortError(
-                f"config.json: 'hidden_act' {act!r} is not supported "
-                f"(supported: {', '.join(sorted(_ACTIVATIONS))})"
-            )
+        act = activation(config, "hidden_act", "gelu")
         position = config.get("position_embedding_type", "absolute")
         if position != "absolute":
             raise PortError(
@@ -116,20 +80,20 @@ class BertConfig:
                 "supported (only 'absolute')"
             )
         for key in ("is_decoder", "add_cross_attention"):
-            if _get(config, key, bool, False):
+            if get(config, key, bool, False):
                 raise PortError(
                     f"config.json: {key!r} is true; only the BERT encoder is supported"
                 )
         return cls(
-            vocab_size=_get(config, "vocab_size", int),
+            vocab_size=get(config, "vocab_size", int),
             hidden_size=hidden,
-            num_hidden_layers=_get(config, "num_hidden_layers", int),
+            num_hidden_layers=get(config, "num_hidden_layers", int),
             num_attention_heads=heads,
-            intermediate_size=_get(config, "intermediate_size", int),
+            intermediate_size=get(config, "intermediate_size", int),
             hidden_act=act,
-            max_position_embeddings=_get(config, "max_position_embeddings", int),
-            type_vocab_size=_get(config, "type_vocab_size", int, 2),
-            layer_norm_eps=_get(config, "layer_norm_eps", float, 1e-12),
+            max_position_embeddings=get(config, "max_position_embeddings", int),
+            type_vocab_size=get(config, "type_vocab_size", int, 2),
+            layer_norm_eps=get(config, "layer_norm_eps", float, 1e-12),
         )
 
 
@@ -201,7 +165,7 @@ class MLP(eqx.Module):
 
     def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
         x = jax.vmap(self.fc)(x)
-        x = _ACTIVATIONS[self.activation](x)
+        x = ACTIVATIONS[self.activation](x)
         return jax.vmap(self.proj)(x)
 
 

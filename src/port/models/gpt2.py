@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -35,44 +34,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from port._errors import PortError
-
-_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
-    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
-    "relu": jax.nn.relu,
-    "silu": jax.nn.silu,
-    "swish": jax.nn.silu,
-    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
-}
-
-_MISSING = object()
+from port.models._config import ACTIVATIONS, activation, get
 
 
-def _get(config: dict, key: str, kind: type, default: Any = _MISSING) -> Any:
-    """Read `config[key]`, checking its type; `kind` is `int`, `float` or `bool`."""
-    if key not in config:
-        if default is _MISSING:
-            raise PortError(f"config.json: required key {key!r} is missing")
-        return default
-    value = config[key]
-    if kind is bool:
-        ok = isinstance(value, bool)
-    elif kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
-    else:
-        ok = (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and value > 0
-        )
-    if not ok:
-        expected = {bool: "a boolean", int: "a positive integer"}.get(
-            kind, "a positive number"
-        )
-        raise PortError(f"config.json: {key!r} must be {expected}, got {value!r}")
-    return kind(value)
+
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,40 +63,34 @@ class GPT2Config:
     @classmethod
     def from_hf(cls, config: dict) -> GPT2Config:
         """Build from a Hugging Face `config.json` dict; raises `PortError` if unsupported."""
-        n_embd = _get(config, "n_embd", int)
-        n_head = _get(config, "n_head", int)
+        n_embd = get(config, "n_embd", int)
+        n_head = get(config, "n_head", int)
         if n_embd % n_head != 0:
             raise PortError(
                 f"config.json: 'n_embd' ({n_embd}) must be divisible by "
                 f"'n_head' ({n_head})"
             )
-        n_inner = config.get("n_inner")
-        n_inner = 4 * n_embd if n_inner is None else _get(config, "n_inner", int)
-        activation = config.get("activation_function", "gelu_new")
-        if activation not in _ACTIVATIONS:
-            raise PortError(
-                f"config.json: 'activation_function' {activation!r} is not supported "
-                f"(supported: {', '.join(sorted(_ACTIVATIONS))})"
-            )
-        if _get(config, "add_cross_attention", bool, False):
+        n_inner = get(config, "n_inner", int, 4 * n_embd)
+        act = activation(config, "activation_function", "gelu_new")
+        if get(config, "add_cross_attention", bool, False):
             raise PortError(
                 "config.json: 'add_cross_attention' is true; "
                 "cross-attention GPT-2 is not supported"
             )
         # `reorder_and_upcast_attn` only changes where the softmax is upcast; we
         # always compute the softmax in float32, so it needs no handling.
-        _get(config, "reorder_and_upcast_attn", bool, False)
+        get(config, "reorder_and_upcast_attn", bool, False)
         return cls(
-            vocab_size=_get(config, "vocab_size", int),
-            n_positions=_get(config, "n_positions", int),
+            vocab_size=get(config, "vocab_size", int),
+            n_positions=get(config, "n_positions", int),
             n_embd=n_embd,
-            n_layer=_get(config, "n_layer", int),
+            n_layer=get(config, "n_layer", int),
             n_head=n_head,
             n_inner=n_inner,
-            layer_norm_epsilon=_get(config, "layer_norm_epsilon", float, 1e-5),
-            activation_function=activation,
-            scale_attn_weights=_get(config, "scale_attn_weights", bool, True),
-            scale_attn_by_inverse_layer_idx=_get(
+            layer_norm_epsilon=get(config, "layer_norm_epsilon", float, 1e-5),
+            activation_function=act,
+            scale_attn_weights=get(config, "scale_attn_weights", bool, True),
+            scale_attn_by_inverse_layer_idx=get(
                 config, "scale_attn_by_inverse_layer_idx", bool, False
             ),
         )
@@ -209,7 +169,7 @@ class MLP(eqx.Module):
         self.activation = config.activation_function
 
     def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
-        x = _ACTIVATIONS[self.activation](x @ self.w_fc + self.b_fc)
+        x = ACTIVATIONS[self.activation](x @ self.w_fc + self.b_fc)
         return x @ self.w_proj + self.b_proj
 
 

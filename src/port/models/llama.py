@@ -41,6 +41,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from port._errors import PortError
+from port.models._config import activation, check, get
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -54,35 +55,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
               "num_key_value_heads": 32},
 }
 
-_MISSING = object()
 
 
-def _check(key: str, value: Any, kind: type) -> Any:
-    """Check `config[key]`'s type; `kind` is `int`, `float` (both positive) or `bool`."""
-    if kind is bool:
-        ok = isinstance(value, bool)
-    else:
-        ok = (
-            isinstance(value, int if kind is int else (int, float))
-            and not isinstance(value, bool)
-            and value > 0
-        )
-    if not ok:
-        expected = {bool: "a boolean", int: "a positive integer"}.get(
-            kind, "a positive number"
-        )
-        raise PortError(f"config.json: {key!r} must be {expected}, got {value!r}")
-    return kind(value)
 
 
-def _get(config: dict, key: str, kind: type, default: Any = _MISSING) -> Any:
-    """Read and check `config[key]`; an absent or null key yields `default` if given."""
-    value = config.get(key)
-    if value is None and default is not _MISSING:
-        return default
-    if key not in config:
-        raise PortError(f"config.json: required key {key!r} is missing")
-    return _check(key, value, kind)
 
 
 def _first(*values: Any) -> Any:
@@ -154,24 +130,22 @@ class LlamaConfig:
                 f"port.models.llama (supported: {', '.join(MODEL_TYPES)})"
             )
         defaults = _DEFAULTS[model_type]
-        hidden = _get(config, "hidden_size", int)
-        heads = _get(config, "num_attention_heads", int)
-        layers = _get(config, "num_hidden_layers", int)
+        hidden = get(config, "hidden_size", int)
+        heads = get(config, "num_attention_heads", int)
+        layers = get(config, "num_hidden_layers", int)
         # Absent: the config class's default; null: one kv head per query head.
         kv_heads = config.get("num_key_value_heads", defaults.get("num_key_value_heads"))
-        kv_heads = heads if kv_heads is None else _check("num_key_value_heads", kv_heads, int)
+        kv_heads = heads if kv_heads is None else check("num_key_value_heads", kv_heads, int)
         if heads % kv_heads != 0:
             raise PortError(
                 f"config.json: 'num_key_value_heads' ({kv_heads}) must divide "
                 f"'num_attention_heads' ({heads})"
             )
-        head_dim = _get(config, "head_dim", int, hidden // heads)
-        act = config.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise PortError(f"config.json: 'hidden_act' {act!r} is not supported (only 'silu')")
+        head_dim = get(config, "head_dim", int, hidden // heads)
+        activation(config, "hidden_act", "silu", supported=("silu", "swish"))
 
-        attention_bias = _get(config, "attention_bias", bool, False)
-        mlp_bias = _get(config, "mlp_bias", bool, False)
+        attention_bias = get(config, "attention_bias", bool, False)
+        mlp_bias = get(config, "mlp_bias", bool, False)
         # What transformers' modeling code builds, whatever else config.json says:
         qkv_bias, o_bias, mlp_bias = {
             "llama": (attention_bias, attention_bias, mlp_bias),
@@ -181,11 +155,11 @@ class LlamaConfig:
 
         window = config.get("sliding_window", defaults["sliding_window"])
         if model_type == "llama" or (
-            model_type == "qwen2" and not _get(config, "use_sliding_window", bool, False)
+            model_type == "qwen2" and not get(config, "use_sliding_window", bool, False)
         ):
             window = None
         if window is not None:
-            window = _check("sliding_window", window, int)
+            window = check("sliding_window", window, int)
         sliding = (window is not None,) * layers
         if window is not None and model_type == "qwen2":
             sliding = _qwen2_sliding_layers(config, layers)
@@ -198,40 +172,40 @@ class LlamaConfig:
                 f"(supported: {', '.join(ROPE_TYPES)})"
             )
 
-        def rope_get(name: str, kind: type) -> Any:
+        def ropeget(name: str, kind: type) -> Any:
             if rope.get(name) is None:
                 raise PortError(f"config.json: required key '{rope_key}.{name}' is missing")
-            return _check(f"{rope_key}.{name}", rope[name], kind)
+            return check(f"{rope_key}.{name}", rope[name], kind)
 
         extra: dict[str, Any] = {}
         if rope_type in ("linear", "llama3"):
-            extra["rope_factor"] = rope_get("factor", float)
+            extra["rope_factor"] = ropeget("factor", float)
         if rope_type == "llama3":
             rope.setdefault(
                 "original_max_position_embeddings",
                 config.get("max_position_embeddings", defaults["max_position_embeddings"]),
             )
-            extra["rope_low_freq_factor"] = rope_get("low_freq_factor", float)
-            extra["rope_high_freq_factor"] = rope_get("high_freq_factor", float)
-            extra["rope_original_max_position_embeddings"] = rope_get(
+            extra["rope_low_freq_factor"] = ropeget("low_freq_factor", float)
+            extra["rope_high_freq_factor"] = ropeget("high_freq_factor", float)
+            extra["rope_original_max_position_embeddings"] = ropeget(
                 "original_max_position_embeddings", int
             )
         return cls(
-            vocab_size=_get(config, "vocab_size", int),
+            vocab_size=get(config, "vocab_size", int),
             hidden_size=hidden,
-            intermediate_size=_get(config, "intermediate_size", int),
+            intermediate_size=get(config, "intermediate_size", int),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=_get(config, "rms_norm_eps", float, 1e-6),
+            rms_norm_eps=get(config, "rms_norm_eps", float, 1e-6),
             hidden_act="silu",
-            tie_word_embeddings=_get(config, "tie_word_embeddings", bool, False),
+            tie_word_embeddings=get(config, "tie_word_embeddings", bool, False),
             model_type=model_type,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            rope_theta=rope_get("rope_theta", float),
+            rope_theta=ropeget("rope_theta", float),
             rope_type=rope_type,
             sliding_window=window,
             sliding_layers=sliding,

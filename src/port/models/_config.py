@@ -1,0 +1,72 @@
+"""Reading a Hugging Face `config.json`: typed values and activation functions.
+
+Shared by the model modules, so every model reports a bad config the same way: one
+line naming `config.json`, the key and what is wrong.
+
+```python
+n_embd = get(config, "n_embd", int)                      # required, a positive integer
+eps = get(config, "layer_norm_epsilon", float, 1e-5)      # absent or null: the default
+act = activation(config, "activation_function", "gelu_new")
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jaxtyping import Array
+
+from port._errors import PortError
+
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # exact (erf)
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),  # tanh approximation
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+}
+"""transformers' activation names (`ACT2FN`) and their JAX functions."""
+
+MISSING = object()
+
+
+def check(key: str, value: Any, kind: type) -> Any:
+    """Check a config value; `kind` is `int` or `float` (both positive) or `bool`."""
+    if kind is bool:
+        ok = isinstance(value, bool)
+    else:
+        ok = (
+            isinstance(value, int if kind is int else (int, float))
+            and not isinstance(value, bool)
+            and value > 0
+        )
+    if not ok:
+        expected = {bool: "a boolean", int: "a positive integer"}.get(kind, "a positive number")
+        raise PortError(f"config.json: {key!r} must be {expected}, got {value!r}")
+    return kind(value)
+
+
+def get(config: dict, key: str, kind: type, default: Any = MISSING) -> Any:
+    """Read and check `config[key]`; an absent or null key yields `default` if given."""
+    value = config.get(key)
+    if value is None and default is not MISSING:
+        return default
+    if key not in config:
+        raise PortError(f"config.json: required key {key!r} is missing")
+    return check(key, value, kind)
+
+
+def activation(config: dict, key: str, default: str, supported: tuple[str, ...] | None = None) -> str:
+    """The activation named by `config[key]`, one port implements (or one of `supported`)."""
+    name = config.get(key, default)
+    allowed = supported or tuple(ACTIVATIONS)
+    if not isinstance(name, str) or name not in allowed:
+        raise PortError(
+            f"config.json: {key!r} {name!r} is not supported (supported: {', '.join(sorted(allowed))})"
+        )
+    return name
