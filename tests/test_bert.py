@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import port
+from conftest import cli
 
 IDS = np.random.default_rng(1).integers(0, 101, (2, 12))
 TYPES = np.random.default_rng(2).integers(0, 2, (2, 12))
@@ -93,3 +94,14 @@ def test_masked_lm_checkpoint_without_pooler(tmp_path):
     assert np.abs(np.asarray(ours) - hidden).max() < 1e-4
     with pytest.raises(port.PortError, match="no pooler"):
         converted.pooled(ours)
+
+
+def test_convert_and_restore_a_checkpoint_without_pooler(tmp_path):
+    torch_bert(pooler=False).save_pretrained(tmp_path / "bert")
+    code, output = cli("convert", tmp_path / "bert", "--mesh", "2x2", "--out", tmp_path / "out")
+    assert code == 0, output
+    restored = port.restore(tmp_path / "out", port.make_mesh("1x1"))
+    assert restored.pooler.weight is None and restored.pooler.bias is None
+    hidden, _ = expected(torch_bert(pooler=False))
+    ours, _ = run(restored, IDS, MASK, TYPES)
+    assert np.abs(np.asarray(ours) - hidden).max() < 1e-4

@@ -179,7 +179,7 @@ def convert(
             done = time.perf_counter()
     device_bytes: dict[str, int] = {}
     for array in arrays.values():
-        for shard in array.addressable_shards:
+        for shard in array.addressable_shards if array is not None else ():
             key = str(shard.device.id)
             device_bytes[key] = device_bytes.get(key, 0) + shard.data.nbytes
     seconds = time.perf_counter() - start
