@@ -67,12 +67,12 @@ def _dtype_name(dtype: str | None) -> str | None:
 
 
 def _open(model: str, mapping_file: Path | None):
-    from ._mapping import load_mapping, mapping_for
+    from ._mapping import mapping_for
     from ._skeleton import skeleton
     from ._source import open_checkpoint
 
     ckpt = open_checkpoint(model)
-    mapping = load_mapping(mapping_file) if mapping_file else mapping_for(ckpt.config)
+    mapping = mapping_for(ckpt.config, mapping_file)
     return ckpt, mapping, skeleton(mapping, ckpt.config)
 
 

@@ -62,10 +62,7 @@ def load(
     `mesh` defaults to a single device; `dtype` casts floating parameters.
     """
     with open_checkpoint(model) as ckpt:
-        if mapping is None:
-            mapping = mapping_for(ckpt.config)
-        elif not isinstance(mapping, Mapping):
-            mapping = load_mapping(mapping)
+        mapping = mapping_for(ckpt.config, mapping)
         if not isinstance(mesh, Mesh):
             mesh = make_mesh(mesh or "1x1")
         return convert(ckpt, make_skeleton(mapping, ckpt.config), mapping, mesh, dtype=dtype)

@@ -276,8 +276,13 @@ def shipped_mappings() -> list[Path]:
     return []
 
 
-def mapping_for(config: AnyMapping[str, Any]) -> Mapping:
-    """The shipped mapping serving `config["model_type"]`."""
+def mapping_for(config: AnyMapping[str, Any], mapping: str | os.PathLike | Mapping | None = None) -> Mapping:
+    """The mapping to use for `config`: `mapping` if given (a file or a parsed one), else
+    the shipped mapping serving `config["model_type"]`."""
+    if isinstance(mapping, Mapping):
+        return mapping
+    if mapping is not None:
+        return load_mapping(mapping)
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise PortError("config.json: no 'model_type'; give a mapping with --mapping")

@@ -5,7 +5,7 @@
 ```python
 with PeakMemory() as peak:
     work()
-peak.bytes, peak.above_start
+peak.bytes
 ```
 """
 
@@ -31,7 +31,7 @@ class PeakMemory:
 
     def __init__(self, interval: float = 0.005):
         self.interval = interval
-        self.start = self.bytes = 0
+        self.bytes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -39,12 +39,8 @@ class PeakMemory:
         while not self._stop.wait(self.interval):
             self.bytes = max(self.bytes, rss_anon())
 
-    @property
-    def above_start(self) -> int:
-        return max(0, self.bytes - self.start)
-
     def __enter__(self) -> PeakMemory:
-        self.start = self.bytes = rss_anon()
+        self.bytes = rss_anon()
         self._thread.start()
         return self
 

@@ -53,11 +53,16 @@ def read_block(leaf: LeafPlan, checkpoint: Checkpoint, box: Region) -> np.ndarra
     return out
 
 
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
+    """JAX's device index (slices, possibly open-ended) as a box."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
 def _boxes(leaf: LeafPlan, sharding: NamedSharding) -> list[Region]:
     """The distinct blocks of `leaf` this process's devices hold, in device order."""
     boxes = []
     for index in sharding.addressable_devices_indices_map(leaf.shape).values():
-        box = tuple(s.indices(n)[:2] for s, n in zip(index, leaf.shape))
+        box = _box(index, leaf.shape)
         if box not in boxes:
             boxes.append(box)
     return boxes
@@ -67,7 +72,7 @@ def _assemble(leaf: LeafPlan, sharding: NamedSharding, blocks: dict[Region, np.n
     handed: set[Region] = set()
 
     def callback(index: tuple[slice, ...]) -> np.ndarray:
-        box = tuple(s.indices(n)[:2] for s, n in zip(index, leaf.shape))
+        box = _box(index, leaf.shape)
         if box not in handed:  # the first device adopts the block itself
             handed.add(box)
             return blocks[box]

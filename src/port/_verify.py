@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ._errors import PortError
-from ._mapping import Mapping, import_object, load_mapping, mapping_for
+from ._mapping import Mapping, import_object, mapping_for
 
 
 @dataclass(frozen=True)
@@ -66,20 +66,18 @@ def verify(
     """Convert `model` onto `mesh`, run it and the PyTorch reference, compare the outputs."""
     import equinox as eqx
 
-    from ._load import load
+    from ._load import convert
+    from ._skeleton import skeleton
     from ._source import open_checkpoint, resolve
 
     torch = _torch()
     directory = resolve(model)
     with open_checkpoint(directory) as ckpt:
         config = ckpt.config
-        if mapping is None:
-            mapping = mapping_for(config)
-        elif not isinstance(mapping, Mapping):
-            mapping = load_mapping(mapping)
-    if not mapping.reference:
-        raise PortError(f"{mapping.source}: no 'reference' (the PyTorch class to compare with)")
-    converted = load(directory, mesh=mesh, dtype=dtype, mapping=mapping)
+        mapping = mapping_for(config, mapping)
+        if not mapping.reference:
+            raise PortError(f"{mapping.source}: no 'reference' (the PyTorch class to compare with)")
+        converted = convert(ckpt, skeleton(mapping, config), mapping, mesh, dtype=dtype)
     ids = input_ids(config)
     ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, ids))
     reference_cls = import_object(mapping.reference["class"], f"{mapping.source}: reference")

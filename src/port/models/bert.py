@@ -40,10 +40,6 @@ from port._errors import PortError
 from port.models._config import ACTIVATIONS, activation, get
 
 
-
-
-
-
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
     """The hyperparameters of a BERT encoder, as read from a Hugging Face config.json."""

@@ -37,10 +37,6 @@ from port._errors import PortError
 from port.models._config import ACTIVATIONS, activation, get
 
 
-
-
-
-
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
     """The hyperparameters of a GPT-2 model, as read from a Hugging Face config.json."""

@@ -56,11 +56,6 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
-
-
-
-
-
 def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
