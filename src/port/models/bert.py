@@ -19,6 +19,7 @@ Example:
     mask = jnp.ones((2, 8), dtype=jnp.int32)  # 1 = attend, 0 = padding
     hidden = eqx.filter_jit(model)(ids, attention_mask=mask)  # (2, 8, 384)
     pooled = model.pooled(hidden)  # (2, 384): tanh(dense(hidden[:, 0]))
+    # Without the batch axis: ids and mask of shape (8,) give hidden (8, 384), pooled (384,)
 
     # Shapes only, no memory allocated (e.g. before loading a checkpoint):
     abstract = eqx.filter_eval_shape(Bert.from_config, config, key=jax.random.key(0))
@@ -38,6 +39,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from port._errors import PortError
 from port.models._config import ACTIVATIONS, activation, get
+from port.models._inputs import check_ids, check_like, per_sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,22 +228,37 @@ class Bert(eqx.Module):
 
     def __call__(
         self,
-        input_ids: Int[Array, "batch seq"],
-        attention_mask: Int[Array, "batch seq"] | None = None,
-        token_type_ids: Int[Array, "batch seq"] | None = None,
-    ) -> Float[Array, "batch seq embd"]:
-        """The last hidden state. `attention_mask`: 1 = attend, 0 = padding (default all 1)."""
-        seq = input_ids.shape[1]
-        if seq > self.config.max_position_embeddings:
-            raise ValueError(
-                f"sequence length {seq} exceeds max_position_embeddings "
-                f"({self.config.max_position_embeddings})"
-            )
+        input_ids: Int[Array, "*batch seq"],
+        attention_mask: Int[Array, "*batch seq"] | None = None,
+        token_type_ids: Int[Array, "*batch seq"] | None = None,
+    ) -> Float[Array, "*batch seq embd"]:
+        """The last hidden state, for `input_ids` of shape (batch, seq) or (seq,).
+
+        `attention_mask` (1 = attend, 0 = padding; default all 1) and `token_type_ids`
+        (default all 0), when given, must have exactly `input_ids`' shape: both 1-D
+        for unbatched ids, no broadcasting. Unbatched inputs run as a batch of one:
+        `model(ids, mask)` is `model(ids[None], mask[None])[0]`. Raises `ValueError`
+        for another rank, mismatched shapes or more than `max_position_embeddings`
+        tokens, `TypeError` for non-integer ids or token types; the checks read static
+        shapes, so they work under `jax.jit`.
+
+        ```python
+        hidden = model(jnp.zeros((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32))  # (2, 8, embd)
+        hidden = model(jnp.zeros((8,), jnp.int32), jnp.ones((8,), jnp.int32))      # (8, embd)
+        ```
+        """
+        batched = check_ids(
+            input_ids, limit=("max_position_embeddings", self.config.max_position_embeddings)
+        )
+        check_like("attention_mask", attention_mask, input_ids)
+        check_like("token_type_ids", token_type_ids, input_ids, integer=True)
         if attention_mask is None:
             attention_mask = jnp.ones_like(input_ids)
         if token_type_ids is None:
             token_type_ids = jnp.zeros_like(input_ids)
-        return jax.vmap(self._forward)(input_ids, attention_mask, token_type_ids)
+        return per_sequence(
+            self._forward, batched, input_ids, attention_mask, token_type_ids
+        )
 
     def _forward(
         self,
@@ -268,11 +285,23 @@ class Bert(eqx.Module):
         x, _ = jax.lax.scan(step, x, params)
         return x
 
-    def pooled(self, hidden: Float[Array, "batch seq embd"]) -> Float[Array, "batch embd"]:
-        """BERT's pooler output, `tanh(dense(hidden[:, 0]))`, from `__call__`'s result."""
+    def pooled(self, hidden: Float[Array, "*batch seq embd"]) -> Float[Array, "*batch embd"]:
+        """BERT's pooler output, `tanh(dense(hidden[..., 0, :]))`, from `__call__`'s result.
+
+        `hidden` is (batch, seq, embd), giving (batch, embd), or unbatched (seq, embd),
+        giving (embd,).
+        """
         if self.pooler is None or self.pooler.weight is None:  # port leaves absent leaves None
             raise PortError(
                 "this BERT checkpoint has no pooler weights ('pooler.dense.weight'); "
                 "use the hidden state instead of the pooled output"
             )
-        return jnp.tanh(jax.vmap(self.pooler)(hidden[:, 0]))
+        batched = jnp.ndim(hidden) == 3
+        if not batched and jnp.ndim(hidden) != 2:
+            raise ValueError(
+                "`hidden` must have shape (batch, seq, embd) or (seq, embd), "
+                f"got {tuple(jnp.shape(hidden))}"
+            )
+        first = hidden[:, 0] if batched else hidden[None, 0]  # unbatched: a batch of one
+        pooled = jnp.tanh(jax.vmap(self.pooler)(first))
+        return pooled if batched else pooled[0]

@@ -15,7 +15,7 @@ Example:
               "n_layer": 12, "n_head": 12}
     model = GPT2.from_config(config, key=jax.random.key(0))
     logits = eqx.filter_jit(model)(jnp.zeros((1, 8), dtype=jnp.int32))
-    # logits.shape == (1, 8, 50257)
+    # logits.shape == (1, 8, 50257); without the batch axis, (8,) ids give (8, 50257)
 
     # Shapes only, no memory allocated (e.g. before loading a checkpoint):
     abstract = eqx.filter_eval_shape(GPT2.from_config, config, key=jax.random.key(0))
@@ -35,6 +35,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from port._errors import PortError
 from port.models._config import ACTIVATIONS, activation, get
+from port.models._inputs import check_ids, per_sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,9 +225,22 @@ class GPT2(eqx.Module):
         return cls(GPT2Config.from_hf(config), key=key, dtype=dtype)
 
     def __call__(
-        self, input_ids: Int[Array, "batch seq"]
-    ) -> Float[Array, "batch seq vocab"]:
-        return jax.vmap(self._forward)(input_ids)
+        self, input_ids: Int[Array, "*batch seq"]
+    ) -> Float[Array, "*batch seq vocab"]:
+        """Logits for `input_ids` of shape (batch, seq), or (seq,) without the batch axis.
+
+        Unbatched ids run as a batch of one: `model(ids)` is `model(ids[None])[0]`.
+        Raises `ValueError` for another rank or more than `n_positions` tokens and
+        `TypeError` for non-integer ids; the checks read static shapes, so they work
+        under `jax.jit`.
+
+        ```python
+        logits = model(jnp.zeros((2, 8), jnp.int32))  # (2, 8, vocab)
+        logits = model(jnp.zeros((8,), jnp.int32))    # (8, vocab)
+        ```
+        """
+        batched = check_ids(input_ids, limit=("n_positions", self.config.n_positions))
+        return per_sequence(self._forward, batched, input_ids)
 
     def _forward(self, input_ids: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
         seq = input_ids.shape[0]

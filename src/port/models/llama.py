@@ -22,6 +22,7 @@ Example:
     model = Llama.from_config(config, key=jax.random.key(0), dtype=jnp.bfloat16)
     logits = eqx.filter_jit(model)(jnp.zeros((1, 8), dtype=jnp.int32))
     # logits.shape == (1, 8, 32000), logits.dtype == bfloat16
+    # without the batch axis, (8,) ids give (8, 32000)
 
     # Shapes only, no memory allocated (e.g. before loading a checkpoint):
     abstract = eqx.filter_eval_shape(Llama.from_config, config, key=jax.random.key(0))
@@ -42,6 +43,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from port._errors import PortError
 from port.models._config import activation, check, get
+from port.models._inputs import check_ids, per_sequence
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -415,9 +417,21 @@ class Llama(eqx.Module):
         return cls(LlamaConfig.from_hf(config), key=key, dtype=dtype)
 
     def __call__(
-        self, input_ids: Int[Array, "batch seq"]
-    ) -> Float[Array, "batch seq vocab"]:
-        return jax.vmap(self._forward)(input_ids)
+        self, input_ids: Int[Array, "*batch seq"]
+    ) -> Float[Array, "*batch seq vocab"]:
+        """Logits for `input_ids` of shape (batch, seq), or (seq,) without the batch axis.
+
+        Unbatched ids run as a batch of one: `model(ids)` is `model(ids[None])[0]`.
+        Raises `ValueError` for another rank and `TypeError` for non-integer ids; the
+        checks read static shapes, so they work under `jax.jit`. (RoPE has no length
+        limit, so neither does the sequence.)
+
+        ```python
+        logits = model(jnp.zeros((2, 8), jnp.int32))  # (2, 8, vocab)
+        logits = model(jnp.zeros((8,), jnp.int32))    # (8, vocab)
+        ```
+        """
+        return per_sequence(self._forward, check_ids(input_ids), input_ids)
 
     def _forward(self, input_ids: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
         config = self.config

@@ -1,0 +1,97 @@
+"""The token inputs of a model's `__call__`: shapes, dtypes and the optional batch axis.
+
+Shared by the model modules, so every model accepts the same shapes and reports a bad
+input the same way: one line naming the argument, the shape it must have and what it
+got. `input_ids` is `(batch, seq)` or, without the batch axis, `(seq,)`; per-token
+arguments (an attention mask, token type ids) have exactly its shape. The checks read
+static shapes and dtypes only, so they run under `jax.jit` / `eqx.filter_jit` too.
+
+```python
+batched = check_ids(input_ids, limit=("n_positions", 1024))  # True: (batch, seq)
+check_like("attention_mask", attention_mask, input_ids)        # None passes
+hidden = per_sequence(self._forward, batched, input_ids, attention_mask)
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+SHAPES = {2: "(batch, seq)", 1: "(seq,)"}
+"""The accepted ranks of `input_ids` and how messages name them."""
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    return tuple(jnp.shape(value))
+
+
+def check_ids(input_ids: Any, *, limit: tuple[str, int] | None = None) -> bool:
+    """Check `input_ids` is integer `(batch, seq)` or `(seq,)`; return whether it is batched.
+
+    `limit` is a config key and its value bounding the sequence length, e.g.
+    `("max_position_embeddings", 512)`. Raises `ValueError` for a bad shape or a
+    sequence over the limit, `TypeError` for a non-integer dtype.
+
+    ```python
+    check_ids(jnp.zeros((2, 8), jnp.int32))  # True
+    check_ids(jnp.zeros((8,), jnp.int32))    # False
+    check_ids(jnp.zeros((2, 3, 4), jnp.int32))
+    # ValueError: `input_ids` must have shape (batch, seq) or (seq,), got (2, 3, 4)
+    ```
+    """
+    shape = _shape(input_ids)
+    if len(shape) not in SHAPES:
+        raise ValueError(
+            f"`input_ids` must have shape {SHAPES[2]} or {SHAPES[1]}, got {shape}"
+        )
+    dtype = jnp.result_type(input_ids)
+    if not jnp.issubdtype(dtype, jnp.integer):
+        raise TypeError(f"`input_ids` must have an integer dtype, got {dtype}")
+    if limit is not None and shape[-1] > limit[1]:
+        raise ValueError(
+            f"`input_ids`: sequence length {shape[-1]} exceeds {limit[0]} ({limit[1]})"
+        )
+    return len(shape) == 2
+
+
+def check_like(name: str, value: Any | None, input_ids: Any, *, integer: bool = False) -> None:
+    """Check the per-token argument `name` has exactly `input_ids`' shape (None passes).
+
+    With `integer`, its dtype must be an integer type (`TypeError` otherwise); without,
+    any boolean, integer or floating dtype will do.
+
+    ```python
+    ids = jnp.zeros((2, 8), jnp.int32)
+    check_like("attention_mask", jnp.ones((8,), jnp.int32), ids)
+    # ValueError: `attention_mask` must have shape (batch, seq) = (2, 8) like `input_ids`, got (8,)
+    ```
+    """
+    if value is None:
+        return
+    expected, shape = _shape(input_ids), _shape(value)
+    if shape != expected:
+        raise ValueError(
+            f"`{name}` must have shape {SHAPES[len(expected)]} = {expected} like "
+            f"`input_ids`, got {shape}"
+        )
+    dtype = jnp.result_type(value)
+    kinds = (jnp.integer,) if integer else (jnp.bool_, jnp.integer, jnp.floating)
+    if not any(jnp.issubdtype(dtype, kind) for kind in kinds):
+        expected_dtype = "an integer" if integer else "a boolean, integer or floating"
+        raise TypeError(f"`{name}` must have {expected_dtype} dtype, got {dtype}")
+
+
+def per_sequence(forward: Callable[..., Array], batched: bool, *args: Any) -> Array:
+    """`forward`, written for one sequence, mapped over the batch axis of `args`.
+
+    Unbatched `args` run as a batch of one and the batch axis is dropped from the
+    result, so `per_sequence(f, False, ids)` is exactly `per_sequence(f, True, ids[None])[0]`.
+    """
+    if batched:
+        return jax.vmap(forward)(*args)
+    return jax.vmap(forward)(*(jnp.asarray(a)[None] for a in args))[0]
