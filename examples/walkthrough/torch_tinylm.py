@@ -5,7 +5,7 @@ a tied LM head. `save_pretrained` writes `config.json` and `model.safetensors`
 like a Hugging Face checkpoint; `from_pretrained` reads them back, so `port verify`
 can use it as the reference.
 
-    python examples/walkthrough/torch_tinylm.py /tmp/tinylm     # writes a random checkpoint
+    python torch_tinylm.py tinylm-checkpoint     # writes a random checkpoint there
 """
 
 import json
@@ -83,4 +83,4 @@ class TinyLM(nn.Module):
 
 if __name__ == "__main__":
     torch.manual_seed(0)
-    TinyLM(CONFIG).save_pretrained(sys.argv[1] if len(sys.argv) > 1 else "tinylm")
+    TinyLM(CONFIG).save_pretrained(sys.argv[1] if len(sys.argv) > 1 else "tinylm-checkpoint")
