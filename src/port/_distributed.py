@@ -13,16 +13,52 @@ model = port.load("gpt2", mesh=mesh)
 
 The same from the environment: `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
 `JAX_PROCESS_ID`.
+
+`agree` checks, before any tensor is read, that every process was given the same
+settings. Joining, agreeing and, at exit, waiting for the others to end each take
+at most `timeout` seconds; past it, the process says why in one line (`port:
+error: ...`) and exits with status 1. JAX's own deadlines for the same waits end
+in a C++ abort (`Check failure`, exit 134), so port sets them later than its own.
+(A process killed mid-run is noticed only by JAX's heartbeat, after 100 s, and
+that still aborts the others: JAX offers no hook for it.)
 """
 
 from __future__ import annotations
 
+import atexit
+import errno
+import hashlib
+import json
+import math
 import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import NoReturn
 
 import jax
 
 from ._errors import PortError
 from ._mesh import simulate_devices
+
+DEFAULT_TIMEOUT = 300.0
+# JAX's own deadlines, set past port's so that port's always run out first.
+_JAX_JOIN_MARGIN = 30  # jax aborts about 5 s after its initialization_timeout
+_JAX_SHUTDOWN_TIMEOUT = 300  # jax's default; raised to stay past a longer --timeout
+
+
+@dataclass
+class _Run:
+    coordinator: str
+    num_processes: int
+    process_id: int
+    timeout: float
+    rounds: int = 0  # agree() calls so far: each round has its own keys
+
+
+_run: _Run | None = None
 
 
 def _env_int(name: str) -> int | None:
@@ -35,18 +71,116 @@ def _env_int(name: str) -> int | None:
         raise PortError(f"{name}={value!r}: expected an integer") from None
 
 
+def _store():
+    """The coordinator's key-value store, through which processes exchange small strings.
+
+    The one use of a private JAX module in port's multi-process code: JAX 0.10 has no
+    public API for its distributed key-value store (Orbax and JAX's own array
+    serialization reach it the same way).
+    """
+    from jax._src.distributed import global_state
+
+    if global_state.client is None:
+        raise PortError("not in a multi-process run: call port.initialize first")
+    return global_state.client
+
+
+def _stop(message: str) -> NoReturn:
+    """Say `port: error: MESSAGE` and end the process with status 1, from any thread.
+
+    For waits that JAX cannot abandon: a thread blocked in JAX's C++ cannot be
+    interrupted, and JAX's own timeout there aborts the process.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os.write(2, ("port: error: " + message.replace("\n", "\\n") + "\n").encode(errors="replace"))
+    os._exit(1)
+
+
+def _listening(coordinator: str) -> bool:
+    """Whether anything accepts connections at HOST:PORT (within a second)."""
+    host, _, port = coordinator.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _port_taken(coordinator: str) -> bool:
+    """Whether process 0 cannot serve at HOST:PORT because the port is in use here.
+
+    JAX would log the failed bind and go on, to crash later; a probe bind where JAX
+    binds (every address, unless JAX_COORDINATOR_BIND_ADDRESS says otherwise) tells first.
+    """
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or "[::]:" + coordinator.rpartition(":")[2]
+    host, _, port = bind.rpartition(":")
+    host = host.strip("[]")
+    if host in ("", "::"):  # every address: IPv6 (and IPv4 with it), or IPv4 where there is no IPv6
+        tries = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
+    else:
+        tries = [(socket.AF_INET6 if ":" in host else socket.AF_INET, host)]
+    for family, address in tries:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's TIME_WAIT is fine
+                probe.bind((address, int(port)))
+            return False
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return True
+        except ValueError:
+            return False
+    return False
+
+
+def _not_joined(coordinator: str, num_processes: int, process_id: int, timeout: float) -> str:
+    limit = f"within {timeout:g} s (--timeout {timeout:g})"
+    if process_id != 0 and not _listening(coordinator):
+        return (
+            f"--coordinator {coordinator}: no coordinator answered {limit}; start process 0 "
+            "(--process-id 0) on that host, or check HOST:PORT"
+        )
+    where = "" if process_id == 0 else "reached the coordinator, but "
+    return (
+        f"--coordinator {coordinator}: {where}not all {num_processes} processes joined {limit}; start every "
+        f"process with the same --coordinator and --num-processes {num_processes}, --process-id 0 to "
+        f"{num_processes - 1}"
+    )
+
+
 def initialize(
     coordinator: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
     local_devices: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> bool:
     """Join a multi-process run, from the arguments or JAX's environment variables.
 
     Returns False (and does nothing) when neither names a run. On a machine with no
     accelerator, each process simulates `local_devices` CPU devices, and processes
     exchange data through gloo. Call it before JAX starts (before any JAX operation).
+
+    **Arguments:**
+
+    - `coordinator`: `HOST:PORT` of process 0, where it serves the run's coordinator.
+    - `num_processes`, `process_id`: the run's size, and this process, 0 to N-1.
+    - `local_devices`: CPU devices this process simulates (no accelerator only).
+    - `timeout`: seconds to wait for all processes to join. Past it, this process
+      says `port: error: --coordinator HOST:PORT: ...` on stderr and exits with
+      status 1 (JAX cannot abandon a half-made connection; its own timeout, set
+      later than this one, would abort the process). The same bound applies to
+      `agree` and, at exit, to waiting for the other processes to end.
+
+    ```python
+    port.initialize("10.0.0.1:1234", num_processes=2, process_id=1, timeout=60)
+    ```
     """
+    global _run
     coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
     num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
     process_id = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
@@ -62,15 +196,217 @@ def initialize(
         raise PortError(f"--coordinator {coordinator!r}: expected HOST:PORT")
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise PortError(f"--process-id {process_id}: expected 0 <= I < --num-processes {num_processes}")
+    if not timeout > 0 or math.isinf(timeout):
+        raise PortError(f"--timeout {timeout:g}: expected a positive number of seconds")
     if local_devices:
         simulate_devices(local_devices)
+    if process_id == 0 and _port_taken(coordinator):
+        raise PortError(
+            f"--coordinator {coordinator}: port {coordinator.rpartition(':')[2]} is already in use on this "
+            "host (another run's coordinator?); choose a free port"
+        )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+
+    joined, lock = threading.Event(), threading.Lock()
+
+    def watch() -> None:
+        if joined.wait(timeout):
+            return
+        message = _not_joined(coordinator, num_processes, process_id, timeout)
+        with lock:  # never once the main thread has joined
+            if not joined.is_set():
+                _stop(message)
+
+    threading.Thread(target=watch, name="port-join-timeout", daemon=True).start()
     try:
-        jax.distributed.initialize(coordinator, num_processes, process_id)
+        jax.distributed.initialize(
+            coordinator,
+            num_processes,
+            process_id,
+            initialization_timeout=math.ceil(timeout) + _JAX_JOIN_MARGIN,
+            shutdown_timeout_seconds=max(_JAX_SHUTDOWN_TIMEOUT, math.ceil(timeout) + 2 * _JAX_JOIN_MARGIN),
+        )
     except (RuntimeError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PortError(f"--coordinator {coordinator}: could not join the run ({first})") from None
+        raise PortError(f"--coordinator {coordinator}: could not join the run ({_first(e)})") from None
+    finally:
+        with lock:
+            joined.set()
+    _run = _Run(coordinator, num_processes, process_id, float(timeout))
+    if num_processes > 1:
+        atexit.register(_leave)  # after JAX's own exit hook was registered: runs before it
     return True
+
+
+def _current() -> _Run | None:
+    """This process's run: the one `initialize` joined, or one started with `jax.distributed`."""
+    if _run is not None:
+        return _run if jax.distributed.is_initialized() else None
+    if jax.distributed.is_initialized() and jax.process_count() > 1:
+        return _Run("", jax.process_count(), jax.process_index(), DEFAULT_TIMEOUT)
+    return None
+
+
+_MISSING = object()  # a key one process's settings lack
+
+
+def _shown(key: str, value: object) -> str:
+    """A setting as a user reads it: `bfloat16`, `no --dtype`, `--force`, a digest for long text."""
+    if value is _MISSING or value is None or value is False:
+        return f"no {key}"
+    if value is True:
+        return key
+    if isinstance(value, str):
+        if len(value) <= 80 and "\n" not in value:
+            return value
+        digest = hashlib.sha256(value.encode(errors="replace")).hexdigest()[:12]
+        return f"{len(value)} characters with sha256 {digest}"
+    return json.dumps(value)
+
+
+def _disagreement(key: str, values: dict[int, object]) -> str:
+    """`processes disagree on KEY: process 0 has A, process 1 has B` (equal values grouped)."""
+    groups: dict[str, list[int]] = {}
+    for process, value in values.items():
+        same = "\0" if value is _MISSING else json.dumps(value, sort_keys=True)
+        groups.setdefault(same, []).append(process)
+    parts = []
+    for processes in groups.values():
+        shown = _shown(key, values[processes[0]])
+        if len(processes) == 1:
+            parts.append(f"process {processes[0]} has {shown}")
+        else:
+            parts.append(f"processes {', '.join(map(str, processes))} have {shown}")
+    return f"processes disagree on {key}: {', '.join(parts)}"
+
+
+def agree(settings: dict[str, str | int | float | bool | None], timeout: float | None = None) -> None:
+    """Check that every process of the run was given the same settings; a no-op in one process.
+
+    Each process publishes its `settings` through the coordinator's key-value store
+    (no device collective, so it works even when the processes disagree on the mesh)
+    and reads everyone else's. On every process, the first key whose values differ
+    raises `PortError("processes disagree on KEY: process 0 has A, process 1 has B")`.
+    Call it before reading any tensor data, the same number of times in every process.
+
+    **Arguments:**
+
+    - `settings`: names (as the user knows them, e.g. `"--dtype"`) to JSON values.
+    - `timeout`: seconds to wait for the other processes' settings (default: the
+      `timeout` given to `initialize`); past it, a `PortError` names the missing process.
+
+    ```python
+    agree({"--mesh": "4x2", "--dtype": "bfloat16", "--out": "/shared/gpt2-jax"})
+    ```
+    """
+    run = _current()
+    if run is None or run.num_processes < 2:
+        return
+    timeout = run.timeout if timeout is None else timeout
+    run.rounds += 1
+    store = _store()
+    prefix = f"port/agree/{run.rounds}/"
+    mine = json.dumps(settings, default=str)
+    texts = {run.process_id: mine}
+    deadline = time.monotonic() + timeout
+    try:
+        store.key_value_set(prefix + str(run.process_id), mine)
+        for process in range(run.num_processes):
+            if process == run.process_id:
+                continue
+            while (text := _get(store, prefix + str(process), min(1.0, deadline - time.monotonic()))) is None:
+                if _peek(store, _ENDED + str(process)) is not None:
+                    raise PortError(f"process {process} ended before sending its settings: see its output")
+                if time.monotonic() >= deadline:
+                    raise PortError(
+                        f"process {process} did not send its settings within {timeout:g} s "
+                        f"(--timeout {timeout:g}): see its output"
+                    )
+            texts[process] = text
+    except jax.errors.JaxRuntimeError as e:
+        raise PortError(
+            f"--coordinator {run.coordinator}: connection lost while exchanging settings ({_first(e)})"
+        ) from None
+    everyone = {process: json.loads(texts[process]) for process in sorted(texts)}
+    keys = list(dict.fromkeys(key for values in everyone.values() for key in values))
+    for key in keys:
+        values = {process: values.get(key, _MISSING) for process, values in everyone.items()}
+        if len({"\0" if v is _MISSING else json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
+            raise PortError(_disagreement(key, values))
+
+
+_ENDED = "port/ended/"  # + process id: "ended" once it reaches exit, "gone" if it left without the others
+
+
+def _first(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+def _get(store, key: str, seconds: float) -> str | None:
+    """The value of `key`, waiting up to `seconds` for it to be set; None if it was not."""
+    try:
+        return store.blocking_key_value_get(key, max(1, int(seconds * 1000)))
+    except jax.errors.JaxRuntimeError as e:
+        if "DEADLINE_EXCEEDED" in str(e):
+            return None
+        raise
+
+
+def _peek(store, key: str) -> str | None:
+    """The value of `key` if it is set, without waiting."""
+    try:
+        return store.key_value_try_get(key)
+    except jax.errors.JaxRuntimeError:
+        return None
+
+
+def _leave() -> None:
+    """At exit: wait up to the run's timeout for the other processes to end too, then leave.
+
+    JAX's own exit waits for every process as well, and ends in a C++ abort of every
+    process when one never comes. This wait comes first and ends in one line instead;
+    a process that leaves this way says so in the store, so that the others do not
+    wait in JAX's exit for it.
+    """
+    run = _run
+    if run is None or not jax.distributed.is_initialized():
+        return
+    try:
+        store = _store()
+        store.key_value_set(_ENDED + str(run.process_id), "ended")
+    except Exception:  # noqa: BLE001 - no coordinator left: nothing to wait for
+        return
+    deadline = time.monotonic() + run.timeout
+    said = False
+    for process in range(run.num_processes):
+        while process != run.process_id:
+            try:
+                state = _get(store, _ENDED + str(process), min(1.0, deadline - time.monotonic()))
+            except jax.errors.JaxRuntimeError as e:
+                _stop(
+                    f"--coordinator {run.coordinator}: connection lost while waiting for process {process} "
+                    f"to end ({_first(e)})"
+                )
+            if state == "gone":
+                _stop(f"process {process} ended without waiting for process {run.process_id}: see its output")
+            if state is not None:
+                break
+            if time.monotonic() >= deadline:
+                try:
+                    store.key_value_set(_ENDED + str(run.process_id), "gone", allow_overwrite=True)
+                except Exception:  # noqa: BLE001 - leaving anyway
+                    pass
+                _stop(
+                    f"process {process} did not end within {run.timeout:g} s (--timeout {run.timeout:g}) of "
+                    f"process {run.process_id}: see its output"
+                )
+            if not said:
+                said = True
+                print(
+                    f"port: process {run.process_id}/{run.num_processes}: waiting up to {run.timeout:g} s "
+                    f"(--timeout) for process {process} to end",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def barrier(name: str) -> None:

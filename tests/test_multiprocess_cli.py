@@ -1,0 +1,225 @@
+"""Multi-process runs that cannot go ahead end in one line and exit status 1 on every process.
+
+Processes started with different settings stop before reading any tensor, naming the
+difference; a process whose peers never join stops after `--timeout`. Never a C++
+abort (`Check failure`, exit 134), a traceback or a hang. Every case starts real
+processes (fresh interpreters, never a fork) and runs in seconds.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from test_multiprocess import free_port
+
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
+LIMIT = 60  # seconds any one process may take
+
+
+def port_command() -> list[str]:
+    """The installed `port` console script, or `python -m port`."""
+    script = Path(sys.executable).parent / "port"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "port"]
+
+
+def environment() -> dict:
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PORT_DEBUG")}
+    return base | {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
+
+
+def run_all(commands: list[list[str]], delays: list[float] | None = None) -> list[tuple[int, str, float]]:
+    """Start each command (after its delay), wait for all; (exit status, stderr, seconds) of each."""
+    delays = delays or [0.0] * len(commands)
+    started, procs = time.monotonic(), []
+    try:
+        for command, delay in sorted(zip(commands, delays), key=lambda c: c[1]):
+            time.sleep(max(0.0, started + delay - time.monotonic()))
+            procs.append((command, time.monotonic(), subprocess.Popen(
+                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())))
+        results = {}
+        for command, start, p in procs:
+            _, err = p.communicate(timeout=max(1.0, start + LIMIT - time.monotonic()))
+            results[id(command)] = (p.returncode, err, time.monotonic() - start)
+    finally:
+        for _, _, p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [results[id(command)] for command in commands]
+
+
+def the_error(code: int, err: str) -> str:
+    """The one `port: error:` line of a process that stopped cleanly with status 1."""
+    assert code == 1, err
+    assert "Traceback" not in err and "Check failure" not in err and "internal error" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("port: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# ---------------------------------------------------------------- port convert
+
+
+@pytest.fixture(scope="module")
+def wired():
+    """Skip until `port convert` takes --timeout (and so joins, agrees and times out)."""
+    result = subprocess.run([*port_command(), "convert", "--help"], capture_output=True, text=True,
+                            env=environment(), timeout=LIMIT)
+    if "--timeout" not in result.stdout:
+        pytest.skip("port convert has no --timeout yet")
+
+
+def convert(out: Path, address: str, process: int, *extra: str) -> list[str]:
+    return [*port_command(), "convert", str(TINY), "--mesh", "4x2", "--out", str(out),
+            "--coordinator", address, "--num-processes", "2", "--process-id", str(process), *extra]
+
+
+@pytest.mark.parametrize("flag, first, second, expected", [
+    ("--dtype", [], ["--dtype", "bfloat16"], ["process 0 has", "process 1 has bfloat16"]),
+    ("--dtype", ["--dtype", "float32"], ["--dtype", "bfloat16"],
+     ["process 0 has float32, process 1 has bfloat16"]),
+    ("--mesh", [], ["--mesh", "2x4"], ["process 0 has 4x2, process 1 has 2x4"]),  # same device count
+    ("--out", [], ["--out", "{tmp}/other"], ["process 0 has {tmp}/out", "process 1 has {tmp}/other"]),
+])
+def test_processes_that_disagree_stop_before_reading(wired, tmp_path, flag, first, second, expected):
+    out, address = tmp_path / "out", f"127.0.0.1:{free_port()}"
+    # A later flag wins: process 1's --mesh 2x4 / --out other replaces the shared one.
+    extras = [[a.format(tmp=tmp_path) for a in first], [a.format(tmp=tmp_path) for a in second]]
+    results = run_all([convert(out, address, i, *extras[i]) for i in range(2)])
+    for code, err, _ in results:
+        line = the_error(code, err)
+        assert line.startswith(f"port: error: processes disagree on {flag}: "), line
+        for part in expected:
+            assert part.format(tmp=tmp_path) in line, line
+        assert "converted" not in err
+    assert sorted(os.listdir(tmp_path)) == [], "no output, no hidden partial output"
+
+
+@pytest.mark.parametrize("process", [0, 1])
+def test_a_process_alone_stops_after_the_timeout(wired, tmp_path, process):
+    out, address = tmp_path / "out", f"127.0.0.1:{free_port()}"
+    [(code, err, seconds)] = run_all([convert(out, address, process, "--timeout", "5")])
+    assert re.search(rf"waiting for 2 processes at .*{re.escape(address)}", err), err
+    line = the_error(code, err)
+    assert f"--coordinator {address}" in line and "5 s" in line and "--timeout" in line, line
+    if process == 0:
+        assert "not all 2 processes joined" in line, line
+    else:
+        assert "no coordinator answered" in line, line
+    assert seconds < LIMIT
+    assert not out.exists()
+
+
+# ---------------------------------------------------------------- the functions, in a small driver
+
+DRIVER = textwrap.dedent("""
+    import json, sys, time
+    from port._distributed import agree, initialize
+    from port._errors import PortError
+
+    address, process, timeout, settings, then = sys.argv[1:6]
+    try:
+        initialize(address, 2, int(process), timeout=float(timeout))
+        print("joined", file=sys.stderr, flush=True)
+        if then == "leave":  # ends at once, without agreeing
+            sys.exit(0)
+        agree(json.loads(settings))
+        print("agreed", file=sys.stderr, flush=True)
+        if then.startswith("sleep"):  # keeps working while the other ends
+            time.sleep(float(then[5:]))
+    except PortError as e:
+        print(f"port: error: {e}", file=sys.stderr)
+        sys.exit(1)
+""")
+
+
+@pytest.fixture
+def driver(tmp_path):
+    path = tmp_path / "driver.py"
+    path.write_text(DRIVER)
+    address = f"127.0.0.1:{free_port()}"
+
+    def command(process, settings=None, timeout=5, then="-"):
+        return [sys.executable, str(path), address, str(process), str(timeout), json.dumps(settings or {}), then]
+
+    command.address = address
+    return command
+
+
+def test_agree_passes_and_process_1_may_start_first(driver):
+    settings = {"--mesh": "4x2", "--dtype": None, "--force": False}
+    results = run_all([driver(0, settings), driver(1, settings)], delays=[2.0, 0.0])
+    for code, err, _ in results:
+        assert code == 0 and "agreed" in err and "port:" not in err, err
+
+
+def test_agree_names_the_first_difference_on_every_process(driver):
+    first = {"--mesh": "4x2", "--dtype": "float32", "--out": "/a", "--force": True}
+    second = {"--mesh": "4x2", "--dtype": "bfloat16", "--out": "/b", "--force": False}
+    for code, err, _ in run_all([driver(0, first), driver(1, second)]):
+        assert the_error(code, err) == (
+            "port: error: processes disagree on --dtype: process 0 has float32, process 1 has bfloat16"
+        )
+
+
+def test_agree_stops_when_the_other_process_ended_without_agreeing(driver):
+    (code0, err0, seconds), (code1, err1, _) = run_all([driver(0, timeout=30), driver(1, timeout=30, then="leave")])
+    assert the_error(code0, err0) == "port: error: process 1 ended before sending its settings: see its output"
+    assert seconds < 25  # at once, not after --timeout
+    assert code1 == 0 and "Check failure" not in err1, err1
+
+
+def test_a_process_waits_at_exit_for_a_slower_one(driver):
+    results = run_all([driver(0, then="sleep3"), driver(1)])
+    for code, err, _ in results:
+        assert code == 0 and "Check failure" not in err, err
+    assert "port: process 1/2: waiting up to 5 s (--timeout) for process 0 to end" in results[1][1]
+
+
+def test_a_process_alone_stops_after_the_timeout_from_python(driver):
+    [(code, err, seconds)] = run_all([driver(1, timeout=3)])
+    assert the_error(code, err) == (
+        f"port: error: --coordinator {driver.address}: no coordinator answered within 3 s (--timeout 3); "
+        "start process 0 (--process-id 0) on that host, or check HOST:PORT"
+    )
+    assert seconds < 30
+
+
+def test_the_coordinators_port_in_use(driver):
+    import socket
+
+    host, port = driver.address.split(":")
+    with socket.socket() as taken:
+        taken.bind((host, int(port)))
+        taken.listen()
+        [(code, err, _)] = run_all([driver(0)])
+    assert the_error(code, err) == (
+        f"port: error: --coordinator {driver.address}: port {port} is already in use on this host "
+        "(another run's coordinator?); choose a free port"
+    )
+
+
+def test_one_process_agrees_with_itself():
+    from port._distributed import agree
+
+    agree({"--dtype": "bfloat16"})  # not a multi-process run: nothing to compare
+
+
+def test_disagreements_read_as_settings():
+    from port._distributed import _MISSING, _disagreement
+
+    assert _disagreement("--dtype", {0: None, 1: "bfloat16"}) == (
+        "processes disagree on --dtype: process 0 has no --dtype, process 1 has bfloat16")
+    assert _disagreement("--force", {0: True, 1: False, 2: True}) == (
+        "processes disagree on --force: processes 0, 2 have --force, process 1 has no --force")
+    assert _disagreement("--mapping", {0: "gpt2.toml", 1: _MISSING}) == (
+        "processes disagree on --mapping: process 0 has gpt2.toml, process 1 has no --mapping")
+    long = _disagreement("mapping text", {0: "a = 1\n" * 20, 1: "a = 2\n" * 20})
+    assert "\n" not in long and "process 0 has 120 characters with sha256 " in long
