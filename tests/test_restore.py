@@ -49,3 +49,33 @@ def test_save_refuses_an_existing_directory(saved):
 def test_restore_of_something_else(tmp_path):
     with pytest.raises(port.PortError, match="not a port output"):
         port.restore(tmp_path, port.make_mesh("1x1"))
+
+
+def test_restore_takes_a_mesh_as_load_does(saved):
+    """A spec string, a Mesh, or nothing (one device), exactly as `port.load`."""
+    out, written_logits, _ = saved
+    by_spec = port.restore(out, mesh="2x4")
+    assert dict(by_spec.blocks.attn.wq.sharding.mesh.shape) == {"data": 2, "model": 4}
+    single = port.restore(out)
+    assert len(single.blocks.attn.wq.sharding.device_set) == 1
+    for model in (by_spec, single):
+        assert np.abs(np.asarray(logits(model, INPUT_IDS)) - written_logits).max() < 1e-5
+    with pytest.raises(port.PortError, match="`mesh`: expected a jax.sharding.Mesh or a spec"):
+        port.restore(out, mesh=8)
+
+
+def test_force_in_python_replaces_only_a_port_output(saved, tmp_path):
+    out, _, _ = saved
+    model = port.restore(out)
+    mapping, config = port.mapping_for({"model_type": "gpt2"}), {"model_type": "gpt2"}
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    with pytest.raises(port.PortError, match="not a port output"):
+        port.save(model, mine, mapping, config, force=True)
+    assert (mine / "notes.txt").read_text() == "keep"
+    copy = tmp_path / "copy"
+    port.save(model, copy, mapping, config)
+    port.save(model, copy, mapping, config, force=True)
+    assert sorted(p.name for p in copy.iterdir()) == ["params", "port.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "mine"]

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from ._fill import fill
 from ._mapping import Mapping, load_mapping, mapping_for
-from ._mesh import make_mesh
+from ._mesh import as_mesh
 from ._place import place
 from ._plan import plan
 from ._skeleton import skeleton as make_skeleton
@@ -59,10 +59,9 @@ def load(
     """A pretrained model from a checkpoint directory or Hugging Face repo id, sharded on `mesh`.
 
     The architecture comes from `config.json` `model_type` unless `mapping` is given;
-    `mesh` defaults to a single device; `dtype` casts floating parameters.
+    `mesh` is a `Mesh` or a spec such as `"4x2"` (default: one device); `dtype` casts
+    floating parameters.
     """
     with open_checkpoint(model) as ckpt:
         mapping = mapping_for(ckpt.config, mapping)
-        if not isinstance(mesh, Mesh):
-            mesh = make_mesh(mesh or "1x1")
-        return convert(ckpt, make_skeleton(mapping, ckpt.config), mapping, mesh, dtype=dtype)
+        return convert(ckpt, make_skeleton(mapping, ckpt.config), mapping, as_mesh(mesh), dtype=dtype)

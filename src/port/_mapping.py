@@ -40,7 +40,6 @@ import importlib
 import importlib.resources
 import os
 import re
-import sys
 import tomllib
 from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
@@ -103,14 +102,21 @@ class Mapping:
 
 
 def import_object(spec: str, what: str) -> Any:
-    """Import `package.module:Name`; `what` starts the error message."""
-    module, _, name = spec.partition(":")
-    if os.getcwd() not in sys.path:  # a user's own module beside them, as with `python -m`
-        sys.path.append(os.getcwd())
+    """Import `package.module:Name`; `what` starts the error message.
+
+    The module must be importable as it is (installed, or on `sys.path`): port adds
+    no directory to the path here. The command line adds the working directory once.
+    """
+    module, colon, name = spec.partition(":")
+    if not colon or not module or not name or not all(part.isidentifier() for part in name.split(".")):
+        raise PortError(f"{what} '{spec}': expected module:Class, such as port.models.gpt2:GPT2")
     try:
-        return getattr(importlib.import_module(module), name)
+        found: Any = importlib.import_module(module)
+        for part in name.split("."):
+            found = getattr(found, part)
     except (ImportError, AttributeError) as e:
         raise PortError(f"{what} '{spec}' cannot be imported ({e})") from None
+    return found
 
 
 def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:

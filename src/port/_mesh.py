@@ -87,3 +87,12 @@ def make_mesh(spec: str | dict[str, int], devices: list | None = None) -> Mesh:
         raise PortError(f"--mesh {label} needs {needed} devices but JAX has {len(devices)} {platform}{hint}")
     grid = np.array(devices[:needed]).reshape(tuple(shape.values()))
     return Mesh(grid, tuple(shape))
+
+
+def as_mesh(mesh: Mesh | str | dict[str, int] | None) -> Mesh:
+    """`mesh` itself, or the mesh `make_mesh` builds from a spec such as `"2x4"`; None is one device."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    if mesh is not None and not isinstance(mesh, (str, dict)):
+        raise PortError(f"`mesh`: expected a jax.sharding.Mesh or a spec such as '4x2', got {type(mesh).__name__}")
+    return make_mesh("1x1" if mesh is None else mesh)

@@ -184,7 +184,9 @@ def plan_problems(
     """The plan, or every problem found, each naming the mapping entry or key it comes from."""
     problems: list[str] = []
     mesh_shape = dict(mesh_shape)
-    target_dtype = dtype_named(dtype) if isinstance(dtype, str) else dtype
+    target_dtype = None if dtype is None else np.dtype(dtype_named(dtype) if isinstance(dtype, str) else dtype)
+    if target_dtype is not None:
+        check_target_dtype(target_dtype)
     for axis, mesh_axes in mapping.rules.items():
         for name in mesh_axes:
             if name not in mesh_shape:
@@ -381,6 +383,16 @@ def _leaf(
         read_bytes += math.prod(b - a for a, b in region) * first.dtype.itemsize * len(box_keys)
     device_bytes = math.prod(b - a for a, b in shards[0]) * out_dtype.itemsize
     return dataclasses.replace(leaf, device_bytes=device_bytes, read_bytes=read_bytes)
+
+
+def check_target_dtype(dtype: np.dtype) -> None:
+    """Refuse a `dtype` to cast parameters to that is not floating, or that JAX would silently narrow."""
+    import jax
+
+    if not _floating(dtype):
+        raise PortError(f"dtype {dtype.name}: parameters are cast only to a floating dtype (float32, bfloat16, float16)")
+    if dtype.itemsize > 4 and not jax.config.jax_enable_x64:
+        raise PortError(f"dtype {dtype.name}: JAX stores it as float32 unless jax_enable_x64 is set")
 
 
 def _floating(dtype: np.dtype) -> bool:

@@ -16,8 +16,10 @@ model = restore("out/gpt2", make_mesh("2x4"))
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
 import shutil
 from collections.abc import Mapping as AnyMapping
 from pathlib import Path
@@ -30,7 +32,9 @@ from jax.sharding import Mesh, NamedSharding
 from ._distributed import barrier
 from ._errors import PortError
 from ._fill import fill
+from ._interrupt import final, removing
 from ._mapping import Mapping, dtype as dtype_named, parse_mapping
+from ._mesh import as_mesh
 from ._plan import partition
 from ._skeleton import leaves, skeleton
 
@@ -56,14 +60,94 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def check_out(directory: str | os.PathLike, force: bool = False) -> Path:
-    """The absolute output path, refusing an existing one unless `force`."""
-    directory = Path(directory).absolute()
-    if directory.exists() and not force:
-        raise PortError(f"--out {directory}: already exists (use --force to replace it)")
-    if not directory.parent.is_dir():
-        raise PortError(f"--out {directory}: parent directory does not exist")
-    return directory
+PARTS = frozenset({"port.json", "params"})  # what `save` writes into an output directory
+
+
+def is_output(directory: str | os.PathLike) -> bool:
+    """Whether `directory` is a port output: `port.json` (port's metadata) and `params/`, nothing else."""
+    directory = Path(directory)
+    if directory.is_symlink() or not directory.is_dir():
+        return False
+    try:
+        names = {p.name for p in directory.iterdir()}
+        meta = json.loads((directory / "port.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return names == PARTS and isinstance(meta, dict) and "format" in meta and (directory / "params").is_dir()
+
+
+def _inside(path: Path, directory: Path) -> bool:
+    return path == directory or directory in path.parents
+
+
+def check_out(
+    directory: str | os.PathLike,
+    force: bool = False,
+    inputs: tuple[str | os.PathLike, ...] = (),
+    flag: str = "--out",
+) -> Path:
+    """The absolute output path, refusing any target that writing or replacing would harm.
+
+    `force` allows replacing an earlier port output (see `is_output`), and nothing
+    else: not a file, a symlink, a directory holding anything port did not write,
+    the root, the home or working directory or one containing it, nor a directory
+    that is or contains one of `inputs` (the checkpoint being read).
+
+    ```python
+    check_out("out/gpt2", force=True, inputs=("ckpt/gpt2",))   # Path('/abs/out/gpt2')
+    ```
+    """
+    out = Path(directory).absolute()
+    real = out.resolve()
+    here, home = Path.cwd().resolve(), Path.home().resolve()
+    if real == Path(real.anchor) or real == home or _inside(here, real):
+        what = "the root directory" if real == Path(real.anchor) else "your home directory" if real == home else (
+            "the working directory" if real == here else "a directory containing the working directory"
+        )
+        raise PortError(f"{flag} {out}: is {what}; port writes its output into a new directory")
+    for name in inputs:
+        source = Path(name).resolve()
+        if _inside(source, real):
+            what = "is" if source == real else "contains"
+            raise PortError(f"{flag} {out}: {what} the input {name}; choose another directory")
+    if out.is_symlink():
+        raise PortError(f"{flag} {out}: is a symbolic link; give the directory itself")
+    if out.exists():
+        if not out.is_dir():
+            raise PortError(f"{flag} {out}: is a file, not a directory; port will not replace it")
+        if not force:
+            raise PortError(f"{flag} {out}: already exists (use --force to replace an earlier port output)")
+        if not is_output(out):
+            raise PortError(
+                f"{flag} {out}: not a port output (port.json and params/ only); --force replaces only "
+                "a directory port wrote"
+            )
+    elif not out.parent.is_dir():
+        raise PortError(f"{flag} {out}: parent directory does not exist")
+    return out
+
+
+def _run_token() -> str:
+    """Random hex naming this run's temporary directory; process 0's in a multi-process run."""
+    token = np.frombuffer(secrets.token_bytes(8), np.uint32)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        token = np.asarray(multihost_utils.broadcast_one_to_all(token))
+    return token.astype(">u4").tobytes().hex()
+
+
+def _replace(directory: Path, written: Path, force: bool) -> None:
+    """Move `written` to `directory`; an earlier port output there is removed after the move."""
+    old = directory.parent / f".{directory.name}.port-old-{secrets.token_hex(4)}"
+    with removing(old):
+        with final():
+            if os.path.lexists(directory):
+                check_out(directory, force)  # still an earlier port output, as when we started
+                os.rename(directory, old)
+            os.rename(written, directory)
+        if os.path.lexists(old):
+            shutil.rmtree(old)
 
 
 def save(
@@ -89,13 +173,18 @@ def save(
             for p, a in arrays.items()
         },
     }
-    # One name for every process of a multi-process run: they write one checkpoint.
-    tmp = directory.parent / f".{directory.name}.port-partial"
+    # A new name for each run, the same for every process of a multi-process run:
+    # they write one checkpoint.
+    tmp = directory.parent / f".{directory.name}.port-partial-{_run_token()}"
     lead = jax.process_index() == 0
-    if lead:
-        shutil.rmtree(tmp, ignore_errors=True)
-    barrier("port-save-start")
-    try:
+    with contextlib.ExitStack() as cleanup:
+        if lead:
+            try:  # a new directory, never an existing one nor through a symlink
+                cleanup.enter_context(removing(tmp, create=os.mkdir))
+            except FileExistsError:
+                raise PortError(f"{tmp}: exists; port writes only into a directory it creates") from None
+            cleanup.callback(shutil.rmtree, tmp, True)
+        barrier("port-save-start")
         # No compression: trained weights barely compress, and compressing doubled the
         # host memory of a save; at most 1 GB of arrays in flight to the writer.
         handler = ocp.PyTreeCheckpointHandler(
@@ -106,20 +195,25 @@ def save(
         barrier("port-save-written")
         if lead:
             (tmp / "port.json").write_text(json.dumps(meta, indent=1))
-            if directory.exists():
-                shutil.rmtree(directory)
-            os.rename(tmp, directory)
+            _replace(directory, tmp, force)
         barrier("port-save-done")
-    finally:
-        if lead:
-            shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
-def restore(directory: str | os.PathLike, mesh: Mesh) -> Any:
-    """Load a `port convert` output onto `mesh`, which may differ from the one it was written with."""
+def restore(directory: str | os.PathLike, mesh: Mesh | str | None = None) -> Any:
+    """Load a `port convert` output onto `mesh`, which may differ from the one it was written with.
+
+    `mesh` is a `Mesh` or a spec such as `"2x4"`, as for `load` (default: one device).
+    The output names its model class (`port.json`); a class of your own must be
+    importable (installed, or on `sys.path`).
+
+    ```python
+    model = restore("gpt2-jax", "2x4")
+    ```
+    """
     import orbax.checkpoint as ocp
 
+    mesh = as_mesh(mesh)
     directory = Path(directory).absolute()
     try:
         meta = json.loads((directory / "port.json").read_text())
