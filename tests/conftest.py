@@ -5,6 +5,9 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -75,18 +78,30 @@ def write_checkpoint(directory: Path, tensors: dict, config: dict) -> Path:
     return directory
 
 
+def port_command() -> list[str]:
+    """The installed `port` console script (the real entry point, `main()`), or `python -m port`."""
+    script = Path(sys.executable).parent / "port"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "port"]
+
+
+def port_env(env=None) -> dict:
+    """The environment of a `port` subprocess: no device settings inherited from this one, offline, CPU."""
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PORT_DEBUG")}
+    return base | {"HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"} | (env or {})
+
+
+def run_port(*args, env=None, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    """`port ARGS` in a subprocess, as a user runs it; the result has returncode, stdout, stderr."""
+    return subprocess.run(
+        [*port_command(), *map(str, args)],
+        capture_output=True, text=True, env=port_env(env), cwd=cwd, timeout=timeout,
+    )
+
+
 def cli(*args):
-    """The CLI in this process, with its one-line error handling; returns (exit code, output)."""
-    from typer.testing import CliRunner
-
-    import port
-    import port._cli
-
-    result = CliRunner().invoke(port._cli.app, [str(a) for a in args])
-    if isinstance(result.exception, port.PortError):
-        return 1, result.output + f"port: error: {result.exception}\n"
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    return result.exit_code, result.output
+    """`port ARGS` in a subprocess; returns (exit status, stdout + stderr)."""
+    result = run_port(*args)
+    return result.returncode, result.stdout + result.stderr
 
 
 def view_offsets(checkpoint, key, view) -> np.ndarray:

@@ -1,9 +1,7 @@
 """`port check` lists every problem with its entry; `port verify` compares with PyTorch."""
 
-import sys
-
 import port
-from conftest import VOCAB, cli as run
+from conftest import VOCAB, cli as run, run_port
 
 GPT2 = (port._mapping.shipped_mappings()[0].parent / "gpt2.toml").read_text()
 
@@ -61,11 +59,14 @@ def test_verify_fails_beyond_the_tolerance(gpt2_checkpoints):
     assert code == 1 and "FAILED" in output
 
 
-def test_verify_without_pytorch_says_how_to_install(gpt2_checkpoints, monkeypatch):
+def test_verify_without_pytorch_says_how_to_install(gpt2_checkpoints, tmp_path):
     directories, _ = gpt2_checkpoints
-    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
-    code, output = run("verify", directories["lm"])
-    assert code == 1
-    assert output.strip().splitlines()[-1] == (
-        "port: error: port verify needs PyTorch and transformers: pip install 'port[torch]'"
-    )
+    hidden = tmp_path / "no-torch"
+    (hidden / "torch").mkdir(parents=True)  # first on the path: `import torch` raises ImportError
+    (hidden / "torch" / "__init__.py").write_text("raise ImportError('no torch in this test')\n")
+    result = run_port("verify", directories["lm"], env={"PYTHONPATH": str(hidden)})
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "port: error: port verify needs PyTorch and transformers: pip install torch --index-url "
+        "https://download.pytorch.org/whl/cpu && pip install transformers"
+    ]

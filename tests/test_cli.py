@@ -1,4 +1,4 @@
-"""The `port` command line, run as a user runs it: `python -m port` in a subprocess.
+"""The `port` command line, run as a user runs it: the `port` entry point in a subprocess.
 
 Bad input must end with one line on stderr (`port: error: ...`) naming the file,
 key or flag and the problem, a non-zero status, no traceback, and no output
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import torch_gpt2, write_checkpoint
+from conftest import run_port, torch_gpt2, write_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
@@ -32,13 +32,8 @@ TINY = _make_tiny()
 
 
 def run_cli(*args, env=None, cwd=None):
-    """`python -m port ARGS`, without device settings inherited from this process, offline."""
-    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PORT_DEBUG")}
-    base |= {"HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"}
-    return subprocess.run(
-        [sys.executable, "-m", "port", *map(str, args)],
-        capture_output=True, text=True, env=base | (env or {}), cwd=cwd, timeout=120,
-    )
+    """The real `port` entry point in a subprocess, offline, without this process's device settings."""
+    return run_port(*args, env=env, cwd=cwd, timeout=120)
 
 
 def assert_one_line_error(result, *substrings, out=None):
@@ -200,10 +195,14 @@ def test_convert_report_and_force(gpt2_checkpoints, tmp_path):
     assert 0 < data["seconds"] < 120
     assert data["peak_host_bytes"] > 0
 
-    (out / "stale.txt").write_text("from before")
-    again = run_cli("convert", model, "--mesh", "4x2", "--out", out, "--force")
+    (out / "stale.txt").write_text("from before")  # not port's: --force refuses to delete it
+    refused = run_cli("convert", model, "--mesh", "4x2", "--out", out, "--force")
+    assert_one_line_error(refused, "not a port output")
+    assert (out / "stale.txt").read_text() == "from before"
+    (out / "stale.txt").unlink()
+    again = run_cli("convert", model, "--mesh", "4x2", "--out", out, "--report", report, "--force")
     assert again.returncode == 0, again.stderr
-    assert (out / "port.json").is_file() and not (out / "stale.txt").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["params", "port.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["R.json", "out"]
 
 
@@ -235,10 +234,8 @@ def test_readme_quickstart(tmp_path):
     assert (out / "port.json").is_file() and (out / "params").is_dir()
 
 
-def test_plan_never_reads_a_tensor(gpt2_checkpoints, monkeypatch):
+def test_plan_never_reads_a_tensor(gpt2_checkpoints, monkeypatch, capsys):
     """Tensor bytes are only ever read through Checkpoint.view; `port plan` must never call it."""
-    from typer.testing import CliRunner
-
     import port._cli
     import port._source
 
@@ -247,6 +244,5 @@ def test_plan_never_reads_a_tensor(gpt2_checkpoints, monkeypatch):
 
     monkeypatch.setattr(port._source.Checkpoint, "view", no_reads)
     directories, _ = gpt2_checkpoints
-    result = CliRunner().invoke(port._cli.app, ["plan", str(directories["sharded"]), "--mesh", "4x2"])
-    assert result.exit_code == 0, result.output
-    assert "blocks.attn.wq" in result.output
+    assert port._cli.run(["plan", str(directories["sharded"]), "--mesh", "4x2"]) == 0
+    assert "blocks.attn.wq" in capsys.readouterr().out

@@ -5,31 +5,70 @@ The pipeline: source -> mapping -> skeleton -> plan -> place -> fill -> save.
 ```python
 import port
 
-mesh = port.make_mesh("4x2")                 # axes data x model
-model = port.load("gpt2", mesh=mesh)          # every leaf a sharded jax.Array
-port.save(model, "out/gpt2", port.mapping_for(config), config)
-model = port.restore("out/gpt2", port.make_mesh("2x4"))
+mesh = port.make_mesh("4x2")                  # axes data x model
+model = port.load("gpt2", mesh=mesh)           # every leaf a sharded jax.Array
+model = port.restore("gpt2-jax", mesh="2x4")   # a `port convert` output, onto any mesh
 ```
+
+Names are imported when first used, so `port --help` and `port --version` answer
+without starting JAX, and the command line catches Ctrl-C before JAX starts threads.
 """
 
-from ._distributed import initialize as initialize
-from ._errors import PortError as PortError
-from ._fill import fill as fill
-from ._load import convert as convert, load as load
-from ._mapping import (
-    Mapping as Mapping,
-    Param as Param,
-    load_mapping as load_mapping,
-    mapping_for as mapping_for,
-    parse_mapping as parse_mapping,
-)
-from ._mesh import make_mesh as make_mesh, mesh_shape as mesh_shape
-from ._place import place as place
-from ._plan import LeafPlan as LeafPlan, Plan as Plan, plan as plan
-from ._save import restore as restore, save as save
-from ._scaffold import scaffold as scaffold
-from ._skeleton import skeleton as skeleton
-from ._source import Checkpoint as Checkpoint, open_checkpoint as open_checkpoint
-from ._verify import Verification as Verification, verify as verify
+from importlib import import_module
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
-__version__ = "0.1.0"
+_EXPORTS = {
+    # source -> mapping -> skeleton -> plan -> place -> fill -> save
+    "open_checkpoint": "._source",
+    "Checkpoint": "._source",
+    "load_mapping": "._mapping",
+    "mapping_for": "._mapping",
+    "parse_mapping": "._mapping",
+    "Mapping": "._mapping",
+    "Param": "._mapping",
+    "skeleton": "._skeleton",
+    "plan": "._plan",
+    "Plan": "._plan",
+    "LeafPlan": "._plan",
+    "place": "._place",
+    "fill": "._fill",
+    "save": "._save",
+    "restore": "._save",
+    # the whole pipeline, meshes, runs
+    "convert": "._load",
+    "load": "._load",
+    "make_mesh": "._mesh",
+    "mesh_shape": "._mesh",
+    "initialize": "._distributed",
+    # mapping authors
+    "scaffold": "._scaffold",
+    "verify": "._verify",
+    "Verification": "._verify",
+    "PortError": "._errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+try:
+    __version__ = version("port")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "unknown"
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name], __name__), name)
+    elif not name.startswith("__"):  # a submodule, as `port.models` or `port._plan`
+        try:
+            value = import_module(f".{name}", __name__)
+        except ModuleNotFoundError:
+            raise AttributeError(f"module 'port' has no attribute '{name}'") from None
+    else:
+        raise AttributeError(f"module 'port' has no attribute '{name}'")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -1,43 +1,36 @@
-"""The `port` command line: `port convert` and `port plan`.
+"""The `port` command line: convert, plan, check, verify, scaffold.
 
 ```
 port convert gpt2 --mesh 4x2 --out gpt2-jax [--dtype bfloat16] [--report run.json]
 port plan gpt2 --mesh 4x2
 ```
 
-Bad input ends with one line on stderr naming the problem, exit status 1, and no
-output directory.
+Exit status: 0 done, 1 bad input or a failed check (one line on stderr naming the
+file, key or flag, and no output left behind), 2 a usage error (with the usage
+message), 130 interrupted (Ctrl-C; 143 for SIGTERM), removing what the run wrote.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import secrets
+import shutil
 import sys
+import textwrap
 import time
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Annotated, Optional
-
-import click
-import typer
+from typing import NoReturn
 
 from ._errors import PortError
+from ._interrupt import attach, final, removing, supervise
 
-app = typer.Typer(
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    no_args_is_help=True,
-    help="Stream PyTorch / Hugging Face safetensors checkpoints into sharded Equinox models.",
-)
-
-Model = Annotated[str, typer.Argument(help="Checkpoint directory or Hugging Face repo id (e.g. gpt2).")]
-MeshOpt = Annotated[str, typer.Option("--mesh", help="Device mesh DATAxMODEL, e.g. 4x2.")]
-DtypeOpt = Annotated[
-    Optional[str], typer.Option("--dtype", help="Cast floating parameters (float32, bfloat16, float16).")
-]
-MappingOpt = Annotated[
-    Optional[Path], typer.Option("--mapping", help="Mapping file (default: the shipped one for model_type).")
-]
+DTYPES = ("float32", "bfloat16", "float16")
+SCAFFOLD_MARK = "# Draft mapping made by port scaffold"
+DEFAULT_TIMEOUT = 300.0
 
 
 def _size(n: float) -> str:
@@ -53,17 +46,7 @@ def _count(n: int) -> str:
 
 
 def _say(message: str) -> None:
-    print(f"port: {message}", file=sys.stderr)
-
-
-def _dtype_name(dtype: str | None) -> str | None:
-    from ._mapping import dtype as dtype_named
-
-    if dtype is None:
-        return None
-    if dtype not in ("float32", "bfloat16", "float16", "float64"):
-        raise PortError(f"--dtype '{dtype}': expected float32, bfloat16 or float16")
-    return dtype_named(dtype).name
+    print(f"port: {message}", file=sys.stderr, flush=True)
 
 
 def _open(model: str, mapping_file: Path | None):
@@ -72,8 +55,12 @@ def _open(model: str, mapping_file: Path | None):
     from ._source import open_checkpoint
 
     ckpt = open_checkpoint(model)
-    mapping = mapping_for(ckpt.config, mapping_file)
-    return ckpt, mapping, skeleton(mapping, ckpt.config)
+    try:
+        mapping = mapping_for(ckpt.config, mapping_file)
+        return ckpt, mapping, skeleton(mapping, ckpt.config)
+    except BaseException:
+        ckpt.close()
+        raise
 
 
 def _progress(enabled: bool | None, total_leaves: int, total_bytes: int):
@@ -98,64 +85,106 @@ def _progress(enabled: bool | None, total_leaves: int, total_bytes: int):
     return bar
 
 
-@app.command()
-def convert(
-    model: Model,
-    out: Annotated[Path, typer.Option("--out", help="Output directory (an Orbax checkpoint).")],
-    mesh: MeshOpt = "1x1",
-    dtype: DtypeOpt = None,
-    mapping: MappingOpt = None,
-    report: Annotated[Optional[Path], typer.Option("--report", help="Write the run summary as JSON.")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
-    progress: Annotated[
-        Optional[bool], typer.Option("--progress/--no-progress", help="Progress bar (default: on a terminal).")
-    ] = None,
-    coordinator: Annotated[
-        Optional[str], typer.Option("--coordinator", help="HOST:PORT of process 0, for a multi-process run.")
-    ] = None,
-    num_processes: Annotated[Optional[int], typer.Option("--num-processes", help="Processes in the run.")] = None,
-    process_id: Annotated[Optional[int], typer.Option("--process-id", help="This process, 0 to N-1.")] = None,
-) -> None:
-    """Convert MODEL into a sharded Equinox model and save it with Orbax to --out.
+def _is_report(path: Path) -> bool:
+    """Whether `path` is a run summary `port convert --report` wrote."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"bytes_read", "peak_host_bytes", "device_bytes"} <= set(data)
 
-    For a multi-process run, start the same command in every process, adding
-    --coordinator, --num-processes and --process-id (or JAX_COORDINATOR_ADDRESS,
-    JAX_NUM_PROCESSES, JAX_PROCESS_ID): each process reads only what its devices hold.
-    """
-    from ._distributed import _env_int, initialize
-    from ._mesh import make_mesh, mesh_shape, simulate_devices
-    from ._memory import PeakMemory
+
+def _check_file_out(path: Path, force: bool, flag: str, ours: Callable[[Path], bool], what: str) -> Path:
+    """Refuse to write `path` over anything but a file port wrote (with `force`)."""
+    path = path.absolute()
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise PortError(f"{flag} {path}: exists and is not a regular file")
+    if path.exists():
+        if not force:
+            raise PortError(f"{flag} {path}: already exists (use --force to replace an earlier {what})")
+        if not ours(path):
+            raise PortError(f"{flag} {path}: not {what} port wrote; --force replaces only those")
+    if not path.parent.is_dir():
+        raise PortError(f"{flag} {path}: parent directory does not exist")
+    return path
+
+
+def _write_file(path: Path, text: str) -> None:
+    """Write `path` whole or not at all: a hidden sibling renamed into place."""
+    partial = path.parent / f".{path.name}.port-partial-{secrets.token_hex(8)}"
+    with removing(partial, create=lambda p: os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))):
+        partial.write_text(text)
+        with final():
+            os.replace(partial, path)
+
+
+# ---------------------------------------------------------------------------- commands
+
+
+def convert(args: argparse.Namespace) -> int:
+    """Convert MODEL into a sharded Equinox model and save it with Orbax to --out."""
+    from ._distributed import _env_int, agree, initialize
+    from ._mesh import mesh_shape, simulate_devices
     from ._save import check_out
 
     start = time.perf_counter()
-    shape = mesh_shape(mesh)
-    processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES") or 1
+    shape = mesh_shape(args.mesh)
+    processes = args.num_processes if args.num_processes is not None else _env_int("JAX_NUM_PROCESSES") or 1
     total = shape["data"] * shape["model"]
     if processes < 1 or total % processes:
-        raise PortError(f"--mesh {mesh} ({total} devices) does not split evenly over {processes} processes")
+        raise PortError(f"--mesh {args.mesh} ({total} devices) does not split evenly over {processes} processes")
+    if args.timeout <= 0:
+        raise PortError(f"--timeout {args.timeout:g}: expected a positive number of seconds")
+    check_out(args.out, args.force, inputs=(args.model,) if Path(args.model).exists() else ())
+    if args.report is not None and not args.report.absolute().parent.is_dir():
+        raise PortError(f"--report {args.report}: parent directory does not exist")
+    if args.report is not None and args.out.absolute() in args.report.absolute().parents:
+        raise PortError(f"--report {args.report}: inside --out {args.out}, which port replaces")
     simulated = simulate_devices(total // processes)
-    initialize(coordinator, num_processes, process_id)
-    target = _dtype_name(dtype)
-    check_out(out, force)
-    if report is not None and not report.absolute().parent.is_dir():
-        raise PortError(f"--report {report}: parent directory does not exist")
-    with PeakMemory() as peak:
-        import jax
+    coordinator = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if processes > 1 and coordinator:
+        who = args.process_id if args.process_id is not None else os.environ.get("JAX_PROCESS_ID", "?")
+        _say(f"process {who}: waiting for {processes} processes at {coordinator} (--timeout {args.timeout:g} s)")
+    initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.timeout)
 
+    import jax
+
+    report = args.report
+    if report is not None and jax.process_count() > 1:  # each process reports its own reads: run.1.json
+        report = report.with_name(f"{report.stem}.{jax.process_index()}{report.suffix}")
+    if report is not None:
+        report = _check_file_out(report, args.force, "--report", _is_report, "a run report")
+    from ._memory import PeakMemory
+
+    with PeakMemory() as peak:
         from ._fill import fill
+        from ._mesh import make_mesh
         from ._place import place
         from ._plan import plan
         from ._save import save
 
-        ckpt, mapping_, skel = _open(model, mapping)
+        ckpt, mapping, skel = _open(args.model, args.mapping)
         with ckpt:
-            recipe = plan(skel, mapping_, ckpt.tensors, ckpt.config, shape, target)
-            device_mesh = make_mesh(mesh)
-            if simulated and jax.default_backend() == "cpu":
+            out = check_out(args.out, args.force, inputs=(ckpt.directory,))
+            recipe = plan(skel, mapping, ckpt.tensors, ckpt.config, shape, args.dtype)
+            agree(
+                {
+                    "--mesh": "x".join(map(str, shape.values())),
+                    "--dtype": args.dtype,
+                    "--out": str(out),
+                    "--force": args.force,
+                    "--mapping": mapping.source,
+                    "mapping text": mapping.text,
+                    "MODEL": _fingerprint(ckpt),
+                },
+                timeout=args.timeout,
+            )
+            device_mesh = make_mesh(args.mesh)
+            count = total // processes
+            if simulated and count > 1 and jax.default_backend() == "cpu":
                 each = f" in each of {processes} processes" if processes > 1 else ""
-                _say(f"no accelerator: simulating {total // processes} CPU devices{each} for --mesh {mesh}")
-            bar = _progress(progress, len(recipe.leaves), recipe.read_bytes)
-
+                _say(f"no accelerator: simulating {count} CPU devices{each} for --mesh {args.mesh}")
+            bar = _progress(args.progress, len(recipe.leaves), recipe.read_bytes)
             placed = 0
 
             def advance(leaf) -> None:
@@ -175,7 +204,7 @@ def convert(
             filled = fill(skel, arrays)
             jax.block_until_ready(arrays)
             writing = time.perf_counter()
-            written = save(filled, out, mapping_, ckpt.config, force=force)
+            written = save(filled, out, mapping, ckpt.config, force=args.force)
             done = time.perf_counter()
     device_bytes: dict[str, int] = {}
     for array in arrays.values():
@@ -186,10 +215,10 @@ def convert(
     summary = {
         "process": jax.process_index(),
         "num_processes": jax.process_count(),
-        "model": model,
+        "model": args.model,
         "out": str(written),
         "mesh": dict(device_mesh.shape),
-        "dtype": target,
+        "dtype": args.dtype,
         "seconds": round(seconds, 3),
         "place_seconds": round(writing - placing, 3),
         "save_seconds": round(done - writing, 3),
@@ -198,63 +227,89 @@ def convert(
         "device_bytes": device_bytes,
         "peak_host_bytes": peak.bytes,
     }
+    if report is not None:
+        _write_file(report, json.dumps(summary, indent=1) + "\n")
     who = f"process {jax.process_index()}/{jax.process_count()}: " if jax.process_count() > 1 else ""
     _say(
-        f"{who}converted {model}: {_count(recipe.params)} params onto mesh {mesh} in {seconds:.1f} s "
+        f"{who}converted {args.model}: {_count(recipe.params)} params onto mesh {args.mesh} in {seconds:.1f} s "
         f"(placing {writing - placing:.1f} s, writing {done - writing:.1f} s); "
-        f"read {_size(ckpt.bytes_read)}, {_size(max(device_bytes.values()))} per device, "
+        f"read {_size(ckpt.bytes_read)}, {_size(max(device_bytes.values(), default=0))} per device, "
         f"peak host memory {_size(peak.bytes)} -> {written}"
     )
-    if report is not None:
-        if jax.process_count() > 1:  # each process reports its own reads: run.json -> run.1.json
-            report = report.with_name(f"{report.stem}.{jax.process_index()}{report.suffix}")
-        report.write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
 
 
-@app.command("plan")
-def plan_command(
-    model: Model,
-    mesh: MeshOpt = "1x1",
-    dtype: DtypeOpt = None,
-    mapping: MappingOpt = None,
-) -> None:
-    """Print how MODEL maps onto the mesh, reading no tensor data."""
-    from rich.console import Console
-    from rich.table import Table
+def _fingerprint(ckpt) -> str:
+    """A digest of a checkpoint's config and tensor headers: equal for the same checkpoint anywhere."""
+    import hashlib
 
-    from ._mesh import mesh_shape
-    from ._plan import plan
+    headers = sorted((k, t.dtype.name, list(t.shape)) for k, t in ckpt.tensors.items())
+    text = json.dumps([ckpt.config, headers], sort_keys=True, default=str)
+    return f"config and headers sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
-    shape = mesh_shape(mesh)
-    ckpt, mapping_, skel = _open(model, mapping)
-    with ckpt:
-        recipe = plan(skel, mapping_, ckpt.tensors, ckpt.config, shape, _dtype_name(dtype))
-    rows = recipe.table()
-    table = Table(title=f"{model} -> {mapping_.model} on mesh {mesh} ({mapping_.source})")
-    for column in rows[0]:
-        table.add_column(column, justify="right" if column == "bytes/device" else "left", overflow="fold")
-    for row in rows:
-        table.add_row(*row.values())
-    console = Console(width=max(160, Console().width))
-    console.print(table)
-    for key in recipe.ignored:
-        console.print(f"ignored: {key}")
-    for key, copy_of in recipe.tied:
-        console.print(f"tied: {key} = {copy_of}, not read")
-    for path in recipe.empty:
-        console.print(f"absent: {path} (optional, not in the checkpoint: None)")
-    console.print(
+
+def _dtype_short(name: str) -> str:
+    return name.replace("bfloat", "bf").replace("float", "f").replace("uint", "u").replace("int", "i")
+
+
+def plan_text(recipe, heading: Sequence[str], width: int) -> str:
+    """`port plan`'s output: a row per leaf, its source and notes indented below, within `width` columns."""
+    rows = [
+        (
+            leaf.path,
+            f"{_dtype_short(leaf.dtype.name)}[{','.join(map(str, leaf.shape))}]",
+            row["spec"],
+            _size(leaf.device_bytes),
+        )
+        for leaf, row in zip(recipe.leaves, recipe.table())
+    ]
+    head = ("target", "shape", "spec", "per device")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            [*(c.ljust(w) for c, w in zip(cells[:3], widths)), cells[3].rjust(widths[3])]
+        ).rstrip()
+
+    def wrapped(text: str) -> list[str]:
+        return textwrap.wrap(
+            text, max(width, 40), initial_indent="  ", subsequent_indent="      ",
+            break_long_words=False, break_on_hyphens=False,
+        )
+
+    lines = [*heading, "", line(head)]
+    for leaf, row, cells in zip(recipe.leaves, recipe.table(), rows):
+        lines.append(line(cells))
+        source = row["source"] + ("" if row["transforms"] == "-" else f" > {row['transforms']}")
+        lines += wrapped(f"from {source}")
+        for note in leaf.notes:
+            lines += wrapped(f"note: {note}")
+    lines.append("")
+    lines += [f"ignored: {key}" for key in recipe.ignored]
+    lines += [f"tied: {key} = {copy_of}, not read" for key, copy_of in recipe.tied]
+    lines += [f"absent: {path} (optional, not in the checkpoint: None)" for path in recipe.empty]
+    lines.append(
         f"{_count(recipe.params)} params in {len(recipe.leaves)} leaves; "
         f"{_size(recipe.read_bytes)} to read, {_size(recipe.device_bytes)} per device"
     )
+    return "\n".join(lines) + "\n"
 
 
-@app.command()
-def check(
-    mapping: Annotated[Path, typer.Argument(help="The mapping file to check.")],
-    model: Model,
-    mesh: MeshOpt = "1x1",
-) -> None:
+def plan_command(args: argparse.Namespace) -> int:
+    """Print how MODEL maps onto the mesh, reading no tensor data."""
+    from ._mesh import mesh_shape
+    from ._plan import plan
+
+    shape = mesh_shape(args.mesh)
+    ckpt, mapping, skel = _open(args.model, args.mapping)
+    with ckpt:
+        recipe = plan(skel, mapping, ckpt.tensors, ckpt.config, shape, args.dtype)
+    heading = [f"{args.model} -> {mapping.model} on mesh {args.mesh}", f"mapping: {mapping.source}"]
+    sys.stdout.write(plan_text(recipe, heading, shutil.get_terminal_size((80, 24)).columns))
+    return 0
+
+
+def check(args: argparse.Namespace) -> int:
     """Check a mapping against a checkpoint and its model, reading no tensor data."""
     from ._mapping import load_mapping
     from ._mesh import mesh_shape
@@ -262,94 +317,227 @@ def check(
     from ._skeleton import skeleton
     from ._source import open_checkpoint
 
-    shape = mesh_shape(mesh)
-    parsed = load_mapping(mapping)
-    with open_checkpoint(model) as ckpt:
+    shape = mesh_shape(args.mesh)
+    parsed = load_mapping(args.mapping)
+    with open_checkpoint(args.model) as ckpt:
         result = plan_problems(skeleton(parsed, ckpt.config), parsed, ckpt.tensors, ckpt.config, shape)
     if isinstance(result, Plan):
         print(
-            f"{mapping}: ok: {len(result.leaves)} leaves from {model} ({_count(result.params)} params), "
+            f"{args.mapping}: ok: {len(result.leaves)} leaves from {args.model} ({_count(result.params)} params), "
             f"{len(result.ignored)} keys ignored, {len(result.tied)} tied, {len(result.empty)} optional absent"
         )
-        return
+        return 0
     for problem in result:
         print(problem)
-    raise PortError(f"{mapping}: {len(result)} problem{'s' if len(result) > 1 else ''} with {model}")
+    raise PortError(f"{args.mapping}: {len(result)} problem{'s' if len(result) > 1 else ''} with {args.model}")
 
 
-@app.command()
-def verify(
-    model: Model,
-    mesh: MeshOpt = "1x1",
-    dtype: DtypeOpt = None,
-    mapping: MappingOpt = None,
-    tolerance: Annotated[
-        Optional[float],
-        typer.Option(help="Largest allowed difference (default 1e-4, or 2e-2 for 16-bit, x max(1, max |reference|))."),
-    ] = None,
-) -> None:
-    """Convert MODEL, run it and the PyTorch reference on the same inputs, compare."""
+def verify(args: argparse.Namespace) -> int:
+    """Convert MODEL, run it and the PyTorch reference on the same inputs, compare; exit 1 above the tolerance."""
     from ._mesh import make_mesh, mesh_shape, simulate_devices
     from ._verify import _torch, verify as run_verify
 
-    shape = mesh_shape(mesh)
+    shape = mesh_shape(args.mesh)
+    if args.tolerance is not None and not args.tolerance >= 0:
+        raise PortError(f"--tolerance {args.tolerance}: expected a number >= 0")
     _torch()
     simulate_devices(shape["data"] * shape["model"])
-    result = run_verify(model, make_mesh(mesh), mapping, _dtype_name(dtype))
-    bound = result.tolerance if tolerance is None else tolerance
+    result = run_verify(args.model, make_mesh(args.mesh), args.mapping, args.dtype)
+    bound = result.tolerance if args.tolerance is None else args.tolerance
     verdict = "ok" if result.max_abs_diff <= bound else "FAILED"
     print(
-        f"{model}: max abs difference {result.max_abs_diff:.3g} vs {result.reference} "
+        f"{args.model}: max abs difference {result.max_abs_diff:.3g} vs {result.reference} "
         f"({result.dtype} {list(result.shape)}, max |reference| {result.max_abs_reference:.3g}) "
-        f"on mesh {mesh}: {verdict} (tolerance {bound:.3g})"
+        f"on mesh {args.mesh}: {verdict} (tolerance {bound:.3g})"
     )
-    if verdict != "ok":
-        raise typer.Exit(1)
+    return 0 if verdict == "ok" else 1
 
 
-@app.command()
-def scaffold(
-    model: Model,
-    module: Annotated[str, typer.Option("--module", help="Your Equinox module, package.module:Class.")],
-    out: Annotated[Optional[Path], typer.Option("--out", help="Write the draft here (default: stdout).")] = None,
-    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
-) -> None:
+def _is_draft(path: Path) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().startswith(SCAFFOLD_MARK)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def scaffold(args: argparse.Namespace) -> int:
     """Write a draft mapping file pairing MODEL's keys with your module's leaves."""
     from ._mapping import import_object
     from ._scaffold import scaffold as draft
     from ._skeleton import skeleton
     from ._source import open_checkpoint
 
-    if out is not None and out.exists() and not force:
-        raise PortError(f"--out {out}: already exists (use --force to replace it)")
-    cls = import_object(module, "--module")
-    with open_checkpoint(model) as ckpt:
-        text = draft(ckpt, skeleton(cls, ckpt.config), module)
+    out = None if args.out is None else _check_file_out(args.out, args.force, "--out", _is_draft, "a scaffold draft")
+    cls = import_object(args.module, "--module")
+    with open_checkpoint(args.model) as ckpt:
+        text = draft(ckpt, skeleton(cls, ckpt.config), args.module)
     if out is None:
-        print(text, end="")
+        sys.stdout.write(text)
     else:
-        out.write_text(text)
-        _say(f"wrote {out}: review the entries marked CHECK and TODO, then run port check {out} {model}")
+        _write_file(out, text)
+        _say(f"wrote {args.out}: review the entries marked CHECK and TODO, then run port check {args.out} {args.model}")
+    return 0
 
 
-def main() -> None:
-    """Entry point: run the app, turning bad input into one line and a non-zero exit."""
+# ---------------------------------------------------------------------------- parser
+
+
+def _version() -> str:
     try:
-        app(standalone_mode=False)
+        return version("port")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=30, width=min(100, shutil.get_terminal_size((80, 24)).columns))
+
+    def _format_action(self, action: argparse.Action) -> str:
+        text = super()._format_action(action)
+        if isinstance(action, argparse._SubParsersAction):  # drop the bare "COMMAND" line above the list
+            text = text.split("\n", 1)[1]
+        return text
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's parser: one sub-command per step users run."""
+    root = argparse.ArgumentParser(
+        prog="port",
+        description="Stream PyTorch / Hugging Face safetensors checkpoints into sharded Equinox models.",
+        epilog="Run `port COMMAND --help` for a command's options.\n"
+        "Exit status: 0 done, 1 bad input or a failed check, 2 usage error, 130 interrupted.",
+        formatter_class=_Formatter,
+    )
+    root.add_argument("--version", action="version", version=f"port {_version()}")
+    commands = root.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+
+    def command(name: str, run: Callable[[argparse.Namespace], int], summary: str, details: str = ""):
+        sub = commands.add_parser(
+            name, help=summary, description=summary + ("\n\n" + details if details else ""), formatter_class=_Formatter
+        )
+        sub.set_defaults(run=run)
+        return sub
+
+    def model(sub) -> None:
+        sub.add_argument("model", metavar="MODEL", help="checkpoint directory or Hugging Face repo id (e.g. gpt2)")
+
+    def options(sub, mapping: bool = True) -> None:
+        sub.add_argument("--mesh", default="1x1", metavar="DATAxMODEL", help="device mesh, e.g. 4x2 (default: 1x1)")
+        sub.add_argument("--dtype", choices=DTYPES, help="cast floating parameters (default: keep the checkpoint's)")
+        if mapping:
+            sub.add_argument(
+                "--mapping", type=Path, metavar="FILE", help="mapping file (default: the shipped one for model_type)"
+            )
+
+    sub = command(
+        "convert", convert, "Convert MODEL into a sharded Equinox model and save it with Orbax to --out.",
+        "For a multi-process run, start the same command in every process, adding --coordinator,\n"
+        "--num-processes and --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,\n"
+        "JAX_PROCESS_ID): each process reads only what its devices hold.",
+    )
+    model(sub)
+    sub.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory (an Orbax checkpoint)")
+    options(sub)
+    sub.add_argument("--report", type=Path, metavar="FILE", help="write the run summary as JSON")
+    sub.add_argument(
+        "--force", action="store_true", help="replace --out (and --report) if it is an earlier port output"
+    )
+    sub.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="progress bar (default: on a terminal)",
+    )
+    sub.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, for a multi-process run")
+    sub.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+    sub.add_argument("--process-id", type=int, metavar="I", help="this process, 0 to N-1")
+    sub.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+        help=f"how long processes wait for each other (default: {DEFAULT_TIMEOUT:g})",
+    )
+
+    sub = command("plan", plan_command, "Print how MODEL maps onto the mesh, reading no tensor data.")
+    model(sub)
+    options(sub)
+
+    sub = command("check", check, "Check a mapping against a checkpoint and its model, reading no tensor data.")
+    sub.add_argument("mapping", type=Path, metavar="MAPPING", help="the mapping file to check")
+    model(sub)
+    sub.add_argument("--mesh", default="1x1", metavar="DATAxMODEL", help="device mesh, e.g. 4x2 (default: 1x1)")
+
+    sub = command(
+        "verify", verify,
+        "Convert MODEL, run it and the PyTorch reference on the same inputs, and compare.",
+        "Exits 1 when the largest difference is above the tolerance.",
+    )
+    model(sub)
+    options(sub)
+    sub.add_argument(
+        "--tolerance", type=float, metavar="X",
+        help="largest allowed difference (default: 1e-4, or 2e-2 for 16-bit, x max(1, max |reference|))",
+    )
+
+    sub = command("scaffold", scaffold, "Write a draft mapping pairing MODEL's keys with your module's leaves.")
+    model(sub)
+    sub.add_argument("--module", required=True, metavar="MODULE:CLASS", help="your Equinox module, e.g. mypkg.model:MyModel")
+    sub.add_argument("--out", type=Path, metavar="FILE", help="write the draft here (default: stdout)")
+    sub.add_argument("--force", action="store_true", help="replace --out if it is an earlier scaffold draft")
+    return root
+
+
+def _parse(cli: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse, or exit 2 with the usage of the command at fault."""
+    args, extra = cli.parse_known_args(argv)
+    if extra:  # the command's own usage, not the top level's
+        commands = next(a for a in cli._actions if isinstance(a, argparse._SubParsersAction))
+        (commands.choices[args.command] if args.command else cli).error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Run the command line on `argv` and return its exit status (usage errors exit 2 from argparse)."""
+    cli = parser()
+    args = _parse(cli, argv)
+    if args.command is None:
+        cli.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except BrokenPipeError:  # `port plan ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except PortError as e:
         _say("error: " + str(e).replace("\n", "\\n"))
-        sys.exit(1)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        _say("interrupted")
-        sys.exit(130)
-    except Exception as e:  # noqa: BLE001 - the CLI promises no traceback
+        return 1
+    except Exception as e:  # noqa: BLE001 - the command line promises no traceback
         if os.environ.get("PORT_DEBUG"):
             raise
         message = str(e).splitlines()[0] if str(e) else ""
         _say(f"internal error: {type(e).__name__}: {message} (PORT_DEBUG=1 shows the traceback)")
-        sys.exit(1)
+        return 1
+
+
+def main() -> NoReturn:
+    """The `port` entry point.
+
+    Parses the command line here (usage errors, `--help` and `--version` answer at
+    once), then runs the command in a worker process under `supervise`, which turns
+    Ctrl-C and SIGTERM into `port: interrupted`, 130 (143), and removes what the
+    worker was writing.
+    """
+    if attach():  # the worker
+        if os.getcwd() not in sys.path:  # a mapping's own module beside the user, as with `python -m`
+            sys.path.append(os.getcwd())
+        code = run()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        sys.exit(code)
+    args = _parse(parser(), sys.argv[1:])
+    if args.command is None:
+        parser().print_help()
+        sys.exit(2)
+    worker = [sys.executable, "-P", "-c", "from port._cli import main; main()", *sys.argv[1:]]
+    sys.exit(supervise(worker, _say))

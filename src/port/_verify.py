@@ -21,6 +21,10 @@ from ._errors import PortError
 from ._mapping import Mapping, import_object, mapping_for
 
 
+INSTALL_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install transformers"
+"""The CPU-only build of PyTorch (a plain `pip install torch` takes the CUDA one on Linux), then transformers."""
+
+
 @dataclass(frozen=True)
 class Verification:
     """The largest absolute difference of the outputs, and what was compared."""
@@ -42,7 +46,7 @@ def _torch():
         import torch
         import transformers
     except ImportError:
-        raise PortError("port verify needs PyTorch and transformers: pip install 'port[torch]'") from None
+        raise PortError(f"port verify needs PyTorch and transformers: {INSTALL_TORCH}") from None
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
     return torch

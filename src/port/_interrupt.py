@@ -1,0 +1,202 @@
+"""Interrupts: Ctrl-C (SIGINT) or SIGTERM stops `port` at once and removes what it was writing.
+
+The `port` command runs in two processes. The one the user started is a small
+supervisor that never imports JAX: it starts the worker (the same command), passes
+its exit status through, and handles SIGINT and SIGTERM. On a signal it kills the
+worker outright (every thread with it: JAX and Orbax keep C++ threads that write
+files, which no exception would stop), removes every path the worker registered
+with `removing`, says `port: interrupted`, and exits with 128 + the signal number
+(130 for Ctrl-C, 143 for SIGTERM). A worker that dies any other way (a crash, the
+kernel's OOM killer) is cleaned up after the same way.
+
+Code that writes marks what to remove, and the step that makes the result final:
+
+```python
+with removing(partial):          # removed if the run is interrupted meanwhile
+    write(partial)
+    with final():                # an interrupt waits until the rename is done
+        os.rename(partial, out)
+```
+
+Outside a supervised worker (port used as a library) both are plain context
+managers: Python raises `KeyboardInterrupt` as usual and the caller's `finally`
+blocks clean up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_ENV = "PORT_SUPERVISOR_FDS"  # "NOTES,LIFELINE": the worker's ends of the two pipes
+
+_lock = threading.RLock()
+_notes: int | None = None  # the worker's end of the pipe to the supervisor
+
+
+# ---------------------------------------------------------------------------- the worker's side
+
+
+def _note(kind: str, path: str = "") -> None:
+    if _notes is not None:
+        os.write(_notes, (json.dumps([kind, path]) + "\n").encode())
+
+
+@contextmanager
+def removing(path: str | os.PathLike, create: Callable[[Path], object] | None = None) -> Iterator[Path]:
+    """Within the block, an interrupt removes `path`, a file or directory this run creates.
+
+    `create(path)` makes it (and must fail if something is already there); it runs
+    before `path` is registered, and no interrupt is acted on in between, so nothing
+    that was there before is ever removed.
+    """
+    path = Path(path).absolute()
+    with final():
+        if create is not None:
+            create(path)
+        _note("+", str(path))
+    try:
+        yield path
+    finally:
+        with _lock:
+            _note("-", str(path))
+
+
+@contextmanager
+def final() -> Iterator[None]:
+    """An interrupt arriving within the block is acted on when the block is done."""
+    with _lock:
+        _note("[")
+        try:
+            yield
+        finally:
+            _note("]")
+
+
+def attach() -> bool:
+    """In a worker started by `supervise`: report to it from now on; False elsewhere.
+
+    The worker leaves SIGINT and SIGTERM to the supervisor (a terminal's Ctrl-C
+    reaches both), and ends itself if the supervisor disappears.
+    """
+    global _notes
+    fds = os.environ.pop(_ENV, None)
+    if fds is None:
+        return False
+    notes, lifeline = (int(fd) for fd in fds.split(","))
+    _notes = notes
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # blocked by `supervise` until now
+
+    def orphaned() -> None:
+        while os.read(lifeline, 1):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=orphaned, name="port-lifeline", daemon=True).start()
+    return True
+
+
+# ---------------------------------------------------------------------------- the supervisor's side
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or directory tree, never following a symlink at `path`."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+class _Worker:
+    """What the worker has told the supervisor: paths to remove, whether it is in `final`."""
+
+    def __init__(self, pipe: int) -> None:
+        self.pipe = pipe
+        self.paths: list[Path] = []
+        self.in_final = False
+        self._buffer = b""
+
+    def read(self, timeout: float | None) -> bool:
+        """Take in what the worker wrote within `timeout`; False once it closed the pipe."""
+        ready, _, _ = select.select([self.pipe], [], [], timeout)
+        if not ready:
+            return True
+        chunk = os.read(self.pipe, 65536)
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            kind, path = json.loads(line)
+            if kind == "+":
+                self.paths.append(Path(path))
+            elif kind == "-":
+                self.paths.remove(Path(path))
+            else:
+                self.in_final = kind == "["
+        return bool(chunk)
+
+
+def supervise(argv: Sequence[str], say: Callable[[str], None]) -> int:
+    """Run `argv` as the worker and return the exit status `port` should end with."""
+    received: list[int] = []
+
+    def note(signum: int, frame: object) -> None:
+        received.append(signum)
+
+    # The worker starts with both signals blocked (it inherits the mask) until it
+    # ignores them, so a Ctrl-C while it starts is never a KeyboardInterrupt there;
+    # here a signal that came meanwhile is handled once they are unblocked.
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    for s in SIGNALS:  # also undoes a parent's SIG_IGN (a shell's `cmd &`)
+        signal.signal(s, note)
+    notes_read, notes_write = os.pipe()
+    lifeline_read, lifeline_write = os.pipe()
+    env = os.environ | {_ENV: f"{notes_write},{lifeline_read}"}
+    try:
+        worker = subprocess.Popen(list(argv), env=env, pass_fds=(notes_write, lifeline_read))
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+    os.close(notes_write)
+    os.close(lifeline_read)
+    told = _Worker(notes_read)
+    open_pipe = True
+    while True:
+        if received and (not told.in_final or len(received) > 1):
+            worker.kill()
+            worker.wait()
+            while open_pipe:
+                open_pipe = told.read(0)
+            break
+        if open_pipe:
+            open_pipe = told.read(0.1)
+        elif worker.poll() is None:
+            try:
+                worker.wait(0.1)
+            except subprocess.TimeoutExpired:
+                pass
+        if worker.poll() is not None and not open_pipe:
+            break
+    for path in reversed(told.paths):
+        _remove(path)
+    if received:
+        say("interrupted" if received[0] == signal.SIGINT else "terminated")
+        return 128 + received[0]
+    code = worker.returncode
+    if code < 0:
+        say(f"stopped by signal {-code} ({signal.Signals(-code).name})")
+        return 128 - code
+    return code

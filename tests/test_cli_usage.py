@@ -1,0 +1,159 @@
+"""The command line's contract, through the real `port` entry point in a subprocess.
+
+Exit status 0 done, 1 bad input or a failed check (one `port: error:` line), 2 a usage
+error (with the usage message); never a traceback.
+"""
+
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from conftest import run_port
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "tiny-gpt2"
+
+
+def assert_usage_error(result, *substrings):
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output and "internal error" not in output, output
+    assert result.stderr.startswith("usage: port"), output
+    for s in substrings:
+        assert s in result.stderr, f"{s!r} not in {result.stderr!r}"
+
+
+def test_bare_port_shows_help_and_exits_2():
+    result = run_port()
+    assert result.returncode == 2
+    assert result.stdout.startswith("usage: port")
+    for command in ("convert", "plan", "check", "verify", "scaffold"):
+        assert f"\n    {command} " in result.stdout
+    assert "internal error" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["convert"], ["usage: port convert", "the following arguments are required: MODEL, --out"]),
+        (["bogus"], ["invalid choice: 'bogus'"]),
+        (["convert", "M", "--out", "x", "--bogus"], ["usage: port convert", "unrecognized arguments: --bogus"]),
+        (["convert", "M", "--out", "x", "--dtype", "float64"], ["--dtype", "invalid choice: 'float64'"]),
+        (["convert", "M", "--out", "x", "--timeout", "soon"], ["--timeout", "invalid float value: 'soon'"]),
+        (["plan"], ["usage: port plan", "MODEL"]),
+        (["scaffold", "M"], ["usage: port scaffold", "--module"]),
+    ],
+)
+def test_usage_errors_exit_2_with_the_usage(args, expected, tmp_path):
+    result = run_port(*args, cwd=tmp_path)
+    assert_usage_error(result, *expected)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_version():
+    result = run_port("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"port {version('port')}"
+
+
+def test_help_shows_flags_plainly():
+    result = run_port("convert", "--help")
+    assert result.returncode == 0
+    assert "--force" in result.stdout and "<bool>" not in result.stdout and "{model}" not in result.stdout
+    assert "--dtype {float32,bfloat16,float16}" in result.stdout
+    assert all(len(line) <= 100 for line in result.stdout.splitlines())
+
+
+def test_verify_exit_status(tmp_path):
+    ok = run_port("verify", EXAMPLE, "--mesh", "2x2")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert ": ok (tolerance" in ok.stdout
+    failed = run_port("verify", EXAMPLE, "--tolerance", "1e-12")
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "FAILED (tolerance 1e-12)" in failed.stdout
+    assert "Traceback" not in failed.stdout + failed.stderr
+
+
+def test_scaffold_module_needs_a_class(tmp_path):
+    result = run_port("scaffold", EXAMPLE, "--module", "port.models.gpt2")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "port: error: --module 'port.models.gpt2': expected module:Class, such as port.models.gpt2:GPT2"
+    ]
+
+
+def test_scaffold_force_replaces_only_its_own_draft(tmp_path):
+    mine = tmp_path / "notes.toml"
+    mine.write_text("# my own notes\n")
+    refused = run_port("scaffold", EXAMPLE, "--module", "port.models.gpt2:GPT2", "--out", mine, "--force")
+    assert refused.returncode == 1 and "not a scaffold draft port wrote" in refused.stderr
+    assert mine.read_text() == "# my own notes\n"
+
+    draft = tmp_path / "draft.toml"
+    first = run_port("scaffold", EXAMPLE, "--module", "port.models.gpt2:GPT2", "--out", draft)
+    assert first.returncode == 0, first.stderr
+    text = draft.read_text()
+    again = run_port("scaffold", EXAMPLE, "--module", "port.models.gpt2:GPT2", "--out", draft)
+    assert again.returncode == 1 and "already exists" in again.stderr
+    forced = run_port("scaffold", EXAMPLE, "--module", "port.models.gpt2:GPT2", "--out", draft, "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert draft.read_text() == text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft.toml", "notes.toml"]
+
+
+def test_one_device_is_not_simulated(tmp_path):
+    result = run_port("convert", EXAMPLE, "--out", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    assert "simulating" not in result.stderr
+    assert "converted" in result.stderr
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_plan_fits_the_terminal(width):
+    result = run_port("plan", EXAMPLE, "--mesh", "4x2", env={"COLUMNS": str(width)})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= width, "\n".join(line for line in lines if len(line) > width)
+    assert "\x1b" not in result.stdout  # no colour codes when piped
+    header = next(i for i, line in enumerate(lines) if line.startswith("target"))
+    assert lines[header].split() == ["target", "shape", "spec", "per", "device"]
+    row = next(line for line in lines if line.startswith("wte "))
+    assert row.split() == ["wte", "f32[1021,64]", "(-,", "data)", "65.3", "KB"]
+    assert "  note: vocab 1021 not divisible by model=2: replicated on model" in lines
+    assert "  from wte.weight" in lines
+    assert lines[-1] == "169.5K params in 20 leaves; 678.1 KB to read, 121.3 KB per device"
+
+
+def test_the_library_leaves_sys_path_alone(tmp_path, monkeypatch):
+    import sys
+
+    import port
+
+    monkeypatch.chdir(tmp_path)
+    before = list(sys.path)
+    mapping = port.load_mapping(REPO / "mappings" / "gpt2.toml")
+    mapping.model_class()
+    assert sys.path == before
+
+
+def test_a_directory_named_like_a_module_does_not_shadow_it(tmp_path):
+    """The command line appends the working directory: installed modules come first."""
+    for name in ("port", "equinox"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise SystemExit('shadowed')\n")
+    result = run_port("plan", EXAMPLE, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "shadowed" not in result.stdout + result.stderr
+
+
+def test_a_module_beside_the_user_is_found(tmp_path):
+    (tmp_path / "mymodel.py").write_text("from port.models.gpt2 import GPT2 as MyGPT2\n")
+    mapping = (REPO / "mappings" / "gpt2.toml").read_text().replace(
+        'model = "port.models.gpt2:GPT2"', 'model = "mymodel:MyGPT2"'
+    )
+    assert "mymodel:MyGPT2" in mapping
+    (tmp_path / "mine.toml").write_text(mapping)
+    result = run_port("check", "mine.toml", EXAMPLE, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "mine.toml: ok: 20 leaves" in result.stdout

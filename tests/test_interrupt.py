@@ -1,0 +1,106 @@
+"""Ctrl-C and SIGTERM: `port: interrupted`, exit 130 (143), and nothing left behind.
+
+A conversion of a GPT-2 small sized checkpoint (124M parameters, 498 MB) is
+interrupted at random points from start-up to the end of the write, through the
+real `port` entry point. Whatever the moment, the process ends at once with one
+line and 130, and leaves no output directory and no hidden partial one; an earlier
+output that `--force` was replacing is untouched. A signal that arrives after the
+output was made final leaves that complete output.
+"""
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import port_command, port_env
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def gpt2_small(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gpt2-small") / "ckpt"
+    subprocess.run([sys.executable, REPO / "bench" / "make_gpt2.py", "small", directory], check=True, timeout=300)
+    return directory
+
+
+def start(*args):
+    return subprocess.Popen(
+        [*port_command(), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=port_env(),
+    )
+
+
+def leftovers(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+
+
+def complete(out: Path) -> bool:
+    return sorted(p.name for p in out.iterdir()) == ["params", "port.json"] and "leaves" in json.loads(
+        (out / "port.json").read_text()
+    )
+
+
+def interrupt_at(delay: float, *args, signum=signal.SIGINT):
+    process = start(*args)
+    time.sleep(delay)
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=60)
+    return process.returncode, stdout + stderr
+
+
+def test_interrupt_at_random_points_leaves_nothing(gpt2_small, tmp_path):
+    args = ("convert", gpt2_small, "--mesh", "4x2", "--out")
+    began = time.perf_counter()
+    whole = start(*args, tmp_path / "whole")
+    assert whole.wait(timeout=300) == 0, whole.stderr.read()
+    duration = time.perf_counter() - began
+
+    rng = random.Random(7)
+    interrupted = 0
+    # Spread over the whole run: start-up, reading, placing, writing, finishing.
+    for i, fraction in enumerate((0.05, 0.25, 0.45, 0.6, 0.75, 0.9)):
+        out = tmp_path / f"out{i}"
+        code, output = interrupt_at(duration * rng.uniform(fraction - 0.05, fraction + 0.05), *args, out)
+        assert "Traceback" not in output and "Check failure" not in output, output
+        assert leftovers(tmp_path) == [], (fraction, output)
+        if code == 0:  # finished before the signal came
+            assert complete(out)
+            continue
+        assert code == 130, output
+        assert output.strip().splitlines()[-1] == "port: interrupted", output
+        assert not out.exists() or complete(out), output  # only once the output was final
+        interrupted += 1
+    assert interrupted >= 4
+
+
+def test_interrupted_force_keeps_the_earlier_output(gpt2_small, tmp_path):
+    out = tmp_path / "out"
+    began = time.perf_counter()
+    first = start("convert", gpt2_small, "--mesh", "2x2", "--out", out)
+    assert first.wait(timeout=300) == 0, first.stderr.read()
+    duration = time.perf_counter() - began
+    code, output = interrupt_at(0.5 * duration, "convert", gpt2_small, "--mesh", "2x2", "--out", out, "--force")
+    assert code == 130, output
+    assert complete(out)  # the earlier output, or (signal after the swap) the new one: never neither
+    assert leftovers(tmp_path) == []
+
+
+def test_sigterm_exits_143(gpt2_small, tmp_path):
+    out = tmp_path / "out"
+    code, output = interrupt_at(3.0, "convert", gpt2_small, "--mesh", "4x2", "--out", out, signum=signal.SIGTERM)
+    assert code == 143, output
+    assert output.strip().splitlines()[-1] == "port: terminated"
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_interrupt_while_starting(tmp_path):
+    code, output = interrupt_at(0.3, "plan", REPO / "examples" / "tiny-gpt2")
+    assert code == 130, output
+    assert output.strip().splitlines() == ["port: interrupted"]

@@ -1,0 +1,47 @@
+"""The README's examples run as written and its sample output matches what port prints."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import port_env, run_port
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+
+
+def section(heading: str) -> str:
+    start = README.index(f"\n## {heading}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start : end if end > 0 else None]
+
+
+def fenced(text: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
+
+
+def test_python_example_runs_as_written(tmp_path):
+    (code,) = fenced(section("Python"), "python")
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+        env=port_env({"TMPDIR": str(tmp_path)}),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert list(tmp_path.iterdir()), "the example writes its output under TMPDIR"
+
+
+def shape_of(line: str) -> str:
+    """A line with its numbers, sizes and paths generalised: the format, not the figures."""
+    line = re.sub(r"\S*/\S+", "PATH", line)
+    line = re.sub(r"\d+(\.\d+)?[KMB]?\b", "N", line)  # 4.1, 124.4M, 169.5K
+    return re.sub(r"\b[KMGT]?B\b", "UNIT", line)
+
+
+def test_sample_output_matches(tmp_path):
+    (sample,) = [block for block in fenced(section("Command line"), "") if block.startswith("$ port convert")]
+    shown = [line for line in sample.splitlines() if line.startswith("port:")]
+    result = run_port("convert", REPO / "examples" / "tiny-gpt2", "--mesh", "4x2", "--out", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    printed = result.stderr.strip().splitlines()
+    assert [shape_of(line) for line in printed] == [shape_of(line) for line in shown]
