@@ -15,7 +15,6 @@ without starting JAX, and the command line catches Ctrl-C before JAX starts thre
 """
 
 from importlib import import_module
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 _EXPORTS = {
@@ -41,6 +40,7 @@ _EXPORTS = {
     "make_mesh": "._mesh",
     "mesh_shape": "._mesh",
     "initialize": "._distributed",
+    "agree": "._distributed",
     # mapping authors
     "scaffold": "._scaffold",
     "verify": "._verify",
@@ -50,14 +50,16 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-try:
-    __version__ = version("port")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "unknown"
-
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
+    if name == "__version__":  # the installed package's, read when asked for
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            value: Any = version("port")
+        except PackageNotFoundError:  # a source tree that was never installed
+            value = "unknown"
+    elif name in _EXPORTS:
         value = getattr(import_module(_EXPORTS[name], __name__), name)
     elif not name.startswith("__"):  # a submodule, as `port.models` or `port._plan`
         try:

@@ -21,7 +21,6 @@ import sys
 import textwrap
 import time
 from collections.abc import Callable, Sequence
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import NoReturn
 
@@ -173,8 +172,7 @@ def convert(args: argparse.Namespace) -> int:
                     "--dtype": args.dtype,
                     "--out": str(out),
                     "--force": args.force,
-                    "--mapping": mapping.source,
-                    "mapping text": mapping.text,
+                    "--mapping": mapping.text,  # its text: the file may sit at another path on each host
                     "MODEL": _fingerprint(ckpt),
                 },
                 timeout=args.timeout,
@@ -384,10 +382,9 @@ def scaffold(args: argparse.Namespace) -> int:
 
 
 def _version() -> str:
-    try:
-        return version("port")
-    except PackageNotFoundError:
-        return "unknown"
+    import port
+
+    return port.__version__
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
