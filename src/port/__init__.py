@@ -33,7 +33,7 @@ _EXPORTS = {
     "place": "._place",
     "fill": "._fill",
     "save": "._save",
-    "restore": "._save",
+    "restore": "._restore",
     # the whole pipeline, meshes, runs
     "convert": "._load",
     "load": "._load",

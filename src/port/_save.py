@@ -27,21 +27,17 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
 
 from ._distributed import barrier
 from ._errors import PortError
-from ._fill import fill
 from ._interrupt import final, removing
-from ._mapping import Mapping, dtype as dtype_named, parse_mapping
-from ._mesh import as_mesh
-from ._plan import partition
-from ._skeleton import leaves, skeleton
+from ._mapping import Mapping
+from ._skeleton import leaves
 
 FORMAT = 1
 
 
-def _nest(flat: AnyMapping[str, Any]) -> dict:
+def nest(flat: AnyMapping[str, Any]) -> dict:
     tree: dict = {}
     for path, value in flat.items():
         *parents, name = path.split(".")
@@ -50,14 +46,6 @@ def _nest(flat: AnyMapping[str, Any]) -> dict:
             node = node.setdefault(p, {})
         node[name] = value
     return tree
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for name, value in tree.items():
-        path = f"{prefix}{name}"
-        flat.update(_flatten(value, path + ".") if isinstance(value, dict) else {path: value})
-    return flat
 
 
 PARTS = frozenset({"port.json", "params"})  # what `save` writes into an output directory
@@ -191,49 +179,10 @@ def save(
             use_compression=False, save_concurrent_gb=1, save_device_host_concurrent_gb=1
         )
         with ocp.Checkpointer(handler) as checkpointer:
-            checkpointer.save(tmp / "params", args=ocp.args.PyTreeSave(_nest(arrays)))
+            checkpointer.save(tmp / "params", args=ocp.args.PyTreeSave(nest(arrays)))
         barrier("port-save-written")
         if lead:
             (tmp / "port.json").write_text(json.dumps(meta, indent=1))
             _replace(directory, tmp, force)
         barrier("port-save-done")
     return directory
-
-
-def restore(directory: str | os.PathLike, mesh: Mesh | str | None = None) -> Any:
-    """Load a `port convert` output onto `mesh`, which may differ from the one it was written with.
-
-    `mesh` is a `Mesh` or a spec such as `"2x4"`, as for `load` (default: one device).
-    The output names its model class (`port.json`); a class of your own must be
-    importable (installed, or on `sys.path`).
-
-    ```python
-    model = restore("gpt2-jax", "2x4")
-    ```
-    """
-    import orbax.checkpoint as ocp
-
-    mesh = as_mesh(mesh)
-    directory = Path(directory).absolute()
-    try:
-        meta = json.loads((directory / "port.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise PortError(f"{directory}: not a port output (port.json: {e})") from None
-    if meta.get("format") != FORMAT:
-        raise PortError(f"{directory}/port.json: format {meta.get('format')} is not {FORMAT}")
-    mapping = parse_mapping(meta["mapping"], f"{directory}/port.json")
-    for axis, names in mapping.rules.items():
-        for name in names:
-            if name not in mesh.shape:
-                raise PortError(f"rules.{axis} names mesh axis '{name}', which the mesh does not have")
-    targets = {}
-    for path, info in meta["leaves"].items():
-        shape = tuple(info["shape"])
-        spec, _ = partition(shape, tuple(info["axes"]), mapping.rules, mesh.shape)
-        targets[path] = jax.ShapeDtypeStruct(
-            shape, dtype_named(info["dtype"]), sharding=NamedSharding(mesh, spec)
-        )
-    restored = _flatten(ocp.StandardCheckpointer().restore(directory / "params", _nest(targets)))
-    skel = skeleton(mapping, meta["config"])
-    absent = {p: None for p, leaf in leaves(skel).items() if hasattr(leaf, "shape") and p not in restored}
-    return fill(skel, restored | absent)
