@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from ._console import printable, quiet_libraries, say, show, stream
 from ._errors import PortError
 from ._interrupt import attach, final, removing, supervise
 
@@ -44,8 +45,7 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
 
 
-def _say(message: str) -> None:
-    print(f"port: {message}", file=sys.stderr, flush=True)
+_say = say
 
 
 def _open(model: str, mapping_file: Path | None):
@@ -65,7 +65,7 @@ def _open(model: str, mapping_file: Path | None):
 def _progress(enabled: bool | None, total_leaves: int, total_bytes: int):
     """A rich progress bar over tensors and bytes, or None when not wanted."""
     if enabled is None:
-        enabled = sys.stderr.isatty()
+        enabled = stream().isatty()
     if not enabled:
         return None
     from rich.console import Console
@@ -77,7 +77,7 @@ def _progress(enabled: bool | None, total_leaves: int, total_bytes: int):
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeElapsedColumn(),
-        console=Console(stderr=True),
+        console=Console(file=stream()),
         transient=True,
     )
     bar.add_task(f"0/{total_leaves} tensors", total=total_bytes)
@@ -124,7 +124,7 @@ def convert(args: argparse.Namespace) -> int:
     """Convert MODEL into a sharded Equinox model and save it with Orbax to --out."""
     from ._distributed import _env_int, agree, initialize
     from ._mesh import mesh_shape, simulate_devices
-    from ._save import check_out
+    from ._save import check_out, free_bytes
 
     start = time.perf_counter()
     shape = mesh_shape(args.mesh)
@@ -166,6 +166,9 @@ def convert(args: argparse.Namespace) -> int:
         with ckpt:
             out = check_out(args.out, args.force, inputs=(ckpt.directory,))
             recipe = plan(skel, mapping, ckpt.tensors, ckpt.config, shape, args.dtype)
+            needed = sum(leaf.size * leaf.dtype.itemsize for leaf in recipe.leaves)
+            if needed > (free := free_bytes(out)):
+                raise PortError(f"--out {out}: needs {_size(needed)}, only {_size(free)} free on its file system")
             agree(
                 {
                     "--mesh": "x".join(map(str, shape.values())),
@@ -254,7 +257,7 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
     """`port plan`'s output: a row per leaf, its source and notes indented below, within `width` columns."""
     rows = [
         (
-            leaf.path,
+            printable(leaf.path),
             f"{_dtype_short(leaf.dtype.name)}[{','.join(map(str, leaf.shape))}]",
             row["spec"],
             _size(leaf.device_bytes),
@@ -271,7 +274,7 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
 
     def wrapped(text: str) -> list[str]:
         return textwrap.wrap(
-            text, max(width, 40), initial_indent="  ", subsequent_indent="      ",
+            printable(text), max(width, 40), initial_indent="  ", subsequent_indent="      ",
             break_long_words=False, break_on_hyphens=False,
         )
 
@@ -283,8 +286,8 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
         for note in leaf.notes:
             lines += wrapped(f"note: {note}")
     lines.append("")
-    lines += [f"ignored: {key}" for key in recipe.ignored]
-    lines += [f"tied: {key} = {copy_of}, not read" for key, copy_of in recipe.tied]
+    lines += [f"ignored: {printable(key)}" for key in recipe.ignored]
+    lines += [f"tied: {printable(key)} = {printable(copy_of)}, not read" for key, copy_of in recipe.tied]
     lines += [f"absent: {path} (optional, not in the checkpoint: None)" for path in recipe.empty]
     lines.append(
         f"{_count(recipe.params)} params in {len(recipe.leaves)} leaves; "
@@ -303,7 +306,7 @@ def plan_command(args: argparse.Namespace) -> int:
     with ckpt:
         recipe = plan(skel, mapping, ckpt.tensors, ckpt.config, shape, args.dtype)
     heading = [f"{args.model} -> {mapping.model} on mesh {args.mesh}", f"mapping: {mapping.source}"]
-    sys.stdout.write(plan_text(recipe, heading, shutil.get_terminal_size((80, 24)).columns))
+    show(plan_text(recipe, heading, shutil.get_terminal_size((80, 24)).columns))
     return 0
 
 
@@ -320,13 +323,12 @@ def check(args: argparse.Namespace) -> int:
     with open_checkpoint(args.model) as ckpt:
         result = plan_problems(skeleton(parsed, ckpt.config), parsed, ckpt.tensors, ckpt.config, shape)
     if isinstance(result, Plan):
-        print(
+        show(
             f"{args.mapping}: ok: {len(result.leaves)} leaves from {args.model} ({_count(result.params)} params), "
-            f"{len(result.ignored)} keys ignored, {len(result.tied)} tied, {len(result.empty)} optional absent"
+            f"{len(result.ignored)} keys ignored, {len(result.tied)} tied, {len(result.empty)} optional absent\n"
         )
         return 0
-    for problem in result:
-        print(problem)
+    show("".join(f"{problem}\n" for problem in result))
     raise PortError(f"{args.mapping}: {len(result)} problem{'s' if len(result) > 1 else ''} with {args.model}")
 
 
@@ -343,10 +345,10 @@ def verify(args: argparse.Namespace) -> int:
     result = run_verify(args.model, make_mesh(args.mesh), args.mapping, args.dtype)
     bound = result.tolerance if args.tolerance is None else args.tolerance
     verdict = "ok" if result.max_abs_diff <= bound else "FAILED"
-    print(
+    show(
         f"{args.model}: max abs difference {result.max_abs_diff:.3g} vs {result.reference} "
         f"({result.dtype} {list(result.shape)}, max |reference| {result.max_abs_reference:.3g}) "
-        f"on mesh {args.mesh}: {verdict} (tolerance {bound:.3g})"
+        f"on mesh {args.mesh}: {verdict} (tolerance {bound:.3g})\n"
     )
     return 0 if verdict == "ok" else 1
 
@@ -504,7 +506,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except PortError as e:
-        _say("error: " + str(e).replace("\n", "\\n"))
+        _say("error: " + str(e))
         return 1
     except Exception as e:  # noqa: BLE001 - the command line promises no traceback
         if os.environ.get("PORT_DEBUG"):
@@ -523,6 +525,7 @@ def main() -> NoReturn:
     worker was writing.
     """
     if attach():  # the worker
+        quiet_libraries()
         if os.getcwd() not in sys.path:  # a mapping's own module beside the user, as with `python -m`
             sys.path.append(os.getcwd())
         code = run()

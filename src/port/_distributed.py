@@ -32,7 +32,6 @@ import json
 import math
 import os
 import socket
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from typing import NoReturn
 
 import jax
 
+from ._console import say
 from ._errors import PortError
 from ._mesh import simulate_devices
 
@@ -91,12 +91,7 @@ def _stop(message: str) -> NoReturn:
     For waits that JAX cannot abandon: a thread blocked in JAX's C++ cannot be
     interrupted, and JAX's own timeout there aborts the process.
     """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os.write(2, ("port: error: " + message.replace("\n", "\\n") + "\n").encode(errors="replace"))
+    say("error: " + message)
     os._exit(1)
 
 
@@ -401,11 +396,9 @@ def _leave() -> None:
                 )
             if not said:
                 said = True
-                print(
-                    f"port: process {run.process_id}/{run.num_processes}: waiting up to {run.timeout:g} s "
-                    f"(--timeout) for process {process} to end",
-                    file=sys.stderr,
-                    flush=True,
+                say(
+                    f"process {run.process_id}/{run.num_processes}: waiting up to {run.timeout:g} s "
+                    f"(--timeout) for process {process} to end"
                 )
 
 

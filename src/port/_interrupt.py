@@ -6,8 +6,8 @@ its exit status through, and handles SIGINT and SIGTERM. On a signal it kills th
 worker outright (every thread with it: JAX and Orbax keep C++ threads that write
 files, which no exception would stop), removes every path the worker registered
 with `removing`, says `port: interrupted`, and exits with 128 + the signal number
-(130 for Ctrl-C, 143 for SIGTERM). A worker that dies any other way (a crash, the
-kernel's OOM killer) is cleaned up after the same way.
+(130 for Ctrl-C, 143 for SIGTERM). A worker that fails or dies any other way (an
+error, a crash, the kernel's OOM killer) is cleaned up after the same way.
 
 Code that writes marks what to remove, and the step that makes the result final:
 
@@ -58,18 +58,18 @@ def removing(path: str | os.PathLike, create: Callable[[Path], object] | None = 
 
     `create(path)` makes it (and must fail if something is already there); it runs
     before `path` is registered, and no interrupt is acted on in between, so nothing
-    that was there before is ever removed.
+    that was there before is ever removed. If the block raises, `path` stays
+    registered: the supervisor removes it after the worker has ended, since threads
+    of a failed write (Orbax's) may still create files there after any `finally`.
     """
     path = Path(path).absolute()
     with final():
         if create is not None:
             create(path)
         _note("+", str(path))
-    try:
-        yield path
-    finally:
-        with _lock:
-            _note("-", str(path))
+    yield path  # on an exception it stays registered: the supervisor removes it once the
+    with _lock:  # worker has ended, when no thread of the worker can write there any more
+        _note("-", str(path))
 
 
 @contextmanager

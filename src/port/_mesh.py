@@ -22,15 +22,21 @@ from jax.sharding import Mesh
 from ._errors import PortError
 
 AXES = ("data", "model")
+MAX_DEVICES = 65536  # a mesh larger than any machine's: refused before anything is built
+MAX_SIMULATED = 512  # CPU devices port simulates in one process (JAX's start-up grows with them)
 
 
 def mesh_shape(spec: str) -> dict[str, int]:
     """Parse `"4x2"` (data x model) or `"8"` (data only) into axis sizes."""
     if not re.fullmatch(r"\s*[0-9]+(\s*x\s*[0-9]+)?\s*", spec or ""):
         raise PortError(f"--mesh '{spec}': expected DATAxMODEL such as 4x2, or a device count such as 8")
+    if any(len(s.strip()) > 6 for s in spec.split("x")):
+        raise PortError(f"--mesh '{spec}': at most {MAX_DEVICES} devices")
     sizes = [int(s) for s in spec.split("x")] + [1]
     if min(sizes) < 1:
         raise PortError(f"--mesh '{spec}': every axis needs at least one device")
+    if math.prod(sizes) > MAX_DEVICES:
+        raise PortError(f"--mesh '{spec}': {math.prod(sizes)} devices, more than the {MAX_DEVICES} port accepts")
     return dict(zip(AXES, sizes[:2]))
 
 
@@ -51,6 +57,11 @@ def simulate_devices(count: int) -> bool:
     """
     if _user_count():
         return False
+    if count > MAX_SIMULATED:
+        raise PortError(
+            f"--mesh needs {count} devices in this process; port simulates at most {MAX_SIMULATED} CPU "
+            "devices (on accelerators, JAX's own devices are used)"
+        )
     if jax.config.jax_num_cpu_devices >= count:
         return False
     try:

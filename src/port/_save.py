@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Mapping as AnyMapping
@@ -112,7 +113,26 @@ def check_out(
             )
     elif not out.parent.is_dir():
         raise PortError(f"{flag} {out}: parent directory does not exist")
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise PortError(f"{flag} {out}: cannot write in {out.parent} (read-only or not permitted)")
     return out
+
+
+def _reason(error: BaseException) -> str:
+    """What went wrong, briefly: the operating system's words when the error carries its code."""
+    text = str(error)
+    code = re.search(r"os_error_code='?(\d+)", text)
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    if code:
+        return os.strerror(int(code.group(1)))
+    first = (text.strip().splitlines() or [type(error).__name__])[0]
+    return first if len(first) <= 200 else first[:200] + "..."
+
+
+def free_bytes(directory: str | os.PathLike) -> int:
+    """Bytes free for an unprivileged writer on the file system holding `directory`."""
+    return shutil.disk_usage(Path(directory).absolute().parent).free
 
 
 def _run_token() -> str:
@@ -133,7 +153,10 @@ def _replace(directory: Path, written: Path, force: bool) -> None:
             if os.path.lexists(directory):
                 check_out(directory, force)  # still an earlier port output, as when we started
                 os.rename(directory, old)
-            os.rename(written, directory)
+            try:
+                os.rename(written, directory)  # fails if another run has put its output there meanwhile
+            except OSError as e:
+                raise PortError(f"--out {directory}: another run wrote it meanwhile ({e.strerror})") from None
         if os.path.lexists(old):
             shutil.rmtree(old)
 
@@ -178,8 +201,11 @@ def save(
         handler = ocp.PyTreeCheckpointHandler(
             use_compression=False, save_concurrent_gb=1, save_device_host_concurrent_gb=1
         )
-        with ocp.Checkpointer(handler) as checkpointer:
-            checkpointer.save(tmp / "params", args=ocp.args.PyTreeSave(nest(arrays)))
+        try:
+            with ocp.Checkpointer(handler) as checkpointer:
+                checkpointer.save(tmp / "params", args=ocp.args.PyTreeSave(nest(arrays)))
+        except (OSError, ValueError, RuntimeError) as e:  # tensorstore reports I/O errors as ValueError
+            raise PortError(f"--out {directory}: writing the checkpoint failed: {_reason(e)}") from None
         barrier("port-save-written")
         if lead:
             (tmp / "port.json").write_text(json.dumps(meta, indent=1))

@@ -12,6 +12,7 @@ act = activation(config, "activation_function", "gelu_new")
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -35,8 +36,18 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 MISSING = object()
 
 
-def check(key: str, value: Any, kind: type) -> Any:
-    """Check a config value; `kind` is `int` or `float` (both positive) or `bool`."""
+MAX_INT = 2**31 - 1  # a size JAX can index
+MAX_LAYERS = 10_000  # far past any real model; a model builds per-layer tables of this length
+
+
+def brief(value: Any, limit: int = 80) -> str:
+    """`repr(value)`, cut to `limit` characters: a config may hold anything, of any size."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check(key: str, value: Any, kind: type, maximum: int = MAX_INT) -> Any:
+    """Check a config value; `kind` is `int` (positive, at most `maximum`) or `float` (positive) or `bool`."""
     if kind is bool:
         ok = isinstance(value, bool)
     else:
@@ -44,21 +55,23 @@ def check(key: str, value: Any, kind: type) -> Any:
             isinstance(value, int if kind is int else (int, float))
             and not isinstance(value, bool)
             and value > 0
+            and (kind is not int or value <= maximum)
+            and (kind is int or math.isfinite(value))
         )
     if not ok:
-        expected = {bool: "a boolean", int: "a positive integer"}.get(kind, "a positive number")
-        raise PortError(f"config.json: {key!r} must be {expected}, got {value!r}")
+        expected = {bool: "a boolean", int: f"a positive integer up to {maximum}"}.get(kind, "a positive number")
+        raise PortError(f"config.json: {key!r} must be {expected}, got {brief(value)}")
     return kind(value)
 
 
-def get(config: dict, key: str, kind: type, default: Any = MISSING) -> Any:
+def get(config: dict, key: str, kind: type, default: Any = MISSING, maximum: int = MAX_INT) -> Any:
     """Read and check `config[key]`; an absent or null key yields `default` if given."""
     value = config.get(key)
     if value is None and default is not MISSING:
         return default
     if key not in config:
         raise PortError(f"config.json: required key {key!r} is missing")
-    return check(key, value, kind)
+    return check(key, value, kind, maximum)
 
 
 def activation(config: dict, key: str, default: str, supported: tuple[str, ...] | None = None) -> str:
@@ -67,6 +80,6 @@ def activation(config: dict, key: str, default: str, supported: tuple[str, ...] 
     allowed = supported or tuple(ACTIVATIONS)
     if not isinstance(name, str) or name not in allowed:
         raise PortError(
-            f"config.json: {key!r} {name!r} is not supported (supported: {', '.join(sorted(allowed))})"
+            f"config.json: {key!r} {brief(name)} is not supported (supported: {', '.join(sorted(allowed))})"
         )
     return name

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from port._errors import PortError
-from port.models._config import ACTIVATIONS, activation, get
+from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, get
 from port.models._inputs import check_ids, check_like, per_sequence
 
 
@@ -85,7 +85,7 @@ class BertConfig:
         return cls(
             vocab_size=get(config, "vocab_size", int),
             hidden_size=hidden,
-            num_hidden_layers=get(config, "num_hidden_layers", int),
+            num_hidden_layers=get(config, "num_hidden_layers", int, maximum=MAX_LAYERS),
             num_attention_heads=heads,
             intermediate_size=get(config, "intermediate_size", int),
             hidden_act=act,

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from port._errors import PortError
-from port.models._config import ACTIVATIONS, activation, get
+from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, get
 from port.models._inputs import check_ids, per_sequence
 
 
@@ -81,7 +81,7 @@ class GPT2Config:
             vocab_size=get(config, "vocab_size", int),
             n_positions=get(config, "n_positions", int),
             n_embd=n_embd,
-            n_layer=get(config, "n_layer", int),
+            n_layer=get(config, "n_layer", int, maximum=MAX_LAYERS),
             n_head=n_head,
             n_inner=n_inner,
             layer_norm_epsilon=get(config, "layer_norm_epsilon", float, 1e-5),

@@ -42,7 +42,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from port._errors import PortError
-from port.models._config import activation, check, get
+from port.models._config import MAX_LAYERS, activation, brief, check, get
 from port.models._inputs import check_ids, per_sequence
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -129,7 +129,7 @@ class LlamaConfig:
         defaults = _DEFAULTS[model_type]
         hidden = get(config, "hidden_size", int)
         heads = get(config, "num_attention_heads", int)
-        layers = get(config, "num_hidden_layers", int)
+        layers = get(config, "num_hidden_layers", int, maximum=MAX_LAYERS)
         # Absent: the config class's default; null: one kv head per query head.
         kv_heads = config.get("num_key_value_heads", defaults.get("num_key_value_heads"))
         kv_heads = heads if kv_heads is None else check("num_key_value_heads", kv_heads, int)
@@ -247,7 +247,7 @@ def _qwen2_sliding_layers(config: dict, layers: int) -> tuple[bool, ...]:
         or any(t not in kinds for t in layer_types)
     ):
         raise PortError(
-            f"config.json: 'layer_types' must list {layers} of {kinds}, got {layer_types!r}"
+            f"config.json: 'layer_types' must list {layers} of {kinds}, got {brief(layer_types)}"
         )
     return tuple(t == "sliding_attention" for t in layer_types)
 

@@ -1,0 +1,79 @@
+"""The console: port's own messages, kept apart from what the libraries print.
+
+Everything port tells the user goes through `say` (stderr, `port: ...`) or `show`
+(stdout), with text from checkpoints printed literally: a control or formatting
+character in a tensor name (a terminal escape sequence, a right-to-left override)
+is written as its escape, `\\x1b`, never acted on by the terminal.
+
+The command line calls `quiet_libraries` first: from then on file descriptor 2
+goes to /dev/null, and port's own messages (and its progress bar, through
+`stream()`) to a duplicate of the user's stderr. JAX, Orbax and tensorstore print
+from C++ threads and from callbacks (absl logs, "Event loop is closed"
+tracebacks) that no Python setting reaches; a failure then reads as one line.
+`PORT_DEBUG=1` leaves stderr as it is.
+
+```python
+say("converted gpt2")                     # port: converted gpt2
+printable("h.0.\\x1b[2Jattn")              # 'h.0.\\\\x1b[2Jattn'
+```
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import unicodedata
+from typing import TextIO
+
+_ESCAPED = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})  # control, format, surrogate, private, unassigned
+_fd = 2  # the user's stderr
+_stream: TextIO | None = None
+
+
+def printable(text: str) -> str:
+    """`text` with every character a terminal could act on written as its Python escape."""
+    if text.isprintable():
+        return text
+    return "".join(
+        ch if ch == " " or unicodedata.category(ch) not in _ESCAPED else ascii(ch)[1:-1] for ch in text
+    )
+
+
+def stream() -> TextIO:
+    """A text stream on the user's stderr, for port's own output (the progress bar)."""
+    global _stream
+    if _stream is None:
+        _stream = sys.stderr if _fd == 2 else io.TextIOWrapper(
+            io.FileIO(_fd, "w", closefd=False), line_buffering=True, errors="backslashreplace"
+        )
+    return _stream
+
+
+def say(message: str) -> None:
+    """Print `port: MESSAGE` on the user's stderr, on one line, literally."""
+    line = "port: " + printable(message.replace("\n", "\\n")) + "\n"
+    for s in (sys.stdout, stream()):
+        try:
+            s.flush()
+        except (OSError, ValueError):
+            pass
+    os.write(_fd, line.encode("utf-8", errors="backslashreplace"))
+
+
+def show(text: str) -> None:
+    """Print `text` (lines of port's own output) on stdout, literally."""
+    sys.stdout.write("\n".join(printable(line) for line in text.split("\n")))
+
+
+def quiet_libraries() -> None:
+    """Send file descriptor 2 to /dev/null, keeping the user's stderr for `say` and `stream`."""
+    global _fd, _stream
+    if _fd != 2 or os.environ.get("PORT_DEBUG"):
+        return
+    sys.stderr.flush()
+    _fd = os.dup(2)
+    _stream = None
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)

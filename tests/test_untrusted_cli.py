@@ -1,0 +1,155 @@
+"""Untrusted input through the `port` command: names printed literally, sizes refused
+before anything proportional to them is built, and every write failure one line that
+leaves nothing behind. (Checkpoint files and restore have their own test files.)
+"""
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import port_command, port_env, run_port
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "tiny-gpt2"
+
+
+def variant(directory: Path, add=None, config=None) -> Path:
+    """The tiny GPT-2 example with tensors added and config values changed."""
+    from safetensors.numpy import load_file, save_file
+
+    directory.mkdir(parents=True)
+    save_file(load_file(EXAMPLE / "model.safetensors") | (add or {}), directory / "model.safetensors")
+    (directory / "config.json").write_text(json.dumps(json.loads((EXAMPLE / "config.json").read_text()) | (config or {})))
+    return directory
+
+
+def one_line(result, *substrings):
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "Traceback" not in output and "internal error" not in output, output
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("port: no accelerator:")]
+    assert len(lines) == 1 and lines[0].startswith("port: error:"), output
+    for s in substrings:
+        assert s in lines[0], f"{s!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def nothing_left(parent: Path, *allowed: str):
+    assert sorted(p.name for p in parent.iterdir()) == sorted(allowed)
+
+
+@pytest.mark.parametrize("command", ["plan", "convert"])
+def test_names_are_printed_literally(tmp_path, command):
+    hostile = "transformer.h.0.\x1b]0;pwned\x07[link=http://x]y[/]\u202e.weight"
+    model = variant(tmp_path / "model", add={hostile: np.zeros((2,), np.float32)})
+    extra = ("--out", tmp_path / "out") if command == "convert" else ()
+    result = run_port(command, model, *extra)
+    line = one_line(result, "model.safetensors")
+    assert "\x1b" not in result.stderr and "\x07" not in result.stderr and "\u202e" not in result.stderr
+    assert "transformer.h.0.\\x1b]0;pwned\\x07[link=http://x]y[/]\\u202e.weight" in line
+    nothing_left(tmp_path, "model")
+
+
+@pytest.mark.parametrize(
+    "mesh, expected",
+    [
+        ("1000x1000", "more than the 65536 port accepts"),
+        ("99999999999999999999", "at most 65536 devices"),
+        ("64x64", "port simulates at most 512 CPU devices"),
+    ],
+)
+def test_huge_meshes_are_refused_at_once(tmp_path, mesh, expected):
+    began = time.perf_counter()
+    one_line(run_port("convert", EXAMPLE, "--mesh", mesh, "--out", tmp_path / "out"), expected)
+    assert time.perf_counter() - began < 30
+    nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize("layers", [10**9, 10**7])
+def test_a_config_claiming_huge_sizes_is_refused_before_building(tmp_path, layers):
+    model = variant(tmp_path / "model", config={"n_layer": layers})
+    began = time.perf_counter()
+    one_line(run_port("plan", model), "'n_layer' must be a positive integer up to 10000", str(layers))
+    assert time.perf_counter() - began < 30
+
+
+def test_a_full_file_system_is_refused_before_reading(tmp_path):
+    out = tmp_path / "full" / "out"
+    out.parent.mkdir()
+    script = f"mount -t tmpfs -o size=100k none {out.parent} && exec {' '.join(port_command())} convert {EXAMPLE} --out {out}"
+    result = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, env=port_env())
+    if "mount:" in result.stderr or "unshare:" in result.stderr:
+        pytest.skip(f"no private mount namespace here: {result.stderr.strip()}")
+    one_line(result, "--out", "needs 678.1 KB, only", "free on its file system")
+
+
+def test_a_read_only_parent_is_refused_before_reading(tmp_path):
+    out = tmp_path / "ro" / "out"
+    out.parent.mkdir()
+    script = (
+        f"mount -t tmpfs -o ro,size=1m none {out.parent} && exec {' '.join(port_command())} convert {EXAMPLE} "
+        f"--out {out}"
+    )
+    result = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, env=port_env())
+    if "mount:" in result.stderr or "unshare:" in result.stderr:
+        pytest.skip(f"no private mount namespace here: {result.stderr.strip()}")
+    one_line(result, "--out", "cannot write in", "read-only or not permitted")
+
+
+def test_a_failing_write_is_one_line_and_leaves_nothing(tmp_path):
+    """Files past 20 KB cannot be written (RLIMIT_FSIZE): Orbax fails mid-write, in its threads."""
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    def convert(env=None):
+        return subprocess.run(
+            [*port_command(), "convert", EXAMPLE, "--mesh", "2x2", "--out", tmp_path / "out"],
+            capture_output=True, text=True, env=port_env(env), preexec_fn=small_files, timeout=120,
+        )
+
+    one_line(convert(), "--out", "writing the checkpoint failed: File too large")
+    nothing_left(tmp_path)
+    # What the one line replaces: the libraries' own reports from their threads.
+    debug = convert({"PORT_DEBUG": "1"})
+    assert debug.returncode == 1 and len(debug.stderr.splitlines()) > 5, debug.stderr
+    nothing_left(tmp_path)
+
+
+def test_two_runs_to_one_output_one_wins(tmp_path):
+    for attempt in range(3):
+        out = tmp_path / f"out{attempt}"
+        runs = [
+            subprocess.Popen(
+                [*port_command(), "convert", EXAMPLE, "--mesh", "2x2", "--out", out],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=port_env(),
+            )
+            for _ in range(2)
+        ]
+        results = [(run.wait(timeout=120), run.stderr.read()) for run in runs]
+        codes = sorted(code for code, _ in results)
+        assert codes == [0, 1], results
+        (loser,) = [err for code, err in results if code == 1]
+        last = loser.strip().splitlines()[-1]
+        assert last.startswith("port: error: --out") and (
+            "already exists" in last or "another run wrote it meanwhile" in last
+        ), loser
+        assert sorted(p.name for p in out.iterdir()) == ["params", "port.json"]
+    nothing_left(tmp_path, "out0", "out1", "out2")
+
+
+def test_a_report_that_is_a_directory_is_refused_before_reading(tmp_path):
+    (tmp_path / "run.json").mkdir()
+    one_line(
+        run_port("convert", EXAMPLE, "--out", tmp_path / "out", "--report", tmp_path / "run.json"),
+        "--report", "not a regular file",
+    )
+    nothing_left(tmp_path, "run.json")
+    assert list((tmp_path / "run.json").iterdir()) == []
