@@ -138,3 +138,12 @@ def test_plan_problems_name_their_entry(tmp_path, change, message):
     with port.open_checkpoint(tmp_path / "ckpt") as ckpt, pytest.raises(port.PortError, match=message) as info:
         port.plan(skeleton, mapping, ckpt.tensors, ckpt.config, {"data": 2, "model": 2})
     assert str(info.value).startswith("tiny.toml: ")
+
+
+def test_rules_and_transforms_of_the_wrong_type_are_one_line():
+    entry = '[[params]]\nkey = "wte.weight"\npath = "wte"\naxes = ["vocab", "embed"]\n'
+    head = 'model = "port.models.gpt2:GPT2"\n'
+    with pytest.raises(port.PortError, match=r"bad.toml: \[rules\] must be a table"):
+        port.parse_mapping(head + "rules = 3\n" + entry, "bad.toml")
+    with pytest.raises(port.PortError, match=r"bad.toml: params\[0\] \(wte.weight\): 'transforms' must be a list"):
+        port.parse_mapping(head + entry + 'transforms = "transpose"\n', "bad.toml")

@@ -72,8 +72,13 @@ class Param:
         return LAYER in self.key
 
     def pattern(self) -> re.Pattern:
-        """Matches the stripped source keys of this entry; group 1 is the layer index."""
-        return re.compile(re.escape(self.key).replace(re.escape(LAYER), r"(\d+)") + "$")
+        """Matches the stripped source keys of this entry; group 1 is the layer index.
+
+        A layer index is ASCII digits with no leading zero, at most 9 of them: `h.01.`,
+        or `h.1.` written with an Arabic-Indic digit, would name the same layer as
+        `h.1.`, so such a key matches no entry and the plan refuses it as unused.
+        """
+        return re.compile(re.escape(self.key).replace(re.escape(LAYER), r"(0|[1-9][0-9]{0,8})") + r"\Z")
 
     def build(self, config: AnyMapping[str, Any]) -> list[Transform]:
         """The transforms, with config names in reshapes replaced by their values."""
@@ -154,7 +159,10 @@ def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
     if reference and set(reference) != {"class", "output"}:
         raise fail("'reference' needs exactly 'class' (module:Class) and 'output' (an attribute)")
     rules = {}
-    for axis, mesh_axes in data.get("rules", {}).items():
+    rule_table = data.get("rules", {})
+    if not isinstance(rule_table, dict):
+        raise fail("[rules] must be a table of logical axis = mesh axis (or a list of them)")
+    for axis, mesh_axes in rule_table.items():
         if isinstance(mesh_axes, str):
             mesh_axes = [mesh_axes]
         if not isinstance(mesh_axes, list) or not all(isinstance(m, str) for m in mesh_axes):
@@ -191,7 +199,10 @@ def _param(entry: Any, i: int, fail) -> Param:
     if not isinstance(entry.get("optional", False), bool):
         raise fail(f"{where}: 'optional' must be true or false")
     transforms = []
-    for t in entry.get("transforms", []):
+    steps = entry.get("transforms", [])
+    if not isinstance(steps, list):
+        raise fail(f"{where}: 'transforms' must be a list of one-key tables such as {{ transpose = [1, 0] }}")
+    for t in steps:
         if not isinstance(t, dict) or len(t) != 1:
             raise fail(f"{where}: each transform is a one-key table such as {{ transpose = [1, 0] }}")
         ((op, arg),) = t.items()

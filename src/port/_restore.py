@@ -1,76 +1,533 @@
 """Restore: a `port convert` output onto any mesh, each device reading its region.
 
-The output's `port.json` names the mapping (and through it the model class), the
-`config.json` it was built from, and each leaf's shape, dtype and logical axes;
-`restore` rebuilds the module's skeleton from them and asks Orbax for every leaf
-under the `NamedSharding` the mapping's rules give on the new mesh.
+An output is untrusted: it may come from anywhere. `restore` imports no module an
+output names except port's own models (`port.models.*`), unless the caller passes
+the class; it checks everything before reading an array: `port.json` field by field,
+the arrays `params/` declares against `port.json`, sizes against the bytes stored,
+and the module's skeleton built from `port.json`'s config against every leaf. Then
+it reads each device's region of each leaf with TensorStore from the Orbax
+checkpoint in `params/` (zarr arrays in an OCDBT database, as Orbax writes them).
+Every problem is one `PortError` line naming the directory, file and leaf.
 
 ```python
 model = restore("out/gpt2", "2x4")
+model = restore("out/mine", "2x4", model=MyModel)   # a module of your own
 ```
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
+import pkgutil
+import re
+import stat
+from collections import deque
+from collections.abc import Iterator, Mapping as AnyMapping
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from ._errors import PortError
 from ._fill import fill
-from ._mapping import dtype as dtype_named, parse_mapping
+from ._mapping import _DTYPES, Mapping, dtype as dtype_named, import_object, parse_mapping
 from ._mesh import as_mesh
 from ._plan import partition
-from ._save import FORMAT, nest
+from ._save import FORMAT
 from ._skeleton import leaves, skeleton
 
+MAX_METADATA_BYTES = 32 << 20  # port.json, params/_METADATA: a few hundred KB for real models
+MAX_PARAMS_FILES = 100_000  # Orbax's OCDBT writes a handful of files per process
+INLINE_SLACK_BYTES = 64 << 20  # OCDBT keeps chunks of up to 1 KB inside (compressed) tree nodes
+CONFIG_INT_FLOOR = 1 << 20  # config integers up to this are always accepted
+MAX_NODE_BYTES = 100_000_000  # Orbax's OCDBT `max_decoded_node_bytes`: bounds decompression
+READ_AHEAD_BYTES = 1 << 30  # host bytes of blocks read but not yet on their devices
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for name, value in tree.items():
-        path = f"{prefix}{name}"
-        flat.update(_flatten(value, path + ".") if isinstance(value, dict) else {path: value})
-    return flat
+_FIELDS = ("format", "mapping_source", "mapping", "config", "leaves")
+_LEAF_FIELDS = ("shape", "dtype", "axes")
+_PATH = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
+_SHIPPED = "port.models"
 
 
-def restore(directory: str | os.PathLike, mesh: Mesh | str | None = None) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One array as `port.json` declares it."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    axes: tuple[str | None, ...]
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def __str__(self) -> str:
+        return describe(self.shape, self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """A port output's checked `port.json`."""
+
+    directory: Path
+    mapping: Mapping
+    config: dict[str, Any]
+    leaves: dict[str, Leaf]
+
+    @property
+    def where(self) -> str:
+        return f"{self.directory}/port.json"
+
+    @property
+    def params(self) -> Path:
+        return self.directory / "params"
+
+
+def restore(directory: str | os.PathLike, mesh: Mesh | str | None = None, *, model: type | None = None) -> Any:
     """Load a `port convert` output onto `mesh`, which may differ from the one it was written with.
 
-    `mesh` is a `Mesh` or a spec such as `"2x4"`, as for `load` (default: one device).
-    The output names its model class (`port.json`); a class of your own must be
-    importable (installed, or on `sys.path`).
+    **Arguments:**
+
+    - `directory`: the output (`port.json` and `params/`), as `port convert` or `save` wrote it.
+    - `mesh`: a `Mesh` or a spec such as `"2x4"`, as for `load` (default: one device).
+    - `model`: the module class to build, with `from_config(config, *, key)`. Without
+      it, the class the output names is imported only if it is one of port's models
+      (`port.models.*`); an output naming any other module is refused, since importing
+      it would run code that came with the output. Given, it is used as it is, whatever
+      the output names: the name is not compared, every leaf's shape and dtype are.
+
+    Raises `PortError`, one line naming the directory (and the file and leaf), for an
+    output that is incomplete, corrupt, inconsistent or not port's. Every check that
+    needs no array data runs before the first array is read; a chunk that is missing
+    or cut short is found when it is read.
 
     ```python
     model = restore("gpt2-jax", "2x4")
+    model = restore("mine-jax", port.make_mesh("4x2"), model=MyModel)
     ```
     """
-    import orbax.checkpoint as ocp
-
     mesh = as_mesh(mesh)
-    directory = Path(directory).absolute()
+    if model is not None and (not isinstance(model, type) or not hasattr(model, "from_config")):
+        raise PortError(f"`model`: expected a class with from_config(config, *, key), got {_shown(model)}")
+    output = read_output(directory)
+    cls = model_class(output, model)
+    _check_rules(output, mesh)
+    _check_stored(output)
+    _check_sizes(output, _params_bytes(output.params))
+    _check_config(output)
+    skel = _build(cls, output)
+    absent = _check_skeleton(skel, output, cls)
+    arrays = dict(_read_arrays(output, _open_arrays(output), mesh))
+    return fill(skel, arrays | {path: None for path in absent})
+
+
+def describe(shape: tuple[int, ...], dtype: np.dtype) -> str:
+    """`float32[101,64]`: a leaf's dtype and shape, as messages show them."""
+    return f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
+
+
+def _shown(text: Any, limit: int = 80) -> str:
+    """A name from an output, quoted, printable and short: it may hold anything."""
+    if not isinstance(text, str):
+        text = repr(text)
+        return text if len(text) <= limit else text[:limit] + "..."
+    if text.isprintable() and len(text) <= limit:
+        return f"'{text}'"
+    return ascii(text[:limit]) + ("..." if len(text) > limit else "")
+
+
+def _one_line(text: str, limit: int = 500) -> str:
+    """`text` on one line of printable characters, at most `limit` of them: it may quote the output."""
+    text = " ".join(text.split())
+    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """Parse the JSON file `path`, refusing anything but a regular file of at most `MAX_METADATA_BYTES`."""
     try:
-        meta = json.loads((directory / "port.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise PortError(f"{directory}: not a port output (port.json: {e})") from None
-    if meta.get("format") != FORMAT:
-        raise PortError(f"{directory}/port.json: format {meta.get('format')} is not {FORMAT}")
-    mapping = parse_mapping(meta["mapping"], f"{directory}/port.json")
-    for axis, names in mapping.rules.items():
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise PortError(f"{path}: missing ({what})") from None
+    except OSError as e:
+        raise PortError(f"{path}: cannot be read ({e.strerror})") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise PortError(f"{path}: not a regular file ({what})")
+    if info.st_size > MAX_METADATA_BYTES:
+        raise PortError(f"{path}: {info.st_size} bytes, more than {what} ever holds ({MAX_METADATA_BYTES} at most)")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_METADATA_BYTES + 1)
+    except OSError as e:
+        raise PortError(f"{path}: cannot be read ({e.strerror})") from None
+    if len(data) > MAX_METADATA_BYTES:
+        raise PortError(f"{path}: more than {MAX_METADATA_BYTES} bytes ({what} holds far less)")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0][:200]
+        raise PortError(f"{path}: not valid JSON ({reason})") from None
+
+
+def read_output(directory: str | os.PathLike) -> Output:
+    """Read and check `port.json` of the output at `directory`; reads no array.
+
+    Checks the format number and the type of every field, parses the mapping, and
+    checks every leaf's name, shape, dtype and axes against the mapping. Imports nothing.
+
+    **Arguments:**
+
+    - `directory`: the output directory.
+
+    ```python
+    output = read_output("gpt2-jax")
+    output.leaves["wte"].shape    # (50257, 768)
+    ```
+    """
+    directory = Path(directory).absolute()
+    if not directory.exists():
+        raise PortError(f"{directory}: does not exist")
+    if not directory.is_dir():
+        raise PortError(f"{directory}: not a port output (a file, not a directory)")
+    if not os.path.lexists(directory / "port.json"):
+        raise PortError(f"{directory}: not a port output (no port.json)")
+    where = f"{directory}/port.json"
+    meta = _read_json(directory / "port.json", "port's metadata")
+    if not isinstance(meta, dict):
+        raise PortError(f"{where}: expected a JSON object, got {type(meta).__name__}")
+    for name in meta:
+        if name not in _FIELDS:
+            raise PortError(f"{where}: unknown field {_shown(name)} (expected {', '.join(_FIELDS)})")
+    for name in _FIELDS:
+        if name not in meta:
+            raise PortError(f"{where}: missing field '{name}'")
+    if type(meta["format"]) is not int or meta["format"] != FORMAT:
+        raise PortError(f"{where}: format {_shown(meta['format'])} is not {FORMAT}, the one this port reads")
+    for name, kind in (("mapping_source", str), ("mapping", str), ("config", dict), ("leaves", dict)):
+        if not isinstance(meta[name], kind):
+            raise PortError(f"{where}: '{name}' must be a JSON {'string' if kind is str else 'object'}")
+    mapping = _parse(meta["mapping"], where)
+    entries = {p.path: p for p in mapping.params}
+    declared = {}
+    for path, info in meta["leaves"].items():
+        leaf = _leaf(path, info, where)
+        if path not in entries:
+            raise PortError(f"{where}: leaf '{path}' has no entry in the output's mapping")
+        if leaf.axes != entries[path].axes:
+            raise PortError(
+                f"{where}: leaf '{path}': axes {list(leaf.axes)} differ from its mapping entry's "
+                f"{list(entries[path].axes)}"
+            )
+        declared[path] = leaf
+    if not declared:
+        raise PortError(f"{where}: 'leaves' is empty")
+    return Output(directory, mapping, meta["config"], declared)
+
+
+def _parse(text: str, where: str) -> Mapping:
+    """The output's mapping, parsed (nothing it names is imported)."""
+    try:
+        return parse_mapping(text, f"{where}: mapping")
+    except PortError as e:
+        raise PortError(_one_line(str(e))) from None
+    except Exception as e:  # a mapping parse_mapping does not expect (e.g. [rules] not a table)
+        raise PortError(f"{where}: mapping is not valid ({type(e).__name__}: {_one_line(str(e), 100)})") from None
+
+
+def _leaf(path: Any, info: Any, where: str) -> Leaf:
+    """One entry of `port.json`'s `leaves`, every field checked."""
+    if not isinstance(path, str) or not _PATH.fullmatch(path):
+        raise PortError(f"{where}: leaf name {_shown(path)} is not a dotted module path")
+    if not isinstance(info, dict) or set(info) != set(_LEAF_FIELDS):
+        raise PortError(f"{where}: leaf '{path}' must be an object with exactly {', '.join(_LEAF_FIELDS)}")
+    shape, dtype, axes = info["shape"], info["dtype"], info["axes"]
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise PortError(f"{where}: leaf '{path}': 'shape' must be a list of non-negative integers")
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise PortError(f"{where}: leaf '{path}': dtype {_shown(dtype)} is not one of {', '.join(sorted(_DTYPES))}")
+    np_dtype = dtype_named(dtype)
+    if jax.dtypes.canonicalize_dtype(np_dtype) != np_dtype:
+        raise PortError(f"{where}: leaf '{path}': JAX holds {dtype} only with jax_enable_x64 set")
+    if not isinstance(axes, list) or not all(a is None or isinstance(a, str) for a in axes):
+        raise PortError(f"{where}: leaf '{path}': 'axes' must be a list of logical axis names or null")
+    if len(axes) != len(shape):
+        raise PortError(f"{where}: leaf '{path}': {len(axes)} axes for a {len(shape)}-d shape")
+    return Leaf(path, tuple(shape), np_dtype, tuple(axes))
+
+
+def model_class(output: Output, model: type | None = None) -> type:
+    """`model` if given, else the class the output names, which must be one of port's models.
+
+    **Arguments:**
+
+    - `output`: a checked output (`read_output`).
+    - `model`: the caller's class, used as it is; nothing is imported then.
+
+    ```python
+    model_class(read_output("gpt2-jax"))     # port.models.gpt2.GPT2
+    ```
+    """
+    if model is not None:
+        return model
+    spec = output.mapping.model
+    module, _, name = spec.partition(":")
+    package, _, submodule = module.rpartition(".")
+    if package != _SHIPPED or submodule not in _shipped_modules() or not name.isidentifier() or name.startswith("_"):
+        raise PortError(
+            f"{output.where}: model {_shown(spec)} is not one of port's models ({_SHIPPED}.*), and restore "
+            f"imports no other module an output names; pass the class: port.restore(directory, mesh, model=YourModel)"
+        )
+    cls = import_object(spec, f"{output.where}: model")
+    if not isinstance(cls, type) or not hasattr(cls, "from_config"):
+        raise PortError(f"{output.where}: model {_shown(spec)} is not a model class")
+    return cls
+
+
+def _shipped_modules() -> set[str]:
+    """The public modules of `port.models`, found without importing any."""
+    import port.models
+
+    return {m.name for m in pkgutil.iter_modules(port.models.__path__) if not m.name.startswith("_")}
+
+
+def _check_rules(output: Output, mesh: Mesh) -> None:
+    """Every mesh axis the mapping's rules name exists in `mesh`."""
+    for axis, names in output.mapping.rules.items():
         for name in names:
             if name not in mesh.shape:
-                raise PortError(f"rules.{axis} names mesh axis '{name}', which the mesh does not have")
-    targets = {}
-    for path, info in meta["leaves"].items():
-        shape = tuple(info["shape"])
-        spec, _ = partition(shape, tuple(info["axes"]), mapping.rules, mesh.shape)
-        targets[path] = jax.ShapeDtypeStruct(
-            shape, dtype_named(info["dtype"]), sharding=NamedSharding(mesh, spec)
+                raise PortError(
+                    f"{output.where}: mapping rules.{axis} names mesh axis {_shown(name)}, which the mesh "
+                    f"({', '.join(mesh.shape)}) does not have"
+                )
+
+
+def _check_stored(output: Output) -> None:
+    """The arrays `params/_METADATA` declares, which must be exactly `port.json`'s leaves."""
+    params = output.params
+    if not params.is_dir():
+        raise PortError(f"{params}: missing or not a directory (an incomplete port output)")
+    where = f"{params}/_METADATA"
+    meta = _read_json(params / "_METADATA", "Orbax's metadata")
+    tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
+    if not isinstance(tree, dict):
+        raise PortError(f"{where}: not Orbax's PyTree metadata (no 'tree_metadata')")
+    if meta.get("use_ocdbt") is not True or meta.get("use_zarr3") is not False:
+        raise PortError(f"{where}: arrays not stored as port writes them (zarr in an OCDBT database)")
+    stored = set()
+    for entry in tree.values():
+        keys = entry.get("key_metadata") if isinstance(entry, dict) else None
+        value = entry.get("value_metadata") if isinstance(entry, dict) else None
+        if not isinstance(keys, list) or not all(isinstance(k, dict) and isinstance(k.get("key"), str) for k in keys):
+            raise PortError(f"{where}: an entry without key names")
+        path = ".".join(k["key"] for k in keys)
+        if not _PATH.fullmatch(path):
+            raise PortError(f"{where}: array {_shown(path)} is not named by a dotted module path")
+        if not isinstance(value, dict) or value.get("value_type") != "jax.Array":
+            raise PortError(f"{where}: '{path}' is not stored as a jax.Array")
+        stored.add(path)
+    for path in sorted(stored - set(output.leaves)):
+        raise PortError(f"{params}: holds array '{path}', which port.json does not list")
+    for path in sorted(set(output.leaves) - stored):
+        raise PortError(f"{params}: has no array '{path}', which port.json lists")
+
+
+def _params_bytes(params: Path) -> int:
+    """Bytes in the files under `params`, refusing links to directories and anything but regular files."""
+    total, count = 0, 0
+    for root, dirs, files in os.walk(params, onerror=_walk_error):
+        for name in dirs:
+            if os.path.islink(os.path.join(root, name)):
+                raise PortError(f"{os.path.join(root, name)}: a symbolic link to a directory; port writes none")
+        for name in files:
+            path = os.path.join(root, name)
+            count += 1
+            if count > MAX_PARAMS_FILES:
+                raise PortError(f"{params}: more than {MAX_PARAMS_FILES} files; not an output port wrote")
+            try:
+                info = os.stat(path)
+            except OSError as e:
+                raise PortError(f"{path}: cannot be read ({e.strerror})") from None
+            if not stat.S_ISREG(info.st_mode):
+                raise PortError(f"{path}: not a regular file")
+            total += info.st_size
+    return total
+
+
+def _walk_error(error: OSError) -> None:
+    raise PortError(f"{error.filename}: cannot be read ({error.strerror})")
+
+
+def _check_sizes(output: Output, stored_bytes: int) -> None:
+    """The arrays `port.json` declares fit in the bytes `params/` stores (uncompressed, as save writes them)."""
+    declared = sum(leaf.size * leaf.dtype.itemsize for leaf in output.leaves.values())
+    if declared > stored_bytes + INLINE_SLACK_BYTES:
+        raise PortError(
+            f"{output.where}: declares {declared} bytes of arrays but {output.params} holds only "
+            f"{stored_bytes} bytes of files"
         )
-    restored = _flatten(ocp.StandardCheckpointer().restore(directory / "params", nest(targets)))
-    skel = skeleton(mapping, meta["config"])
-    absent = {p: None for p, leaf in leaves(skel).items() if hasattr(leaf, "shape") and p not in restored}
-    return fill(skel, restored | absent)
+
+
+def _check_config(output: Output) -> None:
+    """No integer in the config exceeds the values the output holds (or 2**20): bounds what building the model costs."""
+    limit = max(sum(leaf.size for leaf in output.leaves.values()), CONFIG_INT_FLOOR)
+    todo: list[tuple[str, Any]] = [("", output.config)]
+    while todo:
+        name, value = todo.pop()
+        if isinstance(value, dict):
+            todo.extend((f"{name}.{k}" if name else str(k), v) for k, v in value.items())
+        elif isinstance(value, list):
+            todo.extend((f"{name}[{i}]", v) for i, v in enumerate(value))
+        elif type(value) is int and abs(value) > limit:
+            raise PortError(
+                f"{output.where}: config {_shown(name)} is {_shown(value, 30)}, more than the {limit} "
+                "values the output holds"
+            )
+
+
+def _build(cls: type, output: Output) -> Any:
+    """The skeleton of `cls` built from the output's config (shapes and dtypes, no memory)."""
+    try:
+        return skeleton(cls, output.config)
+    except PortError as e:
+        raise PortError(f"{output.where}: config: {_one_line(str(e)).removeprefix('config.json: ')}") from None
+    except Exception as e:  # jax or the model on values it does not expect
+        reason = _one_line((str(e).strip().splitlines() or [""])[0], 200)
+        raise PortError(
+            f"{output.where}: config: {cls.__qualname__} cannot be built from it ({type(e).__name__}: {reason})"
+        ) from None
+
+
+def _check_skeleton(skel: Any, output: Output, cls: type) -> list[str]:
+    """Every leaf of `port.json` is a skeleton leaf of the same shape and kind of dtype; returns
+    the skeleton's leaves the output lacks, each an optional mapping entry's (set to None)."""
+    name = cls.__qualname__
+    targets = {p: leaf for p, leaf in leaves(skel).items() if hasattr(leaf, "shape")}
+    for path, leaf in output.leaves.items():
+        target = targets.get(path)
+        if target is None:
+            raise PortError(f"{output.where}: leaf '{path}' is not a leaf of {name} built from its config")
+        if tuple(target.shape) != leaf.shape or _floating(target.dtype) != _floating(leaf.dtype):
+            raise PortError(
+                f"{output.where}: leaf '{path}' is {leaf} but {describe(target.shape, target.dtype)} in "
+                f"{name} built from its config"
+            )
+    optional = {p.path for p in output.mapping.params if p.optional}
+    absent = [path for path in targets if path not in output.leaves]
+    for path in absent:
+        if path not in optional:
+            raise PortError(
+                f"{output.where}: leaf '{path}' of {name} built from its config is missing, and the "
+                "mapping does not mark it optional"
+            )
+    return absent
+
+
+def _floating(dtype: Any) -> bool:
+    return np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16"
+
+
+def _kvstore(params: Path, path: str = "") -> dict[str, Any]:
+    """The TensorStore spec of the OCDBT database in `params` (at `path` inside it)."""
+    return {
+        "driver": "ocdbt",
+        "base": {"driver": "file", "path": f"{params}/"},
+        "cache_pool": "cache_pool#ocdbt",
+        "config": {"max_decoded_node_bytes": MAX_NODE_BYTES},
+        "path": path,
+    }
+
+
+def _reason(error: Exception) -> str:
+    """TensorStore's message, its first line without the spec it appends."""
+    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return _one_line(re.split(r" \[(?:tensorstore_spec|source locations)", text)[0], 300)
+
+
+def _open_arrays(output: Output) -> dict[str, Any]:
+    """Every leaf's stored array (a TensorStore), its metadata checked; reads no array data."""
+    import tensorstore as ts
+
+    context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}})  # tree nodes, shared
+    return {path: _open_array(output, leaf, context) for path, leaf in output.leaves.items()}
+
+
+def _open_array(output: Output, leaf: Leaf, context: Any) -> Any:
+    """Open the stored array of `leaf`, checking its metadata against `port.json`."""
+    import tensorstore as ts
+
+    spec = {
+        "driver": "zarr",
+        "kvstore": _kvstore(output.params, f"{leaf.path}/"),
+        "fill_missing_data_reads": False,  # a missing chunk is an error, never zeros
+        "recheck_cached_data": False,
+        "recheck_cached_metadata": False,
+    }
+    where = f"{output.params}: leaf '{leaf.path}'"
+    try:
+        store = ts.open(spec, open=True, read=True, context=context).result()
+        metadata = store.spec().to_json().get("metadata", {})
+        dtype = np.dtype(store.dtype.numpy_dtype)
+    except Exception as e:  # tensorstore reports every failure as ValueError
+        raise PortError(f"{where}: cannot be opened ({_reason(e)})") from None
+    if tuple(store.shape) != leaf.shape or dtype != leaf.dtype:
+        raise PortError(f"{where}: stored as {describe(store.shape, dtype)} but port.json says {leaf}")
+    if metadata.get("compressor") is not None or metadata.get("filters") is not None:
+        raise PortError(f"{where}: stored compressed or filtered; port stores arrays uncompressed")
+    return store
+
+
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A device's index as (start, stop) per dimension."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _read_arrays(output: Output, stores: AnyMapping[str, Any], mesh: Mesh) -> Iterator[tuple[str, jax.Array]]:
+    """Each leaf under its `NamedSharding` on `mesh`, every distinct device block read once.
+
+    Reads run ahead of placement by up to `READ_AHEAD_BYTES` of host memory; a failed
+    read cancels those still running.
+    """
+    pending: deque[tuple[Leaf, NamedSharding, dict, int]] = deque()
+    in_flight = 0
+    try:
+        for path, leaf in output.leaves.items():
+            spec, _ = partition(leaf.shape, leaf.axes, output.mapping.rules, mesh.shape)
+            sharding = NamedSharding(mesh, spec)
+            reads, nbytes = {}, 0
+            for index in sharding.addressable_devices_indices_map(leaf.shape).values():
+                box = _box(index, leaf.shape)
+                if box not in reads:
+                    reads[box] = stores[path][tuple(slice(a, b) for a, b in box)].read()
+                    nbytes += math.prod(b - a for a, b in box) * leaf.dtype.itemsize
+            pending.append((leaf, sharding, reads, nbytes))
+            in_flight += nbytes
+            while in_flight > READ_AHEAD_BYTES and pending:
+                in_flight -= pending[0][3]
+                yield _place(output, *pending.popleft()[:3])
+        while pending:
+            yield _place(output, *pending.popleft()[:3])
+    finally:
+        for _, _, reads, _ in pending:
+            for future in reads.values():
+                future.cancel()
+
+
+def _place(output: Output, leaf: Leaf, sharding: NamedSharding, reads: dict) -> tuple[str, jax.Array]:
+    """The leaf's `jax.Array` from its blocks' reads: each device gets its block."""
+    try:
+        blocks = {box: future.result() for box, future in reads.items()}
+    except Exception as e:  # tensorstore reports every failure as ValueError
+        for future in reads.values():
+            future.cancel()
+        raise PortError(f"{output.params}: leaf '{leaf.path}': cannot be read ({_reason(e)})") from None
+    arrays = [
+        jax.device_put(blocks[_box(index, leaf.shape)], device)
+        for device, index in sharding.addressable_devices_indices_map(leaf.shape).items()
+    ]
+    return leaf.path, jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)

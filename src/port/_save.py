@@ -59,6 +59,8 @@ def is_output(directory: str | os.PathLike) -> bool:
         return False
     try:
         names = {p.name for p in directory.iterdir()}
+        if (directory / "port.json").stat().st_size > 32 << 20:  # more than port's metadata ever holds
+            return False
         meta = json.loads((directory / "port.json").read_text())
     except (OSError, ValueError):
         return False
