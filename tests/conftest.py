@@ -4,6 +4,7 @@ import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -104,17 +105,42 @@ def cli(*args):
     return result.returncode, result.stdout + result.stderr
 
 
-def view_offsets(checkpoint, key, view) -> np.ndarray:
-    """The file offset of every byte a view of the memory-mapped `key` covers.
+@contextlib.contextmanager
+def recorded_reads():
+    """Every positioned read of tensor bytes made within the block, as (file offset, iovec, bytes read).
 
-    Computed from the view's data pointer and strides, so it is what copying the view
-    reads: the proof that a read touches only its region.
+    `port._source._preadv` is the one place tensor bytes come from a file: each call
+    reads the file from its offset on, end to end, into the buffers its iovec rows
+    (address, length) name. `read_offsets` turns the records into bytes.
     """
-    info = checkpoint.tensors[key]
-    file_start = np.frombuffer(checkpoint._map(info.file), np.uint8).ctypes.data
-    if view.size == 0:
-        return np.zeros(0, np.int64)
-    starts = np.asarray(view.ctypes.data - file_start, np.int64)
-    for n, stride in zip(view.shape, view.strides):
-        starts = starts[..., None] + np.arange(n, dtype=np.int64) * stride
-    return (starts.reshape(-1)[:, None] + np.arange(view.itemsize)).reshape(-1)
+    import port._source
+
+    calls, real = [], port._source._preadv
+
+    def preadv(fd, iov, offset):
+        rows = np.array(iov, copy=True)
+        got = real(fd, iov, offset)
+        calls.append((offset, rows, got))
+        return got
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(port._source, "_preadv", preadv)
+        yield calls
+
+
+def read_offsets(calls) -> tuple[np.ndarray, np.ndarray]:
+    """The file offset and the destination address of every byte the recorded reads read.
+
+    The proof that a read touches only its region, and where each byte went.
+    """
+    files, addresses = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for offset, rows, got in calls:
+        position = offset
+        for address, length in rows.astype(np.int64).tolist():
+            length = min(length, offset + got - position)
+            if length <= 0:
+                break
+            files.append(np.arange(position, position + length, dtype=np.int64))
+            addresses.append(np.arange(address, address + length, dtype=np.int64))
+            position += length
+    return np.concatenate(files), np.concatenate(addresses)

@@ -235,14 +235,15 @@ def test_readme_quickstart(tmp_path):
 
 
 def test_plan_never_reads_a_tensor(gpt2_checkpoints, monkeypatch, capsys):
-    """Tensor bytes are only ever read through Checkpoint.view; `port plan` must never call it."""
+    """Tensor bytes are only ever read through Checkpoint.read_into (preadv); `port plan` must never call it."""
     import port._cli
     import port._source
 
     def no_reads(*args):
         raise AssertionError("port plan read tensor data")
 
-    monkeypatch.setattr(port._source.Checkpoint, "view", no_reads)
+    monkeypatch.setattr(port._source.Checkpoint, "read_into", no_reads)
+    monkeypatch.setattr(port._source, "_preadv", no_reads)
     directories, _ = gpt2_checkpoints
     assert port._cli.run(["plan", str(directories["sharded"]), "--mesh", "4x2"]) == 0
     assert "blocks.attn.wq" in capsys.readouterr().out

@@ -1,40 +1,70 @@
-"""Each device block is built from only the source bytes it needs, read once."""
+"""Each device block is built from only the source bytes it needs, read once, straight into place."""
 
 import math
 import threading
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 import port
 import port._place
 import port._source
-from conftest import view_offsets
+from conftest import read_offsets, recorded_reads
 
 
 @pytest.fixture
 def reads(monkeypatch):
-    """Every view read, as (leaf, box, [(key, file byte offsets)]) per block built.
+    """Every byte read while placing, attributed to the block it landed in.
 
-    Blocks are built on worker threads; a thread-local list collects each block's views.
+    Returns a function of the finished run giving (leaf, box, file offsets of its bytes)
+    per block, and the file offsets of the bytes that landed in no block (read into a
+    staging buffer). Reads are attributed by destination address within each
+    `read_key` call, while its buffers are alive (later ones may reuse the memory).
     """
-    blocks, local = [], threading.local()
-    real_view, real_read_block = port._source.Checkpoint.view, port._place.read_block
+    blocks, landed, lock, local = [], [], threading.Lock(), threading.local()
+    real_plan_reads, real_read_key, real_preadv = port._place.plan_reads, port._place.read_key, port._source._preadv
 
-    def view(self, key, region):
-        out = real_view(self, key, region)
-        local.views.append((key, view_offsets(self, key, out)))
-        return out
+    def plan_reads(wanted):
+        planned, parts = real_plan_reads(wanted)
+        with lock:
+            for (leaf, _), leaf_blocks in zip(wanted, planned):
+                blocks.extend((leaf, box, out) for box, out in leaf_blocks.items())
+        return planned, parts
 
-    def read_block(leaf, checkpoint, box):
-        local.views = []
-        out = real_read_block(leaf, checkpoint, box)
-        blocks.append((leaf, box, local.views))
-        return out
+    def preadv(fd, iov, offset):
+        rows = np.array(iov, copy=True)
+        got = real_preadv(fd, iov, offset)
+        local.calls.append((offset, rows, got))
+        return got
 
-    monkeypatch.setattr(port._source.Checkpoint, "view", view)
-    monkeypatch.setattr(port._place, "read_block", read_block)
-    return blocks
+    def read_key(checkpoint, parts):
+        local.calls = []
+        real_read_key(checkpoint, parts)
+        files, addresses = read_offsets(local.calls)
+        staged = np.ones(len(files), bool)
+        with lock:
+            for part in parts:
+                start = part.target.ctypes.data
+                inside = (addresses >= start) & (addresses < start + part.target.nbytes)
+                landed.append((start, files[inside]))
+                staged &= ~inside
+            landed.append((None, files[staged]))
+
+    monkeypatch.setattr(port._place, "plan_reads", plan_reads)
+    monkeypatch.setattr(port._place, "read_key", read_key)
+    monkeypatch.setattr(port._source, "_preadv", preadv)
+
+    def attribute():
+        per_block = {id(out): (leaf, box, []) for leaf, box, out in blocks}
+        elsewhere = []
+        for start, files in landed:
+            inside = [out for _, _, out in blocks if start is not None and 0 <= start - out.ctypes.data < max(out.nbytes, 1)]
+            (per_block[id(inside[0])][2] if inside else elsewhere).append(files)
+        result = [(leaf, box, np.concatenate(f) if f else np.zeros(0, np.int64)) for leaf, box, f in per_block.values()]
+        return result, np.concatenate(elsewhere) if elsewhere else np.zeros(0, np.int64)
+
+    return attribute
 
 
 def element_bytes(info, region):
@@ -44,7 +74,12 @@ def element_bytes(info, region):
     return set((starts[:, None] + np.arange(info.dtype.itemsize)[None, :]).reshape(-1).tolist())
 
 
-def test_each_block_reads_exactly_its_region(gpt2_checkpoints, reads):
+@pytest.mark.parametrize("band_bytes", [port._place.BAND_BYTES, 1000])
+def test_each_block_reads_exactly_its_region(gpt2_checkpoints, reads, monkeypatch, band_bytes):
+    """Also when tensors are read in bands by several jobs (small bands here: every tensor)."""
+    monkeypatch.setattr(port._place, "BAND_BYTES", band_bytes)
+    jobs, real_bands = [], port._place._bands
+    monkeypatch.setattr(port._place, "_bands", lambda parts: jobs.extend(real_bands(parts)) or real_bands(parts))
     directories, _ = gpt2_checkpoints
     mesh = port.make_mesh("4x2")
     with port.open_checkpoint(directories["lm"]) as ckpt:
@@ -52,37 +87,81 @@ def test_each_block_reads_exactly_its_region(gpt2_checkpoints, reads):
         recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape)
         port.place(recipe, ckpt, mesh)
         total = ckpt.bytes_read
+    per_block, elsewhere = reads()
+    # No transpose or cast in GPT-2's mapping: every byte is read straight into its block.
+    assert len(elsewhere) == 0
     by_leaf = {}
-    for leaf, box, views in reads:
+    for leaf, box, files in per_block:
         by_leaf.setdefault(leaf.path, []).append(box)
         region, keys = leaf.source_region(box)
-        assert [k for k, _ in views] == list(keys)
         wanted = set().union(*(element_bytes(ckpt.tensors[k], region) for k in keys))
-        got = np.concatenate([offsets for _, offsets in views]).tolist()
+        got = files.tolist()
         assert len(got) == len(set(got)), f"{leaf.path}: a byte read twice"
         assert set(got) == wanted, f"{leaf.path} {box}: read bytes outside its region"
     for leaf in recipe.leaves:  # one read per distinct block, though 8 devices ask
         boxes = by_leaf[leaf.path]
         assert len(boxes) == len(set(boxes)) == len(leaf.shards(mesh.shape)), leaf.path
-    assert total == recipe.read_bytes
+    assert total == recipe.read_bytes == sum(len(files) for _, _, files in per_block)
+    # One job per source key, or per band of it: wte (101 x 64 float32) in bands of ~1000 bytes.
+    wte = [job for job in jobs if job[0].key == "transformer.wte.weight"]
+    assert len(wte) == (1 if band_bytes > 101 * 64 * 4 else math.ceil(101 / (101 * 1000 // (101 * 64 * 4))))
 
 
 def test_fused_and_replicated_tensors_are_read_once(gpt2_checkpoints, reads):
     directories, _ = gpt2_checkpoints
-    mesh = port.make_mesh("4x2")
     with port.open_checkpoint(directories["lm"]) as ckpt:
-        port.load(directories["lm"], mesh=mesh)
+        port.load(directories["lm"], mesh=port.make_mesh("4x2"))
         infos = ckpt.tensors
+    per_block, elsewhere = reads()
     read = {}
-    for leaf, _, views in reads:
-        read[leaf.path] = read.get(leaf.path, 0) + sum(len(offsets) for _, offsets in views)
+    for leaf, _, files in per_block:
+        read[leaf.path] = read.get(leaf.path, 0) + len(files)
     c_attn = infos["transformer.h.0.attn.c_attn.weight"].nbytes * 2  # two layers
     # q, k and v each read their own third of the fused c_attn, nothing more.
     assert read["blocks.attn.wq"] == read["blocks.attn.wk"] == read["blocks.attn.wv"] == c_attn // 3
     # wte is replicated on `model` (vocab 101): 8 devices, 4 distinct blocks, each byte read once.
     assert read["wte"] == infos["transformer.wte.weight"].nbytes
     # Every source byte is read exactly once in all.
-    assert sum(read.values()) == sum(i.nbytes for i in infos.values())
+    assert sum(read.values()) == sum(i.nbytes for i in infos.values()) and len(elsewhere) == 0
+
+
+def test_fused_tensor_is_read_end_to_end(gpt2_checkpoints):
+    """q, k and v cut from one c_attn are read together: each layer's c_attn in few preadv calls,
+    not one per row of each block."""
+    directories, _ = gpt2_checkpoints
+    mesh = port.make_mesh("4x2")
+    with port.open_checkpoint(directories["lm"]) as ckpt, recorded_reads() as calls:
+        mapping = port.mapping_for(ckpt.config)
+        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape)
+        attention = [leaf for leaf in recipe.leaves if leaf.path in ("blocks.attn.wq", "blocks.attn.wk", "blocks.attn.wv")]
+        port.place(port._plan.Plan(tuple(attention), recipe.mesh_shape, (), ()), ckpt, mesh)
+        info = ckpt.tensors["transformer.h.0.attn.c_attn.weight"]
+    rows = info.shape[0]
+    # Each row of c_attn is 3 parts x 2 model blocks = 6 runs, end to end: 2 layers x rows x 6
+    # runs, IOV_MAX (1024 on Linux) per call.
+    assert sum(len(iov) for _, iov, _ in calls) == 2 * rows * 6
+    assert len(calls) == 2 * math.ceil(rows * 6 / port._source._IOV_MAX)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_cast_blocks_read_their_region_once(gpt2_checkpoints, reads, dtype):
+    """With a cast the region goes through a staging buffer, still read once and only it."""
+    directories, _ = gpt2_checkpoints
+    mesh = port.make_mesh("4x2")
+    with port.open_checkpoint(directories["lm"]) as ckpt:
+        mapping = port.mapping_for(ckpt.config)
+        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape, dtype)
+        arrays = port.place(recipe, ckpt, mesh)
+        total = ckpt.bytes_read
+    per_block, elsewhere = reads()
+    assert len(elsewhere) == total == recipe.read_bytes
+    assert len(set(elsewhere.tolist())) == len(elsewhere)  # each source byte once
+    assert all(len(files) == 0 for _, _, files in per_block)
+    wanted = set().union(*(element_bytes(ckpt.tensors[k], leaf.source_region(box)[0])
+                           for leaf, box, _ in per_block for k in leaf.source_region(box)[1]))
+    assert set(elsewhere.tolist()) == wanted
+    wte = load_file(directories["lm"] / "model.safetensors")["transformer.wte.weight"]
+    np.testing.assert_array_equal(np.asarray(arrays["wte"]), wte.astype(port._mapping.dtype(dtype)))
 
 
 def test_every_device_owns_an_aligned_buffer(gpt2_checkpoints):

@@ -191,7 +191,7 @@ def leaf(name, **fields):
     (lambda m: m.update(mapping="model = "), "port.json: mapping: invalid TOML"),
     (lambda m: m.update(mapping="bogus = 1\n" + m["mapping"]), "port.json: mapping: unknown key 'bogus'"),
     (lambda m: m.update(mapping=m["mapping"].replace("[rules]", "rules = [1]\n[other]")), "port.json: mapping"),
-    (lambda m: m.update(mapping='model = "port.models.gpt2:GPT2"\nrules = [1]\n'), "port.json: mapping is not valid"),
+    (lambda m: m.update(mapping='model = "port.models.gpt2:GPT2"\nrules = [1]\n'), "port.json: mapping: [rules] must be a table"),
     (leaf("wte", shape=[101, -64]), "leaf 'wte': 'shape' must be a list of non-negative integers"),
     (leaf("wte", shape=[101, 64.0]), "leaf 'wte': 'shape' must be a list of non-negative integers"),
     (leaf("wte", shape=[101, True]), "leaf 'wte': 'shape' must be a list of non-negative integers"),

@@ -1,9 +1,10 @@
-"""safetensors headers and counted region reads of `port._source`."""
+"""safetensors headers and counted, positioned region reads of `port._source`."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import ml_dtypes
@@ -16,7 +17,7 @@ from safetensors.numpy import save_file
 from port._errors import PortError
 from port._source import Checkpoint, read_header
 
-from conftest import view_offsets
+from conftest import read_offsets, recorded_reads
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -97,45 +98,129 @@ def test_read_equals_array_box(checkpoint_dir, headers, data):
     key = data.draw(st.sampled_from(sorted(ARRAYS)), label="key")
     array = ARRAYS[key]
     region = data.draw(regions(array.shape, allow_empty=data.draw(st.booleans())), label="region")
-    ckpt = Checkpoint(checkpoint_dir, {}, headers)
-    try:
-        got = np.array(ckpt.view(key, region))
+    with Checkpoint(checkpoint_dir, {}, headers) as ckpt:
+        got = ckpt.read(key, region)
         want = array[_slices(region)]
         assert got.dtype == want.dtype  # bfloat16 stays bfloat16
-        assert got.shape == want.shape
+        assert got.shape == want.shape and got.flags.c_contiguous
         assert got.tobytes() == np.ascontiguousarray(want).tobytes()
         assert ckpt.bytes_read == want.nbytes
-    finally:
-        ckpt.close()
 
 
 def test_read_whole_bfloat16_and_scalar(checkpoint_dir, headers):
     with Checkpoint(checkpoint_dir, {}, headers) as ckpt:
-        got = ckpt.view("bf16.3d", ((0, 4), (0, 3), (0, 8)))
+        got = ckpt.read("bf16.3d", ((0, 4), (0, 3), (0, 8)))
         assert got.dtype == BF16
         np.testing.assert_array_equal(got, ARRAYS["bf16.3d"])
-        scalar = ckpt.view("f32.scalar", ())
+        scalar = ckpt.read("f32.scalar", ())
         assert scalar.shape == () and scalar == np.float32(3.5)
         assert ckpt.bytes_read == ARRAYS["bf16.3d"].nbytes + 4
 
 
 def test_bytes_read_accumulates(checkpoint_dir, headers):
     ckpt = Checkpoint(checkpoint_dir, {}, headers)
-    with ckpt:
-        ckpt.view("f32.3d", ((1, 3), (0, 6), (2, 5)))
-        ckpt.view("i64.1d", ((4, 9),))
-        ckpt.view("f16.2d", ((0, 0), (0, 4)))  # empty: nothing read
+    with ckpt, recorded_reads() as calls:
+        ckpt.read("f32.3d", ((1, 3), (0, 6), (2, 5)))
+        ckpt.read("i64.1d", ((4, 9),))
+        ckpt.read("f16.2d", ((0, 0), (0, 4)))  # empty: nothing read
         assert ckpt.bytes_read == 2 * 6 * 3 * 4 + 5 * 8
+    assert len(read_offsets(calls)[0]) == ckpt.bytes_read
 
 
-def test_view_of_truncated_data_raises(tmp_path):
+def test_read_into_given_buffer(checkpoint_dir, headers):
+    with Checkpoint(checkpoint_dir, {}, headers) as ckpt:
+        out = np.full((2, 4), 7, np.float16)
+        assert ckpt.read("f16.2d", ((3, 5), (0, 4)), out=out) is out
+        np.testing.assert_array_equal(out, ARRAYS["f16.2d"][3:5])
+        for bad in (np.empty((2, 4), np.float32), np.empty((4, 2), np.float16), np.empty((4, 4), np.float16)[:, :2]):
+            with pytest.raises(ValueError, match="C-contiguous"):
+                ckpt.read("f16.2d", ((3, 5), (0, 4)), out=bad)
+        with pytest.raises(ValueError, match="outside"):
+            ckpt.read("f16.2d", ((3, 10), (0, 4)))
+
+
+def test_read_of_file_cut_since_its_header_raises(tmp_path):
     path = tmp_path / "cut.safetensors"
     save_file({"w": np.arange(100, dtype=np.float32)}, str(path))
     tensors = read_header(path)
     path.write_bytes(path.read_bytes()[:-40])  # cut after the header was read
-    with Checkpoint(tmp_path, {}, tensors) as ckpt, pytest.raises(PortError, match="truncated") as e:
-        ckpt.view("w", ((0, 10),))
+    with Checkpoint(tmp_path, {}, tensors) as ckpt, pytest.raises(PortError, match="truncated since") as e:
+        ckpt.read("w", ((0, 10),))
     assert "cut.safetensors" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_read_of_file_cut_while_reading_raises(tmp_path, monkeypatch):
+    """What a memory map would turn into SIGBUS is a short read, and one PortError line."""
+    import port._source
+
+    path = tmp_path / "cut.safetensors"
+    save_file({"w": np.arange(1000, dtype=np.float32)}, str(path))
+    tensors = read_header(path)
+    real = port._source._preadv
+
+    def cut_first(fd, iov, offset):
+        os.truncate(path, tensors["w"].offset + 100)
+        return real(fd, iov, offset)
+
+    monkeypatch.setattr(port._source, "_preadv", cut_first)
+    with Checkpoint(tmp_path, {}, tensors) as ckpt, pytest.raises(PortError) as e:
+        ckpt.read("w", ((0, 1000),))
+    message = str(e.value)
+    assert message.startswith("cut.safetensors: truncated while reading: tensor 'w'"), message
+    assert "\n" not in message and ckpt.bytes_read == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_short_reads_are_resumed(checkpoint_dir, headers, data):
+    """A preadv may read less than asked (signals, 2 GB per call): the rest is read after."""
+    import port._source
+
+    real = port._source._preadv
+    cuts = data.draw(st.lists(st.integers(1, 64), min_size=1, max_size=20), label="cuts")
+
+    def short(fd, iov, offset):
+        limit = cuts.pop() if cuts else 1 << 40
+        ends = np.cumsum(iov[:, 1].astype(np.int64))
+        keep = int(np.searchsorted(ends, limit))
+        rows = np.array(iov[: keep + 1], copy=True)
+        if keep < len(iov):
+            rows[-1, 1] -= np.uint64(max(0, int(ends[keep]) - limit))
+        return real(fd, rows, offset)
+
+    key = data.draw(st.sampled_from(["f32.3d", "bf16.3d", "i64.1d"]), label="key")
+    region = data.draw(regions(ARRAYS[key].shape), label="region")
+    with Checkpoint(checkpoint_dir, {}, headers) as ckpt, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(port._source, "_preadv", short)
+        got = ckpt.read(key, region)
+    assert got.tobytes() == np.ascontiguousarray(ARRAYS[key][_slices(region)]).tobytes()
+
+
+@pytest.mark.parametrize("max_runs", [1, 3, 7])
+def test_many_runs_are_read_in_bounded_batches(checkpoint_dir, headers, monkeypatch, max_runs):
+    """A region of very many runs is cut along its first axis; every batch still reads only its bytes."""
+    import port._source
+
+    monkeypatch.setattr(port._source, "_MAX_RUNS", max_runs)
+    region = ((1, 5), (0, 6), (2, 5))  # 24 runs
+    outs = [np.empty((4, 6, 3), np.float32), np.empty((4, 6, 4), np.float32)]
+    with Checkpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
+        ckpt.read_into("f32.3d", [(region, outs[0]), (((1, 5), (0, 6), (3, 7)), outs[1])])
+    np.testing.assert_array_equal(outs[0], ARRAYS["f32.3d"][1:5, :, 2:5])
+    np.testing.assert_array_equal(outs[1], ARRAYS["f32.3d"][1:5, :, 3:7])
+    files, _ = read_offsets(calls)
+    assert len(files) == ckpt.bytes_read == outs[0].nbytes + outs[1].nbytes
+    assert sum(len(iov) for _, iov, _ in calls) == 48  # each run once, however batched
+
+
+def test_reads_without_libc_preadv(checkpoint_dir, headers, monkeypatch):
+    """Where libc has no preadv, os.preadv fills the same buffers."""
+    import port._source
+
+    monkeypatch.setattr(port._source, "_LIBC_PREADV", None)
+    with Checkpoint(checkpoint_dir, {}, headers) as ckpt:
+        got = ckpt.read("bf16.3d", ((1, 4), (0, 3), (2, 6)))
+    assert got.tobytes() == np.ascontiguousarray(ARRAYS["bf16.3d"][1:4, :, 2:6]).tobytes()
 
 
 # -------------------------------------------------- a read touches only its region
@@ -150,21 +235,39 @@ def _element_offsets(info, region) -> list[int]:
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data())
-def test_view_covers_only_region_bytes(checkpoint_dir, headers, data):
-    """A view's bytes (from its pointer and strides) are exactly the region's, each once."""
+def test_read_touches_only_region_bytes(checkpoint_dir, headers, data):
+    """The bytes the preads read are exactly the region's, each once, each into its place."""
     key = data.draw(st.sampled_from(["f32.3d", "bf16.3d", "f32.4d", "f16.2d", "i64.1d"]), label="key")
     array = ARRAYS[key]
     region = data.draw(regions(array.shape, allow_empty=data.draw(st.booleans())), label="region")
-    with Checkpoint(checkpoint_dir, {}, headers) as ckpt:
+    with Checkpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
         info = ckpt.tensors[key]
-        view = ckpt.view(key, region)
-        assert not view.flags.writeable
-        covered = view_offsets(ckpt, key, view)
-        nbytes = math.prod(b - a for a, b in region) * info.dtype.itemsize
-        assert len(covered) == len(set(covered.tolist())) == nbytes == ckpt.bytes_read
-        wanted = {start + i for start in _element_offsets(info, region) for i in range(info.dtype.itemsize)}
-        assert set(covered.tolist()) == (wanted if nbytes else set())
-        assert np.array(view).tobytes() == np.ascontiguousarray(array[_slices(region)]).tobytes()
+        out = ckpt.read(key, region)
+        files, addresses = read_offsets(calls)
+    nbytes = math.prod(b - a for a, b in region) * info.dtype.itemsize
+    assert len(files) == len(set(files.tolist())) == nbytes == ckpt.bytes_read
+    wanted = [start + i for start in _element_offsets(info, region) for i in range(info.dtype.itemsize)]
+    # In C order, byte k of the region lands in byte k of `out`.
+    assert files.tolist() == (wanted if nbytes else [])
+    assert (addresses - out.ctypes.data).tolist() == list(range(nbytes))
+    assert out.tobytes() == np.ascontiguousarray(array[_slices(region)]).tobytes()
+
+
+def test_regions_that_tile_rows_are_read_by_one_call(checkpoint_dir, headers):
+    """Column blocks of a matrix read together: their runs lie end to end in the file, one preadv."""
+    array = ARRAYS["f32.3d"]  # (5, 6, 7)
+    blocks = [((0, 5), (0, 6), (0, 3)), ((0, 5), (0, 6), (3, 7))]
+    outs = [np.empty((5, 6, b - a), np.float32) for _, _, (a, b) in blocks]
+    with Checkpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
+        ckpt.read_into("f32.3d", list(zip(blocks, outs)))
+    assert len(calls) == 1 and len(calls[0][1]) == 2 * 5 * 6
+    np.testing.assert_array_equal(np.concatenate(outs, axis=2), array)
+    files, _ = read_offsets(calls)
+    assert sorted(files.tolist()) == list(range(ckpt.tensors["f32.3d"].offset, ckpt.tensors["f32.3d"].offset + array.nbytes))
+    # Only one of them: 30 runs with gaps between them, one preadv each.
+    with Checkpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
+        ckpt.read("f32.3d", blocks[0])
+    assert len(calls) == 30
 
 
 # ----------------------------------------------------------------- corrupt inputs

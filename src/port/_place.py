@@ -1,12 +1,17 @@
 """Place: each leaf becomes a `jax.Array` under its final `NamedSharding`.
 
-Every distinct block a process's devices hold is built once, on a small thread
-pool: a view of the source region straight from the memory-mapped checkpoint,
-the transform chain's views over it, and one copy (casting on the way) into a
-64-byte-aligned buffer. On CPU, JAX adopts such a buffer as the device buffer
-without copying it, so each byte is read and written once; a device that shares
-its block with another (a replicated axis) gets its own copy of the block, not a
-second read. `jax.make_array_from_callback` asks each process only for its own
+Every distinct block a process's devices hold is built once, from only the source
+bytes it needs, read with positioned reads (no memory map: a checkpoint cut short
+meanwhile is a clean error, never a SIGBUS). Where the transform chain only
+reshapes or offsets the source region (the common case: no transpose, no cast),
+the region's bytes are read straight into the block's 64-byte-aligned buffer, so
+each byte is copied once; otherwise the region is read into a staging buffer and
+the chain's views over it are copied (casting on the way) into the block. On CPU,
+JAX adopts such a buffer as the device buffer without copying it; a device that
+shares its block with another (a replicated axis) gets its own copy of the block,
+not a second read. The blocks of one source tensor are read together, so runs
+that lie end to end in the file (the column blocks of a matrix) share one
+`preadv`. `jax.make_array_from_callback` asks each process only for its own
 devices' blocks, so a process reads only what its devices hold.
 
 ```python
@@ -17,10 +22,12 @@ arrays["wte"].sharding                  # NamedSharding(mesh, P(None, 'data'))
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -30,6 +37,7 @@ from ._plan import LeafPlan, Plan
 from ._source import Checkpoint, Region
 
 ALIGN = 64  # XLA's CPU client adopts host buffers aligned like this without a copy
+BAND_BYTES = 16 * 2**20  # a source tensor larger than this is read by several jobs
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -41,16 +49,110 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
-def read_block(leaf: LeafPlan, checkpoint: Checkpoint, box: Region) -> np.ndarray:
-    """The target block `box` of `leaf`, from only the source bytes it needs, in one copy."""
-    region, keys = leaf.source_region(box)
-    inner = box[1:] if leaf.stacked else box
-    regions = leaf.chain.regions(inner)
-    out = aligned_empty(tuple(b - a for a, b in box), leaf.dtype)
-    targets = out if leaf.stacked else out[None]
-    for target, key in zip(targets, keys):
-        np.copyto(target, leaf.chain.apply(checkpoint.view(key, region), regions), casting="unsafe")
-    return out
+def _same_layout(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether `a` and `b` are the same elements of the same memory."""
+    return (
+        a.shape == b.shape and a.dtype == b.dtype
+        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+        and all(x == y for x, y, n in zip(a.strides, b.strides, a.shape) if n > 1)
+    )
+
+
+def direct(leaf: LeafPlan, region: Region, regions: list[Region], target: np.ndarray) -> bool:
+    """Whether the chain turns a C-contiguous array of the source region laid in
+    `target`'s memory into `target` itself (it only reshapes or offsets: no transpose,
+    cast or strided pick). Then reading the region into that memory fills `target`."""
+    shape = tuple(b - a for a, b in region)
+    if target.dtype != leaf.source_dtype or math.prod(shape) != target.size or not target.flags.c_contiguous:
+        return False
+    return _same_layout(leaf.chain.apply(target.reshape(shape), regions), target)
+
+
+@dataclass
+class Part:
+    """One source key's share of one block of `leaf`: read `region` of `key` into
+    `source` (a view of the block, or a staging buffer allocated when read), then,
+    unless direct, copy the chain's result into `target`."""
+
+    leaf: LeafPlan
+    key: str
+    region: Region
+    regions: list[Region]
+    target: np.ndarray
+    source: np.ndarray | None
+
+
+def read_key(checkpoint: Checkpoint, parts: list[Part]) -> None:
+    """Read one source key's regions for all the blocks that need it at once, and finish the staged ones."""
+    buffers = [
+        part.source if part.source is not None else np.empty(tuple(b - a for a, b in part.region), part.leaf.source_dtype)
+        for part in parts
+    ]
+    checkpoint.read_into(parts[0].key, [(part.region, buffer) for part, buffer in zip(parts, buffers)])
+    for part, buffer in zip(parts, buffers):
+        if part.source is None:
+            np.copyto(part.target, part.leaf.chain.apply(buffer, part.regions), casting="unsafe")
+
+
+def plan_reads(
+    wanted: list[tuple[LeafPlan, list[Region]]],
+) -> tuple[list[dict[Region, np.ndarray]], list[list[Part]]]:
+    """For each (leaf, boxes): its (uninitialised) blocks; and the reads that fill them all,
+    one list per source key, so that blocks of several leaves cut from one tensor
+    (q, k and v of a fused c_attn) are read together."""
+    blocks, by_key = [], {}
+    for leaf, boxes in wanted:
+        blocks.append({})
+        for box in boxes:
+            region, keys = leaf.source_region(box)
+            regions = leaf.chain.regions(box[1:] if leaf.stacked else box)
+            out = blocks[-1][box] = aligned_empty(tuple(b - a for a, b in box), leaf.dtype)
+            targets = out if leaf.stacked else out[None]
+            shape = tuple(b - a for a, b in region)
+            in_place = len(targets) > 0 and direct(leaf, region, regions, targets[0])  # alike for every layer
+            for key, target in zip(keys, targets):
+                part = Part(leaf, key, region, regions, target, target.reshape(shape) if in_place else None)
+                by_key.setdefault(key, []).append(part)
+    return blocks, list(by_key.values())
+
+
+def _bands(parts: list[Part]) -> list[list[Part]]:
+    """One source key's parts as jobs of about `BAND_BYTES` each, so that one large tensor
+    (an embedding) is read by several threads: bands of the tensor's first axis, every
+    part cut at the same rows, so the runs a band holds still lie end to end. Only
+    direct parts are cut (a staged part is finished whole once read)."""
+    band_bytes = BAND_BYTES
+    total = sum(math.prod(b - a for a, b in part.region) for part in parts) * parts[0].leaf.source_dtype.itemsize
+    if total <= band_bytes or not parts[0].region or any(part.source is None for part in parts):
+        return [parts]
+    lo, hi = min(part.region[0][0] for part in parts), max(part.region[0][1] for part in parts)
+    step = max(1, (hi - lo) * band_bytes // total)
+    jobs = []
+    for start in range(lo, hi, step):
+        stop = min(hi, start + step)
+        band = []
+        for part in parts:
+            (a, b), rest = part.region[0], part.region[1:]
+            x, y = max(a, start), min(b, stop)
+            if x < y:
+                source = part.source[x - a : y - a]
+                band.append(Part(part.leaf, part.key, ((x, y), *rest), part.regions, part.target, source))
+        jobs.append(band)
+    return jobs
+
+
+def _units(leaves: tuple[LeafPlan, ...]) -> list[list[int]]:
+    """Leaves in order, consecutive ones that read the same source tensors grouped."""
+    units: list[list[int]] = []
+    keys: set[str] = set()
+    for i, leaf in enumerate(leaves):
+        if units and keys & set(leaf.keys):
+            units[-1].append(i)
+            keys |= set(leaf.keys)
+        else:
+            units.append([i])
+            keys = set(leaf.keys)
+    return units
 
 
 def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
@@ -92,27 +194,37 @@ def place(
 ) -> dict[str, jax.Array | None]:
     """Every leaf of `plan` as a sharded array; `progress` is called after each leaf.
 
-    Blocks are read by `workers` threads (default: the CPU count, at most 8), at most
-    two leaves ahead of the leaf being assembled. Optional leaves the checkpoint
+    Blocks are read by `workers` threads (default: the CPU count, at most 8), one
+    source tensor at a time, at most two leaves (or groups of leaves cut from the
+    same tensors) ahead of the one being assembled. Optional leaves the checkpoint
     lacks (`plan.empty`) are None.
     """
     arrays: dict[str, jax.Array | None] = dict.fromkeys(plan.empty)
     shardings = [NamedSharding(mesh, leaf.spec) for leaf in plan.leaves]
+    units = _units(plan.leaves)
     with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:
-        pending: deque[dict[Region, Future]] = deque()
+        pending: deque[tuple[list[dict[Region, np.ndarray]], list[Future]]] = deque()
 
-        def submit(i: int) -> None:
-            leaf = plan.leaves[i]
-            pending.append({box: pool.submit(read_block, leaf, checkpoint, box) for box in _boxes(leaf, shardings[i])})
+        def submit(u: int) -> None:
+            blocks, reads = plan_reads([(plan.leaves[i], _boxes(plan.leaves[i], shardings[i])) for i in units[u]])
+            jobs = [band for parts in reads for band in _bands(parts)]
+            pending.append((blocks, [pool.submit(read_key, checkpoint, parts) for parts in jobs]))
 
-        for i in range(min(2, len(plan.leaves))):
-            submit(i)
-        for i, leaf in enumerate(plan.leaves):
-            if i + 2 < len(plan.leaves):
-                submit(i + 2)
-            blocks = {box: future.result() for box, future in pending.popleft().items()}
-            arrays[leaf.path] = _assemble(leaf, shardings[i], blocks)
-            del blocks
-            if progress is not None:
-                progress(leaf)
+        try:
+            for u in range(min(2, len(units))):
+                submit(u)
+            for u, members in enumerate(units):
+                if u + 2 < len(units):
+                    submit(u + 2)
+                blocks, futures = pending.popleft()
+                for future in futures:
+                    future.result()
+                for i, leaf_blocks in zip(members, blocks):
+                    arrays[plan.leaves[i].path] = _assemble(plan.leaves[i], shardings[i], leaf_blocks)
+                    if progress is not None:
+                        progress(plan.leaves[i])
+                del blocks, futures
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     return arrays

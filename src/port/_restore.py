@@ -37,6 +37,7 @@ from ._errors import PortError
 from ._fill import fill
 from ._mapping import _DTYPES, Mapping, dtype as dtype_named, import_object, parse_mapping
 from ._mesh import as_mesh
+from ._place import _box
 from ._plan import partition
 from ._save import FORMAT
 from ._skeleton import leaves, skeleton
@@ -480,11 +481,6 @@ def _open_array(output: Output, leaf: Leaf, context: Any) -> Any:
     if metadata.get("compressor") is not None or metadata.get("filters") is not None:
         raise PortError(f"{where}: stored compressed or filtered; port stores arrays uncompressed")
     return store
-
-
-def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """A device's index as (start, stop) per dimension."""
-    return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
 def _read_arrays(output: Output, stores: AnyMapping[str, Any], mesh: Mesh) -> Iterator[tuple[str, jax.Array]]:

@@ -1,27 +1,37 @@
 """Source: a checkpoint directory, its `config.json` and safetensors headers.
 
-Opening a checkpoint reads only `config.json` and the safetensors headers. Tensor
-bytes are read later, region by region, through [`Checkpoint.view`][]: a view of
-the memory-mapped file covering exactly the region, counted in `bytes_read`.
+A checkpoint is untrusted input. Opening one reads only `config.json`, the shard
+index and the safetensors headers, each bounded in size before a byte of it is
+read, from regular files only (a FIFO, a device or a directory is refused, never
+waited on), named by the index as plain file names inside the checkpoint
+directory. Each header is validated as the safetensors format specifies, refusing
+whatever the reference loader refuses. Tensor bytes are read later, region by
+region, with positioned reads (`preadv`) straight into the caller's buffers: a file
+cut short while it is read is one `PortError`, never a SIGBUS.
 
 ```python
-ckpt = open_checkpoint("path/to/gpt2")     # or a Hugging Face repo id
+ckpt = open_checkpoint("path/to/gpt2")          # or a Hugging Face repo id
 ckpt.tensors["h.0.attn.c_attn.weight"].shape    # (768, 2304), no data read
-block = ckpt.view("wte.weight", ((0, 50257), (0, 192)))   # read when copied
+block = ckpt.read("wte.weight", ((0, 50257), (0, 192)))   # exactly that region
 ckpt.bytes_read                                  # 50257 * 192 * 4
 ```
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
 import json
 import math
-import mmap
 import os
 import re
+import stat
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -46,81 +56,372 @@ DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
 }
 
-_MAX_HEADER = 100 * 1024 * 1024
+MAX_HEADER = 100_000_000
+"""Bytes one safetensors header may have: the reference loader's `MAX_HEADER_SIZE`."""
+MAX_HEADERS = 100_000_000
+"""Bytes the headers of all shards of one checkpoint may have together."""
+MAX_SHARDS = 10_000
+"""Shard files one checkpoint may have."""
+MAX_CONFIG = 8 * 2**20
+"""Bytes a `config.json` may have."""
+MAX_INDEX = 64 * 2**20
+"""Bytes a `model.safetensors.index.json` may have."""
+
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
 _REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+_U64 = 2**64
+_MAX_NBYTES = 2**63 - 1  # NumPy's limit on an array's size in bytes
+_MAX_RANK = 64  # NumPy's limit on dimensions
+_MAX_DEPTH = 128  # serde_json's recursion limit: the reference refuses JSON nested this deep
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_MAX_RUNS = 1 << 22  # runs (contiguous pieces) handled in one batch: bounds the bookkeeping
+
+
+def _show(text: str, limit: int = 200) -> str:
+    """An untrusted name fit for a one-line message: quoted, cut short."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def _kind(mode: int) -> str:
+    kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
+             stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
+    return next((name for test, name in kinds.items() if test(mode)), "an unknown kind of file")
+
+
+def open_regular(path: Path, name: str | None = None) -> tuple[int, os.stat_result]:
+    """Open `path` for reading if, and only if, it is a regular file (or a link to one).
+
+    Checked before opening (`stat`, so a FIFO or device is never opened) and again
+    on the open descriptor (`fstat`: the same file, still regular). Opened with
+    `O_NONBLOCK`, so even a FIFO swapped in between cannot block. Returns the
+    descriptor and its `fstat`.
+
+    ```python
+    fd, st = open_regular(Path("ckpt/model.safetensors"))
+    ```
+    """
+    name = name or path.name
+    try:
+        before = os.stat(path)
+    except OSError as e:
+        raise PortError(f"{name}: cannot read: {e.strerror or e}") from None
+    if not stat.S_ISREG(before.st_mode):
+        raise PortError(f"{name}: not a regular file ({_kind(before.st_mode)})")
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        raise PortError(f"{name}: cannot read: {e.strerror or e}") from None
+    try:
+        after = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise PortError(f"{name}: cannot read: {e.strerror or e}") from None
+    if not stat.S_ISREG(after.st_mode) or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+        os.close(fd)
+        raise PortError(f"{name}: replaced while being opened (now {_kind(after.st_mode)})")
+    return fd, after
+
+
+def _pread_exact(fd: int, n: int, offset: int, name: str) -> bytes:
+    """Exactly `n` bytes at `offset`, or a PortError saying the file is shorter."""
+    parts, got = [], 0
+    try:
+        while got < n:
+            chunk = os.pread(fd, min(n - got, 1 << 26), offset + got)
+            if not chunk:
+                raise PortError(f"{name}: truncated while reading: ends at byte {offset + got}, {n - got} bytes short")
+            parts.append(chunk)
+            got += len(chunk)
+    except OSError as e:
+        raise PortError(f"{name}: cannot read: {e.strerror or e}") from None
+    return b"".join(parts)
+
+
+def read_small(path: Path, limit: int, what: str) -> bytes:
+    """The whole of a small regular file, refused unread when larger than `limit` bytes."""
+    fd, st = open_regular(path, str(path))
+    try:
+        if st.st_size > limit:
+            raise PortError(f"{path}: {st.st_size} bytes, more than a {what} may have ({limit})")
+        data = _pread_exact(fd, st.st_size, 0, str(path))
+        if os.pread(fd, 1, st.st_size):  # grew meanwhile: read no more
+            raise PortError(f"{path}: grew while being read")
+        return data
+    except OSError as e:
+        raise PortError(f"{path}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+
+
+def _load_json(text: str | bytes, where: str, **hooks: Any) -> Any:
+    """`json.loads`, with every way it can fail as one PortError line naming `where`."""
+    try:
+        return json.loads(text, **hooks)
+    except RecursionError:
+        raise PortError(f"{where}: not valid JSON (nested too deeply)") from None
+    except UnicodeDecodeError as e:
+        raise PortError(f"{where}: not valid UTF-8 (at byte {e.start})") from None
+    except ValueError as e:  # JSONDecodeError, too-long integers, and the hooks' refusals
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise PortError(f"{where}: not valid JSON ({message})") from None
+
+
+# ---------------------------------------------------------------------------- headers
 
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Where one tensor lives: file, absolute byte offset, dtype and shape."""
+    """Where one tensor lives: file, absolute byte offset, dtype and shape.
+
+    `file_id` is the file's (device, inode, size) when its header was read: the
+    data is read only from that same file.
+    """
 
     key: str
     file: Path
     dtype: np.dtype
     shape: tuple[int, ...]
     offset: int
+    file_id: tuple[int, int, int] | None = None
 
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def read_header(path: Path) -> dict[str, TensorInfo]:
-    """Parse and validate the header of one safetensors file; reads no tensor data."""
-    name = path.name
+class _Refused(ValueError):
+    """JSON the reference parser (serde_json) refuses but Python's would accept."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose keys are all different (`json.loads` would keep the last of two)."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _Refused(f"key {_show(key)} appears twice")
+            seen.add(key)
+    return result
+
+
+def _u64_or_float(text: str) -> int | float:
+    """A JSON integer as serde_json reads it: a u64, else (negative or larger) a float."""
+    if len(text) < 20 and text[0] != "-":  # below 10**19 < 2**64
+        return int(text)
+    digits = text.lstrip("-")
+    if len(digits) > 20:
+        raise _Refused(f"integer of {len(digits)} digits")
+    value = int(text)
+    return value if 0 <= value < _U64 and text[0] != "-" else float(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Refused(f"number out of range: {text[:40]}")
+    return value
+
+
+def _no_constant(text: str) -> Any:
+    raise _Refused(f"{text} is not JSON")
+
+
+_HEADER_JSON = dict(
+    object_pairs_hook=_unique_keys, parse_int=_u64_or_float, parse_float=_finite_float, parse_constant=_no_constant
+)
+
+
+def _json_problem(value: Any, depth: int, check_strings: bool) -> str | None:
+    """What the reference parser refuses in a JSON value nested `depth` deep: nesting
+    of 128 levels, or (when `check_strings`) a string with a lone surrogate escape."""
+    stack = [(value, depth)]
+    while stack:
+        item, level = stack.pop()
+        if isinstance(item, (dict, list)):
+            if level + 1 >= _MAX_DEPTH:
+                return f"nested {_MAX_DEPTH} levels deep"
+            children = [*item.keys(), *item.values()] if isinstance(item, dict) else item
+            stack.extend((child, level + 1) for child in children)
+        elif check_strings and isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return "a string holds a lone surrogate escape (not Unicode)"
+    return None
+
+
+def parse_header(raw: bytes, name: str) -> dict[str, Any]:
+    """The JSON object of a safetensors header, parsed as strictly as the reference does.
+
+    UTF-8 only; whitespace around the object allowed (serde_json's, the same as
+    Python's); no NaN or Infinity, no number out of range, no key twice (the
+    reference keeps the last of two tensor entries; port refuses the ambiguity).
+    """
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise PortError(f"{name}: truncated: {size} bytes, too short for a safetensors header")
-            n = int.from_bytes(head, "little")
-            if n > min(size - 8, _MAX_HEADER):
-                raise PortError(
-                    f"{name}: corrupt header: header length {n} does not fit in a file of {size} bytes"
-                )
-            raw = f.read(n)
-    except OSError as e:
-        raise PortError(f"{name}: cannot read: {e.strerror or e}") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise PortError(f"{name}: corrupt header: not valid JSON ({e})") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PortError(f"{name}: corrupt header: not UTF-8 (byte {e.start} of the header)") from None
+    header = _load_json(text, f"{name}: corrupt header", **_HEADER_JSON)
     if not isinstance(header, dict):
         raise PortError(f"{name}: corrupt header: expected a JSON object")
-    data_start, data_size = 8 + n, size - 8 - n
-    tensors = {}
+    if _SURROGATE_ESCAPE.search(text):  # only escapes can make a string that is not Unicode
+        if problem := _json_problem(header, 0, check_strings=True):
+            raise PortError(f"{name}: corrupt header: {problem}")
+    return header
+
+
+def _nbytes(shape: Sequence[int], itemsize: int) -> int | None:
+    """Bytes of a tensor of `shape`, or None when NumPy could not hold it (the product
+    of the non-zero sizes, times the item size, above 2**63 - 1)."""
+    size = itemsize
+    for d in shape:
+        if d:
+            size *= d
+            if size > _MAX_NBYTES:
+                return None
+    return size if all(shape) else 0
+
+
+_FIELDS = {"dtype", "shape", "data_offsets"}
+
+
+def _entry(key: str, entry: Any, name: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    """dtype, shape, begin and end of one tensor entry, each checked."""
+    if not isinstance(entry, dict) or not _FIELDS <= entry.keys():
+        raise PortError(f"{name}: corrupt header: bad entry for tensor {_show(key)}")
+    dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not (
+        type(dtype_name) is str and type(shape) is list and type(offsets) is list and len(offsets) == 2
+        and {int} >= set(map(type, shape)) and type(offsets[0]) is int and type(offsets[1]) is int
+    ):  # ints are u64s (see _u64_or_float)
+        raise PortError(f"{name}: corrupt header: bad entry for tensor {_show(key)}")
+    if len(entry) > 3:  # other fields are ignored, as the reference does
+        for value in (value for field_name, value in entry.items() if field_name not in _FIELDS):
+            if problem := _json_problem(value, 2, False):
+                raise PortError(f"{name}: corrupt header: tensor {_show(key)}: {problem}")
+    dtype = DTYPES.get(dtype_name)
+    if dtype is None:
+        raise PortError(f"{name}: tensor {_show(key)} has unsupported dtype {_show(dtype_name, 20)}")
+    if len(shape) > _MAX_RANK:
+        raise PortError(f"{name}: corrupt header: tensor {_show(key)} has {len(shape)} dimensions (at most {_MAX_RANK})")
+    nbytes = _nbytes(shape, dtype.itemsize)
+    if nbytes is None:
+        raise PortError(f"{name}: corrupt header: tensor {_show(key)} {dtype_name}{shape} is too large")
+    begin, end = offsets
+    if end < begin or end - begin != nbytes:
+        raise PortError(
+            f"{name}: corrupt header: tensor {_show(key)} {dtype_name}{shape} needs {nbytes} bytes "
+            f"but its offsets span {end - begin}"
+        )
+    return dtype, tuple(shape), begin, end
+
+
+def _check_metadata(value: Any, name: str) -> None:
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise PortError(f"{name}: corrupt header: __metadata__ must map strings to strings")
+
+
+def _check_layout(spans: list[tuple[int, int, str]], data_size: int, name: str) -> None:
+    """The tensors tile the data exactly: from byte 0, no gap, no overlap, to the file's end.
+
+    As the reference's `Metadata::validate` (huggingface/safetensors,
+    safetensors/src/tensor.rs) does: entries sorted by `data_offsets`, each must
+    start where the previous ended (`InvalidOffset`), and the last must end where
+    the file does (`read_metadata`: `MetadataIncompleteBuffer`). A header length one
+    byte short, hidden by the header's padding spaces, shows here as one data byte
+    too many.
+    """
+    position = 0
+    for begin, end, key in sorted(spans):
+        if begin > position:
+            raise PortError(
+                f"{name}: corrupt header: data bytes {position} to {begin} belong to no tensor "
+                f"(a gap before tensor {_show(key)})"
+            )
+        if begin < position:
+            raise PortError(
+                f"{name}: corrupt header: tensor {_show(key)} starts at data byte {begin}, inside the "
+                f"previous tensor (which ends at {position})"
+            )
+        position = end
+    if position > data_size:
+        raise PortError(
+            f"{name}: truncated: the tensors end at data byte {position} but the file holds only "
+            f"{data_size} data bytes"
+        )
+    if position < data_size:
+        raise PortError(
+            f"{name}: corrupt header: {data_size - position} bytes after the last tensor (trailing bytes, "
+            "or a wrong header length)"
+        )
+
+
+def _header_length(fd: int, size: int, name: str, limit: int) -> int:
+    """The header length N of an open safetensors file: N <= limit and 8 + N <= its size."""
+    if size < 8:
+        raise PortError(f"{name}: truncated: {size} bytes, too short for a safetensors header")
+    n = int.from_bytes(_pread_exact(fd, 8, 0, name), "little")
+    if n > MAX_HEADER:
+        raise PortError(f"{name}: corrupt header: its length field exceeds the format's limit of {MAX_HEADER} bytes")
+    if 8 + n > size:
+        raise PortError(f"{name}: corrupt header: its length field runs past the end of the file ({size} bytes)")
+    if n > limit:
+        raise PortError(f"{name}: its header would take the checkpoint's headers past {MAX_HEADERS} bytes in all")
+    return n
+
+
+def header_length(path: Path) -> int:
+    """The header length of a safetensors file, checked against its size; reads 8 bytes."""
+    fd, st = open_regular(path)
+    try:
+        return _header_length(fd, st.st_size, path.name, MAX_HEADER)
+    finally:
+        os.close(fd)
+
+
+def read_header(path: Path, limit: int = MAX_HEADER) -> dict[str, TensorInfo]:
+    """Parse and validate the header of one safetensors file; reads no tensor data.
+
+    Refuses what the reference loader (`safetensors`) refuses, and also: duplicate
+    keys, dtypes port does not convert, tensor names with control characters, and a
+    header longer than `limit` bytes (what is left of the checkpoint's budget).
+    """
+    return _read_header(path, limit)[0]
+
+
+def _read_header(path: Path, limit: int) -> tuple[dict[str, TensorInfo], int]:
+    """The tensors of one safetensors file, and the length of its header."""
+    name = path.name
+    fd, st = open_regular(path)
+    try:
+        n = _header_length(fd, st.st_size, name, limit)
+        raw = _pread_exact(fd, n, 8, name)
+    finally:
+        os.close(fd)
+    header = parse_header(raw, name)
+    file_id = (st.st_dev, st.st_ino, st.st_size)
+    tensors, spans = {}, []
     for key, entry in header.items():
         if key == "__metadata__":
+            _check_metadata(entry, name)
             continue
-        try:
-            dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise PortError(f"{name}: corrupt header: bad entry for tensor '{key}'") from None
-        if not (
-            isinstance(dtype_name, str)
-            and isinstance(shape, list)
-            and all(type(d) is int for d in [*shape, begin, end])
-        ):
-            raise PortError(f"{name}: corrupt header: bad entry for tensor '{key}'")
-        shape = tuple(shape)
-        if dtype_name not in DTYPES:
-            raise PortError(f"{name}: tensor '{key}' has unsupported dtype {dtype_name}")
-        info = TensorInfo(key, path, DTYPES[dtype_name], shape, data_start + begin)
-        if begin < 0 or any(d < 0 for d in shape) or end - begin != info.nbytes:
-            raise PortError(
-                f"{name}: corrupt header: tensor '{key}' {dtype_name}{list(shape)} needs "
-                f"{info.nbytes} bytes but its offsets span {end - begin}"
-            )
-        if end > data_size:
-            raise PortError(
-                f"{name}: truncated: tensor '{key}' ends at data byte {end} but the file holds "
-                f"only {data_size} data bytes"
-            )
-        tensors[key] = info
-    return tensors
+        if _CONTROL.search(key):
+            raise PortError(f"{name}: corrupt header: tensor name {_show(key)} has control characters")
+        dtype, shape, begin, end = _entry(key, entry, name)
+        tensors[key] = TensorInfo(key, path, dtype, shape, 8 + n + begin, file_id)
+        spans.append((begin, end, key))
+    _check_layout(spans, st.st_size - 8 - n, name)
+    return tensors, n
+
+
+# ---------------------------------------------------------------------------- the checkpoint
 
 
 def resolve(model: str | os.PathLike) -> Path:
@@ -150,21 +451,45 @@ def resolve(model: str | os.PathLike) -> Path:
     return Path(snapshot)
 
 
+def _plain_name(name: Any) -> bool:
+    """A file name with no directory in it: no separator, not `.` or `..`, no NUL or control character."""
+    return (
+        isinstance(name, str) and name not in ("", ".", "..")
+        and not any(sep in name for sep in ("/", "\\", os.sep)) and not _CONTROL.search(name)
+    )
+
+
+def shard_names(index: Path) -> list[str]:
+    """The shard files a `model.safetensors.index.json` names: plain names, sorted, distinct."""
+    data = _load_json(read_small(index, MAX_INDEX, "safetensors index"), str(index), object_pairs_hook=_unique_keys)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise PortError(f"{index}: not a valid safetensors index (no weight_map)")
+    for name in weight_map.values():
+        if not _plain_name(name):
+            shown = _show(name) if isinstance(name, str) else f"of type {type(name).__name__}"
+            raise PortError(f"{index}: shard {shown} is not a plain file name in the checkpoint directory")
+    names = set(weight_map.values())
+    if not names:
+        raise PortError(f"{index}: weight_map lists no shard files")
+    if len(names) > MAX_SHARDS:
+        raise PortError(f"{index}: lists {len(names)} shard files, more than {MAX_SHARDS}")
+    return sorted(names)
+
+
 def _files(directory: Path) -> list[Path]:
     index = directory / _INDEX
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
-            raise PortError(f"{index}: not a valid safetensors index (no weight_map)") from None
-        missing = [n for n in names if not (directory / n).exists()]
+    if os.path.lexists(index):
+        names = shard_names(index)
+        missing = [n for n in names if not os.path.lexists(directory / n)]
         if missing:
             raise PortError(f"{index}: lists {missing[0]}, which is not in {directory}")
         return [directory / n for n in names]
-    if (directory / _SINGLE).exists():
+    if os.path.lexists(directory / _SINGLE):
         return [directory / _SINGLE]
     found = sorted(directory.glob("*.safetensors"))
+    if len(found) > MAX_SHARDS:
+        raise PortError(f"{directory}: {len(found)} safetensors files, more than {MAX_SHARDS}")
     if found:
         return found
     if any((directory / n).exists() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
@@ -175,50 +500,262 @@ def _files(directory: Path) -> list[Path]:
     raise PortError(f"{directory}: no safetensors weights ({_SINGLE} or {_INDEX})")
 
 
+def _headers(directory: Path, files: list[Path]) -> dict[str, TensorInfo]:
+    """Every file's tensors, with the headers' total size checked before any header is read."""
+    total = sum(header_length(path) for path in files)
+    if total > MAX_HEADERS:
+        raise PortError(
+            f"{directory}: the safetensors headers of its {len(files)} files take {total} bytes, "
+            f"more than {MAX_HEADERS} in all"
+        )
+    tensors: dict[str, TensorInfo] = {}
+    budget = MAX_HEADERS
+    for path in files:
+        found, n = _read_header(path, min(budget, MAX_HEADER))
+        budget -= n
+        for key, info in found.items():
+            if key in tensors:
+                raise PortError(f"{path.name}: tensor {_show(key)} is also in {tensors[key].file.name}")
+            tensors[key] = info
+    return tensors
+
+
+# ---------------------------------------------------------------------------- reading regions
+
+
+def _libc_preadv():
+    """libc's `preadv` through ctypes (the GIL released during the call), or None."""
+    if ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_size_t) != 8:
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).preadv
+    except (AttributeError, OSError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    function.restype = ctypes.c_ssize_t
+    return function
+
+
+_LIBC_PREADV = _libc_preadv()
+
+
+def _iov_max() -> int:
+    """How many buffers one `preadv` may fill (IOV_MAX; 1024 on Linux)."""
+    try:
+        value = os.sysconf("SC_IOV_MAX")
+    except (AttributeError, ValueError, OSError):
+        value = -1
+    return min(value, 1024) if value > 0 else 16
+
+
+_IOV_MAX = _iov_max()
+
+
+def _preadv(fd: int, iov: np.ndarray, offset: int) -> int:
+    """One `preadv`: the file's bytes from `offset` on into the buffers of `iov`.
+
+    `iov` is a C-contiguous uint64 array of (address, length) rows, a `struct iovec`
+    each; at most IOV_MAX rows. Returns the bytes read (short at the end of file).
+    """
+    if _LIBC_PREADV is not None:
+        while True:
+            got = _LIBC_PREADV(fd, iov.__array_interface__["data"][0], len(iov), offset)
+            if got >= 0:
+                return got
+            code = ctypes.get_errno()
+            if code != errno.EINTR:
+                raise OSError(code, os.strerror(code))
+    buffers = [(ctypes.c_char * int(n)).from_address(int(a)) for a, n in iov]
+    return os.preadv(fd, buffers, offset)
+
+
+def _region_shape(info: TensorInfo, region: Region) -> tuple[int, ...]:
+    if len(region) != len(info.shape) or any(not 0 <= a <= b <= n for (a, b), n in zip(region, info.shape)):
+        raise ValueError(f"region {region} is outside tensor '{info.key}' of shape {info.shape}")
+    return tuple(b - a for a, b in region)
+
+
+def _run_axis(shape: tuple[int, ...], region: Region) -> int:
+    """The axis a run of `region` ranges over: the innermost one it does not cover whole
+    (the axes after it are whole, so one run spans them); -1 for the whole tensor."""
+    return next((i for i in range(len(region) - 1, -1, -1) if region[i] != (0, shape[i])), -1)
+
+
+def _pieces(info: TensorInfo, region: Region, out: np.ndarray) -> Iterator[tuple[Region, np.ndarray]]:
+    """`(region, out)` cut along its first axis into pieces of at most about `_MAX_RUNS` runs."""
+    count = math.prod(b - a for a, b in region[: max(_run_axis(info.shape, region), 0)])
+    if count <= _MAX_RUNS:
+        yield region, out
+        return
+    (a, b), rest = region[0], region[1:]
+    step = max(1, (b - a) * _MAX_RUNS // count)
+    for start in range(a, b, step):
+        stop = min(b, start + step)
+        yield ((start, stop), *rest), out[start - a : stop - a]
+
+
+def _run_layout(shape: tuple[int, ...], itemsize: int, region: Region) -> tuple[np.ndarray, int]:
+    """Where the runs of `region` start, relative to the tensor's first byte, and their length."""
+    axis = _run_axis(shape, region)
+    if axis < 0:  # the whole tensor (or a scalar)
+        starts, length = np.zeros(1, np.int64), math.prod(shape) * itemsize
+    else:
+        strides = [math.prod(shape[i + 1 :]) * itemsize for i in range(len(shape))]
+        a, b = region[axis]
+        length = (b - a) * strides[axis]
+        starts = np.array([a * strides[axis]], np.int64)
+        for (lo, hi), stride in zip(region[:axis], strides[:axis]):
+            starts = (starts[:, None] + np.arange(lo, hi, dtype=np.int64)[None, :] * stride).reshape(-1)
+    starts.setflags(write=False)
+    return starts, length
+
+
+_cached_run_layout = functools.lru_cache(maxsize=128)(_run_layout)
+"""The same, remembered for regions of up to `_CACHED_RUNS` runs: the blocks of a stacked
+leaf ask it once per layer (at most 128 x 128 KB kept)."""
+_CACHED_RUNS = 1 << 14
+
+
+def runs(info: TensorInfo, region: Region, out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The contiguous pieces of `region` in the file: (file offsets, lengths, addresses in `out`).
+
+    A run spans the axes inside the run axis whole (see `_run_axis`); there is one run
+    per index of the axes outside it, in C order, which is the order of `out`'s bytes.
+
+    ```python
+    runs(info, ((0, 2), (1, 3)), out)   # a (2, 3) float32 tensor: offsets [o+4, o+16], lengths [8, 8]
+    ```
+    """
+    if out.size == 0:
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty.astype(np.uint64)
+    region = tuple(map(tuple, region))
+    count = math.prod(b - a for a, b in region[: max(_run_axis(info.shape, region), 0)])
+    layout = _cached_run_layout if count <= _CACHED_RUNS else _run_layout
+    starts, length = layout(info.shape, info.dtype.itemsize, region)
+    addresses = np.uint64(out.ctypes.data) + np.arange(len(starts), dtype=np.uint64) * np.uint64(length)
+    return starts + info.offset, np.full(len(starts), length, np.int64), addresses
+
+
+def _check_out(info: TensorInfo, region: Region, out: np.ndarray) -> None:
+    shape = _region_shape(info, region)
+    if not (
+        isinstance(out, np.ndarray) and out.dtype == info.dtype and out.shape == shape
+        and out.flags.c_contiguous and out.flags.writeable
+    ):
+        raise ValueError(
+            f"buffer for region {region} of '{info.key}' must be a writeable C-contiguous "
+            f"{info.dtype.name}{list(shape)}"
+        )
+
+
+def _read_runs(fd: int, offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray, info: TensorInfo) -> None:
+    """Read each run into its address: runs adjacent in the file share one `preadv`."""
+    order = np.argsort(offsets, kind="stable")
+    offsets, lengths = offsets[order], lengths[order]
+    iov = np.empty((len(offsets), 2), np.uint64)
+    iov[:, 0], iov[:, 1] = addresses[order], lengths
+    # Calls: a new one where a run does not start where the previous ended, and every IOV_MAX runs.
+    starts = np.flatnonzero(np.concatenate(([True], offsets[1:] != offsets[:-1] + lengths[:-1])))
+    starts = np.unique(np.concatenate([np.arange(a, b, _IOV_MAX) for a, b in zip(starts, [*starts[1:], len(offsets)])]))
+    wanted = np.add.reduceat(lengths, starts)
+    stops = [*starts[1:].tolist(), len(offsets)]
+    for first, stop, position, size in zip(starts.tolist(), stops, offsets[starts].tolist(), wanted.tolist()):
+        while True:
+            try:
+                got = _preadv(fd, iov[first:stop], position)
+            except OSError as e:
+                raise PortError(f"{info.file.name}: cannot read tensor {_show(info.key)}: {e.strerror or e}") from None
+            if got == size:
+                break
+            if got == 0:
+                raise PortError(
+                    f"{info.file.name}: truncated while reading: tensor {_show(info.key)} ends at byte "
+                    f"{info.offset + info.nbytes} but the file now has {os.fstat(fd).st_size} bytes"
+                )
+            done = np.cumsum(iov[first:stop, 1].astype(np.int64))  # a short read: resume where it stopped
+            full = int(np.searchsorted(done, got, side="right"))
+            used = got - (int(done[full - 1]) if full else 0)
+            first += full
+            iov[first, 0] += np.uint64(used)
+            iov[first, 1] -= np.uint64(used)
+            position, size = position + got, size - got
+
+
 @dataclass
 class Checkpoint:
-    """An opened checkpoint: config, tensor headers, and counted views of regions."""
+    """An opened checkpoint: config, tensor headers, and counted reads of regions."""
 
     directory: Path
     config: dict
     tensors: dict[str, TensorInfo]
     bytes_read: int = 0
-    _maps: dict[Path, mmap.mmap] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def view(self, key: str, region: Region) -> np.ndarray:
-        """A read-only view of exactly `region` of tensor `key`, straight from the memory map.
+    def read(self, key: str, region: Region, out: np.ndarray | None = None) -> np.ndarray:
+        """Exactly `region` of tensor `key` as a C-contiguous array (`out`, if given).
 
-        Nothing is copied here: the bytes are read when the view is (copied into its
-        destination), and only the region's bytes are. `bytes_read` counts them.
+        ```python
+        ckpt.read("wte.weight", ((0, 10), (0, 768)))   # float32[10, 768]; 30720 bytes read
+        ```
         """
         info = self.tensors[key]
-        if len(region) != len(info.shape) or any(
-            not 0 <= a <= b <= n for (a, b), n in zip(region, info.shape)
-        ):
-            raise ValueError(f"region {region} is outside tensor '{key}' of shape {info.shape}")
-        buffer = self._map(info.file)
-        if info.offset + info.nbytes > len(buffer):  # cut since its header was read
-            raise PortError(
-                f"{info.file.name}: truncated: tensor '{key}' ends at byte {info.offset + info.nbytes} "
-                f"but the file has {len(buffer)}"
-            )
-        whole = np.ndarray(info.shape, info.dtype, buffer=buffer, offset=info.offset)
-        view = whole[tuple(slice(a, b) for a, b in region)]
-        with self._lock:
-            self.bytes_read += view.nbytes
-        return view
+        if out is None:
+            out = np.empty(_region_shape(info, region), info.dtype)
+        self.read_into(key, [(region, out)])
+        return out
 
-    def _map(self, path: Path) -> mmap.mmap:
+    def read_into(self, key: str, requests: Sequence[tuple[Region, np.ndarray]]) -> None:
+        """Read regions of tensor `key`, each into its C-contiguous buffer of the region's
+        shape and the tensor's dtype, reading each region's bytes and nothing else.
+
+        Runs that lie end to end in the file, within a region or across regions (the
+        column blocks of a matrix tile its rows), are read by one `preadv` straight
+        into their buffers: one copy, few system calls. `bytes_read` counts the
+        regions' bytes. A file cut short meanwhile is a PortError.
+        """
+        info = self.tensors[key]
+        for region, out in requests:
+            _check_out(info, region, out)
+        pieces = [piece for region, out in requests for piece in _pieces(info, region, out)]
+        batches: list[list[tuple[np.ndarray, np.ndarray, np.ndarray]]] = [[]]
+        count = 0
+        for region, out in pieces:
+            found = runs(info, region, out)
+            if count and count + len(found[0]) > _MAX_RUNS:
+                batches.append([])
+                count = 0
+            batches[-1].append(found)
+            count += len(found[0])
+        total = sum(out.nbytes for _, out in requests)
+        if total == 0:
+            return
+        fd = self._open(info)
+        try:
+            for batch in batches:
+                offsets, lengths, addresses = (np.concatenate(parts) for parts in zip(*batch))
+                if len(offsets):
+                    _read_runs(fd, offsets, lengths, addresses, info)
+        finally:
+            os.close(fd)
         with self._lock:
-            if path not in self._maps:
-                with open(path, "rb") as f:
-                    self._maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            return self._maps[path]
+            self.bytes_read += total
+
+    @staticmethod
+    def _open(info: TensorInfo) -> int:
+        """A descriptor of the file `info` lives in: the very file whose header was read."""
+        fd, st = open_regular(info.file)
+        if info.file_id is not None and (st.st_dev, st.st_ino, st.st_size) != info.file_id:
+            os.close(fd)
+            change = "truncated" if st.st_size < info.file_id[2] else "changed"
+            raise PortError(
+                f"{info.file.name}: {change} since its header was read (now {st.st_size} bytes, "
+                f"was {info.file_id[2]})"
+            )
+        return fd
 
     def close(self) -> None:
-        """Drop the memory maps (arrays placed from them hold copies, never views)."""
-        self._maps.clear()
+        """Nothing to release: every read opens and closes its file."""
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -231,18 +768,9 @@ def open_checkpoint(model: str | os.PathLike) -> Checkpoint:
     """Open a checkpoint directory or Hugging Face repo id, reading only config and headers."""
     directory = resolve(model)
     config_path = directory / "config.json"
-    if not config_path.exists():
+    if not os.path.lexists(config_path):
         raise PortError(f"{directory}: no config.json")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PortError(f"{config_path}: not valid JSON ({e})") from None
+    config = _load_json(read_small(config_path, MAX_CONFIG, "config.json"), str(config_path))
     if not isinstance(config, dict):
         raise PortError(f"{config_path}: expected a JSON object")
-    tensors: dict[str, TensorInfo] = {}
-    for path in _files(directory):
-        for key, info in read_header(path).items():
-            if key in tensors:
-                raise PortError(f"{path.name}: tensor '{key}' is also in {tensors[key].file.name}")
-            tensors[key] = info
-    return Checkpoint(directory, config, tensors)
+    return Checkpoint(directory, config, _headers(directory, _files(directory)))
