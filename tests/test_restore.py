@@ -1,5 +1,7 @@
 """`port.save` / `port restore`: an Orbax output loads onto any mesh with the same logits."""
 
+from pathlib import Path
+
 import equinox as eqx
 import numpy as np
 import pytest
@@ -79,3 +81,20 @@ def test_force_in_python_replaces_only_a_port_output(saved, tmp_path):
     port.save(model, copy, mapping, config, force=True)
     assert sorted(p.name for p in copy.iterdir()) == ["params", "port.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "mine"]
+
+
+def test_named_mesh_of_any_rank(tmp_path):
+    """`--mesh data=2,expert=2,model=2` converts and restores; an axis no rule names replicates."""
+    from conftest import run_port
+
+    out = tmp_path / "out"
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
+    result = run_port("convert", example, "--mesh", "data=2,expert=2,model=2", "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert "onto mesh data=2,expert=2,model=2" in result.stderr
+    model = port.restore(out, mesh="data=2,expert=2,model=2")
+    assert dict(model.blocks.attn.wq.sharding.mesh.shape) == {"data": 2, "expert": 2, "model": 2}
+    assert model.blocks.attn.wq.sharding.spec == P(None, "data", "model", None)
+    assert len(model.blocks.attn.wq.sharding.device_set) == 8
+    with pytest.raises(port.PortError, match="axis 'data' named twice"):
+        port.make_mesh("data=2,data=2")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import secrets
 import shutil
@@ -31,6 +32,7 @@ from ._interrupt import attach, final, removing, supervise
 DTYPES = ("float32", "bfloat16", "float16")
 SCAFFOLD_MARK = "# Draft mapping made by port scaffold"
 DEFAULT_TIMEOUT = 300.0
+MESH_HELP = "device mesh: 4x2 (data x model) or named axes, data=2,expert=2,model=2 (default: 1x1)"
 
 
 def _size(n: float) -> str:
@@ -123,13 +125,13 @@ def _write_file(path: Path, text: str) -> None:
 def convert(args: argparse.Namespace) -> int:
     """Convert MODEL into a sharded Equinox model and save it with Orbax to --out."""
     from ._distributed import _env_int, agree, initialize
-    from ._mesh import mesh_shape, simulate_devices
+    from ._mesh import mesh_shape, mesh_spec, simulate_devices
     from ._save import check_out, free_bytes
 
     start = time.perf_counter()
     shape = mesh_shape(args.mesh)
     processes = args.num_processes if args.num_processes is not None else _env_int("JAX_NUM_PROCESSES") or 1
-    total = shape["data"] * shape["model"]
+    total = math.prod(shape.values())
     if processes < 1 or total % processes:
         raise PortError(f"--mesh {args.mesh} ({total} devices) does not split evenly over {processes} processes")
     if args.timeout <= 0:
@@ -171,7 +173,7 @@ def convert(args: argparse.Namespace) -> int:
                 raise PortError(f"--out {out}: needs {_size(needed)}, only {_size(free)} free on its file system")
             agree(
                 {
-                    "--mesh": "x".join(map(str, shape.values())),
+                    "--mesh": mesh_spec(shape),
                     "--dtype": args.dtype,
                     "--out": str(out),
                     "--force": args.force,
@@ -341,7 +343,7 @@ def verify(args: argparse.Namespace) -> int:
     if args.tolerance is not None and not args.tolerance >= 0:
         raise PortError(f"--tolerance {args.tolerance}: expected a number >= 0")
     _torch()
-    simulate_devices(shape["data"] * shape["model"])
+    simulate_devices(math.prod(shape.values()))
     result = run_verify(args.model, make_mesh(args.mesh), args.mapping, args.dtype)
     bound = result.tolerance if args.tolerance is None else args.tolerance
     verdict = "ok" if result.max_abs_diff <= bound else "FAILED"
@@ -423,7 +425,7 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("model", metavar="MODEL", help="checkpoint directory or Hugging Face repo id (e.g. gpt2)")
 
     def options(sub, mapping: bool = True) -> None:
-        sub.add_argument("--mesh", default="1x1", metavar="DATAxMODEL", help="device mesh, e.g. 4x2 (default: 1x1)")
+        sub.add_argument("--mesh", default="1x1", metavar="SPEC", help=MESH_HELP)
         sub.add_argument("--dtype", choices=DTYPES, help="cast floating parameters (default: keep the checkpoint's)")
         if mapping:
             sub.add_argument(
@@ -462,7 +464,7 @@ def parser() -> argparse.ArgumentParser:
     sub = command("check", check, "Check a mapping against a checkpoint and its model, reading no tensor data.")
     sub.add_argument("mapping", type=Path, metavar="MAPPING", help="the mapping file to check")
     model(sub)
-    sub.add_argument("--mesh", default="1x1", metavar="DATAxMODEL", help="device mesh, e.g. 4x2 (default: 1x1)")
+    sub.add_argument("--mesh", default="1x1", metavar="SPEC", help=MESH_HELP)
 
     sub = command(
         "verify", verify,

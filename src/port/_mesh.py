@@ -1,11 +1,15 @@
-"""Meshes: `"4x2"` -> a `jax.sharding.Mesh` with axes `data` x `model`.
+"""Meshes: `"4x2"` or `"data=2,expert=2,model=2"` -> a `jax.sharding.Mesh`.
 
-On a machine with no accelerator, a mesh needing more devices than there are is
-simulated with host CPU devices, which JAX allows only before it starts.
+`"4x2"` is the short form of `"data=4,model=2"` (and `"8"` of `"data=8,model=1"`);
+the named form gives a mesh of any rank with any axis names, which mapping rules
+may then name (`expert = "expert"`). On a machine with no accelerator, a mesh
+needing more devices than there are is simulated with host CPU devices, which JAX
+allows only before it starts.
 
 ```python
-mesh = make_mesh("4x2")            # Mesh(data=4, model=2)
-mesh_shape("8")                    # {"data": 8, "model": 1}
+mesh = make_mesh("4x2")                    # Mesh(data=4, model=2)
+mesh_shape("8")                            # {"data": 8, "model": 1}
+mesh_shape("data=2,expert=2,model=2")      # {"data": 2, "expert": 2, "model": 2}
 ```
 """
 
@@ -26,18 +30,39 @@ MAX_DEVICES = 65536  # a mesh larger than any machine's: refused before anything
 MAX_SIMULATED = 512  # CPU devices port simulates in one process (JAX's start-up grows with them)
 
 
+_SHORT = re.compile(r"\s*[0-9]+(\s*x\s*[0-9]+)?\s*")
+_NAMED = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*([0-9]+)\s*")
+_EXPECTED = "expected DATAxMODEL such as 4x2, a device count such as 8, or named axes such as data=2,expert=2,model=2"
+
+
 def mesh_shape(spec: str) -> dict[str, int]:
-    """Parse `"4x2"` (data x model) or `"8"` (data only) into axis sizes."""
-    if not re.fullmatch(r"\s*[0-9]+(\s*x\s*[0-9]+)?\s*", spec or ""):
-        raise PortError(f"--mesh '{spec}': expected DATAxMODEL such as 4x2, or a device count such as 8")
-    if any(len(s.strip()) > 6 for s in spec.split("x")):
+    """Parse a mesh spec into axis sizes, in order: `"4x2"` (data x model), `"8"`, or `"data=2,model=4"`."""
+    spec = spec or ""
+    if _SHORT.fullmatch(spec):
+        pairs = list(zip(AXES, [*spec.split("x"), "1"][:2]))
+    else:
+        parts = [_NAMED.fullmatch(part) for part in spec.split(",")]
+        if not all(parts):
+            raise PortError(f"--mesh '{spec}': {_EXPECTED}")
+        pairs = [(m.group(1), m.group(2)) for m in parts]
+        names = [name for name, _ in pairs]
+        if len(set(names)) != len(names):
+            raise PortError(f"--mesh '{spec}': axis '{next(n for n in names if names.count(n) > 1)}' named twice")
+    if any(len(size.strip()) > 6 for _, size in pairs):
         raise PortError(f"--mesh '{spec}': at most {MAX_DEVICES} devices")
-    sizes = [int(s) for s in spec.split("x")] + [1]
-    if min(sizes) < 1:
+    shape = {name: int(size) for name, size in pairs}
+    if min(shape.values()) < 1:
         raise PortError(f"--mesh '{spec}': every axis needs at least one device")
-    if math.prod(sizes) > MAX_DEVICES:
-        raise PortError(f"--mesh '{spec}': {math.prod(sizes)} devices, more than the {MAX_DEVICES} port accepts")
-    return dict(zip(AXES, sizes[:2]))
+    if math.prod(shape.values()) > MAX_DEVICES:
+        raise PortError(
+            f"--mesh '{spec}': {math.prod(shape.values())} devices, more than the {MAX_DEVICES} port accepts"
+        )
+    return shape
+
+
+def mesh_spec(shape: dict[str, int]) -> str:
+    """The named form of a mesh's axis sizes, as `mesh_shape` reads it: `"data=4,model=2"`."""
+    return ",".join(f"{name}={size}" for name, size in shape.items())
 
 
 def _user_count() -> str | None:
@@ -72,10 +97,10 @@ def simulate_devices(count: int) -> bool:
 
 
 def make_mesh(spec: str | dict[str, int], devices: list | None = None) -> Mesh:
-    """A mesh with axes `data` x `model` from `"4x2"`, over the first devices JAX has."""
+    """A mesh from a spec (`"4x2"`, `"data=2,expert=2,model=2"`) or axis sizes, over the first devices JAX has."""
     shape = mesh_shape(spec) if isinstance(spec, str) else dict(spec)
     needed = math.prod(shape.values())
-    label = spec if isinstance(spec, str) else "x".join(map(str, shape.values()))
+    label = spec if isinstance(spec, str) else mesh_spec(shape)
     if devices is None:
         if jax.distributed.is_initialized():  # every process adds its share
             from jax._src.distributed import global_state
