@@ -161,7 +161,7 @@ def test_cast_blocks_read_their_region_once(gpt2_checkpoints, reads, dtype):
                            for leaf, box, _ in per_block for k in leaf.source_region(box)[1]))
     assert set(elsewhere.tolist()) == wanted
     wte = load_file(directories["lm"] / "model.safetensors")["transformer.wte.weight"]
-    np.testing.assert_array_equal(np.asarray(arrays["wte"]), wte.astype(port._mapping.dtype(dtype)))
+    np.testing.assert_array_equal(np.asarray(arrays["wte"]), wte.astype(port._dtypes.dtype(dtype)))
 
 
 def test_every_device_owns_an_aligned_buffer(gpt2_checkpoints):

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import NoReturn
 
 from ._console import printable, quiet_libraries, say, show, stream
+from ._dtypes import CASTS
 from ._errors import PortError
 from ._interrupt import attach, final, removing, supervise
 
-DTYPES = ("float32", "bfloat16", "float16")
 SCAFFOLD_MARK = "# Draft mapping made by port scaffold"
 DEFAULT_TIMEOUT = 300.0
 MESH_HELP = "device mesh: 4x2 (data x model) or named axes, data=2,expert=2,model=2 (default: 1x1)"
@@ -426,7 +426,7 @@ def parser() -> argparse.ArgumentParser:
 
     def options(sub, mapping: bool = True) -> None:
         sub.add_argument("--mesh", default="1x1", metavar="SPEC", help=MESH_HELP)
-        sub.add_argument("--dtype", choices=DTYPES, help="cast floating parameters (default: keep the checkpoint's)")
+        sub.add_argument("--dtype", choices=CASTS, help="cast floating parameters (default: keep the checkpoint's)")
         if mapping:
             sub.add_argument(
                 "--mapping", type=Path, metavar="FILE", help="mapping file (default: the shipped one for model_type)"

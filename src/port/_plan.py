@@ -27,7 +27,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from ._errors import PortError
-from ._mapping import Mapping, Param, dtype as dtype_named
+from ._dtypes import dtype as dtype_named, floating
+from ._mapping import Mapping, Param
 from ._skeleton import leaves as skeleton_leaves
 from ._source import Region, TensorInfo
 from ._transforms import Cast, Chain
@@ -367,7 +368,7 @@ def _leaf(
         return None
     explicit_cast = any(isinstance(t, Cast) for t in transforms)
     out_dtype = current
-    if target_dtype is not None and not explicit_cast and _floating(current):
+    if target_dtype is not None and not explicit_cast and floating(current):
         out_dtype = np.dtype(target_dtype)
     if out_dtype != current:
         chain = Chain.build([*transforms, Cast(out_dtype)], first.shape)
@@ -389,11 +390,9 @@ def check_target_dtype(dtype: np.dtype) -> None:
     """Refuse a `dtype` to cast parameters to that is not floating, or that JAX would silently narrow."""
     import jax
 
-    if not _floating(dtype):
+    if not floating(dtype):
         raise PortError(f"dtype {dtype.name}: parameters are cast only to a floating dtype (float32, bfloat16, float16)")
     if dtype.itemsize > 4 and not jax.config.jax_enable_x64:
         raise PortError(f"dtype {dtype.name}: JAX stores it as float32 unless jax_enable_x64 is set")
 
 
-def _floating(dtype: np.dtype) -> bool:
-    return dtype.kind == "f" or dtype.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2")

@@ -35,7 +35,8 @@ from jax.sharding import Mesh, NamedSharding
 
 from ._errors import PortError
 from ._fill import fill
-from ._mapping import _DTYPES, Mapping, dtype as dtype_named, import_object, parse_mapping
+from ._dtypes import NAMES, dtype as dtype_named, floating
+from ._mapping import Mapping, import_object, parse_mapping
 from ._mesh import as_mesh
 from ._place import _box
 from ._plan import partition
@@ -250,8 +251,8 @@ def _leaf(path: Any, info: Any, where: str) -> Leaf:
     shape, dtype, axes = info["shape"], info["dtype"], info["axes"]
     if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
         raise PortError(f"{where}: leaf '{path}': 'shape' must be a list of non-negative integers")
-    if not isinstance(dtype, str) or dtype not in _DTYPES:
-        raise PortError(f"{where}: leaf '{path}': dtype {_shown(dtype)} is not one of {', '.join(sorted(_DTYPES))}")
+    if not isinstance(dtype, str) or dtype not in NAMES:
+        raise PortError(f"{where}: leaf '{path}': dtype {_shown(dtype)} is not one of {', '.join(sorted(NAMES))}")
     np_dtype = dtype_named(dtype)
     if jax.dtypes.canonicalize_dtype(np_dtype) != np_dtype:
         raise PortError(f"{where}: leaf '{path}': JAX holds {dtype} only with jax_enable_x64 set")
@@ -413,7 +414,7 @@ def _check_skeleton(skel: Any, output: Output, cls: type) -> list[str]:
         target = targets.get(path)
         if target is None:
             raise PortError(f"{output.where}: leaf '{path}' is not a leaf of {name} built from its config")
-        if tuple(target.shape) != leaf.shape or _floating(target.dtype) != _floating(leaf.dtype):
+        if tuple(target.shape) != leaf.shape or floating(target.dtype) != floating(leaf.dtype):
             raise PortError(
                 f"{output.where}: leaf '{path}' is {leaf} but {describe(target.shape, target.dtype)} in "
                 f"{name} built from its config"
@@ -429,8 +430,6 @@ def _check_skeleton(skel: Any, output: Output, cls: type) -> list[str]:
     return absent
 
 
-def _floating(dtype: Any) -> bool:
-    return np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16"
 
 
 def _kvstore(params: Path, path: str = "") -> dict[str, Any]:

@@ -33,28 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from ._dtypes import SAFETENSORS
 from ._errors import PortError
 
 Region = tuple[tuple[int, int], ...]
 """A box in a tensor: one `(start, stop)` per dimension."""
-
-DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
-}
 
 MAX_HEADER = 100_000_000
 """Bytes one safetensors header may have: the reference loader's `MAX_HEADER_SIZE`."""
@@ -306,7 +291,7 @@ def _entry(key: str, entry: Any, name: str) -> tuple[np.dtype, tuple[int, ...], 
         for value in (value for field_name, value in entry.items() if field_name not in _FIELDS):
             if problem := _json_problem(value, 2, False):
                 raise PortError(f"{name}: corrupt header: tensor {_show(key)}: {problem}")
-    dtype = DTYPES.get(dtype_name)
+    dtype = SAFETENSORS.get(dtype_name)
     if dtype is None:
         raise PortError(f"{name}: tensor {_show(key)} has unsupported dtype {_show(dtype_name, 20)}")
     if len(shape) > _MAX_RANK:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from jax.sharding import Mesh
 
+from ._dtypes import CASTS
 from ._errors import PortError
 from ._mapping import Mapping, import_object, mapping_for
 
@@ -85,9 +86,7 @@ def verify(
     ids = input_ids(config)
     ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, ids))
     reference_cls = import_object(mapping.reference["class"], f"{mapping.source}: reference")
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
-        str(ours.dtype), torch.float32
-    )
+    torch_dtype = getattr(torch, str(ours.dtype)) if str(ours.dtype) in CASTS else torch.float32
     reference = reference_cls.from_pretrained(directory, dtype=torch_dtype, attn_implementation="eager").eval()
     with torch.no_grad():
         theirs = getattr(reference(input_ids=torch.tensor(ids)), mapping.reference["output"])
