@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
+import port._transforms
 from conftest import write_checkpoint
 
 ROOT = Path(__file__).parents[1]
@@ -26,6 +27,16 @@ ROOT = Path(__file__).parents[1]
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"', "'axes' must be"),
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{rotate=1}]', "unknown transform"),
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{cast="float12"}]', "unknown dtype"),
+        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{transpose=[1,0], cast="int8"}]',
+         r"params\[0\] \(a\): each transform is a one-key table"),
+        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{transpose=[true]}]',
+         r"params\[0\] \(a\): transpose takes a permutation such as \[1, 0\]"),
+        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{reshape=[1.5]}]',
+         r"params\[0\] \(a\): reshape takes a list of sizes, -1 or config names"),
+        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{split={axis=0,index=0}}]',
+         r"params\[0\] \(a\): split needs exactly one of 'parts' or 'sizes'"),
+        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{rotate=1}]',
+         r"params\[0\] \(a\): rotate: unknown transform \(expected transpose, reshape, split or cast\)"),
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\n[[params]]\nkey="c"\npath="b"\naxes=[]',
          "path 'b' is filled by both"),
     ],
@@ -104,7 +115,7 @@ def test_convert_into_a_users_own_skeleton(tmp_path):
     write_checkpoint(tmp_path / "ckpt", tensors, {"model_type": "tiny"})
     (tmp_path / "tiny.toml").write_text(MAPPING)
     skeleton = eqx.filter_eval_shape(Tiny, 4, 8, key=jax.random.key(0))
-    model = port.convert(tmp_path / "ckpt", skeleton, tmp_path / "tiny.toml", port.make_mesh("2x2"))
+    model = port.convert(tmp_path / "ckpt", skeleton, tmp_path / "tiny.toml", port.make_mesh("2x2")).model
     np.testing.assert_array_equal(np.asarray(model.up), tensors["net.fc1.weight"])
     np.testing.assert_array_equal(np.asarray(model.down), tensors["net.fc2.weight"].T.astype(np.float32))
     np.testing.assert_array_equal(
@@ -147,3 +158,18 @@ def test_rules_and_transforms_of_the_wrong_type_are_one_line():
         port.parse_mapping(head + "rules = 3\n" + entry, "bad.toml")
     with pytest.raises(port.PortError, match=r"bad.toml: params\[0\] \(wte.weight\): 'transforms' must be a list"):
         port.parse_mapping(head + entry + 'transforms = "transpose"\n', "bad.toml")
+
+
+def test_config_names_resolve_per_entry():
+    text = (
+        'model = "m:C"\n[[params]]\nkey = "h.{layer}.w"\npath = "w"\naxes = []\n'
+        'transforms = [{ split = { axis = 0, sizes = ["n_embd", 4], index = 0 } }, { reshape = ["n_head", -1] }]\n'
+    )
+    (param,) = port.parse_mapping(text).params
+    assert param.transforms == (port._transforms.Split(0, 0, sizes=("n_embd", 4)),
+                                port._transforms.Reshape(("n_head", -1)))
+    assert param.build({"n_embd": 8, "n_head": 2}) == [
+        port._transforms.Split(0, 0, sizes=(8, 4)), port._transforms.Reshape((2, -1)),
+    ]
+    with pytest.raises(port.PortError, match=r"^mapping entry 'h.\{layer\}.w': config.json has no integer 'n_head'$"):
+        param.build({"n_embd": 8})

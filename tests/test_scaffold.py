@@ -11,6 +11,7 @@ import pytest
 import port
 from conftest import torch_gpt2, write_checkpoint
 from port._scaffold import scaffold
+from port._transforms import Reshape, Transpose
 
 V, E, H, D, F, L, T = 11, 12, 3, 4, 20, 2, 8
 CONFIG = {
@@ -128,11 +129,11 @@ def test_scaffold_of_a_users_module_converts_unedited(tmp_path):
     }
     assert by_path["layers.ln_attn.weight"].key == "layers.{layer}.attention_norm.weight"
     assert by_path["layers.ln_mlp.bias"].key == "layers.{layer}.ffn_norm.bias"
-    assert by_path["layers.attn.wq"].transforms == (("reshape", ["num_attention_heads", -1, "hidden_size"]),)
-    assert by_path["layers.attn.wo"].transforms == (("reshape", ["hidden_size", "num_attention_heads", -1]),)
+    assert by_path["layers.attn.wq"].transforms == (Reshape(("num_attention_heads", -1, "hidden_size")),)
+    assert by_path["layers.attn.wo"].transforms == (Reshape(("hidden_size", "num_attention_heads", -1)),)
     assert by_path["layers.attn.wq"].axes == ("layers", "heads", "head_dim", "embed")
     assert by_path["unembed"].key == "lm_head.weight"
-    assert by_path["unembed"].transforms == (("transpose", [1, 0]),)
+    assert by_path["unembed"].transforms == (Transpose((1, 0)),)
     assert by_path["unembed"].axes == ("embed", "vocab")
     assert by_path["embed"].transforms == () and by_path["embed"].key == "embed_tokens.weight"
     assert by_path["layers.mlp.up.weight"].transforms == ()
@@ -143,7 +144,7 @@ def test_scaffold_of_a_users_module_converts_unedited(tmp_path):
         "vocab": ("model",),
     }
 
-    model = port.convert(ckpt_dir, skeleton, mapping, port.make_mesh("2x2"))
+    model = port.convert(ckpt_dir, skeleton, mapping, port.make_mesh("2x2")).model
     stack = lambda name, f=lambda x: x: np.stack([f(tensors[f"net.layers.{i}.{name}"]) for i in range(L)])  # noqa: E731
     expected = {
         "embed": tensors["net.embed_tokens.weight"],
@@ -197,7 +198,7 @@ def test_scaffold_of_gpt2_pairs_all_but_the_fused_attention(gpt2_draft):
         assert by_path[path].transforms == shipped[path].transforms, path
         assert by_path[path].axes == shipped[path].axes, path
     # GPT-2's Conv1D (in, out) orientation is port's too: reshapes only, no transposes.
-    assert by_path["blocks.attn.wo"].transforms == (("reshape", ["n_head", -1, "n_embd"]),)
+    assert by_path["blocks.attn.wo"].transforms == (Reshape(("n_head", -1, "n_embd")),)
     assert by_path["blocks.mlp.w_fc"].transforms == ()
     assert set(by_path) == set(shipped) - {f"blocks.attn.{x}" for x in ("wq", "wk", "wv", "bq", "bk", "bv")}
     assert "14 entries paired, 4 source keys unpaired (2 patterns), 6 leaves unfilled" in text

@@ -1,4 +1,4 @@
-"""The slice contract of every transform and of chains, checked against plain numpy.
+"""The slice contract, the inverse contract and the TOML round trip of every transform.
 
 For a transform (or chain) `t`, a source `x` and any box `r` of the output:
 
@@ -6,11 +6,16 @@ For a transform (or chain) `t`, a source `x` and any box `r` of the output:
 
 with the same shape, the same dtype and bit-identical values, where `full` is computed
 with plain numpy (`np.transpose`, `np.split`, `ndarray.reshape`, `ndarray.astype`).
+
+The way back: `inverse(full(x)) == x` bit for bit (a split from every part's output),
+and `parse_transform(render(t)) == t`, config names included.
 """
 
 from __future__ import annotations
 
 import math
+import tomllib
+from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
@@ -18,7 +23,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from port._transforms import Cast, Chain, Reshape, Split, Transpose
+import port
+from port._transforms import REGISTRY, Cast, Chain, Reshape, Split, Transform, Transpose, parse_transform
 
 FLOATS = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
 
@@ -430,3 +436,256 @@ def test_empty_box_on_inserted_axis():
 def test_empty_box_on_merge():
     x = np.arange(12, dtype=np.float32).reshape(2, 3, 2)
     check_contract([Reshape((6, 2))], x, ((0, 0), (0, 0)))
+
+
+# ------------------------------------------------------------ the inverse contract
+
+
+def _exact_source(data, shape, dtype) -> np.ndarray:
+    """Values every dtype of FLOATS holds exactly (k/4, |k| <= 256), so casts lose nothing."""
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    k = np.random.default_rng(seed).integers(-256, 257, size=shape)
+    return (k / 4).astype(np.float32).astype(dtype)
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray) -> None:
+    assert isinstance(got, np.ndarray)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes()
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_single_transform_inverse(kind, data):
+    shape = data.draw(shapes, label="shape")
+    x = _exact_source(data, shape, data.draw(st.sampled_from(FLOATS), label="source dtype"))
+    t = data.draw(KINDS[kind](shape), label="transform")
+    if t.fused:  # a split: every part's output, concatenated, gives x back
+        outs = [reference([s], x) for s in t.siblings(shape)]
+        assert t in t.siblings(shape)
+        _same_bits(t.inverse(outs, shape, x.dtype), x)
+    else:
+        _same_bits(t.inverse(reference([t], x), shape, x.dtype), x)
+
+
+@settings(max_examples=250, deadline=None)
+@given(data=st.data())
+def test_random_chain_inverse(data):
+    """A chain's inverse undoes it; with a split, from its siblings' outputs too."""
+    shape = data.draw(shapes, label="shape")
+    x = _exact_source(data, shape, data.draw(st.sampled_from(FLOATS), label="source dtype"))
+    n = data.draw(st.integers(1, 5), label="length")
+    transforms, current, split_at = [], shape, None
+    for i in range(n):
+        kinds = sorted(KINDS) if split_at is None else sorted(set(KINDS) - {"split"})
+        t = data.draw(KINDS[data.draw(st.sampled_from(kinds))](current))
+        if t.fused:
+            split_at = i
+        transforms.append(t)
+        current = t.shape(current)
+    chain = Chain.build(transforms, shape)
+    siblings = []
+    if split_at is not None:
+        prefix, split, suffix = transforms[:split_at], transforms[split_at], transforms[split_at + 1 :]
+        for other in split.siblings(chain.shapes[split_at]):
+            if other == split:
+                continue
+            steps = [*prefix, other, *suffix]
+            try:  # a sibling with the same later steps, or (parts of other sizes) none
+                sibling = Chain.build(steps, shape)
+            except ValueError:
+                steps = [*prefix, other]
+                sibling = Chain.build(steps, shape)
+            siblings.append((sibling, reference(steps, x)))
+    _same_bits(chain.inverse(reference(transforms, x), x.dtype, siblings=siblings), x)
+
+
+def test_gpt2_c_attn_inverse_from_q_k_v():
+    """c_attn [E, 3E] back from q, k, v [H, D, E], whatever order they come in."""
+    heads, head_dim = 3, 4
+    embed = heads * head_dim
+    x = np.arange(embed * 3 * embed, dtype=np.float32).reshape(embed, 3 * embed)
+    chains = [
+        Chain.build([Split(1, i, parts=3), Transpose((1, 0)), Reshape((heads, head_dim, -1))], x.shape)
+        for i in range(3)
+    ]
+    outs = [reference(c.transforms, x) for c in chains]
+    _same_bits(chains[1].inverse(outs[1], x.dtype, siblings=[(chains[2], outs[2]), (chains[0], outs[0])]), x)
+    with pytest.raises(ValueError, match="needs every part; missing \\[2\\]"):
+        chains[0].inverse(outs[0], x.dtype, siblings=[(chains[1], outs[1])])
+    with pytest.raises(ValueError, match="given twice"):
+        chains[0].inverse(outs[0], x.dtype, siblings=[(chains[0], outs[0]), (chains[1], outs[1])])
+    with pytest.raises(ValueError, match="no sibling"):
+        other = Chain.build([Split(1, 1, parts=2)], x.shape)
+        chains[0].inverse(outs[0], x.dtype, siblings=[(other, reference(other.transforms, x))])
+
+
+def test_chain_without_split_takes_no_siblings():
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    chain = Chain.build([Transpose((1, 0)), Cast(np.dtype(np.float64))], x.shape)
+    y = reference(chain.transforms, x)
+    _same_bits(chain.inverse(y, x.dtype), x)
+    assert chain.dtypes(x.dtype) == [np.dtype(np.float32)] * 2 + [np.dtype(np.float64)]
+    with pytest.raises(ValueError, match="takes no siblings"):
+        chain.inverse(y, x.dtype, siblings=[(chain, y)])
+    with pytest.raises(ValueError, match="expected \\[3, 2\\]"):
+        chain.inverse(y.T, x.dtype)
+
+
+def test_split_inverse_needs_every_part():
+    x = np.arange(12, dtype=np.float32).reshape(2, 6)
+    t = Split(1, 0, sizes=(2, 4))
+    with pytest.raises(ValueError, match="all 2 parts"):
+        t.inverse([x[:, :2]], x.shape, x.dtype)
+    with pytest.raises(ValueError, match="part 1"):
+        t.inverse([x[:, :2], x[:, :3]], x.shape, x.dtype)
+
+
+# ------------------------------------------------------- parse, render and resolve
+
+NAMES = ("n_head", "n_embd", "hidden_size", "head_dim")
+
+
+@st.composite
+def named_transform(draw):
+    """A resolved transform, the same transform with some sizes as config names, and the config."""
+    shape = draw(shapes)
+    t = draw(KINDS[draw(st.sampled_from(sorted(KINDS)))](shape))
+    config: dict[str, int] = {}
+
+    def name(size: int):
+        if size < 0 or not draw(st.booleans()):
+            return size
+        key = draw(st.sampled_from(NAMES))
+        if config.setdefault(key, size) != size:
+            return size
+        return key
+
+    if isinstance(t, Reshape):
+        return t, Reshape(tuple(name(d) for d in t.target)), config
+    if isinstance(t, Split) and t.sizes is not None:
+        return t, Split(t.axis, t.index, sizes=tuple(name(d) for d in t.sizes)), config
+    return t, t, config
+
+
+def _parse_text(text: str) -> Transform:
+    return parse_transform(tomllib.loads(f"t = {text}")["t"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=named_transform())
+def test_render_parse_round_trip(case):
+    resolved, named, config = case
+    assert _parse_text(named.render()) == named
+    assert _parse_text(resolved.render()) == resolved
+    assert named.resolve(config) == resolved
+    assert parse_transform(named.toml()) == named
+
+
+@settings(max_examples=50, deadline=None)
+@given(cases=st.lists(named_transform(), min_size=1, max_size=4))
+def test_render_parse_round_trip_in_a_mapping(cases):
+    ops = [named for _, named, _ in cases]
+    text = 'model = "m:C"\n[[params]]\nkey = "a"\npath = "b"\naxes = []\n'
+    text += "transforms = [" + ", ".join(t.render() for t in ops) + "]\n"
+    (param,) = port.parse_mapping(text).params
+    assert param.transforms == tuple(ops)
+
+
+@pytest.mark.parametrize(
+    "text, rendered",
+    [
+        ("{ transpose = [1, 0] }", Transpose((1, 0))),
+        ('{ reshape = ["n_head", -1, "n_embd"] }', Reshape(("n_head", -1, "n_embd"))),
+        ("{ split = { axis = 1, parts = 3, index = 0 } }", Split(1, 0, parts=3)),
+        ('{ split = { axis = -1, sizes = ["hidden_size", 4], index = 1 } }', Split(-1, 1, sizes=("hidden_size", 4))),
+        ('{ cast = "bfloat16" }', Cast(np.dtype(ml_dtypes.bfloat16))),
+    ],
+)
+def test_render_text(text, rendered):
+    assert rendered.render() == text
+    assert _parse_text(text) == rendered
+
+
+def test_registry_holds_every_transform_once():
+    assert list(REGISTRY) == ["transpose", "reshape", "split", "cast"]
+    assert all(cls.name == name and issubclass(cls, Transform) for name, cls in REGISTRY.items())
+    assert [name for name, cls in REGISTRY.items() if cls.fused] == ["split"]
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"rotate": 1}, "rotate: unknown transform \\(expected transpose, reshape, split or cast\\)"),
+        ({"transpose": [1, 0], "cast": "float32"}, "one-key table"),
+        ([1, 0], "one-key table"),
+        ({"transpose": [True, False]}, "transpose takes a permutation"),
+        ({"transpose": "01"}, "transpose takes a permutation"),
+        ({"reshape": [2.5, -1]}, "reshape takes a list of sizes"),
+        ({"split": {"axis": 0, "index": 0, "parts": 2, "extra": 1}}, "split takes"),
+        ({"split": {"axis": 0, "parts": 2}}, "needs integer 'axis' and 'index'"),
+        ({"split": {"axis": 0, "index": 0}}, "exactly one of 'parts' or 'sizes'"),
+        ({"split": {"axis": 0, "index": 0, "parts": 2, "sizes": [1, 1]}}, "exactly one of 'parts' or 'sizes'"),
+        ({"split": {"axis": 0, "index": 0, "parts": "3"}}, "'parts' must be an integer"),
+        ({"split": {"axis": 0, "index": 0, "sizes": [1.5]}}, "'sizes' must be a list"),
+        ({"cast": "float12"}, "cast: unknown dtype 'float12'"),
+        ({"cast": 32}, "cast: unknown dtype"),
+    ],
+)
+def test_parse_errors(table, message):
+    with pytest.raises(ValueError, match=message):
+        parse_transform(table)
+
+
+def test_unresolved_names_raise():
+    with pytest.raises(ValueError, match="resolve"):
+        Reshape(("n_head", -1)).shape((6,))
+    with pytest.raises(ValueError, match="resolve"):
+        Split(0, 0, sizes=("n_embd", 2)).shape((6,))
+    with pytest.raises(port.PortError, match="config.json has no integer 'n_head'"):
+        Reshape(("n_head", -1)).resolve({"n_head": "12"})
+
+
+def test_a_new_transform_is_one_class():
+    """A subclass with a name is parsed from a mapping, rendered, applied and inverted."""
+
+    @dataclass(frozen=True)
+    class Flip(Transform, name="flip"):  # reverse one axis
+        axis: int
+
+        @classmethod
+        def parse(cls, arg):
+            if not isinstance(arg, int) or isinstance(arg, bool):
+                raise ValueError("flip takes an axis")
+            return cls(arg)
+
+        def arg(self):
+            return self.axis
+
+        def shape(self, in_shape):
+            return in_shape
+
+        def region(self, in_shape, out):
+            a, b = out[self.axis]
+            n = in_shape[self.axis]
+            return out[: self.axis] + ((n - b, n - a),) + out[self.axis + 1 :]
+
+        def apply(self, block, in_shape, out):
+            return np.flip(block, self.axis)
+
+        def inverse(self, out, in_shape, in_dtype):
+            return np.flip(out, self.axis)
+
+    try:
+        text = 'model = "m:C"\n[[params]]\nkey = "a"\npath = "b"\naxes = []\ntransforms = [{ flip = 1 }]\n'
+        (param,) = port.parse_mapping(text).params
+        assert param.transforms == (Flip(1),) and Flip(1).render() == "{ flip = 1 }"
+        x = np.arange(12, dtype=np.float32).reshape(3, 4)
+        chain = Chain.build(param.build({}), x.shape)
+        box = ((0, 3), (1, 3))
+        regions = chain.regions(box)
+        np.testing.assert_array_equal(chain.apply(x[_slices(regions[0])], regions), x[:, ::-1][_slices(box)])
+        np.testing.assert_array_equal(chain.inverse(x[:, ::-1], x.dtype), x)
+    finally:
+        del REGISTRY["flip"]

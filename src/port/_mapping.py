@@ -46,25 +46,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ._errors import PortError
-from ._transforms import Cast, Reshape, Split, Transform, Transpose
+from ._transforms import Transform, parse_transform
 
 LAYER = "{layer}"
 _TOP = {"model", "model_types", "prefixes", "ignore", "tied", "aliases", "reference", "rules", "params"}
 _PARAM = {"key", "path", "axes", "transforms", "optional"}
-_DTYPES = {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
 
 
 @dataclass(frozen=True)
 class Param:
-    """One mapping entry: a source key pattern, a module path, transforms and logical axes."""
+    """One mapping entry: a source key pattern, a module path, transforms and logical axes.
+
+    `transforms` are as the file wrote them (config names unresolved); `build` resolves them.
+    """
 
     key: str
     path: str
     axes: tuple[str | None, ...]
-    transforms: tuple[tuple[str, Any], ...]
+    transforms: tuple[Transform, ...]
     optional: bool = False
 
     @property
@@ -81,8 +81,11 @@ class Param:
         return re.compile(re.escape(self.key).replace(re.escape(LAYER), r"(0|[1-9][0-9]{0,8})") + r"\Z")
 
     def build(self, config: AnyMapping[str, Any]) -> list[Transform]:
-        """The transforms, with config names in reshapes replaced by their values."""
-        return [_build(op, arg, config, self) for op, arg in self.transforms]
+        """The transforms, with config names (reshape, split sizes) replaced by their values."""
+        try:
+            return [t.resolve(config) for t in self.transforms]
+        except PortError as e:
+            raise PortError(f"mapping entry '{self.key}': {e}") from None
 
 
 @dataclass(frozen=True)
@@ -203,74 +206,14 @@ def _param(entry: Any, i: int, fail) -> Param:
     if not isinstance(steps, list):
         raise fail(f"{where}: 'transforms' must be a list of one-key tables such as {{ transpose = [1, 0] }}")
     for t in steps:
-        if not isinstance(t, dict) or len(t) != 1:
-            raise fail(f"{where}: each transform is a one-key table such as {{ transpose = [1, 0] }}")
-        ((op, arg),) = t.items()
-        _check_transform(op, arg, f"{where}: {op}", fail)
-        transforms.append((op, arg))
+        try:
+            transforms.append(parse_transform(t))
+        except ValueError as e:
+            raise fail(f"{where}: {e}") from None
     return Param(
         entry["key"], entry["path"], tuple(a or None for a in axes), tuple(transforms),
         entry.get("optional", False),
     )
-
-
-def _check_transform(op: str, arg: Any, where: str, fail) -> None:
-    ints = lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v)  # noqa: E731
-    if op == "transpose":
-        if not ints(arg):
-            raise fail(f"{where} takes a permutation such as [1, 0]")
-    elif op == "reshape":
-        if not isinstance(arg, list) or not all(isinstance(x, (int, str)) for x in arg):
-            raise fail(f"{where} takes a list of sizes, -1 or config names")
-    elif op == "split":
-        if not isinstance(arg, dict) or set(arg) - {"axis", "index", "parts", "sizes"}:
-            raise fail(f"{where} takes {{ axis, index, parts | sizes }}")
-        if not isinstance(arg.get("axis"), int) or not isinstance(arg.get("index"), int):
-            raise fail(f"{where} needs integer 'axis' and 'index'")
-        if ("parts" in arg) == ("sizes" in arg):
-            raise fail(f"{where} needs exactly one of 'parts' or 'sizes'")
-        if "parts" in arg and not isinstance(arg["parts"], int):
-            raise fail(f"{where}: 'parts' must be an integer")
-        if "sizes" in arg and not isinstance(arg["sizes"], list):
-            raise fail(f"{where}: 'sizes' must be a list of sizes or config names")
-    elif op == "cast":
-        if arg not in _DTYPES:
-            raise fail(f"{where}: unknown dtype '{arg}' (expected one of {', '.join(sorted(_DTYPES))})")
-    else:
-        raise fail(f"{where}: unknown transform (expected transpose, reshape, split or cast)")
-
-
-def _value(x: int | str, config: AnyMapping[str, Any], param: Param) -> int:
-    if isinstance(x, int):
-        return x
-    value = config.get(x)
-    if not isinstance(value, int):
-        raise PortError(f"mapping entry '{param.key}': config.json has no integer '{x}'")
-    return value
-
-
-def _build(op: str, arg: Any, config: AnyMapping[str, Any], param: Param) -> Transform:
-    if op == "transpose":
-        return Transpose(tuple(arg))
-    if op == "reshape":
-        return Reshape(tuple(_value(x, config, param) for x in arg))
-    if op == "split":
-        sizes = arg.get("sizes")
-        sizes = None if sizes is None else tuple(_value(x, config, param) for x in sizes)
-        return Split(arg["axis"], arg["index"], arg.get("parts"), sizes)
-    return Cast(dtype(arg))
-
-
-def dtype(name: str) -> np.dtype:
-    """A numpy dtype from its name, bfloat16 included."""
-    import ml_dtypes
-
-    if name == "bfloat16":
-        return np.dtype(ml_dtypes.bfloat16)
-    try:
-        return np.dtype(name)
-    except TypeError:
-        raise PortError(f"unknown dtype '{name}'") from None
 
 
 def load_mapping(path: str | os.PathLike) -> Mapping:

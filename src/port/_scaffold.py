@@ -33,14 +33,14 @@ from typing import Any
 import numpy as np
 
 from ._errors import PortError
-from ._mapping import LAYER, Param
+from ._mapping import LAYER
 from ._skeleton import leaves as skeleton_leaves
 from ._source import Checkpoint, TensorInfo
-from ._transforms import Chain
+from ._transforms import Chain, Reshape, Split, Transform, Transpose
+from ._transforms import toml_inline as _toml
 
 Shape = tuple[int, ...]
-Op = tuple[str, Any]  # one transform as in a mapping file: ("transpose", (1, 0)), ...
-Ops = tuple[Op, ...]
+Ops = tuple[Transform, ...]  # transforms as a mapping file writes them (config names kept)
 
 PREFIX_SHARE = 0.75  # a prefix is shared by at least this share of the keys
 TIE_MARGIN = 0.1  # another candidate this close to the chosen one is worth a CHECK
@@ -157,7 +157,7 @@ def _plain(name: str) -> str:
 def _builds(ops: Ops, source: Shape, target: Shape, config: AnyMapping[str, Any]) -> bool:
     """Whether `ops` (config names allowed) turn `source` into `target`, per `Chain.build`."""
     try:
-        chain = Chain.build(Param("scaffold", "scaffold", (), tuple(ops)).build(config), source)
+        chain = Chain.build([t.resolve(config) for t in ops], source)
     except (ValueError, PortError):
         return False
     return chain.shape == tuple(target)
@@ -173,16 +173,16 @@ def chains(source: Shape, target: Shape) -> tuple[Ops, ...]:
     perms = list(itertools.permutations(identity)) if n <= 4 else [identity, identity[::-1]]
     found = []
     for perm in perms:
-        ops: Ops = () if perm == identity else (("transpose", perm),)
+        ops: Ops = () if perm == identity else (Transpose(perm),)
         if tuple(source[p] for p in perm) != tuple(target):
-            ops += (("reshape", tuple(target)),)
+            ops += (Reshape(tuple(target)),)
         if _builds(ops, source, target, {}):
             found.append(ops)
-    return tuple(sorted(found, key=lambda ops: (len(ops), ops[0][0] == "transpose" if ops else False)))
+    return tuple(sorted(found, key=lambda ops: (len(ops), _transposed(ops))))
 
 
 def _transposed(ops: Ops) -> bool:
-    return bool(ops) and ops[0][0] == "transpose"
+    return bool(ops) and isinstance(ops[0], Transpose)
 
 
 def _matrix(shape: Shape) -> bool:
@@ -462,19 +462,6 @@ def rule_for(axis: str) -> str:
 # --- writing ------------------------------------------------------------------------
 
 
-def _toml(value: Any) -> str:
-    """A TOML inline value (strings, ints, lists, tables)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, str)):
-        return json.dumps(value)
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"cannot write {value!r} as TOML")
-
-
 def named(ops: Ops, source: Shape, target: Shape, config: AnyMapping[str, Any]) -> Ops:
     """`ops` with reshape sizes written as config.json names where one name fits unambiguously."""
     names: dict[int, list[str]] = {}
@@ -483,20 +470,20 @@ def named(ops: Ops, source: Shape, target: Shape, config: AnyMapping[str, Any]) 
             if key is not None:
                 names.setdefault(config[key], []).append(key)
     out = []
-    for op, arg in ops:
-        if op == "reshape":
-            sizes: list[int | str] = [names[d][0] if len(names.get(d, [])) == 1 else d for d in arg]
+    for t in ops:
+        if isinstance(t, Reshape):
+            sizes: list[int | str] = [names[d][0] if len(names.get(d, [])) == 1 else d for d in t.target]
             literal = [i for i, d in enumerate(sizes) if isinstance(d, int) and d > 1]
             if len(literal) == 1 and len(literal) < len(sizes):
                 sizes[literal[0]] = -1
-            arg = tuple(sizes)
-        out.append((op, arg))
+            t = Reshape(tuple(sizes))
+        out.append(t)
     result = tuple(out)
     return result if _builds(result, source, target, config) else ops
 
 
 def _ops_text(ops: Ops) -> str:
-    return _toml([{op: (list(arg) if isinstance(arg, tuple) else arg)} for op, arg in ops])
+    return "[" + ", ".join(t.render() for t in ops) + "]"
 
 
 def _entry_lines(entry: Entry, prefix: str = "") -> list[str]:
@@ -567,17 +554,17 @@ def fused_hint(
                     fits.append((leaf, pick(options, part, transposed)[0], target))
             if not fits:
                 continue
-            split = {"axis": axis, "parts": parts, "index": 0}
+            split = Split(axis, 0, parts=parts)
             shown = ", ".join(f"{leaf.path} {_shape(leaf.shape)}" for leaf, _, _ in fits[:6])
             lines = [
                 f"#     fused? {_shape(group.shape)} on axis {axis} is {parts} x {_shape(part)}: "
-                f"try {{ split = {_toml(split)} }}",
+                f"try {split.render()}",
                 f"#     fits {shown}" + (f" and {len(fits) - 6} more" if len(fits) > 6 else ""),
             ]
             entries = []
             if len(fits) == parts:
                 for index, (leaf, ops, target) in enumerate(sorted(fits, key=lambda f: _fused_rank(f[0].path))):
-                    split_op = ("split", {"axis": axis, "parts": parts, "index": index})
+                    split_op = Split(axis, index, parts=parts)
                     all_ops = (split_op, *named(ops, part, target, config))
                     if not _builds(all_ops, group.shape, target, config):
                         entries = []

@@ -1,40 +1,208 @@
-"""Transforms from a source tensor to a target leaf, each answering the slice contract.
+"""Transforms from a source tensor to a target leaf: one class each, in one registry.
 
-Every transform knows, for an input of a given shape:
+A mapping entry's `transforms = [{ split = {...} }, { transpose = [1, 0] }, ...]` is a
+list of one-key tables; the key names a class in `REGISTRY`. Each class
 
-- `shape(in_shape)`: the shape of its output;
-- `region(in_shape, out_region)`: which box of the input a box of the output needs;
-- `apply(block, in_shape, out_region)`: turn that input box into the output box.
+- parses and checks its TOML argument (`parse`), keeping `config.json` names as they
+  are, and renders itself back (`render`): `parse_transform(t.toml()) == t`;
+- swaps those names for their values (`resolve(config)`) before it is used;
+- answers the slice contract, for an input of a given shape:
+  `shape(in_shape)`, the shape of its output; `region(in_shape, out_region)`, which box
+  of the input a box of the output needs; `apply(block, in_shape, out_region)`, turn
+  that input box into the output box. Tested with hypothesis:
+  `apply(x[region(s, r)], s, r) == full(x)[r]` for every box `r` of the output;
+- answers the inverse contract (`port export` walks the plan backwards):
+  `inverse(forward(x), in_shape, in_dtype) == x` bit for bit. `transpose` inverts by
+  the inverse permutation, `reshape` by reshaping back to `in_shape`, `cast` by casting
+  back to `in_dtype` (exact when the forward cast lost nothing: a widening cast, or
+  values the narrower dtype holds). `split` keeps one part of a fused tensor, so its
+  inverse takes every part, in index order, and concatenates them (`Split.fused`):
+  `Split.inverse([forward of part i for every i], in_shape, in_dtype) == x`.
 
-The contract, tested with hypothesis:
-`apply(x[region(s, r)], s, r) == full(x)[r]` for every box `r` of the output.
+`Chain` strings transforms together for a source shape, and inverts them in reverse
+order; a chain holding a split inverts with its siblings, the chains that keep the
+other parts of the same source tensor (`Chain.inverse(out, dtype, siblings=...)`).
+
+Adding a transform is one class here and its tests: subclass `Transform` with
+`name="..."`, write `parse`, `arg`, `shape`, `region`, `apply` and `inverse` (and
+`resolve` if its argument may name config values).
 
 ```python
-t = Transpose((1, 0))
+t = parse_transform({"transpose": [1, 0]})       # Transpose(perm=(1, 0))
+t.render()                                       # '{ transpose = [1, 0] }'
 t.shape((768, 2304))                             # (2304, 768)
 t.region((768, 2304), ((0, 1152), (0, 768)))     # ((0, 768), (0, 1152))
+x = np.zeros((768, 2304), np.float32)
+t.inverse(t.apply(x, x.shape, ((0, 2304), (0, 768))), x.shape, x.dtype)  # x again
 ```
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import numpy as np
 
+from ._dtypes import NAMES, dtype
+from ._errors import PortError
 from ._source import Region
 
 Shape = tuple[int, ...]
+Size = int | str  # a size, or the name of an integer in config.json
+
+#: The transforms by their name in a mapping file, filled by subclassing `Transform`.
+REGISTRY: dict[str, type[Transform]] = {}
+
+
+class Transform:
+    """One step from a source tensor towards a target leaf; a subclass registers by its name.
+
+    ```python
+    @dataclass(frozen=True)
+    class Flip(Transform, name="flip"):          # transforms = [{ flip = 1 }]: reverse axis 1
+        axis: int
+
+        @classmethod
+        def parse(cls, arg): ...                 # Flip(arg), or ValueError("flip takes an axis")
+        def arg(self): return self.axis          # what `render` writes back
+        # shape, region, apply (the slice contract) and inverse: see tests/test_transforms.py
+    ```
+    """
+
+    name: ClassVar[str]
+    #: True when one output does not determine the input: `inverse` takes every part.
+    fused: ClassVar[bool] = False
+
+    def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            if name in REGISTRY:
+                raise TypeError(f"transform '{name}' is registered twice")
+            cls.name = name
+            REGISTRY[name] = cls
+
+    @classmethod
+    def parse(cls, arg: Any) -> Transform:
+        """The transform from its TOML argument; `ValueError` starting with its name if bad."""
+        raise NotImplementedError
+
+    def arg(self) -> Any:
+        """The TOML argument that `parse` reads back into this transform."""
+        raise NotImplementedError
+
+    def toml(self) -> dict[str, Any]:
+        """The one-key table of a mapping file: `{"transpose": [1, 0]}`."""
+        return {self.name: self.arg()}
+
+    def render(self) -> str:
+        """The TOML inline table: `{ transpose = [1, 0] }`."""
+        return toml_inline(self.toml())
+
+    def resolve(self, config: Mapping[str, Any]) -> Transform:
+        """This transform with config.json names replaced by their values (`PortError` if missing)."""
+        return self
+
+    def shape(self, in_shape: Shape) -> Shape:
+        raise NotImplementedError
+
+    def region(self, in_shape: Shape, out: Region) -> Region:
+        raise NotImplementedError
+
+    def apply(self, block: np.ndarray, in_shape: Shape, out: Region) -> np.ndarray:
+        raise NotImplementedError
+
+    def out_dtype(self, in_dtype: np.dtype) -> np.dtype:
+        """The dtype of its output for an input of `in_dtype`."""
+        return np.dtype(in_dtype)
+
+    def inverse(self, out: Any, in_shape: Shape, in_dtype: np.dtype) -> np.ndarray:
+        """The input (of `in_shape`, `in_dtype`) rebuilt from the whole output.
+
+        When `fused`, `out` is the list of every part's output, in `siblings` order.
+        """
+        raise NotImplementedError
+
+    def siblings(self, in_shape: Shape) -> tuple[Transform, ...]:
+        """The transforms whose outputs together rebuild the input (`fused`), in order."""
+        return (self,)
+
+
+def parse_transform(table: Any) -> Transform:
+    """A transform from its one-key table, such as `{"transpose": [1, 0]}`.
+
+    Raises `ValueError` with a message for the mapping file (the caller names the entry).
+    """
+    if not isinstance(table, dict) or len(table) != 1:
+        raise ValueError("each transform is a one-key table such as { transpose = [1, 0] }")
+    ((op, arg),) = table.items()
+    cls = REGISTRY.get(op)
+    if cls is None:
+        names = list(REGISTRY)
+        expected = ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+        raise ValueError(f"{op}: unknown transform (expected {expected})")
+    return cls.parse(arg)
+
+
+def toml_inline(value: Any) -> str:
+    """A TOML inline value (strings, ints, lists, tables): `toml_inline({"a": [1]}) == '{ a = [1] }'`."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, str)):
+        return json.dumps(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_inline(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_inline(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def _int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _sizes(x: Any) -> bool:
+    return isinstance(x, list) and all(_int(v) or isinstance(v, str) for v in x)
+
+
+def _value(x: Size, config: Mapping[str, Any]) -> int:
+    if _int(x):
+        return x
+    value = config.get(x)
+    if not _int(value):
+        raise PortError(f"config.json has no integer '{x}'")
+    return value
+
+
+def _resolved(sizes: Sequence[Size], what: str) -> None:
+    if any(isinstance(s, str) for s in sizes):
+        raise ValueError(f"{what} {list(sizes)} names config values: resolve(config) it first")
 
 
 @dataclass(frozen=True)
-class Transpose:
-    """Permute axes: output axis `j` is input axis `perm[j]` (GPT-2 `Conv1D` -> `Linear`)."""
+class Transpose(Transform, name="transpose"):
+    """Permute axes: output axis `j` is input axis `perm[j]` (GPT-2 `Conv1D` -> `Linear`).
+
+    ```python
+    Transpose((1, 0)).render()                   # '{ transpose = [1, 0] }'
+    Transpose((2, 0, 1)).inverse(y, ...)         # y.transpose(1, 2, 0)
+    ```
+    """
 
     perm: tuple[int, ...]
+
+    @classmethod
+    def parse(cls, arg: Any) -> Transpose:
+        if not isinstance(arg, list) or not all(_int(x) for x in arg):
+            raise ValueError("transpose takes a permutation such as [1, 0]")
+        return cls(tuple(arg))
+
+    def arg(self) -> list[int]:
+        return list(self.perm)
 
     def shape(self, in_shape: Shape) -> Shape:
         if sorted(self.perm) != list(range(len(in_shape))):
@@ -50,85 +218,49 @@ class Transpose:
     def apply(self, block: np.ndarray, in_shape: Shape, out: Region) -> np.ndarray:
         return block.transpose(self.perm)
 
+    def inverse(self, out: np.ndarray, in_shape: Shape, in_dtype: np.dtype) -> np.ndarray:
+        """The inverse permutation: input axis `perm[j]` is output axis `j`."""
+        return out.transpose(np.argsort(self.perm))
+
     def __str__(self) -> str:
         return f"transpose{list(self.perm)}"
 
 
 @dataclass(frozen=True)
-class Split:
-    """Take part `index` of `axis` cut into `parts` equal pieces or into `sizes` (fused q/k/v)."""
-
-    axis: int
-    index: int
-    parts: int | None = None
-    sizes: tuple[int, ...] | None = None
-
-    def _bounds(self, in_shape: Shape) -> tuple[int, int, int]:
-        axis = self.axis % len(in_shape) if in_shape and -len(in_shape) <= self.axis < len(in_shape) else None
-        if axis is None:
-            raise ValueError(f"split axis {self.axis} does not fit a {len(in_shape)}-d tensor")
-        n = in_shape[axis]
-        if self.sizes is not None:
-            sizes = list(self.sizes)
-            if sum(sizes) != n or min(sizes) < 0:
-                raise ValueError(f"split sizes {sizes} are not a partition of axis {self.axis} of size {n}")
-        else:
-            if not self.parts or n % self.parts:
-                raise ValueError(f"split of axis {self.axis} (size {n}) into {self.parts} equal parts")
-            sizes = [n // self.parts] * self.parts
-        if not 0 <= self.index < len(sizes):
-            raise ValueError(f"split index {self.index} out of range for {len(sizes)} parts")
-        start = sum(sizes[: self.index])
-        return axis, start, start + sizes[self.index]
-
-    def shape(self, in_shape: Shape) -> Shape:
-        axis, start, stop = self._bounds(in_shape)
-        return in_shape[:axis] + (stop - start,) + in_shape[axis + 1 :]
-
-    def region(self, in_shape: Shape, out: Region) -> Region:
-        axis, start, _ = self._bounds(in_shape)
-        a, b = out[axis]
-        return out[:axis] + ((a + start, b + start),) + out[axis + 1 :]
-
-    def apply(self, block: np.ndarray, in_shape: Shape, out: Region) -> np.ndarray:
-        return block
-
-    def __str__(self) -> str:
-        parts = f"sizes={list(self.sizes)}" if self.sizes is not None else f"parts={self.parts}"
-        return f"split(axis={self.axis}, {parts}, index={self.index})"
-
-
-@dataclass(frozen=True)
-class Cast:
-    """Change the dtype (a bfloat16 source never passes through float32 unless asked)."""
-
-    dtype: np.dtype
-
-    def shape(self, in_shape: Shape) -> Shape:
-        return in_shape
-
-    def region(self, in_shape: Shape, out: Region) -> Region:
-        return out
-
-    def apply(self, block: np.ndarray, in_shape: Shape, out: Region) -> np.ndarray:
-        return block.astype(self.dtype, copy=False)
-
-    def __str__(self) -> str:
-        return f"cast({np.dtype(self.dtype).name})"
-
-
-@dataclass(frozen=True)
-class Reshape:
+class Reshape(Transform, name="reshape"):
     """Reshape by splitting axes (E -> H x D), merging them (H x D -> E), or adding/removing 1s.
 
-    A box of a split axis needs the bounding range of the input axis, which is
-    contiguous whenever the inner output axes are whole; otherwise the bounding
-    range is read and the box is picked out of it with strides.
+    Sizes may be `-1` (once) or config.json names, kept by `parse` and `render` and
+    replaced by `resolve`. A box of a split axis needs the bounding range of the
+    input axis, which is contiguous whenever the inner output axes are whole;
+    otherwise the bounding range is read and the box is picked out of it with strides.
+
+    ```python
+    t = Reshape(("n_head", -1, "n_embd"))        # { reshape = ["n_head", -1, "n_embd"] }
+    t.resolve({"n_head": 12, "n_embd": 768}).shape((768, 768))   # (12, 64, 768)
+    ```
     """
 
-    target: tuple[int, ...]
+    target: tuple[Size, ...]
+
+    @classmethod
+    def parse(cls, arg: Any) -> Reshape:
+        if not _sizes(arg):
+            raise ValueError("reshape takes a list of sizes, -1 or config names")
+        return cls(tuple(arg))
+
+    def arg(self) -> list[Size]:
+        return list(self.target)
+
+    def resolve(self, config: Mapping[str, Any]) -> Reshape:
+        return Reshape(tuple(_value(x, config) for x in self.target))
+
+    def inverse(self, out: np.ndarray, in_shape: Shape, in_dtype: np.dtype) -> np.ndarray:
+        """Reshape back to the input shape."""
+        return out.reshape(in_shape)
 
     def shape(self, in_shape: Shape) -> Shape:
+        _resolved(self.target, "reshape")
         target = list(self.target)
         if target.count(-1) > 1:
             raise ValueError(f"reshape {target} has more than one -1")
@@ -197,7 +329,147 @@ class Reshape:
         return f"reshape{list(self.target)}"
 
 
-Transform = Transpose | Split | Cast | Reshape
+@dataclass(frozen=True)
+class Split(Transform, name="split"):
+    """Take part `index` of `axis` cut into `parts` equal pieces or into `sizes` (fused q/k/v).
+
+    Its inverse concatenates every part (`fused`): one part does not give the input back.
+
+    ```python
+    t = Split(axis=1, index=0, parts=3)          # { split = { axis = 1, parts = 3, index = 0 } }
+    t.shape((768, 2304))                         # (768, 768)
+    t.inverse([q, k, v], (768, 2304), dtype)     # np.concatenate([q, k, v], axis=1)
+    ```
+    """
+
+    fused: ClassVar[bool] = True
+
+    axis: int
+    index: int
+    parts: int | None = None
+    sizes: tuple[Size, ...] | None = None
+
+    @classmethod
+    def parse(cls, arg: Any) -> Split:
+        if not isinstance(arg, dict) or set(arg) - {"axis", "index", "parts", "sizes"}:
+            raise ValueError("split takes { axis, index, parts | sizes }")
+        if not _int(arg.get("axis")) or not _int(arg.get("index")):
+            raise ValueError("split needs integer 'axis' and 'index'")
+        if ("parts" in arg) == ("sizes" in arg):
+            raise ValueError("split needs exactly one of 'parts' or 'sizes'")
+        if "parts" in arg and not _int(arg["parts"]):
+            raise ValueError("split: 'parts' must be an integer")
+        if "sizes" in arg and not _sizes(arg["sizes"]):
+            raise ValueError("split: 'sizes' must be a list of sizes or config names")
+        sizes = arg.get("sizes")
+        return cls(arg["axis"], arg["index"], arg.get("parts"), None if sizes is None else tuple(sizes))
+
+    def arg(self) -> dict[str, Any]:
+        parts = {"parts": self.parts} if self.sizes is None else {"sizes": list(self.sizes)}
+        return {"axis": self.axis, **parts, "index": self.index}
+
+    def resolve(self, config: Mapping[str, Any]) -> Split:
+        if self.sizes is None:
+            return self
+        return replace(self, sizes=tuple(_value(x, config) for x in self.sizes))
+
+    def _cuts(self, in_shape: Shape) -> tuple[int, list[int]]:
+        """The axis (non-negative) and the size of every part."""
+        axis = self.axis % len(in_shape) if in_shape and -len(in_shape) <= self.axis < len(in_shape) else None
+        if axis is None:
+            raise ValueError(f"split axis {self.axis} does not fit a {len(in_shape)}-d tensor")
+        n = in_shape[axis]
+        if self.sizes is not None:
+            _resolved(self.sizes, "split sizes")
+            sizes = list(self.sizes)
+            if sum(sizes) != n or min(sizes) < 0:
+                raise ValueError(f"split sizes {sizes} are not a partition of axis {self.axis} of size {n}")
+        else:
+            if not self.parts or n % self.parts:
+                raise ValueError(f"split of axis {self.axis} (size {n}) into {self.parts} equal parts")
+            sizes = [n // self.parts] * self.parts
+        return axis, sizes
+
+    def _bounds(self, in_shape: Shape) -> tuple[int, int, int]:
+        axis, sizes = self._cuts(in_shape)
+        if not 0 <= self.index < len(sizes):
+            raise ValueError(f"split index {self.index} out of range for {len(sizes)} parts")
+        start = sum(sizes[: self.index])
+        return axis, start, start + sizes[self.index]
+
+    def siblings(self, in_shape: Shape) -> tuple[Split, ...]:
+        """The splits keeping every part of `in_shape`, in index order (this one among them)."""
+        return tuple(replace(self, index=i) for i in range(len(self._cuts(in_shape)[1])))
+
+    def shape(self, in_shape: Shape) -> Shape:
+        axis, start, stop = self._bounds(in_shape)
+        return in_shape[:axis] + (stop - start,) + in_shape[axis + 1 :]
+
+    def region(self, in_shape: Shape, out: Region) -> Region:
+        axis, start, _ = self._bounds(in_shape)
+        a, b = out[axis]
+        return out[:axis] + ((a + start, b + start),) + out[axis + 1 :]
+
+    def apply(self, block: np.ndarray, in_shape: Shape, out: Region) -> np.ndarray:
+        return block
+
+    def inverse(self, out: Sequence[np.ndarray], in_shape: Shape, in_dtype: np.dtype) -> np.ndarray:
+        """Concatenate every part, in index order, along the axis (`out[i]` is part `i`)."""
+        siblings = self.siblings(in_shape)
+        if len(out) != len(siblings):
+            raise ValueError(f"split inverse needs all {len(siblings)} parts, got {len(out)}")
+        for i, (part, s) in enumerate(zip(out, siblings)):
+            if tuple(part.shape) != s.shape(in_shape):
+                raise ValueError(f"split part {i} is {list(part.shape)}, expected {list(s.shape(in_shape))}")
+        return np.concatenate(out, axis=self._cuts(in_shape)[0])
+
+    def __str__(self) -> str:
+        parts = f"sizes={list(self.sizes)}" if self.sizes is not None else f"parts={self.parts}"
+        return f"split(axis={self.axis}, {parts}, index={self.index})"
+
+
+@dataclass(frozen=True)
+class Cast(Transform, name="cast"):
+    """Change the dtype (a bfloat16 source never passes through float32 unless asked).
+
+    ```python
+    t = Cast(dtype("bfloat16"))                  # { cast = "bfloat16" }
+    t.inverse(y, shape, np.dtype("float32"))     # y.astype(float32): exact, bf16 is in f32
+    ```
+    """
+
+    dtype: np.dtype
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+    @classmethod
+    def parse(cls, arg: Any) -> Cast:
+        if not isinstance(arg, str) or arg not in NAMES:
+            raise ValueError(f"cast: unknown dtype '{arg}' (expected one of {', '.join(sorted(NAMES))})")
+        return cls(dtype(arg))
+
+    def arg(self) -> str:
+        return self.dtype.name
+
+    def shape(self, in_shape: Shape) -> Shape:
+        return in_shape
+
+    def region(self, in_shape: Shape, out: Region) -> Region:
+        return out
+
+    def apply(self, block: np.ndarray, in_shape: Shape, out: Region) -> np.ndarray:
+        return block.astype(self.dtype, copy=False)
+
+    def out_dtype(self, in_dtype: np.dtype) -> np.dtype:
+        return self.dtype
+
+    def inverse(self, out: np.ndarray, in_shape: Shape, in_dtype: np.dtype) -> np.ndarray:
+        """Cast back to the source dtype (bit for bit when the forward cast was exact)."""
+        return out.astype(in_dtype, copy=False)
+
+    def __str__(self) -> str:
+        return f"cast({self.dtype.name})"
 
 
 def _strides(sizes: Sequence[int]) -> list[int]:
@@ -265,7 +537,16 @@ def _groups(src: Shape, dst: Shape) -> tuple[tuple[tuple[int, ...], tuple[int, .
 
 @dataclass(frozen=True)
 class Chain:
-    """Transforms applied in order to a source of a given shape."""
+    """Transforms (resolved) applied in order to a source of a given shape.
+
+    ```python
+    chain = Chain.build([Split(1, 0, parts=3), Transpose((1, 0))], (768, 2304))
+    chain.shape                                  # (768, 768)
+    chain.regions(box)                           # the region needed at each stage
+    q = ...                                      # the full output of `chain` (and k, v of its siblings)
+    chain.inverse(q, np.dtype("float32"), siblings=[(chain_k, k), (chain_v, v)])  # the source
+    ```
+    """
 
     transforms: tuple[Transform, ...]
     shapes: tuple[Shape, ...]  # the input shape of each transform, then the output shape
@@ -293,6 +574,58 @@ class Chain:
         for t, shape, region in zip(self.transforms, self.shapes, regions[1:]):
             block = t.apply(block, shape, region)
         return block
+
+    def dtypes(self, dtype: np.dtype) -> list[np.dtype]:
+        """The dtype at each stage for a source of `dtype`, source first."""
+        out = [np.dtype(dtype)]
+        for t in self.transforms:
+            out.append(t.out_dtype(out[-1]))
+        return out
+
+    def inverse(
+        self, out: np.ndarray, dtype: np.dtype, siblings: Sequence[tuple[Chain, np.ndarray]] = ()
+    ) -> np.ndarray:
+        """The source (of dtype `dtype`) rebuilt from the full output `out`: inverses in reverse order.
+
+        A chain holding a fused transform (a split) keeps one part of its source, so it
+        needs `siblings`: the `(chain, full output)` of every other part, chains equal to
+        this one up to the split, which keeps another index; after the split, each chain
+        has its own steps (none of them fused). Without a split, `siblings` is empty.
+        """
+        dtypes = self.dtypes(dtype)
+        fused = [i for i, t in enumerate(self.transforms) if t.fused]
+        if not fused:
+            if siblings:
+                raise ValueError(f"chain {self} splits nothing: it takes no siblings")
+            return self._undo(out, len(self.transforms), dtypes)
+        k = fused[0]
+        split = self.transforms[k]
+        family = split.siblings(self.shapes[k])
+        parts: dict[int, np.ndarray] = {}
+        for chain, y in [(self, out), *siblings]:
+            if chain.transforms[:k] != self.transforms[:k] or chain.shapes[: k + 1] != self.shapes[: k + 1]:
+                raise ValueError(f"chain {chain} is no sibling of {self}: they differ before the split")
+            if chain.transforms[k] not in family:
+                raise ValueError(f"chain {chain} is no sibling of {self}: {chain.transforms[k]} is another split")
+            if any(t.fused for t in chain.transforms[k + 1 :]):
+                raise ValueError(f"chain {chain} splits twice: its inverse is not supported")
+            index = family.index(chain.transforms[k])
+            if index in parts:
+                raise ValueError(f"part {index} of {split} is given twice")
+            parts[index] = chain._undo(y, len(chain.transforms), chain.dtypes(dtype), start=k + 1)
+        missing = [i for i in range(len(family)) if i not in parts]
+        if missing:
+            raise ValueError(f"the inverse of {split} needs every part; missing {missing}")
+        whole = split.inverse([parts[i] for i in range(len(family))], self.shapes[k], dtypes[k])
+        return self._undo(whole, k, dtypes)
+
+    def _undo(self, out: np.ndarray, stop: int, dtypes: Sequence[np.dtype], start: int = 0) -> np.ndarray:
+        """Invert steps `stop - 1` down to `start` of `out`, the full array after step `stop - 1`."""
+        if tuple(out.shape) != self.shapes[stop]:
+            raise ValueError(f"inverse of {self}: got {list(out.shape)}, expected {list(self.shapes[stop])}")
+        for i in reversed(range(start, stop)):
+            out = self.transforms[i].inverse(out, self.shapes[i], dtypes[i])
+        return out
 
     def __str__(self) -> str:
         return " > ".join(str(t) for t in self.transforms) or "-"
