@@ -35,8 +35,11 @@ _EXPORTS = {
     "save": "._save",
     "restore": "._restore",
     # the whole pipeline, meshes, runs
-    "convert": "._load",
-    "load": "._load",
+    "convert": "._convert",
+    "load": "._convert",
+    "Conversion": "._convert",
+    "Report": "._convert",
+    "Progress": "._convert",
     "make_mesh": "._mesh",
     "mesh_shape": "._mesh",
     "initialize": "._distributed",

@@ -20,12 +20,11 @@ import secrets
 import shutil
 import sys
 import textwrap
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from ._console import printable, quiet_libraries, say, show, stream
+from ._console import count_text, printable, quiet_libraries, say, show, size_text, stream
 from ._dtypes import CASTS
 from ._errors import PortError
 from ._interrupt import attach, final, removing, supervise
@@ -35,18 +34,8 @@ DEFAULT_TIMEOUT = 300.0
 MESH_HELP = "device mesh: 4x2 (data x model) or named axes, data=2,expert=2,model=2 (default: 1x1)"
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n}"
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
-
-
+_size = size_text
+_count = count_text
 _say = say
 
 
@@ -124,11 +113,10 @@ def _write_file(path: Path, text: str) -> None:
 
 def convert(args: argparse.Namespace) -> int:
     """Convert MODEL into a sharded Equinox model and save it with Orbax to --out."""
-    from ._distributed import _env_int, agree, initialize
-    from ._mesh import mesh_shape, mesh_spec, simulate_devices
-    from ._save import check_out, free_bytes
+    from ._distributed import _env_int, initialize
+    from ._mesh import mesh_shape, simulate_devices
+    from ._save import check_out
 
-    start = time.perf_counter()
     shape = mesh_shape(args.mesh)
     processes = args.num_processes if args.num_processes is not None else _env_int("JAX_NUM_PROCESSES") or 1
     total = math.prod(shape.values())
@@ -150,105 +138,49 @@ def convert(args: argparse.Namespace) -> int:
 
     import jax
 
+    from ._convert import convert as run_convert
+
     report = args.report
     if report is not None and jax.process_count() > 1:  # each process reports its own reads: run.1.json
         report = report.with_name(f"{report.stem}.{jax.process_index()}{report.suffix}")
     if report is not None:
         report = _check_file_out(report, args.force, "--report", _is_report, "a run report")
-    from ._memory import PeakMemory
+    bar = None
 
-    with PeakMemory() as peak:
-        from ._fill import fill
-        from ._mesh import make_mesh
-        from ._place import place
-        from ._plan import plan
-        from ._save import save
-
-        ckpt, mapping, skel = _open(args.model, args.mapping)
-        with ckpt:
-            out = check_out(args.out, args.force, inputs=(ckpt.directory,))
-            recipe = plan(skel, mapping, ckpt.tensors, ckpt.config, shape, args.dtype)
-            needed = sum(leaf.size * leaf.dtype.itemsize for leaf in recipe.leaves)
-            if needed > (free := free_bytes(out)):
-                raise PortError(f"--out {out}: needs {_size(needed)}, only {_size(free)} free on its file system")
-            agree(
-                {
-                    "--mesh": mesh_spec(shape),
-                    "--dtype": args.dtype,
-                    "--out": str(out),
-                    "--force": args.force,
-                    "--mapping": mapping.text,  # its text: the file may sit at another path on each host
-                    "MODEL": _fingerprint(ckpt),
-                },
-                timeout=args.timeout,
-            )
-            device_mesh = make_mesh(args.mesh)
+    def progress(at) -> None:
+        nonlocal bar
+        if bar is None:  # planned and checked: placing starts
             count = total // processes
             if simulated and count > 1 and jax.default_backend() == "cpu":
                 each = f" in each of {processes} processes" if processes > 1 else ""
                 _say(f"no accelerator: simulating {count} CPU devices{each} for --mesh {args.mesh}")
-            bar = _progress(args.progress, len(recipe.leaves), recipe.read_bytes)
-            placed = 0
-
-            def advance(leaf) -> None:
-                nonlocal placed
-                placed += 1
-                if bar is not None:
-                    bar.update(0, completed=ckpt.bytes_read, description=f"{placed}/{len(recipe.leaves)} tensors")
-
-            if bar is not None:
+            bar = _progress(args.progress, at.leaves, at.total) or False
+            if bar:
                 bar.start()
-            placing = time.perf_counter()
-            try:
-                arrays = place(recipe, ckpt, device_mesh, advance)
-            finally:
-                if bar is not None:
-                    bar.stop()
-            filled = fill(skel, arrays)
-            jax.block_until_ready(arrays)
-            writing = time.perf_counter()
-            written = save(filled, out, mapping, ckpt.config, force=args.force)
-            done = time.perf_counter()
-    device_bytes: dict[str, int] = {}
-    for array in arrays.values():
-        for shard in array.addressable_shards if array is not None else ():
-            key = str(shard.device.id)
-            device_bytes[key] = device_bytes.get(key, 0) + shard.data.nbytes
-    seconds = time.perf_counter() - start
-    summary = {
-        "process": jax.process_index(),
-        "num_processes": jax.process_count(),
-        "model": args.model,
-        "out": str(written),
-        "mesh": dict(device_mesh.shape),
-        "dtype": args.dtype,
-        "seconds": round(seconds, 3),
-        "place_seconds": round(writing - placing, 3),
-        "save_seconds": round(done - writing, 3),
-        "params": recipe.params,
-        "bytes_read": ckpt.bytes_read,
-        "device_bytes": device_bytes,
-        "peak_host_bytes": peak.bytes,
-    }
+        if bar:
+            what = "writing" if at.phase == "write" else f"{at.leaves_done}/{at.leaves} tensors"
+            bar.update(0, completed=at.done, total=at.total, description=what)
+
+    try:
+        result = run_convert(
+            args.model, mapping=args.mapping, mesh=args.mesh, dtype=args.dtype, out=args.out, force=args.force,
+            progress=progress,
+        )
+    finally:
+        if bar:
+            bar.stop()
+    summary = {"model": args.model, **result.report.to_json()}
     if report is not None:
         _write_file(report, json.dumps(summary, indent=1) + "\n")
-    who = f"process {jax.process_index()}/{jax.process_count()}: " if jax.process_count() > 1 else ""
+    figures = result.report
+    who = f"process {figures.process}/{figures.num_processes}: " if figures.num_processes > 1 else ""
     _say(
-        f"{who}converted {args.model}: {_count(recipe.params)} params onto mesh {args.mesh} in {seconds:.1f} s "
-        f"(placing {writing - placing:.1f} s, writing {done - writing:.1f} s); "
-        f"read {_size(ckpt.bytes_read)}, {_size(max(device_bytes.values(), default=0))} per device, "
-        f"peak host memory {_size(peak.bytes)} -> {written}"
+        f"{who}converted {args.model}: {_count(figures.params)} params onto mesh {args.mesh} in "
+        f"{figures.seconds:.1f} s (placing {figures.place_seconds:.1f} s, writing {figures.save_seconds:.1f} s); "
+        f"read {_size(figures.bytes_read)}, {_size(max(figures.device_bytes.values(), default=0))} per device, "
+        f"peak host memory {_size(figures.peak_host_bytes)} -> {figures.out}"
     )
     return 0
-
-
-def _fingerprint(ckpt) -> str:
-    """A digest of a checkpoint's config and tensor headers: equal for the same checkpoint anywhere."""
-    import hashlib
-
-    headers = sorted((k, t.dtype.name, list(t.shape)) for k, t in ckpt.tensors.items())
-    text = json.dumps([ckpt.config, headers], sort_keys=True, default=str)
-    return f"config and headers sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
 def _dtype_short(name: str) -> str:

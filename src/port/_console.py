@@ -40,6 +40,20 @@ def printable(text: str) -> str:
     )
 
 
+def size_text(n: float) -> str:
+    """Bytes as people read them: `678.1 KB`, `497.8 MB` (powers of 1000)."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n}"
+
+
+def count_text(n: int) -> str:
+    """A parameter count as people read it: `169.5K`, `124.4M`, `7.24B`."""
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
+
+
 def stream() -> TextIO:
     """A text stream on the user's stderr, for port's own output (the progress bar)."""
     global _stream

@@ -71,7 +71,7 @@ def verify(
     """Convert `model` onto `mesh`, run it and the PyTorch reference, compare the outputs."""
     import equinox as eqx
 
-    from ._load import convert
+    from ._convert import convert
     from ._skeleton import skeleton
     from ._source import open_checkpoint, resolve
 
@@ -82,7 +82,7 @@ def verify(
         mapping = mapping_for(config, mapping)
         if not mapping.reference:
             raise PortError(f"{mapping.source}: no 'reference' (the PyTorch class to compare with)")
-        converted = convert(ckpt, skeleton(mapping, config), mapping, mesh, dtype=dtype)
+        converted = convert(ckpt, skeleton(mapping, config), mapping, mesh, dtype=dtype).model
     ids = input_ids(config)
     ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, ids))
     reference_cls = import_object(mapping.reference["class"], f"{mapping.source}: reference")

@@ -1,0 +1,47 @@
+"""`port.convert`: the one chain of steps, its report and its progress, as the CLI prints them."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+import port
+from conftest import run_port
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
+
+
+def test_convert_returns_the_model_the_plan_and_the_report(tmp_path):
+    seen = []
+    run = port.convert(EXAMPLE, mesh="2x2", out=tmp_path / "out", progress=seen.append)
+    assert isinstance(run, port.Conversion)
+    assert run.model.blocks.attn.wq.sharding.mesh.shape == {"data": 2, "model": 2}
+    assert len(run.plan.leaves) == 20 and run.report.params == run.plan.params == 169_536
+    assert run.report.bytes_read == run.plan.read_bytes == (EXAMPLE / "model.safetensors").stat().st_size - 8 - (
+        int.from_bytes((EXAMPLE / "model.safetensors").read_bytes()[:8], "little")
+    )
+    assert sorted(run.report.device_bytes) == ["0", "1", "2", "3"]
+    assert run.report.out == str(tmp_path / "out") and run.report.peak_host_bytes > 0
+    # progress: a start, one event per leaf while reading and placing, then the write
+    reads = [p for p in seen if p.phase == "read"]
+    assert [p.leaves_done for p in reads] == list(range(21))
+    assert reads[-1].done == run.report.bytes_read == reads[-1].total
+    assert [(p.phase, p.done == p.total) for p in seen[-2:]] == [("write", False), ("write", True)]
+    restored = port.restore(tmp_path / "out", "2x2")
+    np.testing.assert_array_equal(np.asarray(restored.wte), np.asarray(run.model.wte))
+
+
+def test_the_cli_report_is_the_library_report(tmp_path):
+    result = run_port("convert", EXAMPLE, "--mesh", "2x2", "--out", tmp_path / "out", "--report", tmp_path / "r.json")
+    assert result.returncode == 0, result.stderr
+    written = json.loads((tmp_path / "r.json").read_text())
+    library = port.convert(EXAMPLE, mesh="2x2").report.to_json()
+    assert set(written) == set(library) | {"model"}
+    for key in ("params", "bytes_read", "device_bytes", "mesh", "num_processes", "process", "dtype"):
+        assert written[key] == library[key], key
+
+
+def test_load_is_convert_without_output():
+    model = port.load(EXAMPLE, mesh="2x2")
+    again = port.convert(EXAMPLE, mesh="2x2").model
+    np.testing.assert_array_equal(np.asarray(model.blocks.attn.wq), np.asarray(again.blocks.attn.wq))
