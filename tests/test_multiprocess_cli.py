@@ -85,7 +85,7 @@ def convert(out: Path, address: str, process: int, *extra: str) -> list[str]:
     ("--dtype", [], ["--dtype", "bfloat16"], ["process 0 has", "process 1 has bfloat16"]),
     ("--dtype", ["--dtype", "float32"], ["--dtype", "bfloat16"],
      ["process 0 has float32, process 1 has bfloat16"]),
-    ("--mesh", [], ["--mesh", "2x4"], ["process 0 has 4x2, process 1 has 2x4"]),  # same device count
+    ("--mesh", [], ["--mesh", "2x4"], ["process 0 has data=4,model=2, process 1 has data=2,model=4"]),  # same device count
     ("--out", [], ["--out", "{tmp}/other"], ["process 0 has {tmp}/out", "process 1 has {tmp}/other"]),
 ])
 def test_processes_that_disagree_stop_before_reading(wired, tmp_path, flag, first, second, expected):

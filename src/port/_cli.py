@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from ._console import count_text, printable, quiet_libraries, say, show, size_text, stream
-from ._dtypes import CASTS
 from ._errors import PortError
-from ._interrupt import attach, final, removing, supervise
+from ._interrupt import attach, final, hold_signals, removing, supervise
 
 SCAFFOLD_MARK = "# Draft mapping made by port scaffold"
 DEFAULT_TIMEOUT = 300.0
@@ -356,6 +355,8 @@ def parser() -> argparse.ArgumentParser:
     def model(sub) -> None:
         sub.add_argument("model", metavar="MODEL", help="checkpoint directory or Hugging Face repo id (e.g. gpt2)")
 
+    from ._dtypes import CASTS
+
     def options(sub, mapping: bool = True) -> None:
         sub.add_argument("--mesh", default="1x1", metavar="SPEC", help=MESH_HELP)
         sub.add_argument("--dtype", choices=CASTS, help="cast floating parameters (default: keep the checkpoint's)")
@@ -469,6 +470,7 @@ def main() -> NoReturn:
             except (OSError, ValueError):
                 pass
         sys.exit(code)
+    hold_signals()  # before parsing: a Ctrl-C from now on ends in `port: interrupted`
     args = _parse(parser(), sys.argv[1:])
     if args.command is None:
         parser().print_help()

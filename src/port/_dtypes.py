@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -54,4 +53,6 @@ def dtype(name: str) -> np.dtype:
 
 def floating(d: Any) -> bool:
     """Whether `d` is a floating dtype: float16/32/64, bfloat16 and the float8 types."""
+    import jax.numpy as jnp  # here, not above: the command line's supervisor reads this table without JAX
+
     return bool(jnp.issubdtype(np.dtype(d), jnp.floating))

@@ -150,19 +150,31 @@ class _Worker:
         return bool(chunk)
 
 
+_received: list[int] = []
+
+
+def _noted(signum: int, frame: object) -> None:
+    _received.append(signum)
+
+
+def hold_signals() -> None:
+    """From now on, note SIGINT and SIGTERM for `supervise` instead of acting on them; call it first thing.
+
+    Both stay blocked until the worker has started: it inherits the mask and
+    ignores them before unblocking, so a Ctrl-C while it starts is never a
+    KeyboardInterrupt there, and here a signal that came meanwhile is handled
+    once `supervise` unblocks them. Setting the handler also undoes a parent's
+    SIG_IGN (a shell's `cmd &`).
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    for s in SIGNALS:
+        signal.signal(s, _noted)
+
+
 def supervise(argv: Sequence[str], say: Callable[[str], None]) -> int:
     """Run `argv` as the worker and return the exit status `port` should end with."""
-    received: list[int] = []
-
-    def note(signum: int, frame: object) -> None:
-        received.append(signum)
-
-    # The worker starts with both signals blocked (it inherits the mask) until it
-    # ignores them, so a Ctrl-C while it starts is never a KeyboardInterrupt there;
-    # here a signal that came meanwhile is handled once they are unblocked.
-    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
-    for s in SIGNALS:  # also undoes a parent's SIG_IGN (a shell's `cmd &`)
-        signal.signal(s, note)
+    received = _received
+    hold_signals()  # in case the caller did not
     notes_read, notes_write = os.pipe()
     lifeline_read, lifeline_write = os.pipe()
     env = os.environ | {_ENV: f"{notes_write},{lifeline_read}"}
