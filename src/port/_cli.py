@@ -33,9 +33,6 @@ DEFAULT_TIMEOUT = 300.0
 MESH_HELP = "device mesh: 4x2 (data x model) or named axes, data=2,expert=2,model=2 (default: 1x1)"
 
 
-_size = size_text
-_count = count_text
-_say = say
 
 
 def _open(model: str, mapping_file: Path | None):
@@ -132,7 +129,7 @@ def convert(args: argparse.Namespace) -> int:
     coordinator = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
     if processes > 1 and coordinator:
         who = args.process_id if args.process_id is not None else os.environ.get("JAX_PROCESS_ID", "?")
-        _say(f"process {who}: waiting for {processes} processes at {coordinator} (--timeout {args.timeout:g} s)")
+        say(f"process {who}: waiting for {processes} processes at {coordinator} (--timeout {args.timeout:g} s)")
     initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.timeout)
 
     import jax
@@ -152,7 +149,7 @@ def convert(args: argparse.Namespace) -> int:
             count = total // processes
             if simulated and count > 1 and jax.default_backend() == "cpu":
                 each = f" in each of {processes} processes" if processes > 1 else ""
-                _say(f"no accelerator: simulating {count} CPU devices{each} for --mesh {args.mesh}")
+                say(f"no accelerator: simulating {count} CPU devices{each} for --mesh {args.mesh}")
             bar = _progress(args.progress, at.leaves, at.total) or False
             if bar:
                 bar.start()
@@ -173,11 +170,11 @@ def convert(args: argparse.Namespace) -> int:
         _write_file(report, json.dumps(summary, indent=1) + "\n")
     figures = result.report
     who = f"process {figures.process}/{figures.num_processes}: " if figures.num_processes > 1 else ""
-    _say(
-        f"{who}converted {args.model}: {_count(figures.params)} params onto mesh {args.mesh} in "
+    say(
+        f"{who}converted {args.model}: {count_text(figures.params)} params onto mesh {args.mesh} in "
         f"{figures.seconds:.1f} s (placing {figures.place_seconds:.1f} s, writing {figures.save_seconds:.1f} s); "
-        f"read {_size(figures.bytes_read)}, {_size(max(figures.device_bytes.values(), default=0))} per device, "
-        f"peak host memory {_size(figures.peak_host_bytes)} -> {figures.out}"
+        f"read {size_text(figures.bytes_read)}, {size_text(max(figures.device_bytes.values(), default=0))} per device, "
+        f"peak host memory {size_text(figures.peak_host_bytes)} -> {figures.out}"
     )
     return 0
 
@@ -193,7 +190,7 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
             printable(leaf.path),
             f"{_dtype_short(leaf.dtype.name)}[{','.join(map(str, leaf.shape))}]",
             row["spec"],
-            _size(leaf.device_bytes),
+            size_text(leaf.device_bytes),
         )
         for leaf, row in zip(recipe.leaves, recipe.table())
     ]
@@ -223,8 +220,8 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
     lines += [f"tied: {printable(key)} = {printable(copy_of)}, not read" for key, copy_of in recipe.tied]
     lines += [f"absent: {path} (optional, not in the checkpoint: None)" for path in recipe.empty]
     lines.append(
-        f"{_count(recipe.params)} params in {len(recipe.leaves)} leaves; "
-        f"{_size(recipe.read_bytes)} to read, {_size(recipe.device_bytes)} per device"
+        f"{count_text(recipe.params)} params in {len(recipe.leaves)} leaves; "
+        f"{size_text(recipe.read_bytes)} to read, {size_text(recipe.device_bytes)} per device"
     )
     return "\n".join(lines) + "\n"
 
@@ -257,7 +254,7 @@ def check(args: argparse.Namespace) -> int:
         result = plan_problems(skeleton(parsed, ckpt.config), parsed, ckpt.tensors, ckpt.config, shape)
     if isinstance(result, Plan):
         show(
-            f"{args.mapping}: ok: {len(result.leaves)} leaves from {args.model} ({_count(result.params)} params), "
+            f"{args.mapping}: ok: {len(result.leaves)} leaves from {args.model} ({count_text(result.params)} params), "
             f"{len(result.ignored)} keys ignored, {len(result.tied)} tied, {len(result.empty)} optional absent\n"
         )
         return 0
@@ -309,7 +306,7 @@ def scaffold(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     else:
         _write_file(out, text)
-        _say(f"wrote {args.out}: review the entries marked CHECK and TODO, then run port check {args.out} {args.model}")
+        say(f"wrote {args.out}: review the entries marked CHECK and TODO, then run port check {args.out} {args.model}")
     return 0
 
 
@@ -441,13 +438,13 @@ def run(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except PortError as e:
-        _say("error: " + str(e))
+        say("error: " + str(e))
         return 1
     except Exception as e:  # noqa: BLE001 - the command line promises no traceback
         if os.environ.get("PORT_DEBUG"):
             raise
         message = str(e).splitlines()[0] if str(e) else ""
-        _say(f"internal error: {type(e).__name__}: {message} (PORT_DEBUG=1 shows the traceback)")
+        say(f"internal error: {type(e).__name__}: {message} (PORT_DEBUG=1 shows the traceback)")
         return 1
 
 
@@ -476,4 +473,4 @@ def main() -> NoReturn:
         parser().print_help()
         sys.exit(2)
     worker = [sys.executable, "-P", "-c", "from port._cli import main; main()", *sys.argv[1:]]
-    sys.exit(supervise(worker, _say))
+    sys.exit(supervise(worker, say))

@@ -141,9 +141,10 @@ def convert(
             mesh = as_mesh(mesh)
             recipe = plan(skeleton, mapping, ckpt.tensors, ckpt.config, mesh.shape, dtype)
             if out is not None:
-                needed = sum(leaf.size * leaf.dtype.itemsize for leaf in recipe.leaves)
-                if needed > (free := free_bytes(out)):
-                    raise PortError(f"--out {out}: needs {size_text(needed)}, only {size_text(free)} free on its file system")
+                if recipe.nbytes > (free := free_bytes(out)):
+                    raise PortError(
+                        f"--out {out}: needs {size_text(recipe.nbytes)}, only {size_text(free)} free on its file system"
+                    )
             agree(
                 {
                     "--mesh": mesh_spec(dict(mesh.shape)),
@@ -170,7 +171,7 @@ def convert(
             jax.block_until_ready(arrays)
             writing = time.perf_counter()
             if out is not None:
-                total = sum(leaf.size * leaf.dtype.itemsize for leaf in recipe.leaves)
+                total = recipe.nbytes
                 if progress is not None:
                     progress(Progress("write", 0, total, 0, len(recipe.leaves)))
                 out = save(model, out, mapping, ckpt.config, force=force)

@@ -92,6 +92,11 @@ class Plan:
         return sum(leaf.device_bytes for leaf in self.leaves)
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of every leaf in its target dtype: what a saved output holds."""
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in self.leaves)
+
+    @property
     def read_bytes(self) -> int:
         """Bytes read from the checkpoint when every distinct shard is read once."""
         return sum(leaf.read_bytes for leaf in self.leaves)
