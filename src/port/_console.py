@@ -40,6 +40,27 @@ def printable(text: str) -> str:
     )
 
 
+def quoted(value: object, limit: int = 80) -> str:
+    """An untrusted name or value for a one-line message: quoted, escaped, cut to `limit` characters.
+
+    ```python
+    quoted("h.0.attn")        # "'h.0.attn'"
+    quoted("a\x1b[2J" * 50)   # "'a\\x1b[2Ja\\x1b[2J...'..." (at most 80 characters quoted)
+    quoted(3.5)               # '3.5'
+    ```
+    """
+    text = value if isinstance(value, str) else repr(value)
+    cut = text[:limit]
+    shown = repr(cut) if isinstance(value, str) else printable(cut)
+    return shown + ("..." if len(text) > limit else "")
+
+
+def one_line(text: str, limit: int = 500) -> str:
+    """`text` (which may quote untrusted input) as one line of printable characters, at most `limit` of them."""
+    text = printable(" ".join(text.split()))
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def size_text(n: float) -> str:
     """Bytes as people read them: `678.1 KB`, `497.8 MB` (powers of 1000)."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
