@@ -17,13 +17,20 @@ import numpy as np
 import pytest
 
 import port
-from conftest import INPUT_IDS
+from helpers import INPUT_IDS
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port P for a run's coordinator, with P + 1 (where process 0 serves port's store) free too."""
+    while True:
+        with socket.socket() as s, socket.socket() as after:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            try:
+                after.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
 
 
 def run_processes(argv_for, env_for=lambda i: {}, timeout=240):

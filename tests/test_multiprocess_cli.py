@@ -120,8 +120,9 @@ def test_a_process_alone_stops_after_the_timeout(wired, tmp_path, process):
 # ---------------------------------------------------------------- the functions, in a small driver
 
 DRIVER = textwrap.dedent("""
-    import json, sys, time
+    import json, os, sys, time
     from port._distributed import agree, initialize
+    from port._console import say
     from port._errors import PortError
 
     address, process, timeout, settings, then = sys.argv[1:6]
@@ -130,12 +131,14 @@ DRIVER = textwrap.dedent("""
         print("joined", file=sys.stderr, flush=True)
         if then == "leave":  # ends at once, without agreeing
             sys.exit(0)
+        if then == "crash":  # vanishes at once: no exit handlers run
+            os._exit(3)
         agree(json.loads(settings))
         print("agreed", file=sys.stderr, flush=True)
         if then.startswith("sleep"):  # keeps working while the other ends
             time.sleep(float(then[5:]))
     except PortError as e:
-        print(f"port: error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         sys.exit(1)
 """)
 
@@ -176,6 +179,12 @@ def test_agree_stops_when_the_other_process_ended_without_agreeing(driver):
     assert code1 == 0 and "Check failure" not in err1, err1
 
 
+def test_agree_stops_at_once_when_the_other_process_vanished(driver):
+    (code0, err0, seconds), (code1, _, _) = run_all([driver(0, timeout=30), driver(1, timeout=30, then="crash")])
+    assert the_error(code0, err0) == "port: error: process 1 ended before sending its settings: see its output"
+    assert seconds < 25 and code1 == 3  # its connection to the store closed: not after --timeout
+
+
 def test_a_process_waits_at_exit_for_a_slower_one(driver):
     results = run_all([driver(0, then="sleep3"), driver(1)])
     for code, err, _ in results:
@@ -203,6 +212,20 @@ def test_the_coordinators_port_in_use(driver):
     assert the_error(code, err) == (
         f"port: error: --coordinator {driver.address}: port {port} is already in use on this host "
         "(another run's coordinator?); choose a free port"
+    )
+
+
+def test_the_stores_port_in_use(driver):
+    import socket
+
+    host, port = driver.address.split(":")
+    with socket.socket() as taken:
+        taken.bind((host, int(port) + 1))
+        taken.listen()
+        [(code, err, _)] = run_all([driver(0)])
+    assert the_error(code, err) == (
+        f"port: error: --coordinator {driver.address}: port {int(port) + 1} (the coordinator's port + 1, where "
+        "port's processes exchange settings) is already in use on this host; choose another --coordinator port"
     )
 
 

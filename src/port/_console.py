@@ -85,8 +85,13 @@ def stream() -> TextIO:
     return _stream
 
 
+failed = False  # whether this process has said an error: it says at most one
+
+
 def say(message: str) -> None:
     """Print `port: MESSAGE` on the user's stderr, on one line, literally."""
+    global failed
+    failed = failed or message.startswith(("error:", "internal error:"))
     line = "port: " + printable(message.replace("\n", "\\n")) + "\n"
     for s in (sys.stdout, stream()):
         try:

@@ -40,8 +40,9 @@ from typing import NoReturn
 import jax
 
 from ._console import say
-from ._errors import PortError
+from ._errors import PortError, RunError
 from ._mesh import simulate_devices
+from ._store import ENDED as _ENDED, Store, serve
 
 DEFAULT_TIMEOUT = 300.0
 # JAX's own deadlines, set past port's so that port's always run out first.
@@ -55,10 +56,12 @@ class _Run:
     num_processes: int
     process_id: int
     timeout: float
+    store: Store | None = None  # the run's key-value store (more than one process)
     rounds: int = 0  # agree() calls so far: each round has its own keys
 
 
 _run: _Run | None = None
+_service = None  # process 0's store service (port._store)
 
 
 def _env_int(name: str) -> int | None:
@@ -68,30 +71,27 @@ def _env_int(name: str) -> int | None:
     try:
         return int(value)
     except ValueError:
-        raise PortError(f"{name}={value!r}: expected an integer") from None
+        raise RunError(f"{name}={value!r}: expected an integer") from None
 
 
-def _store():
-    """The coordinator's key-value store, through which processes exchange small strings.
-
-    The one use of a private JAX module in port's multi-process code: JAX 0.10 has no
-    public API for its distributed key-value store (Orbax and JAX's own array
-    serialization reach it the same way).
-    """
-    from jax._src.distributed import global_state
-
-    if global_state.client is None:
-        raise PortError("not in a multi-process run: call port.initialize first")
-    return global_state.client
+def _store() -> Store:
+    """This process's connection to the run's key-value store (see `port._store`)."""
+    if _run is None or _run.store is None:
+        raise RunError("not in a multi-process run: call port.initialize first")
+    return _run.store
 
 
 def _stop(message: str) -> NoReturn:
     """Say `port: error: MESSAGE` and end the process with status 1, from any thread.
 
     For waits that JAX cannot abandon: a thread blocked in JAX's C++ cannot be
-    interrupted, and JAX's own timeout there aborts the process.
+    interrupted, and JAX's own timeout there aborts the process. A process that has
+    already said an error ends without a second one.
     """
-    say("error: " + message)
+    from . import _console
+
+    if not _console.failed:
+        say("error: " + message)
     os._exit(1)
 
 
@@ -183,23 +183,26 @@ def initialize(
     if all(v is None for v in given):
         return False
     if any(v is None for v in given):
-        raise PortError(
+        raise RunError(
             "a multi-process run needs all of --coordinator HOST:PORT, --num-processes N and "
             "--process-id I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)"
         )
     if ":" not in coordinator:
-        raise PortError(f"--coordinator {coordinator!r}: expected HOST:PORT")
+        raise RunError(f"--coordinator {coordinator!r}: expected HOST:PORT")
     if num_processes < 1 or not 0 <= process_id < num_processes:
-        raise PortError(f"--process-id {process_id}: expected 0 <= I < --num-processes {num_processes}")
+        raise RunError(f"--process-id {process_id}: expected 0 <= I < --num-processes {num_processes}")
     if not timeout > 0 or math.isinf(timeout):
-        raise PortError(f"--timeout {timeout:g}: expected a positive number of seconds")
+        raise RunError(f"--timeout {timeout:g}: expected a positive number of seconds")
     if local_devices:
         simulate_devices(local_devices)
     if process_id == 0 and _port_taken(coordinator):
-        raise PortError(
+        raise RunError(
             f"--coordinator {coordinator}: port {coordinator.rpartition(':')[2]} is already in use on this "
             "host (another run's coordinator?); choose a free port"
         )
+    global _service
+    if process_id == 0 and num_processes > 1 and _service is None:
+        _service = serve(coordinator, num_processes)  # before JAX: the others connect once they have joined
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
     joined, lock = threading.Event(), threading.Lock()
@@ -222,23 +225,25 @@ def initialize(
             shutdown_timeout_seconds=max(_JAX_SHUTDOWN_TIMEOUT, math.ceil(timeout) + 2 * _JAX_JOIN_MARGIN),
         )
     except (RuntimeError, ValueError) as e:
-        raise PortError(f"--coordinator {coordinator}: could not join the run ({_first(e)})") from None
+        raise RunError(f"--coordinator {coordinator}: could not join the run ({_first(e)})") from None
     finally:
         with lock:
             joined.set()
     _run = _Run(coordinator, num_processes, process_id, float(timeout))
     if num_processes > 1:
+        _run.store = Store.connect(coordinator, process_id, num_processes, timeout)
         atexit.register(_leave)  # after JAX's own exit hook was registered: runs before it
     return True
 
 
+def num_processes() -> int | None:
+    """The number of processes in the run `initialize` joined; None outside one (or in one JAX started alone)."""
+    return _run.num_processes if _run is not None and jax.distributed.is_initialized() else None
+
+
 def _current() -> _Run | None:
-    """This process's run: the one `initialize` joined, or one started with `jax.distributed`."""
-    if _run is not None:
-        return _run if jax.distributed.is_initialized() else None
-    if jax.distributed.is_initialized() and jax.process_count() > 1:
-        return _Run("", jax.process_count(), jax.process_index(), DEFAULT_TIMEOUT)
-    return None
+    """This process's run, as `initialize` joined it (None in a run started with `jax.distributed` alone)."""
+    return _run if _run is not None and jax.distributed.is_initialized() else None
 
 
 _MISSING = object()  # a key one process's settings lack
@@ -277,9 +282,10 @@ def _disagreement(key: str, values: dict[int, object]) -> str:
 def agree(settings: dict[str, str | int | float | bool | None], timeout: float | None = None) -> None:
     """Check that every process of the run was given the same settings; a no-op in one process.
 
-    Each process publishes its `settings` through the coordinator's key-value store
-    (no device collective, so it works even when the processes disagree on the mesh)
-    and reads everyone else's. On every process, the first key whose values differ
+    Each process publishes its `settings` through the run's key-value store
+    (`port._store`: no device collective, so it works even when the processes disagree
+    on the mesh) and reads everyone else's. A run joined with `jax.distributed`
+    alone, not `initialize`, has no such store: there this is a no-op. On every process, the first key whose values differ
     raises `PortError("processes disagree on KEY: process 0 has A, process 1 has B")`.
     Call it before reading any tensor data, the same number of times in every process.
 
@@ -303,55 +309,29 @@ def agree(settings: dict[str, str | int | float | bool | None], timeout: float |
     mine = json.dumps(settings, default=str)
     texts = {run.process_id: mine}
     deadline = time.monotonic() + timeout
-    try:
-        store.key_value_set(prefix + str(run.process_id), mine)
-        for process in range(run.num_processes):
-            if process == run.process_id:
-                continue
-            while (text := _get(store, prefix + str(process), min(1.0, deadline - time.monotonic()))) is None:
-                if _peek(store, _ENDED + str(process)) is not None:
-                    raise PortError(f"process {process} ended before sending its settings: see its output")
-                if time.monotonic() >= deadline:
-                    raise PortError(
-                        f"process {process} did not send its settings within {timeout:g} s "
-                        f"(--timeout {timeout:g}): see its output"
-                    )
-            texts[process] = text
-    except jax.errors.JaxRuntimeError as e:
-        raise PortError(
-            f"--coordinator {run.coordinator}: connection lost while exchanging settings ({_first(e)})"
-        ) from None
+    store.set(prefix + str(run.process_id), mine)
+    for process in range(run.num_processes):
+        if process == run.process_id:
+            continue
+        while (text := store.get(prefix + str(process), min(1.0, deadline - time.monotonic()))) is None:
+            if store.get(_ENDED + str(process)) is not None:
+                raise RunError(f"process {process} ended before sending its settings: see its output")
+            if time.monotonic() >= deadline:
+                raise RunError(
+                    f"process {process} did not send its settings within {timeout:g} s "
+                    f"(--timeout {timeout:g}): see its output"
+                )
+        texts[process] = text
     everyone = {process: json.loads(texts[process]) for process in sorted(texts)}
     keys = list(dict.fromkeys(key for values in everyone.values() for key in values))
     for key in keys:
         values = {process: values.get(key, _MISSING) for process, values in everyone.items()}
         if len({"\0" if v is _MISSING else json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
-            raise PortError(_disagreement(key, values))
-
-
-_ENDED = "port/ended/"  # + process id: "ended" once it reaches exit, "gone" if it left without the others
+            raise RunError(_disagreement(key, values))
 
 
 def _first(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
-
-
-def _get(store, key: str, seconds: float) -> str | None:
-    """The value of `key`, waiting up to `seconds` for it to be set; None if it was not."""
-    try:
-        return store.blocking_key_value_get(key, max(1, int(seconds * 1000)))
-    except jax.errors.JaxRuntimeError as e:
-        if "DEADLINE_EXCEEDED" in str(e):
-            return None
-        raise
-
-
-def _peek(store, key: str) -> str | None:
-    """The value of `key` if it is set, without waiting."""
-    try:
-        return store.key_value_try_get(key)
-    except jax.errors.JaxRuntimeError:
-        return None
 
 
 def _leave() -> None:
@@ -360,35 +340,34 @@ def _leave() -> None:
     JAX's own exit waits for every process as well, and ends in a C++ abort of every
     process when one never comes. This wait comes first and ends in one line instead;
     a process that leaves this way says so in the store, so that the others do not
-    wait in JAX's exit for it.
+    wait in JAX's exit for it. Process 0, which serves the store, leaves last.
     """
     run = _run
-    if run is None or not jax.distributed.is_initialized():
+    if run is None or run.store is None or not jax.distributed.is_initialized():
         return
+    store = run.store
     try:
-        store = _store()
-        store.key_value_set(_ENDED + str(run.process_id), "ended")
-    except Exception:  # noqa: BLE001 - no coordinator left: nothing to wait for
+        store.set(_ENDED + str(run.process_id), "ended", overwrite=True)
+    except PortError:  # no store left: nothing to wait for
         return
     deadline = time.monotonic() + run.timeout
     said = False
     for process in range(run.num_processes):
         while process != run.process_id:
             try:
-                state = _get(store, _ENDED + str(process), min(1.0, deadline - time.monotonic()))
-            except jax.errors.JaxRuntimeError as e:
-                _stop(
-                    f"--coordinator {run.coordinator}: connection lost while waiting for process {process} "
-                    f"to end ({_first(e)})"
-                )
+                state = store.get(_ENDED + str(process), min(1.0, deadline - time.monotonic()))
+            except PortError as e:
+                _stop(f"{e} while waiting for process {process} to end")
             if state == "gone":
                 _stop(f"process {process} ended without waiting for process {run.process_id}: see its output")
+            if state == "lost":
+                _stop(f"process {process} stopped before the end of the run: see its output")
             if state is not None:
                 break
             if time.monotonic() >= deadline:
                 try:
-                    store.key_value_set(_ENDED + str(run.process_id), "gone", allow_overwrite=True)
-                except Exception:  # noqa: BLE001 - leaving anyway
+                    store.set(_ENDED + str(run.process_id), "gone", overwrite=True)
+                except PortError:  # leaving anyway
                     pass
                 _stop(
                     f"process {process} did not end within {run.timeout:g} s (--timeout {run.timeout:g}) of "
@@ -400,6 +379,9 @@ def _leave() -> None:
                     f"process {run.process_id}/{run.num_processes}: waiting up to {run.timeout:g} s "
                     f"(--timeout) for process {process} to end"
                 )
+    store.close()
+    if _service is not None:  # the others read their last answers before the store goes
+        _service.wait_disconnected(max(0.0, deadline - time.monotonic()))
 
 
 def barrier(name: str) -> None:

@@ -102,12 +102,13 @@ def make_mesh(spec: str | dict[str, int], devices: list | None = None) -> Mesh:
     needed = math.prod(shape.values())
     label = spec if isinstance(spec, str) else mesh_spec(shape)
     if devices is None:
-        if jax.distributed.is_initialized():  # every process adds its share
-            from jax._src.distributed import global_state
-
-            simulate_devices(-(-needed // (global_state.num_processes or 1)))
-        else:
+        if not jax.distributed.is_initialized():
             simulate_devices(needed)
+        else:  # every process adds its share, in a run port joined (one JAX joined alone sets its own)
+            from ._distributed import num_processes
+
+            if (processes := num_processes()) is not None:
+                simulate_devices(-(-needed // processes))
         devices = jax.devices()
     if len(devices) < needed:
         platform = devices[0].platform if devices else "no"
