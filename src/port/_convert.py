@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 
 from ._console import size_text
 from ._distributed import agree
-from ._errors import PortError
+from ._errors import OutputError
 from ._fill import fill
 from ._mapping import Mapping, mapping_for
 from ._memory import PeakMemory
@@ -142,7 +142,7 @@ def convert(
             recipe = plan(skeleton, mapping, ckpt.tensors, ckpt.config, mesh.shape, dtype)
             if out is not None:
                 if recipe.nbytes > (free := free_bytes(out)):
-                    raise PortError(
+                    raise OutputError(
                         f"--out {out}: needs {size_text(recipe.nbytes)}, only {size_text(free)} free on its file system"
                     )
             agree(

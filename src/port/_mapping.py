@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._errors import PortError
+from ._errors import ConfigError, MappingError, PortError
 from ._transforms import Transform, parse_transform
 
 LAYER = "{layer}"
@@ -85,7 +85,8 @@ class Param:
         try:
             return [t.resolve(config) for t in self.transforms]
         except PortError as e:
-            raise PortError(f"mapping entry '{self.key}': {e}") from None
+            kind = ConfigError if isinstance(e, ConfigError) else MappingError
+            raise kind(f"mapping entry '{self.key}': {e}") from None
 
 
 @dataclass(frozen=True)
@@ -132,10 +133,10 @@ def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise PortError(f"{source}: invalid TOML: {e}") from None
+        raise MappingError(f"{source}: invalid TOML: {e}") from None
 
-    def fail(msg: str) -> PortError:
-        return PortError(f"{source}: {msg}")
+    def fail(msg: str) -> MappingError:
+        return MappingError(f"{source}: {msg}")
 
     unknown = set(data) - _TOP
     if unknown:
@@ -222,7 +223,7 @@ def load_mapping(path: str | os.PathLike) -> Mapping:
     try:
         text = path.read_text()
     except OSError as e:
-        raise PortError(f"{path}: cannot read mapping file ({e.strerror or e})") from None
+        raise MappingError(f"{path}: cannot read mapping file ({e.strerror or e})") from None
     return parse_mapping(text, str(path))
 
 
@@ -245,14 +246,14 @@ def mapping_for(config: AnyMapping[str, Any], mapping: str | os.PathLike | Mappi
         return load_mapping(mapping)
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
-        raise PortError("config.json: no 'model_type'; give a mapping with --mapping")
+        raise MappingError("config.json: no 'model_type'; give a mapping with --mapping")
     known = []
     for path in shipped_mappings():
         mapping = load_mapping(path)
         if model_type in mapping.model_types:
             return mapping
         known.extend(mapping.model_types)
-    raise PortError(
+    raise MappingError(
         f"config.json: model_type '{model_type}' has no mapping (known: {', '.join(sorted(known)) or 'none'}); "
         "give one with --mapping"
     )

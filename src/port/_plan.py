@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._errors import PortError
+from ._errors import PlanError, PortError
 from ._dtypes import dtype as dtype_named, floating
 from ._mapping import Mapping, Param
 from ._skeleton import leaves as skeleton_leaves
@@ -170,13 +170,12 @@ def plan(
 ) -> Plan:
     """Validate everything and make one recipe per leaf; reads no tensor data.
 
-    Raises `PortError` naming the first problem (and how many more there are).
+    Raises `PlanError`: `.problems` lists them all; its message names the first and counts the rest.
     """
     problems = plan_problems(skeleton, mapping, tensors, config, mesh_shape, dtype)
     if isinstance(problems, Plan):
         return problems
-    more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
-    raise PortError(problems[0] + more)
+    raise PlanError(problems)
 
 
 def plan_problems(

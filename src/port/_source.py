@@ -7,7 +7,7 @@ waited on), named by the index as plain file names inside the checkpoint
 directory. Each header is validated as the safetensors format specifies, refusing
 whatever the reference loader refuses. Tensor bytes are read later, region by
 region, with positioned reads (`preadv`) straight into the caller's buffers: a file
-cut short while it is read is one `PortError`, never a SIGBUS.
+cut short while it is read is one `CheckpointError`, never a SIGBUS.
 
 ```python
 ckpt = open_checkpoint("path/to/gpt2")          # or a Hugging Face repo id
@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 
 from ._dtypes import SAFETENSORS
-from ._errors import PortError
+from ._console import quoted
+from ._errors import CheckpointError
 
 Region = tuple[tuple[int, int], ...]
 """A box in a tensor: one `(start, stop)` per dimension."""
@@ -64,11 +65,6 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _MAX_RUNS = 1 << 22  # runs (contiguous pieces) handled in one batch: bounds the bookkeeping
 
 
-def _show(text: str, limit: int = 200) -> str:
-    """An untrusted name fit for a one-line message: quoted, cut short."""
-    return repr(text if len(text) <= limit else text[:limit] + "...")
-
-
 # ---------------------------------------------------------------------------- files
 
 
@@ -94,37 +90,37 @@ def open_regular(path: Path, name: str | None = None) -> tuple[int, os.stat_resu
     try:
         before = os.stat(path)
     except OSError as e:
-        raise PortError(f"{name}: cannot read: {e.strerror or e}") from None
+        raise CheckpointError(f"{name}: cannot read: {e.strerror or e}") from None
     if not stat.S_ISREG(before.st_mode):
-        raise PortError(f"{name}: not a regular file ({_kind(before.st_mode)})")
+        raise CheckpointError(f"{name}: not a regular file ({_kind(before.st_mode)})")
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(path, flags)
     except OSError as e:
-        raise PortError(f"{name}: cannot read: {e.strerror or e}") from None
+        raise CheckpointError(f"{name}: cannot read: {e.strerror or e}") from None
     try:
         after = os.fstat(fd)
     except OSError as e:
         os.close(fd)
-        raise PortError(f"{name}: cannot read: {e.strerror or e}") from None
+        raise CheckpointError(f"{name}: cannot read: {e.strerror or e}") from None
     if not stat.S_ISREG(after.st_mode) or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
         os.close(fd)
-        raise PortError(f"{name}: replaced while being opened (now {_kind(after.st_mode)})")
+        raise CheckpointError(f"{name}: replaced while being opened (now {_kind(after.st_mode)})")
     return fd, after
 
 
 def _pread_exact(fd: int, n: int, offset: int, name: str) -> bytes:
-    """Exactly `n` bytes at `offset`, or a PortError saying the file is shorter."""
+    """Exactly `n` bytes at `offset`, or a CheckpointError saying the file is shorter."""
     parts, got = [], 0
     try:
         while got < n:
             chunk = os.pread(fd, min(n - got, 1 << 26), offset + got)
             if not chunk:
-                raise PortError(f"{name}: truncated while reading: ends at byte {offset + got}, {n - got} bytes short")
+                raise CheckpointError(f"{name}: truncated while reading: ends at byte {offset + got}, {n - got} bytes short")
             parts.append(chunk)
             got += len(chunk)
     except OSError as e:
-        raise PortError(f"{name}: cannot read: {e.strerror or e}") from None
+        raise CheckpointError(f"{name}: cannot read: {e.strerror or e}") from None
     return b"".join(parts)
 
 
@@ -133,28 +129,28 @@ def read_small(path: Path, limit: int, what: str) -> bytes:
     fd, st = open_regular(path, str(path))
     try:
         if st.st_size > limit:
-            raise PortError(f"{path}: {st.st_size} bytes, more than a {what} may have ({limit})")
+            raise CheckpointError(f"{path}: {st.st_size} bytes, more than a {what} may have ({limit})")
         data = _pread_exact(fd, st.st_size, 0, str(path))
         if os.pread(fd, 1, st.st_size):  # grew meanwhile: read no more
-            raise PortError(f"{path}: grew while being read")
+            raise CheckpointError(f"{path}: grew while being read")
         return data
     except OSError as e:
-        raise PortError(f"{path}: cannot read: {e.strerror or e}") from None
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
     finally:
         os.close(fd)
 
 
 def _load_json(text: str | bytes, where: str, **hooks: Any) -> Any:
-    """`json.loads`, with every way it can fail as one PortError line naming `where`."""
+    """`json.loads`, with every way it can fail as one CheckpointError line naming `where`."""
     try:
         return json.loads(text, **hooks)
     except RecursionError:
-        raise PortError(f"{where}: not valid JSON (nested too deeply)") from None
+        raise CheckpointError(f"{where}: not valid JSON (nested too deeply)") from None
     except UnicodeDecodeError as e:
-        raise PortError(f"{where}: not valid UTF-8 (at byte {e.start})") from None
+        raise CheckpointError(f"{where}: not valid UTF-8 (at byte {e.start})") from None
     except ValueError as e:  # JSONDecodeError, too-long integers, and the hooks' refusals
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise PortError(f"{where}: not valid JSON ({message})") from None
+        raise CheckpointError(f"{where}: not valid JSON ({message})") from None
 
 
 # ---------------------------------------------------------------------------- headers
@@ -191,7 +187,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise _Refused(f"key {_show(key)} appears twice")
+                raise _Refused(f"key {quoted(key, 200)} appears twice")
             seen.add(key)
     return result
 
@@ -252,13 +248,13 @@ def parse_header(raw: bytes, name: str) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PortError(f"{name}: corrupt header: not UTF-8 (byte {e.start} of the header)") from None
+        raise CheckpointError(f"{name}: corrupt header: not UTF-8 (byte {e.start} of the header)") from None
     header = _load_json(text, f"{name}: corrupt header", **_HEADER_JSON)
     if not isinstance(header, dict):
-        raise PortError(f"{name}: corrupt header: expected a JSON object")
+        raise CheckpointError(f"{name}: corrupt header: expected a JSON object")
     if _SURROGATE_ESCAPE.search(text):  # only escapes can make a string that is not Unicode
         if problem := _json_problem(header, 0, check_strings=True):
-            raise PortError(f"{name}: corrupt header: {problem}")
+            raise CheckpointError(f"{name}: corrupt header: {problem}")
     return header
 
 
@@ -280,29 +276,29 @@ _FIELDS = {"dtype", "shape", "data_offsets"}
 def _entry(key: str, entry: Any, name: str) -> tuple[np.dtype, tuple[int, ...], int, int]:
     """dtype, shape, begin and end of one tensor entry, each checked."""
     if not isinstance(entry, dict) or not _FIELDS <= entry.keys():
-        raise PortError(f"{name}: corrupt header: bad entry for tensor {_show(key)}")
+        raise CheckpointError(f"{name}: corrupt header: bad entry for tensor {quoted(key, 200)}")
     dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not (
         type(dtype_name) is str and type(shape) is list and type(offsets) is list and len(offsets) == 2
         and {int} >= set(map(type, shape)) and type(offsets[0]) is int and type(offsets[1]) is int
     ):  # ints are u64s (see _u64_or_float)
-        raise PortError(f"{name}: corrupt header: bad entry for tensor {_show(key)}")
+        raise CheckpointError(f"{name}: corrupt header: bad entry for tensor {quoted(key, 200)}")
     if len(entry) > 3:  # other fields are ignored, as the reference does
         for value in (value for field_name, value in entry.items() if field_name not in _FIELDS):
             if problem := _json_problem(value, 2, False):
-                raise PortError(f"{name}: corrupt header: tensor {_show(key)}: {problem}")
+                raise CheckpointError(f"{name}: corrupt header: tensor {quoted(key, 200)}: {problem}")
     dtype = SAFETENSORS.get(dtype_name)
     if dtype is None:
-        raise PortError(f"{name}: tensor {_show(key)} has unsupported dtype {_show(dtype_name, 20)}")
+        raise CheckpointError(f"{name}: tensor {quoted(key, 200)} has unsupported dtype {quoted(dtype_name, 20)}")
     if len(shape) > _MAX_RANK:
-        raise PortError(f"{name}: corrupt header: tensor {_show(key)} has {len(shape)} dimensions (at most {_MAX_RANK})")
+        raise CheckpointError(f"{name}: corrupt header: tensor {quoted(key, 200)} has {len(shape)} dimensions (at most {_MAX_RANK})")
     nbytes = _nbytes(shape, dtype.itemsize)
     if nbytes is None:
-        raise PortError(f"{name}: corrupt header: tensor {_show(key)} {dtype_name}{shape} is too large")
+        raise CheckpointError(f"{name}: corrupt header: tensor {quoted(key, 200)} {dtype_name}{shape} is too large")
     begin, end = offsets
     if end < begin or end - begin != nbytes:
-        raise PortError(
-            f"{name}: corrupt header: tensor {_show(key)} {dtype_name}{shape} needs {nbytes} bytes "
+        raise CheckpointError(
+            f"{name}: corrupt header: tensor {quoted(key, 200)} {dtype_name}{shape} needs {nbytes} bytes "
             f"but its offsets span {end - begin}"
         )
     return dtype, tuple(shape), begin, end
@@ -310,7 +306,7 @@ def _entry(key: str, entry: Any, name: str) -> tuple[np.dtype, tuple[int, ...], 
 
 def _check_metadata(value: Any, name: str) -> None:
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        raise PortError(f"{name}: corrupt header: __metadata__ must map strings to strings")
+        raise CheckpointError(f"{name}: corrupt header: __metadata__ must map strings to strings")
 
 
 def _check_layout(spans: list[tuple[int, int, str]], data_size: int, name: str) -> None:
@@ -326,23 +322,23 @@ def _check_layout(spans: list[tuple[int, int, str]], data_size: int, name: str) 
     position = 0
     for begin, end, key in sorted(spans):
         if begin > position:
-            raise PortError(
+            raise CheckpointError(
                 f"{name}: corrupt header: data bytes {position} to {begin} belong to no tensor "
-                f"(a gap before tensor {_show(key)})"
+                f"(a gap before tensor {quoted(key, 200)})"
             )
         if begin < position:
-            raise PortError(
-                f"{name}: corrupt header: tensor {_show(key)} starts at data byte {begin}, inside the "
+            raise CheckpointError(
+                f"{name}: corrupt header: tensor {quoted(key, 200)} starts at data byte {begin}, inside the "
                 f"previous tensor (which ends at {position})"
             )
         position = end
     if position > data_size:
-        raise PortError(
+        raise CheckpointError(
             f"{name}: truncated: the tensors end at data byte {position} but the file holds only "
             f"{data_size} data bytes"
         )
     if position < data_size:
-        raise PortError(
+        raise CheckpointError(
             f"{name}: corrupt header: {data_size - position} bytes after the last tensor (trailing bytes, "
             "or a wrong header length)"
         )
@@ -351,14 +347,14 @@ def _check_layout(spans: list[tuple[int, int, str]], data_size: int, name: str) 
 def _header_length(fd: int, size: int, name: str, limit: int) -> int:
     """The header length N of an open safetensors file: N <= limit and 8 + N <= its size."""
     if size < 8:
-        raise PortError(f"{name}: truncated: {size} bytes, too short for a safetensors header")
+        raise CheckpointError(f"{name}: truncated: {size} bytes, too short for a safetensors header")
     n = int.from_bytes(_pread_exact(fd, 8, 0, name), "little")
     if n > MAX_HEADER:
-        raise PortError(f"{name}: corrupt header: its length field exceeds the format's limit of {MAX_HEADER} bytes")
+        raise CheckpointError(f"{name}: corrupt header: its length field exceeds the format's limit of {MAX_HEADER} bytes")
     if 8 + n > size:
-        raise PortError(f"{name}: corrupt header: its length field runs past the end of the file ({size} bytes)")
+        raise CheckpointError(f"{name}: corrupt header: its length field runs past the end of the file ({size} bytes)")
     if n > limit:
-        raise PortError(f"{name}: its header would take the checkpoint's headers past {MAX_HEADERS} bytes in all")
+        raise CheckpointError(f"{name}: its header would take the checkpoint's headers past {MAX_HEADERS} bytes in all")
     return n
 
 
@@ -398,7 +394,7 @@ def _read_header(path: Path, limit: int) -> tuple[dict[str, TensorInfo], int]:
             _check_metadata(entry, name)
             continue
         if _CONTROL.search(key):
-            raise PortError(f"{name}: corrupt header: tensor name {_show(key)} has control characters")
+            raise CheckpointError(f"{name}: corrupt header: tensor name {quoted(key, 200)} has control characters")
         dtype, shape, begin, end = _entry(key, entry, name)
         tensors[key] = TensorInfo(key, path, dtype, shape, 8 + n + begin, file_id)
         spans.append((begin, end, key))
@@ -414,11 +410,11 @@ def resolve(model: str | os.PathLike) -> Path:
     path = Path(model)
     if path.exists():
         if not path.is_dir():
-            raise PortError(f"{model}: not a directory (give the checkpoint's directory)")
+            raise CheckpointError(f"{model}: not a directory (give the checkpoint's directory)")
         return path
     text = str(model)
     if not _REPO_ID.match(text):
-        raise PortError(f"{model}: no such directory, and not a Hugging Face repo id")
+        raise CheckpointError(f"{model}: no such directory, and not a Hugging Face repo id")
     try:
         import huggingface_hub
         from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -427,12 +423,12 @@ def resolve(model: str | os.PathLike) -> Path:
             text, allow_patterns=["config.json", "*.safetensors", _INDEX]
         )
     except LocalEntryNotFoundError:
-        raise PortError(
+        raise CheckpointError(
             f"{model}: no such directory, and not in the Hugging Face cache (offline or no network)"
         ) from None
     except (HfHubHTTPError, OSError, ValueError) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise PortError(f"{model}: no such directory, and the Hugging Face Hub said: {reason}") from None
+        raise CheckpointError(f"{model}: no such directory, and the Hugging Face Hub said: {reason}") from None
     return Path(snapshot)
 
 
@@ -449,16 +445,16 @@ def shard_names(index: Path) -> list[str]:
     data = _load_json(read_small(index, MAX_INDEX, "safetensors index"), str(index), object_pairs_hook=_unique_keys)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
-        raise PortError(f"{index}: not a valid safetensors index (no weight_map)")
+        raise CheckpointError(f"{index}: not a valid safetensors index (no weight_map)")
     for name in weight_map.values():
         if not _plain_name(name):
-            shown = _show(name) if isinstance(name, str) else f"of type {type(name).__name__}"
-            raise PortError(f"{index}: shard {shown} is not a plain file name in the checkpoint directory")
+            shown = quoted(name, 200) if isinstance(name, str) else f"of type {type(name).__name__}"
+            raise CheckpointError(f"{index}: shard {shown} is not a plain file name in the checkpoint directory")
     names = set(weight_map.values())
     if not names:
-        raise PortError(f"{index}: weight_map lists no shard files")
+        raise CheckpointError(f"{index}: weight_map lists no shard files")
     if len(names) > MAX_SHARDS:
-        raise PortError(f"{index}: lists {len(names)} shard files, more than {MAX_SHARDS}")
+        raise CheckpointError(f"{index}: lists {len(names)} shard files, more than {MAX_SHARDS}")
     return sorted(names)
 
 
@@ -468,28 +464,28 @@ def _files(directory: Path) -> list[Path]:
         names = shard_names(index)
         missing = [n for n in names if not os.path.lexists(directory / n)]
         if missing:
-            raise PortError(f"{index}: lists {missing[0]}, which is not in {directory}")
+            raise CheckpointError(f"{index}: lists {missing[0]}, which is not in {directory}")
         return [directory / n for n in names]
     if os.path.lexists(directory / _SINGLE):
         return [directory / _SINGLE]
     found = sorted(directory.glob("*.safetensors"))
     if len(found) > MAX_SHARDS:
-        raise PortError(f"{directory}: {len(found)} safetensors files, more than {MAX_SHARDS}")
+        raise CheckpointError(f"{directory}: {len(found)} safetensors files, more than {MAX_SHARDS}")
     if found:
         return found
     if any((directory / n).exists() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        raise PortError(
+        raise CheckpointError(
             f"{directory}: has only PyTorch pickle weights (pytorch_model.bin); port reads "
             "safetensors: re-save with save_pretrained(..., safe_serialization=True)"
         )
-    raise PortError(f"{directory}: no safetensors weights ({_SINGLE} or {_INDEX})")
+    raise CheckpointError(f"{directory}: no safetensors weights ({_SINGLE} or {_INDEX})")
 
 
 def _headers(directory: Path, files: list[Path]) -> dict[str, TensorInfo]:
     """Every file's tensors, with the headers' total size checked before any header is read."""
     total = sum(header_length(path) for path in files)
     if total > MAX_HEADERS:
-        raise PortError(
+        raise CheckpointError(
             f"{directory}: the safetensors headers of its {len(files)} files take {total} bytes, "
             f"more than {MAX_HEADERS} in all"
         )
@@ -500,7 +496,7 @@ def _headers(directory: Path, files: list[Path]) -> dict[str, TensorInfo]:
         budget -= n
         for key, info in found.items():
             if key in tensors:
-                raise PortError(f"{path.name}: tensor {_show(key)} is also in {tensors[key].file.name}")
+                raise CheckpointError(f"{path.name}: tensor {quoted(key, 200)} is also in {tensors[key].file.name}")
             tensors[key] = info
     return tensors
 
@@ -650,12 +646,12 @@ def _read_runs(fd: int, offsets: np.ndarray, lengths: np.ndarray, addresses: np.
             try:
                 got = _preadv(fd, iov[first:stop], position)
             except OSError as e:
-                raise PortError(f"{info.file.name}: cannot read tensor {_show(info.key)}: {e.strerror or e}") from None
+                raise CheckpointError(f"{info.file.name}: cannot read tensor {quoted(info.key, 200)}: {e.strerror or e}") from None
             if got == size:
                 break
             if got == 0:
-                raise PortError(
-                    f"{info.file.name}: truncated while reading: tensor {_show(info.key)} ends at byte "
+                raise CheckpointError(
+                    f"{info.file.name}: truncated while reading: tensor {quoted(info.key, 200)} ends at byte "
                     f"{info.offset + info.nbytes} but the file now has {os.fstat(fd).st_size} bytes"
                 )
             done = np.cumsum(iov[first:stop, 1].astype(np.int64))  # a short read: resume where it stopped
@@ -697,7 +693,7 @@ class Checkpoint:
         Runs that lie end to end in the file, within a region or across regions (the
         column blocks of a matrix tile its rows), are read by one `preadv` straight
         into their buffers: one copy, few system calls. `bytes_read` counts the
-        regions' bytes. A file cut short meanwhile is a PortError.
+        regions' bytes. A file cut short meanwhile is a CheckpointError.
         """
         info = self.tensors[key]
         for region, out in requests:
@@ -733,7 +729,7 @@ class Checkpoint:
         if info.file_id is not None and (st.st_dev, st.st_ino, st.st_size) != info.file_id:
             os.close(fd)
             change = "truncated" if st.st_size < info.file_id[2] else "changed"
-            raise PortError(
+            raise CheckpointError(
                 f"{info.file.name}: {change} since its header was read (now {st.st_size} bytes, "
                 f"was {info.file_id[2]})"
             )
@@ -754,8 +750,8 @@ def open_checkpoint(model: str | os.PathLike) -> Checkpoint:
     directory = resolve(model)
     config_path = directory / "config.json"
     if not os.path.lexists(config_path):
-        raise PortError(f"{directory}: no config.json")
+        raise CheckpointError(f"{directory}: no config.json")
     config = _load_json(read_small(config_path, MAX_CONFIG, "config.json"), str(config_path))
     if not isinstance(config, dict):
-        raise PortError(f"{config_path}: expected a JSON object")
+        raise CheckpointError(f"{config_path}: expected a JSON object")
     return Checkpoint(directory, config, _headers(directory, _files(directory)))

@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ._dtypes import NAMES, dtype
-from ._errors import PortError
+from ._errors import ConfigError
 from ._source import Region
 
 Shape = tuple[int, ...]
@@ -104,7 +104,7 @@ class Transform:
         return toml_inline(self.toml())
 
     def resolve(self, config: Mapping[str, Any]) -> Transform:
-        """This transform with config.json names replaced by their values (`PortError` if missing)."""
+        """This transform with config.json names replaced by their values (`ConfigError` if missing)."""
         return self
 
     def shape(self, in_shape: Shape) -> Shape:
@@ -174,7 +174,7 @@ def _value(x: Size, config: Mapping[str, Any]) -> int:
         return x
     value = config.get(x)
     if not _int(value):
-        raise PortError(f"config.json has no integer '{x}'")
+        raise ConfigError(f"config.json has no integer '{x}'")
     return value
 
 

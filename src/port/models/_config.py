@@ -19,7 +19,8 @@ from typing import Any
 import jax
 from jaxtyping import Array
 
-from port._errors import PortError
+from port._console import quoted
+from port._errors import ConfigError
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # exact (erf)
@@ -40,12 +41,6 @@ MAX_INT = 2**31 - 1  # a size JAX can index
 MAX_LAYERS = 10_000  # far past any real model; a model builds per-layer tables of this length
 
 
-def brief(value: Any, limit: int = 80) -> str:
-    """`repr(value)`, cut to `limit` characters: a config may hold anything, of any size."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def check(key: str, value: Any, kind: type, maximum: int = MAX_INT) -> Any:
     """Check a config value; `kind` is `int` (positive, at most `maximum`) or `float` (positive) or `bool`."""
     if kind is bool:
@@ -60,7 +55,7 @@ def check(key: str, value: Any, kind: type, maximum: int = MAX_INT) -> Any:
         )
     if not ok:
         expected = {bool: "a boolean", int: f"a positive integer up to {maximum}"}.get(kind, "a positive number")
-        raise PortError(f"config.json: {key!r} must be {expected}, got {brief(value)}")
+        raise ConfigError(f"config.json: {key!r} must be {expected}, got {quoted(value)}")
     return kind(value)
 
 
@@ -70,7 +65,7 @@ def get(config: dict, key: str, kind: type, default: Any = MISSING, maximum: int
     if value is None and default is not MISSING:
         return default
     if key not in config:
-        raise PortError(f"config.json: required key {key!r} is missing")
+        raise ConfigError(f"config.json: required key {key!r} is missing")
     return check(key, value, kind, maximum)
 
 
@@ -79,7 +74,7 @@ def activation(config: dict, key: str, default: str, supported: tuple[str, ...] 
     name = config.get(key, default)
     allowed = supported or tuple(ACTIVATIONS)
     if not isinstance(name, str) or name not in allowed:
-        raise PortError(
-            f"config.json: {key!r} {brief(name)} is not supported (supported: {', '.join(sorted(allowed))})"
+        raise ConfigError(
+            f"config.json: {key!r} {quoted(name)} is not supported (supported: {', '.join(sorted(allowed))})"
         )
     return name

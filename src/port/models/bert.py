@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from port._errors import PortError
+from port._errors import ConfigError
 from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, get
 from port.models._inputs import check_ids, check_like, per_sequence
 
@@ -62,24 +62,24 @@ class BertConfig:
 
     @classmethod
     def from_hf(cls, config: dict) -> BertConfig:
-        """Build from a Hugging Face `config.json` dict; raises `PortError` if unsupported."""
+        """Build from a Hugging Face `config.json` dict; raises `ConfigError` if unsupported."""
         hidden = get(config, "hidden_size", int)
         heads = get(config, "num_attention_heads", int)
         if hidden % heads != 0:
-            raise PortError(
+            raise ConfigError(
                 f"config.json: 'hidden_size' ({hidden}) must be divisible by "
                 f"'num_attention_heads' ({heads})"
             )
         act = activation(config, "hidden_act", "gelu")
         position = config.get("position_embedding_type", "absolute")
         if position != "absolute":
-            raise PortError(
+            raise ConfigError(
                 f"config.json: 'position_embedding_type' {position!r} is not "
                 "supported (only 'absolute')"
             )
         for key in ("is_decoder", "add_cross_attention"):
             if get(config, key, bool, False):
-                raise PortError(
+                raise ConfigError(
                     f"config.json: {key!r} is true; only the BERT encoder is supported"
                 )
         return cls(
@@ -292,7 +292,7 @@ class Bert(eqx.Module):
         giving (embd,).
         """
         if self.pooler is None or self.pooler.weight is None:  # port leaves absent leaves None
-            raise PortError(
+            raise ValueError(
                 "this BERT checkpoint has no pooler weights ('pooler.dense.weight'); "
                 "use the hidden state instead of the pooled output"
             )

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from port._errors import PortError
+from port._errors import ConfigError
 from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, get
 from port.models._inputs import check_ids, per_sequence
 
@@ -59,18 +59,18 @@ class GPT2Config:
 
     @classmethod
     def from_hf(cls, config: dict) -> GPT2Config:
-        """Build from a Hugging Face `config.json` dict; raises `PortError` if unsupported."""
+        """Build from a Hugging Face `config.json` dict; raises `ConfigError` if unsupported."""
         n_embd = get(config, "n_embd", int)
         n_head = get(config, "n_head", int)
         if n_embd % n_head != 0:
-            raise PortError(
+            raise ConfigError(
                 f"config.json: 'n_embd' ({n_embd}) must be divisible by "
                 f"'n_head' ({n_head})"
             )
         n_inner = get(config, "n_inner", int, 4 * n_embd)
         act = activation(config, "activation_function", "gelu_new")
         if get(config, "add_cross_attention", bool, False):
-            raise PortError(
+            raise ConfigError(
                 "config.json: 'add_cross_attention' is true; "
                 "cross-attention GPT-2 is not supported"
             )

@@ -41,8 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from port._errors import PortError
-from port.models._config import MAX_LAYERS, activation, brief, check, get
+from port._errors import ConfigError
+from port._console import quoted
+from port.models._config import MAX_LAYERS, activation, check, get
 from port.models._inputs import check_ids, per_sequence
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -73,7 +74,7 @@ def _rope_parameters(config: dict) -> tuple[str, dict]:
     key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     rope = config.get(key) or {}
     if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
-        raise PortError(
+        raise ConfigError(
             f"config.json: {key!r} must be one flat dict (per-layer-type RoPE "
             f"is not supported), got {rope!r}"
         )
@@ -84,7 +85,7 @@ def _rope_parameters(config: dict) -> tuple[str, dict]:
         rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
     partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
-        raise PortError(
+        raise ConfigError(
             f"config.json: 'partial_rotary_factor' {partial!r} is not supported (only 1.0)"
         )
     return key, rope
@@ -119,10 +120,10 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, config: dict) -> LlamaConfig:
-        """Build from a Hugging Face `config.json` dict; raises `PortError` if unsupported."""
+        """Build from a Hugging Face `config.json` dict; raises `ConfigError` if unsupported."""
         model_type = config.get("model_type", "llama")
         if model_type not in MODEL_TYPES:
-            raise PortError(
+            raise ConfigError(
                 f"config.json: 'model_type' {model_type!r} is not supported by "
                 f"port.models.llama (supported: {', '.join(MODEL_TYPES)})"
             )
@@ -134,7 +135,7 @@ class LlamaConfig:
         kv_heads = config.get("num_key_value_heads", defaults.get("num_key_value_heads"))
         kv_heads = heads if kv_heads is None else check("num_key_value_heads", kv_heads, int)
         if heads % kv_heads != 0:
-            raise PortError(
+            raise ConfigError(
                 f"config.json: 'num_key_value_heads' ({kv_heads}) must divide "
                 f"'num_attention_heads' ({heads})"
             )
@@ -164,14 +165,14 @@ class LlamaConfig:
         rope_key, rope = _rope_parameters(config)
         rope_type = rope["rope_type"]
         if rope_type not in ROPE_TYPES:
-            raise PortError(
+            raise ConfigError(
                 f"config.json: {rope_key}: rope type {rope_type!r} is not supported "
                 f"(supported: {', '.join(ROPE_TYPES)})"
             )
 
         def ropeget(name: str, kind: type) -> Any:
             if rope.get(name) is None:
-                raise PortError(f"config.json: required key '{rope_key}.{name}' is missing")
+                raise ConfigError(f"config.json: required key '{rope_key}.{name}' is missing")
             return check(f"{rope_key}.{name}", rope[name], kind)
 
         extra: dict[str, Any] = {}
@@ -236,7 +237,7 @@ def _qwen2_sliding_layers(config: dict, layers: int) -> tuple[bool, ...]:
     if layer_types is None:
         first = config.get("max_window_layers", 28)
         if not isinstance(first, int) or isinstance(first, bool) or first < 0:
-            raise PortError(
+            raise ConfigError(
                 f"config.json: 'max_window_layers' must be a non-negative integer, got {first!r}"
             )
         return tuple(i >= first for i in range(layers))
@@ -246,8 +247,8 @@ def _qwen2_sliding_layers(config: dict, layers: int) -> tuple[bool, ...]:
         or len(layer_types) != layers
         or any(t not in kinds for t in layer_types)
     ):
-        raise PortError(
-            f"config.json: 'layer_types' must list {layers} of {kinds}, got {brief(layer_types)}"
+        raise ConfigError(
+            f"config.json: 'layer_types' must list {layers} of {kinds}, got {quoted(layer_types)}"
         )
     return tuple(t == "sliding_attention" for t in layer_types)
 
