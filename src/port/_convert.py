@@ -208,11 +208,15 @@ def load(
     dtype: str | np.dtype | None = None,
     mapping: str | os.PathLike | Mapping | None = None,
 ) -> Any:
-    """A pretrained model from a checkpoint directory or Hugging Face repo id, sharded on `mesh`.
+    """A pretrained model from a checkpoint, sharded on `mesh`: `convert(...).model`.
 
-    **Arguments:** as for `convert`: the architecture comes from `config.json`
-    `model_type` unless `mapping` is given; `mesh` is a `Mesh` or a spec such as
-    `"4x2"` (default: one device); `dtype` casts floating parameters.
+    **Arguments:**
+
+    - `model`: a checkpoint directory or a Hugging Face repo id.
+    - `mesh`: a `Mesh` or a spec such as `"4x2"` or `"data=2,model=4"` (default: one device).
+    - `dtype`: cast floating parameters (`"bfloat16"`, ...); default: keep the checkpoint's.
+    - `mapping`: a `Mapping` or a mapping file; default: the shipped one for `config.json`'s
+      `model_type`, whose module is the model built.
 
     ```python
     model = load("gpt2", mesh="4x2")

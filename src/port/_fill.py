@@ -17,7 +17,20 @@ from ._skeleton import leaves
 
 
 def fill(skeleton: Any, arrays: Mapping[str, jax.Array]) -> Any:
-    """Replace the leaves at the paths of `arrays` in one `eqx.tree_at` call."""
+    """The module `skeleton` with the leaves at the paths of `arrays` replaced, in one `eqx.tree_at` call.
+
+    **Arguments:**
+
+    - `skeleton`: the module to fill, usually the `eqx.filter_eval_shape` skeleton from
+      `port.skeleton` (a concrete module works too).
+    - `arrays`: dotted module paths (`"blocks.attn.wq"`) to arrays, as `place` returns them.
+
+    Returns a new module; `skeleton` is unchanged.
+
+    ```python
+    model = port.fill(skel, port.place(recipe, ckpt, mesh))
+    ```
+    """
     paths = list(arrays)
 
     def where(module: Any) -> list[Any]:

@@ -129,7 +129,19 @@ def import_object(spec: str, what: str) -> Any:
 
 
 def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
-    """Parse and check the structure of a mapping; config-dependent checks wait for `plan`."""
+    """Parse and check the structure of a mapping; checks that need a config or checkpoint wait for `plan`.
+
+    **Arguments:**
+
+    - `text`: the mapping's TOML text.
+    - `source`: how messages name it (a file name).
+
+    Returns a `Mapping`; a `MappingError` names `source` and what is wrong.
+
+    ```python
+    mapping = port.parse_mapping(Path("my_model.toml").read_text(), "my_model.toml")
+    ```
+    """
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -218,7 +230,18 @@ def _param(entry: Any, i: int, fail) -> Param:
 
 
 def load_mapping(path: str | os.PathLike) -> Mapping:
-    """Read and parse a mapping file."""
+    """Read and parse a mapping file.
+
+    **Arguments:**
+
+    - `path`: the mapping's TOML file.
+
+    Returns a `Mapping`; a `MappingError` names the file and what is wrong with it.
+
+    ```python
+    mapping = port.load_mapping("mappings/gpt2.toml")
+    ```
+    """
     path = Path(path)
     try:
         text = path.read_text()
@@ -238,8 +261,18 @@ def shipped_mappings() -> list[Path]:
 
 
 def mapping_for(config: AnyMapping[str, Any], mapping: str | os.PathLike | Mapping | None = None) -> Mapping:
-    """The mapping to use for `config`: `mapping` if given (a file or a parsed one), else
-    the shipped mapping serving `config["model_type"]`."""
+    """The mapping to use for a checkpoint: `mapping` if given, else the shipped one for its `model_type`.
+
+    **Arguments:**
+
+    - `config`: the checkpoint's `config.json` as a dict.
+    - `mapping`: a `Mapping`, a mapping file, or None for the shipped mapping that
+      lists `config["model_type"]` (a `MappingError` if none does).
+
+    ```python
+    mapping = port.mapping_for({"model_type": "gpt2"})   # mappings/gpt2.toml
+    ```
+    """
     if isinstance(mapping, Mapping):
         return mapping
     if mapping is not None:

@@ -36,7 +36,18 @@ _EXPECTED = "expected DATAxMODEL such as 4x2, a device count such as 8, or named
 
 
 def mesh_shape(spec: str) -> dict[str, int]:
-    """Parse a mesh spec into axis sizes, in order: `"4x2"` (data x model), `"8"`, or `"data=2,model=4"`."""
+    """The axis sizes a mesh spec names, in order; a one-line `PortError` naming `--mesh` if malformed.
+
+    **Arguments:**
+
+    - `spec`: `"4x2"` (data x model), `"8"` (data only, model 1), or named axes such as
+      `"data=2,expert=2,model=2"`.
+
+    ```python
+    port.mesh_shape("4x2")              # {"data": 4, "model": 2}
+    port.mesh_shape("data=2,expert=4")  # {"data": 2, "expert": 4}
+    ```
+    """
     spec = spec or ""
     if _SHORT.fullmatch(spec):
         pairs = list(zip(AXES, [*spec.split("x"), "1"][:2]))
@@ -97,7 +108,22 @@ def simulate_devices(count: int) -> bool:
 
 
 def make_mesh(spec: str | dict[str, int], devices: list | None = None) -> Mesh:
-    """A mesh from a spec (`"4x2"`, `"data=2,expert=2,model=2"`) or axis sizes, over the first devices JAX has."""
+    """A mesh from a spec or axis sizes, over the first devices JAX has.
+
+    On a host with no accelerator, the CPU devices the mesh needs are simulated if JAX
+    has not started yet (in a multi-process run, each process its share).
+
+    **Arguments:**
+
+    - `spec`: `"4x2"` (axes `data` x `model`), `"8"`, named axes of any rank such as
+      `"data=2,expert=2,model=2"`, or a dict of axis sizes.
+    - `devices`: the devices to lay out (default: `jax.devices()`, in order).
+
+    ```python
+    mesh = port.make_mesh("4x2")
+    mesh = port.make_mesh({"data": 2, "expert": 2, "model": 2})
+    ```
+    """
     shape = mesh_shape(spec) if isinstance(spec, str) else dict(spec)
     needed = math.prod(shape.values())
     label = spec if isinstance(spec, str) else mesh_spec(shape)

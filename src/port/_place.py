@@ -192,12 +192,26 @@ def place(
     progress: Callable[[LeafPlan], None] | None = None,
     workers: int | None = None,
 ) -> dict[str, jax.Array | None]:
-    """Every leaf of `plan` as a sharded array; `progress` is called after each leaf.
+    """Every leaf of `plan` as an array under its final sharding, each device reading only its region.
 
-    Blocks are read by `workers` threads (default: the CPU count, at most 8), one
-    source tensor at a time, at most two leaves (or groups of leaves cut from the
-    same tensors) ahead of the one being assembled. Optional leaves the checkpoint
-    lacks (`plan.empty`) are None.
+    Blocks are read by `workers` threads, one source tensor at a time, at most two
+    leaves (or groups of leaves cut from the same tensors) ahead of the one being
+    assembled. Optional leaves the checkpoint lacks (`plan.empty`) are None.
+
+    **Arguments:**
+
+    - `plan`: the `Plan` made by `port.plan` for this checkpoint and a mesh of this shape.
+    - `checkpoint`: the open `Checkpoint` to read.
+    - `mesh`: the `Mesh` the arrays are sharded over.
+    - `progress`: called with each `LeafPlan` once its array is made.
+    - `workers`: reading threads (default: the CPU count, at most 8).
+
+    Returns dotted module paths to arrays, for `port.fill`.
+
+    ```python
+    arrays = port.place(recipe, ckpt, mesh)
+    model = port.fill(skel, arrays)
+    ```
     """
     arrays: dict[str, jax.Array | None] = dict.fromkeys(plan.empty)
     shardings = [NamedSharding(mesh, leaf.spec) for leaf in plan.leaves]

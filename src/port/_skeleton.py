@@ -19,7 +19,21 @@ from ._mapping import Mapping
 
 
 def skeleton(model: Mapping | type, config: AnyMapping[str, Any]) -> eqx.Module:
-    """`eqx.filter_eval_shape` of a model class (or a mapping's) built from `config`."""
+    """The module built from `config` as shapes only, with `eqx.filter_eval_shape`: no memory used.
+
+    **Arguments:**
+
+    - `model`: an Equinox module class with `from_config(config, *, key)`, or a `Mapping`
+      (its `model` class).
+    - `config`: the checkpoint's `config.json` as a dict.
+
+    ```python
+    from port.models.gpt2 import GPT2
+
+    skel = port.skeleton(GPT2, ckpt.config)
+    skel.blocks.attn.wq          # ShapeDtypeStruct(shape=(12, 768, 12, 64), dtype=float32)
+    ```
+    """
     cls = model.model_class() if isinstance(model, Mapping) else model
     if not hasattr(cls, "from_config"):
         raise PortError(f"model '{cls.__module__}:{cls.__qualname__}' has no from_config(config, *, key)")

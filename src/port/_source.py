@@ -746,7 +746,23 @@ class Checkpoint:
 
 
 def open_checkpoint(model: str | os.PathLike) -> Checkpoint:
-    """Open a checkpoint directory or Hugging Face repo id, reading only config and headers."""
+    """Open a checkpoint, reading only its `config.json` and tensor headers.
+
+    Every file is untrusted: headers are checked in full (offsets, sizes, dtypes) before
+    anything is read; a `CheckpointError` names the file and what is wrong.
+
+    **Arguments:**
+
+    - `model`: a directory with `config.json` and `*.safetensors` (sharded ones with
+      their `model.safetensors.index.json`), or a Hugging Face repo id.
+
+    Returns a `Checkpoint` (a context manager: it closes its files).
+
+    ```python
+    with port.open_checkpoint("path/to/gpt2") as ckpt:
+        ckpt.config["n_layer"], ckpt.tensors["wte.weight"].shape
+    ```
+    """
     directory = resolve(model)
     config_path = directory / "config.json"
     if not os.path.lexists(config_path):

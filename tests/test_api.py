@@ -1,0 +1,31 @@
+"""The public API: every name `port` exports resolves, and documents itself.
+
+Functions name each argument under `**Arguments:**` and show a short example; classes
+say what they hold. (The README's Python snippet runs in test_readme.py.)
+"""
+
+import inspect
+
+import pytest
+
+import port
+
+
+@pytest.mark.parametrize("name", port.__all__)
+def test_every_export_is_documented(name):
+    obj = getattr(port, name)
+    doc = inspect.getdoc(obj) or ""
+    assert doc.strip(), f"port.{name} has no docstring"
+    if inspect.isfunction(obj):
+        assert "**Arguments:**" in doc, f"port.{name}: no **Arguments:** list"
+        assert "```python" in doc, f"port.{name}: no example"
+        documented = doc.split("**Arguments:**", 1)[1]
+        for parameter in inspect.signature(obj).parameters:
+            assert f"`{parameter}`" in documented, f"port.{name}: argument `{parameter}` is not described"
+
+
+def test_the_exports_are_the_listed_names():
+    assert sorted(port.__all__) == sorted(set(port.__all__))
+    assert {"convert", "load", "restore", "save", "make_mesh", "PortError"} <= set(port.__all__)
+    with pytest.raises(AttributeError):
+        port.no_such_name
