@@ -1,7 +1,9 @@
 """`port check` lists every problem with its entry; `port verify` compares with PyTorch."""
 
+import pytest
+
 import port
-from conftest import VOCAB, cli as run, run_port
+from helpers import VOCAB, cli as run, run_port
 
 GPT2 = (port._mapping.shipped_mappings()[0].parent / "gpt2.toml").read_text()
 
@@ -42,6 +44,40 @@ def test_check_lists_every_problem_with_its_entry(gpt2_checkpoints, tmp_path):
     code, output = run("check", mapping, directories["lm"])
     assert code == 1 and "entry 'wpe.weight': logical axis 'positionz' has no rule in [rules]" in output
     assert output.strip().splitlines()[-1].endswith("1 problem with " + str(directories["lm"]))
+
+
+def test_check_returns_the_plan_for_any_form_of_mesh(gpt2_checkpoints):
+    directories, _ = gpt2_checkpoints
+    shipped = port._mapping.shipped_mappings()[0].parent / "gpt2.toml"
+    with port.open_checkpoint(directories["sharded"]) as ckpt:  # an opened checkpoint: used, not read
+        recipe = port.check(shipped, ckpt, mesh="4x2")
+        assert ckpt.bytes_read == 0
+    assert isinstance(recipe, port.Plan) and len(recipe.leaves) == 20
+    assert recipe.mesh_shape == {"data": 4, "model": 2}
+    specs = [leaf.spec for leaf in recipe.leaves]
+    parsed = port.load_mapping(shipped)
+    for mesh in ("data=4,model=2", {"data": 4, "model": 2}, port.make_mesh("4x2")):
+        again = port.check(parsed, directories["sharded"], mesh)
+        assert [leaf.spec for leaf in again.leaves] == specs and again.mesh_shape == recipe.mesh_shape
+    assert port.check(shipped, directories["lm"]).mesh_shape == {"data": 1, "model": 1}  # default: 1x1
+    for bad in ("4y2", {"data": 0}, {"data": "2"}, 8):
+        with pytest.raises(port.PortError, match="mesh"):
+            port.check(shipped, directories["lm"], bad)
+
+
+def test_check_raises_every_problem(gpt2_checkpoints, tmp_path):
+    directories, _ = gpt2_checkpoints
+    mapping = tmp_path / "broken.toml"
+    mapping.write_text(GPT2.replace('path = "wpe"', 'path = "wpe_typo"').replace("embed = ", "embedz = "))
+    with pytest.raises(port.PlanError) as caught:
+        port.check(mapping, directories["lm"], "data=2,model=2")
+    problems = caught.value.problems
+    assert problems[0] == f"{mapping}: entry 'wte.weight': logical axis 'embed' has no rule in [rules]"
+    assert f"{mapping}: entry 'wpe.weight': path 'wpe_typo' is not a leaf of port.models.gpt2:GPT2" in problems
+    assert f"{mapping}: leaf 'wpe' of port.models.gpt2:GPT2 has no mapping entry" in problems
+    assert str(caught.value) == f"{problems[0]} (and {len(problems) - 1} more problems)"
+    with pytest.raises(port.PlanError, match=r"rules.vocab names mesh axis 'model', which the mesh \(x, y\)"):
+        port.check(port._mapping.shipped_mappings()[0].parent / "gpt2.toml", directories["lm"], {"x": 1, "y": 1})
 
 
 def test_verify_reports_the_difference(gpt2_checkpoints):

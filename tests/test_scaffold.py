@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import port
-from conftest import torch_gpt2, write_checkpoint
-from port._scaffold import scaffold
+from helpers import torch_gpt2, write_checkpoint
+from port.authoring import scaffold
 from port._transforms import Reshape, Transpose
 
 V, E, H, D, F, L, T = 11, 12, 3, 4, 20, 2, 8
@@ -268,3 +268,33 @@ def test_scaffold_refuses_a_model_that_fits_nothing(tmp_path):
     skeleton = eqx.filter_eval_shape(TinyNet.from_config, CONFIG, key=jax.random.key(0))
     with port.open_checkpoint(ckpt_dir) as ckpt, pytest.raises(port.PortError, match="fits any leaf"):
         scaffold(ckpt, skeleton, "test_scaffold:TinyNet")
+
+
+def test_scaffold_opens_the_checkpoint_and_builds_the_skeleton_itself(tmp_path):
+    ckpt_dir = write_checkpoint(tmp_path / "ckpt", tinynet_tensors(), CONFIG)
+    skeleton = eqx.filter_eval_shape(TinyNet.from_config, CONFIG, key=jax.random.key(0))
+    with port.open_checkpoint(ckpt_dir) as ckpt:
+        text = scaffold(ckpt, skeleton, "test_scaffold:TinyNet")
+        assert ckpt.bytes_read == 0
+    assert scaffold(ckpt_dir, TinyNet, "test_scaffold:TinyNet") == text  # a path, and the class
+    assert scaffold(str(ckpt_dir), None, "test_scaffold:TinyNet") == text  # the class `model` names
+    with pytest.raises(port.PortError, match="expected 'package.module:Class'"):
+        scaffold(ckpt_dir, TinyNet, "TinyNet")
+
+
+def test_scaffold_escapes_checkpoint_names_in_its_comments(tmp_path):
+    class One(eqx.Module):
+        embed: jax.Array
+
+        def __init__(self):
+            self.embed = jnp.zeros((10, 6))
+
+        @classmethod
+        def from_config(cls, config, *, key):
+            return cls()
+
+    tensors = {"embed.weight": np.ones((10, 6), np.float32), "extra\u202e\x85.weight": np.ones(5, np.float32)}
+    text = scaffold(write_checkpoint(tmp_path / "ckpt", tensors, {"model_type": "one"}), One, "x:One")
+    assert "#   extra\\u202e\\x85.weight  [5] float32" in text  # a terminal shows it, acts on nothing
+    assert all(line.isprintable() for line in text.split("\n"))
+    assert port.parse_mapping(text).params[0].key == "embed.weight"

@@ -45,10 +45,18 @@ _EXPORTS = {
     "initialize": "._distributed",
     "agree": "._distributed",
     # mapping authors
-    "scaffold": "._scaffold",
-    "verify": "._verify",
-    "Verification": "._verify",
+    "scaffold": ".authoring",
+    "check": ".authoring",
+    "verify": ".authoring",
+    "Verification": ".authoring",
+    # errors: one base, a subclass per kind
     "PortError": "._errors",
+    "CheckpointError": "._errors",
+    "MappingError": "._errors",
+    "ConfigError": "._errors",
+    "PlanError": "._errors",
+    "OutputError": "._errors",
+    "RunError": "._errors",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -242,37 +242,29 @@ def plan_command(args: argparse.Namespace) -> int:
 
 def check(args: argparse.Namespace) -> int:
     """Check a mapping against a checkpoint and its model, reading no tensor data."""
-    from ._mapping import load_mapping
-    from ._mesh import mesh_shape
-    from ._plan import Plan, plan_problems
-    from ._skeleton import skeleton
-    from ._source import open_checkpoint
+    from ._errors import PlanError
+    from .authoring import check as run_check
 
-    shape = mesh_shape(args.mesh)
-    parsed = load_mapping(args.mapping)
-    with open_checkpoint(args.model) as ckpt:
-        result = plan_problems(skeleton(parsed, ckpt.config), parsed, ckpt.tensors, ckpt.config, shape)
-    if isinstance(result, Plan):
-        show(
-            f"{args.mapping}: ok: {len(result.leaves)} leaves from {args.model} ({count_text(result.params)} params), "
-            f"{len(result.ignored)} keys ignored, {len(result.tied)} tied, {len(result.empty)} optional absent\n"
-        )
-        return 0
-    show("".join(f"{problem}\n" for problem in result))
-    raise PortError(f"{args.mapping}: {len(result)} problem{'s' if len(result) > 1 else ''} with {args.model}")
+    try:
+        result = run_check(args.mapping, args.model, args.mesh)
+    except PlanError as e:
+        show("".join(f"{problem}\n" for problem in e.problems))
+        n = len(e.problems)
+        raise PortError(f"{args.mapping}: {n} problem{'s' if n > 1 else ''} with {args.model}") from None
+    show(
+        f"{args.mapping}: ok: {len(result.leaves)} leaves from {args.model} ({count_text(result.params)} params), "
+        f"{len(result.ignored)} keys ignored, {len(result.tied)} tied, {len(result.empty)} optional absent\n"
+    )
+    return 0
 
 
 def verify(args: argparse.Namespace) -> int:
     """Convert MODEL, run it and the PyTorch reference on the same inputs, compare; exit 1 above the tolerance."""
-    from ._mesh import make_mesh, mesh_shape, simulate_devices
-    from ._verify import _torch, verify as run_verify
+    from .authoring import verify as run_verify
 
-    shape = mesh_shape(args.mesh)
     if args.tolerance is not None and not args.tolerance >= 0:
         raise PortError(f"--tolerance {args.tolerance}: expected a number >= 0")
-    _torch()
-    simulate_devices(math.prod(shape.values()))
-    result = run_verify(args.model, make_mesh(args.mesh), args.mapping, args.dtype)
+    result = run_verify(args.model, args.mesh, args.mapping, args.dtype)
     bound = result.tolerance if args.tolerance is None else args.tolerance
     verdict = "ok" if result.max_abs_diff <= bound else "FAILED"
     show(
@@ -294,14 +286,10 @@ def _is_draft(path: Path) -> bool:
 def scaffold(args: argparse.Namespace) -> int:
     """Write a draft mapping file pairing MODEL's keys with your module's leaves."""
     from ._mapping import import_object
-    from ._scaffold import scaffold as draft
-    from ._skeleton import skeleton
-    from ._source import open_checkpoint
+    from .authoring import scaffold as run_scaffold
 
     out = None if args.out is None else _check_file_out(args.out, args.force, "--out", _is_draft, "a scaffold draft")
-    cls = import_object(args.module, "--module")
-    with open_checkpoint(args.model) as ckpt:
-        text = draft(ckpt, skeleton(cls, ckpt.config), args.module)
+    text = run_scaffold(args.model, import_object(args.module, "--module"), args.module)
     if out is None:
         sys.stdout.write(text)
     else:

@@ -4,7 +4,7 @@ The mapping's `reference` names the `transformers` class (loaded with
 `from_pretrained` from the same checkpoint) and the output attribute to compare.
 
 ```python
-result = verify("path/to/checkpoint", port.make_mesh("4x2"))
+result = verify("path/to/checkpoint", "4x2")
 result.max_abs_diff, result.shape        # e.g. 4.3e-06, (2, 16, 50257)
 ```
 """
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 from jax.sharding import Mesh
 
-from ._dtypes import CASTS
-from ._errors import PortError
-from ._mapping import Mapping, import_object, mapping_for
+from .._dtypes import CASTS
+from .._errors import ConfigError, MappingError, PortError
+from .._mapping import Mapping, import_object, mapping_for
 
 
 INSTALL_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install transformers"
@@ -28,7 +28,20 @@ INSTALL_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/
 
 @dataclass(frozen=True)
 class Verification:
-    """The largest absolute difference of the outputs, and what was compared."""
+    """What `verify` found: the largest absolute difference of the outputs, and what was compared.
+
+    **Arguments:** (its fields)
+
+    - `max_abs_diff`: the largest `|port - reference|` over every output element.
+    - `max_abs_reference`: the largest `|reference|`, the scale `tolerance` is relative to.
+    - `shape`, `dtype`: of port's output (`(2, 16, 50257)`, `"float32"`).
+    - `reference`: the class and output compared with, `"GPT2LMHeadModel.logits"`.
+
+    ```python
+    result = port.verify("gpt2", "4x2")
+    ok = result.max_abs_diff <= result.tolerance
+    ```
+    """
 
     max_abs_diff: float
     max_abs_reference: float
@@ -57,31 +70,54 @@ def input_ids(config: dict, batch: int = 2, seq: int = 16, seed: int = 0) -> np.
     """Random token ids within the vocabulary and the position range of `config`."""
     vocab = config.get("vocab_size")
     if not isinstance(vocab, int):
-        raise PortError("config.json: no integer 'vocab_size' to draw input ids from")
+        raise ConfigError("config.json: no integer 'vocab_size' to draw input ids from")
     positions = config.get("n_positions") or config.get("max_position_embeddings") or seq
     return np.random.default_rng(seed).integers(0, vocab, (batch, min(seq, positions)))
 
 
 def verify(
     model: str | os.PathLike,
-    mesh: Mesh,
+    mesh: Mesh | str | dict[str, int] | None = None,
     mapping: str | os.PathLike | Mapping | None = None,
     dtype: str | None = None,
 ) -> Verification:
-    """Convert `model` onto `mesh`, run it and the PyTorch reference, compare the outputs."""
+    """Convert a checkpoint onto a mesh, run it and the PyTorch reference on the same inputs, compare.
+
+    Needs PyTorch and `transformers`; the inputs are random token ids (`input_ids`).
+
+    **Arguments:**
+
+    - `model`: a checkpoint directory or a Hugging Face repo id.
+    - `mesh`: a `Mesh`, a spec such as `"4x2"` or `"data=2,model=4"`, or axis sizes
+      (default: one device).
+    - `mapping`: a `Mapping` or a mapping file naming a `reference`; default: the
+      shipped one for `model_type`.
+    - `dtype`: cast floating parameters (`"bfloat16"`, ...), and run the reference in it.
+
+    Returns a `Verification`: `.max_abs_diff`, and its default bound `.tolerance`.
+
+    ```python
+    result = port.verify("gpt2", "4x2")
+    result.max_abs_diff <= result.tolerance     # True: e.g. 4.3e-06, under 1e-4 x max |logit|
+    ```
+    """
     import equinox as eqx
 
-    from ._convert import convert
-    from ._skeleton import skeleton
-    from ._source import open_checkpoint, resolve
+    from .._convert import convert
+    from .._mesh import as_mesh, mesh_shape
+    from .._skeleton import skeleton
+    from .._source import open_checkpoint, resolve
 
+    if isinstance(mesh, str):
+        mesh_shape(mesh)  # a bad spec is told before PyTorch loads
     torch = _torch()
+    mesh = as_mesh(mesh)  # before JAX starts: it simulates the CPU devices the mesh needs
     directory = resolve(model)
     with open_checkpoint(directory) as ckpt:
         config = ckpt.config
         mapping = mapping_for(config, mapping)
         if not mapping.reference:
-            raise PortError(f"{mapping.source}: no 'reference' (the PyTorch class to compare with)")
+            raise MappingError(f"{mapping.source}: no 'reference' (the PyTorch class to compare with)")
         converted = convert(ckpt, skeleton(mapping, config), mapping, mesh, dtype=dtype).model
     ids = input_ids(config)
     ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, ids))

@@ -1,0 +1,22 @@
+"""Authoring: what a mapping's author runs: draft a mapping, check it, compare with PyTorch.
+
+- `scaffold` (and `draft`, the same as data): a draft mapping from a checkpoint's
+  headers and a module's skeleton; private modules split it by job: `_names`
+  (tokens of keys and paths), `_keys` (prefix, `{layer}` groups, buffers),
+  `_pairing` (keys to leaves, transform chains, orientation), `_axes` (logical axes
+  from `config.json`, rules), `_fused` (fused tensors, ties), `_render` (the TOML).
+- `check`: the mapping against a checkpoint and its model, every problem listed.
+- `verify`: the converted model against the PyTorch reference.
+
+```python
+text = port.scaffold("tinylm-checkpoint", TinyLM, "tinylm:TinyLM")
+recipe = port.check("draft.toml", "tinylm-checkpoint", mesh="4x2")   # or port.PlanError
+result = port.verify("tinylm-checkpoint", "4x2", mapping="draft.toml")
+```
+"""
+
+from ._check import check as check
+from ._draft import Draft as Draft
+from ._render import render as render
+from ._scaffold import draft as draft, scaffold as scaffold
+from ._verify import Verification as Verification, verify as verify

@@ -1,0 +1,174 @@
+"""Pairing: which key group fills which module leaf, and through which transforms.
+
+A group and a leaf are a candidate when some `[transpose] [reshape]` chain turns
+the group's (per-layer) shape into the leaf's; the candidate's score is how alike
+their names are. `assign` takes the best candidates greedily, each group and leaf
+once; `orientation` learns from the unambiguous 2-d weights whether this checkpoint
+stores them transposed, and `pick` uses that for the square ones.
+
+```python
+c = candidate(group, leaf)        # Candidate(score=0.83, options=((Transpose((1, 0)),), ...)) or None
+pairs = assign(candidates)
+transposed, voters = orientation(pairs)
+ops, others = pick(c.options, group.shape, transposed)
+```
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Mapping as AnyMapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._errors import PortError
+from .._transforms import Chain, Reshape, Transform, Transpose
+from ._keys import Group, Shape, floating
+from ._names import similarity, tokens, weight_or_bias
+
+Ops = tuple[Transform, ...]  # transforms as a mapping file writes them (config names kept)
+
+TIE_MARGIN = 0.1  # another candidate this close to the chosen one is worth a CHECK
+
+
+@dataclass(frozen=True)
+class Leaf:
+    """A leaf of the module to fill: its dotted path, shape and dtype."""
+
+    path: str
+    shape: Shape
+    dtype: np.dtype
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A possible pairing of a key group with a leaf, scored by name."""
+
+    group: Group
+    leaf: Leaf
+    score: float
+    options: tuple[Ops, ...]  # chains from the per-layer source shape to the per-layer target
+
+
+def builds(ops: Ops, source: Shape, target: Shape, config: AnyMapping[str, Any]) -> bool:
+    """Whether `ops` (config names allowed) turn `source` into `target`, per `Chain.build`."""
+    try:
+        chain = Chain.build([t.resolve(config) for t in ops], source)
+    except (ValueError, PortError):
+        return False
+    return chain.shape == tuple(target)
+
+
+@functools.lru_cache(maxsize=4096)
+def chains(source: Shape, target: Shape) -> tuple[Ops, ...]:
+    """Every `[transpose] [reshape]` chain from `source` to `target`, simplest first."""
+    if math.prod(source) != math.prod(target):
+        return ()
+    n = len(source)
+    identity = tuple(range(n))
+    perms = list(itertools.permutations(identity)) if n <= 4 else [identity, identity[::-1]]
+    found = []
+    for perm in perms:
+        ops: Ops = () if perm == identity else (Transpose(perm),)
+        if tuple(source[p] for p in perm) != tuple(target):
+            ops += (Reshape(tuple(target)),)
+        if builds(ops, source, target, {}):
+            found.append(ops)
+    return tuple(sorted(found, key=lambda ops: (len(ops), transposes(ops))))
+
+
+def transposes(ops: Ops) -> bool:
+    """Whether the chain starts with a transpose."""
+    return bool(ops) and isinstance(ops[0], Transpose)
+
+
+def is_matrix(shape: Shape) -> bool:
+    """A 2-d shape whose orientation matters (a [1, n] row reads the same either way)."""
+    return len(shape) == 2 and min(shape) > 1
+
+
+def target_shape(group: Group, leaf: Leaf) -> Shape | None:
+    """The per-layer shape `group` must reach to fill `leaf`, or None when it cannot."""
+    if floating(group.dtype) != floating(leaf.dtype):
+        return None
+    if group.stacked:
+        if not leaf.shape or leaf.shape[0] != len(group.keys):
+            return None
+        return leaf.shape[1:]
+    return leaf.shape
+
+
+def candidate(group: Group, leaf: Leaf) -> Candidate | None:
+    """A scored pairing of `group` with `leaf`, or None when no chain fits."""
+    target = target_shape(group, leaf)
+    if target is None:
+        return None
+    options = chains(group.shape, target)
+    if not options:
+        return None
+    score = similarity(group.pattern, leaf.path)
+    score += {0: 0.03, 1: 0.02 if transposes(options[0]) else 0.0}.get(len(options[0]), 0.0)
+    key_kind, leaf_kind = weight_or_bias(tokens(group.pattern)), weight_or_bias(tokens(leaf.path))
+    if key_kind and leaf_kind and key_kind != leaf_kind:
+        score -= 0.5
+    elif key_kind == "bias" and leaf_kind is None and len(target) >= 2:  # a weight-like leaf
+        score -= 0.5
+    return Candidate(group, leaf, score, options)
+
+
+def assign(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """Greedy by best score; each group and each leaf at most once."""
+    used_groups: set[str] = set()
+    used_leaves: set[str] = set()
+    chosen = []
+    for c in sorted(candidates, key=lambda c: (-c.score, c.group.pattern, c.leaf.path)):
+        if c.group.pattern in used_groups or c.leaf.path in used_leaves:
+            continue
+        chosen.append(c)
+        used_groups.add(c.group.pattern)
+        used_leaves.add(c.leaf.path)
+    return chosen
+
+
+def rivals(
+    c: Candidate, by_group: AnyMapping[str, list[Candidate]], by_leaf: AnyMapping[str, list[Candidate]]
+) -> list[str]:
+    """Other leaves of `c`'s keys, and other keys for its leaf, scoring nearly as well."""
+    close = [o for o in by_group[c.group.pattern] + by_leaf[c.leaf.path] if o.score >= c.score - TIE_MARGIN]
+    found = {o.leaf.path for o in close if o.group == c.group and o.leaf != c.leaf}
+    found |= {o.group.pattern for o in close if o.leaf == c.leaf and o.group != c.group}
+    return sorted(found)
+
+
+def orientation(pairs: Sequence[Candidate]) -> tuple[bool, list[str]]:
+    """Whether this checkpoint stores 2-d weights transposed relative to the module.
+
+    Decided by the non-square 2-d weights (embeddings aside), whose orientation is
+    not in doubt; used for square ones, which fit either way.
+    """
+    votes: dict[bool, list[str]] = {True: [], False: []}
+    for c in pairs:
+        if not is_matrix(c.group.shape) or "embed" in tokens(c.group.pattern):
+            continue
+        sides = {transposes(ops) for ops in c.options}
+        if len(sides) == 1:
+            votes[sides.pop()].append(c.group.pattern)
+    transposed = len(votes[True]) > len(votes[False])
+    return transposed, votes[transposed]
+
+
+def pick(options: Sequence[Ops], source: Shape, transposed: bool) -> tuple[Ops, list[Ops]]:
+    """The chain to write, and the others that fit as well (a square weight: both orientations)."""
+    if is_matrix(source):
+        mine = [ops for ops in options if transposes(ops) == transposed]
+        other = [ops for ops in options if transposes(ops) != transposed]
+        if mine:
+            return mine[0], other[:1]
+        return other[0], []
+    simplest = [ops for ops in options if len(ops) == len(options[0])]
+    return options[0], simplest[1:3]

@@ -1,0 +1,90 @@
+"""Render: a `Draft` written out as a mapping file, with its CHECK and TODO comments.
+
+The header says what was paired and what was not; then come the top-level keys
+(`model`, `model_types`, `prefixes`, `ignore`, `tied`), a rule for every logical
+axis the entries use, one `[[params]]` entry per pairing, and, as comments, the
+keys and leaves left for the author. Key names from the checkpoint are written
+with their control characters escaped, so that none can end a comment line.
+
+```python
+text = render(draft(ckpt, skel, "my_package.my_model:MyModel"))
+port.parse_mapping(text)           # it parses as it is
+```
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from .._console import printable
+from .._transforms import toml_inline as _toml
+from ._axes import rule_for
+from ._draft import Draft, Entry, ops_text, shape_text
+from ._keys import Group
+
+
+def render(d: Draft) -> str:
+    """The mapping file: header, top-level keys, rules, entries, then the TODO blocks."""
+    drafts = [e for h in d.hints.values() if h for e in h.entries]
+    axes = sorted({a for e in d.entries + drafts for a in e.axes})
+    lines = _header(d) + ["", "[rules]                                   # logical axis -> mesh axis; [] = replicated"]
+    lines += [f"{axis} = {rule_for(axis)}" for axis in axes]
+    for entry in d.entries:
+        lines += ["", *_entry_lines(entry)]
+    if d.unpaired:
+        lines += ["", "# TODO unpaired source keys (map them, or add them to ignore):"]
+        for group in d.unpaired:
+            lines.append(f"#   {_describe(group)}")
+            if hint := d.hints[group.pattern]:
+                lines += hint.lines
+                for entry in hint.entries:
+                    lines += ["#", *_entry_lines(entry, "# ")]
+                lines.append("#")
+    if d.free:
+        lines += ["", "# TODO unfilled leaves (no checkpoint key fits them):"]
+        lines += [f"#   {printable(leaf.path)}  {shape_text(leaf.shape)} {leaf.dtype.name}" for leaf in d.free]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _entry_lines(entry: Entry, prefix: str = "") -> list[str]:
+    lines = [*entry.comments, "[[params]]", f"key = {_toml(entry.key)}", f"path = {_toml(entry.path)}"]
+    if entry.ops:
+        lines.append(f"transforms = {ops_text(entry.ops)}")
+    lines.append(f"axes = {_toml(entry.axes)}")
+    return [prefix + line for line in lines]
+
+
+def _describe(group: Group) -> str:
+    layers = f"{len(group.keys)} layers of " if group.stacked else ""
+    return f"{printable(group.pattern)}  {layers}{shape_text(group.shape)} {np.dtype(group.dtype).name}"
+
+
+def _header(d: Draft) -> list[str]:
+    n_unpaired = sum(len(g.keys) for g in d.unpaired)
+    lines = [
+        f"# Draft mapping made by port scaffold for {d.model}",
+        f"# from the checkpoint {d.source} ({d.n_tensors} tensors; headers and config.json only).",
+        "#",
+        f"# {len(d.entries)} entries paired, {n_unpaired} source keys unpaired ({len(d.unpaired)} patterns), "
+        f"{len(d.free)} leaves unfilled; {len(d.ignore)} ignore patterns, {len(d.tied)} tied.",
+        "# This is a draft: review every entry marked CHECK/TODO, then run `port plan` on it.",
+        "",
+        f"model = {_toml(d.model)}",
+    ]
+    model_type = d.config.get("model_type")
+    if isinstance(model_type, str):
+        lines.append(f"model_types = {_toml([model_type])}")
+    else:
+        lines += ["# TODO: config.json has no model_type", "model_types = []"]
+    if d.prefix:
+        lines.append(f"prefixes = {_toml([d.prefix])}")
+    if d.ignore:
+        lines.append(f"ignore = {_toml(d.ignore)}   # known buffers, never read")
+    if d.tied:
+        if d.config.get("tie_word_embeddings") is False:
+            lines.append("# CHECK: config.json says tie_word_embeddings = false, but the model has no leaf for it")
+        tied = {json.dumps(k): v for k, v in sorted(d.tied.items())}
+        lines.append(f"tied = {_toml(tied)}   # CHECK: a copy of a paired key, never read")
+    return lines
