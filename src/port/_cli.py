@@ -35,20 +35,6 @@ MESH_HELP = "device mesh: 4x2 (data x model) or named axes, data=2,expert=2,mode
 
 
 
-def _open(model: str, mapping_file: Path | None):
-    from ._mapping import mapping_for
-    from ._skeleton import skeleton
-    from ._source import open_checkpoint
-
-    ckpt = open_checkpoint(model)
-    try:
-        mapping = mapping_for(ckpt.config, mapping_file)
-        return ckpt, mapping, skeleton(mapping, ckpt.config)
-    except BaseException:
-        ckpt.close()
-        raise
-
-
 def _progress(enabled: bool | None, total_leaves: int, total_bytes: int):
     """A rich progress bar over tensors and bytes, or None when not wanted."""
     if enabled is None:
@@ -228,13 +214,13 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
 
 def plan_command(args: argparse.Namespace) -> int:
     """Print how MODEL maps onto the mesh, reading no tensor data."""
-    from ._mesh import mesh_shape
-    from ._plan import plan
+    from ._mapping import mapping_for
+    from ._source import open_checkpoint
+    from .authoring import check as run_check
 
-    shape = mesh_shape(args.mesh)
-    ckpt, mapping, skel = _open(args.model, args.mapping)
-    with ckpt:
-        recipe = plan(skel, mapping, ckpt.tensors, ckpt.config, shape, args.dtype)
+    with open_checkpoint(args.model) as ckpt:
+        mapping = mapping_for(ckpt.config, args.mapping)
+        recipe = run_check(mapping, ckpt, args.mesh, args.dtype)
     heading = [f"{args.model} -> {mapping.model} on mesh {args.mesh}", f"mapping: {mapping.source}"]
     show(plan_text(recipe, heading, shutil.get_terminal_size((80, 24)).columns))
     return 0

@@ -18,11 +18,14 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping as AnyMapping
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from ._console import quoted
 from ._errors import PortError
 
 AXES = ("data", "model")
@@ -152,10 +155,29 @@ def make_mesh(spec: str | dict[str, int], devices: list | None = None) -> Mesh:
     return Mesh(grid, tuple(shape))
 
 
-def as_mesh(mesh: Mesh | str | dict[str, int] | None) -> Mesh:
-    """`mesh` itself, or the mesh `make_mesh` builds from a spec such as `"2x4"`; None is one device."""
+def _sizes(mesh: Any) -> dict[str, int]:
+    """The axis sizes of a mesh given as a spec, as axis sizes, or None (one device); checked as a spec is."""
+    if mesh is None:
+        return mesh_shape("1x1")
+    if isinstance(mesh, str):
+        return mesh_shape(mesh)
+    if isinstance(mesh, AnyMapping) and all(
+        isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) for k, v in mesh.items()
+    ):
+        return mesh_shape(mesh_spec(dict(mesh)))
+    raise PortError(
+        f"`mesh`: expected a jax.sharding.Mesh, a spec such as '4x2', or axis sizes such as {{'data': 2}}; "
+        f"got {quoted(mesh)}"
+    )
+
+
+def as_shape(mesh: Mesh | str | AnyMapping[str, int] | None) -> dict[str, int]:
+    """The axis sizes of `mesh`, given as any of the forms `as_mesh` takes; needs no device."""
+    return dict(mesh.shape) if isinstance(mesh, Mesh) else _sizes(mesh)
+
+
+def as_mesh(mesh: Mesh | str | AnyMapping[str, int] | None) -> Mesh:
+    """`mesh` itself, or the mesh `make_mesh` builds from a spec (`"2x4"`) or axis sizes; None is one device."""
     if isinstance(mesh, Mesh):
         return mesh
-    if mesh is not None and not isinstance(mesh, (str, dict)):
-        raise PortError(f"`mesh`: expected a jax.sharding.Mesh or a spec such as '4x2', got {type(mesh).__name__}")
-    return make_mesh("1x1" if mesh is None else mesh)
+    return make_mesh(mesh if isinstance(mesh, str) else _sizes(mesh))  # a spec is named in messages as given
