@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import secrets
 import shutil
@@ -96,14 +95,12 @@ def _write_file(path: Path, text: str) -> None:
 def convert(args: argparse.Namespace) -> int:
     """Convert MODEL into a sharded Equinox model and save it with Orbax to --out."""
     from ._distributed import _env_int, initialize
-    from ._mesh import mesh_shape, simulate_devices
+    from ._mesh import devices_per_process, mesh_shape, simulate_devices
     from ._save import check_out
 
     shape = mesh_shape(args.mesh)
     processes = args.num_processes if args.num_processes is not None else _env_int("JAX_NUM_PROCESSES") or 1
-    total = math.prod(shape.values())
-    if processes < 1 or total % processes:
-        raise PortError(f"--mesh {args.mesh} ({total} devices) does not split evenly over {processes} processes")
+    count = devices_per_process(shape, processes, args.mesh)
     if args.timeout <= 0:
         raise PortError(f"--timeout {args.timeout:g}: expected a positive number of seconds")
     check_out(args.out, args.force, inputs=(args.model,) if Path(args.model).exists() else ())
@@ -111,7 +108,7 @@ def convert(args: argparse.Namespace) -> int:
         raise PortError(f"--report {args.report}: parent directory does not exist")
     if args.report is not None and args.out.absolute() in args.report.absolute().parents:
         raise PortError(f"--report {args.report}: inside --out {args.out}, which port replaces")
-    simulated = simulate_devices(total // processes)
+    simulated = simulate_devices(count)
     coordinator = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
     if processes > 1 and coordinator:
         who = args.process_id if args.process_id is not None else os.environ.get("JAX_PROCESS_ID", "?")
@@ -132,7 +129,6 @@ def convert(args: argparse.Namespace) -> int:
     def progress(at) -> None:
         nonlocal bar
         if bar is None:  # planned and checked: placing starts
-            count = total // processes
             if simulated and count > 1 and jax.default_backend() == "cpu":
                 each = f" in each of {processes} processes" if processes > 1 else ""
                 say(f"no accelerator: simulating {count} CPU devices{each} for --mesh {args.mesh}")

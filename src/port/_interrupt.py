@@ -31,7 +31,6 @@ import select
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager

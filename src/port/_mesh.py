@@ -110,6 +110,15 @@ def simulate_devices(count: int) -> bool:
     return True
 
 
+def devices_per_process(shape: AnyMapping[str, int], processes: int, label: str | None = None) -> int:
+    """How many of a mesh's devices each of `processes` processes holds; a `PortError` unless they split evenly."""
+    total = math.prod(shape.values())
+    if processes < 1 or total % processes:
+        label = label or mesh_spec(dict(shape))
+        raise PortError(f"--mesh {label} ({total} devices) does not split evenly over {processes} processes")
+    return total // processes
+
+
 def make_mesh(spec: str | dict[str, int], devices: list | None = None) -> Mesh:
     """A mesh from a spec or axis sizes, over the first devices JAX has.
 
@@ -137,7 +146,7 @@ def make_mesh(spec: str | dict[str, int], devices: list | None = None) -> Mesh:
             from ._distributed import num_processes
 
             if (processes := num_processes()) is not None:
-                simulate_devices(-(-needed // processes))
+                simulate_devices(devices_per_process(shape, processes, label))
         devices = jax.devices()
     if len(devices) < needed:
         platform = devices[0].platform if devices else "no"
