@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_port
+from helpers import run_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
@@ -82,8 +82,9 @@ def test_force_refuses_what_port_did_not_write(decoys, model, out, cwd, home, ex
     assert snapshot(decoys) == before
 
 
-def test_force_refuses_a_port_output_holding_other_files(decoys):
-    (decoys / "earlier" / "my-notes.txt").write_text("keep me")
+@pytest.mark.parametrize("extra", ["my-notes.txt", "port/my-notes.txt", "port.json"])
+def test_force_refuses_a_port_output_holding_other_files(decoys, extra):
+    (decoys / "earlier" / extra).write_text("keep me")
     before = snapshot(decoys)
     result = run_port("convert", decoys / "ck" / "victim", "--out", decoys / "earlier", "--force")
     refused(result, "not a port output", "--force replaces only")
@@ -98,7 +99,9 @@ def test_force_replaces_an_earlier_output(decoys):
     assert {k: v for k, v in after.items() if not k.startswith("earlier")} == {
         k: v for k, v in before.items() if not k.startswith("earlier")
     }
-    assert sorted(p.name for p in (decoys / "earlier").iterdir()) == ["params", "port.json"]
+    assert sorted(p.name for p in (decoys / "earlier").iterdir()) == [
+        "_CHECKPOINT_METADATA", "commit_success.txt", "params", "port"
+    ]
     assert not [p for p in decoys.iterdir() if p.name.startswith(".")]
 
 
@@ -120,3 +123,57 @@ def test_report_is_replaced_only_if_port_wrote_it(decoys):
         "convert", decoys / "ck" / "victim", "--out", decoys / "new", "--report", decoys / "run.json", "--force"
     )
     assert again.returncode == 0, again.stderr
+
+
+# In Python: the moments between writing and the output being final.
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny GPT-2 loaded on a 2x2 mesh, its mapping and config, for `port.save`."""
+    import port
+
+    with port.open_checkpoint(EXAMPLE) as ckpt:
+        return port.load(EXAMPLE, mesh="2x2"), port.mapping_for(ckpt.config), ckpt.config
+
+
+def test_a_failed_finalisation_keeps_the_earlier_output(tiny, tmp_path, monkeypatch):
+    """Orbax's finalisation fails (a full disk) after `--force` moved the earlier output aside: it is put back."""
+    import port
+    from orbax.checkpoint.path import atomicity
+    from port._errors import OutputError
+
+    model, mapping, config = tiny
+    out = tmp_path / "out"
+    port.save(model, out, mapping, config)
+    before = snapshot(tmp_path)
+
+    async def full(self):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", full)
+    with pytest.raises(OutputError, match=r"^--out .*: writing the checkpoint failed: No space left on device$"):
+        port.save(model, out, mapping, config, force=True)
+    assert snapshot(tmp_path) == before
+
+
+def test_an_output_another_run_wrote_meanwhile_is_kept(tiny, tmp_path, monkeypatch):
+    """Without `--force`, a directory that appears while port writes is never replaced."""
+    import port
+    import port._save
+    from port._errors import OutputError
+
+    checked = port._save.check_out
+
+    def racing(directory, force=False, **kwargs):
+        out = checked(directory, force, **kwargs)
+        out.mkdir()  # the other run's output, after port checked
+        (out / "theirs.txt").write_text("theirs")
+        return out
+
+    model, mapping, config = tiny
+    monkeypatch.setattr(port._save, "check_out", racing)
+    with pytest.raises(OutputError, match="another run wrote it meanwhile"):
+        port.save(model, tmp_path / "out", mapping, config)
+    assert sorted(snapshot(tmp_path)) == ["out", "out/theirs.txt"]
+    assert (tmp_path / "out" / "theirs.txt").read_text() == "theirs"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import port_command, port_env
+from helpers import port_command, port_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,8 +42,9 @@ def leftovers(root: Path) -> list[str]:
 
 
 def complete(out: Path) -> bool:
-    return sorted(p.name for p in out.iterdir()) == ["params", "port.json"] and "leaves" in json.loads(
-        (out / "port.json").read_text()
+    names = ["_CHECKPOINT_METADATA", "commit_success.txt", "params", "port"]
+    return sorted(p.name for p in out.iterdir()) == names and "leaves" in json.loads(
+        (out / "port" / "metadata").read_text()
     )
 
 

@@ -112,7 +112,7 @@ def test_two_processes_convert_and_read_only_their_share(gpt2_checkpoints, tmp_p
     assert sum(r["bytes_read"] for r in reports) >= total
 
     # One process restores the collectively written checkpoint: same logits.
-    assert sorted(os.listdir(out)) == ["params", "port.json"]
+    assert sorted(os.listdir(out)) == ["_CHECKPOINT_METADATA", "commit_success.txt", "params", "port"]
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".out")]
     model = port.restore(out, port.make_mesh("4x2"))
     logits = np.asarray(eqx.filter_jit(lambda m, x: m(x))(model, INPUT_IDS))

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import port_env, run_port
+from helpers import port_env, run_port
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
@@ -39,9 +39,15 @@ def shape_of(line: str) -> str:
 
 
 def test_sample_output_matches(tmp_path):
+    """The quickstart's conversion writes its output and prints lines shaped as the sample shows."""
     (sample,) = [block for block in fenced(section("Command line"), "") if block.startswith("$ port convert")]
     shown = [line for line in sample.splitlines() if line.startswith("port:")]
-    result = run_port("convert", REPO / "examples" / "tiny-gpt2", "--mesh", "4x2", "--out", tmp_path / "out")
+    # The quickstart's own command, from the repository root as it says.
+    (quickstart,) = [block for block in fenced(section("On a fresh machine"), "bash") if "port convert" in block]
+    assert "port convert examples/tiny-gpt2 --mesh 4x2 --out " in quickstart
+    out = tmp_path / "out"
+    result = run_port("convert", "examples/tiny-gpt2", "--mesh", "4x2", "--out", out, cwd=REPO)
     assert result.returncode == 0, result.stderr
     printed = result.stderr.strip().splitlines()
     assert [shape_of(line) for line in printed] == [shape_of(line) for line in shown]
+    assert (out / "port" / "metadata").is_file() and (out / "params").is_dir()

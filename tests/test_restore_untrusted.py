@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import port
-from conftest import INPUT_IDS, port_env
+from helpers import INPUT_IDS, port_env
+from port._errors import OutputError
 from port.models.gpt2 import GPT2
 
 GPT2_MODEL = 'model = "port.models.gpt2:GPT2"'
@@ -43,17 +44,17 @@ def out(good, tmp_path):
 
 
 def edit(out: Path, change) -> Path:
-    """Apply `change` to the output's port.json (a dict), in place."""
-    meta = json.loads((out / "port.json").read_text())
+    """Apply `change` to the output's port/metadata (a dict), in place."""
+    meta = json.loads((out / "port" / "metadata").read_text())
     change(meta)
-    (out / "port.json").write_text(json.dumps(meta))
+    (out / "port" / "metadata").write_text(json.dumps(meta))
     return out
 
 
 def refused(out, capfd, *substrings, mesh="2x4", **kwargs) -> str:
-    """`restore` raises one PortError line naming `out` and `substrings`, printing nothing."""
+    """`restore` raises one OutputError line naming `out` and `substrings`, printing nothing."""
     capfd.readouterr()
-    with pytest.raises(port.PortError) as caught:
+    with pytest.raises(OutputError) as caught:
         port.restore(out, mesh, **kwargs)
     message = str(caught.value)
     assert "\n" not in message and str(out) in message, message
@@ -101,9 +102,9 @@ def proves_importable(marker: Path) -> None:
 
 def test_an_output_naming_another_module_is_refused_without_importing_it(out, evil, capfd):
     edit(out, lambda m: m.update(mapping=m["mapping"].replace(GPT2_MODEL, 'model = "evil:Model"')))
-    message = refused(out, capfd, "port.json: model 'evil:Model' is not one of port's models", "model=")
+    message = refused(out, capfd, "port/metadata: model 'evil:Model' is not one of port's models", "model=")
     assert message == (
-        f"{out}/port.json: model 'evil:Model' is not one of port's models (port.models.*), and restore imports "
+        f"{out}/port/metadata: model 'evil:Model' is not one of port's models (port.models.*), and restore imports "
         "no other module an output names; pass the class: port.restore(directory, mesh, model=YourModel)"
     )
     assert not evil.exists() and "evil" not in sys.modules
@@ -117,7 +118,7 @@ def test_an_output_naming_another_module_is_refused_without_importing_it(out, ev
 ])
 def test_only_model_classes_of_port_models_are_imported(out, capfd, spec):
     edit(out, lambda m: m.update(mapping=m["mapping"].replace(GPT2_MODEL, f'model = "{spec}"')))
-    refused(out, capfd, "port.json: model ")
+    refused(out, capfd, "port/metadata: model ")
 
 
 def test_a_class_passed_is_used_and_nothing_is_imported(out, evil, good, capfd):
@@ -161,14 +162,16 @@ class WithExtra(GPT2):
 
 
 def test_a_class_whose_leaves_differ_is_refused(out, capfd):
-    refused(out, capfd, "port.json: leaf 'wpe' is not a leaf of NoPositions built from its config", model=NoPositions)
     refused(
-        out, capfd, "port.json: leaf 'extra' of WithExtra built from its config is missing, and the mapping "
+        out, capfd, "port/metadata: leaf 'wpe' is not a leaf of NoPositions built from its config", model=NoPositions
+    )
+    refused(
+        out, capfd, "port/metadata: leaf 'extra' of WithExtra built from its config is missing, and the mapping "
         "does not mark it optional", model=WithExtra,
     )
 
 
-# 2. port.json: every field, and its agreement with the skeleton and the stored arrays.
+# 2. port/metadata: every field, and its agreement with the skeleton and the stored arrays.
 
 
 def leaf(name, **fields):
@@ -176,22 +179,22 @@ def leaf(name, **fields):
 
 
 @pytest.mark.parametrize("change, expected", [
-    (lambda m: m.update(format=2), "port.json: format 2 is not 1"),
-    (lambda m: m.update(format="1"), "port.json: format '1' is not 1"),
-    (lambda m: m.update(format=True), "port.json: format True is not 1"),
-    (lambda m: m.update(format=1.0), "port.json: format 1.0 is not 1"),
-    (lambda m: m.pop("config"), "port.json: missing field 'config'"),
-    (lambda m: m.update(extra=1), "port.json: unknown field 'extra'"),
-    (lambda m: m.update({"a\nb": 1}), "port.json: unknown field 'a\\nb'"),
-    (lambda m: m.update(mapping=["x"]), "port.json: 'mapping' must be a JSON string"),
-    (lambda m: m.update(mapping_source=None), "port.json: 'mapping_source' must be a JSON string"),
-    (lambda m: m.update(config=[1]), "port.json: 'config' must be a JSON object"),
-    (lambda m: m.update(leaves=[]), "port.json: 'leaves' must be a JSON object"),
-    (lambda m: m.update(leaves={}), "port.json: 'leaves' is empty"),
-    (lambda m: m.update(mapping="model = "), "port.json: mapping: invalid TOML"),
-    (lambda m: m.update(mapping="bogus = 1\n" + m["mapping"]), "port.json: mapping: unknown key 'bogus'"),
-    (lambda m: m.update(mapping=m["mapping"].replace("[rules]", "rules = [1]\n[other]")), "port.json: mapping"),
-    (lambda m: m.update(mapping='model = "port.models.gpt2:GPT2"\nrules = [1]\n'), "port.json: mapping: [rules] must be a table"),
+    (lambda m: m.update(format=1), "port/metadata: format 1 is not 2"),
+    (lambda m: m.update(format="2"), "port/metadata: format '2' is not 2"),
+    (lambda m: m.update(format=True), "port/metadata: format True is not 2"),
+    (lambda m: m.update(format=2.0), "port/metadata: format 2.0 is not 2"),
+    (lambda m: m.pop("config"), "port/metadata: missing field 'config'"),
+    (lambda m: m.update(extra=1), "port/metadata: unknown field 'extra'"),
+    (lambda m: m.update({"a\nb": 1}), "port/metadata: unknown field 'a\\nb'"),
+    (lambda m: m.update(mapping=["x"]), "port/metadata: 'mapping' must be a JSON string"),
+    (lambda m: m.update(mapping_source=None), "port/metadata: 'mapping_source' must be a JSON string"),
+    (lambda m: m.update(config=[1]), "port/metadata: 'config' must be a JSON object"),
+    (lambda m: m.update(leaves=[]), "port/metadata: 'leaves' must be a JSON object"),
+    (lambda m: m.update(leaves={}), "port/metadata: 'leaves' is empty"),
+    (lambda m: m.update(mapping="model = "), "port/metadata: mapping: invalid TOML"),
+    (lambda m: m.update(mapping="bogus = 1\n" + m["mapping"]), "port/metadata: mapping: unknown key 'bogus'"),
+    (lambda m: m.update(mapping=m["mapping"].replace("[rules]", "rules = [1]\n[other]")), "port/metadata: mapping"),
+    (lambda m: m.update(mapping='model = "port.models.gpt2:GPT2"\nrules = [1]\n'), "port/metadata: mapping: [rules] must be a table"),
     (leaf("wte", shape=[101, -64]), "leaf 'wte': 'shape' must be a list of non-negative integers"),
     (leaf("wte", shape=[101, 64.0]), "leaf 'wte': 'shape' must be a list of non-negative integers"),
     (leaf("wte", shape=[101, True]), "leaf 'wte': 'shape' must be a list of non-negative integers"),
@@ -205,67 +208,71 @@ def leaf(name, **fields):
     (leaf("wte", extra=1), "leaf 'wte' must be an object with exactly shape, dtype, axes"),
     (lambda m: m["leaves"].update({"wte\nport: ok": m["leaves"]["wte"]}), "leaf name 'wte\\nport: ok' is not a"),
     (lambda m: m["leaves"].update(foo=m["leaves"]["wte"]), "leaf 'foo' has no entry in the output's mapping"),
-    (lambda m: m["leaves"].pop("wpe"), "params: holds array 'wpe', which port.json does not list"),
+    (lambda m: m["leaves"].pop("wpe"), "params: holds array 'wpe', which port/metadata does not list"),
     (lambda m: m.update(mapping=m["mapping"].replace('embed = "data"', 'embed = "tensor"')),
-     "port.json: mapping rules.embed names mesh axis 'tensor', which the mesh (data, model) does not have"),
+     "port/metadata: mapping rules.embed names mesh axis 'tensor', which the mesh (data, model) does not have"),
 ])
-def test_port_json_is_checked_field_by_field(out, capfd, change, expected):
+def test_port_metadata_is_checked_field_by_field(out, capfd, change, expected):
     refused(edit(out, change), capfd, expected)
 
 
 @pytest.mark.parametrize("text, expected", [
-    (b"", "port.json: not valid JSON (Expecting value"),
-    (b"[1, 2]", "port.json: expected a JSON object, got list"),
-    (b"[" * 100_000 + b"]" * 100_000, "port.json: not valid JSON (nested too deeply)"),
-    (b'{"format": 1, "config": {"x": "\xff"}}', "port.json: not valid JSON ("),
-    (b'{"format": 1' + b"0" * 5000 + b"}", "port.json: not valid JSON ("),
+    (b"", "port/metadata: not valid JSON (Expecting value"),
+    (b"[1, 2]", "port/metadata: expected a JSON object, got list"),
+    (b"[" * 100_000 + b"]" * 100_000, "port/metadata: not valid JSON (nested too deeply)"),
+    (b'{"format": 1, "config": {"x": "\xff"}}', "port/metadata: not valid JSON ("),
+    (b'{"format": 1' + b"0" * 5000 + b"}", "port/metadata: not valid JSON ("),
 ])
-def test_port_json_that_is_not_json_is_refused(out, capfd, text, expected):
-    (out / "port.json").write_bytes(text)
+def test_port_metadata_that_is_not_json_is_refused(out, capfd, text, expected):
+    (out / "port" / "metadata").write_bytes(text)
     refused(out, capfd, expected)
 
 
-def test_port_json_is_never_read_whole_nor_waited_on(out, capfd):
+def test_port_metadata_is_never_read_whole_nor_waited_on(out, capfd):
     """A huge file is refused by its size; a FIFO or a directory is refused, not read."""
-    with open(out / "port.json", "r+b") as f:
+    with open(out / "port" / "metadata", "r+b") as f:
         f.truncate(8 << 30)  # sparse: 8 GB that take no disk
-    refused(out, capfd, f"port.json: {8 << 30} bytes, more than port's metadata ever holds")
-    (out / "port.json").unlink()
-    os.mkfifo(out / "port.json")
-    refused(out, capfd, "port.json: not a regular file")
-    (out / "port.json").unlink()
-    (out / "port.json").mkdir()
-    refused(out, capfd, "port.json: not a regular file")
+    refused(out, capfd, f"port/metadata: {8 << 30} bytes, more than port's metadata ever holds")
+    (out / "port" / "metadata").unlink()
+    os.mkfifo(out / "port" / "metadata")
+    refused(out, capfd, "port/metadata: not a regular file")
+    (out / "port" / "metadata").unlink()
+    (out / "port" / "metadata").mkdir()
+    refused(out, capfd, "port/metadata: not a regular file")
 
 
 @pytest.mark.parametrize("change, expected", [
-    # port.json's shape disagrees with the skeleton built from its config
-    (leaf("wte", shape=[100, 64]), "port.json: leaf 'wte' is float32[100,64] but float32[101,64] in GPT2 built"),
-    (leaf("wte", dtype="int32"), "port.json: leaf 'wte' is int32[101,64] but float32[101,64] in GPT2 built"),
+    # port/metadata's shape disagrees with the skeleton built from its config
+    (leaf("wte", shape=[100, 64]), "port/metadata: leaf 'wte' is float32[100,64] but float32[101,64] in GPT2 built"),
+    (leaf("wte", dtype="int32"), "port/metadata: leaf 'wte' is int32[101,64] but float32[101,64] in GPT2 built"),
     # the config disagrees with the leaves
     (lambda m: m["config"].update(n_layer=3), "leaf 'blocks.ln_1.weight' is float32[2,64] but float32[3,64]"),
-    (lambda m: m["config"].update(n_head=5), "port.json: config: "),
-    (lambda m: m["config"].pop("n_embd"), "port.json: config: required key 'n_embd' is missing"),
-    # port.json and its config agree with each other, not with the stored arrays
+    (lambda m: m["config"].update(n_head=5), "port/metadata: config: "),
+    (lambda m: m["config"].pop("n_embd"), "port/metadata: config: required key 'n_embd' is missing"),
+    # port/metadata and its config agree with each other, not with the stored arrays
     (lambda m: (m["config"].update(vocab_size=100), m["leaves"]["wte"].update(shape=[100, 64])),
-     "params: leaf 'wte': stored as float32[101,64] but port.json says float32[100,64]"),
-    (leaf("wpe", dtype="bfloat16"), "params: leaf 'wpe': stored as float32[32,64] but port.json says bfloat16[32,64]"),
+     "params: leaf 'wte': stored as float32[101,64] but port/metadata says float32[100,64]"),
+    (leaf("wpe", dtype="bfloat16"),
+     "params: leaf 'wpe': stored as float32[32,64] but port/metadata says bfloat16[32,64]"),
 ])
-def test_port_json_must_agree_with_the_model_and_the_arrays(out, capfd, change, expected):
+def test_port_metadata_must_agree_with_the_model_and_the_arrays(out, capfd, change, expected):
     refused(edit(out, change), capfd, expected)
 
 
 def test_sizes_are_bounded_before_anything_is_built(out, capfd):
     """Shapes larger than the bytes stored, and config values larger than the values stored."""
-    total = sum(np.prod(leaf["shape"]) for leaf in json.loads((out / "port.json").read_text())["leaves"].values())
+    meta = json.loads((out / "port" / "metadata").read_text())
+    total = sum(np.prod(leaf["shape"]) for leaf in meta["leaves"].values())
     edit(out, leaf("wte", shape=[10**9, 64]))
     declared = (total + (10**9 - 101) * 64) * 4
-    refused(out, capfd, f"port.json: declares {declared} bytes of arrays but {out}/params holds only")
+    refused(out, capfd, f"port/metadata: declares {declared} bytes of arrays but {out}/params holds only")
     edit(out, leaf("wte", shape=[101, 64]))
     edit(out, lambda m: m["config"].update(n_embd=10**12))
-    refused(out, capfd, "port.json: config 'n_embd' is 1000000000000, more than the 1048576 values the output holds")
+    refused(
+        out, capfd, "port/metadata: config 'n_embd' is 1000000000000, more than the 1048576 values the output holds"
+    )
     edit(out, lambda m: m["config"].update(n_embd=64, rope_scaling={"factor": [1, -(10**30)]}))
-    refused(out, capfd, "port.json: config 'rope_scaling.factor[1]' is")
+    refused(out, capfd, "port/metadata: config 'rope_scaling.factor[1]' is")
     with open(out / "params" / "_METADATA", "r+b") as f:
         f.truncate(1 << 30)
     refused(out, capfd, f"params/_METADATA: {1 << 30} bytes, more than Orbax's metadata ever holds")
@@ -284,10 +291,10 @@ class Recorder:
 
 def test_config_values_are_bounded_before_the_model_is_built(out, capfd):
     edit(out, lambda m: m["config"].update(n_positions=10**13))
-    refused(out, capfd, "port.json: config 'n_positions' is 10000000000000, more than", model=Recorder)
+    refused(out, capfd, "port/metadata: config 'n_positions' is 10000000000000, more than", model=Recorder)
     assert Recorder.built == []
     edit(out, lambda m: m["config"].update(n_positions=32))
-    refused(out, capfd, "port.json: leaf 'wte' is not a leaf of Recorder built from its config", model=Recorder)
+    refused(out, capfd, "port/metadata: leaf 'wte' is not a leaf of Recorder built from its config", model=Recorder)
     assert len(Recorder.built) == 1 and Recorder.built[0]["n_positions"] == 32
 
 
@@ -295,7 +302,7 @@ def test_the_declared_size_check_counts_what_the_model_holds(good):
     """The byte bound is not vacuous: the good output declares close to all it stores."""
     directory = good[0]
     stored = sum(f.stat().st_size for f in (directory / "params").rglob("*") if f.is_file())
-    meta = json.loads((directory / "port.json").read_text())
+    meta = json.loads((directory / "port" / "metadata").read_text())
     declared = sum(np.prod(leaf["shape"]) * 4 for leaf in meta["leaves"].values())
     assert 0.8 * stored < declared < stored
 
@@ -362,21 +369,32 @@ def test_something_else_is_not_a_port_output(good, tmp_path, capfd, what):
     out = tmp_path / "other"
     if what == "empty":
         out.mkdir()
-        expected = "not a port output (no port.json)"
+        expected = "not a port output (no port/metadata)"
     elif what == "file":
         out.write_text("x")
         expected = "not a port output (a file, not a directory)"
     elif what == "missing":
         expected = "does not exist"
-    else:  # another Orbax checkpoint beside a port.json
+    else:  # another Orbax checkpoint beside port's metadata
         out.mkdir()
-        shutil.copy(good[0] / "port.json", out)
+        shutil.copytree(good[0] / "port", out / "port")
         handler = ocp.PyTreeCheckpointHandler(use_ocdbt=what == "orbax")
         with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(out / "params", args=ocp.args.PyTreeSave({"x": jnp.ones(3)}))
         expected = "holds array 'x'" if what == "orbax" else "not stored as port writes them"
     capfd.readouterr()
     refused(out, capfd, expected)
+
+
+def test_an_output_of_an_earlier_port_is_refused_with_what_to_do(good, tmp_path, capfd):
+    """Format 1 (`port.json` beside `params/`): one line saying to convert again, nothing read."""
+    out = tmp_path / "old"
+    out.mkdir()
+    shutil.copytree(good[0] / "params", out / "params")
+    meta = json.loads((good[0] / "port" / "metadata").read_text())
+    (out / "port.json").write_text(json.dumps(meta | {"format": 1}))
+    message = refused(out, capfd, "written by an earlier port (format 1, port.json)")
+    assert message.endswith("this port reads format 2: convert the checkpoint again"), message
 
 
 def test_a_bad_output_leaves_stderr_clean_to_the_end(good, tmp_path):
@@ -410,6 +428,7 @@ def test_an_output_of_links_to_files_restores(good, tmp_path):
     """As the Hugging Face cache stores a download: every file a symbolic link to a blob."""
     blobs, out = tmp_path / "blobs", tmp_path / "snapshot"
     shutil.copytree(good[0], blobs)
+    out.mkdir()
     for path in sorted(blobs.rglob("*")):
         target = out / path.relative_to(blobs)
         target.mkdir(parents=True, exist_ok=True) if path.is_dir() else target.symlink_to(path)
@@ -433,6 +452,37 @@ def test_restore_reads_what_orbax_restores_bit_for_bit(good, monkeypatch, read_a
     for path, array in mine.items():
         assert array.dtype == flat[path].dtype
         np.testing.assert_array_equal(np.asarray(array), np.asarray(flat[path]), err_msg=path)
+
+
+def test_stock_orbax_restores_the_output_without_port(good, tmp_path):
+    """An ordinary Orbax checkpoint: a process that never imports port restores both items with
+    Orbax's own CompositeCheckpointHandler; the arrays equal port's, the metadata is plain JSON."""
+    code = textwrap.dedent(f"""
+        import json, sys
+        import jax
+        jax.config.update("jax_num_cpu_devices", 8)  # the arrays come back on the mesh they were saved from
+        import numpy as np
+        import orbax.checkpoint as ocp
+
+        restored = ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore({str(good[0])!r})
+        flat = {{".".join(k.key for k in path): np.asarray(a)
+                 for path, a in jax.tree_util.tree_flatten_with_path(restored["params"])[0]}}
+        np.savez({str(tmp_path / "arrays.npz")!r}, **flat)
+        with open({str(tmp_path / "port.json")!r}, "w") as f:
+            json.dump(restored["port"], f)
+        assert not [name for name in sys.modules if name.split(".")[0] == "port"]
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=port_env(), timeout=120)
+    assert result.returncode == 0, result.stderr
+    theirs = np.load(tmp_path / "arrays.npz")
+    mine = {p: a for p, a in port._skeleton.leaves(port.restore(good[0], "1x1")).items() if isinstance(a, jax.Array)}
+    assert set(theirs.files) == set(mine)
+    for path, array in mine.items():
+        assert theirs[path].dtype == array.dtype, path
+        np.testing.assert_array_equal(theirs[path], np.asarray(array), err_msg=path)
+    metadata = json.loads((tmp_path / "port.json").read_text())
+    assert metadata == json.loads((good[0] / "port" / "metadata").read_text())
+    assert metadata["format"] == 2 and set(metadata["leaves"]) == set(mine)
 
 
 def test_a_bfloat16_output_restores_as_bfloat16(gpt2_checkpoints, tmp_path):

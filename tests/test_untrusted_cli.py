@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import port_command, port_env, run_port
+from helpers import port_command, port_env, run_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
@@ -138,7 +138,7 @@ def test_two_runs_to_one_output_one_wins(tmp_path):
         assert last.startswith("port: error: --out") and (
             "already exists" in last or "another run wrote it meanwhile" in last
         ), loser
-        assert sorted(p.name for p in out.iterdir()) == ["params", "port.json"]
+        assert sorted(p.name for p in out.iterdir()) == ["_CHECKPOINT_METADATA", "commit_success.txt", "params", "port"]
     nothing_left(tmp_path, "out0", "out1", "out2")
 
 

@@ -1,6 +1,6 @@
 """Dtypes: the one table of the dtypes port knows, by each name they go by.
 
-A safetensors header says `BF16`; a mapping's `cast`, `port.json` and `--dtype` say
+A safetensors header says `BF16`; a mapping's `cast`, an output's metadata and `--dtype` say
 `bfloat16`; NumPy needs `ml_dtypes` for it. Every module asks here, and "floating"
 means one thing everywhere: `jnp.issubdtype(d, jnp.floating)`, which covers bfloat16
 and the float8 types.

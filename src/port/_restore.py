@@ -1,13 +1,15 @@
 """Restore: a `port convert` output onto any mesh, each device reading its region.
 
-An output is untrusted: it may come from anywhere. `restore` imports no module an
-output names except port's own models (`port.models.*`), unless the caller passes
-the class; it checks everything before reading an array: `port.json` field by field,
-the arrays `params/` declares against `port.json`, sizes against the bytes stored,
-and the module's skeleton built from `port.json`'s config against every leaf. Then
-it reads each device's region of each leaf with TensorStore from the Orbax
-checkpoint in `params/` (zarr arrays in an OCDBT database, as Orbax writes them).
-Every problem is one `PortError` line naming the directory, file and leaf.
+An output (see `_save` for its layout: Orbax's composite checkpoint of `params/`, the
+arrays, and `port/metadata`, port's JSON) is untrusted: it may come from anywhere.
+`restore` makes no Orbax call and imports no module an output names except port's own
+models (`port.models.*`), unless the caller passes the class; it checks everything
+before reading an array: `port/metadata` field by field, the arrays
+`params/_METADATA` declares against it, sizes against the bytes stored, and the
+module's skeleton built from its config against every leaf. Then it reads each
+device's region of each leaf with TensorStore from `params/` (zarr arrays in an OCDBT
+database, as Orbax writes them). Every problem is one `OutputError` line naming the
+directory, file and leaf.
 
 ```python
 model = restore("out/gpt2", "2x4")
@@ -33,17 +35,17 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from ._errors import PortError
+from ._console import one_line, quoted
+from ._errors import OutputError, PortError
 from ._fill import fill
 from ._dtypes import NAMES, dtype as dtype_named, floating
 from ._mapping import Mapping, import_object, parse_mapping
 from ._mesh import as_mesh
 from ._place import _box
 from ._plan import partition
-from ._save import FORMAT
+from ._save import FORMAT, MAX_METADATA_BYTES
 from ._skeleton import leaves, skeleton
 
-MAX_METADATA_BYTES = 32 << 20  # port.json, params/_METADATA: a few hundred KB for real models
 MAX_PARAMS_FILES = 100_000  # Orbax's OCDBT writes a handful of files per process
 INLINE_SLACK_BYTES = 64 << 20  # OCDBT keeps chunks of up to 1 KB inside (compressed) tree nodes
 CONFIG_INT_FLOOR = 1 << 20  # config integers up to this are always accepted
@@ -58,7 +60,7 @@ _SHIPPED = "port.models"
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One array as `port.json` declares it."""
+    """One array as `port/metadata` declares it."""
 
     path: str
     shape: tuple[int, ...]
@@ -75,7 +77,7 @@ class Leaf:
 
 @dataclasses.dataclass(frozen=True)
 class Output:
-    """A port output's checked `port.json`."""
+    """A port output's checked `port/metadata`."""
 
     directory: Path
     mapping: Mapping
@@ -84,7 +86,7 @@ class Output:
 
     @property
     def where(self) -> str:
-        return f"{self.directory}/port.json"
+        return f"{self.directory}/port/metadata"
 
     @property
     def params(self) -> Path:
@@ -96,7 +98,9 @@ def restore(directory: str | os.PathLike, mesh: Mesh | str | None = None, *, mod
 
     **Arguments:**
 
-    - `directory`: the output (`port.json` and `params/`), as `port convert` or `save` wrote it.
+    - `directory`: the output, as `port convert` or `save` wrote it (format 2: Orbax's
+      checkpoint of `params/` and `port/`). An output of an earlier port (format 1,
+      `port.json` beside `params/`) is refused: convert the checkpoint again.
     - `mesh`: a `Mesh` or a spec such as `"2x4"`, as for `load` (default: one device).
     - `model`: the module class to build, with `from_config(config, *, key)`. Without
       it, the class the output names is imported only if it is one of port's models
@@ -104,7 +108,10 @@ def restore(directory: str | os.PathLike, mesh: Mesh | str | None = None, *, mod
       it would run code that came with the output. Given, it is used as it is, whatever
       the output names: the name is not compared, every leaf's shape and dtype are.
 
-    Raises `PortError`, one line naming the directory (and the file and leaf), for an
+    Returns the module, every array under its `NamedSharding` on `mesh` (each leaf's
+    logical axes mapped to mesh axes by the output's mapping rules).
+
+    Raises `OutputError`, one line naming the directory (and the file and leaf), for an
     output that is incomplete, corrupt, inconsistent or not port's. Every check that
     needs no array data runs before the first array is read; a chunk that is missing
     or cut short is found when it is read.
@@ -116,7 +123,7 @@ def restore(directory: str | os.PathLike, mesh: Mesh | str | None = None, *, mod
     """
     mesh = as_mesh(mesh)
     if model is not None and (not isinstance(model, type) or not hasattr(model, "from_config")):
-        raise PortError(f"`model`: expected a class with from_config(config, *, key), got {_shown(model)}")
+        raise PortError(f"`model`: expected a class with from_config(config, *, key), got {quoted(model)}")
     output = read_output(directory)
     cls = model_class(output, model)
     _check_rules(output, mesh)
@@ -134,51 +141,34 @@ def describe(shape: tuple[int, ...], dtype: np.dtype) -> str:
     return f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
 
 
-def _shown(text: Any, limit: int = 80) -> str:
-    """A name from an output, quoted, printable and short: it may hold anything."""
-    if not isinstance(text, str):
-        text = repr(text)
-        return text if len(text) <= limit else text[:limit] + "..."
-    if text.isprintable() and len(text) <= limit:
-        return f"'{text}'"
-    return ascii(text[:limit]) + ("..." if len(text) > limit else "")
-
-
-def _one_line(text: str, limit: int = 500) -> str:
-    """`text` on one line of printable characters, at most `limit` of them: it may quote the output."""
-    text = " ".join(text.split())
-    text = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def _read_json(path: Path, what: str) -> Any:
     """Parse the JSON file `path`, refusing anything but a regular file of at most `MAX_METADATA_BYTES`."""
     try:
         info = os.stat(path)
     except FileNotFoundError:
-        raise PortError(f"{path}: missing ({what})") from None
+        raise OutputError(f"{path}: missing ({what})") from None
     except OSError as e:
-        raise PortError(f"{path}: cannot be read ({e.strerror})") from None
+        raise OutputError(f"{path}: cannot be read ({e.strerror})") from None
     if not stat.S_ISREG(info.st_mode):
-        raise PortError(f"{path}: not a regular file ({what})")
+        raise OutputError(f"{path}: not a regular file ({what})")
     if info.st_size > MAX_METADATA_BYTES:
-        raise PortError(f"{path}: {info.st_size} bytes, more than {what} ever holds ({MAX_METADATA_BYTES} at most)")
+        raise OutputError(f"{path}: {info.st_size} bytes, more than {what} ever holds ({MAX_METADATA_BYTES} at most)")
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_METADATA_BYTES + 1)
     except OSError as e:
-        raise PortError(f"{path}: cannot be read ({e.strerror})") from None
+        raise OutputError(f"{path}: cannot be read ({e.strerror})") from None
     if len(data) > MAX_METADATA_BYTES:
-        raise PortError(f"{path}: more than {MAX_METADATA_BYTES} bytes ({what} holds far less)")
+        raise OutputError(f"{path}: more than {MAX_METADATA_BYTES} bytes ({what} holds far less)")
     try:
         return json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         reason = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0][:200]
-        raise PortError(f"{path}: not valid JSON ({reason})") from None
+        raise OutputError(f"{path}: not valid JSON ({reason})") from None
 
 
 def read_output(directory: str | os.PathLike) -> Output:
-    """Read and check `port.json` of the output at `directory`; reads no array.
+    """Read and check `port/metadata` of the output at `directory`; reads no array.
 
     Checks the format number and the type of every field, parses the mapping, and
     checks every leaf's name, shape, dtype and axes against the mapping. Imports nothing.
@@ -194,41 +184,46 @@ def read_output(directory: str | os.PathLike) -> Output:
     """
     directory = Path(directory).absolute()
     if not directory.exists():
-        raise PortError(f"{directory}: does not exist")
+        raise OutputError(f"{directory}: does not exist")
     if not directory.is_dir():
-        raise PortError(f"{directory}: not a port output (a file, not a directory)")
-    if not os.path.lexists(directory / "port.json"):
-        raise PortError(f"{directory}: not a port output (no port.json)")
-    where = f"{directory}/port.json"
-    meta = _read_json(directory / "port.json", "port's metadata")
+        raise OutputError(f"{directory}: not a port output (a file, not a directory)")
+    if not os.path.lexists(directory / "port" / "metadata"):
+        if os.path.lexists(directory / "port.json") and not os.path.lexists(directory / "port"):
+            raise OutputError(
+                f"{directory}: written by an earlier port (format 1, port.json); this port reads format "
+                f"{FORMAT}: convert the checkpoint again"
+            )
+        raise OutputError(f"{directory}: not a port output (no port/metadata)")
+    where = f"{directory}/port/metadata"
+    meta = _read_json(directory / "port" / "metadata", "port's metadata")
     if not isinstance(meta, dict):
-        raise PortError(f"{where}: expected a JSON object, got {type(meta).__name__}")
+        raise OutputError(f"{where}: expected a JSON object, got {type(meta).__name__}")
     for name in meta:
         if name not in _FIELDS:
-            raise PortError(f"{where}: unknown field {_shown(name)} (expected {', '.join(_FIELDS)})")
+            raise OutputError(f"{where}: unknown field {quoted(name)} (expected {', '.join(_FIELDS)})")
     for name in _FIELDS:
         if name not in meta:
-            raise PortError(f"{where}: missing field '{name}'")
+            raise OutputError(f"{where}: missing field '{name}'")
     if type(meta["format"]) is not int or meta["format"] != FORMAT:
-        raise PortError(f"{where}: format {_shown(meta['format'])} is not {FORMAT}, the one this port reads")
+        raise OutputError(f"{where}: format {quoted(meta['format'])} is not {FORMAT}, the one this port reads")
     for name, kind in (("mapping_source", str), ("mapping", str), ("config", dict), ("leaves", dict)):
         if not isinstance(meta[name], kind):
-            raise PortError(f"{where}: '{name}' must be a JSON {'string' if kind is str else 'object'}")
+            raise OutputError(f"{where}: '{name}' must be a JSON {'string' if kind is str else 'object'}")
     mapping = _parse(meta["mapping"], where)
     entries = {p.path: p for p in mapping.params}
     declared = {}
     for path, info in meta["leaves"].items():
         leaf = _leaf(path, info, where)
         if path not in entries:
-            raise PortError(f"{where}: leaf '{path}' has no entry in the output's mapping")
+            raise OutputError(f"{where}: leaf '{path}' has no entry in the output's mapping")
         if leaf.axes != entries[path].axes:
-            raise PortError(
+            raise OutputError(
                 f"{where}: leaf '{path}': axes {list(leaf.axes)} differ from its mapping entry's "
                 f"{list(entries[path].axes)}"
             )
         declared[path] = leaf
     if not declared:
-        raise PortError(f"{where}: 'leaves' is empty")
+        raise OutputError(f"{where}: 'leaves' is empty")
     return Output(directory, mapping, meta["config"], declared)
 
 
@@ -237,29 +232,29 @@ def _parse(text: str, where: str) -> Mapping:
     try:
         return parse_mapping(text, f"{where}: mapping")
     except PortError as e:
-        raise PortError(_one_line(str(e))) from None
+        raise OutputError(one_line(str(e))) from None
     except Exception as e:  # a mapping parse_mapping does not expect (e.g. [rules] not a table)
-        raise PortError(f"{where}: mapping is not valid ({type(e).__name__}: {_one_line(str(e), 100)})") from None
+        raise OutputError(f"{where}: mapping is not valid ({type(e).__name__}: {one_line(str(e), 100)})") from None
 
 
 def _leaf(path: Any, info: Any, where: str) -> Leaf:
-    """One entry of `port.json`'s `leaves`, every field checked."""
+    """One entry of `port/metadata`'s `leaves`, every field checked."""
     if not isinstance(path, str) or not _PATH.fullmatch(path):
-        raise PortError(f"{where}: leaf name {_shown(path)} is not a dotted module path")
+        raise OutputError(f"{where}: leaf name {quoted(path)} is not a dotted module path")
     if not isinstance(info, dict) or set(info) != set(_LEAF_FIELDS):
-        raise PortError(f"{where}: leaf '{path}' must be an object with exactly {', '.join(_LEAF_FIELDS)}")
+        raise OutputError(f"{where}: leaf '{path}' must be an object with exactly {', '.join(_LEAF_FIELDS)}")
     shape, dtype, axes = info["shape"], info["dtype"], info["axes"]
     if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-        raise PortError(f"{where}: leaf '{path}': 'shape' must be a list of non-negative integers")
+        raise OutputError(f"{where}: leaf '{path}': 'shape' must be a list of non-negative integers")
     if not isinstance(dtype, str) or dtype not in NAMES:
-        raise PortError(f"{where}: leaf '{path}': dtype {_shown(dtype)} is not one of {', '.join(sorted(NAMES))}")
+        raise OutputError(f"{where}: leaf '{path}': dtype {quoted(dtype)} is not one of {', '.join(sorted(NAMES))}")
     np_dtype = dtype_named(dtype)
     if jax.dtypes.canonicalize_dtype(np_dtype) != np_dtype:
-        raise PortError(f"{where}: leaf '{path}': JAX holds {dtype} only with jax_enable_x64 set")
+        raise OutputError(f"{where}: leaf '{path}': JAX holds {dtype} only with jax_enable_x64 set")
     if not isinstance(axes, list) or not all(a is None or isinstance(a, str) for a in axes):
-        raise PortError(f"{where}: leaf '{path}': 'axes' must be a list of logical axis names or null")
+        raise OutputError(f"{where}: leaf '{path}': 'axes' must be a list of logical axis names or null")
     if len(axes) != len(shape):
-        raise PortError(f"{where}: leaf '{path}': {len(axes)} axes for a {len(shape)}-d shape")
+        raise OutputError(f"{where}: leaf '{path}': {len(axes)} axes for a {len(shape)}-d shape")
     return Leaf(path, tuple(shape), np_dtype, tuple(axes))
 
 
@@ -281,13 +276,13 @@ def model_class(output: Output, model: type | None = None) -> type:
     module, _, name = spec.partition(":")
     package, _, submodule = module.rpartition(".")
     if package != _SHIPPED or submodule not in _shipped_modules() or not name.isidentifier() or name.startswith("_"):
-        raise PortError(
-            f"{output.where}: model {_shown(spec)} is not one of port's models ({_SHIPPED}.*), and restore "
+        raise OutputError(
+            f"{output.where}: model {quoted(spec)} is not one of port's models ({_SHIPPED}.*), and restore "
             f"imports no other module an output names; pass the class: port.restore(directory, mesh, model=YourModel)"
         )
     cls = import_object(spec, f"{output.where}: model")
     if not isinstance(cls, type) or not hasattr(cls, "from_config"):
-        raise PortError(f"{output.where}: model {_shown(spec)} is not a model class")
+        raise OutputError(f"{output.where}: model {quoted(spec)} is not a model class")
     return cls
 
 
@@ -303,40 +298,40 @@ def _check_rules(output: Output, mesh: Mesh) -> None:
     for axis, names in output.mapping.rules.items():
         for name in names:
             if name not in mesh.shape:
-                raise PortError(
-                    f"{output.where}: mapping rules.{axis} names mesh axis {_shown(name)}, which the mesh "
+                raise OutputError(
+                    f"{output.where}: mapping rules.{axis} names mesh axis {quoted(name)}, which the mesh "
                     f"({', '.join(mesh.shape)}) does not have"
                 )
 
 
 def _check_stored(output: Output) -> None:
-    """The arrays `params/_METADATA` declares, which must be exactly `port.json`'s leaves."""
+    """The arrays `params/_METADATA` declares, which must be exactly `port/metadata`'s leaves."""
     params = output.params
     if not params.is_dir():
-        raise PortError(f"{params}: missing or not a directory (an incomplete port output)")
+        raise OutputError(f"{params}: missing or not a directory (an incomplete port output)")
     where = f"{params}/_METADATA"
     meta = _read_json(params / "_METADATA", "Orbax's metadata")
     tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
     if not isinstance(tree, dict):
-        raise PortError(f"{where}: not Orbax's PyTree metadata (no 'tree_metadata')")
+        raise OutputError(f"{where}: not Orbax's PyTree metadata (no 'tree_metadata')")
     if meta.get("use_ocdbt") is not True or meta.get("use_zarr3") is not False:
-        raise PortError(f"{where}: arrays not stored as port writes them (zarr in an OCDBT database)")
+        raise OutputError(f"{where}: arrays not stored as port writes them (zarr in an OCDBT database)")
     stored = set()
     for entry in tree.values():
         keys = entry.get("key_metadata") if isinstance(entry, dict) else None
         value = entry.get("value_metadata") if isinstance(entry, dict) else None
         if not isinstance(keys, list) or not all(isinstance(k, dict) and isinstance(k.get("key"), str) for k in keys):
-            raise PortError(f"{where}: an entry without key names")
+            raise OutputError(f"{where}: an entry without key names")
         path = ".".join(k["key"] for k in keys)
         if not _PATH.fullmatch(path):
-            raise PortError(f"{where}: array {_shown(path)} is not named by a dotted module path")
+            raise OutputError(f"{where}: array {quoted(path)} is not named by a dotted module path")
         if not isinstance(value, dict) or value.get("value_type") != "jax.Array":
-            raise PortError(f"{where}: '{path}' is not stored as a jax.Array")
+            raise OutputError(f"{where}: '{path}' is not stored as a jax.Array")
         stored.add(path)
     for path in sorted(stored - set(output.leaves)):
-        raise PortError(f"{params}: holds array '{path}', which port.json does not list")
+        raise OutputError(f"{params}: holds array '{path}', which port/metadata does not list")
     for path in sorted(set(output.leaves) - stored):
-        raise PortError(f"{params}: has no array '{path}', which port.json lists")
+        raise OutputError(f"{params}: has no array '{path}', which port/metadata lists")
 
 
 def _params_bytes(params: Path) -> int:
@@ -345,31 +340,31 @@ def _params_bytes(params: Path) -> int:
     for root, dirs, files in os.walk(params, onerror=_walk_error):
         for name in dirs:
             if os.path.islink(os.path.join(root, name)):
-                raise PortError(f"{os.path.join(root, name)}: a symbolic link to a directory; port writes none")
+                raise OutputError(f"{os.path.join(root, name)}: a symbolic link to a directory; port writes none")
         for name in files:
             path = os.path.join(root, name)
             count += 1
             if count > MAX_PARAMS_FILES:
-                raise PortError(f"{params}: more than {MAX_PARAMS_FILES} files; not an output port wrote")
+                raise OutputError(f"{params}: more than {MAX_PARAMS_FILES} files; not an output port wrote")
             try:
                 info = os.stat(path)
             except OSError as e:
-                raise PortError(f"{path}: cannot be read ({e.strerror})") from None
+                raise OutputError(f"{path}: cannot be read ({e.strerror})") from None
             if not stat.S_ISREG(info.st_mode):
-                raise PortError(f"{path}: not a regular file")
+                raise OutputError(f"{path}: not a regular file")
             total += info.st_size
     return total
 
 
 def _walk_error(error: OSError) -> None:
-    raise PortError(f"{error.filename}: cannot be read ({error.strerror})")
+    raise OutputError(f"{error.filename}: cannot be read ({error.strerror})")
 
 
 def _check_sizes(output: Output, stored_bytes: int) -> None:
-    """The arrays `port.json` declares fit in the bytes `params/` stores (uncompressed, as save writes them)."""
+    """The arrays `port/metadata` declares fit in the bytes `params/` stores (uncompressed, as save writes them)."""
     declared = sum(leaf.size * leaf.dtype.itemsize for leaf in output.leaves.values())
     if declared > stored_bytes + INLINE_SLACK_BYTES:
-        raise PortError(
+        raise OutputError(
             f"{output.where}: declares {declared} bytes of arrays but {output.params} holds only "
             f"{stored_bytes} bytes of files"
         )
@@ -386,8 +381,8 @@ def _check_config(output: Output) -> None:
         elif isinstance(value, list):
             todo.extend((f"{name}[{i}]", v) for i, v in enumerate(value))
         elif type(value) is int and abs(value) > limit:
-            raise PortError(
-                f"{output.where}: config {_shown(name)} is {_shown(value, 30)}, more than the {limit} "
+            raise OutputError(
+                f"{output.where}: config {quoted(name)} is {quoted(value, 30)}, more than the {limit} "
                 "values the output holds"
             )
 
@@ -397,25 +392,25 @@ def _build(cls: type, output: Output) -> Any:
     try:
         return skeleton(cls, output.config)
     except PortError as e:
-        raise PortError(f"{output.where}: config: {_one_line(str(e)).removeprefix('config.json: ')}") from None
+        raise OutputError(f"{output.where}: config: {one_line(str(e)).removeprefix('config.json: ')}") from None
     except Exception as e:  # jax or the model on values it does not expect
-        reason = _one_line((str(e).strip().splitlines() or [""])[0], 200)
-        raise PortError(
+        reason = one_line((str(e).strip().splitlines() or [""])[0], 200)
+        raise OutputError(
             f"{output.where}: config: {cls.__qualname__} cannot be built from it ({type(e).__name__}: {reason})"
         ) from None
 
 
 def _check_skeleton(skel: Any, output: Output, cls: type) -> list[str]:
-    """Every leaf of `port.json` is a skeleton leaf of the same shape and kind of dtype; returns
+    """Every leaf of `port/metadata` is a skeleton leaf of the same shape and kind of dtype; returns
     the skeleton's leaves the output lacks, each an optional mapping entry's (set to None)."""
     name = cls.__qualname__
     targets = {p: leaf for p, leaf in leaves(skel).items() if hasattr(leaf, "shape")}
     for path, leaf in output.leaves.items():
         target = targets.get(path)
         if target is None:
-            raise PortError(f"{output.where}: leaf '{path}' is not a leaf of {name} built from its config")
+            raise OutputError(f"{output.where}: leaf '{path}' is not a leaf of {name} built from its config")
         if tuple(target.shape) != leaf.shape or floating(target.dtype) != floating(leaf.dtype):
-            raise PortError(
+            raise OutputError(
                 f"{output.where}: leaf '{path}' is {leaf} but {describe(target.shape, target.dtype)} in "
                 f"{name} built from its config"
             )
@@ -423,7 +418,7 @@ def _check_skeleton(skel: Any, output: Output, cls: type) -> list[str]:
     absent = [path for path in targets if path not in output.leaves]
     for path in absent:
         if path not in optional:
-            raise PortError(
+            raise OutputError(
                 f"{output.where}: leaf '{path}' of {name} built from its config is missing, and the "
                 "mapping does not mark it optional"
             )
@@ -446,7 +441,7 @@ def _kvstore(params: Path, path: str = "") -> dict[str, Any]:
 def _reason(error: Exception) -> str:
     """TensorStore's message, its first line without the spec it appends."""
     text = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return _one_line(re.split(r" \[(?:tensorstore_spec|source locations)", text)[0], 300)
+    return one_line(re.split(r" \[(?:tensorstore_spec|source locations)", text)[0], 300)
 
 
 def _open_arrays(output: Output) -> dict[str, Any]:
@@ -458,7 +453,7 @@ def _open_arrays(output: Output) -> dict[str, Any]:
 
 
 def _open_array(output: Output, leaf: Leaf, context: Any) -> Any:
-    """Open the stored array of `leaf`, checking its metadata against `port.json`."""
+    """Open the stored array of `leaf`, checking its metadata against `port/metadata`."""
     import tensorstore as ts
 
     spec = {
@@ -474,11 +469,11 @@ def _open_array(output: Output, leaf: Leaf, context: Any) -> Any:
         metadata = store.spec().to_json().get("metadata", {})
         dtype = np.dtype(store.dtype.numpy_dtype)
     except Exception as e:  # tensorstore reports every failure as ValueError
-        raise PortError(f"{where}: cannot be opened ({_reason(e)})") from None
+        raise OutputError(f"{where}: cannot be opened ({_reason(e)})") from None
     if tuple(store.shape) != leaf.shape or dtype != leaf.dtype:
-        raise PortError(f"{where}: stored as {describe(store.shape, dtype)} but port.json says {leaf}")
+        raise OutputError(f"{where}: stored as {describe(store.shape, dtype)} but port/metadata says {leaf}")
     if metadata.get("compressor") is not None or metadata.get("filters") is not None:
-        raise PortError(f"{where}: stored compressed or filtered; port stores arrays uncompressed")
+        raise OutputError(f"{where}: stored compressed or filtered; port stores arrays uncompressed")
     return store
 
 
@@ -520,7 +515,7 @@ def _place(output: Output, leaf: Leaf, sharding: NamedSharding, reads: dict) -> 
     except Exception as e:  # tensorstore reports every failure as ValueError
         for future in reads.values():
             future.cancel()
-        raise PortError(f"{output.params}: leaf '{leaf.path}': cannot be read ({_reason(e)})") from None
+        raise OutputError(f"{output.params}: leaf '{leaf.path}': cannot be read ({_reason(e)})") from None
     arrays = [
         jax.device_put(blocks[_box(index, leaf.shape)], device)
         for device, index in sharding.addressable_devices_indices_map(leaf.shape).items()

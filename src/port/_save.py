@@ -1,12 +1,27 @@
-"""Save: an Orbax checkpoint of the sharded parameters, restorable onto any mesh.
+"""Save: one Orbax checkpoint of the sharded parameters and port's metadata, restorable onto any mesh.
 
-The output directory holds `params/` (Orbax `StandardCheckpointer`) and
-`port.json` (the mapping text, `config.json`, and each leaf's shape, dtype and
-logical axes), so `restore` can rebuild the module and shard it for a new mesh.
-It is written beside the target under a hidden name and renamed when complete, so
-a failed save leaves no directory behind. In a multi-process run every process
-calls `save` with the same directory (on a file system they share), each writes
-its own shards, and process 0 finishes the directory.
+The output is an ordinary Orbax composite checkpoint (format 2):
+
+```
+OUT/
+  _CHECKPOINT_METADATA      Orbax: the items and their handlers, timestamps
+  commit_success.txt        Orbax: the checkpoint was finalised
+  params/                   the arrays: an Orbax PyTree (zarr in an OCDBT database), nested as the module is
+  port/metadata             port's metadata, JSON: the format number (2), the mapping's text and where it
+  port/commit_success.txt   came from, config.json, and each leaf's shape, dtype and logical axes
+```
+
+Stock Orbax restores it without port (`ocp.StandardCheckpointer().restore(OUT / "params")`
+gives the arrays as a nested dict, `ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(OUT)`
+both items); `restore` rebuilds the module from `port/metadata` and shards it for any mesh.
+
+Orbax writes the checkpoint into a temporary directory beside the target and renames it
+into place when complete (its atomic finalisation). Port names that directory
+(`.OUT.port-partial-TOKEN`) and registers it with the supervisor as it creates it, so
+a failed or interrupted save leaves nothing behind; with `force`, an earlier output is
+moved aside only at that rename, so until then it stays complete. In a multi-process
+run every process calls `save` with the same directory (on a file system they share),
+each writes its own shards, and process 0 creates and finalises the directory.
 
 ```python
 save(model, "out/gpt2", mapping, config)
@@ -22,49 +37,58 @@ import os
 import re
 import secrets
 import shutil
+import stat
+import time
 from collections.abc import Mapping as AnyMapping
 from pathlib import Path
 from typing import Any
 
+import equinox as eqx
 import jax
 import numpy as np
 
-from ._distributed import barrier
-from ._errors import PortError
+from ._console import one_line
+from ._errors import OutputError, PortError
 from ._interrupt import final, removing
 from ._mapping import Mapping
 from ._skeleton import leaves
 
-FORMAT = 1
-
-
-def nest(flat: AnyMapping[str, Any]) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        *parents, name = path.split(".")
-        node = tree
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[name] = value
-    return tree
-
-
-PARTS = frozenset({"port.json", "params"})  # what `save` writes into an output directory
+FORMAT = 2
+MAX_METADATA_BYTES = 32 << 20  # port/metadata, params/_METADATA: a few hundred KB for real models
+STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's names in a checkpoint it finalised
+COMMIT_FILE = "commit_success.txt"
+PARTS = frozenset({STEP_METADATA, COMMIT_FILE, "params", "port"})  # what `save` writes into an output
+PORT_PARTS = frozenset({"metadata", COMMIT_FILE})  # the JSON item `port/` (Orbax's JsonCheckpointHandler)
 
 
 def is_output(directory: str | os.PathLike) -> bool:
-    """Whether `directory` is a port output: `port.json` (port's metadata) and `params/`, nothing else."""
+    """Whether `directory` is a port output: exactly the files and directories `save` writes.
+
+    Orbax's `_CHECKPOINT_METADATA` and `commit_success.txt`, the `params/` item, and the
+    `port/` item holding `metadata` (a JSON object with a `format`) and `commit_success.txt`.
+
+    ```python
+    is_output("out/gpt2")      # True once `port convert --out out/gpt2` has finished
+    ```
+    """
     directory = Path(directory)
-    if directory.is_symlink() or not directory.is_dir():
+    port = directory / "port"
+    if directory.is_symlink() or not directory.is_dir() or port.is_symlink() or not port.is_dir():
         return False
     try:
         names = {p.name for p in directory.iterdir()}
-        if (directory / "port.json").stat().st_size > 32 << 20:  # more than port's metadata ever holds
+        items = {p.name for p in port.iterdir()}
+        info = (port / "metadata").lstat()
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_METADATA_BYTES:  # never a FIFO, nor huge
             return False
-        meta = json.loads((directory / "port.json").read_text())
+        meta = json.loads((port / "metadata").read_text())
     except (OSError, ValueError):
         return False
-    return names == PARTS and isinstance(meta, dict) and "format" in meta and (directory / "params").is_dir()
+    params = directory / "params"
+    return (
+        names == PARTS and items == PORT_PARTS and isinstance(meta, dict) and "format" in meta
+        and params.is_dir() and not params.is_symlink()
+    )
 
 
 def _inside(path: Path, directory: Path) -> bool:
@@ -95,28 +119,28 @@ def check_out(
         what = "the root directory" if real == Path(real.anchor) else "your home directory" if real == home else (
             "the working directory" if real == here else "a directory containing the working directory"
         )
-        raise PortError(f"{flag} {out}: is {what}; port writes its output into a new directory")
+        raise OutputError(f"{flag} {out}: is {what}; port writes its output into a new directory")
     for name in inputs:
         source = Path(name).resolve()
         if _inside(source, real):
             what = "is" if source == real else "contains"
-            raise PortError(f"{flag} {out}: {what} the input {name}; choose another directory")
+            raise OutputError(f"{flag} {out}: {what} the input {name}; choose another directory")
     if out.is_symlink():
-        raise PortError(f"{flag} {out}: is a symbolic link; give the directory itself")
+        raise OutputError(f"{flag} {out}: is a symbolic link; give the directory itself")
     if out.exists():
         if not out.is_dir():
-            raise PortError(f"{flag} {out}: is a file, not a directory; port will not replace it")
+            raise OutputError(f"{flag} {out}: is a file, not a directory; port will not replace it")
         if not force:
-            raise PortError(f"{flag} {out}: already exists (use --force to replace an earlier port output)")
+            raise OutputError(f"{flag} {out}: already exists (use --force to replace an earlier port output)")
         if not is_output(out):
-            raise PortError(
-                f"{flag} {out}: not a port output (port.json and params/ only); --force replaces only "
-                "a directory port wrote"
+            raise OutputError(
+                f"{flag} {out}: not a port output (Orbax's checkpoint of params/ and port/ only); --force "
+                "replaces only a directory port wrote"
             )
     elif not out.parent.is_dir():
-        raise PortError(f"{flag} {out}: parent directory does not exist")
+        raise OutputError(f"{flag} {out}: parent directory does not exist")
     if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise PortError(f"{flag} {out}: cannot write in {out.parent} (read-only or not permitted)")
+        raise OutputError(f"{flag} {out}: cannot write in {out.parent} (read-only or not permitted)")
     return out
 
 
@@ -128,8 +152,7 @@ def _reason(error: BaseException) -> str:
         return error.strerror
     if code:
         return os.strerror(int(code.group(1)))
-    first = (text.strip().splitlines() or [type(error).__name__])[0]
-    return first if len(first) <= 200 else first[:200] + "..."
+    return one_line((text.strip().splitlines() or [type(error).__name__])[0], 200)
 
 
 def free_bytes(directory: str | os.PathLike) -> int:
@@ -147,20 +170,63 @@ def _run_token() -> str:
     return token.astype(">u4").tobytes().hex()
 
 
-def _replace(directory: Path, written: Path, force: bool) -> None:
-    """Move `written` to `directory`; an earlier port output there is removed after the move."""
-    old = directory.parent / f".{directory.name}.port-old-{secrets.token_hex(4)}"
-    with removing(old):
-        with final():
-            if os.path.lexists(directory):
-                check_out(directory, force)  # still an earlier port output, as when we started
-                os.rename(directory, old)
-            try:
-                os.rename(written, directory)  # fails if another run has put its output there meanwhile
-            except OSError as e:
-                raise PortError(f"--out {directory}: another run wrote it meanwhile ({e.strerror})") from None
-        if os.path.lexists(old):
-            shutil.rmtree(old)
+def _temporary_path(directory: Path, force: bool, cleanup: contextlib.ExitStack) -> type:
+    """Orbax's temporary-path class for one save to `directory`, as port names, creates and finalises it.
+
+    Orbax's `Checkpointer` asks it for the temporary path (`from_final`), has process 0
+    `create` it, writes there, and has process 0 `finalize` it. Here the path is
+    `.NAME.port-partial-TOKEN` beside `directory`, the same in every process; `create`
+    makes it and registers it with the supervisor in one step (`removing`: nothing is
+    there to leave before, and an interrupt from then on removes it); `cleanup` removes
+    it if the save fails. `finalize` moves an earlier output aside (only with `force`,
+    and only one `check_out` still accepts) within the same `final()` block as Orbax's
+    rename, puts it back if the rename fails, and removes it once the new output is in
+    place. Orbax's own `force` would delete the earlier output before writing.
+    """
+    from etils import epath
+    from orbax.checkpoint.path import atomicity
+
+    token = _run_token()
+    partial = directory.parent / f".{directory.name}.port-partial-{token}"
+    aside = directory.parent / f".{directory.name}.port-old-{token}"
+
+    class PortTemporaryPath(atomicity.AtomicRenameTemporaryPath):
+        path = partial
+
+        @classmethod
+        def from_final(cls, final_path: Any, **options: Any) -> PortTemporaryPath:
+            # Whatever path Orbax was handed (see `save`), the output is `directory`.
+            return cls(epath.Path(partial), epath.Path(directory), **options)
+
+        async def create(self) -> Any:
+            try:  # a new directory, never an existing one nor through a symlink
+                cleanup.enter_context(removing(partial, create=os.mkdir))
+            except FileExistsError:
+                raise OutputError(f"{partial}: exists; port writes only into a directory it creates") from None
+            cleanup.callback(shutil.rmtree, partial, True)
+            if self._checkpoint_metadata_store is not None:  # as Orbax's own create
+                self._checkpoint_metadata_store.update(
+                    file_path=self.get() / STEP_METADATA, init_timestamp_nsecs=time.time_ns()
+                )
+            return self.get()
+
+        async def finalize(self) -> None:
+            with removing(aside):
+                with final():  # an interrupt waits until the output is in place
+                    if force and os.path.lexists(directory):
+                        check_out(directory, force)  # still an earlier port output, as when we started
+                        os.rename(directory, aside)
+                    try:
+                        await super().finalize()  # Orbax's commit file and timestamp, and its rename
+                    except FileExistsError:
+                        raise OutputError(f"--out {directory}: another run wrote it meanwhile") from None
+                    finally:
+                        if os.path.lexists(aside) and not os.path.lexists(directory):
+                            os.rename(aside, directory)
+                if os.path.lexists(aside):
+                    shutil.rmtree(aside)
+
+    return PortTemporaryPath
 
 
 def save(
@@ -170,12 +236,34 @@ def save(
     config: AnyMapping[str, Any],
     force: bool = False,
 ) -> Path:
-    """Write the model's arrays with Orbax, plus `port.json`; atomically, by rename."""
+    """Write `model`'s arrays and port's metadata as one Orbax checkpoint, atomically.
+
+    **Arguments:**
+
+    - `model`: the module whose `jax.Array` leaves are saved (sharded as they are; each
+      process writes its own shards).
+    - `directory`: the output, a directory `save` creates (see the layout above).
+    - `mapping`: the `Mapping` the model was converted with; its text and each leaf's
+      logical axes go into `port/metadata`, for `restore` to shard the leaves on a new mesh.
+    - `config`: the checkpoint's `config.json`, from which `restore` rebuilds the module.
+    - `force`: replace an earlier port output at `directory` (and nothing else, see
+      `check_out`); it stays complete until the new output is.
+
+    Returns the absolute output path. Raises `OutputError`, one line, when the directory
+    may not be written or writing fails (a full disk, a file-size limit); nothing is
+    left behind then.
+
+    ```python
+    with port.open_checkpoint("ckpt/gpt2") as ckpt:
+        model = port.load("ckpt/gpt2", mesh="4x2")
+        save(model, "gpt2-jax", port.mapping_for(ckpt.config), ckpt.config)
+    ```
+    """
     import orbax.checkpoint as ocp
 
     directory = check_out(directory, force)
+    params = eqx.filter(model, lambda leaf: isinstance(leaf, jax.Array))
     axes = {p.path: p.axes for p in mapping.params}
-    arrays = {p: a for p, a in leaves(model).items() if isinstance(a, jax.Array)}
     meta = {
         "format": FORMAT,
         "mapping_source": mapping.source,
@@ -183,34 +271,28 @@ def save(
         "config": dict(config),
         "leaves": {
             p: {"shape": list(a.shape), "dtype": np.dtype(a.dtype).name, "axes": list(axes.get(p, ()))}
-            for p, a in arrays.items()
+            for p, a in leaves(params).items()
         },
     }
-    # A new name for each run, the same for every process of a multi-process run:
-    # they write one checkpoint.
-    tmp = directory.parent / f".{directory.name}.port-partial-{_run_token()}"
-    lead = jax.process_index() == 0
+    # No compression: trained weights barely compress, and compressing doubled the
+    # host memory of a save; at most 1 GB of arrays in flight to the writer.
+    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    registry.add("params", ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(
+        use_compression=False, save_concurrent_gb=1, save_device_host_concurrent_gb=1
+    ))
+    registry.add("port", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
+    items = ocp.args.Composite(params=ocp.args.PyTreeSave(params), port=ocp.args.JsonSave(meta))
     with contextlib.ExitStack() as cleanup:
-        if lead:
-            try:  # a new directory, never an existing one nor through a symlink
-                cleanup.enter_context(removing(tmp, create=os.mkdir))
-            except FileExistsError:
-                raise PortError(f"{tmp}: exists; port writes only into a directory it creates") from None
-            cleanup.callback(shutil.rmtree, tmp, True)
-        barrier("port-save-start")
-        # No compression: trained weights barely compress, and compressing doubled the
-        # host memory of a save; at most 1 GB of arrays in flight to the writer.
-        handler = ocp.PyTreeCheckpointHandler(
-            use_compression=False, save_concurrent_gb=1, save_device_host_concurrent_gb=1
-        )
+        temporary = _temporary_path(directory, force, cleanup)
         try:
-            with ocp.Checkpointer(handler) as checkpointer:
-                checkpointer.save(tmp / "params", args=ocp.args.PyTreeSave(nest(arrays)))
+            with ocp.Checkpointer(
+                ocp.CompositeCheckpointHandler(handler_registry=registry), temporary_path_class=temporary
+            ) as checkpointer:
+                # Orbax is handed the temporary path to check, not `directory`: it refuses an
+                # existing directory, which `force` replaces (in `finalize`, once the new one is complete).
+                checkpointer.save(temporary.path, args=items)
+        except PortError:
+            raise
         except (OSError, ValueError, RuntimeError) as e:  # tensorstore reports I/O errors as ValueError
-            raise PortError(f"--out {directory}: writing the checkpoint failed: {_reason(e)}") from None
-        barrier("port-save-written")
-        if lead:
-            (tmp / "port.json").write_text(json.dumps(meta, indent=1))
-            _replace(directory, tmp, force)
-        barrier("port-save-done")
+            raise OutputError(f"--out {directory}: writing the checkpoint failed: {_reason(e)}") from None
     return directory
