@@ -75,7 +75,7 @@ def test_an_output_that_exists_is_an_output_error(tiny, tmp_path):
 
 def test_agreement_outside_a_run_is_a_no_op_and_the_store_needs_one():
     port.agree({"--mesh": "1x1"})  # one process: nothing to agree with
-    from port._distributed import _store
+    from port._runtime import _store
 
     with pytest.raises(port.RunError, match="port.initialize"):
         _store()

@@ -121,7 +121,7 @@ def test_a_process_alone_stops_after_the_timeout(wired, tmp_path, process):
 
 DRIVER = textwrap.dedent("""
     import json, os, sys, time
-    from port._distributed import agree, initialize
+    from port._runtime import agree, initialize
     from port._console import say
     from port._errors import PortError
 
@@ -230,13 +230,13 @@ def test_the_stores_port_in_use(driver):
 
 
 def test_one_process_agrees_with_itself():
-    from port._distributed import agree
+    from port._runtime import agree
 
     agree({"--dtype": "bfloat16"})  # not a multi-process run: nothing to compare
 
 
 def test_disagreements_read_as_settings():
-    from port._distributed import _MISSING, _disagreement
+    from port._runtime import _MISSING, _disagreement
 
     assert _disagreement("--dtype", {0: None, 1: "bfloat16"}) == (
         "processes disagree on --dtype: process 0 has no --dtype, process 1 has bfloat16")

@@ -94,8 +94,7 @@ def _write_file(path: Path, text: str) -> None:
 
 def convert(args: argparse.Namespace) -> int:
     """Convert MODEL into a sharded Equinox model and save it with Orbax to --out."""
-    from ._distributed import _env_int, initialize
-    from ._mesh import devices_per_process, mesh_shape, simulate_devices
+    from ._runtime import _env_int, devices_per_process, initialize, mesh_shape, simulate_devices
     from ._save import check_out
 
     shape = mesh_shape(args.mesh)

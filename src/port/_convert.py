@@ -34,14 +34,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ._console import size_text
-from ._distributed import agree
 from ._errors import OutputError
 from ._fill import fill
 from ._mapping import Mapping, mapping_for
 from ._memory import PeakMemory
-from ._mesh import as_mesh, mesh_spec
 from ._place import place
 from ._plan import LeafPlan, Plan, plan
+from ._runtime import agree, as_mesh, mesh_spec
 from ._save import check_out, free_bytes, save
 from ._skeleton import skeleton as make_skeleton
 from ._source import Checkpoint, open_checkpoint

@@ -40,7 +40,7 @@ from ._errors import OutputError, PortError
 from ._fill import fill
 from ._dtypes import NAMES, dtype as dtype_named, floating
 from ._mapping import Mapping, import_object, parse_mapping
-from ._mesh import as_mesh
+from ._runtime import as_mesh
 from ._place import _box
 from ._plan import partition
 from ._save import FORMAT, MAX_METADATA_BYTES

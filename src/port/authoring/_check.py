@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 from .._errors import PlanError
 from .._mapping import Mapping, load_mapping, mapping_for
-from .._mesh import as_shape
+from .._runtime import as_shape
 from .._plan import Plan, plan_problems
 from .._skeleton import skeleton
 from .._source import Checkpoint, open_checkpoint

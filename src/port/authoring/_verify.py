@@ -104,7 +104,7 @@ def verify(
     import equinox as eqx
 
     from .._convert import convert
-    from .._mesh import as_mesh, mesh_shape
+    from .._runtime import as_mesh, mesh_shape
     from .._skeleton import skeleton
     from .._source import open_checkpoint, resolve
 
