@@ -14,6 +14,8 @@ floating(dtype("int8"))      # False
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any
 
 import ml_dtypes
@@ -53,6 +55,11 @@ def dtype(name: str) -> np.dtype:
 
 def floating(d: Any) -> bool:
     """Whether `d` is a floating dtype: float16/32/64, bfloat16 and the float8 types."""
+    return _floating(np.dtype(d))
+
+
+@functools.lru_cache(maxsize=None)  # asked for every key and leaf by scaffold: a dict lookup after the first
+def _floating(d: np.dtype) -> bool:
     import jax.numpy as jnp  # here, not above: the command line's supervisor reads this table without JAX
 
-    return bool(jnp.issubdtype(np.dtype(d), jnp.floating))
+    return bool(jnp.issubdtype(d, jnp.floating))

@@ -22,7 +22,8 @@ from typing import Any
 from .._transforms import Split
 from ._axes import Dims, named, propose_axes
 from ._draft import Entry, FusedHint, shape_text
-from ._keys import Group, floating
+from .._dtypes import floating
+from ._keys import Group
 from ._names import tokens
 from ._pairing import Candidate, Leaf, builds, chains, pick, target_shape
 

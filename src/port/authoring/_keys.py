@@ -13,7 +13,6 @@ group_keys({"h.0.ln_1.weight": "transformer.h.0.ln_1.weight", ...}, tensors, {12
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Mapping as AnyMapping
 from collections.abc import Sequence
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._dtypes import floating as _floating
+from .._dtypes import floating
 from .._mapping import LAYER
 from .._source import TensorInfo
 
@@ -29,12 +28,6 @@ Shape = tuple[int, ...]
 
 PREFIX_SHARE = 0.75  # a prefix is shared by at least this share of the keys
 _BUFFERS = ("attn.bias", "attn.masked_bias", "position_ids", "rotary_emb.inv_freq", "num_batches_tracked")
-
-
-@functools.lru_cache(maxsize=None)
-def floating(dtype: np.dtype) -> bool:
-    """Whether `dtype` is floating, as port's dtype table says (cached: asked for every key and leaf)."""
-    return _floating(dtype)
 
 
 @dataclass(frozen=True)

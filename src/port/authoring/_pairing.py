@@ -28,7 +28,8 @@ import numpy as np
 
 from .._errors import PortError
 from .._transforms import Chain, Reshape, Transform, Transpose
-from ._keys import Group, Shape, floating
+from .._dtypes import floating
+from ._keys import Group, Shape
 from ._names import similarity, tokens, weight_or_bias
 
 Ops = tuple[Transform, ...]  # transforms as a mapping file writes them (config names kept)
