@@ -1,39 +1,33 @@
-"""BERT checkpoints written by `transformers` convert to port's Bert with the same hidden states."""
+"""BERT: port's encoder, converted by the shipped `mappings/bert.toml`, against `transformers` BertModel.
+
+Parity goes through the converter: a `BertModel` (or `BertForMaskedLM`) written by
+`save_pretrained`, under each key layout checkpoints use, loaded by `port`, gives the
+same hidden states and pooled output. The tests that build a `transformers` model
+skip without PyTorch.
+"""
 
 import equinox as eqx
+import jax
 import numpy as np
 import pytest
-import torch
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import port
-from conftest import cli
+from helpers import BERT_CONFIG, cli, converted, torch_bert, transformers_or_skip
+from port._errors import PortError
+from port.models.bert import Bert, BertConfig
 
 IDS = np.random.default_rng(1).integers(0, 101, (2, 12))
 TYPES = np.random.default_rng(2).integers(0, 2, (2, 12))
 MASK = np.ones((2, 12), np.int64)
-MASK[1, 9:] = 0
-
-
-def torch_bert(pooler=True, **overrides):
-    from transformers import BertConfig, BertModel
-
-    config = BertConfig(
-        vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-        max_position_embeddings=32, initializer_range=0.2, **overrides,
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = BertModel(config, add_pooling_layer=pooler).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" in name or name.endswith("bias"):
-                p.add_(0.3 * torch.randn_like(p))
-    return model
+MASK[1, 9:] = 0  # padding at the end of the second sequence
 
 
 def expected(model):
+    """transformers' last hidden state and pooled output (None without a pooler)."""
+    import torch
+
     with torch.no_grad():
         out = model(torch.tensor(IDS), attention_mask=torch.tensor(MASK), token_type_ids=torch.tensor(TYPES))
     return out.last_hidden_state.numpy(), None if out.pooler_output is None else out.pooler_output.numpy()
@@ -58,27 +52,40 @@ LAYOUTS = {
 }
 
 
+# ---------------------------------------------------------------- parity
+
+
 @pytest.mark.parametrize("mesh_spec", ["1x1", "4x2"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_hidden_states_match_transformers(tmp_path, layout, mesh_spec):
+    """All positions, padded ones included: transformers masks keys only, so padded
+    queries still get a well-defined output that port reproduces."""
     model = torch_bert(hidden_act="gelu")
     model.save_pretrained(tmp_path)
     rewrite(tmp_path, LAYOUTS[layout])
     hidden, pooled = expected(model)
-    converted = port.load(tmp_path, mesh=port.make_mesh(mesh_spec))
-    ours_hidden, ours_pooled = run(converted, IDS, MASK, TYPES)
+    ours = port.load(tmp_path, mesh=port.make_mesh(mesh_spec))
+    ours_hidden, ours_pooled = run(ours, IDS, MASK, TYPES)
+    assert ours_hidden.shape == (*IDS.shape, 64) and ours_pooled.shape == (2, 64)
     assert np.abs(np.asarray(ours_hidden) - hidden).max() < 1e-4
     assert np.abs(np.asarray(ours_pooled) - pooled).max() < 1e-4
-    assert converted.layers.attn.wq.sharding.spec == P(None, "model", None, "data")
-    assert converted.layers.mlp.fc.weight.sharding.spec == P(None, "model", "data")
+    assert ours.layers.attn.wq.sharding.spec == P(None, "model", None, "data")
+    assert ours.layers.mlp.fc.weight.sharding.spec == P(None, "model", "data")
+
+
+def test_tanh_gelu_and_another_epsilon_match_transformers(tmp_path):
+    """`hidden_act` and `layer_norm_eps` come from config.json, as in transformers."""
+    model = torch_bert(hidden_act="gelu_new", layer_norm_eps=1e-3)
+    hidden, pooled = expected(model)
+    ours_hidden, ours_pooled = run(converted(model, tmp_path), IDS, MASK, TYPES)
+    np.testing.assert_allclose(np.asarray(ours_hidden), hidden, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(np.asarray(ours_pooled), pooled, atol=1e-4, rtol=0)
 
 
 def test_masked_lm_checkpoint_without_pooler(tmp_path):
     """A BertForMaskedLM checkpoint: `cls.*` heads ignored, no pooler -> pooler None."""
-    from transformers import BertForMaskedLM
-
     base = torch_bert(pooler=False, layer_norm_eps=1e-3)
-    lm = BertForMaskedLM(base.config).eval()
+    lm = transformers_or_skip().BertForMaskedLM(base.config).eval()
     lm.bert.load_state_dict(base.state_dict())
     lm.save_pretrained(tmp_path)
     hidden, _ = expected(base)
@@ -88,20 +95,55 @@ def test_masked_lm_checkpoint_without_pooler(tmp_path):
         recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, {"data": 2, "model": 2})
     assert recipe.empty == ("pooler.weight", "pooler.bias")
     assert all(k.startswith("cls.") for k in recipe.ignored)
-    converted = port.load(tmp_path, mesh=port.make_mesh("2x2"))
-    assert converted.pooler.weight is None
-    ours, _ = run(converted, IDS, MASK, TYPES)
-    assert np.abs(np.asarray(ours) - hidden).max() < 1e-4
-    with pytest.raises(port.PortError, match="no pooler"):
-        converted.pooled(ours)
+    ours = port.load(tmp_path, mesh=port.make_mesh("2x2"))
+    assert ours.pooler.weight is None
+    ours_hidden, _ = run(ours, IDS, MASK, TYPES)
+    assert np.abs(np.asarray(ours_hidden) - hidden).max() < 1e-4
+    with pytest.raises(ValueError, match="no pooler"):
+        ours.pooled(ours_hidden)
 
 
 def test_convert_and_restore_a_checkpoint_without_pooler(tmp_path):
-    torch_bert(pooler=False).save_pretrained(tmp_path / "bert")
+    model = torch_bert(pooler=False)
+    model.save_pretrained(tmp_path / "bert")
     code, output = cli("convert", tmp_path / "bert", "--mesh", "2x2", "--out", tmp_path / "out")
     assert code == 0, output
     restored = port.restore(tmp_path / "out", port.make_mesh("1x1"))
     assert restored.pooler.weight is None and restored.pooler.bias is None
-    hidden, _ = expected(torch_bert(pooler=False))
+    hidden, _ = expected(model)
     ours, _ = run(restored, IDS, MASK, TYPES)
     assert np.abs(np.asarray(ours) - hidden).max() < 1e-4
+
+
+# ---------------------------------------------------------------- the module and its config
+
+
+def test_stacked_field_shapes():
+    model = eqx.filter_eval_shape(Bert.from_config, BERT_CONFIG, key=jax.random.key(0))
+    assert model.word_embeddings.shape == (101, 64)
+    assert model.position_embeddings.shape == (32, 64)
+    assert model.token_type_embeddings.shape == (2, 64)
+    assert model.embed_norm.weight.shape == (64,)
+    assert model.layers.attn.wq.shape == (2, 4, 16, 64)
+    assert model.layers.attn.bq.shape == (2, 4, 16)
+    assert model.layers.attn.wo.shape == (2, 64, 4, 16)
+    assert model.layers.attn.bo.shape == (2, 64)
+    assert model.layers.attn_norm.weight.shape == (2, 64)
+    assert model.layers.mlp.fc.weight.shape == (2, 128, 64)
+    assert model.layers.mlp.proj.weight.shape == (2, 64, 128)
+    assert model.layers.mlp_norm.bias.shape == (2, 64)
+    assert model.pooler.weight.shape == (64, 64)
+    assert model.config.layer_norm_eps == 1e-12
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(position_embedding_type="relative_key"), "position_embedding_type"),
+        (dict(hidden_act="mish"), "hidden_act"),
+        (dict(is_decoder=True), "is_decoder"),
+    ],
+)
+def test_config_rejects_unsupported(change, match):
+    with pytest.raises(PortError, match=match):
+        BertConfig.from_hf({**BERT_CONFIG, **change})

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 import port
-from conftest import run_port
+from helpers import run_port
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
 
@@ -21,6 +21,9 @@ def test_convert_returns_the_model_the_plan_and_the_report(tmp_path):
         int.from_bytes((EXAMPLE / "model.safetensors").read_bytes()[:8], "little")
     )
     assert sorted(run.report.device_bytes) == ["0", "1", "2", "3"]
+    # float32: each device holds at most every parameter, and every parameter is held at least once
+    assert all(0 < b <= 4 * run.report.params for b in run.report.device_bytes.values())
+    assert sum(run.report.device_bytes.values()) >= 4 * run.report.params
     assert run.report.out == str(tmp_path / "out") and run.report.peak_host_bytes > 0
     # progress: a start, one event per leaf while reading and placing, then the write
     reads = [p for p in seen if p.phase == "read"]
@@ -39,6 +42,7 @@ def test_the_cli_report_is_the_library_report(tmp_path):
     assert set(written) == set(library) | {"model"}
     for key in ("params", "bytes_read", "device_bytes", "mesh", "num_processes", "process", "dtype"):
         assert written[key] == library[key], key
+    assert 0 < written["seconds"] < 120 and written["peak_host_bytes"] > 0
 
 
 def test_load_is_convert_without_output():

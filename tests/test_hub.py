@@ -1,12 +1,10 @@
 """A Hugging Face repo id resolves through the hub cache, offline."""
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import port
+from helpers import run_port
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny-gpt2"
 
@@ -24,13 +22,8 @@ def cache_with(tmp_path: Path, repo: str) -> Path:
 
 def test_cached_repo_id_converts_offline(tmp_path):
     cache = cache_with(tmp_path, "someone/tiny-gpt2")
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-    env |= {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
     out = tmp_path / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "port", "convert", "someone/tiny-gpt2", "--mesh", "2x2", "--out", str(out)],
-        capture_output=True, text=True, env=env,
-    )
+    result = run_port("convert", "someone/tiny-gpt2", "--mesh", "2x2", "--out", out, env={"HF_HUB_CACHE": str(cache)})
     assert result.returncode == 0, result.stderr
     assert "converted someone/tiny-gpt2" in result.stderr
     model = port.restore(out, port.make_mesh("1x1"))

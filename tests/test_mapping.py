@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import port
 import port._transforms
-from conftest import write_checkpoint
+from helpers import write_checkpoint
 
 ROOT = Path(__file__).parents[1]
 

@@ -3,40 +3,53 @@
 Every shipped model takes `input_ids` with or without the batch axis; unbatched ids give
 the batched output of a batch of one, and match transformers. A bad rank, dtype or mask
 shape raises naming the argument and the shape it must have, also under `filter_jit`.
+The checks on inputs read shapes only: they run on randomly initialised modules,
+without PyTorch; the comparisons with transformers use port's conversion of its model.
 """
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
-import test_bert_model
-import test_gpt2_model
-import test_llama_model
+from helpers import (
+    BERT_CONFIG, GPT2_CONFIG, LLAMA_CONFIG, VOCAB, converted, torch_bert, torch_gpt2, torch_llama,
+)
+from port.models.bert import Bert
+from port.models.gpt2 import GPT2
+from port.models.llama import Llama
 
-VOCAB, SEQ = 101, 12  # every small config below has a vocabulary of 101
+SEQ = 12
+BUILD = {"gpt2": (GPT2, GPT2_CONFIG, torch_gpt2), "llama": (Llama, LLAMA_CONFIG, torch_llama),
+         "bert": (Bert, BERT_CONFIG, lambda: torch_bert(hidden_act="gelu"))}
 
 
 @pytest.fixture(scope="module")
 def models():
-    """Each family's transformers model and its port twin (one build per family)."""
+    """get(name): the family's module of its small config, filled with seeded noise (no init, no PyTorch)."""
     made = {}
 
     def get(name):
         if name not in made:
-            if name == "gpt2":
-                hf = test_gpt2_model._hf_model()
-                made[name] = hf, test_gpt2_model._to_eqx(hf)
-            elif name == "llama":
-                hf = test_llama_model._hf_model(
-                    transformers.LlamaForCausalLM, transformers.LlamaConfig
-                )
-                made[name] = hf, test_llama_model._to_eqx(hf)
-            else:
-                hf = test_bert_model._hf_model(hidden_act="gelu")
-                made[name] = hf, test_bert_model._to_eqx(hf)
+            cls, config, _ = BUILD[name]
+            skeleton = eqx.filter_eval_shape(cls.from_config, config, key=jax.random.key(0))
+            rng = np.random.default_rng(0)
+            made[name] = jax.tree.map(lambda s: jnp.asarray(0.2 * rng.standard_normal(s.shape), s.dtype), skeleton)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    """get(name): the family's transformers model and port's conversion of it (one build per family)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            hf = BUILD[name][2]()
+            made[name] = hf, converted(hf, tmp_path_factory.mktemp(name))
         return made[name]
 
     return get
@@ -48,17 +61,19 @@ def _ids(shape=(SEQ,), seed=0) -> jnp.ndarray:
 
 def _torch(hf, ids, **extra):
     """transformers' output for one unbatched sequence (it always wants a batch axis)."""
+    import torch
+
     args = {k: torch.from_numpy(np.asarray(v, np.int64))[None] for k, v in extra.items()}
     with torch.no_grad():
         out = hf(torch.from_numpy(np.asarray(ids, np.int64))[None], **args)
-    if isinstance(hf, transformers.BertModel):
+    if hasattr(out, "pooler_output"):
         return out.last_hidden_state[0].numpy(), out.pooler_output[0].numpy()
     return out.logits[0].float().numpy(), None
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_unbatched_logits(models, name):
-    hf, model = models(name)
+def test_unbatched_logits(twins, name):
+    hf, model = twins(name)
     ids = _ids()
     run = eqx.filter_jit(model)
     unbatched, batched = run(ids), run(ids[None])
@@ -68,8 +83,8 @@ def test_unbatched_logits(models, name):
     np.testing.assert_allclose(unbatched, expected, atol=1e-4, rtol=0)
 
 
-def test_unbatched_bert_with_mask_and_types(models):
-    hf, model = models("bert")
+def test_unbatched_bert_with_mask_and_types(twins):
+    hf, model = twins("bert")
     ids, types = _ids(), _ids(seed=1) % 2
     mask = jnp.ones((SEQ,), jnp.int32).at[SEQ - 4 :].set(0)  # padding at the end
     run = eqx.filter_jit(model)
@@ -103,7 +118,7 @@ RANK = r"`input_ids` must have shape \(batch, seq\) or \(seq,\), got "
     ids=["0d", "3d", "float", "bool"],
 )
 def test_bad_input_ids_raise(models, name, jit, ids, error, match):
-    _, model = models(name)
+    model = models(name)
     with pytest.raises(error, match=match):
         (eqx.filter_jit(model) if jit else model)(ids)
 
@@ -124,13 +139,13 @@ def test_bad_input_ids_raise(models, name, jit, ids, error, match):
     ids=["batched-ids-1d-mask", "unbatched-ids-2d-mask", "short-types", "float-types"],
 )
 def test_bert_mismatched_masks_raise(models, jit, ids_shape, kwargs, error, match):
-    _, model = models("bert")
+    model = models("bert")
     with pytest.raises(error, match=match):
         (eqx.filter_jit(model) if jit else model)(jnp.zeros(ids_shape, jnp.int32), **kwargs)
 
 
 def test_bert_accepts_bool_and_float_masks(models):
-    _, model = models("bert")
+    model = models("bert")
     ids = _ids()
     mask = jnp.ones((SEQ,), jnp.int32).at[SEQ - 4 :].set(0)
 
@@ -148,12 +163,12 @@ def test_bert_accepts_bool_and_float_masks(models):
     "name, key", [("gpt2", "n_positions"), ("bert", "max_position_embeddings")]
 )
 def test_too_long_sequence_raises(models, name, key, shape):
-    _, model = models(name)  # both have 32 positions
+    model = models(name)  # both have 32 positions
     with pytest.raises(ValueError, match=f"`input_ids`: sequence length 33 exceeds {key} \\(32\\)"):
         eqx.filter_jit(model)(jnp.zeros(shape, jnp.int32))
 
 
 def test_bert_pooled_rejects_bad_rank(models):
-    _, model = models("bert")
+    model = models("bert")
     with pytest.raises(ValueError, match=r"`hidden` must have shape .* got \(64,\)"):
         model.pooled(jnp.zeros((64,)))

@@ -2,6 +2,7 @@
 
 import math
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,7 +11,11 @@ from safetensors.numpy import load_file
 import port
 import port._place
 import port._source
-from conftest import read_offsets, recorded_reads
+from helpers import read_offsets, recorded_reads
+
+# The tiny GPT-2 example: save_pretrained's layout (tied, no lm_head) written with NumPy; vocab 1021,
+# not divisible by model=2, is replicated on it
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
 
 
 @pytest.fixture
@@ -75,14 +80,13 @@ def element_bytes(info, region):
 
 
 @pytest.mark.parametrize("band_bytes", [port._place.BAND_BYTES, 1000])
-def test_each_block_reads_exactly_its_region(gpt2_checkpoints, reads, monkeypatch, band_bytes):
+def test_each_block_reads_exactly_its_region(reads, monkeypatch, band_bytes):
     """Also when tensors are read in bands by several jobs (small bands here: every tensor)."""
     monkeypatch.setattr(port._place, "BAND_BYTES", band_bytes)
     jobs, real_bands = [], port._place._bands
     monkeypatch.setattr(port._place, "_bands", lambda parts: jobs.extend(real_bands(parts)) or real_bands(parts))
-    directories, _ = gpt2_checkpoints
     mesh = port.make_mesh("4x2")
-    with port.open_checkpoint(directories["lm"]) as ckpt:
+    with port.open_checkpoint(EXAMPLE) as ckpt:
         mapping = port.mapping_for(ckpt.config)
         recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape)
         port.place(recipe, ckpt, mesh)
@@ -102,15 +106,14 @@ def test_each_block_reads_exactly_its_region(gpt2_checkpoints, reads, monkeypatc
         boxes = by_leaf[leaf.path]
         assert len(boxes) == len(set(boxes)) == len(leaf.shards(mesh.shape)), leaf.path
     assert total == recipe.read_bytes == sum(len(files) for _, _, files in per_block)
-    # One job per source key, or per band of it: wte (101 x 64 float32) in bands of ~1000 bytes.
+    # One job per source key, or per band of it: wte (1021 x 64 float32) in bands of ~1000 bytes (3 rows).
     wte = [job for job in jobs if job[0].key == "transformer.wte.weight"]
-    assert len(wte) == (1 if band_bytes > 101 * 64 * 4 else math.ceil(101 / (101 * 1000 // (101 * 64 * 4))))
+    assert len(wte) == (1 if band_bytes > 1021 * 64 * 4 else math.ceil(1021 / (1000 // (64 * 4))))
 
 
-def test_fused_and_replicated_tensors_are_read_once(gpt2_checkpoints, reads):
-    directories, _ = gpt2_checkpoints
-    with port.open_checkpoint(directories["lm"]) as ckpt:
-        port.load(directories["lm"], mesh=port.make_mesh("4x2"))
+def test_fused_and_replicated_tensors_are_read_once(reads):
+    with port.open_checkpoint(EXAMPLE) as ckpt:
+        port.load(EXAMPLE, mesh=port.make_mesh("4x2"))
         infos = ckpt.tensors
     per_block, elsewhere = reads()
     read = {}
@@ -119,18 +122,17 @@ def test_fused_and_replicated_tensors_are_read_once(gpt2_checkpoints, reads):
     c_attn = infos["transformer.h.0.attn.c_attn.weight"].nbytes * 2  # two layers
     # q, k and v each read their own third of the fused c_attn, nothing more.
     assert read["blocks.attn.wq"] == read["blocks.attn.wk"] == read["blocks.attn.wv"] == c_attn // 3
-    # wte is replicated on `model` (vocab 101): 8 devices, 4 distinct blocks, each byte read once.
+    # wte is replicated on `model` (vocab 1021): 8 devices, 4 distinct blocks, each byte read once.
     assert read["wte"] == infos["transformer.wte.weight"].nbytes
     # Every source byte is read exactly once in all.
     assert sum(read.values()) == sum(i.nbytes for i in infos.values()) and len(elsewhere) == 0
 
 
-def test_fused_tensor_is_read_end_to_end(gpt2_checkpoints):
+def test_fused_tensor_is_read_end_to_end():
     """q, k and v cut from one c_attn are read together: each layer's c_attn in few preadv calls,
     not one per row of each block."""
-    directories, _ = gpt2_checkpoints
     mesh = port.make_mesh("4x2")
-    with port.open_checkpoint(directories["lm"]) as ckpt, recorded_reads() as calls:
+    with port.open_checkpoint(EXAMPLE) as ckpt, recorded_reads() as calls:
         mapping = port.mapping_for(ckpt.config)
         recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape)
         attention = [leaf for leaf in recipe.leaves if leaf.path in ("blocks.attn.wq", "blocks.attn.wk", "blocks.attn.wv")]
@@ -144,11 +146,10 @@ def test_fused_tensor_is_read_end_to_end(gpt2_checkpoints):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_cast_blocks_read_their_region_once(gpt2_checkpoints, reads, dtype):
+def test_cast_blocks_read_their_region_once(reads, dtype):
     """With a cast the region goes through a staging buffer, still read once and only it."""
-    directories, _ = gpt2_checkpoints
     mesh = port.make_mesh("4x2")
-    with port.open_checkpoint(directories["lm"]) as ckpt:
+    with port.open_checkpoint(EXAMPLE) as ckpt:
         mapping = port.mapping_for(ckpt.config)
         recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape, dtype)
         arrays = port.place(recipe, ckpt, mesh)
@@ -160,16 +161,15 @@ def test_cast_blocks_read_their_region_once(gpt2_checkpoints, reads, dtype):
     wanted = set().union(*(element_bytes(ckpt.tensors[k], leaf.source_region(box)[0])
                            for leaf, box, _ in per_block for k in leaf.source_region(box)[1]))
     assert set(elsewhere.tolist()) == wanted
-    wte = load_file(directories["lm"] / "model.safetensors")["transformer.wte.weight"]
+    wte = load_file(EXAMPLE / "model.safetensors")["transformer.wte.weight"]
     np.testing.assert_array_equal(np.asarray(arrays["wte"]), wte.astype(port._dtypes.dtype(dtype)))
 
 
-def test_every_device_owns_an_aligned_buffer(gpt2_checkpoints):
+def test_every_device_owns_an_aligned_buffer():
     """Replicated blocks are read once but copied per device: no two devices share memory
     (a donated buffer must not change another device's copy)."""
-    directories, _ = gpt2_checkpoints
-    model = port.load(directories["lm"], mesh=port.make_mesh("4x2"))
-    shards = model.wte.addressable_shards  # vocab 101 replicated on `model`
+    model = port.load(EXAMPLE, mesh=port.make_mesh("4x2"))
+    shards = model.wte.addressable_shards  # vocab 1021 replicated on `model`
     pointers = [s.data.unsafe_buffer_pointer() for s in shards]
     assert len(set(pointers)) == 8
     assert all(p % port._place.ALIGN == 0 for p in pointers)

@@ -17,7 +17,7 @@ from safetensors.numpy import save_file
 from port._errors import PortError
 from port._source import Checkpoint, read_header
 
-from conftest import read_offsets, recorded_reads
+from helpers import read_offsets, recorded_reads
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -27,7 +27,7 @@ import port._source
 from port._errors import PortError
 from port._source import open_checkpoint, read_header
 
-from conftest import port_command, port_env, run_port
+from helpers import port_command, port_env, run_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"

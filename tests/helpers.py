@@ -1,0 +1,191 @@
+"""What the tests share that is not a fixture: checkpoint makers, the `port` subprocess, read recording.
+
+Imported as `from helpers import ...`: `tests/` is on `sys.path` because
+`conftest.py` lives there (pytest's default rootdir-based import mode).
+"""
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+VOCAB = 101  # not divisible by the model axis: exercises replication
+
+INPUT_IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+
+# Each family's small config, as `config.json` holds it; the `transformers` builders
+# below start from the same numbers. Large init (std 0.2, not 0.02) and perturbed norms
+# and biases so that a wrong epsilon, activation or layout shows far above the tolerance.
+GPT2_CONFIG = dict(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+LLAMA_CONFIG = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    initializer_range=0.2, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+)
+BERT_CONFIG = dict(
+    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    intermediate_size=128, max_position_embeddings=32,
+)
+
+
+def transformers_or_skip():
+    """`transformers` with PyTorch, or skip the calling test (a test, fixture or module)."""
+    pytest.importorskip("torch", exc_type=ImportError)  # absent, or present but broken
+    return pytest.importorskip("transformers", exc_type=ImportError)
+
+
+def _perturbed(model, names, scale):
+    """`model` in eval mode, with `scale`-sized noise added to the parameters `names` picks."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if names(name):
+                param.add_(scale * torch.randn_like(param))
+    return model.eval()
+
+
+def gpt2_config(**overrides):
+    """The small `transformers.GPT2Config`, eager attention; skips without PyTorch."""
+    transformers = transformers_or_skip()
+    config = transformers.GPT2Config(
+        **GPT2_CONFIG, bos_token_id=0, eos_token_id=0, initializer_range=0.2, **overrides,
+    )
+    config._attn_implementation = "eager"
+    return config
+
+
+def torch_gpt2(seed=0, **overrides):
+    """A seeded `GPT2LMHeadModel` with non-trivial norms and biases; skips without PyTorch."""
+    transformers = transformers_or_skip()
+    import torch
+
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(gpt2_config(**overrides))
+    return _perturbed(model, lambda name: name.endswith("bias") or ".ln_" in name, 0.1)
+
+
+def torch_llama(arch="Llama", dtype=None, **overrides):
+    """A seeded `{arch}ForCausalLM` (Llama, Mistral, Qwen2) of the small config; skips without PyTorch."""
+    transformers = transformers_or_skip()
+    import torch
+
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{arch}Config")(**{**LLAMA_CONFIG, **overrides})
+    config._attn_implementation = "eager"
+    model = getattr(transformers, f"{arch}ForCausalLM")(config)
+    model = _perturbed(model, lambda name: name.endswith("bias") or "norm" in name, 0.2)
+    return model if dtype is None else model.to(getattr(torch, dtype))
+
+
+def torch_bert(pooler=True, **overrides):
+    """A seeded `BertModel` of the small config (with or without its pooler); skips without PyTorch."""
+    transformers = transformers_or_skip()
+    import torch
+
+    config = transformers.BertConfig(**BERT_CONFIG, initializer_range=0.2, **overrides)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.BertModel(config, add_pooling_layer=pooler)
+    return _perturbed(model, lambda name: "LayerNorm" in name or name.endswith("bias"), 0.3)
+
+
+def torch_logits(model, ids=INPUT_IDS):
+    """The PyTorch model's logits for `ids`, as float32 NumPy."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.float().numpy()
+
+
+def converted(model, directory: Path, mesh="1x1", **load):
+    """`model` saved by `save_pretrained` to `directory` and loaded back by `port.load`.
+
+    The shipped mapping does the conversion: the tests hold no second mapping of their own.
+    """
+    import port
+
+    model.save_pretrained(directory)
+    return port.load(directory, mesh=mesh, **load)
+
+
+def write_checkpoint(directory: Path, tensors: dict, config: dict) -> Path:
+    """A safetensors checkpoint of NumPy arrays, for hand-made (and broken) inputs."""
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, directory / "model.safetensors")
+    return directory
+
+
+def port_command() -> list[str]:
+    """The installed `port` console script (the real entry point, `main()`), or `python -m port`."""
+    script = Path(sys.executable).parent / "port"
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "port"]
+
+
+def port_env(env=None) -> dict:
+    """The environment of a `port` subprocess: no device settings inherited from this one, offline, CPU."""
+    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PORT_DEBUG")}
+    return base | {"HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu"} | (env or {})
+
+
+def run_port(*args, env=None, cwd=None, timeout=300) -> subprocess.CompletedProcess:
+    """`port ARGS` in a subprocess, as a user runs it; the result has returncode, stdout, stderr."""
+    return subprocess.run(
+        [*port_command(), *map(str, args)],
+        capture_output=True, text=True, env=port_env(env), cwd=cwd, timeout=timeout,
+    )
+
+
+def cli(*args):
+    """`port ARGS` in a subprocess; returns (exit status, stdout + stderr)."""
+    result = run_port(*args)
+    return result.returncode, result.stdout + result.stderr
+
+
+@contextlib.contextmanager
+def recorded_reads():
+    """Every positioned read of tensor bytes made within the block, as (file offset, iovec, bytes read).
+
+    `port._source._preadv` is the one place tensor bytes come from a file: each call
+    reads the file from its offset on, end to end, into the buffers its iovec rows
+    (address, length) name. `read_offsets` turns the records into bytes.
+    """
+    import port._source
+
+    calls, real = [], port._source._preadv
+
+    def preadv(fd, iov, offset):
+        rows = np.array(iov, copy=True)
+        got = real(fd, iov, offset)
+        calls.append((offset, rows, got))
+        return got
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(port._source, "_preadv", preadv)
+        yield calls
+
+
+def read_offsets(calls) -> tuple[np.ndarray, np.ndarray]:
+    """The file offset and the destination address of every byte the recorded reads read.
+
+    The proof that a read touches only its region, and where each byte went.
+    """
+    files, addresses = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
+    for offset, rows, got in calls:
+        position = offset
+        for address, length in rows.astype(np.int64).tolist():
+            length = min(length, offset + got - position)
+            if length <= 0:
+                break
+            files.append(np.arange(position, position + length, dtype=np.int64))
+            addresses.append(np.arange(address, address + length, dtype=np.int64))
+            position += length
+    return np.concatenate(files), np.concatenate(addresses)
