@@ -340,6 +340,20 @@ def test_a_damaged_output_is_one_line(out, capfd, damage, expected):
     refused(out, capfd, expected)
 
 
+def _declare_none(out: Path, leaf: str) -> None:
+    """Mark `leaf` in params/_METADATA as Orbax marks an absent (None) leaf."""
+    meta = json.loads((out / "params" / "_METADATA").read_text())
+    for entry in meta["tree_metadata"].values():
+        if ".".join(k["key"] for k in entry["key_metadata"]) == leaf:
+            entry["value_metadata"]["value_type"] = "None"
+    (out / "params" / "_METADATA").write_text(json.dumps(meta))
+
+
+def test_a_listed_leaf_stored_as_none_is_refused(out, capfd):
+    _declare_none(out, "wte")  # Orbax's mark for an absent leaf, on one port/metadata lists
+    refused(out, capfd, "params: has no array 'wte', which port/metadata lists")
+
+
 @pytest.mark.parametrize("read_ahead", [None, 0])
 def test_every_data_file_deleted_or_cut_is_one_line_naming_a_leaf(good, tmp_path, capfd, monkeypatch, read_ahead):
     """Or, for a file of the process's own tree that the merged root no longer reads, the same model."""

@@ -325,6 +325,8 @@ def _check_stored(output: Output) -> None:
         path = ".".join(k["key"] for k in keys)
         if not _PATH.fullmatch(path):
             raise OutputError(f"{where}: array {quoted(path)} is not named by a dotted module path")
+        if isinstance(value, dict) and value.get("value_type") == "None":  # an absent leaf (no pooler): no data
+            continue
         if not isinstance(value, dict) or value.get("value_type") != "jax.Array":
             raise OutputError(f"{where}: '{path}' is not stored as a jax.Array")
         stored.add(path)
