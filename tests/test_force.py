@@ -91,6 +91,33 @@ def test_force_refuses_a_port_output_holding_other_files(decoys, extra):
     assert snapshot(decoys) == before
 
 
+def format_1_output(directory: Path, meta: str = '{"format": 1, "leaves": {}}') -> None:
+    """What an earlier port wrote: port.json and params/."""
+    (directory / "params" / "d").mkdir(parents=True)
+    (directory / "params" / "_METADATA").write_text("{}")
+    (directory / "port.json").write_text(meta)
+
+
+def test_force_replaces_an_output_of_an_earlier_port(tmp_path):
+    format_1_output(tmp_path / "old")
+    result = run_port("convert", EXAMPLE, "--out", tmp_path / "old", "--force")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == [
+        "_CHECKPOINT_METADATA", "commit_success.txt", "params", "port"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+
+
+@pytest.mark.parametrize("meta, extra", [('{"format": 1}', "notes.txt"), ('{"format": 2}', None), ("[1]", None)])
+def test_force_refuses_what_only_looks_like_an_earlier_output(tmp_path, meta, extra):
+    format_1_output(tmp_path / "old", meta)
+    if extra:
+        (tmp_path / "old" / extra).write_text("keep me")
+    before = snapshot(tmp_path)
+    result = run_port("convert", EXAMPLE, "--out", tmp_path / "old", "--force")
+    refused(result, "not a port output", "--force replaces only")
+    assert snapshot(tmp_path) == before
+
+
 def test_force_replaces_an_earlier_output(decoys):
     before = snapshot(decoys)
     result = run_port("convert", decoys / "ck" / "victim", "--mesh", "2x2", "--out", decoys / "earlier", "--force")

@@ -59,36 +59,52 @@ STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's names in a checkpoint it final
 COMMIT_FILE = "commit_success.txt"
 PARTS = frozenset({STEP_METADATA, COMMIT_FILE, "params", "port"})  # what `save` writes into an output
 PORT_PARTS = frozenset({"metadata", COMMIT_FILE})  # the JSON item `port/` (Orbax's JsonCheckpointHandler)
+FORMAT_1_PARTS = frozenset({"port.json", "params"})  # what an earlier port wrote
+
+
+def _metadata(path: Path) -> Any:
+    """The JSON object in `path` if it is a regular file of port's metadata size, else None."""
+    try:
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_METADATA_BYTES:  # never a FIFO, nor huge
+            return None
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and "format" in meta else None
 
 
 def is_output(directory: str | os.PathLike) -> bool:
     """Whether `directory` is a port output: exactly the files and directories `save` writes.
 
     Orbax's `_CHECKPOINT_METADATA` and `commit_success.txt`, the `params/` item, and the
-    `port/` item holding `metadata` (a JSON object with a `format`) and `commit_success.txt`.
+    `port/` item holding `metadata` (a JSON object with a `format`) and `commit_success.txt`;
+    or what an earlier port wrote (format 1: `port.json` and `params/`), which `--force`
+    may replace too.
 
     ```python
     is_output("out/gpt2")      # True once `port convert --out out/gpt2` has finished
     ```
     """
     directory = Path(directory)
-    port = directory / "port"
-    if directory.is_symlink() or not directory.is_dir() or port.is_symlink() or not port.is_dir():
+    params = directory / "params"
+    if directory.is_symlink() or not directory.is_dir() or params.is_symlink() or not params.is_dir():
         return False
     try:
         names = {p.name for p in directory.iterdir()}
-        items = {p.name for p in port.iterdir()}
-        info = (port / "metadata").lstat()
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_METADATA_BYTES:  # never a FIFO, nor huge
-            return False
-        meta = json.loads((port / "metadata").read_text())
-    except (OSError, ValueError):
+    except OSError:
         return False
-    params = directory / "params"
-    return (
-        names == PARTS and items == PORT_PARTS and isinstance(meta, dict) and "format" in meta
-        and params.is_dir() and not params.is_symlink()
-    )
+    if names == FORMAT_1_PARTS:
+        meta = _metadata(directory / "port.json")
+        return meta is not None and meta["format"] == 1
+    port = directory / "port"
+    if names != PARTS or port.is_symlink() or not port.is_dir():
+        return False
+    try:
+        items = {p.name for p in port.iterdir()}
+    except OSError:
+        return False
+    return items == PORT_PARTS and _metadata(port / "metadata") is not None
 
 
 def _inside(path: Path, directory: Path) -> bool:
