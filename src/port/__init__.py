@@ -34,6 +34,7 @@ _EXPORTS = {
     "fill": "._fill",
     "save": "._save",
     "restore": "._restore",
+    "export": "._export",
     # the whole pipeline, meshes, runs
     "convert": "._convert",
     "load": "._convert",

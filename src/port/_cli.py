@@ -160,6 +160,42 @@ def convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_command(args: argparse.Namespace) -> int:
+    """Write a `port convert` output back as a Hugging Face checkpoint directory."""
+    from ._export import export
+    from ._restore import read_output, restore
+    from ._runtime import devices_per_process, mesh_shape, simulate_devices
+    from ._writer import parse_size
+
+    parse_size(args.max_shard_size)  # a bad size is told before anything is read
+    simulate_devices(devices_per_process(mesh_shape(args.mesh), 1, args.mesh))
+    read_output(args.dir)  # not a port output: told before a model is built
+    bar = None
+
+    def progress(at) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = _progress(args.progress, at.leaves, at.total) or False
+            if bar:
+                bar.start()
+        if bar:
+            bar.update(0, completed=at.done, total=at.total, description=f"{at.leaves_done}/{at.leaves} tensors")
+
+    model = restore(args.dir, args.mesh)
+    try:
+        out = export(
+            model, args.out, args.dir, max_shard_size=args.max_shard_size, dtype=args.dtype, force=args.force,
+            progress=progress,
+        )
+    finally:
+        if bar:
+            bar.stop()
+    files = sorted(p.name for p in out.iterdir() if p.name.endswith(".safetensors"))
+    written = sum((out / name).stat().st_size for name in files)
+    say(f"exported {args.dir}: {len(files)} safetensors file{'s' if len(files) > 1 else ''}, {size_text(written)} -> {out}")
+    return 0
+
+
 def _dtype_short(name: str) -> str:
     return name.replace("bfloat", "bf").replace("float", "f").replace("uint", "u").replace("int", "i")
 
@@ -354,6 +390,22 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
         help=f"how long processes wait for each other (default: {DEFAULT_TIMEOUT:g})",
+    )
+
+    sub = command(
+        "export", export_command, "Write a port convert output DIR back as a Hugging Face checkpoint in --out.",
+        "config.json and model.safetensors (or numbered shards and model.safetensors.index.json), with the\n"
+        "checkpoint's own tensor names, shapes and dtypes, as transformers' save_pretrained writes them.",
+    )
+    sub.add_argument("dir", type=Path, metavar="DIR", help="a port convert output")
+    sub.add_argument("--out", type=Path, required=True, metavar="HF_DIR", help="output directory")
+    sub.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest file (default: 5GB)")
+    sub.add_argument("--dtype", choices=CASTS, help="write floating tensors in this dtype (default: the checkpoint's)")
+    sub.add_argument("--mesh", default="1x1", metavar="SPEC", help="mesh to restore DIR onto first (default: 1x1)")
+    sub.add_argument("--force", action="store_true", help="replace --out if it is an earlier port export")
+    sub.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        help="progress bar (default: on a terminal)",
     )
 
     sub = command("plan", plan_command, "Print how MODEL maps onto the mesh, reading no tensor data.")

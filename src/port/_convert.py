@@ -173,7 +173,7 @@ def convert(
                 total = recipe.nbytes
                 if progress is not None:
                     progress(Progress("write", 0, total, 0, len(recipe.leaves)))
-                out = save(model, out, mapping, ckpt.config, force=force)
+                out = save(model, out, mapping, ckpt.config, force=force, sources=ckpt.tensors)
                 if progress is not None:
                     progress(Progress("write", total, total, len(recipe.leaves), len(recipe.leaves)))
             done = time.perf_counter()

@@ -53,6 +53,10 @@ MAX_NODE_BYTES = 100_000_000  # Orbax's OCDBT `max_decoded_node_bytes`: bounds d
 READ_AHEAD_BYTES = 1 << 30  # host bytes of blocks read but not yet on their devices
 
 _FIELDS = ("format", "mapping_source", "mapping", "config", "leaves")
+_OPTIONAL_FIELDS = ("sources",)  # the checkpoint's tensor headers, for `port export`
+MAX_SOURCES = 1_000_000
+MAX_KEY_CHARS = 1000
+MAX_RANK = 16
 _LEAF_FIELDS = ("shape", "dtype", "axes")
 _PATH = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
 _SHIPPED = "port.models"
@@ -83,6 +87,7 @@ class Output:
     mapping: Mapping
     config: dict[str, Any]
     leaves: dict[str, Leaf]
+    sources: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None  # key -> (shape, dtype), in file order
 
     @property
     def where(self) -> str:
@@ -199,8 +204,9 @@ def read_output(directory: str | os.PathLike) -> Output:
     if not isinstance(meta, dict):
         raise OutputError(f"{where}: expected a JSON object, got {type(meta).__name__}")
     for name in meta:
-        if name not in _FIELDS:
-            raise OutputError(f"{where}: unknown field {quoted(name)} (expected {', '.join(_FIELDS)})")
+        if name not in _FIELDS + _OPTIONAL_FIELDS:
+            expected = ", ".join(_FIELDS + _OPTIONAL_FIELDS)
+            raise OutputError(f"{where}: unknown field {quoted(name)} (expected {expected})")
     for name in _FIELDS:
         if name not in meta:
             raise OutputError(f"{where}: missing field '{name}'")
@@ -224,7 +230,27 @@ def read_output(directory: str | os.PathLike) -> Output:
         declared[path] = leaf
     if not declared:
         raise OutputError(f"{where}: 'leaves' is empty")
-    return Output(directory, mapping, meta["config"], declared)
+    sources = _sources(meta["sources"], where) if "sources" in meta else None
+    return Output(directory, mapping, meta["config"], declared, sources)
+
+
+def _sources(value: Any, where: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """`port/metadata`'s `sources`: the checkpoint's tensor names, shapes and dtypes, every field checked."""
+    if not isinstance(value, dict) or len(value) > MAX_SOURCES:
+        raise OutputError(f"{where}: 'sources' must be an object of at most {MAX_SOURCES} tensors")
+    sources = {}
+    for key, info in value.items():
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS or not key.isprintable():
+            raise OutputError(f"{where}: source tensor name {quoted(key)} is not a plain name")
+        if not isinstance(info, dict) or set(info) != {"shape", "dtype"}:
+            raise OutputError(f"{where}: source {quoted(key)} must be an object with exactly shape, dtype")
+        shape, dtype = info["shape"], info["dtype"]
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(n) is int and n >= 0 for n in shape):
+            raise OutputError(f"{where}: source {quoted(key)}: 'shape' must be a list of non-negative integers")
+        if not isinstance(dtype, str) or dtype not in NAMES:
+            raise OutputError(f"{where}: source {quoted(key)}: dtype {quoted(dtype)} is not one port knows")
+        sources[key] = (tuple(shape), dtype_named(dtype))
+    return sources
 
 
 def _parse(text: str, where: str) -> Mapping:

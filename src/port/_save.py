@@ -39,6 +39,7 @@ import secrets
 import shutil
 import stat
 import time
+from collections.abc import Callable
 from collections.abc import Mapping as AnyMapping
 from pathlib import Path
 from typing import Any
@@ -116,13 +117,16 @@ def check_out(
     force: bool = False,
     inputs: tuple[str | os.PathLike, ...] = (),
     flag: str = "--out",
+    ours: Callable[[Path], bool] = is_output,
+    what: str = "a port output (Orbax's checkpoint of params/ and port/ only)",
 ) -> Path:
     """The absolute output path, refusing any target that writing or replacing would harm.
 
-    `force` allows replacing an earlier port output (see `is_output`), and nothing
-    else: not a file, a symlink, a directory holding anything port did not write,
-    the root, the home or working directory or one containing it, nor a directory
-    that is or contains one of `inputs` (the checkpoint being read).
+    `force` allows replacing an earlier output of the same kind (`ours`: see
+    `is_output`; `port export` passes its own), and nothing else: not a file, a
+    symlink, a directory holding anything port did not write, the root, the home or
+    working directory or one containing it, nor a directory that is or contains one
+    of `inputs` (the checkpoint being read).
 
     ```python
     check_out("out/gpt2", force=True, inputs=("ckpt/gpt2",))   # Path('/abs/out/gpt2')
@@ -148,11 +152,8 @@ def check_out(
             raise OutputError(f"{flag} {out}: is a file, not a directory; port will not replace it")
         if not force:
             raise OutputError(f"{flag} {out}: already exists (use --force to replace an earlier port output)")
-        if not is_output(out):
-            raise OutputError(
-                f"{flag} {out}: not a port output (Orbax's checkpoint of params/ and port/ only); --force "
-                "replaces only a directory port wrote"
-            )
+        if not ours(out):
+            raise OutputError(f"{flag} {out}: not {what}; --force replaces only a directory port wrote")
     elif not out.parent.is_dir():
         raise OutputError(f"{flag} {out}: parent directory does not exist")
     if not os.access(out.parent, os.W_OK | os.X_OK):
@@ -251,6 +252,7 @@ def save(
     mapping: Mapping,
     config: AnyMapping[str, Any],
     force: bool = False,
+    sources: AnyMapping[str, Any] | None = None,
 ) -> Path:
     """Write `model`'s arrays and port's metadata as one Orbax checkpoint, atomically.
 
@@ -264,6 +266,8 @@ def save(
     - `config`: the checkpoint's `config.json`, from which `restore` rebuilds the module.
     - `force`: replace an earlier port output at `directory` (and nothing else, see
       `check_out`); it stays complete until the new output is.
+    - `sources`: the checkpoint's tensor headers (`Checkpoint.tensors`), recorded so that
+      `port export` can write the same tensors back; `port convert` passes them.
 
     Returns the absolute output path. Raises `OutputError`, one line, when the directory
     may not be written or writing fails (a full disk, a file-size limit); nothing is
@@ -290,6 +294,10 @@ def save(
             for p, a in leaves(params).items()
         },
     }
+    if sources is not None:
+        meta["sources"] = {
+            key: {"shape": list(info.shape), "dtype": np.dtype(info.dtype).name} for key, info in sources.items()
+        }
     # No compression: trained weights barely compress, and compressing doubled the
     # host memory of a save; at most 1 GB of arrays in flight to the writer.
     registry = ocp.handlers.DefaultCheckpointHandlerRegistry()

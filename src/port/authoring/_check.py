@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from .._errors import PlanError
 from .._mapping import Mapping, load_mapping, mapping_for
 from .._runtime import as_shape
+from .._export import invert
 from .._plan import Plan, plan_problems
 from .._skeleton import skeleton
 from .._source import Checkpoint, open_checkpoint
@@ -50,7 +51,8 @@ def check(
       default: `"1x1"`.
     - `dtype`: plan a cast of the floating parameters to it (`"bfloat16"`, ...).
 
-    Returns the `Plan` when the mapping fits. Raises `PlanError` otherwise, whose
+    Returns the `Plan` when the mapping fits, and can be walked backwards by `port export`
+    (a fused tensor needs an entry for each of its parts). Raises `PlanError` otherwise, whose
     `problems` list every problem found, each naming its entry or key.
 
     ```python
@@ -65,9 +67,11 @@ def check(
     try:
         parsed = mapping_for(ckpt.config, parsed)
         result = plan_problems(skeleton(parsed, ckpt.config), parsed, ckpt.tensors, ckpt.config, shape, dtype)
+        headers = {key: (info.shape, info.dtype) for key, info in ckpt.tensors.items()}
     finally:
         if owned:
             ckpt.close()
-    if isinstance(result, Plan):
-        return result
-    raise PlanError(result)
+    if not isinstance(result, Plan):
+        raise PlanError(result)
+    invert(result, headers, parsed.source)  # `port export` walks it backwards: every entry must invert
+    return result

@@ -1,0 +1,374 @@
+"""Export: the way back, a sharded model -> a Hugging Face directory, by the same mapping.
+
+The forward plan says, for every leaf, which source tensors, which transforms and which
+layer made it; `invert` walks it backwards. Every source tensor becomes one output
+tensor (a fused `c_attn` or `qkv_proj` from all of its parts, a stacked leaf one tensor
+per layer), with the source's name, shape and dtype; ignored buffers and tied
+duplicates are not written, as `save_pretrained` leaves them out. The tensors are
+written one at a time: each is assembled on the host from the device shards that hold
+it (a replicated block once), inverted, written at its offset in its file, and dropped.
+
+```python
+model = port.load("gpt2", mesh="4x2")
+...                                              # train it
+port.export(model, "gpt2-hf", "gpt2")            # the source: names, shapes, dtypes
+port.export(port.restore("gpt2-jax"), "gpt2-hf", "gpt2-jax", force=True)
+```
+
+The output directory is written under a hidden temporary name and renamed into place
+when complete, as `port convert`'s is: a failed or interrupted export leaves nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Callable, Mapping as AnyMapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._console import quoted, size_text
+from ._convert import Progress
+from ._dtypes import dtype as dtype_named, floating
+from ._errors import OutputError, PlanError, PortError
+from ._interrupt import final, removing
+from ._mapping import Mapping, mapping_for
+from ._plan import LeafPlan, Plan, plan
+from ._save import check_out, free_bytes
+from ._skeleton import leaves
+from ._source import Checkpoint, TensorInfo, open_checkpoint
+from ._writer import OutTensor, Writer, parse_size
+
+PRODUCER = "port"  # safetensors metadata `producer`: how `--force` knows an export is port's
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class Part:
+    """One leaf, or one layer of a stacked leaf, that an output tensor is rebuilt from."""
+
+    leaf: LeafPlan
+    layer: int | None
+
+
+@dataclass(frozen=True)
+class Inverse:
+    """The plan walked backwards: the output tensors, in the source's order, and their parts."""
+
+    tensors: tuple[OutTensor, ...]
+    parts: dict[str, tuple[Part, ...]]
+    source_dtypes: dict[str, np.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+# ---------------------------------------------------------------------------- the inverse plan
+
+
+def _fused_at(chain: Any) -> int | None:
+    fused = [i for i, t in enumerate(chain.transforms) if t.fused]
+    return fused[0] if fused else None
+
+
+def _invertible(key: str, parts: list[Part], source: str) -> str | None:
+    """Why the parts of `key` cannot rebuild it, or None (the checks `Chain.inverse` makes, without data)."""
+    chains = [p.leaf.chain for p in parts]
+    entries = ", ".join(f"'{p.leaf.pattern}' -> '{p.leaf.path}'" for p in parts[:3])
+    k = _fused_at(chains[0])
+    if k is None:
+        if len(parts) > 1:
+            return f"{source}: tensor '{key}' fills {len(parts)} leaves ({entries}) without a split"
+        return None
+    split = chains[0].transforms[k]
+    family = split.siblings(chains[0].shapes[k])
+    kept = set()
+    for chain in chains:
+        if _fused_at(chain) != k or chain.transforms[:k] != chains[0].transforms[:k]:
+            return f"{source}: tensor '{key}' is cut differently by its entries ({entries})"
+        if chain.transforms[k] not in family or any(t.fused for t in chain.transforms[k + 1 :]):
+            return f"{source}: tensor '{key}': the entries ({entries}) split it twice or in two ways"
+        kept.add(family.index(chain.transforms[k]))
+    missing = [i for i in range(len(family)) if i not in kept]
+    if missing:
+        return (
+            f"{source}: entry '{parts[0].leaf.pattern}' keeps part {sorted(kept)} of the fused tensor '{key}'; "
+            f"no entry keeps part{'s' if len(missing) > 1 else ''} {missing}, so it cannot be written back"
+        )
+    return None
+
+
+def invert(recipe: Plan, sources: AnyMapping[str, tuple[tuple[int, ...], np.dtype]], source: str = "mapping",
+           dtype: str | np.dtype | None = None) -> Inverse:
+    """The output tensors of `recipe` walked backwards; `PlanError` naming every entry that cannot be.
+
+    **Arguments:**
+
+    - `recipe`: the forward `Plan` (for the source's headers).
+    - `sources`: the source tensors' shapes and dtypes by name, in the order to write them.
+    - `source`: how messages name the mapping.
+    - `dtype`: write floating tensors in this dtype; default: each source tensor's own.
+
+    ```python
+    inverse = invert(port.plan(skel, mapping, ckpt.tensors, ckpt.config, {"data": 1, "model": 1}), headers)
+    [t.key for t in inverse.tensors]      # the checkpoint's keys but ignored and tied ones
+    ```
+    """
+    target = None if dtype is None else dtype_named(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+    grouped: dict[str, list[Part]] = {}
+    for leaf in recipe.leaves:
+        for i, key in enumerate(leaf.keys):
+            grouped.setdefault(key, []).append(Part(leaf, i if leaf.stacked else None))
+    problems = [why for key, parts in grouped.items() if (why := _invertible(key, parts, source))]
+    if problems:
+        raise PlanError(problems)
+    tensors, parts, source_dtypes = [], {}, {}
+    for key, (shape, source_dtype) in sources.items():
+        if key not in grouped:
+            continue  # ignored or tied: `save_pretrained` leaves them out too
+        out = target if target is not None and floating(source_dtype) else np.dtype(source_dtype)
+        tensors.append(OutTensor(key, tuple(shape), out))
+        parts[key] = tuple(grouped[key])
+        source_dtypes[key] = np.dtype(source_dtype)
+    return Inverse(tuple(tensors), parts, source_dtypes)
+
+
+# ---------------------------------------------------------------------------- gathering
+
+
+def gather(array: jax.Array, layer: int | None = None) -> np.ndarray:
+    """The whole of `array` (or of its layer `layer`) on the host, each distinct block copied once.
+
+    ```python
+    gather(model.blocks.attn.wq, layer=3)    # numpy, (embd, heads, head_dim), from every device's block
+    ```
+    """
+    shape = array.shape if layer is None else array.shape[1:]
+    out = np.empty(shape, array.dtype)
+    seen: set[tuple] = set()
+    filled = 0
+    for shard in array.addressable_shards:
+        index = shard.index
+        block = shard.data
+        if layer is not None:
+            first = index[0].start or 0
+            stop = array.shape[0] if index[0].stop is None else index[0].stop
+            if not first <= layer < stop:
+                continue
+            index, block = index[1:], block[layer - first]
+        bounds = tuple((s.start, s.stop) for s in index)
+        if bounds in seen:
+            continue  # a replica: its data is already there
+        seen.add(bounds)
+        part = np.asarray(block)
+        out[index] = part
+        filled += part.size
+    if filled != out.size:
+        raise PortError(
+            "port export: part of an array lives on another process's devices; export it from one process "
+            "(multi-process export is not supported yet)"
+        )
+    return out
+
+
+# ---------------------------------------------------------------------------- the output directory
+
+
+def _header(path: Path) -> dict | None:
+    """The JSON header of the safetensors file `path`, or None if it is not one."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                return None
+            n = int.from_bytes(head, "little")
+            if n > MAX_HEADER_BYTES:
+                return None
+            header = json.loads(f.read(n))
+    except (OSError, ValueError):
+        return None
+    return header if isinstance(header, dict) else None
+
+
+def is_export(directory: str | os.PathLike) -> bool:
+    """Whether `directory` is what `export` writes: `config.json`, the safetensors files (port's), the index.
+
+    ```python
+    is_export("gpt2-hf")    # True once `port export ... --out gpt2-hf` has finished
+    ```
+    """
+    directory = Path(directory)
+    if directory.is_symlink() or not directory.is_dir():
+        return False
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return False
+    if any(p.is_symlink() or not p.is_file() for p in entries):
+        return False
+    names = {p.name for p in entries}
+    tensors = {n for n in names if n.endswith(".safetensors")}
+    if not tensors or "config.json" not in names:
+        return False
+    if len(tensors) == 1 and names == {"config.json", "model.safetensors"}:
+        pass
+    elif names != {"config.json", "model.safetensors.index.json", *tensors} or "model.safetensors" in tensors:
+        return False
+    for name in tensors:
+        header = _header(directory / name)
+        meta = header.get("__metadata__") if header else None
+        if not isinstance(meta, dict) or meta.get("producer") != PRODUCER:
+            return False
+    return True
+
+
+def _install(partial: Path, out: Path, force: bool) -> None:
+    """Rename the finished `partial` to `out`; an earlier export there is moved aside, then removed."""
+    aside = out.parent / f".{out.name}.port-old-{secrets.token_hex(4)}"
+    with removing(aside):
+        with final():  # an interrupt waits until the output is in place
+            if force and os.path.lexists(out):
+                check_out(out, force, ours=is_export, what=_WHAT)  # still an earlier export, as at the start
+                os.rename(out, aside)
+            try:
+                os.rename(partial, out)
+            except OSError as e:
+                if os.path.lexists(aside) and not os.path.lexists(out):
+                    os.rename(aside, out)
+                raise OutputError(f"--out {out}: another run wrote it meanwhile ({e.strerror})") from None
+        if os.path.lexists(aside):
+            shutil.rmtree(aside)
+
+
+_WHAT = "a port export (config.json and port's safetensors files only)"
+
+
+# ---------------------------------------------------------------------------- export
+
+
+def _headers(source: Any) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], dict, Mapping | None]:
+    """The source tensors' shapes and dtypes, its config and (for a port output) its mapping."""
+    if isinstance(source, Checkpoint):
+        return {k: (t.shape, t.dtype) for k, t in source.tensors.items()}, source.config, None
+    path = Path(source) if isinstance(source, (str, os.PathLike)) else None
+    if path is not None and (path / "port").is_dir() and not (path / "config.json").exists():
+        from ._restore import read_output
+
+        output = read_output(path)
+        if output.sources is None:
+            raise OutputError(
+                f"{path}: records no source tensors (written by port.save without `sources`); pass the "
+                "checkpoint it was converted from as the source"
+            )
+        return output.sources, output.config, output.mapping
+    if path is None and not isinstance(source, str):
+        raise PortError(f"`source`: expected a checkpoint, a port output or a Checkpoint, got {quoted(source)}")
+    with open_checkpoint(source) as ckpt:
+        return {k: (t.shape, t.dtype) for k, t in ckpt.tensors.items()}, ckpt.config, None
+
+
+def _mesh_axes(mapping: Mapping) -> dict[str, int]:
+    """A one-device mesh shape with every axis the mapping's rules name: the plan is only walked backwards."""
+    axes = {"data": 1, "model": 1}
+    for names in mapping.rules.values():
+        axes.update({name: 1 for name in names})
+    return axes
+
+
+def export(
+    model: Any,
+    out: str | os.PathLike,
+    source: str | os.PathLike | Checkpoint,
+    *,
+    config: AnyMapping[str, Any] | None = None,
+    mapping: str | os.PathLike | Mapping | None = None,
+    max_shard_size: str | int = "5GB",
+    dtype: str | np.dtype | None = None,
+    force: bool = False,
+    progress: Callable[[Progress], None] | None = None,
+) -> Path:
+    """Write `model` as a Hugging Face checkpoint directory: `config.json` and safetensors, by the mapping.
+
+    **Arguments:**
+
+    - `model`: the module to write, as `port.load` or `port.restore` made it (and as
+      training may have changed it); its arrays may be sharded over any mesh.
+    - `out`: the directory to write (`config.json`, `model.safetensors` or numbered
+      shards with `model.safetensors.index.json`, as `save_pretrained` writes them).
+    - `source`: where the tensors' names, shapes and dtypes come from (no tensor data
+      is read): the checkpoint the model was converted from (a directory, a repo id or
+      an open `Checkpoint`) or a `port convert` output, which records them.
+    - `config`: the Hugging Face config written as `config.json` (default: the source's).
+    - `mapping`: a `Mapping` or a mapping file; default: the output's own (for a `port
+      convert` output), else the shipped one for the config's `model_type`.
+    - `max_shard_size`: the largest file, as `"5GB"`, `"500MB"` or bytes; a tensor larger
+      than it gets a file of its own.
+    - `dtype`: write floating tensors in this dtype (`"bfloat16"`, ...); default: the source's.
+    - `force`: replace an earlier `port export` at `out`, and nothing else.
+    - `progress`: called with a `Progress` (phase "write") after each tensor.
+
+    Returns the absolute output path. A one-line `PortError` for bad input: `PlanError`
+    for a model that does not fit the mapping or a mapping that cannot be inverted (a
+    fused tensor with a part no entry keeps), `OutputError` for `out`.
+
+    ```python
+    model = port.load("gpt2", mesh="4x2")
+    port.export(model, "gpt2-hf", "gpt2", max_shard_size="200MB")
+    ```
+    """
+    limit = parse_size(max_shard_size)
+    headers, source_config, source_mapping = _headers(source)
+    config = dict(source_config if config is None else config)
+    mapping = mapping_for(config, mapping if mapping is not None else source_mapping)
+    out = check_out(out, force, inputs=(source,) if isinstance(source, (str, os.PathLike)) and
+                    Path(source).exists() else (), ours=is_export, what=_WHAT)
+    tensors = {k: TensorInfo(k, Path("<source>"), np.dtype(d), tuple(s), 0) for k, (s, d) in headers.items()}
+    recipe = plan(model, mapping, tensors, config, _mesh_axes(mapping))
+    arrays = leaves(model)
+    for leaf in recipe.leaves:
+        array = arrays.get(leaf.path)
+        if not isinstance(array, jax.Array):
+            raise PlanError([f"model leaf '{leaf.path}' is {type(array).__name__}, not an array to write"])
+    inverse = invert(recipe, headers, mapping.source, dtype)
+    written_config = dict(config)
+    if dtype is not None:
+        for name in ("torch_dtype", "dtype"):
+            if name in written_config:
+                written_config[name] = np.dtype(dtype_named(dtype) if isinstance(dtype, str) else dtype).name
+    total, done = inverse.nbytes, 0
+    if total > (free := free_bytes(out)):
+        raise OutputError(f"--out {out}: needs {size_text(total)}, only {size_text(free)} free on its file system")
+    partial = out.parent / f".{out.name}.port-partial-{secrets.token_hex(8)}"
+    with contextlib.ExitStack() as cleanup:
+        try:
+            cleanup.enter_context(removing(partial, create=os.mkdir))
+        except FileExistsError:
+            raise OutputError(f"{partial}: exists; port writes only into a directory it creates") from None
+        cleanup.callback(shutil.rmtree, partial, True)
+        (partial / "config.json").write_text(json.dumps(written_config, indent=2, sort_keys=True) + "\n")
+        if progress is not None:
+            progress(Progress("write", 0, total, 0, len(inverse.tensors)))
+        with Writer(partial, inverse.tensors, limit, metadata={"format": "pt", "producer": PRODUCER}) as writer:
+            for i, tensor in enumerate(inverse.tensors):
+                parts = inverse.parts[tensor.key]
+                blocks = [(p.leaf.chain, gather(arrays[p.leaf.path], p.layer)) for p in parts]
+                (chain, first), siblings = blocks[0], blocks[1:]
+                data = chain.inverse(first, inverse.source_dtypes[tensor.key], siblings=siblings)
+                del blocks, first, siblings
+                writer.write(tensor.key, data.astype(tensor.dtype, copy=False))
+                del data
+                done += tensor.nbytes
+                if progress is not None:
+                    progress(Progress("write", done, total, i + 1, len(inverse.tensors)))
+            writer.close()
+        _install(partial, out, force)
+    return out
+
