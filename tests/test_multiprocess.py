@@ -1,7 +1,8 @@
 """Two processes of 4 CPU devices each, on JAX's own runtime (jax.distributed, gloo).
 
 Each process reads only the blocks of its own devices; together they write one
-Orbax checkpoint that restores in a single process with the same logits.
+Orbax checkpoint that restores in a single process with the same logits; and, the
+way back, each writes its devices' blocks of one Hugging Face export.
 """
 
 import json
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import equinox as eqx
 import numpy as np
@@ -119,6 +121,38 @@ def test_two_processes_convert_and_read_only_their_share(gpt2_checkpoints, tmp_p
     single = port.load(source, mesh=port.make_mesh(mesh_spec))
     np.testing.assert_allclose(logits, np.asarray(eqx.filter_jit(lambda m, x: m(x))(single, INPUT_IDS)), atol=1e-5)
     assert np.abs(logits - expected_logits).max() < 1e-4
+
+
+def test_two_processes_export_each_its_share(tmp_path):
+    """A convert output exported by 2 processes x 4 devices: complete files, each process writing its blocks."""
+    from safetensors.numpy import load_file
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
+    converted, out, address = tmp_path / "jax", tmp_path / "hf", f"127.0.0.1:{free_port()}"
+    port.convert(example, mesh="1x1", out=converted)
+    command = [sys.executable, "-m", "port", "export", str(converted), "--mesh", "4x2", "--out", str(out),
+               "--max-shard-size", "200KB"]
+    results = run_processes(lambda i: command + [
+        "--coordinator", address, "--num-processes", "2", "--process-id", str(i)])
+    shares = []
+    for i, (_, _, err) in enumerate(results):
+        line = next(line for line in err.splitlines() if "exported" in line)
+        assert line.startswith(f"port: process {i}/2: exported "), err
+        shares.append(int(line.split("this process wrote ")[1].split("(")[1].split(" bytes")[0]))
+    source = load_file(example / "model.safetensors")
+    files = sorted(p.name for p in out.iterdir())
+    assert files[-1] == "model.safetensors.index.json" and len(files) > 3, files
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    exported = {}
+    for name in set(index["weight_map"].values()):
+        exported.update(load_file(out / name))
+    assert exported.keys() == source.keys()
+    for key, value in source.items():
+        assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key
+    total = sum(v.nbytes for v in source.values())
+    assert sum(shares) == total == index["metadata"]["total_size"]
+    assert 0 < shares[1] < shares[0] < total  # process 1 writes the blocks only its devices hold
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "jax"]  # nothing half-written beside
 
 
 SCRIPT = textwrap.dedent("""

@@ -92,27 +92,43 @@ def _write_file(path: Path, text: str) -> None:
 # ---------------------------------------------------------------------------- commands
 
 
-def convert(args: argparse.Namespace) -> int:
-    """Convert MODEL into a sharded Equinox model and save it with Orbax to --out."""
-    from ._runtime import _env_int, devices_per_process, initialize, mesh_shape, simulate_devices
-    from ._save import check_out
+def _processes(args: argparse.Namespace) -> tuple[int, int]:
+    """The run's process count and each process's share of --mesh's devices, the flags checked."""
+    from ._runtime import _env_int, devices_per_process, mesh_shape
 
     shape = mesh_shape(args.mesh)
     processes = args.num_processes if args.num_processes is not None else _env_int("JAX_NUM_PROCESSES") or 1
     count = devices_per_process(shape, processes, args.mesh)
     if args.timeout <= 0:
         raise PortError(f"--timeout {args.timeout:g}: expected a positive number of seconds")
-    check_out(args.out, args.force, inputs=(args.model,) if Path(args.model).exists() else ())
-    if args.report is not None and not args.report.absolute().parent.is_dir():
-        raise PortError(f"--report {args.report}: parent directory does not exist")
-    if args.report is not None and args.out.absolute() in args.report.absolute().parents:
-        raise PortError(f"--report {args.report}: inside --out {args.out}, which port replaces")
+    return processes, count
+
+
+def _join(args: argparse.Namespace) -> tuple[int, int, bool]:
+    """Simulate this process's devices and join the run the flags name: (processes, devices each, simulated)."""
+    from ._runtime import initialize, simulate_devices
+
+    processes, count = _processes(args)
     simulated = simulate_devices(count)
     coordinator = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
     if processes > 1 and coordinator:
         who = args.process_id if args.process_id is not None else os.environ.get("JAX_PROCESS_ID", "?")
         say(f"process {who}: waiting for {processes} processes at {coordinator} (--timeout {args.timeout:g} s)")
     initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.timeout)
+    return processes, count, simulated
+
+
+def convert(args: argparse.Namespace) -> int:
+    """Convert MODEL into a sharded Equinox model and save it with Orbax to --out."""
+    from ._save import check_out
+
+    _processes(args)  # flags checked before the output's
+    check_out(args.out, args.force, inputs=(args.model,) if Path(args.model).exists() else ())
+    if args.report is not None and not args.report.absolute().parent.is_dir():
+        raise PortError(f"--report {args.report}: parent directory does not exist")
+    if args.report is not None and args.out.absolute() in args.report.absolute().parents:
+        raise PortError(f"--report {args.report}: inside --out {args.out}, which port replaces")
+    processes, count, simulated = _join(args)
 
     import jax
 
@@ -164,16 +180,19 @@ def export_command(args: argparse.Namespace) -> int:
     """Write a `port convert` output back as a Hugging Face checkpoint directory."""
     from ._export import export
     from ._restore import read_output, restore
-    from ._runtime import devices_per_process, mesh_shape, simulate_devices
     from ._writer import parse_size
 
     parse_size(args.max_shard_size)  # a bad size is told before anything is read
-    simulate_devices(devices_per_process(mesh_shape(args.mesh), 1, args.mesh))
+    _processes(args)
     read_output(args.dir)  # not a port output: told before a model is built
+    _join(args)
     bar = None
 
+    last = None
+
     def progress(at) -> None:
-        nonlocal bar
+        nonlocal bar, last
+        last = at
         if bar is None:
             bar = _progress(args.progress, at.leaves, at.total) or False
             if bar:
@@ -191,8 +210,17 @@ def export_command(args: argparse.Namespace) -> int:
         if bar:
             bar.stop()
     files = sorted(p.name for p in out.iterdir() if p.name.endswith(".safetensors"))
-    written = sum((out / name).stat().st_size for name in files)
-    say(f"exported {args.dir}: {len(files)} safetensors file{'s' if len(files) > 1 else ''}, {size_text(written)} -> {out}")
+    size = sum((out / name).stat().st_size for name in files)
+    import jax
+
+    who, share = "", ""
+    if jax.process_count() > 1:  # each process wrote the blocks its devices hold
+        who = f"process {jax.process_index()}/{jax.process_count()}: "
+        share = f", this process wrote {size_text(last.done if last else 0)} ({last.done if last else 0} bytes)"
+    say(
+        f"{who}exported {args.dir}: {len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
+        f"{size_text(size)}{share} -> {out}"
+    )
     return 0
 
 
@@ -359,6 +387,15 @@ def parser() -> argparse.ArgumentParser:
 
     from ._dtypes import CASTS
 
+    def run_flags(sub) -> None:
+        sub.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, for a multi-process run")
+        sub.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
+        sub.add_argument("--process-id", type=int, metavar="I", help="this process, 0 to N-1")
+        sub.add_argument(
+            "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+            help=f"how long processes wait for each other (default: {DEFAULT_TIMEOUT:g})",
+        )
+
     def options(sub, mapping: bool = True) -> None:
         sub.add_argument("--mesh", default="1x1", metavar="SPEC", help=MESH_HELP)
         sub.add_argument("--dtype", choices=CASTS, help="cast floating parameters (default: keep the checkpoint's)")
@@ -384,13 +421,7 @@ def parser() -> argparse.ArgumentParser:
         "--progress", action=argparse.BooleanOptionalAction, default=None,
         help="progress bar (default: on a terminal)",
     )
-    sub.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, for a multi-process run")
-    sub.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
-    sub.add_argument("--process-id", type=int, metavar="I", help="this process, 0 to N-1")
-    sub.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
-        help=f"how long processes wait for each other (default: {DEFAULT_TIMEOUT:g})",
-    )
+    run_flags(sub)
 
     sub = command(
         "export", export_command, "Write a port convert output DIR back as a Hugging Face checkpoint in --out.",
@@ -407,6 +438,7 @@ def parser() -> argparse.ArgumentParser:
         "--progress", action=argparse.BooleanOptionalAction, default=None,
         help="progress bar (default: on a terminal)",
     )
+    run_flags(sub)
 
     sub = command("plan", plan_command, "Print how MODEL maps onto the mesh, reading no tensor data.")
     model(sub)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
 import shutil
@@ -41,6 +42,7 @@ from ._errors import OutputError, PlanError, PortError
 from ._interrupt import final, removing
 from ._mapping import Mapping, mapping_for
 from ._plan import LeafPlan, Plan, plan
+from ._runtime import exchange
 from ._save import check_out, free_bytes
 from ._skeleton import leaves
 from ._source import Checkpoint, TensorInfo, open_checkpoint
@@ -177,6 +179,76 @@ def gather(array: jax.Array, layer: int | None = None) -> np.ndarray:
             "(multi-process export is not supported yet)"
         )
     return out
+
+
+@dataclass(frozen=True)
+class Block:
+    """One distinct block of a leaf (of one layer of it), as one box of an output tensor."""
+
+    key: str
+    part: Part
+    bounds: tuple[tuple[int, int], ...]  # the block in the whole leaf array (every dimension)
+    regions: tuple[tuple[tuple[int, int], ...], ...]  # the box at each stage of the chain, source first
+    owner: int  # the process that writes it: the first holding it
+
+
+def _extent(region: tuple[tuple[int, int], ...]) -> int:
+    return math.prod(b - a for a, b in region)
+
+
+def blocks(inverse: Inverse, arrays: AnyMapping[str, Any]) -> list[Block] | None:
+    """Every distinct device block of every part, as the box of its output tensor it fills, in tensor order.
+
+    None when some block is not exactly one box of its tensor (a reshape that cuts a
+    dimension the block divides): such tensors are assembled whole (`gather`) instead.
+    """
+    distinct: dict[str, dict[tuple, list]] = {}
+    found = []
+    for tensor in inverse.tensors:
+        for part in inverse.parts[tensor.key]:
+            leaf, array = part.leaf, arrays[part.leaf.path]
+            if leaf.path not in distinct:
+                held: dict[tuple, list] = {}
+                for device, index in array.sharding.devices_indices_map(array.shape).items():
+                    bounds = tuple(sl.indices(n)[:2] for sl, n in zip(index, array.shape))
+                    held.setdefault(bounds, []).append(device)
+                distinct[leaf.path] = held
+            for bounds, devices in distinct[leaf.path].items():
+                box = bounds
+                if part.layer is not None:
+                    if not bounds[0][0] <= part.layer < bounds[0][1]:
+                        continue
+                    box = bounds[1:]
+                regions = tuple(leaf.chain.regions(box))
+                if _extent(regions[0]) != _extent(box):
+                    return None
+                owner = min(d.process_index for d in devices)
+                found.append(Block(tensor.key, part, bounds, regions, owner))
+    return found
+
+
+def _block_data(block: Block, shards: AnyMapping[Any, Any], source_dtype: np.dtype) -> np.ndarray:
+    """The block's data turned back into its box of the source tensor (still in the chain's source dtype)."""
+    leaf = block.part.leaf
+    data = shards[block.bounds]
+    if block.part.layer is not None:
+        data = data[block.part.layer - block.bounds[0][0]]
+    data = np.asarray(data)
+    dtypes = leaf.chain.dtypes(source_dtype)
+    for i in reversed(range(len(leaf.chain.transforms))):
+        step = leaf.chain.transforms[i]
+        if not step.fused:  # a part's block is already its own box of the fused tensor
+            data = step.inverse(data, tuple(b - a for a, b in block.regions[i]), dtypes[i])
+    return data
+
+
+def _local_shards(array: jax.Array) -> dict[tuple, Any]:
+    """This process's blocks of `array` by their bounds (one device's, for a replicated block)."""
+    found = {}
+    for shard in array.addressable_shards:
+        bounds = tuple(sl.indices(n)[:2] for sl, n in zip(shard.index, array.shape))
+        found.setdefault(bounds, shard.data)
+    return found
 
 
 # ---------------------------------------------------------------------------- the output directory
@@ -343,32 +415,70 @@ def export(
         for name in ("torch_dtype", "dtype"):
             if name in written_config:
                 written_config[name] = np.dtype(dtype_named(dtype) if isinstance(dtype, str) else dtype).name
-    total, done = inverse.nbytes, 0
-    if total > (free := free_bytes(out)):
-        raise OutputError(f"--out {out}: needs {size_text(total)}, only {size_text(free)} free on its file system")
-    partial = out.parent / f".{out.name}.port-partial-{secrets.token_hex(8)}"
+    me, processes = jax.process_index(), jax.process_count()
+    found = blocks(inverse, arrays)
+    if found is None and processes > 1:
+        raise PlanError([
+            f"{mapping.source}: a block of some leaf is not one box of its checkpoint tensor on this mesh, "
+            "so it cannot be written by the process holding it; export it from one process"
+        ])
+    mine = None if found is None else [block for block in found if block.owner == me]
+    specs = {t.key: t for t in inverse.tensors}
+    total = inverse.nbytes if mine is None else sum(
+        _extent(block.regions[0]) * specs[block.key].dtype.itemsize for block in mine
+    )
+    if me == 0 and inverse.nbytes > (free := free_bytes(out)):
+        raise OutputError(
+            f"--out {out}: needs {size_text(inverse.nbytes)}, only {size_text(free)} free on its file system"
+        )
+    token = exchange("export-name", secrets.token_hex(8), "the output's name")[0]  # process 0's
+    partial = out.parent / f".{out.name}.port-partial-{token}"
+    layout = dict(metadata={"format": "pt", "producer": PRODUCER})
     with contextlib.ExitStack() as cleanup:
-        try:
-            cleanup.enter_context(removing(partial, create=os.mkdir))
-        except FileExistsError:
-            raise OutputError(f"{partial}: exists; port writes only into a directory it creates") from None
-        cleanup.callback(shutil.rmtree, partial, True)
-        (partial / "config.json").write_text(json.dumps(written_config, indent=2, sort_keys=True) + "\n")
+        if me == 0:
+            try:
+                cleanup.enter_context(removing(partial, create=os.mkdir))
+            except FileExistsError:
+                raise OutputError(f"{partial}: exists; port writes only into a directory it creates") from None
+            cleanup.callback(shutil.rmtree, partial, True)
+            (partial / "config.json").write_text(json.dumps(written_config, indent=2, sort_keys=True) + "\n")
+            writer = cleanup.enter_context(Writer(partial, inverse.tensors, limit, **layout))
+        exchange("export-created", "", "word that the files exist")
+        if me != 0:
+            writer = cleanup.enter_context(Writer(partial, inverse.tensors, limit, **layout, create=False))
+        done, count = 0, 0
+        steps = len(inverse.tensors) if mine is None else len(mine)
         if progress is not None:
-            progress(Progress("write", 0, total, 0, len(inverse.tensors)))
-        with Writer(partial, inverse.tensors, limit, metadata={"format": "pt", "producer": PRODUCER}) as writer:
-            for i, tensor in enumerate(inverse.tensors):
+            progress(Progress("write", 0, total, 0, steps))
+        if mine is None:  # one process; some tensor is assembled whole
+            for tensor in inverse.tensors:
                 parts = inverse.parts[tensor.key]
-                blocks = [(p.leaf.chain, gather(arrays[p.leaf.path], p.layer)) for p in parts]
-                (chain, first), siblings = blocks[0], blocks[1:]
+                pieces = [(p.leaf.chain, gather(arrays[p.leaf.path], p.layer)) for p in parts]
+                (chain, first), siblings = pieces[0], pieces[1:]
                 data = chain.inverse(first, inverse.source_dtypes[tensor.key], siblings=siblings)
-                del blocks, first, siblings
+                del pieces, first, siblings
                 writer.write(tensor.key, data.astype(tensor.dtype, copy=False))
                 del data
-                done += tensor.nbytes
+                done, count = done + tensor.nbytes, count + 1
                 if progress is not None:
-                    progress(Progress("write", done, total, i + 1, len(inverse.tensors)))
-            writer.close()
-        _install(partial, out, force)
+                    progress(Progress("write", done, total, count, steps))
+        else:
+            shards: dict[str, dict[tuple, Any]] = {}
+            for block in mine:
+                path = block.part.leaf.path
+                if path not in shards:
+                    shards = {path: _local_shards(arrays[path])}  # one leaf's at a time
+                data = _block_data(block, shards[path], inverse.source_dtypes[block.key])
+                done += writer.write_region(block.key, block.regions[0], data.astype(specs[block.key].dtype, copy=False))
+                count += 1
+                if progress is not None:
+                    progress(Progress("write", done, total, count, steps))
+        writer.close(check=processes == 1)
+        written = exchange("export-written", str(done), "what it wrote")
+        if me == 0:
+            if sum(int(n) for n in written.values()) != inverse.nbytes:
+                raise OutputError(f"--out {out}: the processes wrote {written}, not the {inverse.nbytes} bytes laid out")
+            _install(partial, out, force)
+        exchange("export-done", "", "word that the export is in place")
     return out
 

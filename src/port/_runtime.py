@@ -428,6 +428,50 @@ def _current() -> _Run | None:
     return _run if _run is not None and jax.distributed.is_initialized() else None
 
 
+def exchange(name: str, value: str, what: str = "its part", timeout: float | None = None) -> dict[int, str]:
+    """Every process's `value`, by process: each publishes its own and waits for the others'.
+
+    Through the run's key-value store; `{0: value}` outside a multi-process run. Call it
+    the same number of times, with the same `name`, in every process. A process that
+    ends before sending, or does not send within `timeout` (default: the run's), is a
+    `RunError` naming it and `what` it should have sent.
+
+    **Arguments:**
+
+    - `name`: the exchange's name (each call gets its own round of keys).
+    - `value`: this process's text.
+    - `what`: how messages name the value (`"its settings"`).
+    - `timeout`: seconds to wait for the others.
+
+    ```python
+    counts = exchange("export-written", str(bytes_written))   # {0: "123", 1: "456"}
+    ```
+    """
+    run = _current()
+    if run is None or run.num_processes < 2:
+        return {0: value}
+    timeout = run.timeout if timeout is None else timeout
+    run.rounds += 1
+    store = _store()
+    prefix = f"port/{name}/{run.rounds}/"
+    texts = {run.process_id: value}
+    deadline = time.monotonic() + timeout
+    store.set(prefix + str(run.process_id), value)
+    for process in range(run.num_processes):
+        if process == run.process_id:
+            continue
+        while (text := store.get(prefix + str(process), min(1.0, deadline - time.monotonic()))) is None:
+            if store.get(_ENDED + str(process)) is not None:
+                raise RunError(f"process {process} ended before sending {what}: see its output")
+            if time.monotonic() >= deadline:
+                raise RunError(
+                    f"process {process} did not send {what} within {timeout:g} s "
+                    f"(--timeout {timeout:g}): see its output"
+                )
+        texts[process] = text
+    return dict(sorted(texts.items()))
+
+
 _MISSING = object()  # a key one process's settings lack
 
 
@@ -481,29 +525,10 @@ def agree(settings: dict[str, str | int | float | bool | None], timeout: float |
     agree({"--mesh": "4x2", "--dtype": "bfloat16", "--out": "/shared/gpt2-jax"})
     ```
     """
-    run = _current()
-    if run is None or run.num_processes < 2:
-        return
-    timeout = run.timeout if timeout is None else timeout
-    run.rounds += 1
-    store = _store()
-    prefix = f"port/agree/{run.rounds}/"
     mine = json.dumps(settings, default=str)
-    texts = {run.process_id: mine}
-    deadline = time.monotonic() + timeout
-    store.set(prefix + str(run.process_id), mine)
-    for process in range(run.num_processes):
-        if process == run.process_id:
-            continue
-        while (text := store.get(prefix + str(process), min(1.0, deadline - time.monotonic()))) is None:
-            if store.get(_ENDED + str(process)) is not None:
-                raise RunError(f"process {process} ended before sending its settings: see its output")
-            if time.monotonic() >= deadline:
-                raise RunError(
-                    f"process {process} did not send its settings within {timeout:g} s "
-                    f"(--timeout {timeout:g}): see its output"
-                )
-        texts[process] = text
+    texts = exchange("agree", mine, "its settings", timeout)
+    if len(texts) < 2:
+        return
     everyone = {process: json.loads(texts[process]) for process in sorted(texts)}
     keys = list(dict.fromkeys(key for values in everyone.values() for key in values))
     for key in keys:

@@ -26,6 +26,7 @@ A multi-process export divides the keys: process 0 creates the files
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -267,6 +268,7 @@ class Writer:
         self._order = [t.key for t in tensors if t.key in keys]  # what close checks, in the given order
         self._pending = set(self._order)
         self._busy: set[str] = set()
+        self._filled: dict[str, int] = {}  # elements written by `write_region`, per tensor
         self._lock = threading.Lock()
         self._fds: dict[str, int] = {}
         self._dir: int | None = None
@@ -389,24 +391,80 @@ class Writer:
         with self._lock:
             self._pending.discard(key)
 
+    def write_region(self, key: str, region: Sequence[tuple[int, int]], data: np.ndarray) -> int:
+        """Write the box `region` (`(start, stop)` per dimension) of tensor `key`; returns the bytes written.
+
+        The boxes a caller writes of one tensor must not overlap (as the distinct blocks
+        of a sharded array do not): a tensor counts as written once its boxes add up to
+        it. Boxes of one tensor may come from several writers (processes), each counting
+        only its own; `close(check=False)` leaves the whole to the caller. Each run of
+        the box that is contiguous in the file is one positioned write.
+
+        ```python
+        writer.write_region("h.0.attn.c_attn.weight", ((0, 768), (0, 384)), block)
+        ```
+        """
+        spec = self.tensors.get(key)
+        if spec is None:
+            raise OutputError(f"tensor {quoted(key, 200)} is not one of the tensors being written")
+        if self._dir is None:
+            raise OutputError(f"tensor {quoted(key, 200)}: the writer is closed")
+        region = tuple((int(a), int(b)) for a, b in region)
+        extents = tuple(b - a for a, b in region)
+        data = np.asarray(data)
+        if (
+            len(region) != len(spec.shape)
+            or any(not 0 <= a <= b <= n for (a, b), n in zip(region, spec.shape))
+            or data.shape != extents
+            or data.dtype != spec.dtype
+        ):
+            raise OutputError(
+                f"tensor {quoted(key, 200)}: box {[list(r) for r in region]} of {data.dtype.name}{list(data.shape)} "
+                f"does not fit {spec.dtype.name}{list(spec.shape)}"
+            )
+        with self._lock:
+            if key not in self._pending:
+                raise OutputError(f"tensor {quoted(key, 200)} is written twice")
+        if data.size:
+            # the trailing dimensions the box spans whole, and the one before them: one run per index of the rest
+            d = len(region) - 1
+            while d > 0 and extents[d] == spec.shape[d]:
+                d -= 1
+            strides = [math.prod(spec.shape[i + 1 :]) for i in range(len(spec.shape))]
+            run = extents[d] * strides[d] if region else 1
+            rows = (data if data.flags.c_contiguous else np.ascontiguousarray(data)).reshape(-1).view(np.uint8)
+            rows = rows.reshape(-1, run * spec.dtype.itemsize)
+            grid = itertools.product(*(range(a, b) for a, b in region[:d]))
+            name, offset = self.offsets[key]
+            what = f"tensor {quoted(key, 200)}"
+            for row, index in zip(rows, grid):
+                start = sum(i * stride for i, stride in zip(index, strides)) + region[d][0] * strides[d] if region else 0
+                _pwrite_all(self._fds[name], memoryview(row), offset + start * spec.dtype.itemsize, self.directory / name, what)
+        with self._lock:
+            self._filled[key] = self._filled.get(key, 0) + data.size
+            if self._filled[key] >= math.prod(spec.shape):
+                self._pending.discard(key)
+        return data.nbytes
+
     @property
     def missing(self) -> list[str]:
         """The keys this writer has still to write, in the given order."""
         return [key for key in self._order if key in self._pending]
 
-    def close(self, sync: bool = True) -> None:
+    def close(self, sync: bool = True, check: bool = True) -> None:
         """Check every key of `write` was written, flush the files to disk and release them.
 
         With `sync`, each file's data reaches the disk (`fdatasync`), and with `create`
         the directory's new entries too, before this returns: the files are complete
         should the directory then be renamed into place. A key never written is an
         `OutputError` naming the first (the files are released all the same).
-        Closing twice does nothing.
+        Closing twice does nothing. `check=False` leaves completeness to the caller (a
+        multi-process export, whose processes each write part of every tensor).
         """
         if self._dir is None:
             return
         try:
-            missing = self.missing
+            missing = self.missing if check else []
             if missing:
                 more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
                 raise OutputError(f"{self.directory}: tensor {quoted(missing[0], 200)} was never written{more}")
