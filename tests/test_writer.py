@@ -483,3 +483,57 @@ def test_writing_adds_at_most_the_tensor_to_memory(tmp_path):
     assert contiguous.bytes - start < 16 * 2**20
     assert strided.bytes - strided_start < 1.1 * size
     assert os.path.getsize(tmp_path / "model.safetensors") > 2 * size
+
+
+def _cuts(n: int, rng: random.Random) -> list[tuple[int, int]]:
+    """`range(n)` cut into consecutive pieces at random points."""
+    points = sorted(rng.sample(range(1, n), rng.randint(0, min(3, n - 1)))) if n > 1 else []
+    bounds = [0, *points, n]
+    return list(zip(bounds, bounds[1:]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_boxes_that_tile_a_tensor_write_the_same_bytes_as_the_whole(tmp_path_factory, seed):
+    rng = random.Random(seed)
+    shapes = {"a": (rng.randint(1, 6), rng.randint(1, 7), rng.randint(1, 5)), "b": (rng.randint(1, 9),)}
+    arrays = {k: np.random.default_rng(seed).standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    tensors = [OutTensor(k, v.shape, v.dtype) for k, v in arrays.items()]
+    whole, boxes = tmp_path_factory.mktemp("whole"), tmp_path_factory.mktemp("boxes")
+    with Writer(whole, tensors, 10**9, metadata={"format": "pt"}) as writer:
+        for key, value in arrays.items():
+            writer.write(key, value)
+    with Writer(boxes, tensors, 10**9, metadata={"format": "pt"}) as writer:
+        for key, value in arrays.items():
+            pieces = [_cuts(n, rng) for n in value.shape]
+            order = [tuple(box) for box in np.ndindex(*map(len, pieces))]
+            rng.shuffle(order)
+            for choice in order:
+                region = tuple(pieces[d][i] for d, i in enumerate(choice))
+                writer.write_region(key, region, value[tuple(slice(a, b) for a, b in region)])
+        assert writer.missing == []
+    assert (whole / "model.safetensors").read_bytes() == (boxes / "model.safetensors").read_bytes()
+
+
+def test_a_box_that_does_not_fit_or_comes_after_the_whole_is_refused(tmp_path):
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    with Writer(tmp_path, [OutTensor("x", x.shape, x.dtype)], 10**9) as writer:
+        with pytest.raises(OutputError, match=r"box \[\[0, 4\], \[0, 4\]\] of float32\[4, 4\] does not fit"):
+            writer.write_region("x", ((0, 4), (0, 4)), np.zeros((4, 4), np.float32))
+        with pytest.raises(OutputError, match="does not fit"):
+            writer.write_region("x", ((0, 3), (0, 2)), np.zeros((3, 2), np.float64))
+        writer.write_region("x", ((0, 3), (0, 4)), x)
+        with pytest.raises(OutputError, match="written twice"):
+            writer.write_region("x", ((0, 1), (0, 1)), x[:1, :1])
+
+
+def test_boxes_from_two_writers_make_one_file(tmp_path):
+    x = np.random.default_rng(0).standard_normal((8, 6)).astype(np.float32)
+    tensors = [OutTensor("x", x.shape, x.dtype)]
+    with Writer(tmp_path, tensors, 10**9) as first:
+        with Writer(tmp_path, tensors, 10**9, create=False) as second:
+            first.write_region("x", ((0, 8), (0, 3)), x[:, :3])
+            second.write_region("x", ((0, 8), (3, 6)), x[:, 3:])
+            second.close(check=False)  # its half: the whole is the caller's to check
+        first.close(check=False)
+    np.testing.assert_array_equal(load_file(tmp_path / "model.safetensors")["x"], x)
