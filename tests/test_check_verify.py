@@ -100,3 +100,58 @@ def test_verify_without_pytorch_says_how_to_install(gpt2_checkpoints, tmp_path):
         "port: error: port verify needs PyTorch and transformers: pip install torch --index-url "
         "https://download.pytorch.org/whl/cpu && pip install transformers"
     ]
+
+
+QK_MODULE = '''
+import equinox as eqx
+import jax.numpy as jnp
+
+
+class QK(eqx.Module):
+    """Keeps q and k of a fused qkv, and drops v: it cannot be written back."""
+
+    q: jnp.ndarray
+    k: jnp.ndarray
+
+    @classmethod
+    def from_config(cls, config, *, key):
+        return cls(jnp.zeros((4, 4)), jnp.zeros((4, 4)))
+'''
+
+QK_MAPPING = '''
+model = "qkmodel:QK"
+model_types = ["qk"]
+
+[rules]
+embed = []
+heads = "model"
+
+[[params]]
+key = "qkv"
+path = "q"
+axes = ["embed", "heads"]
+transforms = [{ split = { axis = 1, parts = 3, index = 0 } }]
+
+[[params]]
+key = "qkv"
+path = "k"
+axes = ["embed", "heads"]
+transforms = [{ split = { axis = 1, parts = 3, index = 1 } }]
+'''
+
+
+def test_check_names_the_entry_that_cannot_be_walked_back(tmp_path):
+    import numpy as np
+
+    from helpers import write_checkpoint
+
+    (tmp_path / "qkmodel.py").write_text(QK_MODULE)
+    (tmp_path / "qk.toml").write_text(QK_MAPPING)
+    write_checkpoint(tmp_path / "ckpt", {"qkv": np.zeros((4, 12), np.float32)}, {"model_type": "qk"})
+    result = run_port("check", "qk.toml", "ckpt", cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stdout.strip().splitlines() == [
+        "qk.toml: entry 'qkv': the fused tensor 'qkv' has 3 parts but the entries keep only [0, 1]; "
+        "without part [2] it cannot be written back"
+    ]
+    assert result.stderr.strip() == "port: error: qk.toml: 1 problem with ckpt"

@@ -102,8 +102,9 @@ def _invertible(key: str, parts: list[Part], source: str) -> str | None:
     missing = [i for i in range(len(family)) if i not in kept]
     if missing:
         return (
-            f"{source}: entry '{parts[0].leaf.pattern}' keeps part {sorted(kept)} of the fused tensor '{key}'; "
-            f"no entry keeps part{'s' if len(missing) > 1 else ''} {missing}, so it cannot be written back"
+            f"{source}: entry '{parts[0].leaf.pattern}': the fused tensor '{key}' has {len(family)} parts but the "
+            f"entries keep only {sorted(kept)}; without part{'s' if len(missing) > 1 else ''} {missing} it cannot "
+            "be written back"
         )
     return None
 
