@@ -198,7 +198,7 @@ def export_command(args: argparse.Namespace) -> int:
             if bar:
                 bar.start()
         if bar:
-            bar.update(0, completed=at.done, total=at.total, description=f"{at.leaves_done}/{at.leaves} tensors")
+            bar.update(0, completed=at.done, total=at.total, description="writing")
 
     model = restore(args.dir, args.mesh)
     try:

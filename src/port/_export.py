@@ -386,7 +386,8 @@ def export(
       than it gets a file of its own.
     - `dtype`: write floating tensors in this dtype (`"bfloat16"`, ...); default: the source's.
     - `force`: replace an earlier `port export` at `out`, and nothing else.
-    - `progress`: called with a `Progress` (phase "write") after each tensor.
+    - `progress`: called with a `Progress` (phase "write", bytes this process wrote of its
+      share) as writing starts and after each block (or whole tensor) written.
 
     Returns the absolute output path. A one-line `PortError` for bad input: `PlanError`
     for a model that does not fit the mapping or a mapping that cannot be inverted (a
