@@ -41,10 +41,10 @@ from ._dtypes import dtype as dtype_named, floating
 from ._errors import OutputError, PlanError, PortError
 from ._interrupt import final, removing
 from ._mapping import Mapping, mapping_for
-from ._plan import LeafPlan, Plan, plan
+from ._plan import LeafPlan, Plan, _is_none, plan
 from ._runtime import exchange
 from ._save import check_out, free_bytes
-from ._skeleton import leaves
+from ._skeleton import leaves, skeleton
 from ._source import Checkpoint, TensorInfo, open_checkpoint
 from ._writer import OutTensor, Writer, parse_size
 
@@ -244,11 +244,17 @@ def _block_data(block: Block, shards: AnyMapping[Any, Any], source_dtype: np.dty
 
 
 def _local_shards(array: jax.Array) -> dict[tuple, Any]:
-    """This process's blocks of `array` by their bounds (one device's, for a replicated block)."""
+    """This process's blocks of `array` by their bounds (one device's, for a replicated block).
+
+    On the host CPU a block is viewed as NumPy without a copy (a layer of it is then a
+    slice, not a compiled JAX op); on an accelerator it stays there until its layer is
+    taken, so only that layer is copied to the host.
+    """
     found = {}
     for shard in array.addressable_shards:
         bounds = tuple(sl.indices(n)[:2] for sl, n in zip(shard.index, array.shape))
-        found.setdefault(bounds, shard.data)
+        if bounds not in found:
+            found[bounds] = np.asarray(shard.data) if shard.device.platform == "cpu" else shard.data
     return found
 
 
@@ -348,6 +354,26 @@ def _headers(source: Any) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], 
         return {k: (t.shape, t.dtype) for k, t in ckpt.tensors.items()}, ckpt.config, None
 
 
+def _check_fits(model: Any, mapping: Mapping, config: AnyMapping[str, Any], source: Any) -> None:
+    """`PlanError` naming the first leaf where `model` differs from the module the source's config builds."""
+    expected = {p: leaf for p, leaf in leaves(skeleton(mapping, config)).items() if hasattr(leaf, "shape")}
+    actual = {p: leaf for p, leaf in leaves(model).items() if hasattr(leaf, "shape")}
+    where = f"the module {mapping.model} that the config of {quoted(str(source))} builds"
+    problems = []
+    for path in actual.keys() - expected.keys():
+        problems.append(f"model leaf '{path}' is not in {where}")
+    for path in expected.keys() - actual.keys():
+        if not _is_none(model, path):  # an optional leaf the model lacks (a BERT without pooler) is fine
+            problems.append(f"model has no leaf '{path}', which {where} has")
+    for path in actual.keys() & expected.keys():
+        if tuple(actual[path].shape) != tuple(expected[path].shape):
+            problems.append(
+                f"model leaf '{path}' is {list(actual[path].shape)}, but {list(expected[path].shape)} in {where}"
+            )
+    if problems:
+        raise PlanError(sorted(problems))
+
+
 def _mesh_axes(mapping: Mapping) -> dict[str, int]:
     """A one-device mesh shape with every axis the mapping's rules name: the plan is only walked backwards."""
     axes = {"data": 1, "model": 1}
@@ -404,6 +430,7 @@ def export(
     mapping = mapping_for(config, mapping if mapping is not None else source_mapping)
     out = check_out(out, force, inputs=(source,) if isinstance(source, (str, os.PathLike)) and
                     Path(source).exists() else (), ours=is_export, what=_WHAT)
+    _check_fits(model, mapping, config, source)
     tensors = {k: TensorInfo(k, Path("<source>"), np.dtype(d), tuple(s), 0) for k, (s, d) in headers.items()}
     recipe = plan(model, mapping, tensors, config, _mesh_axes(mapping))
     arrays = leaves(model)
@@ -465,14 +492,29 @@ def export(
                 if progress is not None:
                     progress(Progress("write", done, total, count, steps))
         else:
-            shards: dict[str, dict[tuple, Any]] = {}
+            shards: dict[str, dict[tuple, Any]] = {}  # references to each leaf's local blocks: no copies
+            by_key: dict[str, list[Block]] = {}
             for block in mine:
-                path = block.part.leaf.path
-                if path not in shards:
-                    shards = {path: _local_shards(arrays[path])}  # one leaf's at a time
-                data = _block_data(block, shards[path], inverse.source_dtypes[block.key])
-                done += writer.write_region(block.key, block.regions[0], data.astype(specs[block.key].dtype, copy=False))
-                count += 1
+                by_key.setdefault(block.key, []).append(block)
+            for key, own in by_key.items():
+                spec = specs[key]
+                for block in own:
+                    if block.part.leaf.path not in shards:
+                        shards[block.part.leaf.path] = _local_shards(arrays[block.part.leaf.path])
+                if sum(_extent(b.regions[0]) for b in own) == math.prod(spec.shape):
+                    # this process holds all of it: assembled, then one write (1x the tensor in host memory)
+                    whole = np.empty(spec.shape, spec.dtype)
+                    for block in own:
+                        data = _block_data(block, shards[block.part.leaf.path], inverse.source_dtypes[key])
+                        whole[tuple(slice(a, b) for a, b in block.regions[0])] = data
+                    writer.write(key, whole)
+                    done += whole.nbytes
+                    del whole, data
+                else:  # its share of a tensor other processes hold the rest of: box by box
+                    for block in own:
+                        data = _block_data(block, shards[block.part.leaf.path], inverse.source_dtypes[key])
+                        done += writer.write_region(key, block.regions[0], data.astype(spec.dtype, copy=False))
+                count += len(own)
                 if progress is not None:
                     progress(Progress("write", done, total, count, steps))
         writer.close(check=processes == 1)

@@ -436,10 +436,14 @@ class Writer:
             rows = rows.reshape(-1, run * spec.dtype.itemsize)
             grid = itertools.product(*(range(a, b) for a, b in region[:d]))
             name, offset = self.offsets[key]
-            what = f"tensor {quoted(key, 200)}"
-            for row, index in zip(rows, grid):
-                start = sum(i * stride for i, stride in zip(index, strides)) + region[d][0] * strides[d] if region else 0
-                _pwrite_all(self._fds[name], memoryview(row), offset + start * spec.dtype.itemsize, self.directory / name, what)
+            fd, size, base = self._fds[name], spec.dtype.itemsize, region[d][0] * strides[d] if region else 0
+            try:
+                for row, index in zip(rows, grid):
+                    at = offset + (sum(i * stride for i, stride in zip(index, strides)) + base) * size
+                    if os.pwrite(fd, row, at) != len(row):  # short: finish it the careful way
+                        _pwrite_all(fd, memoryview(row), at, self.directory / name, f"tensor {quoted(key, 200)}")
+            except OSError as e:
+                raise OutputError(f"{self.directory / name}: cannot write tensor {quoted(key, 200)}: {e.strerror or e}") from None
         with self._lock:
             self._filled[key] = self._filled.get(key, 0) + data.size
             if self._filled[key] >= math.prod(spec.shape):
