@@ -246,6 +246,23 @@ def run_method(method: str, directory: Path, mesh: str) -> dict | str:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def machine() -> str:
+    """This machine as the tables name it: `2 CPU cores (AMD EPYC ...), 24 GiB`."""
+    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} CPU cores ({cpu}), {memory:.0f} GiB"
+
+
+def median_run(runs: list, peaks: tuple[str, ...]) -> dict | str:
+    """The run of median time, with each of `peaks` the largest of all runs; a failed run's message if all failed."""
+    ok = [r for r in runs if isinstance(r, dict)]
+    if not ok:
+        return runs[0]
+    median = statistics.median(r["seconds"] for r in ok)
+    chosen = min(ok, key=lambda r: abs(r["seconds"] - median))
+    return dict(chosen, **{name: max(r[name] for r in ok) for name in peaks})
+
+
 def warm(directory: Path) -> None:
     with open(directory / "model.safetensors", "rb") as f:
         while f.read(1 << 24):
@@ -326,15 +343,7 @@ def main() -> None:
                     for method in methods:
                         r = run_method(method, directory, args.mesh)
                         runs[method].append(r)
-                results = {}
-                for method, rs in runs.items():
-                    ok = [r for r in rs if isinstance(r, dict)]
-                    if not ok:
-                        results[method] = rs[0]
-                        continue
-                    median = statistics.median(r["seconds"] for r in ok)
-                    chosen = min(ok, key=lambda r: abs(r["seconds"] - median))
-                    results[method] = dict(chosen, peak_above_start=max(r["peak_above_start"] for r in ok))
+                results = {method: median_run(rs, ("peak_above_start",)) for method, rs in runs.items()}
                 section = table(size, dtype, results, largest)
                 print(section + "\n", flush=True)
                 sections.append(section)
@@ -342,12 +351,9 @@ def main() -> None:
         if args.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
     if args.out:
-        cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
         header = [
             "# Benchmarks", "",
-            f"Machine: {os.cpu_count()} CPU cores ({cpu}), "
-            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, no accelerator; "
-            f"8 simulated CPU devices; Python {platform.python_version()}.", "",
+            f"Machine: {machine()}, no accelerator; 8 simulated CPU devices; Python {platform.python_version()}.", "",
             "Command: `python bench/bench.py " + " ".join(sys.argv[1:]) + "`", "",
             "Each figure is the median of the repeats (peak memory: the largest), each run in a fresh "
             "process after the page cache was warmed and twice the checkpoint's size of memory was touched "

@@ -30,7 +30,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -190,19 +189,8 @@ def main() -> None:
                 for _ in range(args.repeats):
                     for method in methods:
                         runs[method].append(run_method(method, directory, args.mesh, work / "out"))
-                results = {}
-                for method, rs in runs.items():
-                    ok = [r for r in rs if isinstance(r, dict)]
-                    if not ok:
-                        results[method] = rs[0]
-                        continue
-                    median = statistics.median(r["seconds"] for r in ok)
-                    chosen = min(ok, key=lambda r: abs(r["seconds"] - median))
-                    results[method] = dict(
-                        chosen,
-                        peak_above_start=max(r["peak_above_start"] for r in ok),
-                        peak_thread_above_start=max(r["peak_thread_above_start"] for r in ok),
-                    )
+                peaks = ("peak_above_start", "peak_thread_above_start")
+                results = {method: _bench.median_run(rs, peaks) for method, rs in runs.items()}
                 p, f = results.get("port"), results.get("floor")
                 if isinstance(p, dict) and isinstance(f, dict):
                     # Same tensors either way: the safetensors files differ only in their headers.
@@ -217,12 +205,10 @@ def main() -> None:
     for note in notes:
         print(note)
     if args.out:
-        cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
         text = [
             "# port export benchmark", "",
-            f"Machine: {os.cpu_count()} CPU cores ({cpu}), "
-            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB; 8 simulated CPU devices, "
-            f"mesh {args.mesh}; Python {platform.python_version()}.", "",
+            f"Machine: {_bench.machine()}; 8 simulated CPU devices, mesh {args.mesh}; "
+            f"Python {platform.python_version()}.", "",
             "Command: `python bench/export.py " + " ".join(sys.argv[1:]) + "`", "",
             f"Median of {args.repeats} runs, each in a fresh process (peak memory: the largest).", "",
             HEAD, "|" + "---|" * (HEAD.count(" | ") + 1), *rows, "", *notes, "",

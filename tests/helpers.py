@@ -5,6 +5,7 @@ Imported as `from helpers import ...`: `tests/` is on `sys.path` because
 """
 
 import contextlib
+import hashlib
 import json
 import os
 import subprocess
@@ -122,6 +123,20 @@ def write_checkpoint(directory: Path, tensors: dict, config: dict) -> Path:
     (directory / "config.json").write_text(json.dumps(config))
     save_file(tensors, directory / "model.safetensors")
     return directory
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every entry under `root`: a file's digest, a link's target, or 'dir'."""
+    found = {}
+    for path in sorted(root.rglob("*")):
+        name = str(path.relative_to(root))
+        if path.is_symlink():
+            found[name] = "-> " + os.readlink(path)
+        elif path.is_dir():
+            found[name] = "dir"
+        else:
+            found[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
 
 
 def port_command() -> list[str]:

@@ -12,9 +12,7 @@ bad input is one line, exit 1, and leaves everything as it was. The tests that
 build a `transformers` model skip without PyTorch.
 """
 
-import hashlib
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -27,7 +25,7 @@ import numpy as np
 import pytest
 
 import port
-from helpers import port_command, port_env, run_port, torch_bert, torch_gpt2, torch_llama, transformers_or_skip
+from helpers import port_command, port_env, run_port, snapshot, torch_bert, torch_gpt2, torch_llama, transformers_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
@@ -137,20 +135,6 @@ def assert_state_equal(ours, theirs, scale=1):
         expected = scale * value if value.is_floating_point() else value
         assert ours[key].dtype == expected.dtype, key
         assert torch.equal(ours[key], expected), key
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every entry under `root`: a file's digest, a link's target, or 'dir'."""
-    found = {}
-    for path in sorted(root.rglob("*")):
-        name = str(path.relative_to(root))
-        if path.is_symlink():
-            found[name] = "-> " + os.readlink(path)
-        elif path.is_dir():
-            found[name] = "dir"
-        else:
-            found[name] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return found
 
 
 def succeeded(result):

@@ -4,31 +4,15 @@ Every refusal is one line, exit 1, and leaves every file of a decoy tree (checkp
 the user's own files) exactly as it was.
 """
 
-import hashlib
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 
-from helpers import run_port
+from helpers import run_port, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every entry under `root`: a file's digest, a link's target, or 'dir'."""
-    found = {}
-    for path in sorted(root.rglob("*")):
-        name = str(path.relative_to(root))
-        if path.is_symlink():
-            found[name] = "-> " + os.readlink(path)
-        elif path.is_dir():
-            found[name] = "dir"
-        else:
-            found[name] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return found
 
 
 @pytest.fixture

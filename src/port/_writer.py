@@ -350,6 +350,15 @@ class Writer:
             except OSError:
                 pass
 
+    def _spec(self, key: str) -> OutTensor:
+        """The tensor `key` names, while this writer is open."""
+        spec = self.tensors.get(key)
+        if spec is None:
+            raise OutputError(f"tensor {quoted(key, 200)} is not one of the tensors being written")
+        if self._dir is None:
+            raise OutputError(f"tensor {quoted(key, 200)}: the writer is closed")
+        return spec
+
     def write(self, key: str, data: np.ndarray) -> None:
         """Write tensor `key`'s bytes at its offset; `data` has its shape and dtype exactly.
 
@@ -361,11 +370,7 @@ class Writer:
         writer.write("wte.weight", np.asarray(wte))
         ```
         """
-        spec = self.tensors.get(key)
-        if spec is None:
-            raise OutputError(f"tensor {quoted(key, 200)} is not one of the tensors being written")
-        if self._dir is None:
-            raise OutputError(f"tensor {quoted(key, 200)}: the writer is closed")
+        spec = self._spec(key)
         data = np.asarray(data)
         if data.shape != spec.shape or data.dtype != spec.dtype:
             raise OutputError(
@@ -404,11 +409,7 @@ class Writer:
         writer.write_region("h.0.attn.c_attn.weight", ((0, 768), (0, 384)), block)
         ```
         """
-        spec = self.tensors.get(key)
-        if spec is None:
-            raise OutputError(f"tensor {quoted(key, 200)} is not one of the tensors being written")
-        if self._dir is None:
-            raise OutputError(f"tensor {quoted(key, 200)}: the writer is closed")
+        spec = self._spec(key)
         region = tuple((int(a), int(b)) for a, b in region)
         extents = tuple(b - a for a, b in region)
         data = np.asarray(data)
