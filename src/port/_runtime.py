@@ -47,6 +47,7 @@ import json
 import math
 import os
 import re
+import secrets
 import socket
 import threading
 import time
@@ -60,7 +61,7 @@ from jax.sharding import Mesh
 
 from ._console import quoted, say
 from ._errors import PortError, RunError
-from ._store import ENDED as _ENDED, Store, serve
+from ._store import ENDED as _ENDED, Store, bind_addresses, serve
 
 AXES = ("data", "model")
 MAX_DEVICES = 65536  # a mesh larger than any machine's: refused before anything is built
@@ -294,13 +295,8 @@ def _port_taken(coordinator: str) -> bool:
     binds (every address, unless JAX_COORDINATOR_BIND_ADDRESS says otherwise) tells first.
     """
     bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or "[::]:" + coordinator.rpartition(":")[2]
-    host, _, port = bind.rpartition(":")
-    host = host.strip("[]")
-    if host in ("", "::"):  # every address: IPv6 (and IPv4 with it), or IPv4 where there is no IPv6
-        tries = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
-    else:
-        tries = [(socket.AF_INET6 if ":" in host else socket.AF_INET, host)]
-    for family, address in tries:
+    port = bind.rpartition(":")[2]
+    for family, address in bind_addresses():
         try:
             with socket.socket(family, socket.SOCK_STREAM) as probe:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed run's TIME_WAIT is fine
@@ -470,6 +466,24 @@ def exchange(name: str, value: str, what: str = "its part", timeout: float | Non
                 )
         texts[process] = text
     return dict(sorted(texts.items()))
+
+
+def run_token() -> str:
+    """Random hex naming this run's temporary files: process 0's, the same in every process of the run.
+
+    ```python
+    partial = out.parent / f".{out.name}.port-partial-{run_token()}"
+    ```
+    """
+    mine = secrets.token_bytes(8)
+    if _current() is not None:  # a run port joined: through its store
+        return exchange("token", mine.hex(), "the run's name")[0]
+    if jax.process_count() > 1:  # a run JAX joined alone: through a collective
+        from jax.experimental import multihost_utils
+
+        shared = multihost_utils.broadcast_one_to_all(np.frombuffer(mine, np.uint32))
+        return np.asarray(shared).astype(np.uint32).tobytes().hex()
+    return mine.hex()
 
 
 _MISSING = object()  # a key one process's settings lack

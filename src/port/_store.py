@@ -23,6 +23,7 @@ store.get("port/agree/1/0", seconds=5.0)        # the value, or None after 5 s
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
@@ -147,6 +148,19 @@ class _Connection(socketserver.StreamRequestHandler):
         raise ValueError("bad op")
 
 
+def bind_addresses() -> list[tuple[int, str]]:
+    """Where JAX's coordinator listens, as (address family, host) to try in order.
+
+    Every address (IPv6, and IPv4 with it, or IPv4 alone where there is no IPv6),
+    unless `JAX_COORDINATOR_BIND_ADDRESS` names a host.
+    """
+    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
+    host = bind.rpartition(":")[0].strip("[]") if bind else ""
+    if host in ("", "::"):
+        return [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
+    return [(socket.AF_INET6 if ":" in host else socket.AF_INET, host)]
+
+
 def serve(coordinator: str, num_processes: int) -> _Service:
     """Start process 0's store beside the coordinator; `RunError` if its port is taken.
 
@@ -154,21 +168,16 @@ def serve(coordinator: str, num_processes: int) -> _Service:
     `JAX_COORDINATOR_BIND_ADDRESS`), on the next port.
     """
     host, port = store_address(coordinator)
-    bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS")
-    bind_host = bind.rpartition(":")[0].strip("[]") if bind else ""
-    if bind_host in ("", "::"):
-        tries = [(socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")]
-    else:
-        tries = [(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, bind_host)]
     error: OSError | None = None
-    for family, address in tries:
+    for family, address in bind_addresses():
         try:
             service = _Service((address, port), family, num_processes)
             break
         except OSError as e:
             error = e
     else:
-        reason = "already in use on this host" if error and error.errno == 98 else f"cannot listen ({error})"
+        in_use = error is not None and error.errno == errno.EADDRINUSE
+        reason = "already in use on this host" if in_use else f"cannot listen ({error})"
         raise RunError(
             f"--coordinator {coordinator}: port {port} (the coordinator's port + 1, where port's processes "
             f"exchange settings) is {reason}; choose another --coordinator port"
