@@ -46,8 +46,10 @@ CASTS = ("float32", "bfloat16", "float16")
 """What parameters may be cast to (`--dtype`): the floating dtypes JAX holds without x64."""
 
 
-def dtype(name: str) -> np.dtype:
-    """The dtype named `name` (`"bfloat16"`, `"float32"`, ...), or a one-line `PortError`."""
+def dtype(name: str | Any) -> np.dtype:
+    """The dtype named `name` (`"bfloat16"`, `"float32"`, ...), or a one-line `PortError`; a dtype as it is."""
+    if not isinstance(name, str):
+        return np.dtype(name)
     if name not in NAMES:
         raise PortError(f"unknown dtype '{name}' (expected one of {', '.join(sorted(NAMES))})")
     return NAMES[name]

@@ -25,8 +25,6 @@ import contextlib
 import json
 import math
 import os
-import secrets
-import shutil
 from collections.abc import Callable, Mapping as AnyMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,18 +36,16 @@ import numpy as np
 from ._console import quoted, size_text
 from ._convert import Progress
 from ._dtypes import dtype as dtype_named, floating
-from ._errors import OutputError, PlanError, PortError
-from ._interrupt import final, removing
+from ._errors import CheckpointError, OutputError, PlanError, PortError, RunError
 from ._mapping import Mapping, mapping_for
 from ._plan import LeafPlan, Plan, _is_none, plan
-from ._runtime import exchange
-from ._save import check_out, free_bytes
+from ._runtime import exchange, num_processes, run_token
+from ._save import check_out, free_bytes, make_partial, replacing
 from ._skeleton import leaves, skeleton
-from ._source import Checkpoint, TensorInfo, open_checkpoint
+from ._source import Checkpoint, TensorInfo, open_checkpoint, raw_header
 from ._writer import OutTensor, Writer, parse_size
 
 PRODUCER = "port"  # safetensors metadata `producer`: how `--force` knows an export is port's
-MAX_HEADER_BYTES = 100_000_000
 
 
 @dataclass(frozen=True)
@@ -125,7 +121,7 @@ def invert(recipe: Plan, sources: AnyMapping[str, tuple[tuple[int, ...], np.dtyp
     [t.key for t in inverse.tensors]      # the checkpoint's keys but ignored and tied ones
     ```
     """
-    target = None if dtype is None else dtype_named(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+    target = None if dtype is None else dtype_named(dtype)
     grouped: dict[str, list[Part]] = {}
     for leaf in recipe.leaves:
         for i, key in enumerate(leaf.keys):
@@ -154,31 +150,19 @@ def gather(array: jax.Array, layer: int | None = None) -> np.ndarray:
     gather(model.blocks.attn.wq, layer=3)    # numpy, (embd, heads, head_dim), from every device's block
     ```
     """
-    shape = array.shape if layer is None else array.shape[1:]
-    out = np.empty(shape, array.dtype)
-    seen: set[tuple] = set()
+    out = np.empty(array.shape if layer is None else array.shape[1:], array.dtype)
     filled = 0
-    for shard in array.addressable_shards:
-        index = shard.index
-        block = shard.data
+    for bounds, block in _local_shards(array).items():
         if layer is not None:
-            first = index[0].start or 0
-            stop = array.shape[0] if index[0].stop is None else index[0].stop
+            (first, stop), bounds = bounds[0], bounds[1:]
             if not first <= layer < stop:
                 continue
-            index, block = index[1:], block[layer - first]
-        bounds = tuple((s.start, s.stop) for s in index)
-        if bounds in seen:
-            continue  # a replica: its data is already there
-        seen.add(bounds)
+            block = block[layer - first]
         part = np.asarray(block)
-        out[index] = part
+        out[tuple(slice(a, b) for a, b in bounds)] = part
         filled += part.size
-    if filled != out.size:
-        raise PortError(
-            "port export: part of an array lives on another process's devices; export it from one process "
-            "(multi-process export is not supported yet)"
-        )
+    if filled != out.size:  # blocks on another process's devices: only `blocks` writes those
+        raise PortError("port export: part of an array lives on another process's devices")
     return out
 
 
@@ -261,22 +245,6 @@ def _local_shards(array: jax.Array) -> dict[tuple, Any]:
 # ---------------------------------------------------------------------------- the output directory
 
 
-def _header(path: Path) -> dict | None:
-    """The JSON header of the safetensors file `path`, or None if it is not one."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                return None
-            n = int.from_bytes(head, "little")
-            if n > MAX_HEADER_BYTES:
-                return None
-            header = json.loads(f.read(n))
-    except (OSError, ValueError):
-        return None
-    return header if isinstance(header, dict) else None
-
-
 def is_export(directory: str | os.PathLike) -> bool:
     """Whether `directory` is what `export` writes: `config.json`, the safetensors files (port's), the index.
 
@@ -302,29 +270,13 @@ def is_export(directory: str | os.PathLike) -> bool:
     elif names != {"config.json", "model.safetensors.index.json", *tensors} or "model.safetensors" in tensors:
         return False
     for name in tensors:
-        header = _header(directory / name)
-        meta = header.get("__metadata__") if header else None
+        try:
+            meta = raw_header(directory / name).get("__metadata__")
+        except CheckpointError:  # not a safetensors file at all
+            return False
         if not isinstance(meta, dict) or meta.get("producer") != PRODUCER:
             return False
     return True
-
-
-def _install(partial: Path, out: Path, force: bool) -> None:
-    """Rename the finished `partial` to `out`; an earlier export there is moved aside, then removed."""
-    aside = out.parent / f".{out.name}.port-old-{secrets.token_hex(4)}"
-    with removing(aside):
-        with final():  # an interrupt waits until the output is in place
-            if force and os.path.lexists(out):
-                check_out(out, force, ours=is_export, what=_WHAT)  # still an earlier export, as at the start
-                os.rename(out, aside)
-            try:
-                os.rename(partial, out)
-            except OSError as e:
-                if os.path.lexists(aside) and not os.path.lexists(out):
-                    os.rename(aside, out)
-                raise OutputError(f"--out {out}: another run wrote it meanwhile ({e.strerror})") from None
-        if os.path.lexists(aside):
-            shutil.rmtree(aside)
 
 
 _WHAT = "a port export (config.json and port's safetensors files only)"
@@ -438,13 +390,16 @@ def export(
         array = arrays.get(leaf.path)
         if not isinstance(array, jax.Array):
             raise PlanError([f"model leaf '{leaf.path}' is {type(array).__name__}, not an array to write"])
+    dtype = None if dtype is None else dtype_named(dtype)
     inverse = invert(recipe, headers, mapping.source, dtype)
     written_config = dict(config)
     if dtype is not None:
         for name in ("torch_dtype", "dtype"):
             if name in written_config:
-                written_config[name] = np.dtype(dtype_named(dtype) if isinstance(dtype, str) else dtype).name
+                written_config[name] = dtype.name
     me, processes = jax.process_index(), jax.process_count()
+    if processes > 1 and num_processes() is None:
+        raise RunError("port export in several processes needs the run joined by port.initialize (or port's flags)")
     found = blocks(inverse, arrays)
     if found is None and processes > 1:
         raise PlanError([
@@ -460,16 +415,11 @@ def export(
         raise OutputError(
             f"--out {out}: needs {size_text(inverse.nbytes)}, only {size_text(free)} free on its file system"
         )
-    token = exchange("export-name", secrets.token_hex(8), "the output's name")[0]  # process 0's
-    partial = out.parent / f".{out.name}.port-partial-{token}"
+    partial = out.parent / f".{out.name}.port-partial-{run_token()}"
     layout = dict(metadata={"format": "pt", "producer": PRODUCER})
     with contextlib.ExitStack() as cleanup:
         if me == 0:
-            try:
-                cleanup.enter_context(removing(partial, create=os.mkdir))
-            except FileExistsError:
-                raise OutputError(f"{partial}: exists; port writes only into a directory it creates") from None
-            cleanup.callback(shutil.rmtree, partial, True)
+            make_partial(partial, cleanup)
             (partial / "config.json").write_text(json.dumps(written_config, indent=2, sort_keys=True) + "\n")
             writer = cleanup.enter_context(Writer(partial, inverse.tensors, limit, **layout))
         exchange("export-created", "", "word that the files exist")
@@ -522,7 +472,11 @@ def export(
         if me == 0:
             if sum(int(n) for n in written.values()) != inverse.nbytes:
                 raise OutputError(f"--out {out}: the processes wrote {written}, not the {inverse.nbytes} bytes laid out")
-            _install(partial, out, force)
+            with replacing(out, force, ours=is_export, what=_WHAT):
+                try:
+                    os.rename(partial, out)
+                except OSError as e:
+                    raise OutputError(f"--out {out}: another run wrote it meanwhile ({e.strerror})") from None
         exchange("export-done", "", "word that the export is in place")
     return out
 

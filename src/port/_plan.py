@@ -206,7 +206,7 @@ def plan_problems(
     """The plan, or every problem found, each naming the mapping entry or key it comes from."""
     problems: list[str] = []
     mesh_shape = dict(mesh_shape)
-    target_dtype = None if dtype is None else np.dtype(dtype_named(dtype) if isinstance(dtype, str) else dtype)
+    target_dtype = None if dtype is None else dtype_named(dtype)
     if target_dtype is not None:
         check_target_dtype(target_dtype)
     for axis, mesh_axes in mapping.rules.items():

@@ -39,7 +39,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Mapping as AnyMapping
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,7 @@ from ._console import one_line
 from ._errors import OutputError, PortError
 from ._interrupt import final, removing
 from ._mapping import Mapping
+from ._runtime import run_token
 from ._skeleton import leaves
 
 FORMAT = 2
@@ -108,6 +109,9 @@ def is_output(directory: str | os.PathLike) -> bool:
     return items == PORT_PARTS and _metadata(port / "metadata") is not None
 
 
+_OUTPUT = "a port output (Orbax's checkpoint of params/ and port/ only)"
+
+
 def _inside(path: Path, directory: Path) -> bool:
     return path == directory or directory in path.parents
 
@@ -118,7 +122,7 @@ def check_out(
     inputs: tuple[str | os.PathLike, ...] = (),
     flag: str = "--out",
     ours: Callable[[Path], bool] = is_output,
-    what: str = "a port output (Orbax's checkpoint of params/ and port/ only)",
+    what: str = _OUTPUT,
 ) -> Path:
     """The absolute output path, refusing any target that writing or replacing would harm.
 
@@ -177,14 +181,65 @@ def free_bytes(directory: str | os.PathLike) -> int:
     return shutil.disk_usage(Path(directory).absolute().parent).free
 
 
-def _run_token() -> str:
-    """Random hex naming this run's temporary directory; process 0's in a multi-process run."""
-    token = np.frombuffer(secrets.token_bytes(8), np.uint32)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
+def _remove_if_made(path: Path, made: os.stat_result) -> None:
+    """Remove the directory `path` if it is still the one made here (not one put there since it was renamed)."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (now.st_dev, now.st_ino) == (made.st_dev, made.st_ino):
+        shutil.rmtree(path, ignore_errors=True)
 
-        token = np.asarray(multihost_utils.broadcast_one_to_all(token))
-    return token.astype(">u4").tobytes().hex()
+
+def make_partial(partial: Path, cleanup: contextlib.ExitStack) -> None:
+    """Create `partial`, the directory a run writes its output into, registered with the supervisor.
+
+    Never an existing directory nor through a symlink (a one-line `OutputError` if
+    something is there). When `cleanup` closes, it is removed unless it was renamed into
+    place meanwhile: only the directory made here, never one found at that name later.
+    An interrupt removes it through the supervisor (`removing`).
+
+    ```python
+    with contextlib.ExitStack() as cleanup:
+        make_partial(out.parent / f".{out.name}.port-partial-{token}", cleanup)
+    ```
+    """
+    try:
+        cleanup.enter_context(removing(partial, create=os.mkdir))
+    except FileExistsError:
+        raise OutputError(f"{partial}: exists; port writes only into a directory it creates") from None
+    cleanup.callback(_remove_if_made, partial, os.lstat(partial))
+
+
+@contextlib.contextmanager
+def replacing(
+    directory: Path, force: bool, ours: Callable[[Path], bool] = is_output, what: str = _OUTPUT
+) -> Iterator[None]:
+    """Around the caller's rename of its finished output to `directory`: the earlier output makes way.
+
+    With `force`, an earlier output there (`check_out` again, with `ours`: still one
+    port wrote, as when the run began) is moved aside first, put back if the block
+    fails, and removed once the new one is in place. No interrupt is acted on until
+    the block is done.
+
+    ```python
+    with replacing(out, force):
+        os.rename(partial, out)
+    ```
+    """
+    aside = directory.parent / f".{directory.name}.port-old-{secrets.token_hex(4)}"
+    with removing(aside):
+        with final():
+            if force and os.path.lexists(directory):
+                check_out(directory, force, ours=ours, what=what)
+                os.rename(directory, aside)
+            try:
+                yield
+            finally:
+                if os.path.lexists(aside) and not os.path.lexists(directory):
+                    os.rename(aside, directory)
+        if os.path.lexists(aside):
+            shutil.rmtree(aside)
 
 
 def _temporary_path(directory: Path, force: bool, cleanup: contextlib.ExitStack) -> type:
@@ -203,9 +258,8 @@ def _temporary_path(directory: Path, force: bool, cleanup: contextlib.ExitStack)
     from etils import epath
     from orbax.checkpoint.path import atomicity
 
-    token = _run_token()
+    token = run_token()
     partial = directory.parent / f".{directory.name}.port-partial-{token}"
-    aside = directory.parent / f".{directory.name}.port-old-{token}"
 
     class PortTemporaryPath(atomicity.AtomicRenameTemporaryPath):
         path = partial
@@ -216,11 +270,7 @@ def _temporary_path(directory: Path, force: bool, cleanup: contextlib.ExitStack)
             return cls(epath.Path(partial), epath.Path(directory), **options)
 
         async def create(self) -> Any:
-            try:  # a new directory, never an existing one nor through a symlink
-                cleanup.enter_context(removing(partial, create=os.mkdir))
-            except FileExistsError:
-                raise OutputError(f"{partial}: exists; port writes only into a directory it creates") from None
-            cleanup.callback(shutil.rmtree, partial, True)
+            make_partial(partial, cleanup)
             if self._checkpoint_metadata_store is not None:  # as Orbax's own create
                 self._checkpoint_metadata_store.update(
                     file_path=self.get() / STEP_METADATA, init_timestamp_nsecs=time.time_ns()
@@ -228,20 +278,11 @@ def _temporary_path(directory: Path, force: bool, cleanup: contextlib.ExitStack)
             return self.get()
 
         async def finalize(self) -> None:
-            with removing(aside):
-                with final():  # an interrupt waits until the output is in place
-                    if force and os.path.lexists(directory):
-                        check_out(directory, force)  # still an earlier port output, as when we started
-                        os.rename(directory, aside)
-                    try:
-                        await super().finalize()  # Orbax's commit file and timestamp, and its rename
-                    except FileExistsError:
-                        raise OutputError(f"--out {directory}: another run wrote it meanwhile") from None
-                    finally:
-                        if os.path.lexists(aside) and not os.path.lexists(directory):
-                            os.rename(aside, directory)
-                if os.path.lexists(aside):
-                    shutil.rmtree(aside)
+            with replacing(directory, force):
+                try:
+                    await super().finalize()  # Orbax's commit file and timestamp, and its rename
+                except FileExistsError:
+                    raise OutputError(f"--out {directory}: another run wrote it meanwhile") from None
 
     return PortTemporaryPath
 

@@ -377,16 +377,31 @@ def read_header(path: Path, limit: int = MAX_HEADER) -> dict[str, TensorInfo]:
     return _read_header(path, limit)[0]
 
 
+def _header_of(path: Path, limit: int) -> tuple[dict[str, Any], int, os.stat_result]:
+    """The header object of one safetensors file (read as `parse_header` does), its length, the file's stat."""
+    fd, st = open_regular(path)
+    try:
+        n = _header_length(fd, st.st_size, path.name, limit)
+        raw = _pread_exact(fd, n, 8, path.name)
+    finally:
+        os.close(fd)
+    return parse_header(raw, path.name), n, st
+
+
+def raw_header(path: Path) -> dict[str, Any]:
+    """The JSON object of one safetensors file's header, `__metadata__` included; entries not checked.
+
+    ```python
+    raw_header(Path("out/model.safetensors"))["__metadata__"]    # {"format": "pt"}
+    ```
+    """
+    return _header_of(path, MAX_HEADER)[0]
+
+
 def _read_header(path: Path, limit: int) -> tuple[dict[str, TensorInfo], int]:
     """The tensors of one safetensors file, and the length of its header."""
     name = path.name
-    fd, st = open_regular(path)
-    try:
-        n = _header_length(fd, st.st_size, name, limit)
-        raw = _pread_exact(fd, n, 8, name)
-    finally:
-        os.close(fd)
-    header = parse_header(raw, name)
+    header, n, st = _header_of(path, limit)
     file_id = (st.st_dev, st.st_ino, st.st_size)
     tensors, spans = {}, []
     for key, entry in header.items():
