@@ -95,6 +95,22 @@ def test_interrupted_force_keeps_the_earlier_output(gpt2_small, tmp_path):
     assert leftovers(tmp_path) == []
 
 
+def test_interrupted_export_leaves_nothing_and_keeps_the_earlier_export(gpt2_small, tmp_path):
+    """`port export` of the 124M output, interrupted halfway through a --force replacement."""
+    converted, out = tmp_path / "jax", tmp_path / "hf"
+    assert start("convert", gpt2_small, "--out", converted).wait(timeout=300) == 0
+    began = time.perf_counter()
+    first = start("export", converted, "--out", out)
+    assert first.wait(timeout=300) == 0, first.stderr.read()
+    duration = time.perf_counter() - began
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    code, output = interrupt_at(0.6 * duration, "export", converted, "--out", out, "--force")
+    assert code == 130, output
+    assert output.strip().splitlines()[-1] == "port: interrupted", output
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # the earlier export, untouched
+    assert leftovers(tmp_path) == []
+
+
 def test_sigterm_exits_143(gpt2_small, tmp_path):
     out = tmp_path / "out"
     code, output = interrupt_at(3.0, "convert", gpt2_small, "--mesh", "4x2", "--out", out, signum=signal.SIGTERM)

@@ -102,6 +102,22 @@ def test_processes_that_disagree_stop_before_reading(wired, tmp_path, flag, firs
     assert sorted(os.listdir(tmp_path)) == [], "no output, no hidden partial output"
 
 
+def test_the_stores_port_in_use_stops_port_convert(wired, tmp_path):
+    import socket
+
+    port = free_port()
+    out, address = tmp_path / "out", f"127.0.0.1:{port}"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen()
+        [(code, err, _)] = run_all([convert(out, address, 0)])
+    assert the_error(code, err) == (
+        f"port: error: --coordinator {address}: port {port + 1} (the coordinator's port + 1, where port's "
+        "processes exchange settings) is already in use on this host; choose another --coordinator port"
+    )
+    assert sorted(os.listdir(tmp_path)) == []
+
+
 @pytest.mark.parametrize("process", [0, 1])
 def test_a_process_alone_stops_after_the_timeout(wired, tmp_path, process):
     out, address = tmp_path / "out", f"127.0.0.1:{free_port()}"
