@@ -41,9 +41,12 @@ CASES = {
     "bert": ("BertModel", {}),
     "bert-no-pooler": ("BertModel", {"add_pooling_layer": False}),
 }
-# Every case sharded on 4x2 (converted and exported there); two on one device, exported
-# with the default --mesh.
-ROUND_TRIPS = [(name, "4x2") for name in CASES] + [("gpt2", "1x1"), ("llama-gqa", "1x1")]
+# Every case on 4x2 through the command line, and on one device through the Python API
+# (`port.convert`, `port.restore`, `port.export`); GPT-2 on one device through the command
+# line too, with the default --mesh.
+ROUND_TRIPS = [(name, "4x2", "cli") for name in CASES] + [(name, "1x1", "api") for name in CASES] + [
+    ("gpt2", "1x1", "cli")
+]
 
 # Buffers the shipped mappings ignore (never written back), wherever the source's prefix puts them.
 IGNORED = re.compile(
@@ -161,23 +164,28 @@ def export_cli(directory, out, *args):
 
 @pytest.fixture(scope="module")
 def ported(tmp_path_factory):
-    """get(name, mesh): the case's checkpoint, its `port convert --mesh MESH` and that output's `port export`.
+    """get(name, mesh, via): the case's checkpoint, its conversion on MESH and that output's export.
 
-    Made once per case and mesh; converted and exported on the same mesh (1x1: the
-    export's default, no --mesh).
+    Made once per case, mesh and way: `via="cli"` runs `port convert --mesh MESH` and
+    `port export` (1x1: the export's default, no --mesh); `via="api"` calls
+    `port.convert(..., out=)`, `port.restore` and `port.export` in this process.
     """
     sources, done = {}, {}
 
-    def get(name, mesh="4x2"):
+    def get(name, mesh="4x2", via="cli"):
         if name not in sources:
             sources[name] = write_source(name, tmp_path_factory.mktemp(name) / "source")
-        if (name, mesh) not in done:
-            root = tmp_path_factory.mktemp(f"{name}-{mesh}")
+        if (name, mesh, via) not in done:
+            root = tmp_path_factory.mktemp(f"{name}-{mesh}-{via}")
             converted, exported = root / "jax", root / "hf"
-            succeeded(run_port("convert", sources[name], "--mesh", mesh, "--out", converted))
-            succeeded(export_cli(converted, exported, *(() if mesh == "1x1" else ("--mesh", mesh))))
-            done[name, mesh] = SimpleNamespace(source=sources[name], converted=converted, exported=exported)
-        return done[name, mesh]
+            if via == "cli":
+                succeeded(run_port("convert", sources[name], "--mesh", mesh, "--out", converted))
+                succeeded(export_cli(converted, exported, *(() if mesh == "1x1" else ("--mesh", mesh))))
+            else:
+                port.convert(sources[name], mesh=mesh, out=converted)
+                port.export(port.restore(converted, mesh=mesh), exported, converted)
+            done[name, mesh, via] = SimpleNamespace(source=sources[name], converted=converted, exported=exported)
+        return done[name, mesh, via]
 
     return get
 
@@ -185,11 +193,11 @@ def ported(tmp_path_factory):
 # ---------------------------------------------------------------- round trips through the command line
 
 
-@pytest.mark.parametrize("name, mesh", ROUND_TRIPS)
-def test_transformers_loads_the_export_bit_for_bit(ported, name, mesh):
+@pytest.mark.parametrize("name, mesh, via", ROUND_TRIPS)
+def test_transformers_loads_the_export_bit_for_bit(ported, name, mesh, via):
     """checkpoint -> port convert -> port export -> from_pretrained: no missing or unexpected key,
     every state_dict entry equal to loading the original checkpoint."""
-    run = ported(name, mesh)
+    run = ported(name, mesh, via)
     class_name, kwargs = CASES[name]
     original, _ = from_pretrained(class_name, run.source, **kwargs)
     exported, info = from_pretrained(class_name, run.exported, **kwargs)

@@ -537,3 +537,41 @@ def test_boxes_from_two_writers_make_one_file(tmp_path):
             second.close(check=False)  # its half: the whole is the caller's to check
         first.close(check=False)
     np.testing.assert_array_equal(load_file(tmp_path / "model.safetensors")["x"], x)
+
+
+# ---------------------------------------------------------------------------- writing to disk as it goes
+
+
+def test_writeback_starts_as_each_unit_is_written(tmp_path, monkeypatch):
+    """Each `_CHUNK` written (and each box's span of the file) is handed to the kernel to write to disk
+    at once, not left for the final flush; the bytes are the same as ever."""
+    import port._writer as writer_module
+
+    started = []
+    monkeypatch.setattr(writer_module, "_CHUNK", 1000)
+    monkeypatch.setattr(writer_module, "_SYNC_FILE_RANGE", lambda fd, offset, n, flags: started.append((offset, n, flags)))
+    big = np.arange(2600, dtype=np.float32)  # 10,400 bytes: eleven units
+    box = np.arange(40 * 50, dtype=np.float32).reshape(40, 50)
+    tensors = [OutTensor("big", big.shape, big.dtype), OutTensor("box", box.shape, box.dtype)]
+    with Writer(tmp_path, tensors, 10**9) as writer:
+        assert started == [(0, writer.offsets["big"][1], 2)]  # the header
+        started.clear()
+        writer.write("big", big)
+        start = writer.offsets["big"][1]
+        assert started == [(start + i, min(1000, big.nbytes - i), 2) for i in range(0, big.nbytes, 1000)]
+        started.clear()
+        writer.write_region("box", ((0, 40), (0, 25)), box[:, :25])
+        writer.write_region("box", ((0, 40), (25, 50)), box[:, 25:])
+    at = writer.offsets["box"][1]
+    spans = sorted((offset, offset + n) for offset, n, _ in started)
+    assert spans[0][0] == at and spans[-1][1] == at + box.nbytes  # every row of both boxes was covered
+    assert all(b - a <= 1000 + 100 for a, b in spans)  # in units of about `_CHUNK`, a row at most over
+    loaded = load_file(tmp_path / "model.safetensors")
+    assert same_array(loaded["big"], big) and same_array(loaded["box"], box)
+
+
+def test_writeback_is_the_kernels_where_it_has_one():
+    import port._writer as writer_module
+
+    if sys.platform.startswith("linux"):
+        assert writer_module._SYNC_FILE_RANGE is not None

@@ -4,9 +4,10 @@ The forward plan says, for every leaf, which source tensors, which transforms an
 layer made it; `invert` walks it backwards. Every source tensor becomes one output
 tensor (a fused `c_attn` or `qkv_proj` from all of its parts, a stacked leaf one tensor
 per layer), with the source's name, shape and dtype; ignored buffers and tied
-duplicates are not written, as `save_pretrained` leaves them out. The tensors are
-written one at a time: each is assembled on the host from the device shards that hold
-it (a replicated block once), inverted, written at its offset in its file, and dropped.
+duplicates are not written, as `save_pretrained` leaves them out. Each tensor is
+assembled on the host from the device shards that hold it (a replicated block once),
+inverted, and written at its offset in its file by a background thread while the next
+is assembled, in a fixed ring of host memory (`Staging`, 1.25x the largest tensor).
 
 ```python
 model = port.load("gpt2", mesh="4x2")
@@ -25,6 +26,7 @@ import contextlib
 import json
 import math
 import os
+import threading
 from collections.abc import Callable, Mapping as AnyMapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +44,7 @@ from ._plan import LeafPlan, Plan, _is_none, plan
 from ._runtime import exchange, num_processes, run_token
 from ._save import check_out, free_bytes, make_partial, replacing
 from ._skeleton import leaves, skeleton
+from ._staging import Staging
 from ._source import Checkpoint, TensorInfo, open_checkpoint, raw_header
 from ._writer import OutTensor, Writer, parse_size
 
@@ -242,6 +245,79 @@ def _local_shards(array: jax.Array) -> dict[tuple, Any]:
     return found
 
 
+class _Written:
+    """Bytes and blocks written so far, counted on the writing thread, reported as `Progress` on the caller's."""
+
+    def __init__(self, total: int, steps: int, progress: Callable[[Progress], None] | None):
+        self.total, self.steps, self.bytes, self.count = total, steps, 0, 0
+        self._progress, self._lock, self._reported = progress, threading.Lock(), None
+        self.report()
+
+    def __call__(self, written: tuple[int, int]) -> None:
+        with self._lock:
+            self.bytes, self.count = self.bytes + written[0], self.count + written[1]
+
+    def report(self) -> None:
+        with self._lock:
+            now = (self.bytes, self.count)
+        if self._progress is not None and now != self._reported:
+            self._reported = now
+            self._progress(Progress("write", now[0], self.total, now[1], self.steps))
+
+
+def _write_whole(writer: Writer, key: str, data: np.ndarray, blocks: int) -> tuple[int, int]:
+    writer.write(key, data)
+    return data.nbytes, blocks
+
+
+def _write_box(writer: Writer, key: str, region: tuple, data: np.ndarray) -> tuple[int, int]:
+    return writer.write_region(key, region, data), 1
+
+
+def _write_blocks(mine: list[Block], inverse: Inverse, arrays: AnyMapping[str, Any], writer: Writer,
+                  written: _Written) -> None:
+    """Write this process's blocks, assembling the next output while a thread writes the last.
+
+    A tensor this process holds all of is assembled whole and written in one go; its
+    share of a tensor other processes hold the rest of, block by block. Either way the
+    output is assembled in `Staging` memory of 1.25x the largest (so host memory stays
+    within that, whatever the model's size), and straight in the output dtype.
+    """
+    specs = {t.key: t for t in inverse.tensors}
+    by_key: dict[str, list[Block]] = {}
+    for block in mine:
+        by_key.setdefault(block.key, []).append(block)
+    whole = {key: sum(_extent(b.regions[0]) for b in own) == math.prod(specs[key].shape) for key, own in by_key.items()}
+    largest = max(
+        (specs[key].nbytes if whole[key] else max(_extent(b.regions[0]) for b in own) * specs[key].dtype.itemsize
+         for key, own in by_key.items()),
+        default=0,
+    )
+    shards: dict[str, dict[tuple, Any]] = {}  # references to each leaf's local blocks: no copies
+    with Staging(largest + largest // 4, done=written) as staging:
+        for key, own in by_key.items():
+            spec, source_dtype = specs[key], inverse.source_dtypes[key]
+            for block in own:
+                if block.part.leaf.path not in shards:
+                    shards[block.part.leaf.path] = _local_shards(arrays[block.part.leaf.path])
+            if whole[key]:
+                buffer = staging.take(spec.nbytes)
+                out = buffer.view(spec.dtype).reshape(spec.shape)
+                for block in own:
+                    data = _block_data(block, shards[block.part.leaf.path], source_dtype)
+                    out[tuple(slice(a, b) for a, b in block.regions[0])] = data
+                staging.submit(buffer, _write_whole, writer, key, out, len(own))
+            else:
+                for block in own:
+                    region = block.regions[0]
+                    buffer = staging.take(_extent(region) * spec.dtype.itemsize)
+                    out = buffer.view(spec.dtype).reshape(tuple(b - a for a, b in region))
+                    out[...] = _block_data(block, shards[block.part.leaf.path], source_dtype)
+                    staging.submit(buffer, _write_box, writer, key, region, out)
+            written.report()
+    written.report()
+
+
 # ---------------------------------------------------------------------------- the output directory
 
 
@@ -425,11 +501,9 @@ def export(
         exchange("export-created", "", "word that the files exist")
         if me != 0:
             writer = cleanup.enter_context(Writer(partial, inverse.tensors, limit, **layout, create=False))
-        done, count = 0, 0
         steps = len(inverse.tensors) if mine is None else len(mine)
-        if progress is not None:
-            progress(Progress("write", 0, total, 0, steps))
-        if mine is None:  # one process; some tensor is assembled whole
+        written = _Written(total, steps, progress)
+        if mine is None:  # one process; some tensor is assembled whole, then written
             for tensor in inverse.tensors:
                 parts = inverse.parts[tensor.key]
                 pieces = [(p.leaf.chain, gather(arrays[p.leaf.path], p.layer)) for p in parts]
@@ -438,40 +512,16 @@ def export(
                 del pieces, first, siblings
                 writer.write(tensor.key, data.astype(tensor.dtype, copy=False))
                 del data
-                done, count = done + tensor.nbytes, count + 1
-                if progress is not None:
-                    progress(Progress("write", done, total, count, steps))
+                written((tensor.nbytes, 1))
+                written.report()
         else:
-            shards: dict[str, dict[tuple, Any]] = {}  # references to each leaf's local blocks: no copies
-            by_key: dict[str, list[Block]] = {}
-            for block in mine:
-                by_key.setdefault(block.key, []).append(block)
-            for key, own in by_key.items():
-                spec = specs[key]
-                for block in own:
-                    if block.part.leaf.path not in shards:
-                        shards[block.part.leaf.path] = _local_shards(arrays[block.part.leaf.path])
-                if sum(_extent(b.regions[0]) for b in own) == math.prod(spec.shape):
-                    # this process holds all of it: assembled, then one write (1x the tensor in host memory)
-                    whole = np.empty(spec.shape, spec.dtype)
-                    for block in own:
-                        data = _block_data(block, shards[block.part.leaf.path], inverse.source_dtypes[key])
-                        whole[tuple(slice(a, b) for a, b in block.regions[0])] = data
-                    writer.write(key, whole)
-                    done += whole.nbytes
-                    del whole, data
-                else:  # its share of a tensor other processes hold the rest of: box by box
-                    for block in own:
-                        data = _block_data(block, shards[block.part.leaf.path], inverse.source_dtypes[key])
-                        done += writer.write_region(key, block.regions[0], data.astype(spec.dtype, copy=False))
-                count += len(own)
-                if progress is not None:
-                    progress(Progress("write", done, total, count, steps))
+            _write_blocks(mine, inverse, arrays, writer, written)
+        done = written.bytes
         writer.close(check=processes == 1)
-        written = exchange("export-written", str(done), "what it wrote")
+        wrote = exchange("export-written", str(done), "what it wrote")
         if me == 0:
-            if sum(int(n) for n in written.values()) != inverse.nbytes:
-                raise OutputError(f"--out {out}: the processes wrote {written}, not the {inverse.nbytes} bytes laid out")
+            if sum(int(n) for n in wrote.values()) != inverse.nbytes:
+                raise OutputError(f"--out {out}: the processes wrote {wrote}, not the {inverse.nbytes} bytes laid out")
             with replacing(out, force, ours=is_export, what=_WHAT):
                 try:
                     os.rename(partial, out)

@@ -26,6 +26,7 @@ A multi-process export divides the keys: process 0 creates the files
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import math
@@ -33,7 +34,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from numbers import Integral
@@ -65,7 +66,37 @@ _UNITS = {
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)")
-_CHUNK = 1 << 30  # bytes one pwrite is asked for: below every platform's limit on one call
+_CHUNK = 64 << 20
+"""Bytes one pwrite is asked for: far below every platform's limit on one call, and the
+unit after which writing to disk is started (`_start_writeback`)."""
+
+
+def _writeback_call() -> Callable[[int, int, int], Any] | None:
+    """Linux's `sync_file_range`, from the C library, or None where there is none (macOS)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return call
+
+
+_SYNC_FILE_RANGE = _writeback_call()
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writing the range's dirty pages, without waiting
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Have the kernel start writing `nbytes` at `offset` to disk now, and return at once.
+
+    Without it the pages wait in the page cache until the final `fdatasync`, which then
+    writes the whole file while nothing else happens (about a third of an export's time
+    on the development machine). Advisory: where it is not available, or fails, the
+    final flush does the work.
+    """
+    if _SYNC_FILE_RANGE is not None and nbytes > 0:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 @dataclass(frozen=True)
@@ -438,11 +469,18 @@ class Writer:
             grid = itertools.product(*(range(a, b) for a, b in region[:d]))
             name, offset = self.offsets[key]
             fd, size, base = self._fds[name], spec.dtype.itemsize, region[d][0] * strides[d] if region else 0
+            first, last = math.inf, 0  # the span of the file written since writeback was last started
             try:
                 for row, index in zip(rows, grid):
                     at = offset + (sum(i * stride for i, stride in zip(index, strides)) + base) * size
                     if os.pwrite(fd, row, at) != len(row):  # short: finish it the careful way
                         _pwrite_all(fd, memoryview(row), at, self.directory / name, f"tensor {quoted(key, 200)}")
+                    first, last = min(first, at), max(last, at + len(row))
+                    if last - first >= _CHUNK:
+                        _start_writeback(fd, first, last - first)
+                        first, last = math.inf, 0
+                if last > first:
+                    _start_writeback(fd, first, last - first)
             except OSError as e:
                 raise OutputError(f"{self.directory / name}: cannot write tensor {quoted(key, 200)}: {e.strerror or e}") from None
         with self._lock:
@@ -506,6 +544,7 @@ def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path, what: str) -
             wrote = os.pwrite(fd, data[done : done + _CHUNK], offset + done)
             if wrote <= 0:
                 raise OutputError(f"{path}: cannot write {what}: the file system wrote nothing")
+            _start_writeback(fd, offset + done, wrote)
             done += wrote
     except OSError as e:
         raise OutputError(f"{path}: cannot write {what}: {e.strerror or e}") from None
