@@ -9,7 +9,13 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 import pytest  # noqa: E402
 
-from helpers import torch_gpt2, torch_logits  # noqa: E402
+import threading  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+import port._place  # noqa: E402
+import port._source  # noqa: E402
+from helpers import read_offsets, torch_gpt2, torch_logits  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +33,57 @@ def gpt2_checkpoints(tmp_path_factory):
     model.save_pretrained(root / "sharded", max_shard_size="20KB")
     assert (root / "sharded" / "model.safetensors.index.json").exists()
     return {name: root / name for name in ("lm", "base", "sharded")}, torch_logits(model)
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Every byte read while placing, attributed to the block it landed in.
+
+    Returns a function of the finished run giving (leaf, box, file offsets of its bytes)
+    per block, and the file offsets of the bytes that landed in no block (read into a
+    staging buffer). Reads are attributed by destination address within each
+    `read_key` call, while its buffers are alive (later ones may reuse the memory).
+    """
+    blocks, landed, lock, local = [], [], threading.Lock(), threading.local()
+    real_plan_reads, real_read_key, real_preadv = port._place.plan_reads, port._place.read_key, port._source._preadv
+
+    def plan_reads(wanted):
+        planned, parts = real_plan_reads(wanted)
+        with lock:
+            for (leaf, _), leaf_blocks in zip(wanted, planned):
+                blocks.extend((leaf, box, out) for box, out in leaf_blocks.items())
+        return planned, parts
+
+    def preadv(fd, iov, offset):
+        rows = np.array(iov, copy=True)
+        got = real_preadv(fd, iov, offset)
+        local.calls.append((offset, rows, got))
+        return got
+
+    def read_key(checkpoint, parts):
+        local.calls = []
+        real_read_key(checkpoint, parts)
+        files, addresses = read_offsets(local.calls)
+        staged = np.ones(len(files), bool)
+        with lock:
+            for part in parts:
+                start = part.target.ctypes.data
+                inside = (addresses >= start) & (addresses < start + part.target.nbytes)
+                landed.append((start, files[inside]))
+                staged &= ~inside
+            landed.append((None, files[staged]))
+
+    monkeypatch.setattr(port._place, "plan_reads", plan_reads)
+    monkeypatch.setattr(port._place, "read_key", read_key)
+    monkeypatch.setattr(port._source, "_preadv", preadv)
+
+    def attribute():
+        per_block = {id(out): (leaf, box, []) for leaf, box, out in blocks}
+        elsewhere = []
+        for start, files in landed:
+            inside = [out for _, _, out in blocks if start is not None and 0 <= start - out.ctypes.data < max(out.nbytes, 1)]
+            (per_block[id(inside[0])][2] if inside else elsewhere).append(files)
+        result = [(leaf, box, np.concatenate(f) if f else np.zeros(0, np.int64)) for leaf, box, f in per_block.values()]
+        return result, np.concatenate(elsewhere) if elsewhere else np.zeros(0, np.int64)
+
+    return attribute

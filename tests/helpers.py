@@ -7,6 +7,7 @@ Imported as `from helpers import ...`: `tests/` is on `sys.path` because
 import contextlib
 import hashlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -204,3 +205,26 @@ def read_offsets(calls) -> tuple[np.ndarray, np.ndarray]:
             addresses.append(np.arange(address, address + length, dtype=np.int64))
             position += length
     return np.concatenate(files), np.concatenate(addresses)
+
+
+def element_bytes(info, region):
+    """The file offsets of every byte of `region` of tensor `info`."""
+    index = np.arange(math.prod(info.shape)).reshape(info.shape)[tuple(slice(a, b) for a, b in region)]
+    starts = info.offset + index.reshape(-1) * info.dtype.itemsize
+    return set((starts[:, None] + np.arange(info.dtype.itemsize)[None, :]).reshape(-1).tolist())
+
+
+def assert_blocks_read_exactly(per_block, recipe, tensors, mesh_shape) -> None:
+    """Each block (from the `reads` fixture) read exactly the bytes of its source region, each once,
+    and each distinct block of every leaf was read once, however many devices hold it."""
+    by_leaf = {}
+    for leaf, box, files in per_block:
+        by_leaf.setdefault(leaf.path, []).append(box)
+        region, keys = leaf.source_region(box)
+        wanted = set().union(*(element_bytes(tensors[k], region) for k in keys))
+        got = files.tolist()
+        assert len(got) == len(set(got)), f"{leaf.path}: a byte read twice"
+        assert set(got) == wanted, f"{leaf.path} {box}: read bytes outside its region"
+    for leaf in recipe.leaves:  # one read per distinct block, though several devices ask
+        boxes = by_leaf[leaf.path]
+        assert len(boxes) == len(set(boxes)) == len(leaf.shards(mesh_shape)), leaf.path

@@ -75,7 +75,7 @@ def test_check_raises_every_problem(gpt2_checkpoints, tmp_path):
     assert problems[0] == f"{mapping}: entry 'wte.weight': logical axis 'embed' has no rule in [rules]"
     assert f"{mapping}: entry 'wpe.weight': path 'wpe_typo' is not a leaf of port.models.gpt2:GPT2" in problems
     assert f"{mapping}: leaf 'wpe' of port.models.gpt2:GPT2 has no mapping entry" in problems
-    assert str(caught.value) == f"{problems[0]} (and {len(problems) - 1} more problems)"
+    assert str(caught.value) == f"{problems[0]} (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
     with pytest.raises(port.PlanError, match=r"rules.vocab names mesh axis 'model', which the mesh \(x, y\)"):
         port.check(port._mapping.shipped_mappings()[0].parent / "gpt2.toml", directories["lm"], {"x": 1, "y": 1})
 

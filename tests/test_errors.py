@@ -63,7 +63,7 @@ def test_a_plan_error_lists_every_problem(tiny, tmp_path):
     assert len(problems) >= 2, problems
     assert any("wte.weights" in p for p in problems) and any("wpe.weights" in p for p in problems), problems
     assert str(caught.value).startswith(problems[0])
-    assert f"(and {len(problems) - 1} more problems)" in str(caught.value)
+    assert f"(and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})" in str(caught.value)
 
 
 def test_an_output_that_exists_is_an_output_error(tiny, tmp_path):

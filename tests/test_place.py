@@ -1,7 +1,6 @@
 """Each device block is built from only the source bytes it needs, read once, straight into place."""
 
 import math
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -11,72 +10,11 @@ from safetensors.numpy import load_file
 import port
 import port._place
 import port._source
-from helpers import read_offsets, recorded_reads
+from helpers import assert_blocks_read_exactly, element_bytes, recorded_reads
 
 # The tiny GPT-2 example: save_pretrained's layout (tied, no lm_head) written with NumPy; vocab 1021,
 # not divisible by model=2, is replicated on it
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
-
-
-@pytest.fixture
-def reads(monkeypatch):
-    """Every byte read while placing, attributed to the block it landed in.
-
-    Returns a function of the finished run giving (leaf, box, file offsets of its bytes)
-    per block, and the file offsets of the bytes that landed in no block (read into a
-    staging buffer). Reads are attributed by destination address within each
-    `read_key` call, while its buffers are alive (later ones may reuse the memory).
-    """
-    blocks, landed, lock, local = [], [], threading.Lock(), threading.local()
-    real_plan_reads, real_read_key, real_preadv = port._place.plan_reads, port._place.read_key, port._source._preadv
-
-    def plan_reads(wanted):
-        planned, parts = real_plan_reads(wanted)
-        with lock:
-            for (leaf, _), leaf_blocks in zip(wanted, planned):
-                blocks.extend((leaf, box, out) for box, out in leaf_blocks.items())
-        return planned, parts
-
-    def preadv(fd, iov, offset):
-        rows = np.array(iov, copy=True)
-        got = real_preadv(fd, iov, offset)
-        local.calls.append((offset, rows, got))
-        return got
-
-    def read_key(checkpoint, parts):
-        local.calls = []
-        real_read_key(checkpoint, parts)
-        files, addresses = read_offsets(local.calls)
-        staged = np.ones(len(files), bool)
-        with lock:
-            for part in parts:
-                start = part.target.ctypes.data
-                inside = (addresses >= start) & (addresses < start + part.target.nbytes)
-                landed.append((start, files[inside]))
-                staged &= ~inside
-            landed.append((None, files[staged]))
-
-    monkeypatch.setattr(port._place, "plan_reads", plan_reads)
-    monkeypatch.setattr(port._place, "read_key", read_key)
-    monkeypatch.setattr(port._source, "_preadv", preadv)
-
-    def attribute():
-        per_block = {id(out): (leaf, box, []) for leaf, box, out in blocks}
-        elsewhere = []
-        for start, files in landed:
-            inside = [out for _, _, out in blocks if start is not None and 0 <= start - out.ctypes.data < max(out.nbytes, 1)]
-            (per_block[id(inside[0])][2] if inside else elsewhere).append(files)
-        result = [(leaf, box, np.concatenate(f) if f else np.zeros(0, np.int64)) for leaf, box, f in per_block.values()]
-        return result, np.concatenate(elsewhere) if elsewhere else np.zeros(0, np.int64)
-
-    return attribute
-
-
-def element_bytes(info, region):
-    """The file offsets of every byte of `region` of tensor `info`."""
-    index = np.arange(math.prod(info.shape)).reshape(info.shape)[tuple(slice(a, b) for a, b in region)]
-    starts = info.offset + index.reshape(-1) * info.dtype.itemsize
-    return set((starts[:, None] + np.arange(info.dtype.itemsize)[None, :]).reshape(-1).tolist())
 
 
 @pytest.mark.parametrize("band_bytes", [port._place.BAND_BYTES, 1000])
@@ -94,17 +32,7 @@ def test_each_block_reads_exactly_its_region(reads, monkeypatch, band_bytes):
     per_block, elsewhere = reads()
     # No transpose or cast in GPT-2's mapping: every byte is read straight into its block.
     assert len(elsewhere) == 0
-    by_leaf = {}
-    for leaf, box, files in per_block:
-        by_leaf.setdefault(leaf.path, []).append(box)
-        region, keys = leaf.source_region(box)
-        wanted = set().union(*(element_bytes(ckpt.tensors[k], region) for k in keys))
-        got = files.tolist()
-        assert len(got) == len(set(got)), f"{leaf.path}: a byte read twice"
-        assert set(got) == wanted, f"{leaf.path} {box}: read bytes outside its region"
-    for leaf in recipe.leaves:  # one read per distinct block, though 8 devices ask
-        boxes = by_leaf[leaf.path]
-        assert len(boxes) == len(set(boxes)) == len(leaf.shards(mesh.shape)), leaf.path
+    assert_blocks_read_exactly(per_block, recipe, ckpt.tensors, mesh.shape)
     assert total == recipe.read_bytes == sum(len(files) for _, _, files in per_block)
     # One job per source key, or per band of it: wte (1021 x 64 float32) in bands of ~1000 bytes (3 rows).
     wte = [job for job in jobs if job[0].key == "transformer.wte.weight"]

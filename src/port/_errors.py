@@ -44,7 +44,8 @@ class PlanError(PortError):
 
     def __init__(self, problems: Sequence[str]):
         self.problems = tuple(problems)
-        more = f" (and {len(self.problems) - 1} more problems)" if len(self.problems) > 1 else ""
+        extra = len(self.problems) - 1
+        more = f" (and {extra} more problem{'s' if extra > 1 else ''})" if extra else ""
         super().__init__(self.problems[0] + more if self.problems else "the plan failed")
 
 

@@ -53,10 +53,10 @@ PRODUCER = "port"  # safetensors metadata `producer`: how `--force` knows an exp
 
 @dataclass(frozen=True)
 class Part:
-    """One leaf, or one layer of a stacked leaf, that an output tensor is rebuilt from."""
+    """One leaf, or one layer (expert) of a stacked leaf, that an output tensor is rebuilt from."""
 
     leaf: LeafPlan
-    layer: int | None
+    index: tuple[int, ...] = ()  # its place in the leaf's stack dimensions: (layer,), (layer, expert), ()
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,8 @@ def invert(recipe: Plan, sources: AnyMapping[str, tuple[tuple[int, ...], np.dtyp
     grouped: dict[str, list[Part]] = {}
     for leaf in recipe.leaves:
         for i, key in enumerate(leaf.keys):
-            grouped.setdefault(key, []).append(Part(leaf, i if leaf.stacked else None))
+            index = tuple(int(i) for i in np.unravel_index(i, leaf.stack)) if leaf.stacked else ()
+            grouped.setdefault(key, []).append(Part(leaf, index))
     problems = [why for key, parts in grouped.items() if (why := _invertible(key, parts, source))]
     if problems:
         raise PlanError(problems)
@@ -146,22 +147,22 @@ def invert(recipe: Plan, sources: AnyMapping[str, tuple[tuple[int, ...], np.dtyp
 # ---------------------------------------------------------------------------- gathering
 
 
-def gather(array: jax.Array, layer: int | None = None) -> np.ndarray:
-    """The whole of `array` (or of its layer `layer`) on the host, each distinct block copied once.
+def gather(array: jax.Array, index: tuple[int, ...] = ()) -> np.ndarray:
+    """The whole of `array` (or of its entry `index` along the leading dimensions) on the host,
+    each distinct block copied once.
 
     ```python
-    gather(model.blocks.attn.wq, layer=3)    # numpy, (embd, heads, head_dim), from every device's block
+    gather(model.blocks.attn.wq, (3,))    # numpy, (embd, heads, head_dim): layer 3, from every device's block
     ```
     """
-    out = np.empty(array.shape if layer is None else array.shape[1:], array.dtype)
+    k = len(index)
+    out = np.empty(array.shape[k:], array.dtype)
     filled = 0
     for bounds, block in _local_shards(array).items():
-        if layer is not None:
-            (first, stop), bounds = bounds[0], bounds[1:]
-            if not first <= layer < stop:
-                continue
-            block = block[layer - first]
-        part = np.asarray(block)
+        outer, bounds = bounds[:k], bounds[k:]
+        if not all(a <= i < b for i, (a, b) in zip(index, outer)):
+            continue
+        part = np.asarray(block[tuple(i - a for i, (a, _) in zip(index, outer))])
         out[tuple(slice(a, b) for a, b in bounds)] = part
         filled += part.size
     if filled != out.size:  # blocks on another process's devices: only `blocks` writes those
@@ -171,7 +172,7 @@ def gather(array: jax.Array, layer: int | None = None) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Block:
-    """One distinct block of a leaf (of one layer of it), as one box of an output tensor."""
+    """One distinct block of a leaf (of one layer or expert of it), as one box of an output tensor."""
 
     key: str
     part: Part
@@ -201,12 +202,11 @@ def blocks(inverse: Inverse, arrays: AnyMapping[str, Any]) -> list[Block] | None
                     bounds = tuple(sl.indices(n)[:2] for sl, n in zip(index, array.shape))
                     held.setdefault(bounds, []).append(device)
                 distinct[leaf.path] = held
+            k = len(part.index)
             for bounds, devices in distinct[leaf.path].items():
-                box = bounds
-                if part.layer is not None:
-                    if not bounds[0][0] <= part.layer < bounds[0][1]:
-                        continue
-                    box = bounds[1:]
+                if not all(a <= i < b for i, (a, b) in zip(part.index, bounds)):
+                    continue
+                box = bounds[k:]
                 regions = tuple(leaf.chain.regions(box))
                 if _extent(regions[0]) != _extent(box):
                     return None
@@ -219,9 +219,7 @@ def _block_data(block: Block, shards: AnyMapping[Any, Any], source_dtype: np.dty
     """The block's data turned back into its box of the source tensor (still in the chain's source dtype)."""
     leaf = block.part.leaf
     data = shards[block.bounds]
-    if block.part.layer is not None:
-        data = data[block.part.layer - block.bounds[0][0]]
-    data = np.asarray(data)
+    data = np.asarray(data[tuple(i - a for i, (a, _) in zip(block.part.index, block.bounds))])
     dtypes = leaf.chain.dtypes(source_dtype)
     for i in reversed(range(len(leaf.chain.transforms))):
         step = leaf.chain.transforms[i]
@@ -506,7 +504,7 @@ def export(
         if mine is None:  # one process; some tensor is assembled whole, then written
             for tensor in inverse.tensors:
                 parts = inverse.parts[tensor.key]
-                pieces = [(p.leaf.chain, gather(arrays[p.leaf.path], p.layer)) for p in parts]
+                pieces = [(p.leaf.chain, gather(arrays[p.leaf.path], p.index)) for p in parts]
                 (chain, first), siblings = pieces[0], pieces[1:]
                 data = chain.inverse(first, inverse.source_dtypes[tensor.key], siblings=siblings)
                 del pieces, first, siblings

@@ -15,6 +15,7 @@ heads = "model"
 
 [[params]]
 key = "h.{layer}.attn.c_attn.weight"      # {layer} stacks every layer on a leading axis
+                                          # ({expert} every expert, after the layers' axis)
 path = "blocks.attn.wq"
 transforms = [{ split = { axis = 1, parts = 3, index = 0 } },
               { transpose = [1, 0] },
@@ -50,6 +51,11 @@ from ._errors import ConfigError, MappingError, PortError
 from ._transforms import Transform, parse_transform
 
 LAYER = "{layer}"
+EXPERT = "{expert}"
+STACKS = (LAYER, EXPERT)
+"""The placeholders that stack keys on leading axes of a leaf, outermost first: `layers.{layer}.experts.{expert}.w1`
+fills a leaf [layers, experts, ...]."""
+_INDEX = r"(0|[1-9][0-9]{0,8})"
 _TOP = {"model", "model_types", "prefixes", "ignore", "tied", "aliases", "reference", "rules", "params"}
 _PARAM = {"key", "path", "axes", "transforms", "optional"}
 
@@ -68,17 +74,36 @@ class Param:
     optional: bool = False
 
     @property
+    def stack(self) -> tuple[str, ...]:
+        """The placeholders in the key, outermost first: `("{layer}",)`, `("{layer}", "{expert}")`, or `()`."""
+        return tuple(name for name in STACKS if name in self.key)
+
+    @property
     def stacked(self) -> bool:
-        return LAYER in self.key
+        return bool(self.stack)
 
     def pattern(self) -> re.Pattern:
-        """Matches the stripped source keys of this entry; group 1 is the layer index.
+        """Matches the stripped source keys of this entry; its groups are the indices of `stack`, in order.
 
-        A layer index is ASCII digits with no leading zero, at most 9 of them: `h.01.`,
-        or `h.1.` written with an Arabic-Indic digit, would name the same layer as
-        `h.1.`, so such a key matches no entry and the plan refuses it as unused.
+        An index is ASCII digits with no leading zero, at most 9 of them: `h.01.`, or
+        `h.1.` written with an Arabic-Indic digit, would name the same layer as `h.1.`,
+        so such a key matches no entry and the plan refuses it as unused.
         """
-        return re.compile(re.escape(self.key).replace(re.escape(LAYER), r"(0|[1-9][0-9]{0,8})") + r"\Z")
+        text = re.escape(self.key)
+        for name in self.stack:
+            text = text.replace(re.escape(name), f"(?P<{name[1:-1]}>{_INDEX})")
+        return re.compile(text + r"\Z")
+
+    def index(self, match: re.Match) -> tuple[int, ...]:
+        """The stack index a `pattern` match names: (layer,), (layer, expert), (expert,) or ()."""
+        return tuple(int(match.group(name[1:-1])) for name in self.stack)
+
+    def key_at(self, index: tuple[int, ...]) -> str:
+        """The key this entry's pattern names at a stack index (`h.{layer}.x` at (3,) -> `h.3.x`)."""
+        key = self.key
+        for name, i in zip(self.stack, index):
+            key = key.replace(name, str(i))
+        return key
 
     def build(self, config: AnyMapping[str, Any]) -> list[Transform]:
         """The transforms, with config names (reshape, split sizes) replaced by their values."""
@@ -209,6 +234,9 @@ def _param(entry: Any, i: int, fail) -> Param:
     for name in ("key", "path"):
         if not isinstance(entry.get(name), str) or not entry[name]:
             raise fail(f"{where}: '{name}' must be a non-empty string")
+    for name in STACKS:
+        if entry["key"].count(name) > 1:
+            raise fail(f"{where}: '{name}' appears more than once in the key")
     axes = entry.get("axes")
     if not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
         raise fail(f"{where}: 'axes' must be a list of logical axis names, one per target dimension")

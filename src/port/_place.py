@@ -105,9 +105,11 @@ def plan_reads(
         blocks.append({})
         for box in boxes:
             region, keys = leaf.source_region(box)
-            regions = leaf.chain.regions(box[1:] if leaf.stacked else box)
+            _, inner = leaf.split_box(box)
+            regions = leaf.chain.regions(inner)
             out = blocks[-1][box] = aligned_empty(tuple(b - a for a, b in box), leaf.dtype)
-            targets = out if leaf.stacked else out[None]
+            k = len(leaf.stack)
+            targets = out.reshape(math.prod(out.shape[:k]), *out.shape[k:])  # one per key, in `keys` order (a view)
             shape = tuple(b - a for a, b in region)
             in_place = len(targets) > 0 and direct(leaf, region, regions, targets[0])  # alike for every layer
             for key, target in zip(keys, targets):

@@ -36,12 +36,16 @@ from ._transforms import Cast, Chain
 
 @dataclass(frozen=True)
 class LeafPlan:
-    """How one target leaf is made: source keys (one per layer when stacked), chain, sharding."""
+    """How one target leaf is made: source keys (one per layer, or per layer and expert, when stacked), chain, sharding.
+
+    A stacked leaf's leading dimensions are `stack` (layers, experts or both), and
+    `keys` lists its source tensors in row-major order over them.
+    """
 
     path: str
     pattern: str
     keys: tuple[str, ...]
-    stacked: bool
+    stack: tuple[int, ...]
     chain: Chain
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -56,6 +60,27 @@ class LeafPlan:
     def size(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def stacked(self) -> bool:
+        return bool(self.stack)
+
+    def key_index(self, index: tuple[int, ...]) -> int:
+        """Where the source tensor of stack index `index` (layer, expert) is in `keys`."""
+        at = 0
+        for i, n in zip(index, self.stack):
+            at = at * n + i
+        return at
+
+    def split_box(self, box: Region) -> tuple[Region, Region]:
+        """A box of the leaf as (its stack dimensions, the rest: a box of each source tensor's result)."""
+        k = len(self.stack)
+        return box[:k], box[k:]
+
+    def box_keys(self, box: Region) -> tuple[str, ...]:
+        """The source keys a box of the leaf spans, in row-major order over its stack dimensions."""
+        outer, _ = self.split_box(box)
+        return tuple(self.keys[self.key_index(i)] for i in itertools.product(*(range(a, b) for a, b in outer)))
+
     def shards(self, mesh_shape: AnyMapping[str, int]) -> list[Region]:
         """Every distinct shard box of this leaf under its spec."""
         per_dim = []
@@ -66,10 +91,8 @@ class LeafPlan:
 
     def source_region(self, box: Region) -> tuple[Region, tuple[str, ...]]:
         """The source region and keys a target box needs."""
-        if self.stacked:
-            (l0, l1), inner = box[0], box[1:]
-            return self.chain.regions(inner)[0], self.keys[l0:l1]
-        return self.chain.regions(box)[0], self.keys
+        _, inner = self.split_box(box)
+        return self.chain.regions(inner)[0], self.box_keys(box)
 
 
 @dataclass(frozen=True)
@@ -105,7 +128,7 @@ class Plan:
         """One row per leaf, as `port plan` prints it."""
         return [
             {
-                "source": leaf.pattern + (f" x{len(leaf.keys)}" if leaf.stacked else ""),
+                "source": leaf.pattern + "".join(f" x{n}" for n in leaf.stack),
                 "target": leaf.path,
                 "transforms": str(leaf.chain),
                 "shape": "[" + ", ".join(map(str, leaf.shape)) + "]",
@@ -236,7 +259,7 @@ def plan_problems(
         pattern = param.pattern()
         for name, key in stripped.items():
             if m := pattern.match(name):
-                matches[int(m.group(1)) if param.stacked else 0] = key
+                matches[param.index(m)] = key
         claimed.update(matches.values())
         if not matches and param.optional:
             empty.append(param.path)
@@ -316,7 +339,7 @@ def _strip(mapping: Mapping, tensors: AnyMapping[str, TensorInfo], problems: lis
 def _leaf(
     param: Param,
     where: str,
-    matches: dict[int, str],
+    matches: dict[tuple[int, ...], str],
     tensors: AnyMapping[str, TensorInfo],
     target: Any,
     names: AnyMapping[str, Any],
@@ -328,20 +351,22 @@ def _leaf(
     if not matches:
         problems.append(f"{where}: missing tensor: no key in the checkpoint matches")
         return None
-    if param.stacked:
-        layers = target.shape[0] if target.shape else 0
-        missing = [i for i in range(layers) if i not in matches]
-        extra = sorted(i for i in matches if i >= layers)
-        if missing:
-            key = param.key.replace("{layer}", str(missing[0]))
-            problems.append(f"{where}: missing tensor '{key}' ({layers} layers expected)")
-            return None
-        if extra:
-            problems.append(
-                f"{where}: tensor '{matches[extra[0]]}' is beyond the model's {layers} layers"
-            )
-            return None
-    keys = tuple(matches[i] for i in sorted(matches))
+    k = len(param.stack)
+    stack = tuple(target.shape[:k])
+    if len(stack) < k:
+        problems.append(f"{where}: '{param.path}' has {len(target.shape)} dimensions, fewer than the key stacks ({k})")
+        return None
+    grid = list(itertools.product(*(range(n) for n in stack)))
+    counts = " x ".join(f"{n} {name[1:-1]}s" for n, name in zip(stack, param.stack))
+    missing = [i for i in grid if i not in matches]
+    extra = sorted(i for i in matches if any(a >= n for a, n in zip(i, stack)))
+    if missing:
+        problems.append(f"{where}: missing tensor '{param.key_at(missing[0])}' ({counts} expected)")
+        return None
+    if extra:
+        problems.append(f"{where}: tensor '{matches[extra[0]]}' is beyond the model's {counts}")
+        return None
+    keys = tuple(matches[i] for i in grid)
     infos = [tensors[k] for k in keys]
     first = infos[0]
     for info in infos[1:]:
@@ -360,11 +385,11 @@ def _leaf(
     except ValueError as e:
         problems.append(f"{where}: {e} (source '{first.key}' is {list(first.shape)})")
         return None
-    shape = ((len(keys),) if param.stacked else ()) + chain.shape
+    shape = stack + chain.shape
     if shape != tuple(target.shape):
         source = f"'{first.key}' is {list(first.shape)}"
         if param.stacked:
-            source = f"{len(keys)} layers of {source}"
+            source = f"{counts} of {source}"
         if transforms:
             source += f", through {chain} gives {list(shape)},"
         problems.append(f"{where}: shape mismatch: {source} but '{param.path}' is {list(target.shape)}")
@@ -395,7 +420,7 @@ def _leaf(
         chain = Chain.build([*transforms, Cast(out_dtype)], first.shape)
     spec, notes = partition(shape, param.axes, rules, mesh_shape)
     leaf = LeafPlan(
-        param.path, param.key, keys, param.stacked, chain, shape, out_dtype, first.dtype,
+        param.path, param.key, keys, stack, chain, shape, out_dtype, first.dtype,
         param.axes, spec, notes, 0, 0,
     )
     shards = leaf.shards(mesh_shape)
