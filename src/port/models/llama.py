@@ -1,7 +1,10 @@
-"""Llama, Mistral and Qwen2 (decoder-only, RMSNorm, RoPE, SwiGLU, GQA) as one Equinox model.
+"""Llama, Mistral, Qwen2, Qwen3 and Phi-3 (decoder-only, RMSNorm, RoPE, SwiGLU, GQA) as one Equinox model.
 
-One class serves the `model_type`s "llama", "mistral" and "qwen2"; they differ only in
-which projections carry biases and in sliding-window attention. The transformer blocks
+One class serves the `model_type`s "llama", "mistral", "qwen2", "qwen3" and "phi3"; they
+differ in which projections carry biases, in sliding-window attention, in Qwen3's
+per-head RMSNorm of queries and keys (`q_norm`, `k_norm`, None elsewhere) and in Phi-3's
+RoPE (partial rotary dimensions, "longrope" scaling). Phi-3's fused `qkv_proj` and
+`gate_up_proj` are cut into this module's separate leaves by its mapping. The transformer blocks
 are stored *stacked*: every array in `Llama.blocks` has a leading axis of size
 `num_hidden_layers`, and the forward pass runs them with `jax.lax.scan`.
 
@@ -46,8 +49,11 @@ from port._console import quoted
 from port.models._config import MAX_LAYERS, activation, check, get
 from port.models._inputs import check_ids, per_sequence
 
-MODEL_TYPES = ("llama", "mistral", "qwen2")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 ROPE_TYPES = ("default", "linear", "llama3")
+# Phi-3's config accepts only these (Phi3Config.validate_rope); "su" and "yarn" are old
+# names of "longrope" there.
+PHI3_ROPE_TYPES = ("default", "longrope")
 
 # Where transformers' config classes disagree on a default (used when the key is absent).
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -56,6 +62,10 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                 "num_key_value_heads": 8},
     "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096,
               "num_key_value_heads": 32},
+    "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096,
+              "num_key_value_heads": 32, "head_dim": 128},
+    "phi3": {"max_position_embeddings": 4096, "sliding_window": None, "rms_norm_eps": 1e-5,
+             "original_max_position_embeddings": 4096},
 }
 
 
@@ -83,17 +93,123 @@ def _rope_parameters(config: dict) -> tuple[str, dict]:
     rope["rope_type"] = _first(rope.get("rope_type"), rope.get("type"), "default")
     if "original_max_position_embeddings" in config:  # transformers gives it priority
         rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
-    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor"))
-    if partial not in (None, 1, 1.0):
-        raise ConfigError(
-            f"config.json: 'partial_rotary_factor' {partial!r} is not supported (only 1.0)"
-        )
+    rope["partial_rotary_factor"] = _first(
+        rope.get("partial_rotary_factor"), config.get("partial_rotary_factor"), 1.0
+    )
     return key, rope
+
+
+def _rope_fields(config: dict, model_type: str, head_dim: int) -> dict[str, Any]:
+    """The RoPE fields of `LlamaConfig` from a config.json; `ConfigError` if unsupported.
+
+    ```python
+    _rope_fields({"rope_theta": 500000.0}, "llama", 64)
+    # {"rope_theta": 500000.0, "rope_type": "default", "partial_rotary_factor": 1.0}
+    ```
+    """
+    rope_key, rope = _rope_parameters(config)
+    rope_type, supported = rope["rope_type"], ROPE_TYPES
+    if model_type == "phi3":
+        supported = PHI3_ROPE_TYPES
+        rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type
+        # Phi3Config always has original_max_position_embeddings (4096 if absent); it wins.
+        rope["original_max_position_embeddings"] = config.get(
+            "original_max_position_embeddings", _DEFAULTS["phi3"]["original_max_position_embeddings"]
+        )
+    if rope_type not in supported:
+        raise ConfigError(
+            f"config.json: {rope_key}: rope type {rope_type!r} is not supported "
+            f"(supported: {', '.join(supported)})"
+        )
+
+    def ropeget(name: str, kind: type) -> Any:
+        if rope.get(name) is None:
+            raise ConfigError(f"config.json: required key '{rope_key}.{name}' is missing")
+        return check(f"{rope_key}.{name}", rope[name], kind)
+
+    fields: dict[str, Any] = {"rope_theta": ropeget("rope_theta", float), "rope_type": rope_type}
+    fields["partial_rotary_factor"] = partial = ropeget("partial_rotary_factor", float)
+    rotary = int(head_dim * partial)
+    if model_type != "phi3" and partial != 1.0:
+        raise ConfigError(
+            f"config.json: 'partial_rotary_factor' {partial!r} is not supported for "
+            f"{model_type!r} (only 1.0)"
+        )
+    if partial > 1.0 or rotary < 2 or rotary % 2:
+        raise ConfigError(
+            f"config.json: 'partial_rotary_factor' {partial!r} of head_dim {head_dim} gives "
+            f"{rotary} rotary dimensions (must be even, at least 2, at most head_dim)"
+        )
+    if rope_type in ("linear", "llama3"):
+        fields["rope_factor"] = ropeget("factor", float)
+    if rope_type in ("llama3", "longrope"):
+        rope.setdefault(
+            "original_max_position_embeddings",
+            config.get("max_position_embeddings", _DEFAULTS[model_type]["max_position_embeddings"]),
+        )
+        fields["rope_original_max_position_embeddings"] = ropeget(
+            "original_max_position_embeddings", int
+        )
+    if rope_type == "llama3":
+        fields["rope_low_freq_factor"] = ropeget("low_freq_factor", float)
+        fields["rope_high_freq_factor"] = ropeget("high_freq_factor", float)
+    if rope_type == "longrope":
+        fields.update(_longrope_fields(config, model_type, rope, rope_key, rotary))
+    return fields
+
+
+def _longrope_fields(
+    config: dict, model_type: str, rope: dict, rope_key: str, rotary: int
+) -> dict[str, Any]:
+    """"longrope" (Phi-3 128k): short and long per-frequency factors, and the attention factor.
+
+    As transformers' `_compute_longrope_parameters`: `factor` defaults to
+    max_position_embeddings / original_max_position_embeddings, and the attention factor
+    (which scales cos and sin) to sqrt(1 + ln(factor) / ln(original)), or 1 if factor <= 1.
+    """
+    original = rope["original_max_position_embeddings"]
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        value = rope.get(name)
+        if (
+            not isinstance(value, list)
+            or len(value) != rotary // 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+            or not all(math.isfinite(v) and v > 0 for v in value)
+        ):
+            raise ConfigError(
+                f"config.json: '{rope_key}.{name}' must list {rotary // 2} positive numbers "
+                f"(one per rotary frequency), got {quoted(value)}"
+            )
+        factors[name] = tuple(float(v) for v in value)
+    factor = rope.get("factor")
+    if factor is None:
+        maximum = get(config, "max_position_embeddings", int,
+                      _DEFAULTS[model_type]["max_position_embeddings"])
+        factor = maximum / original
+    factor = check(f"{rope_key}.factor", factor, float)
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {
+        "rope_factor": factor,
+        "rope_short_factor": factors["short_factor"],
+        "rope_long_factor": factors["long_factor"],
+        "rope_attention_factor": check(f"{rope_key}.attention_factor", attention, float),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """The hyperparameters of a Llama/Mistral/Qwen2 model, as read from a config.json."""
+    """The hyperparameters of a Llama/Mistral/Qwen2/Qwen3/Phi-3 model, as read from a config.json.
+
+    ```python
+    c = LlamaConfig.from_hf({"model_type": "qwen3", "vocab_size": 101, "hidden_size": 64,
+                             "intermediate_size": 128, "num_hidden_layers": 2,
+                             "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 12})
+    c.qk_norm, c.rotary_dim    # (True, 12)
+    ```
+    """
 
     vocab_size: int
     hidden_size: int
@@ -109,12 +225,17 @@ class LlamaConfig:
     qkv_bias: bool = False  # q_proj, k_proj, v_proj
     o_bias: bool = False  # o_proj
     mlp_bias: bool = False  # gate_proj, up_proj, down_proj
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of each query and key head
     rope_theta: float = 10000.0
     rope_type: str = "default"
-    rope_factor: float = 1.0  # "linear" and "llama3"
+    partial_rotary_factor: float = 1.0  # Phi-3: RoPE on the first head_dim * this dims
+    rope_factor: float = 1.0  # "linear", "llama3" and "longrope"
     rope_low_freq_factor: float = 1.0  # "llama3"
     rope_high_freq_factor: float = 4.0  # "llama3"
-    rope_original_max_position_embeddings: int = 8192  # "llama3"
+    rope_original_max_position_embeddings: int = 8192  # "llama3" and "longrope"
+    rope_short_factor: tuple[float, ...] = ()  # "longrope": up to the original length...
+    rope_long_factor: tuple[float, ...] = ()  # ...and beyond it
+    rope_attention_factor: float = 1.0  # "longrope": scales cos and sin
     sliding_window: int | None = None  # attend to the last `sliding_window` positions...
     sliding_layers: tuple[bool, ...] = ()  # ...in the layers marked True here
 
@@ -139,7 +260,7 @@ class LlamaConfig:
                 f"config.json: 'num_key_value_heads' ({kv_heads}) must divide "
                 f"'num_attention_heads' ({heads})"
             )
-        head_dim = get(config, "head_dim", int, hidden // heads)
+        head_dim = get(config, "head_dim", int, defaults.get("head_dim", hidden // heads))
         activation(config, "hidden_act", "silu", supported=("silu", "swish"))
 
         attention_bias = get(config, "attention_bias", bool, False)
@@ -149,45 +270,10 @@ class LlamaConfig:
             "llama": (attention_bias, attention_bias, mlp_bias),
             "mistral": (False, False, False),
             "qwen2": (True, False, False),
+            "qwen3": (attention_bias, attention_bias, False),
+            "phi3": (False, False, False),
         }[model_type]
-
-        window = config.get("sliding_window", defaults["sliding_window"])
-        if model_type == "llama" or (
-            model_type == "qwen2" and not get(config, "use_sliding_window", bool, False)
-        ):
-            window = None
-        if window is not None:
-            window = check("sliding_window", window, int)
-        sliding = (window is not None,) * layers
-        if window is not None and model_type == "qwen2":
-            sliding = _qwen2_sliding_layers(config, layers)
-
-        rope_key, rope = _rope_parameters(config)
-        rope_type = rope["rope_type"]
-        if rope_type not in ROPE_TYPES:
-            raise ConfigError(
-                f"config.json: {rope_key}: rope type {rope_type!r} is not supported "
-                f"(supported: {', '.join(ROPE_TYPES)})"
-            )
-
-        def ropeget(name: str, kind: type) -> Any:
-            if rope.get(name) is None:
-                raise ConfigError(f"config.json: required key '{rope_key}.{name}' is missing")
-            return check(f"{rope_key}.{name}", rope[name], kind)
-
-        extra: dict[str, Any] = {}
-        if rope_type in ("linear", "llama3"):
-            extra["rope_factor"] = ropeget("factor", float)
-        if rope_type == "llama3":
-            rope.setdefault(
-                "original_max_position_embeddings",
-                config.get("max_position_embeddings", defaults["max_position_embeddings"]),
-            )
-            extra["rope_low_freq_factor"] = ropeget("low_freq_factor", float)
-            extra["rope_high_freq_factor"] = ropeget("high_freq_factor", float)
-            extra["rope_original_max_position_embeddings"] = ropeget(
-                "original_max_position_embeddings", int
-            )
+        window, sliding = _sliding(config, model_type, layers)
         return cls(
             vocab_size=get(config, "vocab_size", int),
             hidden_size=hidden,
@@ -196,26 +282,42 @@ class LlamaConfig:
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=get(config, "rms_norm_eps", float, 1e-6),
+            rms_norm_eps=get(config, "rms_norm_eps", float, defaults.get("rms_norm_eps", 1e-6)),
             hidden_act="silu",
             tie_word_embeddings=get(config, "tie_word_embeddings", bool, False),
             model_type=model_type,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            rope_theta=ropeget("rope_theta", float),
-            rope_type=rope_type,
+            qk_norm=model_type == "qwen3",
             sliding_window=window,
             sliding_layers=sliding,
-            **extra,
+            **_rope_fields(config, model_type, head_dim),
         )
 
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies [head_dim // 2] in float32, computed as transformers does."""
-        dim = self.head_dim
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head RoPE rotates (head_dim unless partial)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def long_rope(self, seq_len: int) -> bool:
+        """Whether "longrope" uses its long factors for a sequence of `seq_len` tokens."""
+        return self.rope_type == "longrope" and seq_len > self.rope_original_max_position_embeddings
+
+    def inv_freq(self, seq_len: int = 0) -> np.ndarray:
+        """RoPE inverse frequencies [rotary_dim // 2] in float32, computed as transformers does.
+
+        "longrope" depends on the length of the sequence (`seq_len`, static under jit):
+        its short factors up to the original context length, its long ones beyond.
+        """
+        dim = self.rotary_dim
         exponents = np.arange(0, dim, 2).astype(np.float32) / np.float32(dim)
         inv_freq = np.float32(1.0) / np.float32(self.rope_theta) ** exponents
-        if self.rope_type == "linear":
+        if self.rope_type == "longrope":
+            factors = self.rope_long_factor if self.long_rope(seq_len) else self.rope_short_factor
+            base = np.float32(self.rope_theta) ** exponents
+            inv_freq = np.float32(1.0) / (np.asarray(factors, np.float32) * base)
+        elif self.rope_type == "linear":
             inv_freq = inv_freq / np.float32(self.rope_factor)
         elif self.rope_type == "llama3":
             factor = np.float32(self.rope_factor)
@@ -229,6 +331,22 @@ class LlamaConfig:
             medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
             inv_freq = np.where(medium, smoothed, scaled)
         return inv_freq.astype(np.float32)
+
+
+def _sliding(config: dict, model_type: str, layers: int) -> tuple[int | None, tuple[bool, ...]]:
+    """The sliding window (None: none) and which layers use it, as transformers reads them.
+
+    Llama has none; Mistral and Phi-3 slide in every layer when `sliding_window` is set;
+    Qwen2 and Qwen3 only with `use_sliding_window`, in the layers `_qwen2_sliding_layers` names.
+    """
+    window = config.get("sliding_window", _DEFAULTS[model_type]["sliding_window"])
+    qwen = model_type in ("qwen2", "qwen3")
+    if model_type == "llama" or (qwen and not get(config, "use_sliding_window", bool, False)):
+        window = None
+    if window is None:
+        return None, (False,) * layers
+    window = check("sliding_window", window, int)
+    return window, _qwen2_sliding_layers(config, layers) if qwen else (True,) * layers
 
 
 def _qwen2_sliding_layers(config: dict, layers: int) -> tuple[bool, ...]:
@@ -274,7 +392,11 @@ def _rotate_half(x: Array) -> Array:
 
 
 def _apply_rope(x: Float[Array, "seq head dim"], cos: Array, sin: Array) -> Array:
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+    """Rotate the first `cos.shape[-1]` dims of each head; the rest pass (partial RoPE)."""
+    rotary = cos.shape[-1]
+    x, rest = x[..., :rotary], x[..., rotary:]
+    x = x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+    return x if rest.shape[-1] == 0 else jnp.concatenate((x, rest), axis=-1)
 
 
 class Attention(eqx.Module):
@@ -288,6 +410,8 @@ class Attention(eqx.Module):
     bk: Float[Array, "kv_head head_dim"] | None
     bv: Float[Array, "kv_head head_dim"] | None
     bo: Float[Array, " embd"] | None
+    q_norm: Float[Array, " head_dim"] | None  # Qwen3
+    k_norm: Float[Array, " head_dim"] | None
 
     def __init__(self, config: LlamaConfig, dtype: Any, *, key: PRNGKeyArray):
         h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -301,20 +425,24 @@ class Attention(eqx.Module):
         self.bk = _zeros_if(config.qkv_bias, (kv, d), dtype)
         self.bv = _zeros_if(config.qkv_bias, (kv, d), dtype)
         self.bo = _zeros_if(config.o_bias, (e,), dtype)
+        self.q_norm = jnp.ones((d,), dtype) if config.qk_norm else None
+        self.k_norm = jnp.ones((d,), dtype) if config.qk_norm else None
 
     def __call__(
         self,
         x: Float[Array, "seq embd"],
-        cos: Float[Array, "seq head_dim"],
-        sin: Float[Array, "seq head_dim"],
+        cos: Float[Array, "seq rotary"],
+        sin: Float[Array, "seq rotary"],
         mask: Bool[Array, "seq seq"],
+        eps: float,
     ) -> Float[Array, "seq embd"]:
-        def project(w: Array, b: Array | None) -> Array:
+        def project(w: Array, b: Array | None, norm: Array | None = None) -> Array:
             y = jnp.einsum("te,hde->thd", x, w)
-            return y if b is None else y + b
+            y = y if b is None else y + b
+            return y if norm is None else _rms_norm(y, norm, eps)  # Qwen3: per head, before RoPE
 
-        q = _apply_rope(project(self.wq, self.bq), cos, sin)
-        k = _apply_rope(project(self.wk, self.bk), cos, sin)
+        q = _apply_rope(project(self.wq, self.bq, self.q_norm), cos, sin)
+        k = _apply_rope(project(self.wk, self.bk, self.k_norm), cos, sin)
         v = project(self.wv, self.bv)
         seq, heads, dim = q.shape
         kv_heads = k.shape[1]
@@ -380,12 +508,12 @@ class Block(eqx.Module):
         mask: Bool[Array, "seq seq"],
         eps: float,
     ) -> Float[Array, "seq embd"]:
-        x = x + self.attn(_rms_norm(x, self.attn_norm, eps), cos, sin, mask)
+        x = x + self.attn(_rms_norm(x, self.attn_norm, eps), cos, sin, mask, eps)
         return x + self.mlp(_rms_norm(x, self.mlp_norm, eps))
 
 
 class Llama(eqx.Module):
-    """Llama / Mistral / Qwen2 causal LM. Arrays in `blocks` are stacked over layers."""
+    """Llama / Mistral / Qwen2 / Qwen3 / Phi-3 causal LM. Arrays in `blocks` are stacked over layers."""
 
     embed: Float[Array, "vocab embd"]
     blocks: Block
@@ -440,9 +568,10 @@ class Llama(eqx.Module):
         seq = input_ids.shape[0]
 
         positions = jnp.arange(seq, dtype=jnp.float32)
-        freqs = positions[:, None] * jnp.asarray(config.inv_freq())
+        freqs = positions[:, None] * jnp.asarray(config.inv_freq(seq))
         angles = jnp.concatenate((freqs, freqs), axis=-1)
-        cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+        scale = np.float32(config.rope_attention_factor)
+        cos, sin = (jnp.cos(angles) * scale).astype(x.dtype), (jnp.sin(angles) * scale).astype(x.dtype)
 
         q_pos, k_pos = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
         causal = k_pos <= q_pos
