@@ -1,0 +1,460 @@
+"""Mixtral and Qwen2-MoE: port's `Moe`, converted by the shipped mappings, against `transformers`.
+
+Parity goes through the converter: each `*ForCausalLM` written by `save_pretrained`
+(which in transformers 5 writes one tensor per expert, as the Hub's checkpoints hold
+them), loaded by `port.load`, gives the same logits on one device and sharded, with
+the experts on `model`. A device holding some experts reads exactly their bytes; the
+cases are sensitive to what they test (renormalising the top k, the shared expert and
+its gate, the window); experts the `model` axis does not divide leave it to their hidden
+dim; bfloat16 stays bfloat16; `port.export` gives back a checkpoint
+`transformers` loads bit for bit; and `port plan` on Mixtral-8x7B's real sizes (a
+sparse file, never read) reports the bytes per device. The tests that build a
+`transformers` model skip without PyTorch.
+"""
+
+import json
+import os
+import re
+import struct
+
+import equinox as eqx
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import port
+from helpers import VOCAB, assert_blocks_read_exactly, run_port, torch_logits, transformers_or_skip
+from port._console import size_text
+from port._errors import ConfigError
+from port.models.moe import Moe, MoeConfig, routing_weights
+
+# Small and awkward: 6 query heads on 2 kv heads (groups of 3), top 2 of 6 experts,
+# expert, shared-expert and vocab sizes unlike each other and the hidden size.
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
+    num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2,
+    num_experts_per_tok=2,
+)
+MIXTRAL = dict(COMMON, intermediate_size=40, num_local_experts=6)
+QWEN2_MOE = dict(
+    COMMON, num_experts=6, intermediate_size=56, moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+)
+# name: (architecture, config)
+CASES = {
+    "mixtral": ("Mixtral", MIXTRAL),
+    "mixtral-sliding": ("Mixtral", dict(MIXTRAL, sliding_window=4)),
+    "qwen2-moe": ("Qwen2Moe", dict(QWEN2_MOE, norm_topk_prob=False)),
+    "qwen2-moe-norm": ("Qwen2Moe", dict(QWEN2_MOE, norm_topk_prob=True)),
+    # As a transformers 4 config.json: no layer_types, so port works out which layers slide
+    # (Qwen2-MoE's rule: even layers below max_window_layers; here layer 0 only).
+    "qwen2-moe-sliding": ("Qwen2Moe", dict(QWEN2_MOE, use_sliding_window=True, sliding_window=4,
+                                           max_window_layers=1)),
+}
+# Every family on every mesh, each compile a new (config, mesh): 7 compiles in all.
+PARITY = [
+    ("mixtral", "1x1"), ("mixtral", "4x2"), ("mixtral", "8x1"),
+    ("qwen2-moe", "4x2"), ("qwen2-moe-norm", "8x1"), ("qwen2-moe-sliding", "1x1"),
+    ("mixtral-sliding", "4x2"),
+]
+IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+
+
+def ids(name):
+    """16 tokens; the first 12 of them for the sliding-window cases (a window of 4 in either length)."""
+    return IDS[:, :12] if "sliding" in name else IDS
+
+
+def torch_moe(name, dtype=None):
+    """The case's seeded `{arch}ForCausalLM`, norms and biases perturbed; skips without PyTorch."""
+    transformers = transformers_or_skip()
+    import torch
+
+    arch, config = CASES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{arch}Config")(**config)
+    config._attn_implementation = "eager"
+    model = getattr(transformers, f"{arch}ForCausalLM")(config)
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if "norm" in param_name or param_name.endswith("bias"):
+                param.add_(0.2 * torch.randn_like(param))
+    model = model.eval()
+    return model if dtype is None else model.to(getattr(torch, dtype))
+
+
+@eqx.filter_jit
+def logits(model, ids):
+    return model(ids)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """get(name): the case saved by save_pretrained, and its PyTorch logits (one build per case)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            model = torch_moe(name)
+            directory = tmp_path_factory.mktemp(name)
+            model.save_pretrained(directory)
+            if name == "qwen2-moe-sliding":
+                config = json.loads((directory / "config.json").read_text())
+                del config["layer_types"]
+                (directory / "config.json").write_text(json.dumps(config))
+            made[name] = directory, torch_logits(model, ids(name))
+        return made[name]
+
+    return get
+
+
+def recipe_for(directory, mesh_shape, dtype=None):
+    """The plan of the shipped mapping for the checkpoint at `directory` (reads headers only)."""
+    with port.open_checkpoint(directory) as ckpt:
+        mapping = port.mapping_for(ckpt.config)
+        return port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh_shape, dtype)
+
+
+# ---------------------------------------------------------------- what save_pretrained writes
+
+
+@pytest.mark.parametrize("name, expert_key", [
+    ("mixtral", "model.layers.{}.block_sparse_moe.experts.{}.w1.weight"),
+    ("qwen2-moe", "model.layers.{}.mlp.experts.{}.gate_proj.weight"),
+])
+def test_save_pretrained_writes_one_tensor_per_expert(checkpoints, name, expert_key):
+    """transformers 5 fuses experts in memory (`experts.gate_up_proj`) but saves them per expert,
+    as the Hub's checkpoints hold them: the mappings read `{expert}` keys."""
+    from safetensors import safe_open
+
+    directory, _ = checkpoints(name)
+    with safe_open(directory / "model.safetensors", "np") as f:
+        keys = set(f.keys())
+        config = json.loads((directory / "config.json").read_text())
+        experts = config.get("num_local_experts", config.get("num_experts"))
+        inter = config.get("moe_intermediate_size", config["intermediate_size"])
+        for layer in range(2):
+            for expert in range(experts):
+                key = expert_key.format(layer, expert)
+                assert f.get_slice(key).get_shape() == [inter, config["hidden_size"]]
+    assert not any("gate_up_proj" in k for k in keys)
+
+
+# ---------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("name, mesh_spec", PARITY)
+def test_logits_match_transformers(checkpoints, name, mesh_spec):
+    directory, expected = checkpoints(name)
+    model = port.load(directory, mesh=port.make_mesh(mesh_spec))
+    ours = logits(model, ids(name))
+    assert ours.shape == (*ids(name).shape, VOCAB) and ours.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4, rtol=0)
+    if mesh_spec == "1x1":
+        return
+    blocks = model.blocks
+    # Experts on `model` (6 experts divide 2 and 1), so the experts' hidden dim is not.
+    for leaf in (blocks.mlp.experts.gate, blocks.mlp.experts.up):
+        assert leaf.sharding.spec == P(None, "model", None, "data")
+    assert blocks.mlp.experts.down.sharding.spec == P(None, "model", "data", None)
+    assert blocks.mlp.router.sharding.spec == P(None, "model", "data")
+    assert blocks.attn.wq.sharding.spec == P(None, "model", None, "data")
+    assert blocks.attn.wk.sharding.spec == P(None, "model", None, "data")
+    qwen = name.startswith("qwen2")
+    assert (blocks.mlp.shared is not None) == qwen and (blocks.attn.bq is not None) == qwen
+    if qwen:
+        assert blocks.mlp.shared.gate.sharding.spec == P(None, "model", "data")
+        assert blocks.mlp.shared_gate.sharding.spec == P(None, "data")
+        assert blocks.attn.bq.sharding.spec == P(None, "model", None)
+
+
+@pytest.mark.parametrize(
+    "name, other",
+    [("qwen2-moe-norm", "qwen2-moe"), ("mixtral-sliding", "mixtral"), ("qwen2-moe-sliding", "qwen2-moe")],
+    ids=["norm_topk_prob", "mixtral-window", "qwen2-moe-window"],
+)
+def test_the_cases_differ_only_by_what_they_test(checkpoints, name, other):
+    """Each pair holds the same weights (one seed, one set of shapes) and differs in one
+    config value; transformers' logits differ far above the tolerance, so parity with
+    both shows port follows the value (renormalising the top k; the sliding window)."""
+    from safetensors.numpy import load_file
+
+    (first, expected), (second, reference) = checkpoints(name), checkpoints(other)
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert np.abs(expected - reference[:, : expected.shape[1]]).max() > 1e-2
+
+
+def test_the_shared_expert_matters(checkpoints):
+    """Qwen2-MoE's parity depends on the shared expert and on its sigmoid gate."""
+    directory, expected = checkpoints("qwen2-moe")
+    model = port.load(directory, mesh="4x2")  # as in the parity test: the compiled model is reused
+    for where in (lambda m: m.blocks.mlp.shared.down,  # no shared expert
+                  lambda m: m.blocks.mlp.shared_gate):  # its gate 0.5 instead of sigmoid(g . x)
+        changed = eqx.tree_at(where, model, replace_fn=lambda x: 0 * x)
+        assert np.abs(np.asarray(logits(changed, ids("qwen2-moe"))) - expected).max() > 1e-2
+
+
+# ---------------------------------------------------------------- reading
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe"])
+def test_each_device_block_reads_exactly_its_experts(checkpoints, name, reads):
+    """On 4x2 the 6 experts of each layer go 3 to a `model` column: a block of an expert leaf
+    reads those 3 experts' tensors of every layer, each only in its `data` quarter, and
+    nothing of the other 3."""
+    directory, _ = checkpoints(name)
+    mesh = port.make_mesh("4x2")
+    with port.open_checkpoint(directory) as ckpt:
+        mapping = port.mapping_for(ckpt.config)
+        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape)
+        port.place(recipe, ckpt, mesh)
+        total, infos = ckpt.bytes_read, ckpt.tensors
+    per_block, elsewhere = reads()
+    assert_blocks_read_exactly(per_block, recipe, infos, mesh.shape)
+    assert total == recipe.read_bytes == sum(i.nbytes for i in infos.values()) and len(elsewhere) == 0
+    gate = next(leaf for leaf in recipe.leaves if leaf.path == "blocks.mlp.experts.gate")
+    layers, experts, inter, embed = gate.shape
+    boxes = sorted(box for leaf, box, _ in per_block if leaf is gate)
+    assert boxes == [((0, layers), (e, e + experts // 2), (0, inter), (d, d + embed // 4))
+                     for e in (0, experts // 2) for d in range(0, embed, embed // 4)]
+    second = gate.box_keys(boxes[-1])  # experts 3-5, every layer
+    pattern = mapping.params[[p.path for p in mapping.params].index(gate.path)]
+    assert second == tuple("model." + pattern.key_at((layer, e)) for layer in range(layers)
+                           for e in range(experts // 2, experts))
+    for leaf, box, files in per_block:
+        if leaf is gate and box == boxes[-1]:
+            assert files.size == layers * (experts // 2) * inter * (embed // 4) * gate.source_dtype.itemsize
+
+
+# ---------------------------------------------------------------- bfloat16
+
+
+def test_bfloat16_end_to_end(tmp_path):
+    """A bfloat16 Mixtral stays bfloat16 from file to logits, near transformers' own bfloat16.
+
+    The tolerance is measured, not guessed: bfloat16 rounding (8 bits of mantissa) moves
+    transformers' own logits away from its float32 ones by some amount; ours must be no
+    farther from transformers' bfloat16 than twice that (two independent bfloat16
+    computations, each about that far from the exact result), and within 5% of the
+    logits' range.
+    """
+    model = torch_moe("mixtral", dtype="bfloat16")
+    model.save_pretrained(tmp_path)
+    recipe = recipe_for(tmp_path, {"data": 4, "model": 2})
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    assert all(leaf.source_dtype == leaf.dtype == bf16 and "cast" not in str(leaf.chain) for leaf in recipe.leaves)
+    ours = port.load(tmp_path, mesh=port.make_mesh("4x2"))
+    assert all(x.dtype == bf16 for x in jax.tree.leaves(eqx.filter(ours, eqx.is_array)))
+    out = logits(ours, ids("mixtral"))
+    assert out.dtype == bf16
+    expected = torch_logits(model, ids("mixtral"))
+    exact = torch_logits(model.float(), ids("mixtral"))  # the same bfloat16 weights, in float32
+    bf16_noise = np.abs(expected - exact).max()
+    error = np.abs(np.asarray(out).astype(np.float32) - expected).max()
+    assert error <= 2 * bf16_noise and error < 0.05 * np.abs(expected).max(), (error, bf16_noise)
+
+
+# ---------------------------------------------------------------- export
+
+
+@pytest.mark.parametrize("name, mesh", [("mixtral", "4x2"), ("qwen2-moe-norm", "8x1")])
+def test_export_round_trip(checkpoints, name, mesh, tmp_path):
+    """port.load on a mesh, port.export, transformers from_pretrained: no missing or unexpected
+    key, every parameter equal to loading the original; the files hold the source's tensors
+    byte for byte, one per expert."""
+    from safetensors.numpy import load_file
+
+    transformers = transformers_or_skip()
+    import torch
+
+    directory, _ = checkpoints(name)
+    model = port.load(directory, mesh=mesh)
+    out = port.export(model, tmp_path / "hf", directory)
+    source, written = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
+    assert written.keys() == source.keys()
+    for key, value in source.items():
+        assert written[key].dtype == value.dtype and written[key].tobytes() == value.tobytes(), key
+    original = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    exported, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        assert not info[what], f"{what}: {info[what]}"
+    ours, theirs = exported.state_dict(), original.state_dict()
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), key
+
+
+# ---------------------------------------------------------------- Mixtral-8x7B, planned only
+
+# mistralai/Mixtral-8x7B-v0.1's config.json.
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
+    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0", "use_cache": True, "vocab_size": 32000,
+}
+
+
+def mixtral_shapes(config):
+    """Every tensor of a Mixtral checkpoint and its shape, in the Hub's key layout."""
+    h, inter, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    kv = config["num_key_value_heads"] * h // config["num_attention_heads"]
+    shapes = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h], "lm_head.weight": [v, h]}
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        shapes.update({
+            layer + "input_layernorm.weight": [h], layer + "post_attention_layernorm.weight": [h],
+            layer + "self_attn.q_proj.weight": [h, h], layer + "self_attn.k_proj.weight": [kv, h],
+            layer + "self_attn.v_proj.weight": [kv, h], layer + "self_attn.o_proj.weight": [h, h],
+            layer + "block_sparse_moe.gate.weight": [config["num_local_experts"], h],
+        })
+        for e in range(config["num_local_experts"]):
+            expert = f"{layer}block_sparse_moe.experts.{e}."
+            shapes.update({expert + "w1.weight": [inter, h], expert + "w2.weight": [h, inter],
+                           expert + "w3.weight": [inter, h]})
+    return shapes
+
+
+def write_sparse_checkpoint(directory, config, shapes) -> int:
+    """config.json and a bfloat16 model.safetensors: a real header, and data that is a hole
+    (os.truncate: no byte allocated). Returns the file's size."""
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key, shape in shapes.items():
+        n = 2 * int(np.prod(shape))
+        header[key] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path = directory / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text)
+    size = 8 + len(text) + offset
+    os.truncate(path, size)
+    return size
+
+
+HOOK = '''
+import atexit, os
+
+def _report():  # this process's bytes read by read()/pread()/preadv() (port reads no other way)
+    with open("/proc/self/io") as f, open(os.environ["PORT_TEST_IO"], "w") as out:
+        out.write(f.read())
+
+if os.environ.get("PORT_TEST_IO"):
+    atexit.register(_report)
+'''
+
+
+def test_plan_mixtral_8x7b_reads_no_tensor(tmp_path):
+    """`port plan` on Mixtral-8x7B's real sizes (46.7B bfloat16 params, a 93 GB sparse file):
+    exit 0, every expert leaf sharded on `model` x `data`, the bytes per device port's own
+    plan computes (an eighth of the model, but for the small replicated norms), and the
+    process reads under 1 GB in all (about 1% of the file; port reads by pread/preadv only,
+    which /proc/self/io counts): no tensor byte."""
+    shapes = mixtral_shapes(MIXTRAL_8X7B)
+    file_size = write_sparse_checkpoint(tmp_path / "mixtral", MIXTRAL_8X7B, shapes)
+    assert file_size > 90e9
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOOK)
+    io = tmp_path / "io.txt"
+    result = run_port("plan", tmp_path / "mixtral", "--mesh", "4x2",
+                      env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])),
+                           "PORT_TEST_IO": str(io)})
+    assert result.returncode == 0, result.stdout + result.stderr
+    recipe = recipe_for(tmp_path / "mixtral", {"data": 4, "model": 2})
+    total = sum(2 * int(np.prod(s)) for s in shapes.values())
+    assert recipe.nbytes == total and recipe.params == total // 2
+    assert total / 8 <= recipe.device_bytes < total / 8 * 1.001
+    assert f"{size_text(recipe.read_bytes)} to read, {size_text(recipe.device_bytes)} per device" in result.stdout
+    c = MIXTRAL_8X7B
+    stacked = f"{c['num_hidden_layers']},{c['num_local_experts']}"
+    inter, hidden = c["intermediate_size"], c["hidden_size"]
+    for leaf, shape, spec in [("gate", f"{inter},{hidden}", "(-, model, -, data)"),
+                              ("down", f"{hidden},{inter}", "(-, model, data, -)")]:
+        row = rf"^blocks\.mlp\.experts\.{leaf} +{re.escape(f'bf16[{stacked},{shape}]')} +{re.escape(spec)} "
+        assert re.search(row, result.stdout, re.M), result.stdout
+    assert "layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight x32 x8" in result.stdout
+    rchar = int(dict(line.split(": ") for line in io.read_text().splitlines())["rchar"])
+    assert rchar < 1e9, rchar
+
+
+def test_experts_the_model_axis_does_not_divide_leave_it_to_the_expert_hidden_dim(tmp_path):
+    """3 experts on model=2: the experts axis is replicated, and the experts' hidden dim takes
+    `model` instead (planned from headers only)."""
+    config = dict(MIXTRAL, model_type="mixtral", num_local_experts=3)
+    write_sparse_checkpoint(tmp_path / "three", config, mixtral_shapes(config))
+    leaves = {leaf.path: leaf for leaf in recipe_for(tmp_path / "three", {"data": 4, "model": 2}).leaves}
+    gate, down = leaves["blocks.mlp.experts.gate"], leaves["blocks.mlp.experts.down"]
+    assert gate.spec == P(None, None, "model", "data") and down.spec == P(None, None, "data", "model")
+    assert gate.notes == ("experts 3 not divisible by model=2: replicated on model",)
+
+
+# ---------------------------------------------------------------- the module and its config
+
+
+def test_routing_weights():
+    """Softmax in float32, zero outside the top k, renormalised on request."""
+    scores = np.array([[0.0, 1.0, 2.0, -1.0]], np.float32)
+    probs = np.exp(scores) / np.exp(scores).sum()
+    kept = np.where(np.isin(np.arange(4), [1, 2]), probs, 0)
+    np.testing.assert_allclose(routing_weights(scores, 2, False), kept, rtol=1e-6)
+    np.testing.assert_allclose(routing_weights(scores, 2, True), kept / kept.sum(), rtol=1e-6)
+    bf16 = routing_weights(scores.astype(ml_dtypes.bfloat16), 2, True)
+    assert bf16.dtype == np.float32
+
+
+def test_config_defaults_follow_transformers():
+    """Absent keys take transformers' config class defaults, which differ from Mistral's and Qwen2's."""
+    base = {k: v for k, v in MIXTRAL.items() if k not in ("num_local_experts", "num_experts_per_tok")}
+    mixtral = MoeConfig.from_hf({**base, "model_type": "mixtral"})
+    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.norm_topk_prob) == (8, 2, True)
+    assert mixtral.rms_norm_eps == 1e-5 and mixtral.rope_theta == 1e6 and mixtral.sliding_window is None
+    assert not mixtral.qkv_bias and mixtral.shared_intermediate_size is None
+    assert mixtral.moe_intermediate_size == MIXTRAL["intermediate_size"]
+    qwen = MoeConfig.from_hf({"model_type": "qwen2_moe", **{k: QWEN2_MOE[k] for k in (
+        "vocab_size", "intermediate_size", "num_hidden_layers")}, "hidden_size": 64, "num_attention_heads": 16})
+    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.norm_topk_prob) == (60, 4, False)
+    assert (qwen.moe_intermediate_size, qwen.shared_intermediate_size) == (1408, 5632)
+    assert qwen.qkv_bias and qwen.num_key_value_heads == 16 and qwen.rms_norm_eps == 1e-6
+    assert not MoeConfig.from_hf({**QWEN2_MOE, "model_type": "qwen2_moe", "qkv_bias": False}).qkv_bias
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(mlp_only_layers=[1]), "config.json: 'mlp_only_layers' [1] gives layers [1] a dense MLP"),
+        (dict(decoder_sparse_step=2), "config.json: 'decoder_sparse_step' 2 gives layers [0] a dense MLP"),
+        (dict(num_experts_per_tok=7), "config.json: 'num_experts_per_tok' (7) is more than 'num_experts' (6)"),
+        (dict(num_experts=0), "config.json: 'num_experts' must be a positive integer"),
+        (dict(model_type="qwen3_moe"), "config.json: 'model_type' 'qwen3_moe' is not supported"),
+    ],
+)
+def test_config_refuses_in_one_line(change, message):
+    """Dense layers among sparse ones would make the stacked layers heterogeneous: refused, naming the key."""
+    with pytest.raises(ConfigError) as raised:
+        MoeConfig.from_hf({**QWEN2_MOE, "model_type": "qwen2_moe", **change})
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+
+
+def test_mlp_only_layers_beyond_the_model_change_nothing():
+    """transformers only consults mlp_only_layers for layers that exist."""
+    config = MoeConfig.from_hf({**QWEN2_MOE, "model_type": "qwen2_moe", "mlp_only_layers": [5]})
+    assert config.num_experts == 6
+
+
+def test_abstract_model_shapes():
+    model = eqx.filter_eval_shape(Moe.from_config, {**MIXTRAL_8X7B}, key=jax.random.key(0))
+    mlp = model.blocks.mlp
+    assert mlp.router.shape == (32, 8, 4096)
+    assert mlp.experts.gate.shape == mlp.experts.up.shape == (32, 8, 14336, 4096)
+    assert mlp.experts.down.shape == (32, 8, 4096, 14336)
+    assert mlp.shared is None and mlp.shared_gate is None and mlp.top_k == 2
+    assert model.blocks.attn.wk.shape == (32, 8, 128, 4096)
