@@ -2,16 +2,24 @@
 
 The mapping's `reference` names the `transformers` class (loaded with
 `from_pretrained` from the same checkpoint) and the output attribute to compare.
+The inputs suit the model: its class declares what it takes as `input_kind`, a key of
+`INPUTS` (default `"input_ids"`: random token ids; `"pixel_values"`: random images of
+config.json's `num_channels` x `image_size`). port's model gets them as its first
+argument, the reference by that name.
 
 ```python
 result = verify("path/to/checkpoint", "4x2")
 result.max_abs_diff, result.shape        # e.g. 4.3e-06, (2, 16, 50257)
+
+class MyViT(eqx.Module):
+    input_kind: ClassVar[str] = "pixel_values"   # verify feeds (2, C, H, W) float32 pixels
 ```
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +83,52 @@ def input_ids(config: dict, batch: int = 2, seq: int = 16, seed: int = 0) -> np.
     return np.random.default_rng(seed).integers(0, vocab, (batch, min(seq, positions)))
 
 
+def _size_pair(config: dict, key: str, default: int) -> tuple[int, int]:
+    value = config.get(key, default)
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value, value
+    if (
+        isinstance(value, (list, tuple)) and len(value) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
+    ):
+        return value[0], value[1]
+    raise ConfigError(f"config.json: {key!r} must be a positive integer or a list of two to draw pixel values")
+
+
+def pixel_values(config: dict, batch: int = 2, seed: int = 0) -> np.ndarray:
+    """Random float32 images, (batch, num_channels, height, width) of config's `image_size`.
+
+    Standard normal values, the scale of normalised images. `image_size` is one integer
+    (square) or [height, width]; `num_channels` defaults to 3, `image_size` to 224, as
+    in transformers' `ViTConfig`.
+
+    ```python
+    pixel_values({"image_size": 16, "num_channels": 1}).shape   # (2, 1, 16, 16)
+    ```
+    """
+    channels = config.get("num_channels", 3)
+    if not isinstance(channels, int) or isinstance(channels, bool) or channels <= 0:
+        raise ConfigError("config.json: 'num_channels' must be a positive integer to draw pixel values")
+    height, width = _size_pair(config, "image_size", 224)
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal((batch, channels, height, width)).astype(np.float32)
+
+
+INPUTS: dict[str, Callable[[dict], np.ndarray]] = {"input_ids": input_ids, "pixel_values": pixel_values}
+"""The inputs verify can draw, by the name a model class gives as `input_kind` (and the reference takes)."""
+
+
+def input_kind(model_class: type) -> str:
+    """The input a model class takes first: its `input_kind`, by default `"input_ids"`."""
+    kind = getattr(model_class, "input_kind", "input_ids")
+    if kind not in INPUTS:
+        raise PortError(
+            f"{model_class.__module__}:{model_class.__qualname__}.input_kind is {kind!r}; "
+            f"port verify draws {' or '.join(map(repr, INPUTS))}"
+        )
+    return kind
+
+
 def verify(
     model: str | os.PathLike,
     mesh: Mesh | str | dict[str, int] | None = None,
@@ -83,7 +137,8 @@ def verify(
 ) -> Verification:
     """Convert a checkpoint onto a mesh, run it and the PyTorch reference on the same inputs, compare.
 
-    Needs PyTorch and `transformers`; the inputs are random token ids (`input_ids`).
+    Needs PyTorch and `transformers`; the inputs are random token ids (`input_ids`), or
+    random images (`pixel_values`) for a model class whose `input_kind` says so.
 
     **Arguments:**
 
@@ -118,14 +173,15 @@ def verify(
         mapping = mapping_for(config, mapping)
         if not mapping.reference:
             raise MappingError(f"{mapping.source}: no 'reference' (the PyTorch class to compare with)")
+        kind = input_kind(mapping.model_class())
+        inputs = INPUTS[kind](config)  # a bad config is told before converting
         converted = convert(ckpt, skeleton(mapping, config), mapping, mesh, dtype=dtype).model
-    ids = input_ids(config)
-    ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, ids))
+    ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, inputs))
     reference_cls = import_object(mapping.reference["class"], f"{mapping.source}: reference")
     torch_dtype = getattr(torch, str(ours.dtype)) if str(ours.dtype) in CASTS else torch.float32
     reference = reference_cls.from_pretrained(directory, dtype=torch_dtype, attn_implementation="eager").eval()
     with torch.no_grad():
-        theirs = getattr(reference(input_ids=torch.tensor(ids)), mapping.reference["output"])
+        theirs = getattr(reference(**{kind: torch.tensor(inputs)}), mapping.reference["output"])
     theirs = theirs.float().numpy()
     if theirs.shape != ours.shape:
         raise PortError(f"output shapes differ: port {list(ours.shape)}, {reference_cls.__name__} {list(theirs.shape)}")

@@ -1,15 +1,18 @@
-"""The token inputs of a model's `__call__`: shapes, dtypes and the optional batch axis.
+"""The inputs of a model's `__call__`: shapes, dtypes and the optional batch axis.
 
 Shared by the model modules, so every model accepts the same shapes and reports a bad
 input the same way: one line naming the argument, the shape it must have and what it
 got. `input_ids` is `(batch, seq)` or, without the batch axis, `(seq,)`; per-token
-arguments (an attention mask, token type ids) have exactly its shape. The checks read
-static shapes and dtypes only, so they run under `jax.jit` / `eqx.filter_jit` too.
+arguments (an attention mask, token type ids) have exactly its shape. `pixel_values`
+(image models) is `(batch, channels, height, width)` or `(channels, height, width)`.
+The checks read static shapes and dtypes only, so they run under `jax.jit` /
+`eqx.filter_jit` too.
 
 ```python
 batched = check_ids(input_ids, limit=("n_positions", 1024))  # True: (batch, seq)
 check_like("attention_mask", attention_mask, input_ids)        # None passes
 hidden = per_sequence(self._forward, batched, input_ids, attention_mask)
+batched = check_pixels(pixel_values, channels=3, size=(224, 224))
 ```
 """
 
@@ -86,8 +89,48 @@ def check_like(name: str, value: Any | None, input_ids: Any, *, integer: bool = 
         raise TypeError(f"`{name}` must have {expected_dtype} dtype, got {dtype}")
 
 
+PIXEL_SHAPES = {4: "(batch, channels, height, width)", 3: "(channels, height, width)"}
+"""The accepted ranks of `pixel_values` and how messages name them."""
+
+
+def check_pixels(pixel_values: Any, *, channels: int, size: tuple[int, int]) -> bool:
+    """Check floating `pixel_values` of `channels` x `size` (height, width); return whether batched.
+
+    `(batch, channels, height, width)` is batched, `(channels, height, width)` not.
+    Raises `ValueError` for another rank, channel count or image size (one line naming
+    config.json's `num_channels` or `image_size`), `TypeError` for a non-floating dtype.
+
+    ```python
+    check_pixels(jnp.zeros((2, 3, 224, 224)), channels=3, size=(224, 224))  # True
+    check_pixels(jnp.zeros((3, 224, 224)), channels=3, size=(224, 224))     # False
+    check_pixels(jnp.zeros((2, 3, 256, 256)), channels=3, size=(224, 224))
+    # ValueError: `pixel_values`: image of 256x256 pixels, but config.json's image_size is 224x224
+    ```
+    """
+    shape = _shape(pixel_values)
+    if len(shape) not in PIXEL_SHAPES:
+        raise ValueError(
+            f"`pixel_values` must have shape {PIXEL_SHAPES[4]} or {PIXEL_SHAPES[3]}, got {shape}"
+        )
+    dtype = jnp.result_type(pixel_values)
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"`pixel_values` must have a floating dtype, got {dtype}")
+    c, h, w = shape[-3:]
+    if c != channels:
+        raise ValueError(
+            f"`pixel_values` has {c} channels (axis {len(shape) - 3} of {shape}), "
+            f"but config.json's num_channels is {channels}"
+        )
+    if (h, w) != tuple(size):
+        raise ValueError(
+            f"`pixel_values`: image of {h}x{w} pixels, but config.json's image_size is "
+            f"{size[0]}x{size[1]} (position embeddings are not interpolated)"
+        )
+    return len(shape) == 4
+
+
 def per_sequence(forward: Callable[..., Array], batched: bool, *args: Any) -> Array:
-    """`forward`, written for one sequence, mapped over the batch axis of `args`.
+    """`forward`, written for one sequence (or one image), mapped over the batch axis of `args`.
 
     Unbatched `args` run as a batch of one and the batch axis is dropped from the
     result, so `per_sequence(f, False, ids)` is exactly `per_sequence(f, True, ids[None])[0]`.
