@@ -9,7 +9,7 @@ come from, so that the mapping serves every size of the family.
 dims = config_dims({"n_embd": 768, "n_head": 12, "vocab_size": 50257})
 # {768: [("embed", "n_embd")], 50257: [("vocab", "vocab_size")], 12: [("heads", "n_head")],
 #  3072: [("mlp", None)], 64: [("head_dim", None)]}: n_inner and head_dim derived
-propose_axes(Leaf("wte", (50257, 768), float32), False, dims)   # (["vocab", "embed"], [])
+propose_axes(Leaf("wte", (50257, 768), float32), (), dims)      # (["vocab", "embed"], [])
 rule_for("heads")                                                # '"model"'
 ```
 """
@@ -17,8 +17,10 @@ rule_for("heads")                                                # '"model"'
 from __future__ import annotations
 
 from collections.abc import Mapping as AnyMapping
+from collections.abc import Sequence
 from typing import Any
 
+from .._mapping import EXPERT, LAYER
 from .._transforms import Reshape
 from ._draft import shape_text
 from ._keys import Shape
@@ -30,16 +32,21 @@ Dims = AnyMapping[int, list[tuple[str, str | None]]]  # size -> [(logical axis, 
 _AXIS_KEYS: dict[str, tuple[str, ...]] = {
     "embed": ("n_embd", "hidden_size", "d_model", "embed_dim", "dim"),
     "vocab": ("vocab_size",),
-    "mlp": ("n_inner", "intermediate_size", "ffn_dim", "d_ff"),
+    "mlp": ("n_inner", "intermediate_size", "ffn_dim", "d_ff", "moe_intermediate_size",
+            "shared_expert_intermediate_size"),
     "heads": ("n_head", "num_attention_heads", "num_heads", "n_heads"),
     "kv_heads": ("num_key_value_heads", "n_kv_heads"),
     "head_dim": ("head_dim", "d_kv"),
     "positions": ("n_positions", "max_position_embeddings", "n_ctx"),
     "token_types": ("type_vocab_size",),
     "layers": ("n_layer", "num_hidden_layers", "num_layers", "n_layers"),
+    "experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
 }
-_AXIS_ORDER = ("embed", "mlp", "heads", "head_dim", "vocab", "positions", "kv_heads", "token_types", "layers")
-_MODEL_AXES = {"heads", "kv_heads", "mlp", "vocab"}
+_AXIS_ORDER = (
+    "embed", "mlp", "heads", "head_dim", "vocab", "positions", "kv_heads", "token_types", "layers", "experts",
+)
+_MODEL_AXES = {"heads", "kv_heads", "mlp", "vocab", "experts"}
+_STACK_AXES = {LAYER: "layers", EXPERT: "experts"}  # the axis a stack placeholder fills
 
 
 def _int(value: Any) -> int | None:
@@ -71,6 +78,7 @@ def _choose_axis(names: list[str], toks: set[str], before: list[str]) -> str:
             "vocab": bool(toks & {"embed", "lm_head"}),
             "kv_heads": bool(toks & {"k", "v"}) and "q" not in toks,
             "token_types": "token_type" in toks,
+            "experts": bool(toks & {"gate", "experts"}),  # a router (`mlp.gate`, `moe.router`), an expert
             "head_dim": bool(before) and before[-1] in ("heads", "kv_heads"),
         }
         s += 1.0 if hints.get(axis) else 0.0
@@ -80,14 +88,18 @@ def _choose_axis(names: list[str], toks: set[str], before: list[str]) -> str:
     return max(names, key=lambda a: (score(a), a))
 
 
-def propose_axes(leaf: Leaf, stacked: bool, dims: Dims) -> tuple[list[str], list[str]]:
-    """A logical axis name per leaf dimension, and TODO comments for those it cannot name."""
-    axes: list[str] = []
+def propose_axes(leaf: Leaf, stack: Sequence[str], dims: Dims) -> tuple[list[str], list[str]]:
+    """A logical axis name per leaf dimension, and TODO comments for those it cannot name.
+
+    The leading axes the keys' `stack` fills are `layers` and `experts`, the others named
+    by their size; `propose_axes(Leaf("moe.w1", (2, 4, 8, 6), f32), ("{layer}", "{expert}"), dims)`
+    gives `["layers", "experts", "mlp", "embed"]`.
+    """
+    axes: list[str] = [_STACK_AXES[name] for name in stack]
     todo: list[str] = []
     toks = set(tokens(leaf.path))
     for i, size in enumerate(leaf.shape):
-        if stacked and i == 0:
-            axes.append("layers")
+        if i < len(stack):
             continue
         names = list(dict.fromkeys(axis for axis, _ in dims.get(size, [])))
         if not names:
@@ -101,18 +113,28 @@ def propose_axes(leaf: Leaf, stacked: bool, dims: Dims) -> tuple[list[str], list
 
 
 def rule_for(axis: str) -> str:
-    """The draft's rule for a logical axis, as TOML: `embed` on `data`, heads, mlp and vocab on `model`."""
+    """The draft's rule for a logical axis, as TOML: `embed` on `data`, heads, mlp, vocab and experts on `model`."""
     if axis == "embed":
         return '"data"'
     return '"model"' if axis in _MODEL_AXES else "[]"
+
+
+def config_name(size: int, axis: str, config: AnyMapping[str, Any]) -> str | None:
+    """The config.json key giving `size` to the logical `axis`, when exactly one does.
+
+    `config_name(2, "kv_heads", {"num_key_value_heads": 2, "num_hidden_layers": 2})` is
+    `"num_key_value_heads"`: the axis settles what the size alone cannot.
+    """
+    keys = {key for a, key in config_dims(config).get(size, []) if a == axis and key is not None}
+    return keys.pop() if len(keys) == 1 else None
 
 
 def named(ops: Ops, source: Shape, target: Shape, config: AnyMapping[str, Any]) -> Ops:
     """`ops` with reshape sizes written as config.json names where one name fits unambiguously."""
     names: dict[int, list[str]] = {}
     for axis_names in config_dims(config).values():
-        for _, key in axis_names:
-            if key is not None:
+        for axis, key in axis_names:
+            if key is not None and axis != "experts":  # an expert count: a stack, never reshaped
                 names.setdefault(config[key], []).append(key)
     out = []
     for t in ops:

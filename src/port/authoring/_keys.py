@@ -1,27 +1,29 @@
 """Keys: a checkpoint's keys sorted into what one mapping entry covers.
 
 A prefix nearly every key shares and no module path has (`transformer.`) is set
-aside; keys differing only in a layer index become one `{layer}` group; known
+aside; keys differing only in a layer index become one `{layer}` group, and keys
+differing in a layer and an expert index one `{layer}`/`{expert}` group; known
 buffers (causal masks, rotary frequencies) are recognised, to be ignored.
 
 ```python
 find_prefix(["transformer.wte.weight", "transformer.h.0.ln_1.weight", ...], paths)   # "transformer."
-group_keys({"h.0.ln_1.weight": "transformer.h.0.ln_1.weight", ...}, tensors, {12})
-# [Group("h.{layer}.ln_1.weight", keys=(12 keys), shape=(768,), dtype=float32), ...]
+group_keys({"h.0.ln_1.weight": "transformer.h.0.ln_1.weight", ...}, tensors, {(12,)})
+# [Group("h.{layer}.ln_1.weight", keys=(12 keys), shape=(768,), dtype=float32, counts=(12,)), ...]
 ```
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from collections.abc import Collection, Sequence
 from collections.abc import Mapping as AnyMapping
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from .._dtypes import floating
-from .._mapping import LAYER
+from .._mapping import EXPERT, LAYER, STACKS
 from .._source import TensorInfo
 
 Shape = tuple[int, ...]
@@ -32,16 +34,28 @@ _BUFFERS = ("attn.bias", "attn.masked_bias", "position_ids", "rotary_emb.inv_fre
 
 @dataclass(frozen=True)
 class Group:
-    """Source keys that become one mapping entry: one key, or one key per layer."""
+    """Source keys that become one mapping entry: one key, or one key per layer (and expert).
 
-    pattern: str  # the stripped name, `{layer}` for the layer index
-    keys: tuple[str, ...]  # checkpoint keys, by layer
+    ```python
+    Group("layers.{layer}.experts.{expert}.w1", keys, (8, 6), float32, counts=(2, 4)).stack
+    # ('{layer}', '{expert}'): a leaf [2, 4, 8, 6]
+    ```
+    """
+
+    pattern: str  # the stripped name, `{layer}` for the layer index, `{expert}` for the expert's
+    keys: tuple[str, ...]  # checkpoint keys, layer-major
     shape: Shape  # of each key
     dtype: np.dtype
+    counts: Shape = ()  # the size of each stack axis: (layers,), (layers, experts), (experts,)
+
+    @property
+    def stack(self) -> tuple[str, ...]:
+        """The placeholders of the pattern, outermost first, as `Param.stack`."""
+        return tuple(name for name in STACKS if name in self.pattern.split("."))
 
     @property
     def stacked(self) -> bool:
-        return LAYER in self.pattern
+        return bool(self.stack)
 
 
 def find_prefix(keys: Sequence[str], paths: Sequence[str]) -> str | None:
@@ -79,39 +93,103 @@ def _prefix_ok(prefix: str, keys: Sequence[str], paths: Sequence[str], everywher
 
 
 def group_keys(
-    names: AnyMapping[str, str], tensors: AnyMapping[str, TensorInfo], layer_counts: set[int]
+    names: AnyMapping[str, str], tensors: AnyMapping[str, TensorInfo], stacks: Collection[Shape]
 ) -> list[Group]:
-    """Keys differing only in one integer segment become one `{layer}` group.
+    """Keys differing only in integer segments become one `{layer}` (and `{expert}`) group.
 
-    `names` maps each stripped name to its checkpoint key. A group needs indices
-    0..n-1 with the same shape and dtype, and a skeleton with some leaf of leading
-    size n (`layer_counts`); otherwise its keys stay single.
+    `names` maps each stripped name to its checkpoint key; `stacks` holds the leading
+    shapes some leaf has ((n,) and (n, m)). A group needs every index of an n x m (or n)
+    grid, one shape and dtype, and a leaf whose leading shape is the grid's; otherwise
+    its keys stay single. In order of preference, keys are grouped on:
+
+    1. their first two integer segments: `layers.{layer}.experts.{expert}.w1` (leaf [n, m, ...]);
+    2. their first one: `h.{layer}.ln_1`, or `experts.{expert}.w1` after an `experts` segment;
+    3. their last one, after an `experts` segment: `layers.0.experts.{expert}.w1` (layers unstacked).
+
+    ```python
+    group_keys({"layers.0.experts.1.w": "model.layers.0.experts.1.w", ...}, tensors, {(2,), (2, 4)})
+    # [Group("layers.{layer}.experts.{expert}.w", keys=(8 keys, layer-major), counts=(2, 4)), ...]
+    ```
     """
-    by_pattern: dict[str, dict[int, str]] = {}
-    for name in names:
-        segments = name.split(".")
-        first = next((i for i, s in enumerate(segments) if s.isdigit()), None)
-        if first is None:
-            continue
-        pattern = ".".join(segments[:first] + [LAYER] + segments[first + 1 :])
-        by_pattern.setdefault(pattern, {})[int(segments[first])] = name
     grouped: set[str] = set()
     groups = []
-    for pattern, members in sorted(by_pattern.items()):
-        infos = [tensors[names[members[i]]] for i in sorted(members)]
-        if (
-            len(members) < 2
-            or sorted(members) != list(range(len(members)))
-            or len(members) not in layer_counts
-            or any(i.shape != infos[0].shape or i.dtype != infos[0].dtype for i in infos)
-        ):
-            continue
-        groups.append(Group(pattern, tuple(i.key for i in infos), infos[0].shape, infos[0].dtype))
-        grouped.update(members.values())
+    for where in (_first_two, _first, _last_expert):
+        by_pattern: dict[str, dict[tuple[int, ...], str]] = {}
+        for name in sorted(set(names) - grouped):
+            if (found := where(name.split("."))) is not None:
+                pattern, index = found
+                by_pattern.setdefault(pattern, {})[index] = name
+        for pattern, members in sorted(by_pattern.items()):
+            if (group := _grid(pattern, members, names, tensors, stacks)) is not None:
+                groups.append(group)
+                grouped.update(members.values())
     for name in sorted(set(names) - grouped):
         info = tensors[names[name]]
         groups.append(Group(name, (info.key,), info.shape, info.dtype))
     return sorted(groups, key=lambda g: g.pattern)
+
+
+Found = tuple[str, tuple[int, ...]] | None  # a pattern and the index of the name in its grid
+
+
+def _is_experts(segment: str) -> bool:
+    """A segment holding experts (`experts`, `local_experts`): the index after it is `{expert}`."""
+    return "expert" in segment.lower()
+
+
+def _with(segments: list[str], at: AnyMapping[int, str]) -> str:
+    """The name with the segments at some positions replaced: `(["h", "3", "x"], {1: "{layer}"})` -> `h.{layer}.x`."""
+    return ".".join(at.get(i, s) for i, s in enumerate(segments))
+
+
+def _digits(segments: list[str]) -> list[int]:
+    """The positions of the integer segments: `["h", "3", "x"]` -> `[1]`."""
+    return [i for i, s in enumerate(segments) if s.isdigit()]
+
+
+def _first_two(segments: list[str]) -> Found:
+    """`layers.3.experts.5.w1` -> `layers.{layer}.experts.{expert}.w1` at (3, 5)."""
+    found = _digits(segments)
+    if len(found) < 2:
+        return None
+    a, b = found[:2]
+    return _with(segments, {a: LAYER, b: EXPERT}), (int(segments[a]), int(segments[b]))
+
+
+def _first(segments: list[str]) -> Found:
+    """`h.3.ln_1` -> `h.{layer}.ln_1` at (3,); `experts.5.w1` -> `experts.{expert}.w1` at (5,)."""
+    found = _digits(segments)
+    if not found:
+        return None
+    a = found[0]
+    name = EXPERT if a and _is_experts(segments[a - 1]) else LAYER
+    return _with(segments, {a: name}), (int(segments[a]),)
+
+
+def _last_expert(segments: list[str]) -> Found:
+    """`layers.0.experts.5.w1` -> `layers.0.experts.{expert}.w1` at (5,): experts of an unstacked layer."""
+    found = _digits(segments)
+    if len(found) < 2 or not _is_experts(segments[found[-1] - 1]):
+        return None
+    a = found[-1]
+    return _with(segments, {a: EXPERT}), (int(segments[a]),)
+
+
+def _grid(
+    pattern: str,
+    members: AnyMapping[tuple[int, ...], str],
+    names: AnyMapping[str, str],
+    tensors: AnyMapping[str, TensorInfo],
+    stacks: Collection[Shape],
+) -> Group | None:
+    """The group of `members` when they fill an n (x m) grid of one shape and dtype that some leaf stacks."""
+    counts = tuple(max(index[i] for index in members) + 1 for i in range(len(next(iter(members)))))
+    if len(members) < 2 or len(members) != math.prod(counts) or counts not in stacks:
+        return None
+    infos = [tensors[names[members[index]]] for index in sorted(members)]  # layer-major
+    if any(i.shape != infos[0].shape or i.dtype != infos[0].dtype for i in infos):
+        return None
+    return Group(pattern, tuple(i.key for i in infos), infos[0].shape, infos[0].dtype, counts)
 
 
 def is_buffer(group: Group) -> bool:
@@ -125,5 +203,6 @@ def is_buffer(group: Group) -> bool:
 
 
 def ignore_pattern(name: str) -> str:
-    """The `ignore` glob of a key pattern: each layer index a `*` (`h.{layer}.attn.bias` -> `h.*.attn.bias`)."""
-    return ".".join("*" if s == LAYER or s.isdigit() else s for s in name.split("."))
+    """The `ignore` glob of a key pattern: each layer or expert index a `*` (`h.{layer}.attn.bias` -> `h.*.attn.bias`).
+    """
+    return ".".join("*" if s in STACKS or s.isdigit() else s for s in name.split("."))

@@ -6,6 +6,7 @@ their likeness is a weighted overlap of the tokens plus a little of the plain te
 
 ```python
 tokens("h.{layer}.attn.c_proj.weight")     # ('layers', 'attn', 'o', 'down', 'weight')
+tokens("layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight")   # (..., 'experts', 'gate', 'weight', '1')
 similarity("model.embed_tokens.weight", "embed")   # high: both are ('embed', ...)
 ```
 """
@@ -17,7 +18,7 @@ import functools
 import re
 from collections.abc import Sequence
 
-from .._mapping import LAYER
+from .._mapping import STACKS
 
 # Whole segments with a meaning of their own, looked up before splitting on `_`.
 _SEGMENTS: dict[str, tuple[str, ...]] = {
@@ -44,9 +45,14 @@ _SEGMENTS: dict[str, tuple[str, ...]] = {
     "post_attention_layernorm": ("norm", "mlp", "2"),
     "layer_norm": ("norm",),
     "feed_forward": ("mlp",),
+    "block_sparse_moe": ("mlp",),
     "token_type": ("token_type",),
     **{f"w{x}": (x, "weight") for x in ("q", "k", "v", "o")},
     **{f"b{x}": (x, "bias") for x in ("q", "k", "v", "o")},
+    # Meta's Llama and Mixtral: w1 gate, w2 down, w3 up (the digit kept: w1 ~ w1 best)
+    "w1": ("gate", "weight", "1"),
+    "w2": ("down", "weight", "2"),
+    "w3": ("up", "weight", "3"),
 }
 
 # Single tokens (after splitting a segment on `_` and between letters and digits).
@@ -61,8 +67,9 @@ _SYNONYMS: dict[str, tuple[str, ...]] = {
     "o": ("o", "out", "dense"),
     "up": ("up", "fc", "intermediate", "wi"),
     "down": ("down", "proj", "output"),
-    "gate": ("gate",),
-    "mlp": ("mlp", "ffn", "ff", "feedforward"),
+    "gate": ("gate", "router"),
+    "mlp": ("mlp", "ffn", "ff", "feedforward", "moe"),
+    "experts": ("experts", "expert"),
     "bias": ("bias", "b", "beta"),
     "weight": ("weight", "w", "gamma", "kernel", "scale"),
     "layers": ("layers", "layer", "h", "blocks", "block", "encoder"),
@@ -80,12 +87,12 @@ _TOKEN_WEIGHT = {"layers": 0.5, "weight": 0.5}
 def tokens(name: str) -> tuple[str, ...]:
     """Canonical tokens of a key or path: `h.{layer}.attn.c_proj.weight` -> layers attn o down weight.
 
-    A `{layer}` segment is dropped; another integer segment (a layer of an unstacked
-    model) is kept as `#n`, so that layer 3 pairs with layer 3.
+    A `{layer}` or `{expert}` segment is dropped; another integer segment (a layer of an
+    unstacked model) is kept as `#n`, so that layer 3 pairs with layer 3.
     """
     out: list[str] = []
     for segment in name.lower().split("."):
-        if segment == LAYER:
+        if segment in STACKS:
             continue
         if segment.isdigit():
             out.append(f"#{int(segment)}")
@@ -118,4 +125,4 @@ def similarity(key: str, path: str) -> float:
 
 
 def _plain(name: str) -> str:
-    return ".".join(s for s in name.lower().split(".") if s != LAYER and not s.isdigit())
+    return ".".join(s for s in name.lower().split(".") if s not in STACKS and not s.isdigit())

@@ -53,7 +53,7 @@ class Candidate:
     group: Group
     leaf: Leaf
     score: float
-    options: tuple[Ops, ...]  # chains from the per-layer source shape to the per-layer target
+    options: tuple[Ops, ...]  # chains from the per-key source shape to the per-key target
 
 
 def builds(ops: Ops, source: Shape, target: Shape, config: AnyMapping[str, Any]) -> bool:
@@ -94,14 +94,17 @@ def is_matrix(shape: Shape) -> bool:
 
 
 def target_shape(group: Group, leaf: Leaf) -> Shape | None:
-    """The per-layer shape `group` must reach to fill `leaf`, or None when it cannot."""
+    """The per-key shape `group` must reach to fill `leaf`, or None when it cannot.
+
+    A stacked group fills the leaf's leading axes, one per stack: `layers.{layer}.experts.{expert}.w1`
+    of 2 x 4 keys [8, 6] fills a leaf [2, 4, 8, 6], whose per-key shape is [8, 6].
+    """
     if floating(group.dtype) != floating(leaf.dtype):
         return None
-    if group.stacked:
-        if not leaf.shape or leaf.shape[0] != len(group.keys):
-            return None
-        return leaf.shape[1:]
-    return leaf.shape
+    n = len(group.counts)
+    if leaf.shape[:n] != group.counts:
+        return None
+    return leaf.shape[n:]
 
 
 def candidate(group: Group, leaf: Leaf) -> Candidate | None:

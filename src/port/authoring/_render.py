@@ -19,10 +19,13 @@ import json
 import numpy as np
 
 from .._console import printable
+from .._mapping import EXPERT, LAYER
 from .._transforms import toml_inline as _toml
 from ._axes import rule_for
 from ._draft import Draft, Entry, ops_text, shape_text
 from ._keys import Group
+
+_STACK_NAMES = {LAYER: "layers", EXPERT: "experts"}  # `2 layers x 4 experts of [8, 6] float32`
 
 
 def render(d: Draft) -> str:
@@ -57,8 +60,9 @@ def _entry_lines(entry: Entry, prefix: str = "") -> list[str]:
 
 
 def _describe(group: Group) -> str:
-    layers = f"{len(group.keys)} layers of " if group.stacked else ""
-    return f"{printable(group.pattern)}  {layers}{shape_text(group.shape)} {np.dtype(group.dtype).name}"
+    stack = " x ".join(f"{n} {_STACK_NAMES[name]}" for name, n in zip(group.stack, group.counts))
+    of = f"{stack} of " if stack else ""
+    return f"{printable(group.pattern)}  {of}{shape_text(group.shape)} {np.dtype(group.dtype).name}"
 
 
 def _header(d: Draft) -> list[str]:

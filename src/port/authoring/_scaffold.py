@@ -103,7 +103,8 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
     ]
     prefix = find_prefix(sorted(tensors), [leaf.path for leaf in leaves])
     names = {(k[len(prefix) :] if prefix and k.startswith(prefix) else k): k for k in sorted(tensors)}
-    groups = group_keys(names, tensors, {leaf.shape[0] for leaf in leaves if leaf.shape})
+    stacks = {leaf.shape[:n] for leaf in leaves for n in (1, 2) if len(leaf.shape) >= n}
+    groups = group_keys(names, tensors, stacks)
     candidates = [c for g in groups for leaf in leaves if (c := candidate(g, leaf)) is not None]
     pairs = assign(candidates)
     if not pairs:
@@ -165,6 +166,6 @@ def _entry(
         else:
             why = f"{shape_text(c.group.shape)} is square and no other 2-d weight shows the orientation: kept as stored"
         comments.append(f"# CHECK: {why}; also fits: {ops_text(others[0]) if others[0] else 'no transforms'}")
-    axes, todo = propose_axes(c.leaf, c.group.stacked, dims)
+    axes, todo = propose_axes(c.leaf, c.group.stack, dims)
     return Entry(c.group.pattern, c.leaf.path, named(ops, c.group.shape, target, config), axes, comments + todo)
 
