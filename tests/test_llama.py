@@ -7,6 +7,7 @@ test (RoPE scaling, the sliding window, the epsilon). The tests that build a
 """
 
 import dataclasses
+import re
 
 import equinox as eqx
 import jax
@@ -106,6 +107,21 @@ def test_ignoring_a_feature_breaks_parity(checkpoints, name, change):
     directory, expected = checkpoints(name)
     model = with_config(port.load(directory), **change)
     assert np.abs(np.asarray(logits(model, ids(name))) - expected).max() > 1e-2
+
+
+@pytest.mark.parametrize("lost", ["lm_head.weight", "model.layers.1.self_attn.k_proj.bias"])
+def test_a_leaf_the_config_asks_for_is_required(tmp_path, lost):
+    """An untied head, or a bias the config has, is `optional = "model"`: when the module holds the
+    leaf the checkpoint must have the key; it never becomes None (a head silently tied, a bias dropped)."""
+    from safetensors.numpy import load_file, save_file
+
+    torch_llama("Qwen2").save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors[lost]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    pattern = lost.removeprefix("model.").replace(".1.", ".{layer}.")
+    with pytest.raises(PortError, match=f"entry '{re.escape(pattern)}': missing tensor"):
+        port.load(tmp_path)
 
 
 def test_fewer_kv_heads_than_the_model_axis_are_replicated(tmp_path):

@@ -26,6 +26,8 @@ ROOT = Path(__file__).parents[1]
         ('model = "m:C"', r"no \[\[params\]\]"),
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"', "'axes' must be"),
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{rotate=1}]', "unknown transform"),
+        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\noptional="sometimes"',
+         r"params\[0\] \(a\): 'optional' must be \"model\", \"checkpoint\", true \(either\) or false"),
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{cast="float12"}]', "unknown dtype"),
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{transpose=[1,0], cast="int8"}]',
          r"params\[0\] \(a\): each transform is a one-key table"),

@@ -25,7 +25,9 @@ axes = ["layers", "heads", "head_dim", "embed"]
 [[params]]
 key = "lm_head.weight"
 path = "lm_head"
-optional = true      # the model may lack the leaf (None: tied head), or the checkpoint the key
+optional = "model"   # the module built from config.json may have None there (a tied head);
+                     # "checkpoint": the checkpoint may lack the key (the leaf is then None);
+                     # true: either
 axes = ["vocab", "embed"]
 ```
 
@@ -71,7 +73,17 @@ class Param:
     path: str
     axes: tuple[str | None, ...]
     transforms: tuple[Transform, ...]
-    optional: bool = False
+    optional: str = ""  # "", "model", "checkpoint" or "either": who may lack it
+
+    @property
+    def leaf_optional(self) -> bool:
+        """Whether the module built from the config may have None at `path` (the entry is then skipped)."""
+        return self.optional in ("model", "either")
+
+    @property
+    def key_optional(self) -> bool:
+        """Whether the checkpoint may lack the key (the leaf is then None)."""
+        return self.optional in ("checkpoint", "either")
 
     @property
     def stack(self) -> tuple[str, ...]:
@@ -240,8 +252,10 @@ def _param(entry: Any, i: int, fail) -> Param:
     axes = entry.get("axes")
     if not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
         raise fail(f"{where}: 'axes' must be a list of logical axis names, one per target dimension")
-    if not isinstance(entry.get("optional", False), bool):
-        raise fail(f"{where}: 'optional' must be true or false")
+    optional = entry.get("optional", False)
+    if optional not in (True, False, "model", "checkpoint"):
+        raise fail(f"{where}: 'optional' must be \"model\", \"checkpoint\", true (either) or false")
+    optional = {True: "either", False: ""}.get(optional, optional)
     transforms = []
     steps = entry.get("transforms", [])
     if not isinstance(steps, list):
@@ -252,8 +266,7 @@ def _param(entry: Any, i: int, fail) -> Param:
         except ValueError as e:
             raise fail(f"{where}: {e}") from None
     return Param(
-        entry["key"], entry["path"], tuple(a or None for a in axes), tuple(transforms),
-        entry.get("optional", False),
+        entry["key"], entry["path"], tuple(a or None for a in axes), tuple(transforms), optional,
     )
 
 

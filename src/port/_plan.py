@@ -249,10 +249,10 @@ def plan_problems(
         if param.path not in targets:
             if not _is_none(skeleton, param.path):
                 problems.append(f"{where}: path '{param.path}' is not a leaf of {mapping.model}")
-            elif not param.optional:
+            elif not param.leaf_optional:
                 problems.append(
                     f"{where}: '{param.path}' is None in {mapping.model} built from this config.json "
-                    "(mark the entry optional if the model may lack it)"
+                    '(mark the entry optional = "model" if the model may lack it)'
                 )
             continue  # an optional leaf the model lacks: its keys must be tied or ignored
         matches = {}
@@ -261,7 +261,7 @@ def plan_problems(
             if m := pattern.match(name):
                 matches[param.index(m)] = key
         claimed.update(matches.values())
-        if not matches and param.optional:
+        if not matches and param.key_optional:
             empty.append(param.path)
             continue
         target = targets[param.path]

@@ -442,7 +442,7 @@ def _check_skeleton(skel: Any, output: Output, cls: type) -> list[str]:
                 f"{output.where}: leaf '{path}' is {leaf} but {describe(target.shape, target.dtype)} in "
                 f"{name} built from its config"
             )
-    optional = {p.path for p in output.mapping.params if p.optional}
+    optional = {p.path for p in output.mapping.params if p.key_optional}
     absent = [path for path in targets if path not in output.leaves]
     for path in absent:
         if path not in optional:
