@@ -2,7 +2,7 @@
 
 - `scaffold` (and `draft`, the same as data): a draft mapping from a checkpoint's
   headers and a module's skeleton; private modules split it by job: `_names`
-  (tokens of keys and paths), `_keys` (prefix, `{layer}` groups, buffers),
+  (tokens of keys and paths), `_keys` (prefix, `{layer}` and `{expert}` groups, buffers),
   `_pairing` (keys to leaves, transform chains, orientation), `_axes` (logical axes
   from `config.json`, rules), `_fused` (fused tensors, ties), `_render` (the TOML).
 - `check`: the mapping against a checkpoint and its model, every problem listed.
