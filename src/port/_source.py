@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
@@ -348,7 +349,20 @@ def _header_length(fd: int, size: int, name: str, limit: int) -> int:
     """The header length N of an open safetensors file: N <= limit and 8 + N <= its size."""
     if size < 8:
         raise CheckpointError(f"{name}: truncated: {size} bytes, too short for a safetensors header")
-    n = int.from_bytes(_pread_exact(fd, 8, 0, name), "little")
+    return header_length_of(_pread_exact(fd, 8, 0, name), size, name, limit)
+
+
+def header_length_of(prefix: bytes, size: int, name: str, limit: int = MAX_HEADER) -> int:
+    """The header length N in a safetensors file's first 8 bytes `prefix`, for a file of `size`
+    bytes: N <= limit and 8 + N <= size. The same checks for a local file and a remote one.
+
+    ```python
+    header_length_of((120).to_bytes(8, "little"), 4096, "model.safetensors")   # 120
+    ```
+    """
+    if size < 8 or len(prefix) < 8:
+        raise CheckpointError(f"{name}: truncated: {size} bytes, too short for a safetensors header")
+    n = int.from_bytes(prefix[:8], "little")
     if n > MAX_HEADER:
         raise CheckpointError(f"{name}: corrupt header: its length field exceeds the format's limit of {MAX_HEADER} bytes")
     if 8 + n > size:
@@ -400,9 +414,21 @@ def raw_header(path: Path) -> dict[str, Any]:
 
 def _read_header(path: Path, limit: int) -> tuple[dict[str, TensorInfo], int]:
     """The tensors of one safetensors file, and the length of its header."""
-    name = path.name
     header, n, st = _header_of(path, limit)
     file_id = (st.st_dev, st.st_ino, st.st_size)
+    return header_tensors(header, n, st.st_size, path, path.name, file_id), n
+
+
+def header_tensors(
+    header: dict[str, Any], n: int, size: int, file: Any, name: str, file_id: tuple[int, int, int] | None = None
+) -> dict[str, TensorInfo]:
+    """The tensors of a parsed header (`parse_header`) of length `n` in a file of `size` bytes,
+    every entry and the layout checked; each `TensorInfo` names `file`. Errors name `name`.
+
+    ```python
+    header_tensors(parse_header(raw, "x"), len(raw), 8 + len(raw) + 16, path, "x")   # {"w": TensorInfo(...)}
+    ```
+    """
     tensors, spans = {}, []
     for key, entry in header.items():
         if key == "__metadata__":
@@ -411,17 +437,24 @@ def _read_header(path: Path, limit: int) -> tuple[dict[str, TensorInfo], int]:
         if _CONTROL.search(key):
             raise CheckpointError(f"{name}: corrupt header: tensor name {quoted(key, 200)} has control characters")
         dtype, shape, begin, end = _entry(key, entry, name)
-        tensors[key] = TensorInfo(key, path, dtype, shape, 8 + n + begin, file_id)
+        tensors[key] = TensorInfo(key, file, dtype, shape, 8 + n + begin, file_id)
         spans.append((begin, end, key))
-    _check_layout(spans, st.st_size - 8 - n, name)
-    return tensors, n
+    _check_layout(spans, size - 8 - n, name)
+    return tensors
 
 
 # ---------------------------------------------------------------------------- the checkpoint
 
 
 def resolve(model: str | os.PathLike) -> Path:
-    """A local checkpoint directory, or a Hugging Face repo id fetched through its cache."""
+    """A local checkpoint directory (or a `file://` URL), or a Hugging Face repo id fetched
+    through its cache. Other URLs are read in place by `open_checkpoint`, not resolved here."""
+    from ._remote import is_url, redact
+
+    if is_url(model):
+        if not str(model).lower().startswith("file://"):
+            raise CheckpointError(f"{redact(str(model))}: a remote checkpoint; this needs a local directory or a repo id")
+        model = unquote(urlsplit(str(model)).path)
     path = Path(model)
     if path.exists():
         if not path.is_dir():
@@ -473,14 +506,30 @@ def shard_names(index: Path) -> list[str]:
     return sorted(names)
 
 
+_BIN_INDEX = "pytorch_model.bin.index.json"
+_BIN_SINGLE = "pytorch_model.bin"
+
+
 def _files(directory: Path) -> list[Path]:
-    index = directory / _INDEX
-    if os.path.lexists(index):
+    """The weight files of a checkpoint directory: its safetensors files (those its
+    `model.safetensors.index.json` lists, `model.safetensors`, or every `*.safetensors`);
+    when it has none, its `torch.save` zips (those `pytorch_model.bin.index.json` lists,
+    each a `.bin`, or `pytorch_model.bin`). Index entries are plain names inside it.
+
+    ```python
+    _files(Path("gpt2"))   # [Path("gpt2/model.safetensors")]
+    ```
+    """
+
+    def listed(index: Path) -> list[Path]:
         names = shard_names(index)
         missing = [n for n in names if not os.path.lexists(directory / n)]
         if missing:
-            raise CheckpointError(f"{index}: lists {missing[0]}, which is not in {directory}")
+            raise CheckpointError(f"{index}: lists {quoted(missing[0], 200)}, which is not in {directory}")
         return [directory / n for n in names]
+
+    if os.path.lexists(directory / _INDEX):
+        return listed(directory / _INDEX)
     if os.path.lexists(directory / _SINGLE):
         return [directory / _SINGLE]
     found = sorted(directory.glob("*.safetensors"))
@@ -488,26 +537,36 @@ def _files(directory: Path) -> list[Path]:
         raise CheckpointError(f"{directory}: {len(found)} safetensors files, more than {MAX_SHARDS}")
     if found:
         return found
-    if any((directory / n).exists() for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        raise CheckpointError(
-            f"{directory}: has only PyTorch pickle weights (pytorch_model.bin); port reads "
-            "safetensors: re-save with save_pretrained(..., safe_serialization=True)"
-        )
-    raise CheckpointError(f"{directory}: no safetensors weights ({_SINGLE} or {_INDEX})")
+    if os.path.lexists(directory / _BIN_INDEX):
+        shards = listed(directory / _BIN_INDEX)
+        other = next((p.name for p in shards if p.suffix != ".bin"), None)
+        if other is not None:
+            raise CheckpointError(f"{directory / _BIN_INDEX}: lists {quoted(other, 200)}, which is not a .bin file")
+        return shards
+    if os.path.lexists(directory / _BIN_SINGLE):
+        return [directory / _BIN_SINGLE]
+    raise CheckpointError(f"{directory}: no weights ({_SINGLE}, {_INDEX}, {_BIN_SINGLE} or {_BIN_INDEX})")
 
 
 def _headers(directory: Path, files: list[Path]) -> dict[str, TensorInfo]:
-    """Every file's tensors, with the headers' total size checked before any header is read."""
-    total = sum(header_length(path) for path in files)
+    """Every file's tensors, with the headers' total size checked before any header is read.
+
+    A safetensors file's header is its JSON; a `torch.save` zip's (a `.bin`, see
+    `_torchfile`) its zip directory and `data.pkl`. Both share one budget, `MAX_HEADERS`.
+    """
+    from . import _torchfile  # here: it reads through this module's helpers
+
+    pickled = [path.suffix == ".bin" for path in files]
+    total = sum(_torchfile.directory_length(p) if b else header_length(p) for p, b in zip(files, pickled))
     if total > MAX_HEADERS:
+        what = "zip directories" if any(pickled) else "safetensors headers"
         raise CheckpointError(
-            f"{directory}: the safetensors headers of its {len(files)} files take {total} bytes, "
-            f"more than {MAX_HEADERS} in all"
+            f"{directory}: the {what} of its {len(files)} files take {total} bytes, more than {MAX_HEADERS} in all"
         )
     tensors: dict[str, TensorInfo] = {}
     budget = MAX_HEADERS
-    for path in files:
-        found, n = _read_header(path, min(budget, MAX_HEADER))
+    for path, is_bin in zip(files, pickled):
+        found, n = (_torchfile.read_tensors if is_bin else _read_header)(path, min(budget, MAX_HEADER))
         budget -= n
         for key, info in found.items():
             if key in tensors:
@@ -769,7 +828,9 @@ def open_checkpoint(model: str | os.PathLike) -> Checkpoint:
     **Arguments:**
 
     - `model`: a directory with `config.json` and `*.safetensors` (sharded ones with
-      their `model.safetensors.index.json`), or a Hugging Face repo id.
+      their `model.safetensors.index.json`), or a Hugging Face repo id; or a URL of such
+      a directory, read in place by byte range (`http(s)://`, `hf://org/name[@revision]`,
+      `s3://`, `gs://`: see `port._remote`).
 
     Returns a `Checkpoint` (a context manager: it closes its files).
 
@@ -778,6 +839,10 @@ def open_checkpoint(model: str | os.PathLike) -> Checkpoint:
         ckpt.config["n_layer"], ckpt.tensors["wte.weight"].shape
     ```
     """
+    from ._remote import is_url, open_remote
+
+    if is_url(model) and not str(model).lower().startswith("file://"):
+        return open_remote(str(model))
     directory = resolve(model)
     config_path = directory / "config.json"
     if not os.path.lexists(config_path):

@@ -1,0 +1,986 @@
+"""Remote checkpoints: a checkpoint directory named by a URL, read in place by byte range.
+
+`http(s)://host/dir`, `hf://org/name[@revision]` (the Hub, without its local cache),
+`s3://bucket/prefix`, `gs://bucket/prefix`, and any other file system fsspec knows.
+Nothing is downloaded whole: `config.json` and the shard index are read bounded in
+size; each safetensors file costs two small range requests (its 8-byte header length,
+with the file's size, then the header), validated by the same code as a local file;
+and `read_into` fetches exactly the byte ranges of the requested regions (`runs()`),
+runs that lie end to end merged into one request, at most `requests` requests in
+flight, over HTTP straight into the destination buffers.
+
+Transient failures (HTTP 408/429/5xx, a connection dropped mid-body, a timeout, a
+body shorter than asked) are retried with exponential backoff, `ATTEMPTS` attempts
+in all (a few seconds); a short body is never taken as data. What still fails is one
+`CheckpointError` naming the file's URL and the byte range. `bytes_read` counts the
+bytes transferred (headers, config, retried partial bodies included).
+
+Credentials come from the usual places: the Hub token (`HF_TOKEN`, `hf auth login`),
+sent to the Hub's host only; the cloud SDKs' environment (`AWS_*`, `FSSPEC_S3_*`,
+Google's application default credentials); or a URL's user info (HTTP basic auth).
+The URLs this module prints or records are `redact`ed: no user info, no query (`shown`
+does the same for the command line's messages).
+
+```python
+ckpt = open_remote("https://example.com/models/gpt2")
+str(ckpt.tensors["wte.weight"].file)     # 'https://example.com/models/gpt2/model.safetensors'
+ckpt.read("wte.weight", ((0, 10), (0, 768)))
+ckpt.bytes_read                           # config + headers + 30720
+```
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import ctypes
+import functools
+import http
+import http.client
+import random
+import re
+import ssl
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+from urllib.parse import quote, unquote, urljoin, urlsplit, urlunsplit
+
+import numpy as np
+
+from ._console import one_line, quoted
+from ._errors import CheckpointError
+from ._source import (
+    _INDEX,
+    _MAX_RUNS,
+    _SINGLE,
+    MAX_CONFIG,
+    MAX_HEADERS,
+    MAX_INDEX,
+    MAX_SHARDS,
+    Checkpoint,
+    Region,
+    TensorInfo,
+    _check_out,
+    _load_json,
+    _pieces,
+    _plain_name,
+    _unique_keys,
+    header_length_of,
+    header_tensors,
+    parse_header,
+    runs,
+)
+
+ATTEMPTS = 6
+"""Tries of one request before its failure is reported."""
+BACKOFF = 0.1
+"""Seconds before the first retry; doubled each time, with jitter (about 3 s in all)."""
+TIMEOUT = 30.0
+"""Seconds a connection may wait for the server (connect, or the next bytes)."""
+REQUESTS = 16
+"""Range requests in flight at once, per checkpoint."""
+HTTP_CHUNK = 16 * 2**20
+"""Bytes one HTTP request asks for at most (read straight into the destination)."""
+SCRATCH_CHUNK = 8 * 2**20
+"""Bytes one fsspec request asks for at most (its answer is copied into the destination)."""
+MIN_SCRATCH = 4 * 2**20
+"""Scratch memory fsspec answers may always take; else half the largest tensor."""
+MAX_REDIRECTS = 5
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_REPO = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+_CONTENT_RANGE = re.compile(r"^\s*bytes\s+(?:(\d+)-(\d+)|\*)/(\d+|\*)\s*$", re.IGNORECASE)
+_REDIRECTS = {301, 302, 303, 307, 308}
+_RETRIED = {408, 425, 429}
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_PERMANENT = {  # the cloud SDKs' errors that no retry mends (anything else an fsspec call raises is retried)
+    "NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError", "RefreshError",
+    "NoRegionError", "ParamValidationError", "InvalidRegionError",
+}
+_T = TypeVar("_T")
+
+
+# ---------------------------------------------------------------------------- URLs
+
+
+def is_url(model: Any) -> bool:
+    """Whether `model` is a URL (`scheme://...`) rather than a local path or a repo id.
+
+    ```python
+    is_url("s3://bucket/gpt2"), is_url("gpt2"), is_url("ckpt/gpt2")   # True, False, False
+    ```
+    """
+    return isinstance(model, str) and _SCHEME.match(model) is not None
+
+
+def redact(url: str) -> str:
+    """`url` without its credentials: no user info, no query, no fragment (nor trailing `/`).
+
+    ```python
+    redact("https://me:secret@host/dir/?token=x")   # 'https://host/dir'
+    redact("hf://org/name@v1")                       # 'hf://org/name@v1' (a revision, not a user)
+    ```
+    """
+    parts = urlsplit(url)
+    netloc = parts.netloc if parts.scheme.lower() == "hf" else parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, netloc, parts.path, "", "")).rstrip("/")
+
+
+def shown(model: Any) -> str:
+    """`model` as port may print or record it: a URL by `redact`, anything else as given.
+
+    ```python
+    shown("https://me:secret@host/gpt2"), shown("gpt2")   # ('https://host/gpt2', 'gpt2')
+    ```
+    """
+    return redact(model) if is_url(model) else str(model)
+
+
+def _scrub(text: str) -> str:
+    """A library's error text with any URL's user info and query removed, on one line."""
+    text = re.sub(r"(\w+://)[^/@\s]*@", r"\1", text)
+    return one_line(re.sub(r"\?[^\s'\"]*", "", text), 200)
+
+
+def _reason(error: BaseException) -> str:
+    """An exception as a few words: its type, and its scrubbed first line."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"{type(error).__name__}: {_scrub(text)}" if text else type(error).__name__
+
+
+# ---------------------------------------------------------------------------- failures
+
+
+class _Transient(Exception):
+    """A failure worth retrying (the message says what happened)."""
+
+
+class _Permanent(Exception):
+    """A failure no retry will mend."""
+
+
+class _Missing(_Permanent):
+    """The file is not there."""
+
+
+def retried(what: str, attempt: Callable[[], _T]) -> _T:
+    """`attempt()`, retried with exponential backoff while it fails transiently.
+
+    Failures become one `CheckpointError` line: `what` (the URL and byte range), then why.
+
+    ```python
+    retried("https://host/m.safetensors: bytes 0-7", lambda: transport.start("m.safetensors"))
+    ```
+    """
+    for i in range(ATTEMPTS):
+        try:
+            return attempt()
+        except _Transient as e:
+            last = e
+            if i + 1 < ATTEMPTS:
+                time.sleep(BACKOFF * 2**i * random.uniform(0.5, 1.0))
+        except _Permanent as e:
+            raise CheckpointError(f"{what}: {e}") from None
+    raise CheckpointError(f"{what}: {last} (gave up after {ATTEMPTS} attempts)")
+
+
+# ---------------------------------------------------------------------------- files
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """A remote file, as `TensorInfo.file` names it: its URL (no credentials) and size.
+
+    `name` is the plain file name (as a local path's); `str()` is the URL.
+
+    ```python
+    RemoteFile("s3://bucket/gpt2/model.safetensors", "model.safetensors", 548105171).name
+    ```
+    """
+
+    url: str
+    name: str
+    size: int
+    etag: str | None = None
+
+    def __str__(self) -> str:
+        return self.url
+
+
+def _view(address: int, length: int) -> memoryview:
+    """A writeable byte view of `length` bytes of memory at `address` (a buffer of the caller's)."""
+    return memoryview((ctypes.c_char * length).from_address(address)).cast("B")
+
+
+class _Budget:
+    """Bytes of scratch memory requests may hold at once: `take(n)` waits until `n` are free."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._free = capacity
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self, n: int) -> Iterator[None]:
+        n = min(n, self.capacity)
+        with self._changed:
+            self._changed.wait_for(lambda: self._free >= n)
+            self._free -= n
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._free += n
+                self._changed.notify_all()
+
+
+# ---------------------------------------------------------------------------- transports
+
+
+class Transport:
+    """How one kind of URL is read: small whole files, a file's first bytes and size, byte ranges.
+
+    Methods raise `_Transient`, `_Permanent` or `_Missing`; `retried` turns them into
+    one line. Every byte received is passed to `count`.
+    """
+
+    display: str
+    count: Callable[[int], None] = staticmethod(lambda n: None)
+
+    @property
+    def chunk(self) -> int:
+        """Bytes one request asks for at most."""
+        return HTTP_CHUNK
+
+    def url(self, name: str) -> str:
+        """The URL of file `name` as port shows it (no credentials)."""
+        return f"{self.display}/{name}"
+
+    def small(self, name: str, limit: int, what: str) -> bytes:
+        """The whole of a small file, refused unread past `limit` bytes."""
+        raise NotImplementedError
+
+    def start(self, name: str) -> tuple[bytes, int, str | None]:
+        """A file's first (up to) 8 bytes, its size and its ETag if the server gives a strong one."""
+        raise NotImplementedError
+
+    def read(self, file: RemoteFile, start: int, views: Sequence[memoryview]) -> None:
+        """Fill `views`, in order, with the file's bytes from `start` on."""
+        raise NotImplementedError
+
+    def listing(self) -> list[str] | None:
+        """The directory's file names, or None where the protocol cannot list (HTTP)."""
+        return None
+
+    def setup(self, largest: int) -> None:
+        """Told the largest tensor's size once the headers are read."""
+
+    def close(self) -> None:
+        """Release connections."""
+
+
+def _phrase(status: int) -> str:
+    try:
+        return f"HTTP {status} {http.HTTPStatus(status).phrase}"
+    except ValueError:
+        return f"HTTP {status}"
+
+
+def _content_range(value: str | None) -> tuple[int | None, int | None, int | None] | None:
+    """`Content-Range: bytes A-B/TOTAL` as (A, B, TOTAL); None where absent or malformed."""
+    match = _CONTENT_RANGE.match(value or "")
+    if not match:
+        return None
+    a, b, total = match.groups()
+    return (
+        None if a is None else int(a), None if b is None else int(b), None if total == "*" else int(total)
+    )
+
+
+class HttpTransport(Transport):
+    """HTTP(S) with the standard library's `http.client`: exact `Range` requests, the
+    answer checked (`206`, `Content-Range`, `Content-Length`, size, ETag) and read with
+    `readinto` straight into the destination; keep-alive connections, one per thread
+    and host; redirects followed (credentials sent to the first host only).
+
+    ```python
+    t = HttpTransport("https://host/gpt2", lambda name: f"https://host/gpt2/{name}")
+    t.start("model.safetensors")       # (b'...8 bytes', 548105171, '"etag"')
+    ```
+    """
+
+    def __init__(self, display: str, locate: Callable[[str], str], auth: dict[str, str] | None = None):
+        self.display = display
+        self._locate = locate
+        self._auth = auth or {}
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._open: set[http.client.HTTPConnection] = set()
+
+    # connections
+
+    def _connection(self, key: tuple[str, str, int], fresh: bool) -> tuple[http.client.HTTPConnection, bool]:
+        pool = self._local.__dict__.setdefault("pool", {})
+        if key in pool and not fresh:
+            return pool[key], True
+        if key in pool:
+            self._drop(key, pool[key])
+        scheme, host, port = key
+        if scheme == "https":
+            conn = http.client.HTTPSConnection(host, port, timeout=TIMEOUT, context=ssl.create_default_context())
+        else:
+            conn = http.client.HTTPConnection(host, port, timeout=TIMEOUT)
+        pool[key] = conn
+        with self._lock:
+            self._open.add(conn)
+        return conn, False
+
+    def _drop(self, key: tuple[str, str, int], conn: http.client.HTTPConnection) -> None:
+        pool = self._local.__dict__.get("pool", {})
+        if pool.get(key) is conn:
+            del pool[key]
+        with self._lock:
+            self._open.discard(conn)
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            conns, self._open = list(self._open), set()
+        for conn in conns:
+            conn.close()
+
+    # one exchange
+
+    def _send(self, key: tuple[str, str, int], target: str, headers: dict[str, str]) -> tuple[Any, Any]:
+        """Send a GET and read the response's head; a pooled connection the server closed
+        meanwhile is replaced once, at no cost to the retries."""
+        for fresh in (False, True):
+            conn, reused = self._connection(key, fresh)
+            try:
+                conn.request("GET", target, headers=headers)
+                return conn.getresponse(), conn
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
+                self._drop(key, conn)
+                if not reused:
+                    raise _Transient(f"connection failed ({_reason(e)})") from None
+            except (OSError, http.client.HTTPException) as e:
+                self._drop(key, conn)
+                raise _Transient(f"connection failed ({_reason(e)})") from None
+        raise AssertionError("unreachable")
+
+    def _get(self, name: str, headers: dict[str, str]) -> tuple[Any, Any, tuple[str, str, int]]:
+        """GET file `name`, following redirects: (response, connection, connection key)."""
+        url = self._locate(name)
+        origin = None
+        for _ in range(MAX_REDIRECTS + 1):
+            parts = urlsplit(url)
+            scheme = parts.scheme.lower()
+            if scheme not in _DEFAULT_PORTS or not parts.hostname:
+                raise _Permanent("redirected to a URL that is not HTTP(S)")
+            try:
+                key = (scheme, parts.hostname, parts.port or _DEFAULT_PORTS[scheme])
+            except ValueError:
+                raise _Permanent("a URL with an invalid port") from None
+            origin = origin or key
+            sent = {"Accept-Encoding": "identity", "User-Agent": "port", **headers}
+            if key == origin:
+                sent.update(self._auth)
+            target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            response, conn = self._send(key, target, sent)
+            location = response.getheader("Location")
+            if response.status not in _REDIRECTS or not location:
+                return response, conn, key
+            self._drop(key, conn)  # the redirect's body is not read
+            url = urljoin(url, location)
+        raise _Permanent(f"more than {MAX_REDIRECTS} redirects")
+
+    def _judge(self, response: Any, conn: Any, key: tuple[str, str, int]) -> None:
+        """Accept 200/206; anything else drops the connection and says what it means."""
+        status = response.status
+        if status in (200, 206):
+            encoding = (response.getheader("Content-Encoding") or "identity").strip().lower()
+            if encoding != "identity":
+                self._drop(key, conn)
+                raise _Permanent(f"the server encoded the body ({quoted(encoding, 20)}), asked for identity")
+            return
+        self._drop(key, conn)
+        if status in (404, 410):
+            raise _Missing(f"not found ({_phrase(status)})")
+        if status in (401, 403):
+            raise _Permanent(f"access denied ({_phrase(status)}): check the credentials")
+        if status in _RETRIED or status >= 500:
+            raise _Transient(_phrase(status))
+        raise _Permanent(_phrase(status))
+
+    def _fill(self, response: Any, views: Sequence[memoryview]) -> None:
+        """Read the body into `views`, all of them; a body that ends early is transient."""
+        wanted = sum(v.nbytes for v in views)
+        received = 0
+        for view in views:
+            got = 0
+            while got < view.nbytes:
+                try:
+                    n = response.readinto(view[got:])
+                except (OSError, http.client.HTTPException) as e:
+                    raise _Transient(f"the body broke off after {received} of {wanted} bytes ({_reason(e)})") from None
+                if not n:
+                    raise _Transient(f"the body ended after {received} of {wanted} bytes")
+                got += n
+                received += n
+                self.count(n)
+
+    def _finish(self, response: Any, conn: Any, key: tuple[str, str, int]) -> None:
+        """The body must end where the range does; then the connection serves the next request."""
+        if response.length is None and not response.isclosed():  # no Content-Length: see that it ends
+            try:
+                extra = response.read(1)
+            except (OSError, http.client.HTTPException) as e:
+                raise _Transient(f"the body did not end cleanly ({_reason(e)})") from None
+            if extra:
+                raise _Permanent("the server sent more bytes than the range asked for")
+        if response.will_close:
+            self._drop(key, conn)
+
+    # what a transport answers
+
+    def small(self, name: str, limit: int, what: str) -> bytes:
+        response, conn, key = self._get(name, {})
+        try:
+            self._judge(response, conn, key)
+            length = response.getheader("Content-Length")
+            if length is not None and length.strip().isdigit() and int(length) > limit:
+                raise _Permanent(f"{int(length)} bytes, more than a {what} may have ({limit})")
+            data = bytearray()
+            while len(data) <= limit:
+                try:
+                    chunk = response.read(min(1 << 16, limit + 1 - len(data)))
+                except (OSError, http.client.HTTPException) as e:
+                    raise _Transient(f"the body broke off after {len(data)} bytes ({_reason(e)})") from None
+                if not chunk:
+                    break
+                self.count(len(chunk))
+                data += chunk
+            if len(data) > limit:
+                raise _Permanent(f"more than a {what} may have ({limit} bytes)")
+            if length is not None and length.strip().isdigit() and len(data) != int(length):
+                raise _Transient(f"the body ended after {len(data)} of {int(length)} bytes")
+            self._finish(response, conn, key)
+            return bytes(data)
+        except BaseException:
+            self._drop(key, conn)
+            raise
+
+    def start(self, name: str) -> tuple[bytes, int, str | None]:
+        response, conn, key = self._get(name, {"Range": "bytes=0-7"})
+        try:
+            if response.status == 416:  # shorter than one byte asked for: an empty file
+                found = _content_range(response.getheader("Content-Range"))
+                self._drop(key, conn)
+                return b"", (found[2] or 0) if found else 0, None
+            self._judge(response, conn, key)
+            first, last, size = self._answered(response)
+            if first != 0 or last is None or last > 7 or last >= size:
+                raise _Transient(f"asked for bytes 0-7, the server answered bytes {first}-{last}/{size}")
+            prefix = bytearray(last + 1)
+            self._fill(response, [memoryview(prefix)])
+            self._finish(response, conn, key)
+            return bytes(prefix), size, _strong(response.getheader("ETag"))
+        except BaseException:
+            self._drop(key, conn)
+            raise
+
+    def _answered(self, response: Any) -> tuple[int, int | None, int]:
+        """(first, last, file size) of the answer to `Range: bytes=0-7`."""
+        length = response.getheader("Content-Length")
+        if response.status == 200:  # the whole file: fine only when it is that small
+            if length is None or not length.strip().isdigit() or int(length) > 8:
+                raise _Permanent(_NO_RANGES)
+            return 0, int(length) - 1, int(length)
+        found = _content_range(response.getheader("Content-Range"))
+        if found is None or found[2] is None:
+            raise _Permanent("the server does not give the file's size (Content-Range bytes A-B/SIZE)")
+        return found
+
+    def read(self, file: RemoteFile, start: int, views: Sequence[memoryview]) -> None:
+        size = sum(v.nbytes for v in views)
+        stop = start + size
+        response, conn, key = self._get(file.name, {"Range": f"bytes={start}-{stop - 1}"})
+        try:
+            self._judge(response, conn, key)
+            self._check_range(response, file, start, stop)
+            self._fill(response, views)
+            self._finish(response, conn, key)
+        except BaseException:
+            self._drop(key, conn)
+            raise
+
+    def _check_range(self, response: Any, file: RemoteFile, start: int, stop: int) -> None:
+        """The answer is bytes [start, stop) of the same file, announced so."""
+        if response.status == 200:
+            if not (start == 0 and stop == file.size):
+                raise _Permanent(_NO_RANGES)
+        else:
+            found = _content_range(response.getheader("Content-Range"))
+            if found is None:
+                raise _Transient("a partial answer without a valid Content-Range")
+            first, last, total = found
+            if total is not None and total != file.size:
+                raise _Permanent(f"changed since its header was read (now {total} bytes, was {file.size})")
+            if (first, last) != (start, stop - 1):
+                raise _Transient(f"the server answered bytes {first}-{last}")
+        length = response.getheader("Content-Length")
+        if length is not None and (not length.strip().isdigit() or int(length) != stop - start):
+            raise _Transient(f"the server announced {quoted(length.strip(), 20)} bytes of {stop - start}")
+        etag = _strong(response.getheader("ETag"))
+        if file.etag and etag and etag != file.etag:
+            raise _Permanent("changed since its header was read (its ETag differs)")
+
+
+_NO_RANGES = "the server does not honour Range requests (it answered with the whole file); port reads remote files by byte range"
+
+
+def _strong(etag: str | None) -> str | None:
+    """A strong ETag (weak ones, `W/"..."`, say nothing about the bytes)."""
+    return etag.strip() if etag and not etag.strip().startswith("W/") else None
+
+
+class FsspecTransport(Transport):
+    """Any file system fsspec knows (`s3://`, `gs://`, ...): `info` for the size, `cat_file`
+    with a byte range for the data, copied into the destination. Answers in flight take
+    at most `MIN_SCRATCH` bytes, or half the largest tensor, of scratch memory.
+
+    ```python
+    t = FsspecTransport("s3://bucket/gpt2")
+    t.start("model.safetensors")       # (b'...', 548105171, None)
+    ```
+    """
+
+    def __init__(self, url: str):
+        import fsspec
+
+        self.display = redact(url)
+        scheme = _SCHEME.match(url).group(1).lower()
+        try:
+            self.fs, root = fsspec.core.url_to_fs(url)
+        except ImportError as e:
+            extra = {"s3": "port[s3]", "gs": "port[gcs]", "gcs": "port[gcs]"}.get(scheme)
+            hint = f"pip install '{extra}'" if extra else _reason(e)
+            raise CheckpointError(f"{self.display}: reading {scheme}:// URLs needs another package ({hint})") from None
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"{self.display}: not a URL port can read ({_reason(e)})") from None
+        self._root = root.rstrip("/")
+        self._budget = _Budget(MIN_SCRATCH)
+
+    def _path(self, name: str) -> str:
+        return f"{self._root}/{name}"
+
+    def _call(self, function: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        """A file system call, its exceptions sorted into missing, permanent and transient."""
+        try:
+            return function(*args, **kwargs)
+        except FileNotFoundError:
+            raise _Missing("not found") from None
+        except PermissionError as e:
+            raise _Permanent(f"access denied ({_reason(e)}): check the credentials") from None
+        except (IsADirectoryError, NotADirectoryError, ImportError, NotImplementedError, TypeError, ValueError) as e:
+            raise _Permanent(_reason(e)) from None
+        except Exception as e:  # noqa: BLE001 - each library raises its own network errors
+            status = _status_of(e)
+            settled = status is not None and not (status in _RETRIED or status >= 500)
+            if settled or _PERMANENT & {cls.__name__ for cls in type(e).__mro__}:
+                raise _Permanent(_reason(e)) from None
+            raise _Transient(_reason(e)) from None
+
+    def _size(self, name: str) -> int:
+        info = self._call(self.fs.info, self._path(name))
+        if info.get("type", "file") != "file" or not isinstance(info.get("size"), int):
+            raise _Permanent("not a file")
+        return info["size"]
+
+    def _cat(self, name: str, start: int, stop: int) -> bytes:
+        """Bytes [start, stop) of file `name`, exactly, counted."""
+        data = self._call(self._fetch, self._path(name), start, stop)
+        self.count(len(data))
+        if len(data) != stop - start:
+            raise _Transient(f"the answer holds {len(data)} of {stop - start} bytes")
+        return data
+
+    def _fetch(self, path: str, start: int, stop: int) -> bytes:
+        from fsspec.asyn import AsyncFileSystem
+
+        if isinstance(self.fs, AsyncFileSystem):  # s3fs, gcsfs: one ranged GET
+            return self.fs.cat_file(path, start=start, end=stop)
+        with self.fs.open(path, "rb", cache_type="none") as f:  # no read-ahead: exactly the range
+            f.seek(start)
+            return f.read(stop - start)
+
+    def small(self, name: str, limit: int, what: str) -> bytes:
+        size = self._size(name)
+        if size > limit:
+            raise _Permanent(f"{size} bytes, more than a {what} may have ({limit})")
+        return self._cat(name, 0, size) if size else b""
+
+    def start(self, name: str) -> tuple[bytes, int, str | None]:
+        size = self._size(name)
+        return (self._cat(name, 0, min(8, size)) if size else b""), size, None
+
+    def read(self, file: RemoteFile, start: int, views: Sequence[memoryview]) -> None:
+        size = sum(v.nbytes for v in views)
+        with self._budget.take(size):
+            data = memoryview(self._cat(file.name, start, start + size))
+            at = 0
+            for view in views:
+                view[:] = data[at : at + view.nbytes]
+                at += view.nbytes
+
+    def listing(self) -> list[str]:
+        try:
+            names = self._call(self.fs.ls, self._root, detail=False)
+        except _Missing:
+            return []
+        return [str(name).rstrip("/").rsplit("/", 1)[-1] for name in names]
+
+    @property
+    def chunk(self) -> int:
+        return min(SCRATCH_CHUNK, self._budget.capacity)
+
+    def setup(self, largest: int) -> None:
+        self._budget = _Budget(max(MIN_SCRATCH, largest // 2))
+
+
+def _status_of(error: BaseException) -> int | None:
+    """The HTTP status a library's exception carries, if any (httpx, requests, aiohttp, botocore)."""
+    response = getattr(error, "response", None)
+    for value in (
+        getattr(response, "status_code", None),
+        getattr(error, "status", None),
+        (response or {}).get("ResponseMetadata", {}).get("HTTPStatusCode") if isinstance(response, dict) else None,
+    ):
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _http_transport(url: str) -> HttpTransport:
+    """`http(s)://[user:password@]host/dir[?query]`: the query goes with every request, the
+    user info as basic authentication to that host only; neither is ever shown."""
+    parts = urlsplit(url)
+    if not parts.hostname:
+        raise CheckpointError(f"{redact(url)}: no host in the URL")
+    netloc = parts.netloc.rpartition("@")[2]
+    base = parts.path.rstrip("/")
+
+    def locate(name: str) -> str:
+        return urlunsplit((parts.scheme, netloc, f"{base}/{quote(name)}", parts.query, ""))
+
+    auth = {}
+    if parts.username is not None:
+        token = f"{unquote(parts.username)}:{unquote(parts.password or '')}".encode()
+        auth["Authorization"] = "Basic " + base64.b64encode(token).decode()
+    return HttpTransport(redact(url), locate, auth)
+
+
+def hf_location(url: str) -> tuple[str, str, str]:
+    """`hf://org/name[@revision][/folder]` as (repo id, revision, folder).
+
+    A revision with a `/` is written escaped (`@refs%2Fpr%2F1`); a one-part repo id
+    (`hf://gpt2`) takes no folder.
+
+    ```python
+    hf_location("hf://org/name@v1.0/weights")   # ('org/name', 'v1.0', 'weights')
+    ```
+    """
+    rest = urlsplit(url)
+    segments = [s for s in (rest.netloc + rest.path).split("/") if s]
+    if not segments:
+        raise CheckpointError(f"{url}: no repo id (expected hf://org/name[@revision])")
+    count = 1 if len(segments) == 1 or "@" in segments[0] else 2
+    repo, _, revision = "/".join(segments[:count]).partition("@")
+    folder = segments[count:]
+    if not _REPO.match(repo) or any(not _plain_name(s) for s in folder) or (revision == "" and "@" in url):
+        raise CheckpointError(f"{redact(url)}: not a Hugging Face repo URL (expected hf://org/name[@revision][/folder])")
+    return repo, unquote(revision) or "main", "/".join(folder)
+
+
+def _hub_transport(url: str) -> HttpTransport:
+    """`hf://org/name[@revision]`: the Hub's resolve URLs (`HF_ENDPOINT`), read by range with
+    the Hub token (`HF_TOKEN`, `hf auth login`) sent to the Hub only; no local cache."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import build_hf_headers
+
+    repo, revision, folder = hf_location(url)
+    display = redact(url)
+    if constants.HF_HUB_OFFLINE:
+        raise CheckpointError(f"{display}: HF_HUB_OFFLINE is set; reading the Hub in place needs the network")
+
+    base = f"{constants.ENDPOINT.rstrip('/')}/{repo}/resolve/{quote(revision, safe='')}"
+
+    def locate(name: str) -> str:  # as huggingface_hub.hf_hub_url, with the endpoint read now
+        return f"{base}/{quote(f'{folder}/{name}' if folder else name)}"
+
+    try:
+        headers = {k: v for k, v in build_hf_headers().items() if k.lower() == "authorization"}
+    except Exception as e:  # noqa: BLE001 - a token source that failed (OIDC exchange, a token file)
+        raise CheckpointError(f"{display}: cannot get the Hugging Face token ({_reason(e)})") from None
+    return HttpTransport(display, locate, headers)
+
+
+def transport_for(url: str) -> Transport:
+    """The transport that reads `url`'s scheme: HTTP(S) and the Hub by `http.client`, the
+    rest by fsspec.
+
+    ```python
+    transport_for("s3://bucket/gpt2")    # FsspecTransport
+    ```
+    """
+    scheme = _SCHEME.match(url).group(1).lower()
+    if scheme in _DEFAULT_PORTS:
+        return _http_transport(url)
+    if scheme == "hf":
+        return _hub_transport(url)
+    return FsspecTransport(url)
+
+
+# ---------------------------------------------------------------------------- reading regions
+
+
+@dataclass
+class _Range:
+    """One request: bytes [start, stop) of the file, landing in `pieces` (address, length) in order."""
+
+    start: int
+    stop: int
+    pieces: list[tuple[int, int]] = field(default_factory=list)
+
+
+def plan_ranges(offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray, chunk: int) -> list[_Range]:
+    """The requests that read runs (file offset, length, destination address): runs that lie
+    end to end in the file share one request, and no request asks for more than `chunk` bytes.
+
+    ```python
+    plan_ranges(np.array([0, 8, 32]), np.array([8, 8, 8]), np.array([a, a + 8, b]), 1 << 20)
+    # [_Range(0, 16, [(a, 8), (a + 8, 8)]), _Range(32, 40, [(b, 8)])]
+    ```
+    """
+    order = np.argsort(offsets, kind="stable")
+    ranges: list[_Range] = []
+    for offset, length, address in zip(offsets[order].tolist(), lengths[order].tolist(), addresses[order].tolist()):
+        while length:
+            last = ranges[-1] if ranges else None
+            if last is None or last.stop != offset or last.stop - last.start >= chunk:
+                last = _Range(offset, offset)
+                ranges.append(last)
+            take = min(length, chunk - (last.stop - last.start))
+            last.pieces.append((address, take))
+            last.stop += take
+            offset, address, length = offset + take, address + take, length - take
+    return ranges
+
+
+def _batches(info: TensorInfo, requests: Sequence[tuple[Region, np.ndarray]]) -> Iterator[tuple[np.ndarray, ...]]:
+    """The runs of all `requests` as (offsets, lengths, addresses), at most about `_MAX_RUNS` at a time."""
+    batch: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    count = 0
+    for region, out in requests:
+        for piece_region, piece_out in _pieces(info, region, out):
+            found = runs(info, piece_region, piece_out)
+            if count and count + len(found[0]) > _MAX_RUNS:
+                yield tuple(np.concatenate(parts) for parts in zip(*batch))
+                batch, count = [], 0
+            batch.append(found)
+            count += len(found[0])
+    if count:
+        yield tuple(np.concatenate(parts) for parts in zip(*batch))
+
+
+# ---------------------------------------------------------------------------- the checkpoint
+
+
+@dataclass
+class RemoteCheckpoint(Checkpoint):
+    """A checkpoint read in place from a URL: `directory` is the URL (no credentials),
+    each `TensorInfo.file` a `RemoteFile`; `read_into` fetches the regions' byte ranges.
+
+    ```python
+    with open_remote("s3://bucket/gpt2") as ckpt:
+        ckpt.read("wte.weight", ((0, 8), (0, 768)))
+    ```
+    """
+
+    transport: Transport | None = field(default=None, repr=False)
+    requests: int = REQUESTS
+    _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self._pool = ThreadPoolExecutor(self.requests, thread_name_prefix="port-remote")
+        self.transport.count = self._count
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.bytes_read += n
+
+    def parallel(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
+        """Run `jobs` on the request threads; the first failure is raised once none is running."""
+        futures: list[Future] = [self._pool.submit(job) for job in jobs]
+        interrupted = None
+        try:
+            _, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        except BaseException as e:  # interrupted: no thread may go on writing into a caller's buffer
+            interrupted, pending = e, set(futures)
+        if pending:  # a job failed: those not started never start, those running finish
+            for future in pending:
+                future.cancel()
+            wait(futures)
+        if interrupted is not None:
+            raise interrupted
+        for future in futures:
+            if not future.cancelled() and future.exception() is not None:
+                raise future.exception()
+        return [future.result() for future in futures]
+
+    def read_into(self, key: str, requests: Sequence[tuple[Region, np.ndarray]]) -> None:
+        """Read regions of tensor `key` into their buffers (see `Checkpoint.read_into`): one
+        request per stretch of runs lying end to end in the file, in parallel."""
+        info = self.tensors[key]
+        for region, out in requests:
+            _check_out(info, region, out)
+        for offsets, lengths, addresses in _batches(info, requests):
+            ranges = plan_ranges(offsets, lengths, addresses, self.transport.chunk)
+            self.parallel([functools.partial(self._fetch, info, r) for r in ranges])
+
+    def _fetch(self, info: TensorInfo, r: _Range) -> None:
+        views = [_view(address, length) for address, length in r.pieces]
+        what = f"{info.file}: bytes {r.start}-{r.stop - 1} (tensor {quoted(info.key, 200)})"
+        retried(what, lambda: self.transport.read(info.file, r.start, views))
+
+    def close(self) -> None:
+        """Stop the request threads and close the connections."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self.transport.close()
+
+
+def _small(transport: Transport, name: str, limit: int, what: str) -> bytes | None:
+    """A small file whole, or None when it is not there."""
+    try:
+        return retried(transport.url(name), lambda: _present(transport.small, name, limit, what))
+    except _Absent:
+        return None
+
+
+class _Absent(Exception):
+    pass
+
+
+def _present(function: Callable[..., _T], *args: Any) -> _T:
+    """`function(*args)`, a missing file raised as `_Absent` (past `retried`, for the caller)."""
+    try:
+        return function(*args)
+    except _Missing:
+        raise _Absent from None
+
+
+def _shard_names(raw: bytes, where: str) -> list[str]:
+    """The shard files a `model.safetensors.index.json` names: plain names, sorted, distinct
+    (the checks of `_source.shard_names`, on bytes)."""
+    data = _load_json(raw, where, object_pairs_hook=_unique_keys)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{where}: not a valid safetensors index (no weight_map)")
+    for name in weight_map.values():
+        if not _plain_name(name):
+            shown = quoted(name, 200) if isinstance(name, str) else f"of type {type(name).__name__}"
+            raise CheckpointError(f"{where}: shard {shown} is not a plain file name in the checkpoint directory")
+    names = set(weight_map.values())
+    if not names:
+        raise CheckpointError(f"{where}: weight_map lists no shard files")
+    if len(names) > MAX_SHARDS:
+        raise CheckpointError(f"{where}: lists {len(names)} shard files, more than {MAX_SHARDS}")
+    return sorted(names)
+
+
+def _shards(ckpt: RemoteCheckpoint) -> tuple[list[str], dict[str, tuple[bytes, int, str | None]]]:
+    """The safetensors files: the index's, else `model.safetensors`, else those a listing shows;
+    and the first bytes of any file already asked for."""
+    t = ckpt.transport
+    raw = _small(t, _INDEX, MAX_INDEX, "safetensors index")
+    if raw is not None:
+        return _shard_names(raw, t.url(_INDEX)), {}
+    try:
+        return [_SINGLE], {_SINGLE: retried(f"{t.url(_SINGLE)}: bytes 0-7", lambda: _present(t.start, _SINGLE))}
+    except _Absent:
+        pass
+    listed = sorted(n for n in (t.listing() or []) if n.endswith(".safetensors") and _plain_name(n))
+    if len(listed) > MAX_SHARDS:
+        raise CheckpointError(f"{t.display}: {len(listed)} safetensors files, more than {MAX_SHARDS}")
+    if not listed:
+        raise CheckpointError(f"{t.display}: no safetensors weights ({_SINGLE} or {_INDEX})")
+    return listed, {}
+
+
+def _headers(ckpt: RemoteCheckpoint, names: list[str], known: dict) -> dict[str, TensorInfo]:
+    """Every file's tensors: all header lengths checked (each, and their total) before any header is read."""
+    t = ckpt.transport
+
+    def first(name: str) -> tuple[bytes, int, str | None]:
+        return known.get(name) or retried(f"{t.url(name)}: bytes 0-7", lambda: t.start(name))
+
+    starts = ckpt.parallel([functools.partial(first, name) for name in names])
+    lengths = [header_length_of(prefix, size, t.url(name)) for name, (prefix, size, _) in zip(names, starts)]
+    if sum(lengths) > MAX_HEADERS:
+        raise CheckpointError(
+            f"{t.display}: the safetensors headers of its {len(names)} files take {sum(lengths)} bytes, "
+            f"more than {MAX_HEADERS} in all"
+        )
+    files = [RemoteFile(t.url(name), name, size, etag) for name, (_, size, etag) in zip(names, starts)]
+    raws = ckpt.parallel([functools.partial(_header_bytes, t, f, n) for f, n in zip(files, lengths)])
+    tensors: dict[str, TensorInfo] = {}
+    for file, n, raw in zip(files, lengths, raws):
+        for key, info in header_tensors(parse_header(raw, file.url), n, file.size, file, file.url).items():
+            if key in tensors:
+                raise CheckpointError(f"{file.url}: tensor {quoted(key, 200)} is also in {tensors[key].file.name}")
+            tensors[key] = info
+    return tensors
+
+
+def _header_bytes(t: Transport, file: RemoteFile, n: int) -> bytes:
+    """The `n` header bytes after a file's length field."""
+    raw = bytearray(n)
+    if n:
+        retried(f"{file.url}: bytes 8-{8 + n - 1}", lambda: t.read(file, 8, [memoryview(raw)]))
+    return bytes(raw)
+
+
+def open_remote(url: str, requests: int = REQUESTS) -> RemoteCheckpoint:
+    """Open the checkpoint directory at `url`, reading only `config.json`, the index and the headers.
+
+    **Arguments:**
+
+    - `url`: `http(s)://host/dir`, `hf://org/name[@revision]`, `s3://bucket/prefix`,
+      `gs://bucket/prefix` (or any fsspec URL).
+    - `requests`: range requests in flight at once.
+
+    ```python
+    with open_remote("hf://openai-community/gpt2") as ckpt:
+        ckpt.config["n_layer"]
+    ```
+    """
+    transport = transport_for(url)
+    ckpt = RemoteCheckpoint(transport.display, {}, {}, transport=transport, requests=requests)
+    try:
+        raw = _small(transport, "config.json", MAX_CONFIG, "config.json")
+        if raw is None:
+            raise CheckpointError(f"{transport.display}: no config.json")
+        config = _load_json(raw, transport.url("config.json"))
+        if not isinstance(config, dict):
+            raise CheckpointError(f"{transport.url('config.json')}: expected a JSON object")
+        names, known = _shards(ckpt)
+        ckpt.config, ckpt.tensors = config, _headers(ckpt, names, known)
+        transport.setup(max((info.nbytes for info in ckpt.tensors.values()), default=0))
+        return ckpt
+    except BaseException:
+        ckpt.close()
+        raise
