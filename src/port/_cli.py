@@ -25,6 +25,7 @@ from typing import NoReturn
 
 from ._console import count_text, printable, quiet_libraries, say, show, size_text, stream
 from ._errors import PortError
+from ._remote import shown
 from ._interrupt import attach, final, hold_signals, removing, supervise
 
 SCAFFOLD_MARK = "# Draft mapping made by port scaffold"
@@ -162,13 +163,13 @@ def convert(args: argparse.Namespace) -> int:
     finally:
         if bar:
             bar.stop()
-    summary = {"model": args.model, **result.report.to_json()}
+    summary = {"model": shown(args.model), **result.report.to_json()}
     if report is not None:
         _write_file(report, json.dumps(summary, indent=1) + "\n")
     figures = result.report
     who = f"process {figures.process}/{figures.num_processes}: " if figures.num_processes > 1 else ""
     say(
-        f"{who}converted {args.model}: {count_text(figures.params)} params onto mesh {args.mesh} in "
+        f"{who}converted {shown(args.model)}: {count_text(figures.params)} params onto mesh {args.mesh} in "
         f"{figures.seconds:.1f} s (placing {figures.place_seconds:.1f} s, writing {figures.save_seconds:.1f} s); "
         f"read {size_text(figures.bytes_read)}, {size_text(max(figures.device_bytes.values(), default=0))} per device, "
         f"peak host memory {size_text(figures.peak_host_bytes)} -> {figures.out}"
@@ -280,7 +281,7 @@ def plan_command(args: argparse.Namespace) -> int:
     with open_checkpoint(args.model) as ckpt:
         mapping = mapping_for(ckpt.config, args.mapping)
         recipe = run_check(mapping, ckpt, args.mesh, args.dtype)
-    heading = [f"{args.model} -> {mapping.model} on mesh {args.mesh}", f"mapping: {mapping.source}"]
+    heading = [f"{shown(args.model)} -> {mapping.model} on mesh {args.mesh}", f"mapping: {mapping.source}"]
     show(plan_text(recipe, heading, shutil.get_terminal_size((80, 24)).columns))
     return 0
 
@@ -295,9 +296,9 @@ def check(args: argparse.Namespace) -> int:
     except PlanError as e:
         show("".join(f"{problem}\n" for problem in e.problems))
         n = len(e.problems)
-        raise PortError(f"{args.mapping}: {n} problem{'s' if n > 1 else ''} with {args.model}") from None
+        raise PortError(f"{args.mapping}: {n} problem{'s' if n > 1 else ''} with {shown(args.model)}") from None
     show(
-        f"{args.mapping}: ok: {len(result.leaves)} leaves from {args.model} ({count_text(result.params)} params), "
+        f"{args.mapping}: ok: {len(result.leaves)} leaves from {shown(args.model)} ({count_text(result.params)} params), "
         f"{len(result.ignored)} keys ignored, {len(result.tied)} tied, {len(result.empty)} optional absent\n"
     )
     return 0
@@ -313,7 +314,7 @@ def verify(args: argparse.Namespace) -> int:
     bound = result.tolerance if args.tolerance is None else args.tolerance
     verdict = "ok" if result.max_abs_diff <= bound else "FAILED"
     show(
-        f"{args.model}: max abs difference {result.max_abs_diff:.3g} vs {result.reference} "
+        f"{shown(args.model)}: max abs difference {result.max_abs_diff:.3g} vs {result.reference} "
         f"({result.dtype} {list(result.shape)}, max |reference| {result.max_abs_reference:.3g}) "
         f"on mesh {args.mesh}: {verdict} (tolerance {bound:.3g})\n"
     )
@@ -339,7 +340,7 @@ def scaffold(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     else:
         _write_file(out, text)
-        say(f"wrote {args.out}: review the entries marked CHECK and TODO, then run port check {args.out} {args.model}")
+        say(f"wrote {args.out}: review the entries marked CHECK and TODO, then run port check {args.out} {shown(args.model)}")
     return 0
 
 
