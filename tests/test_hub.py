@@ -28,3 +28,21 @@ def test_cached_repo_id_converts_offline(tmp_path):
     assert "converted someone/tiny-gpt2" in result.stderr
     model = port.restore(out, port.make_mesh("1x1"))
     assert model.wte.shape == (1021, 64)
+
+
+def test_a_cached_repo_with_only_pytorch_weights_converts_offline(tmp_path):
+    """A Hub repo that ships only `pytorch_model.bin` (read in place, as a local `.bin` is)."""
+    import torch
+    from safetensors.numpy import load_file
+
+    cache = cache_with(tmp_path, "someone/tiny-gpt2-bin")
+    snapshot = next((cache / "models--someone--tiny-gpt2-bin" / "snapshots").iterdir())
+    tensors = load_file(snapshot / "model.safetensors")
+    (snapshot / "model.safetensors").unlink()
+    torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, snapshot / "pytorch_model.bin")
+    out = tmp_path / "out"
+    result = run_port("convert", "someone/tiny-gpt2-bin", "--mesh", "2x2", "--out", out,
+                      env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    model = port.restore(out, port.make_mesh("1x1"))
+    assert (model.wte == tensors["transformer.wte.weight"]).all()

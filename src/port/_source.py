@@ -470,6 +470,10 @@ def resolve(model: str | os.PathLike) -> Path:
         snapshot = huggingface_hub.snapshot_download(
             text, allow_patterns=["config.json", "*.safetensors", _INDEX]
         )
+        if not any(Path(snapshot).glob("*.safetensors")):  # a repo with PyTorch weights only
+            snapshot = huggingface_hub.snapshot_download(
+                text, allow_patterns=["config.json", _BIN_SINGLE, "pytorch_model-*.bin", _BIN_INDEX]
+            )
     except LocalEntryNotFoundError:
         raise CheckpointError(
             f"{model}: no such directory, and not in the Hugging Face cache (offline or no network)"
