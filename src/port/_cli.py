@@ -262,7 +262,8 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
         for note in leaf.notes:
             lines += wrapped(f"note: {note}")
     lines.append("")
-    lines += [f"ignored: {printable(key)}" for key in recipe.ignored]
+    lines += [f"ignored: {printable(pattern)}" + (f" ({n} tensors)" if n > 1 else "")
+              for pattern, n in _grouped(recipe.ignored).items()]
     lines += [f"tied: {printable(key)} = {printable(copy_of)}, not read" for key, copy_of in recipe.tied]
     lines += [f"absent: {path} (optional, not in the checkpoint: None)" for path in recipe.empty]
     lines.append(
@@ -270,6 +271,16 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
         f"{size_text(recipe.read_bytes)} to read, {size_text(recipe.device_bytes)} per device"
     )
     return "\n".join(lines) + "\n"
+
+
+def _grouped(keys: tuple[str, ...]) -> dict[str, int]:
+    """Keys that differ only in their integer segments, as one pattern with `*` and a count
+    (`h.0.attn.bias`, `h.1.attn.bias` -> `h.*.attn.bias`: 2), in first-seen order."""
+    counts: dict[str, int] = {}
+    for key in keys:
+        pattern = ".".join("*" if part.isdecimal() else part for part in key.split("."))
+        counts[pattern] = counts.get(pattern, 0) + 1
+    return counts
 
 
 def plan_command(args: argparse.Namespace) -> int:
