@@ -326,7 +326,10 @@ def verify(args: argparse.Namespace) -> int:
     verdict = "ok" if result.max_abs_diff <= bound else "FAILED"
     show(
         f"{shown(args.model)}: max abs difference {result.max_abs_diff:.3g} vs {result.reference} "
-        f"({result.dtype} {list(result.shape)}, max |reference| {result.max_abs_reference:.3g}) "
+        f"({result.dtype} {list(result.shape)}, max |reference| {result.max_abs_reference:.3g}"
+        + ("" if result.reference_error is None else
+           f", the reference's own {result.dtype} error {result.reference_error:.3g}")
+        + ") "
         f"on mesh {args.mesh}: {verdict} (tolerance {bound:.3g})\n"
     )
     return 0 if verdict == "ok" else 1

@@ -44,6 +44,9 @@ class Verification:
     - `max_abs_reference`: the largest `|reference|`, the scale `tolerance` is relative to.
     - `shape`, `dtype`: of port's output (`(2, 16, 50257)`, `"float32"`).
     - `reference`: the class and output compared with, `"GPT2LMHeadModel.logits"`.
+    - `reference_error`: in a 16-bit dtype, how far the reference's own output in that
+      dtype is from the reference in float32 (None in float32): the rounding noise two
+      independent 16-bit runs each carry.
 
     ```python
     result = port.verify("gpt2", "4x2")
@@ -56,11 +59,14 @@ class Verification:
     shape: tuple[int, ...]
     dtype: str
     reference: str
+    reference_error: float | None = None
 
     @property
     def tolerance(self) -> float:
-        """Default bound: 1e-4 (float32) or 2e-2 (16-bit) relative to max(1, max |reference|)."""
-        return (1e-4 if self.dtype == "float32" else 2e-2) * max(1.0, self.max_abs_reference)
+        """Default bound: 1e-4 (float32) or 2e-2 (16-bit) relative to max(1, max |reference|); in 16 bits
+        at least twice `reference_error` (port's run and the reference's each round about that much)."""
+        relative = (1e-4 if self.dtype == "float32" else 2e-2) * max(1.0, self.max_abs_reference)
+        return max(relative, 2 * self.reference_error) if self.reference_error is not None else relative
 
 
 def _torch():
@@ -179,10 +185,18 @@ def verify(
     ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, inputs))
     reference_cls = import_object(mapping.reference["class"], f"{mapping.source}: reference")
     torch_dtype = getattr(torch, str(ours.dtype)) if str(ours.dtype) in CASTS else torch.float32
-    reference = reference_cls.from_pretrained(directory, dtype=torch_dtype, attn_implementation="eager").eval()
-    with torch.no_grad():
-        theirs = getattr(reference(**{kind: torch.tensor(inputs)}), mapping.reference["output"])
-    theirs = theirs.float().numpy()
+    reference = reference_cls.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+
+    def run() -> np.ndarray:
+        with torch.no_grad():
+            return getattr(reference(**{kind: torch.tensor(inputs)}), mapping.reference["output"]).float().numpy()
+
+    theirs, reference_error = run(), None
+    if torch_dtype != torch.float32:  # the reference rounded as port's run is, and how far that is from float32
+        exact = theirs
+        reference.to(torch_dtype)
+        theirs = run()
+        reference_error = float(np.abs(theirs - exact).max())
     if theirs.shape != ours.shape:
         raise PortError(f"output shapes differ: port {list(ours.shape)}, {reference_cls.__name__} {list(theirs.shape)}")
     return Verification(
@@ -191,4 +205,5 @@ def verify(
         ours.shape,
         str(ours.dtype),
         f"{reference_cls.__name__}.{mapping.reference['output']}",
+        reference_error,
     )
