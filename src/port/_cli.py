@@ -158,7 +158,7 @@ def convert(args: argparse.Namespace) -> int:
     try:
         result = run_convert(
             args.model, mapping=args.mapping, mesh=args.mesh, dtype=args.dtype, out=args.out, force=args.force,
-            progress=progress,
+            progress=progress, include=_patterns(args.include),
         )
     finally:
         if bar:
@@ -175,6 +175,16 @@ def convert(args: argparse.Namespace) -> int:
         f"peak host memory {size_text(figures.peak_host_bytes)} -> {figures.out}"
     )
     return 0
+
+
+def _patterns(text: str | None) -> list[str] | None:
+    """`--include embed,blocks` as patterns; None without the flag."""
+    if text is None:
+        return None
+    patterns = [p.strip() for p in text.split(",") if p.strip()]
+    if not patterns:
+        raise PortError(f"--include {text!r}: expected module paths or patterns, such as wte,blocks")
+    return patterns
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -429,6 +439,10 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory (an Orbax checkpoint)")
     options(sub)
     sub.add_argument("--report", type=Path, metavar="FILE", help="write the run summary as JSON")
+    sub.add_argument(
+        "--include", metavar="PATHS",
+        help="convert only these leaves: module paths, dotted prefixes or globs, comma-separated (e.g. wte,blocks)",
+    )
     sub.add_argument(
         "--force", action="store_true", help="replace --out (and --report) if it is an earlier port output"
     )

@@ -25,24 +25,25 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping as AnyMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._console import size_text
-from ._errors import OutputError
+from ._dtypes import floating
+from ._errors import OutputError, PortError
 from ._fill import fill
 from ._mapping import Mapping, mapping_for
 from ._memory import PeakMemory
 from ._place import place
-from ._plan import LeafPlan, Plan, plan
+from ._plan import LeafPlan, Plan, partition, plan
 from ._runtime import agree, as_mesh, mesh_spec
 from ._save import check_out, free_bytes, save
-from ._skeleton import skeleton as make_skeleton
+from ._skeleton import leaves, skeleton as make_skeleton
 from ._source import Checkpoint, open_checkpoint
 
 
@@ -73,6 +74,8 @@ class Report:
     bytes_read: int
     device_bytes: dict[str, int]
     peak_host_bytes: int
+    kept: tuple[str, ...] = ()  # leaves not filled from the checkpoint (strict=False): the model's own values
+    unused: tuple[str, ...] = ()  # checkpoint keys the mapping does not use (strict=False)
 
     def to_json(self) -> dict[str, Any]:
         """The report as `port convert --report` writes it."""
@@ -105,6 +108,9 @@ def convert(
     out: str | os.PathLike | None = None,
     force: bool = False,
     progress: Callable[[Progress], None] | None = None,
+    include: Sequence[str] | None = None,
+    layers: range | None = None,
+    strict: bool = True,
 ) -> Conversion:
     """Convert a checkpoint into a sharded model, and save it to `out` if given.
 
@@ -120,6 +126,17 @@ def convert(
       `force` replaces an earlier port output there, and nothing else.
     - `progress`: called with a `Progress` after each leaf is placed, and as writing
       starts and ends.
+    - `include`: only the leaves these module-path patterns select (`["wte", "blocks"]`:
+      a path, a dotted prefix, or a glob such as `"blocks.attn.*"`); the others are None
+      and none of their bytes are read. An output records it, for `port.restore`.
+    - `layers`: a contiguous range of the checkpoint's layers (`range(0, 12)`): the model
+      is built with that many layers (its config, and the output's, says so) and only
+      those layers' tensors are read.
+    - `strict`: False fills a model (a concrete module of yours) from a checkpoint that
+      covers part of it: leaves the mapping does not name, or whose keys the checkpoint
+      lacks, keep their values (placed on the mesh: sharded by their mapping entry's
+      axes if they have one, else replicated), and checkpoint keys the mapping does not
+      use are allowed. `report.kept` and `report.unused` list both.
 
     Returns a `Conversion`: `.model`, `.plan`, `.report`.
 
@@ -133,12 +150,17 @@ def convert(
         ckpt = open_checkpoint(checkpoint) if owned else checkpoint
         try:
             mapping = mapping_for(ckpt.config, mapping)
+            config = with_layers(ckpt.config, layers)
             if skeleton is None:
-                skeleton = make_skeleton(mapping, ckpt.config)
+                skeleton = make_skeleton(mapping, config)
             if out is not None:
                 out = check_out(out, force, inputs=(ckpt.directory,))
             mesh = as_mesh(mesh)
-            recipe = plan(skeleton, mapping, ckpt.tensors, ckpt.config, mesh.shape, dtype)
+            include = None if include is None else list(include)
+            recipe = plan(
+                skeleton, mapping, ckpt.tensors, config, mesh.shape, dtype, include=include, layers=layers, strict=strict
+            )
+            kept = kept_values(skeleton, recipe)
             if out is not None:
                 if recipe.nbytes > (free := free_bytes(out)):
                     raise OutputError(
@@ -151,6 +173,9 @@ def convert(
                     "--out": None if out is None else str(out),
                     "--force": force,
                     "--mapping": mapping.text,  # its text: the file may sit at another path on each host
+                    "--include": include,
+                    "--layers": None if layers is None else [layers.start, layers.stop],
+                    "--strict": strict,
                     "MODEL": fingerprint(ckpt),
                 }
             )
@@ -166,14 +191,15 @@ def convert(
                 progress(Progress("read", 0, recipe.read_bytes, 0, len(recipe.leaves)))
             placing = time.perf_counter()
             arrays = place(recipe, ckpt, mesh, advance)
-            model = fill(skeleton, arrays)
+            arrays |= place_kept(kept, mapping, mesh, dtype)
+            model = fill(skeleton, arrays | dict.fromkeys(recipe.excluded))
             jax.block_until_ready(arrays)
             writing = time.perf_counter()
             if out is not None:
                 total = recipe.nbytes
                 if progress is not None:
                     progress(Progress("write", 0, total, 0, len(recipe.leaves)))
-                out = save(model, out, mapping, ckpt.config, force=force, sources=ckpt.tensors)
+                out = save(model, out, mapping, config, force=force, sources=ckpt.tensors, include=include)
                 if progress is not None:
                     progress(Progress("write", total, total, len(recipe.leaves), len(recipe.leaves)))
             done = time.perf_counter()
@@ -197,8 +223,66 @@ def convert(
         bytes_read=ckpt.bytes_read,
         device_bytes=device_bytes,
         peak_host_bytes=peak.bytes,
+        kept=recipe.kept,
+        unused=recipe.unused,
     )
     return Conversion(model, recipe, report)
+
+
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+"""The config.json keys Hugging Face configs keep their layer count in."""
+
+
+def with_layers(config: AnyMapping[str, Any], layers: range | None) -> dict[str, Any]:
+    """`config` for a model of only `layers` (a contiguous range of the checkpoint's layers):
+    its layer count set to their number, and per-layer lists (`layer_types`) cut to them.
+
+    ```python
+    with_layers({"n_layer": 12, "n_embd": 768}, range(0, 6))   # {"n_layer": 6, "n_embd": 768}
+    ```
+    """
+    if layers is None:
+        return dict(config)
+    if not isinstance(layers, range) or layers.step != 1:
+        raise PortError(f"layers={layers!r}: expected a contiguous range of layers, such as range(0, 12)")
+    key = next((k for k in LAYER_COUNTS if type(config.get(k)) is int), None)
+    if key is None:
+        raise PortError(f"layers={layers!r}: config.json has no layer count ({', '.join(LAYER_COUNTS)})")
+    n = config[key]
+    if not 0 <= layers.start < layers.stop <= n:
+        raise PortError(f"layers={layers!r}: outside the checkpoint's {n} layers (range(0, {n}) at most)")
+    cut = {k: v[layers.start : layers.stop] for k, v in config.items() if isinstance(v, list) and len(v) == n}
+    return {**config, **cut, key: len(layers)}
+
+
+def kept_values(model: Any, recipe: Plan) -> dict[str, Any]:
+    """The values of the leaves a non-strict plan keeps, refusing a skeleton's (it has none)."""
+    by_path = leaves(model)
+    kept = {path: by_path[path] for path in recipe.kept}
+    for path, value in kept.items():
+        if isinstance(value, jax.ShapeDtypeStruct):
+            raise PortError(
+                f"leaf '{path}' is not filled from the checkpoint and the model has no value for it: "
+                "pass a concrete module (not a skeleton) with strict=False"
+            )
+    return kept
+
+
+def place_kept(
+    kept: AnyMapping[str, Any], mapping: Mapping, mesh: Mesh, dtype: str | np.dtype | None = None
+) -> dict[str, jax.Array]:
+    """The kept leaves on `mesh`: sharded as their mapping entry's axes say, replicated without one;
+    floating ones cast to `dtype` if given."""
+    axes = {p.path: p.axes for p in mapping.params}
+    placed = {}
+    for path, value in kept.items():
+        spec = PartitionSpec()
+        if len(axes.get(path, ())) == len(value.shape):
+            spec, _ = partition(tuple(value.shape), axes[path], mapping.rules, mesh.shape)
+        if dtype is not None and floating(np.dtype(value.dtype)):
+            value = value.astype(dtype)
+        placed[path] = jax.device_put(value, NamedSharding(mesh, spec))
+    return placed
 
 
 def load(
@@ -206,6 +290,9 @@ def load(
     mesh: Mesh | str | None = None,
     dtype: str | np.dtype | None = None,
     mapping: str | os.PathLike | Mapping | None = None,
+    *,
+    include: Sequence[str] | None = None,
+    layers: range | None = None,
 ) -> Any:
     """A pretrained model from a checkpoint, sharded on `mesh`: `convert(...).model`.
 
@@ -216,9 +303,12 @@ def load(
     - `dtype`: cast floating parameters (`"bfloat16"`, ...); default: keep the checkpoint's.
     - `mapping`: a `Mapping` or a mapping file; default: the shipped one for `config.json`'s
       `model_type`, whose module is the model built.
+    - `include`: only the leaves these module-path patterns select (the others None).
+    - `layers`: only this contiguous range of the checkpoint's layers (a smaller model).
 
     ```python
     model = load("gpt2", mesh="4x2")
+    stage = load("gpt2", mesh="4x2", layers=range(0, 6), include=["blocks"])
     ```
     """
-    return convert(model, mapping=mapping, mesh=mesh, dtype=dtype).model
+    return convert(model, mapping=mapping, mesh=mesh, dtype=dtype, include=include, layers=layers).model

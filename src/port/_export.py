@@ -388,9 +388,15 @@ def _check_fits(model: Any, mapping: Mapping, config: AnyMapping[str, Any], sour
     problems = []
     for path in actual.keys() - expected.keys():
         problems.append(f"model leaf '{path}' is not in {where}")
+    optional = {p.path for p in mapping.params if p.optional}
     for path in expected.keys() - actual.keys():
-        if not _is_none(model, path):  # an optional leaf the model lacks (a BERT without pooler) is fine
+        if not _is_none(model, path):
             problems.append(f"model has no leaf '{path}', which {where} has")
+        elif path not in optional:  # an optional leaf the model lacks (a BERT without pooler) is fine
+            problems.append(
+                f"model leaf '{path}' is None (a partial load, include= or --include?): an export writes "
+                "every tensor of the checkpoint, so it needs every leaf"
+            )
     for path in actual.keys() & expected.keys():
         if tuple(actual[path].shape) != tuple(expected[path].shape):
             problems.append(

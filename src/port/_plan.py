@@ -19,7 +19,7 @@ import dataclasses
 import fnmatch
 import itertools
 import math
-from collections.abc import Mapping as AnyMapping
+from collections.abc import Iterable, Mapping as AnyMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec
 
 from ._errors import PlanError, PortError
 from ._dtypes import dtype as dtype_named, floating
-from ._mapping import Mapping, Param
+from ._mapping import LAYER, Mapping, Param
 from ._skeleton import leaves as skeleton_leaves
 from ._source import Region, TensorInfo
 from ._transforms import Cast, Chain
@@ -104,6 +104,9 @@ class Plan:
     ignored: tuple[str, ...]
     tied: tuple[tuple[str, str], ...]
     empty: tuple[str, ...] = ()  # optional leaves the checkpoint lacks: set to None
+    excluded: tuple[str, ...] = ()  # leaves `include` leaves out: set to None
+    kept: tuple[str, ...] = ()  # leaves a non-strict plan does not fill: they keep the model's values
+    unused: tuple[str, ...] = ()  # checkpoint keys a non-strict plan leaves unread
 
     @property
     def params(self) -> int:
@@ -183,6 +186,31 @@ def partition(
     return PartitionSpec(*spec), tuple(notes)
 
 
+def selects(path: str, patterns: Sequence[str] | None) -> bool:
+    """Whether a module path is selected by `patterns` (None: all): a pattern equal to the path,
+    a dotted prefix of it (`blocks` selects `blocks.attn.wq`), or an fnmatch glob (`blocks.attn.*`).
+
+    ```python
+    selects("blocks.attn.wq", ["embed", "blocks"])   # True
+    ```
+    """
+    if patterns is None:
+        return True
+    return any(path == p or path.startswith(p + ".") or fnmatch.fnmatchcase(path, p) for p in patterns)
+
+
+def check_include(paths: Iterable[str], patterns: Sequence[str] | None, model: str) -> None:
+    """Refuse a pattern of `include` that selects none of `paths`, in one line naming it."""
+    paths = list(paths)
+    for pattern in patterns or ():
+        if not any(selects(path, [pattern]) for path in paths):
+            raise PortError(f"include {pattern!r}: matches no leaf of {model} (leaves: {_few(paths)})")
+
+
+def _few(paths: list[str], n: int = 6) -> str:
+    return ", ".join(paths[:n]) + (f", ... ({len(paths)} in all)" if len(paths) > n else "")
+
+
 def plan(
     skeleton: Any,
     mapping: Mapping,
@@ -190,6 +218,10 @@ def plan(
     config: AnyMapping[str, Any],
     mesh_shape: AnyMapping[str, int],
     dtype: str | np.dtype | None = None,
+    *,
+    include: Sequence[str] | None = None,
+    layers: range | None = None,
+    strict: bool = True,
 ) -> Plan:
     """Validate everything and make one recipe per leaf; reads no tensor data.
 
@@ -204,6 +236,13 @@ def plan(
     - `config`: the checkpoint's `config.json`, for names the mapping uses.
     - `mesh_shape`: axis sizes (`mesh.shape` or `port.mesh_shape("4x2")`).
     - `dtype`: cast floating parameters to it; default: keep the checkpoint's.
+    - `include`: plan only the leaves these patterns select (see `selects`); the others
+      are listed in `Plan.excluded`, and their keys are not read.
+    - `layers`: plan only these checkpoint layers (a contiguous range) of each
+      `{layer}`-stacked entry, as layers 0, 1, ... of the (smaller) skeleton.
+    - `strict`: False allows leaves the mapping does not fill or whose keys the
+      checkpoint lacks (`Plan.kept`: they keep the model's values) and checkpoint keys
+      the mapping does not use (`Plan.unused`).
 
     Raises `PlanError`: `.problems` lists them all; its message names the first and counts the rest.
 
@@ -212,7 +251,9 @@ def plan(
     recipe.read_bytes, len(recipe.leaves)
     ```
     """
-    problems = plan_problems(skeleton, mapping, tensors, config, mesh_shape, dtype)
+    problems = plan_problems(
+        skeleton, mapping, tensors, config, mesh_shape, dtype, include=include, layers=layers, strict=strict
+    )
     if isinstance(problems, Plan):
         return problems
     raise PlanError(problems)
@@ -225,8 +266,15 @@ def plan_problems(
     config: AnyMapping[str, Any],
     mesh_shape: AnyMapping[str, int],
     dtype: str | np.dtype | None = None,
+    *,
+    include: Sequence[str] | None = None,
+    layers: range | None = None,
+    strict: bool = True,
 ) -> Plan | list[str]:
-    """The plan, or every problem found, each naming the mapping entry or key it comes from."""
+    """The plan, or every problem found, each naming the mapping entry or key it comes from.
+
+    A pattern of `include` that selects no leaf raises `PortError` (one line), as `plan` does.
+    """
     problems: list[str] = []
     mesh_shape = dict(mesh_shape)
     target_dtype = None if dtype is None else dtype_named(dtype)
@@ -241,11 +289,18 @@ def plan_problems(
                 )
     stripped = _strip(mapping, tensors, problems)
     names = config_names(skeleton, config)
-    targets = {p: leaf for p, leaf in skeleton_leaves(skeleton).items() if hasattr(leaf, "shape")}
+    every = {p: leaf for p, leaf in skeleton_leaves(skeleton).items() if hasattr(leaf, "shape")}
+    check_include(every, include, mapping.model)
+    targets = {p: leaf for p, leaf in every.items() if selects(p, include)}
+    excluded = tuple(p for p in every if p not in targets)
     claimed: set[str] = set()  # keys of every entry whose leaf exists, planned or not
-    leaf_plans, empty = [], []
+    leaf_plans, empty, kept = [], [], []
     for param in mapping.params:
         where = f"{mapping.source}: entry '{param.key}'"
+        if param.path in every and param.path not in targets:  # left out by `include`: its keys are not read
+            pattern = param.pattern()
+            claimed.update(key for name, key in stripped.items() if pattern.match(name))
+            continue
         if param.path not in targets:
             if not _is_none(skeleton, param.path):
                 problems.append(f"{where}: path '{param.path}' is not a leaf of {mapping.model}")
@@ -261,10 +316,15 @@ def plan_problems(
         pattern = param.pattern()
         for name, key in stripped.items():
             if m := pattern.match(name):
-                matches[param.index(m)] = key
-        claimed.update(matches.values())
+                claimed.add(key)
+                index = _in_layers(param, param.index(m), layers)
+                if index is not None:
+                    matches[index] = key
         if not matches and param.key_optional:
             empty.append(param.path)
+            continue
+        if not matches and not strict:  # the checkpoint lacks it: the model's own value stays
+            kept.append(param.path)
             continue
         target = targets[param.path]
         leaf = _leaf(param, where, matches, tensors, target, names, mapping.rules, mesh_shape, target_dtype, problems)
@@ -273,8 +333,11 @@ def plan_problems(
     filled = {p.path for p in mapping.params}
     for path in targets:
         if path not in filled:
-            problems.append(f"{mapping.source}: leaf '{path}' of {mapping.model} has no mapping entry")
-    ignored, tied = [], []
+            if strict:
+                problems.append(f"{mapping.source}: leaf '{path}' of {mapping.model} has no mapping entry")
+            else:
+                kept.append(path)
+    ignored, tied, unused = [], [], []
     for name, key in stripped.items():
         if key in claimed:
             continue
@@ -282,6 +345,8 @@ def plan_problems(
             ignored.append(key)
         elif name in mapping.tied:
             tied.append((key, mapping.tied[name]))
+        elif not strict:
+            unused.append(key)
         else:
             problems.append(
                 f"{tensors[key].file.name}: tensor '{key}' is not used by the mapping "
@@ -289,7 +354,18 @@ def plan_problems(
             )
     if problems:
         return problems
-    return Plan(tuple(leaf_plans), mesh_shape, tuple(ignored), tuple(tied), tuple(empty))
+    return Plan(
+        tuple(leaf_plans), mesh_shape, tuple(ignored), tuple(tied), tuple(empty), excluded, tuple(kept), tuple(unused)
+    )
+
+
+def _in_layers(param: Param, index: tuple[int, ...], layers: range | None) -> tuple[int, ...] | None:
+    """A match's stack index counted from `layers.start`, or None for a layer outside `layers`."""
+    if layers is None or not param.stack or param.stack[0] != LAYER:
+        return index
+    if index[0] not in layers:
+        return None
+    return (index[0] - layers.start, *index[1:])
 
 
 def config_names(skeleton: Any, config: AnyMapping[str, Any]) -> dict[str, Any]:

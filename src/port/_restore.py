@@ -27,7 +27,7 @@ import pkgutil
 import re
 import stat
 from collections import deque
-from collections.abc import Iterator, Mapping as AnyMapping
+from collections.abc import Iterator, Mapping as AnyMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from ._dtypes import NAMES, dtype as dtype_named, floating
 from ._mapping import Mapping, import_object, parse_mapping
 from ._runtime import as_mesh
 from ._place import _box
-from ._plan import partition
+from ._plan import check_include, partition, selects
 from ._save import FORMAT, MAX_METADATA_BYTES
 from ._skeleton import leaves, skeleton
 
@@ -53,7 +53,8 @@ MAX_NODE_BYTES = 100_000_000  # Orbax's OCDBT `max_decoded_node_bytes`: bounds d
 READ_AHEAD_BYTES = 1 << 30  # host bytes of blocks read but not yet on their devices
 
 _FIELDS = ("format", "mapping_source", "mapping", "config", "leaves")
-_OPTIONAL_FIELDS = ("sources",)  # the checkpoint's tensor headers, for `port export`
+_OPTIONAL_FIELDS = ("sources", "include")  # the checkpoint's tensor headers, for `port export`; a partial load's patterns
+MAX_INCLUDE = 1000
 MAX_SOURCES = 1_000_000
 MAX_KEY_CHARS = 1000
 MAX_RANK = 16
@@ -88,6 +89,7 @@ class Output:
     config: dict[str, Any]
     leaves: dict[str, Leaf]
     sources: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None  # key -> (shape, dtype), in file order
+    include: list[str] | None = None  # the patterns of a partial output (its other leaves None)
 
     @property
     def where(self) -> str:
@@ -98,7 +100,13 @@ class Output:
         return self.directory / "params"
 
 
-def restore(directory: str | os.PathLike, mesh: Mesh | str | None = None, *, model: type | None = None) -> Any:
+def restore(
+    directory: str | os.PathLike,
+    mesh: Mesh | str | None = None,
+    *,
+    model: type | None = None,
+    include: Sequence[str] | None = None,
+) -> Any:
     """Load a `port convert` output onto `mesh`, which may differ from the one it was written with.
 
     **Arguments:**
@@ -112,6 +120,9 @@ def restore(directory: str | os.PathLike, mesh: Mesh | str | None = None, *, mod
       (`port.models.*`); an output naming any other module is refused, since importing
       it would run code that came with the output. Given, it is used as it is, whatever
       the output names: the name is not compared, every leaf's shape and dtype are.
+    - `include`: read only the leaves these module-path patterns select (a path, a
+      dotted prefix such as `"blocks"`, or a glob such as `"blocks.attn.*"`); the others
+      are None. An output written with `include` holds only its leaves: the rest are None.
 
     Returns the module, every array under its `NamedSharding` on `mesh` (each leaf's
     logical axes mapped to mesh axes by the output's mapping rules).
@@ -124,6 +135,7 @@ def restore(directory: str | os.PathLike, mesh: Mesh | str | None = None, *, mod
     ```python
     model = restore("gpt2-jax", "2x4")
     model = restore("mine-jax", port.make_mesh("4x2"), model=MyModel)
+    embeddings = restore("gpt2-jax", include=["wte", "wpe"])     # everything else None
     ```
     """
     mesh = as_mesh(mesh)
@@ -137,6 +149,10 @@ def restore(directory: str | os.PathLike, mesh: Mesh | str | None = None, *, mod
     _check_config(output)
     skel = _build(cls, output)
     absent = _check_skeleton(skel, output, cls)
+    if include is not None:
+        check_include(output.leaves, include, f"the output {output.directory}")
+        absent += [path for path in output.leaves if not selects(path, include)]
+        output = dataclasses.replace(output, leaves={p: leaf for p, leaf in output.leaves.items() if selects(p, include)})
     arrays = dict(_read_arrays(output, _open_arrays(output), mesh))
     return fill(skel, arrays | {path: None for path in absent})
 
@@ -231,7 +247,18 @@ def read_output(directory: str | os.PathLike) -> Output:
     if not declared:
         raise OutputError(f"{where}: 'leaves' is empty")
     sources = _sources(meta["sources"], where) if "sources" in meta else None
-    return Output(directory, mapping, meta["config"], declared, sources)
+    include = _include(meta["include"], where) if "include" in meta else None
+    return Output(directory, mapping, meta["config"], declared, sources, include)
+
+
+def _include(value: Any, where: str) -> list[str]:
+    """`port/metadata`'s `include`: the patterns a partial output was converted with."""
+    if (
+        not isinstance(value, list) or not 0 < len(value) <= MAX_INCLUDE
+        or not all(isinstance(p, str) and 0 < len(p) <= MAX_KEY_CHARS and p.isprintable() for p in value)
+    ):
+        raise OutputError(f"{where}: 'include' must be a list of at most {MAX_INCLUDE} module-path patterns")
+    return value
 
 
 def _sources(value: Any, where: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -430,7 +457,8 @@ def _build(cls: type, output: Output) -> Any:
 
 def _check_skeleton(skel: Any, output: Output, cls: type) -> list[str]:
     """Every leaf of `port/metadata` is a skeleton leaf of the same shape and kind of dtype; returns
-    the skeleton's leaves the output lacks, each an optional mapping entry's (set to None)."""
+    the skeleton's leaves the output lacks, each an optional mapping entry's or one its `include`
+    left out (set to None)."""
     name = cls.__qualname__
     targets = {p: leaf for p, leaf in leaves(skel).items() if hasattr(leaf, "shape")}
     for path, leaf in output.leaves.items():
@@ -445,7 +473,7 @@ def _check_skeleton(skel: Any, output: Output, cls: type) -> list[str]:
     optional = {p.path for p in output.mapping.params if p.key_optional}
     absent = [path for path in targets if path not in output.leaves]
     for path in absent:
-        if path not in optional:
+        if path not in optional and selects(path, output.include):
             raise OutputError(
                 f"{output.where}: leaf '{path}' of {name} built from its config is missing, and the "
                 "mapping does not mark it optional"

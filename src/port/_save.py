@@ -39,7 +39,7 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Mapping as AnyMapping
 from pathlib import Path
 from typing import Any
@@ -294,6 +294,7 @@ def save(
     config: AnyMapping[str, Any],
     force: bool = False,
     sources: AnyMapping[str, Any] | None = None,
+    include: Sequence[str] | None = None,
 ) -> Path:
     """Write `model`'s arrays and port's metadata as one Orbax checkpoint, atomically.
 
@@ -309,6 +310,8 @@ def save(
       `check_out`); it stays complete until the new output is.
     - `sources`: the checkpoint's tensor headers (`Checkpoint.tensors`), recorded so that
       `port export` can write the same tensors back; `port convert` passes them.
+    - `include`: the patterns a partial model was loaded with (its other leaves None),
+      recorded so that `restore` accepts the leaves the output lacks.
 
     Returns the absolute output path. Raises `OutputError`, one line, when the directory
     may not be written or writing fails (a full disk, a file-size limit); nothing is
@@ -335,6 +338,8 @@ def save(
             for p, a in leaves(params).items()
         },
     }
+    if include is not None:
+        meta["include"] = list(include)
     if sources is not None:
         meta["sources"] = {
             key: {"shape": list(info.shape), "dtype": np.dtype(info.dtype).name} for key, info in sources.items()
