@@ -67,11 +67,11 @@ from ._source import (
     _load_json,
     _pieces,
     _plain_name,
-    _unique_keys,
     header_length_of,
     header_tensors,
     parse_header,
     runs,
+    shard_names_in,
 )
 
 ATTEMPTS = 6
@@ -883,32 +883,13 @@ def _present(function: Callable[..., _T], *args: Any) -> _T:
         raise _Absent from None
 
 
-def _shard_names(raw: bytes, where: str) -> list[str]:
-    """The shard files a `model.safetensors.index.json` names: plain names, sorted, distinct
-    (the checks of `_source.shard_names`, on bytes)."""
-    data = _load_json(raw, where, object_pairs_hook=_unique_keys)
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{where}: not a valid safetensors index (no weight_map)")
-    for name in weight_map.values():
-        if not _plain_name(name):
-            shown = quoted(name, 200) if isinstance(name, str) else f"of type {type(name).__name__}"
-            raise CheckpointError(f"{where}: shard {shown} is not a plain file name in the checkpoint directory")
-    names = set(weight_map.values())
-    if not names:
-        raise CheckpointError(f"{where}: weight_map lists no shard files")
-    if len(names) > MAX_SHARDS:
-        raise CheckpointError(f"{where}: lists {len(names)} shard files, more than {MAX_SHARDS}")
-    return sorted(names)
-
-
 def _shards(ckpt: RemoteCheckpoint) -> tuple[list[str], dict[str, tuple[bytes, int, str | None]]]:
     """The safetensors files: the index's, else `model.safetensors`, else those a listing shows;
     and the first bytes of any file already asked for."""
     t = ckpt.transport
     raw = _small(t, _INDEX, MAX_INDEX, "safetensors index")
     if raw is not None:
-        return _shard_names(raw, t.url(_INDEX)), {}
+        return shard_names_in(raw, t.url(_INDEX)), {}
     try:
         return [_SINGLE], {_SINGLE: retried(f"{t.url(_SINGLE)}: bytes 0-7", lambda: _present(t.start, _SINGLE))}
     except _Absent:

@@ -494,19 +494,30 @@ def _plain_name(name: Any) -> bool:
 
 def shard_names(index: Path) -> list[str]:
     """The shard files a `model.safetensors.index.json` names: plain names, sorted, distinct."""
-    data = _load_json(read_small(index, MAX_INDEX, "safetensors index"), str(index), object_pairs_hook=_unique_keys)
+    return shard_names_in(read_small(index, MAX_INDEX, "safetensors index"), str(index))
+
+
+def shard_names_in(raw: bytes, where: str) -> list[str]:
+    """The shard files an index's bytes `raw` name (`where` names it in errors): plain names,
+    sorted, distinct, at most `MAX_SHARDS`. The checks for a local index and a remote one.
+
+    ```python
+    shard_names_in(b'{"weight_map": {"a": "model-1.safetensors"}}', "index")   # ["model-1.safetensors"]
+    ```
+    """
+    data = _load_json(raw, where, object_pairs_hook=_unique_keys)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict):
-        raise CheckpointError(f"{index}: not a valid safetensors index (no weight_map)")
+        raise CheckpointError(f"{where}: not a valid safetensors index (no weight_map)")
     for name in weight_map.values():
         if not _plain_name(name):
             shown = quoted(name, 200) if isinstance(name, str) else f"of type {type(name).__name__}"
-            raise CheckpointError(f"{index}: shard {shown} is not a plain file name in the checkpoint directory")
+            raise CheckpointError(f"{where}: shard {shown} is not a plain file name in the checkpoint directory")
     names = set(weight_map.values())
     if not names:
-        raise CheckpointError(f"{index}: weight_map lists no shard files")
+        raise CheckpointError(f"{where}: weight_map lists no shard files")
     if len(names) > MAX_SHARDS:
-        raise CheckpointError(f"{index}: lists {len(names)} shard files, more than {MAX_SHARDS}")
+        raise CheckpointError(f"{where}: lists {len(names)} shard files, more than {MAX_SHARDS}")
     return sorted(names)
 
 
