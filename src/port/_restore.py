@@ -151,8 +151,9 @@ def restore(
     absent = _check_skeleton(skel, output, cls)
     if include is not None:
         check_include(output.leaves, include, f"the output {output.directory}")
-        absent += [path for path in output.leaves if not selects(path, include)]
-        output = dataclasses.replace(output, leaves={p: leaf for p, leaf in output.leaves.items() if selects(p, include)})
+        chosen = {p: leaf for p, leaf in output.leaves.items() if selects(p, include)}
+        absent += [path for path in output.leaves if path not in chosen]
+        output = dataclasses.replace(output, leaves=chosen)
     arrays = dict(_read_arrays(output, _open_arrays(output), mesh))
     return fill(skel, arrays | {path: None for path in absent})
 
