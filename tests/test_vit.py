@@ -199,6 +199,18 @@ def test_verify_in_bfloat16_allows_for_the_references_own_rounding(twins, case):
     assert port.verify(directory, "1x1").reference_error is None  # float32: the reference is exact
 
 
+def test_verify_in_bfloat16_through_the_command_line(twins):
+    """The installed `port verify --dtype bfloat16` exits 0 and shows the reference's own rounding."""
+    directory, _, _ = twins("grey-classifier")
+    result = run_port("verify", directory, "--dtype", "bfloat16")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Traceback" not in output
+    found = re.search(r"the reference's own bfloat16 error ([\d.e-]+)\) on mesh 1x1: ok \(tolerance ([\d.e-]+)\)", output)
+    assert found, output
+    assert float(found[2]) >= 2 * float(found[1]) * 0.999  # printed to 3 figures
+
+
 def test_verify_inputs_follow_the_model_class():
     assert input_kind(ViT) == "pixel_values" and input_kind(Bert) == "input_ids"
     drawn = pixel_values({"image_size": [16, 18], "num_channels": 4})
