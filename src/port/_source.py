@@ -651,9 +651,29 @@ def _run_axis(shape: tuple[int, ...], region: Region) -> int:
     return next((i for i in range(len(region) - 1, -1, -1) if region[i] != (0, shape[i])), -1)
 
 
+def _contiguous_from(out: np.ndarray) -> int:
+    """The outermost axis from which `out`'s elements lie end to end (0 for a C-contiguous
+    array; its number of axes when not even the innermost one is contiguous)."""
+    if out.flags.c_contiguous:
+        return 0
+    axis, expected = out.ndim, out.itemsize
+    for i in range(out.ndim - 1, -1, -1):
+        if out.shape[i] != 1 and out.strides[i] != expected:
+            break
+        expected *= out.shape[i]
+        axis = i
+    return axis
+
+
+def _runs_axis(info: TensorInfo, region: Region, out: np.ndarray) -> int:
+    """The outermost axis a run spans: from it in, the region lies end to end both in the
+    file and in `out`. There is one run per index of the axes before it."""
+    return max(_run_axis(info.shape, region), 0, _contiguous_from(out))
+
+
 def _pieces(info: TensorInfo, region: Region, out: np.ndarray) -> Iterator[tuple[Region, np.ndarray]]:
     """`(region, out)` cut along its first axis into pieces of at most about `_MAX_RUNS` runs."""
-    count = math.prod(b - a for a, b in region[: max(_run_axis(info.shape, region), 0)])
+    count = math.prod(b - a for a, b in region[: _runs_axis(info, region, out)])
     if count <= _MAX_RUNS:
         yield region, out
         return
@@ -664,18 +684,17 @@ def _pieces(info: TensorInfo, region: Region, out: np.ndarray) -> Iterator[tuple
         yield ((start, stop), *rest), out[start - a : stop - a]
 
 
-def _run_layout(shape: tuple[int, ...], itemsize: int, region: Region) -> tuple[np.ndarray, int]:
-    """Where the runs of `region` start, relative to the tensor's first byte, and their length."""
-    axis = _run_axis(shape, region)
-    if axis < 0:  # the whole tensor (or a scalar)
-        starts, length = np.zeros(1, np.int64), math.prod(shape) * itemsize
-    else:
-        strides = [math.prod(shape[i + 1 :]) * itemsize for i in range(len(shape))]
+def _run_layout(shape: tuple[int, ...], itemsize: int, region: Region, axis: int) -> tuple[np.ndarray, int]:
+    """Where the runs spanning `axis` on (see `_runs_axis`) start, relative to the tensor's
+    first byte, and their length."""
+    strides = [math.prod(shape[i + 1 :]) * itemsize for i in range(len(shape))]
+    if axis < len(shape):
         a, b = region[axis]
-        length = (b - a) * strides[axis]
-        starts = np.array([a * strides[axis]], np.int64)
-        for (lo, hi), stride in zip(region[:axis], strides[:axis]):
-            starts = (starts[:, None] + np.arange(lo, hi, dtype=np.int64)[None, :] * stride).reshape(-1)
+        length, starts = (b - a) * strides[axis], np.array([a * strides[axis]], np.int64)
+    else:  # single elements (a scalar, or a destination whose innermost axis is strided)
+        length, starts = itemsize, np.zeros(1, np.int64)
+    for (lo, hi), stride in zip(region[:axis], strides[:axis]):
+        starts = (starts[:, None] + np.arange(lo, hi, dtype=np.int64)[None, :] * stride).reshape(-1)
     starts.setflags(write=False)
     return starts, length
 
@@ -686,11 +705,22 @@ leaf ask it once per layer (at most 128 x 128 KB kept)."""
 _CACHED_RUNS = 1 << 14
 
 
+def _addresses(out: np.ndarray, axis: int, count: int, length: int) -> np.ndarray:
+    """Where each run lands in `out`: one per index of the axes before `axis`, in C order."""
+    if out.flags.c_contiguous:
+        return np.uint64(out.ctypes.data) + np.arange(count, dtype=np.uint64) * np.uint64(length)
+    addresses = np.array([out.ctypes.data], np.uint64)
+    for n, stride in zip(out.shape[:axis], out.strides[:axis]):
+        addresses = (addresses[:, None] + np.arange(n, dtype=np.uint64)[None, :] * np.uint64(stride)).reshape(-1)
+    return addresses
+
+
 def runs(info: TensorInfo, region: Region, out: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The contiguous pieces of `region` in the file: (file offsets, lengths, addresses in `out`).
 
-    A run spans the axes inside the run axis whole (see `_run_axis`); there is one run
-    per index of the axes outside it, in C order, which is the order of `out`'s bytes.
+    A run spans the axes from `_runs_axis` on whole; there is one run per index of the
+    axes before it, in C order. `out` may be a strided view (a block's part of a larger
+    array): a run then also ends where `out`'s memory stops being contiguous.
 
     ```python
     runs(info, ((0, 2), (1, 3)), out)   # a (2, 3) float32 tensor: offsets [o+4, o+16], lengths [8, 8]
@@ -700,22 +730,22 @@ def runs(info: TensorInfo, region: Region, out: np.ndarray) -> tuple[np.ndarray,
         empty = np.zeros(0, np.int64)
         return empty, empty, empty.astype(np.uint64)
     region = tuple(map(tuple, region))
-    count = math.prod(b - a for a, b in region[: max(_run_axis(info.shape, region), 0)])
+    axis = _runs_axis(info, region, out)
+    count = math.prod(b - a for a, b in region[:axis])
     layout = _cached_run_layout if count <= _CACHED_RUNS else _run_layout
-    starts, length = layout(info.shape, info.dtype.itemsize, region)
-    addresses = np.uint64(out.ctypes.data) + np.arange(len(starts), dtype=np.uint64) * np.uint64(length)
-    return starts + info.offset, np.full(len(starts), length, np.int64), addresses
+    starts, length = layout(info.shape, info.dtype.itemsize, region, axis)
+    return starts + info.offset, np.full(len(starts), length, np.int64), _addresses(out, axis, len(starts), length)
 
 
 def _check_out(info: TensorInfo, region: Region, out: np.ndarray) -> None:
     shape = _region_shape(info, region)
     if not (
         isinstance(out, np.ndarray) and out.dtype == info.dtype and out.shape == shape
-        and out.flags.c_contiguous and out.flags.writeable
+        and out.flags.writeable and all(stride >= 0 for stride in out.strides)
     ):
         raise ValueError(
-            f"buffer for region {region} of '{info.key}' must be a writeable C-contiguous "
-            f"{info.dtype.name}{list(shape)}"
+            f"buffer for region {region} of '{info.key}' must be a writeable {info.dtype.name}{list(shape)} "
+            "(C-contiguous, or a view of one)"
         )
 
 
@@ -776,8 +806,9 @@ class Checkpoint:
         return out
 
     def read_into(self, key: str, requests: Sequence[tuple[Region, np.ndarray]]) -> None:
-        """Read regions of tensor `key`, each into its C-contiguous buffer of the region's
-        shape and the tensor's dtype, reading each region's bytes and nothing else.
+        """Read regions of tensor `key`, each into its buffer of the region's shape and the
+        tensor's dtype (C-contiguous, or a view of one, such as a block's part of a larger
+        array), reading each region's bytes and nothing else.
 
         Runs that lie end to end in the file, within a region or across regions (the
         column blocks of a matrix tile its rows), are read by one `preadv` straight
@@ -819,7 +850,7 @@ class Checkpoint:
             os.close(fd)
             change = "truncated" if st.st_size < info.file_id[2] else "changed"
             raise CheckpointError(
-                f"{info.file.name}: {change} since its header was read (now {st.st_size} bytes, "
+                f"{info.file.name}: {change} since port checked it (now {st.st_size} bytes, "
                 f"was {info.file_id[2]})"
             )
         return fd
