@@ -4,6 +4,7 @@ Every refusal is one line, exit 1, and leaves every file of a decoy tree (checkp
 the user's own files) exactly as it was.
 """
 
+import os
 import shutil
 from pathlib import Path
 
@@ -149,21 +150,24 @@ def tiny():
 
 
 def test_a_failed_finalisation_keeps_the_earlier_output(tiny, tmp_path, monkeypatch):
-    """Orbax's finalisation fails (a full disk) after `--force` moved the earlier output aside: it is put back."""
+    """The final rename fails (an I/O error) after `--force` moved the earlier output aside: it is put back."""
     import port
-    from orbax.checkpoint.path import atomicity
+    import port._save
     from port._errors import OutputError
 
     model, mapping, config = tiny
     out = tmp_path / "out"
     port.save(model, out, mapping, config)
     before = snapshot(tmp_path)
+    rename = os.rename
 
-    async def full(self):
-        raise OSError(28, "No space left on device")
+    def failing(source, target):
+        if ".port-partial-" in str(source):
+            raise OSError(5, "Input/output error")
+        rename(source, target)
 
-    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", full)
-    with pytest.raises(OutputError, match=r"^--out .*: writing the checkpoint failed: No space left on device$"):
+    monkeypatch.setattr(port._save.os, "rename", failing)
+    with pytest.raises(OutputError, match=r"^--out .*: writing the checkpoint failed: Input/output error$"):
         port.save(model, out, mapping, config, force=True)
     assert snapshot(tmp_path) == before
 

@@ -10,6 +10,7 @@ output was made final leaves that complete output.
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -112,8 +113,14 @@ def test_interrupted_export_leaves_nothing_and_keeps_the_earlier_export(gpt2_sma
 
 
 def test_sigterm_exits_143(gpt2_small, tmp_path):
+    """Halfway through a run (timed on a whole one first: a conversion takes a few seconds)."""
+    began = time.perf_counter()
+    whole = start("convert", gpt2_small, "--mesh", "4x2", "--out", tmp_path / "whole")
+    assert whole.wait(timeout=300) == 0, whole.stderr.read()
+    shutil.rmtree(tmp_path / "whole")
     out = tmp_path / "out"
-    code, output = interrupt_at(3.0, "convert", gpt2_small, "--mesh", "4x2", "--out", out, signum=signal.SIGTERM)
+    delay = max(0.5, 0.5 * (time.perf_counter() - began))
+    code, output = interrupt_at(delay, "convert", gpt2_small, "--mesh", "4x2", "--out", out, signum=signal.SIGTERM)
     assert code == 143, output
     assert output.strip().splitlines()[-1] == "port: terminated"
     assert not out.exists() and leftovers(tmp_path) == []

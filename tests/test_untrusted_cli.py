@@ -103,7 +103,7 @@ def test_a_read_only_parent_is_refused_before_reading(tmp_path):
 
 
 def test_a_failing_write_is_one_line_and_leaves_nothing(tmp_path):
-    """Files past 20 KB cannot be written (`ulimit -f`, RLIMIT_FSIZE): Orbax fails mid-write, in its threads."""
+    """Files past 20 KB cannot be written (`ulimit -f`, RLIMIT_FSIZE): a chunk fails mid-write, in a writing thread."""
 
     def convert(env=None):  # the limit set by a shell, not preexec_fn: no fork of this multithreaded process
         return subprocess.run(
@@ -112,11 +112,7 @@ def test_a_failing_write_is_one_line_and_leaves_nothing(tmp_path):
             capture_output=True, text=True, env=port_env(env), timeout=120,
         )
 
-    one_line(convert(), "--out", "writing the checkpoint failed: File too large")
-    nothing_left(tmp_path)
-    # What the one line replaces: the libraries' own reports from their threads.
-    debug = convert({"PORT_DEBUG": "1"})
-    assert debug.returncode == 1 and len(debug.stderr.splitlines()) > 5, debug.stderr
+    one_line(convert(), "--out", "writing the checkpoint failed: File too large (params/wte/0.0)")
     nothing_left(tmp_path)
 
 

@@ -124,8 +124,8 @@ def convert(
     - `dtype`: cast floating parameters (`"bfloat16"`, ...); default: keep the checkpoint's.
     - `out`: write the model there as an Orbax checkpoint (`port.restore` reads it back);
       `force` replaces an earlier port output there, and nothing else.
-    - `progress`: called with a `Progress` after each leaf is placed, and as writing
-      starts and ends.
+    - `progress`: called with a `Progress` after each leaf is placed, and (phase
+      "write") as each chunk of the output is written.
     - `include`: only the leaves these module-path patterns select (`["wte", "blocks"]`:
       a path, a dotted prefix, or a glob such as `"blocks.attn.*"`); the others are None
       and none of their bytes are read. An output records it, for `port.restore`.
@@ -196,12 +196,13 @@ def convert(
             jax.block_until_ready(arrays)
             writing = time.perf_counter()
             if out is not None:
-                total = recipe.nbytes
-                if progress is not None:
-                    progress(Progress("write", 0, total, 0, len(recipe.leaves)))
-                out = save(model, out, mapping, config, force=force, sources=ckpt.tensors, include=include)
-                if progress is not None:
-                    progress(Progress("write", total, total, len(recipe.leaves), len(recipe.leaves)))
+                count = len(recipe.leaves)
+
+                def wrote(done: int, total: int) -> None:
+                    if progress is not None:
+                        progress(Progress("write", done, total, count if done == total else 0, count))
+
+                out = save(model, out, mapping, config, force=force, sources=ckpt.tensors, include=include, progress=wrote)
             done = time.perf_counter()
         finally:
             if owned:

@@ -162,21 +162,23 @@ def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape))
 
 
-def _boxes(leaf: LeafPlan, sharding: NamedSharding) -> list[Region]:
-    """The distinct blocks of `leaf` this process's devices hold, in device order."""
-    boxes = []
-    for index in sharding.addressable_devices_indices_map(leaf.shape).values():
-        box = _box(index, leaf.shape)
-        if box not in boxes:
-            boxes.append(box)
-    return boxes
+def boxes(shape: tuple[int, ...], sharding: NamedSharding) -> list[Region]:
+    """The distinct blocks of an array of `shape` this process's devices hold, in device order."""
+    found = []
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        box = _box(index, shape)
+        if box not in found:
+            found.append(box)
+    return found
 
 
-def _assemble(leaf: LeafPlan, sharding: NamedSharding, blocks: dict[Region, np.ndarray]) -> jax.Array:
+def assemble(shape: tuple[int, ...], sharding: NamedSharding, blocks: dict[Region, np.ndarray]) -> jax.Array:
+    """The array of `shape` under `sharding` from its distinct blocks (64-byte aligned):
+    the first device holding a block adopts it (on CPU, without a copy), the others get copies."""
     handed: set[Region] = set()
 
     def callback(index: tuple[slice, ...]) -> np.ndarray:
-        box = _box(index, leaf.shape)
+        box = _box(index, shape)
         if box not in handed:  # the first device adopts the block itself
             handed.add(box)
             return blocks[box]
@@ -184,7 +186,7 @@ def _assemble(leaf: LeafPlan, sharding: NamedSharding, blocks: dict[Region, np.n
         np.copyto(copy, blocks[box])
         return copy
 
-    return jax.make_array_from_callback(leaf.shape, sharding, callback)
+    return jax.make_array_from_callback(shape, sharding, callback)
 
 
 def place(
@@ -222,7 +224,7 @@ def place(
         pending: deque[tuple[list[dict[Region, np.ndarray]], list[Future]]] = deque()
 
         def submit(u: int) -> None:
-            blocks, reads = plan_reads([(plan.leaves[i], _boxes(plan.leaves[i], shardings[i])) for i in units[u]])
+            blocks, reads = plan_reads([(plan.leaves[i], boxes(plan.leaves[i].shape, shardings[i])) for i in units[u]])
             jobs = [band for parts in reads for band in _bands(parts)]
             pending.append((blocks, [pool.submit(read_key, checkpoint, parts) for parts in jobs]))
 
@@ -236,7 +238,7 @@ def place(
                 for future in futures:
                     future.result()
                 for i, leaf_blocks in zip(members, blocks):
-                    arrays[plan.leaves[i].path] = _assemble(plan.leaves[i], shardings[i], leaf_blocks)
+                    arrays[plan.leaves[i].path] = assemble(plan.leaves[i].shape, shardings[i], leaf_blocks)
                     if progress is not None:
                         progress(plan.leaves[i])
                 del blocks, futures

@@ -1,15 +1,17 @@
 """Restore: a `port convert` output onto any mesh, each device reading its region.
 
 An output (see `_save` for its layout: Orbax's composite checkpoint of `params/`, the
-arrays, and `port/metadata`, port's JSON) is untrusted: it may come from anywhere.
-`restore` makes no Orbax call and imports no module an output names except port's own
-models (`port.models.*`), unless the caller passes the class; it checks everything
-before reading an array: `port/metadata` field by field, the arrays
-`params/_METADATA` declares against it, sizes against the bytes stored, and the
-module's skeleton built from its config against every leaf. Then it reads each
-device's region of each leaf with TensorStore from `params/` (zarr arrays in an OCDBT
-database, as Orbax writes them). Every problem is one `OutputError` line naming the
-directory, file and leaf.
+arrays as zarr chunk files, and `port/metadata`, port's JSON) is untrusted: it may come
+from anywhere. `restore` makes no Orbax call and imports no module an output names
+except port's own models (`port.models.*`), unless the caller passes the class; it
+checks everything before reading an array: `port/metadata` field by field, the arrays
+`params/_METADATA` declares against it, each array's `.zarray` against its leaf, every
+chunk file's size against its chunk (so every byte declared is on disk before anything
+is built or allocated), and the module's skeleton built from its config against every
+leaf. Then each distinct block of this process's devices is read with positioned reads
+(`Checkpoint.read_into`, as `place` reads a safetensors file) from only the chunk bytes
+it covers, straight into the block's memory, which the device adopts. Every problem is
+one `OutputError` line naming the directory, file and leaf.
 
 ```python
 model = restore("out/gpt2", "2x4")
@@ -28,6 +30,7 @@ import re
 import stat
 from collections import deque
 from collections.abc import Iterator, Mapping as AnyMapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,20 +39,20 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from ._console import one_line, quoted
+from ._dtypes import NAMES, dtype as dtype_named, floating
 from ._errors import OutputError, PortError
 from ._fill import fill
-from ._dtypes import NAMES, dtype as dtype_named, floating
 from ._mapping import Mapping, import_object, parse_mapping
-from ._runtime import as_mesh
-from ._place import _box
+from ._place import aligned_empty, assemble, boxes as _boxes
 from ._plan import check_include, partition, selects
+from ._runtime import as_mesh
 from ._save import FORMAT, MAX_METADATA_BYTES
 from ._skeleton import leaves, skeleton
+from ._source import Checkpoint, Region, TensorInfo
+from ._zarr import ZARR_DTYPES, ZARRAY, chunk_count, chunk_name, grid, overlapping
 
-MAX_PARAMS_FILES = 100_000  # Orbax's OCDBT writes a handful of files per process
-INLINE_SLACK_BYTES = 64 << 20  # OCDBT keeps chunks of up to 1 KB inside (compressed) tree nodes
+MAX_PARAMS_FILES = 1_000_000  # chunk files: one per block of the saving mesh, per leaf
 CONFIG_INT_FLOOR = 1 << 20  # config integers up to this are always accepted
-MAX_NODE_BYTES = 100_000_000  # Orbax's OCDBT `max_decoded_node_bytes`: bounds decompression
 READ_AHEAD_BYTES = 1 << 30  # host bytes of blocks read but not yet on their devices
 
 _FIELDS = ("format", "mapping_source", "mapping", "config", "leaves")
@@ -111,9 +114,10 @@ def restore(
 
     **Arguments:**
 
-    - `directory`: the output, as `port convert` or `save` wrote it (format 2: Orbax's
-      checkpoint of `params/` and `port/`). An output of an earlier port (format 1,
-      `port.json` beside `params/`) is refused: convert the checkpoint again.
+    - `directory`: the output, as `port convert` or `save` wrote it (format 3: Orbax's
+      checkpoint of `params/`, zarr chunk files, and `port/`). An output of an earlier
+      port (format 1, `port.json` beside `params/`; format 2, arrays in an OCDBT
+      database) is refused: convert the checkpoint again.
     - `mesh`: a `Mesh` or a spec such as `"2x4"`, as for `load` (default: one device).
     - `model`: the module class to build, with `from_config(config, *, key)`. Without
       it, the class the output names is imported only if it is one of port's models
@@ -129,8 +133,8 @@ def restore(
 
     Raises `OutputError`, one line naming the directory (and the file and leaf), for an
     output that is incomplete, corrupt, inconsistent or not port's. Every check that
-    needs no array data runs before the first array is read; a chunk that is missing
-    or cut short is found when it is read.
+    needs no array data runs before the first array is read, each chunk file's size
+    among them; a chunk changed or cut short after that is found when it is read.
 
     ```python
     model = restore("gpt2-jax", "2x4")
@@ -145,7 +149,7 @@ def restore(
     cls = model_class(output, model)
     _check_rules(output, mesh)
     _check_stored(output)
-    _check_sizes(output, _params_bytes(output.params))
+    chunks, checkpoint = _open_arrays(output)  # every declared byte is in a file of the output
     _check_config(output)
     skel = _build(cls, output)
     absent = _check_skeleton(skel, output, cls)
@@ -154,7 +158,7 @@ def restore(
         chosen = {p: leaf for p, leaf in output.leaves.items() if selects(p, include)}
         absent += [path for path in output.leaves if path not in chosen]
         output = dataclasses.replace(output, leaves=chosen)
-    arrays = dict(_read_arrays(output, _open_arrays(output), mesh))
+    arrays = dict(_read_arrays(output, chunks, checkpoint, mesh))
     return fill(skel, arrays | {path: None for path in absent})
 
 
@@ -227,6 +231,11 @@ def read_output(directory: str | os.PathLike) -> Output:
     for name in _FIELDS:
         if name not in meta:
             raise OutputError(f"{where}: missing field '{name}'")
+    if meta["format"] == 2 and type(meta["format"]) is int:
+        raise OutputError(
+            f"{directory}: written by an earlier port (format 2, arrays in an OCDBT database); this port reads "
+            f"format {FORMAT}: convert the checkpoint again"
+        )
     if type(meta["format"]) is not int or meta["format"] != FORMAT:
         raise OutputError(f"{where}: format {quoted(meta['format'])} is not {FORMAT}, the one this port reads")
     for name, kind in (("mapping_source", str), ("mapping", str), ("config", dict), ("leaves", dict)):
@@ -358,74 +367,6 @@ def _check_rules(output: Output, mesh: Mesh) -> None:
                 )
 
 
-def _check_stored(output: Output) -> None:
-    """The arrays `params/_METADATA` declares, which must be exactly `port/metadata`'s leaves."""
-    params = output.params
-    if not params.is_dir():
-        raise OutputError(f"{params}: missing or not a directory (an incomplete port output)")
-    where = f"{params}/_METADATA"
-    meta = _read_json(params / "_METADATA", "Orbax's metadata")
-    tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
-    if not isinstance(tree, dict):
-        raise OutputError(f"{where}: not Orbax's PyTree metadata (no 'tree_metadata')")
-    if meta.get("use_ocdbt") is not True or meta.get("use_zarr3") is not False:
-        raise OutputError(f"{where}: arrays not stored as port writes them (zarr in an OCDBT database)")
-    stored = set()
-    for entry in tree.values():
-        keys = entry.get("key_metadata") if isinstance(entry, dict) else None
-        value = entry.get("value_metadata") if isinstance(entry, dict) else None
-        if not isinstance(keys, list) or not all(isinstance(k, dict) and isinstance(k.get("key"), str) for k in keys):
-            raise OutputError(f"{where}: an entry without key names")
-        path = ".".join(k["key"] for k in keys)
-        if not _PATH.fullmatch(path):
-            raise OutputError(f"{where}: array {quoted(path)} is not named by a dotted module path")
-        if isinstance(value, dict) and value.get("value_type") == "None":  # an absent leaf (no pooler): no data
-            continue
-        if not isinstance(value, dict) or value.get("value_type") != "jax.Array":
-            raise OutputError(f"{where}: '{path}' is not stored as a jax.Array")
-        stored.add(path)
-    for path in sorted(stored - set(output.leaves)):
-        raise OutputError(f"{params}: holds array '{path}', which port/metadata does not list")
-    for path in sorted(set(output.leaves) - stored):
-        raise OutputError(f"{params}: has no array '{path}', which port/metadata lists")
-
-
-def _params_bytes(params: Path) -> int:
-    """Bytes in the files under `params`, refusing links to directories and anything but regular files."""
-    total, count = 0, 0
-    for root, dirs, files in os.walk(params, onerror=_walk_error):
-        for name in dirs:
-            if os.path.islink(os.path.join(root, name)):
-                raise OutputError(f"{os.path.join(root, name)}: a symbolic link to a directory; port writes none")
-        for name in files:
-            path = os.path.join(root, name)
-            count += 1
-            if count > MAX_PARAMS_FILES:
-                raise OutputError(f"{params}: more than {MAX_PARAMS_FILES} files; not an output port wrote")
-            try:
-                info = os.stat(path)
-            except OSError as e:
-                raise OutputError(f"{path}: cannot be read ({e.strerror})") from None
-            if not stat.S_ISREG(info.st_mode):
-                raise OutputError(f"{path}: not a regular file")
-            total += info.st_size
-    return total
-
-
-def _walk_error(error: OSError) -> None:
-    raise OutputError(f"{error.filename}: cannot be read ({error.strerror})")
-
-
-def _check_sizes(output: Output, stored_bytes: int) -> None:
-    """The arrays `port/metadata` declares fit in the bytes `params/` stores (uncompressed, as save writes them)."""
-    declared = sum(leaf.size * leaf.dtype.itemsize for leaf in output.leaves.values())
-    if declared > stored_bytes + INLINE_SLACK_BYTES:
-        raise OutputError(
-            f"{output.where}: declares {declared} bytes of arrays but {output.params} holds only "
-            f"{stored_bytes} bytes of files"
-        )
-
-
 def _check_config(output: Output) -> None:
     """No integer in the config exceeds the values the output holds (or 2**20): bounds what building the model costs."""
     limit = max(sum(leaf.size for leaf in output.leaves.values()), CONFIG_INT_FLOOR)
@@ -484,97 +425,153 @@ def _check_skeleton(skel: Any, output: Output, cls: type) -> list[str]:
 
 
 
-def _kvstore(params: Path, path: str = "") -> dict[str, Any]:
-    """The TensorStore spec of the OCDBT database in `params` (at `path` inside it)."""
-    return {
-        "driver": "ocdbt",
-        "base": {"driver": "file", "path": f"{params}/"},
-        "cache_pool": "cache_pool#ocdbt",
-        "config": {"max_decoded_node_bytes": MAX_NODE_BYTES},
-        "path": path,
-    }
+def _check_stored(output: Output) -> None:
+    """The arrays `params/_METADATA` declares, which must be exactly `port/metadata`'s leaves."""
+    params = output.params
+    if params.is_symlink() or not params.is_dir():
+        raise OutputError(f"{params}: missing or not a directory (an incomplete port output)")
+    where = f"{params}/_METADATA"
+    meta = _read_json(params / "_METADATA", "Orbax's metadata")
+    tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
+    if not isinstance(tree, dict):
+        raise OutputError(f"{where}: not Orbax's PyTree metadata (no 'tree_metadata')")
+    if meta.get("use_ocdbt") is not False or meta.get("use_zarr3") is not False:
+        raise OutputError(f"{where}: arrays not stored as port writes them (zarr chunk files, no OCDBT)")
+    stored = set()
+    for entry in tree.values():
+        keys = entry.get("key_metadata") if isinstance(entry, dict) else None
+        value = entry.get("value_metadata") if isinstance(entry, dict) else None
+        if not isinstance(keys, list) or not all(isinstance(k, dict) and isinstance(k.get("key"), str) for k in keys):
+            raise OutputError(f"{where}: an entry without key names")
+        path = ".".join(k["key"] for k in keys)
+        if not _PATH.fullmatch(path):
+            raise OutputError(f"{where}: array {quoted(path)} is not named by a dotted module path")
+        if isinstance(value, dict) and value.get("value_type") == "None":  # an absent leaf (no pooler): no data
+            continue
+        if not isinstance(value, dict) or value.get("value_type") != "jax.Array":
+            raise OutputError(f"{where}: '{path}' is not stored as a jax.Array")
+        stored.add(path)
+    for path in sorted(stored - set(output.leaves)):
+        raise OutputError(f"{params}: holds array '{path}', which port/metadata does not list")
+    for path in sorted(set(output.leaves) - stored):
+        raise OutputError(f"{params}: has no array '{path}', which port/metadata lists")
 
 
-def _reason(error: Exception) -> str:
-    """TensorStore's message, its first line without the spec it appends."""
-    text = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return one_line(re.split(r" \[(?:tensorstore_spec|source locations)", text)[0], 300)
-
-
-def _open_arrays(output: Output) -> dict[str, Any]:
-    """Every leaf's stored array (a TensorStore), its metadata checked; reads no array data."""
-    import tensorstore as ts
-
-    context = ts.Context({"cache_pool#ocdbt": {"total_bytes_limit": 100_000_000}})  # tree nodes, shared
-    return {path: _open_array(output, leaf, context) for path, leaf in output.leaves.items()}
-
-
-def _open_array(output: Output, leaf: Leaf, context: Any) -> Any:
-    """Open the stored array of `leaf`, checking its metadata against `port/metadata`."""
-    import tensorstore as ts
-
-    spec = {
-        "driver": "zarr",
-        "kvstore": _kvstore(output.params, f"{leaf.path}/"),
-        "fill_missing_data_reads": False,  # a missing chunk is an error, never zeros
-        "recheck_cached_data": False,
-        "recheck_cached_metadata": False,
-    }
-    where = f"{output.params}: leaf '{leaf.path}'"
-    try:
-        store = ts.open(spec, open=True, read=True, context=context).result()
-        metadata = store.spec().to_json().get("metadata", {})
-        dtype = np.dtype(store.dtype.numpy_dtype)
-    except Exception as e:  # tensorstore reports every failure as ValueError
-        raise OutputError(f"{where}: cannot be opened ({_reason(e)})") from None
-    if tuple(store.shape) != leaf.shape or dtype != leaf.dtype:
-        raise OutputError(f"{where}: stored as {describe(store.shape, dtype)} but port/metadata says {leaf}")
-    if metadata.get("compressor") is not None or metadata.get("filters") is not None:
+def _chunk_shape(output: Output, leaf: Leaf) -> tuple[int, ...]:
+    """The chunk shape of `leaf`'s stored array, from its `.zarray`, every field checked against the leaf."""
+    folder = output.params / leaf.path
+    if folder.is_symlink() or not folder.is_dir():
+        raise OutputError(f"{folder}: missing or not a directory (leaf '{leaf.path}' of port/metadata)")
+    where = f"{folder}/{ZARRAY}"
+    meta = _read_json(folder / ZARRAY, "zarr's metadata of the array")
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 2 or type(meta.get("zarr_format")) is not int:
+        raise OutputError(f"{where}: not zarr format 2 metadata")
+    if meta.get("shape") != list(leaf.shape):
+        raise OutputError(f"{where}: shape {quoted(meta.get('shape'))} but port/metadata says {leaf}")
+    if not isinstance(meta.get("dtype"), str) or ZARR_DTYPES.get(meta["dtype"]) != leaf.dtype:
+        raise OutputError(f"{where}: dtype {quoted(meta.get('dtype'))} but port/metadata says {leaf}")
+    if meta.get("compressor") is not None or meta.get("filters") is not None:
         raise OutputError(f"{where}: stored compressed or filtered; port stores arrays uncompressed")
-    return store
+    if meta.get("order") != "C" or meta.get("dimension_separator", ".") != ".":
+        raise OutputError(f"{where}: not stored in C order with '.'-separated chunk names, as port stores arrays")
+    chunks = meta.get("chunks")
+    if (
+        not isinstance(chunks, list) or len(chunks) != len(leaf.shape)
+        or not all(type(c) is int and 1 <= c <= max(n, 1) for c, n in zip(chunks, leaf.shape))
+    ):
+        raise OutputError(f"{where}: chunks {quoted(chunks)} are not a chunk shape for {leaf}")
+    return tuple(chunks)
 
 
-def _read_arrays(output: Output, stores: AnyMapping[str, Any], mesh: Mesh) -> Iterator[tuple[str, jax.Array]]:
-    """Each leaf under its `NamedSharding` on `mesh`, every distinct device block read once.
+def _open_arrays(output: Output) -> tuple[dict[str, tuple[int, ...]], Checkpoint]:
+    """Every leaf's chunk shape, and its chunk files as the tensors of a `Checkpoint` (keyed
+    `LEAF/CHUNK`), each found to be a regular file of exactly a chunk's bytes; reads no array data."""
+    shapes, tensors = {}, {}
+    budget = MAX_PARAMS_FILES
+    for path, leaf in output.leaves.items():
+        chunks = shapes[path] = _chunk_shape(output, leaf)
+        if leaf.size == 0:
+            continue
+        budget -= chunk_count(leaf.shape, chunks)
+        if budget < 0:
+            raise OutputError(f"{output.params}: more than {MAX_PARAMS_FILES} chunk files; not an output port wrote")
+        nbytes = math.prod(chunks) * leaf.dtype.itemsize
+        for index in grid(leaf.shape, chunks):
+            file = output.params / path / chunk_name(index)
+            try:
+                info = os.stat(file)
+            except FileNotFoundError:
+                raise OutputError(f"{file}: missing (a chunk of leaf '{path}')") from None
+            except OSError as e:
+                raise OutputError(f"{file}: cannot be read ({e.strerror})") from None
+            if not stat.S_ISREG(info.st_mode):
+                raise OutputError(f"{file}: not a regular file (a chunk of leaf '{path}')")
+            if info.st_size != nbytes:
+                raise OutputError(
+                    f"{file}: {info.st_size} bytes, but a chunk of leaf '{path}' ({describe(chunks, leaf.dtype)}) "
+                    f"is {nbytes}"
+                )
+            key = f"{path}/{chunk_name(index)}"
+            tensors[key] = TensorInfo(key, file, leaf.dtype, chunks, 0, (info.st_dev, info.st_ino, info.st_size))
+    return shapes, Checkpoint(output.params, {}, tensors)
+
+
+def _plan_reads(
+    path: str, leaf: Leaf, chunks: tuple[int, ...], boxes: list[Region]
+) -> tuple[dict[Region, np.ndarray], dict[str, list[tuple[Region, np.ndarray]]]]:
+    """The (uninitialised) blocks of `boxes`, and the reads that fill them, by chunk file:
+    each overlap of a block and a chunk is read from the chunk straight into its place in
+    the block (a view; one run per row where the block is wider than the chunk)."""
+    blocks, reads = {}, {}
+    for box in boxes:
+        block = blocks[box] = aligned_empty(tuple(b - a for a, b in box), leaf.dtype)
+        if block.size == 0:
+            continue
+        for index, region, within in overlapping(box, chunks):
+            place = block[tuple(slice(a, b) for a, b in within)]
+            reads.setdefault(f"{path}/{chunk_name(index)}", []).append((region, place))
+    return blocks, reads
+
+
+def _read_arrays(
+    output: Output, chunks: AnyMapping[str, tuple[int, ...]], checkpoint: Checkpoint, mesh: Mesh
+) -> Iterator[tuple[str, jax.Array]]:
+    """Each leaf under its `NamedSharding` on `mesh`, each distinct block of this process's
+    devices read once, from only the chunk bytes it covers, straight into the block's memory
+    where the chunk's piece is contiguous there (always, on the mesh it was saved from).
 
     Reads run ahead of placement by up to `READ_AHEAD_BYTES` of host memory; a failed
-    read cancels those still running.
+    read cancels those not yet started.
     """
-    pending: deque[tuple[Leaf, NamedSharding, dict, int]] = deque()
+    pending: deque[tuple[Leaf, NamedSharding, dict, list[Future], int]] = deque()
     in_flight = 0
-    try:
-        for path, leaf in output.leaves.items():
-            spec, _ = partition(leaf.shape, leaf.axes, output.mapping.rules, mesh.shape)
-            sharding = NamedSharding(mesh, spec)
-            reads, nbytes = {}, 0
-            for index in sharding.addressable_devices_indices_map(leaf.shape).values():
-                box = _box(index, leaf.shape)
-                if box not in reads:
-                    reads[box] = stores[path][tuple(slice(a, b) for a, b in box)].read()
-                    nbytes += math.prod(b - a for a, b in box) * leaf.dtype.itemsize
-            pending.append((leaf, sharding, reads, nbytes))
-            in_flight += nbytes
-            while in_flight > READ_AHEAD_BYTES and pending:
-                in_flight -= pending[0][3]
-                yield _place(output, *pending.popleft()[:3])
-        while pending:
-            yield _place(output, *pending.popleft()[:3])
-    finally:
-        for _, _, reads, _ in pending:
-            for future in reads.values():
-                future.cancel()
+    with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="port-restore") as pool:
+        try:
+            for path, leaf in output.leaves.items():
+                spec, _ = partition(leaf.shape, leaf.axes, output.mapping.rules, mesh.shape)
+                sharding = NamedSharding(mesh, spec)
+                blocks, reads = _plan_reads(path, leaf, chunks[path], _boxes(leaf.shape, sharding))
+                nbytes = sum(block.nbytes for block in blocks.values())
+                futures = [pool.submit(checkpoint.read_into, key, requests) for key, requests in reads.items()]
+                pending.append((leaf, sharding, blocks, futures, nbytes))
+                in_flight += nbytes
+                while in_flight > READ_AHEAD_BYTES and pending:
+                    in_flight -= pending[0][4]
+                    yield _placed(output, *pending.popleft()[:4])
+            while pending:
+                yield _placed(output, *pending.popleft()[:4])
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
-def _place(output: Output, leaf: Leaf, sharding: NamedSharding, reads: dict) -> tuple[str, jax.Array]:
-    """The leaf's `jax.Array` from its blocks' reads: each device gets its block."""
+def _placed(output: Output, leaf: Leaf, sharding: NamedSharding, blocks: dict, reads: list[Future]) -> tuple[str, jax.Array]:
+    """The leaf's `jax.Array` once its blocks are read: each device adopts its block."""
     try:
-        blocks = {box: future.result() for box, future in reads.items()}
-    except Exception as e:  # tensorstore reports every failure as ValueError
-        for future in reads.values():
+        for future in reads:
+            future.result()
+    except PortError as e:
+        for future in reads:
             future.cancel()
-        raise OutputError(f"{output.params}: leaf '{leaf.path}': cannot be read ({_reason(e)})") from None
-    arrays = [
-        jax.device_put(blocks[_box(index, leaf.shape)], device)
-        for device, index in sharding.addressable_devices_indices_map(leaf.shape).items()
-    ]
-    return leaf.path, jax.make_array_from_single_device_arrays(leaf.shape, sharding, arrays)
+        raise OutputError(f"{output.params}: leaf '{leaf.path}': cannot be read ({one_line(str(e), 300)})") from None
+    return leaf.path, assemble(leaf.shape, sharding, blocks)

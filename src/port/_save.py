@@ -1,13 +1,17 @@
 """Save: one Orbax checkpoint of the sharded parameters and port's metadata, restorable onto any mesh.
 
-The output is an ordinary Orbax composite checkpoint (format 2):
+The output is an ordinary Orbax composite checkpoint (port's format 3):
 
 ```
 OUT/
   _CHECKPOINT_METADATA      Orbax: the items and their handlers, timestamps
   commit_success.txt        Orbax: the checkpoint was finalised
-  params/                   the arrays: an Orbax PyTree (zarr in an OCDBT database), nested as the module is
-  port/metadata             port's metadata, JSON: the format number (2), the mapping's text and where it
+  params/                   the arrays, as Orbax's PyTree handler stores them without OCDBT:
+    _METADATA                 the tree (each array's path; None leaves), `use_ocdbt: false`
+    _sharding                 each array's NamedSharding, for a restore that names none
+    blocks.attn.wq/           one zarr array per leaf (see `_zarr`): `.zarray` and a chunk
+      .zarray  0.0.0.0 ...    file per block of the mesh it was saved from
+  port/metadata             port's metadata, JSON: the format number (3), the mapping's text and where it
   port/commit_success.txt   came from, config.json, and each leaf's shape, dtype and logical axes
 ```
 
@@ -15,13 +19,21 @@ Stock Orbax restores it without port (`ocp.StandardCheckpointer().restore(OUT / 
 gives the arrays as a nested dict, `ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(OUT)`
 both items); `restore` rebuilds the module from `port/metadata` and shards it for any mesh.
 
-Orbax writes the checkpoint into a temporary directory beside the target and renames it
-into place when complete (its atomic finalisation). Port names that directory
-(`.OUT.port-partial-TOKEN`) and registers it with the supervisor as it creates it, so
-a failed or interrupted save leaves nothing behind; with `force`, an earlier output is
+Port writes these files itself, at the speed of the disk: each device's block is one
+chunk file, written by a pool of threads straight from the device's buffer (on CPU,
+without a copy), the kernel asked to start writing each 64 MB to disk as it goes, and
+every file flushed before the directory is renamed into place. (Orbax's own writer
+copied every array to fresh host memory, then wrote through an OCDBT database at a
+fraction of the disk's speed: `docs/benchmarks.md`.)
+
+Everything is written into `.OUT.port-partial-TOKEN` beside the target, registered
+with the supervisor as it is created, and renamed into place when complete, so a
+failed or interrupted save leaves nothing behind; with `force`, an earlier output is
 moved aside only at that rename, so until then it stays complete. In a multi-process
-run every process calls `save` with the same directory (on a file system they share),
-each writes its own shards, and process 0 creates and finalises the directory.
+run (joined by `port.initialize`) every process calls `save` with the same directory
+(on a file system they share): process 0 creates it, each process writes the chunks of
+the blocks its devices hold (replica 0 of each), and process 0 writes the metadata
+and renames it into place once all have written.
 
 ```python
 save(model, "out/gpt2", mapping, config)
@@ -31,16 +43,22 @@ model = restore("out/gpt2", make_mesh("2x4"))
 
 from __future__ import annotations
 
+import base64
+import errno
 import contextlib
+import dataclasses
 import json
+import math
 import os
 import re
 import secrets
 import shutil
 import stat
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Mapping as AnyMapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,13 +67,15 @@ import jax
 import numpy as np
 
 from ._console import one_line
-from ._errors import OutputError, PortError
+from ._errors import OutputError, PortError, RunError
 from ._interrupt import final, removing
 from ._mapping import Mapping
-from ._runtime import run_token
-from ._skeleton import leaves
+from ._runtime import exchange, num_processes, run_token
+from ._skeleton import path_str
+from ._writer import _CHUNK, _start_writeback
+from ._zarr import ZARRAY, chunk_count, chunk_name, chunk_shape, zarray
 
-FORMAT = 2
+FORMAT = 3
 MAX_METADATA_BYTES = 32 << 20  # port/metadata, params/_METADATA: a few hundred KB for real models
 STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's names in a checkpoint it finalised
 COMMIT_FILE = "commit_success.txt"
@@ -242,49 +262,199 @@ def replacing(
             shutil.rmtree(aside)
 
 
-def _temporary_path(directory: Path, force: bool, cleanup: contextlib.ExitStack) -> type:
-    """Orbax's temporary-path class for one save to `directory`, as port names, creates and finalises it.
+_PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
+_JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
+WORKERS = 4  # threads writing chunk files: enough to keep a disk and the page cache busy
+_OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
-    Orbax's `Checkpointer` asks it for the temporary path (`from_final`), has process 0
-    `create` it, writes there, and has process 0 `finalize` it. Here the path is
-    `.NAME.port-partial-TOKEN` beside `directory`, the same in every process; `create`
-    makes it and registers it with the supervisor in one step (`removing`: nothing is
-    there to leave before, and an interrupt from then on removes it); `cleanup` removes
-    it if the save fails. `finalize` moves an earlier output aside (only with `force`,
-    and only one `check_out` still accepts) within the same `final()` block as Orbax's
-    rename, puts it back if the rename fails, and removes it once the new output is in
-    place. Orbax's own `force` would delete the earlier output before writing.
+
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    """One array as the output stores it: its tree path, chunk shape, and this process's chunks to write."""
+
+    path: str
+    keys: list[dict[str, Any]]  # Orbax's key_metadata: [{"key": "blocks", "key_type": 2}, ...]
+    array: jax.Array
+    chunks: tuple[int, ...]
+    mine: list[tuple[tuple[int, ...], Any]]  # (chunk index, the shard holding it), replica 0 only
+
+    @property
+    def chunk_bytes(self) -> int:
+        return math.prod(self.chunks) * self.array.dtype.itemsize
+
+
+def _key(entry: Any) -> dict[str, Any]:
+    """Orbax's metadata of one step of a tree path: a sequence index is key_type 1, any other key 2."""
+    if isinstance(entry, jax.tree_util.SequenceKey):
+        return {"key": str(entry.idx), "key_type": 1}
+    for attr in ("name", "key"):
+        if hasattr(entry, attr):
+            return {"key": str(getattr(entry, attr)), "key_type": 2}
+    return {"key": str(entry), "key_type": 2}
+
+
+def _stored(model: Any) -> tuple[list[_Stored], list[list[dict[str, Any]]]]:
+    """The arrays of `model` as stored (in tree order), and the tree paths of its other leaves (stored as None)."""
+    arrays, nones = [], []
+    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: x is None)
+    for keypath, leaf in flat:
+        keys = [_key(k) for k in keypath]
+        if not isinstance(leaf, jax.Array):
+            nones.append(keys)
+            continue
+        chunks = chunk_shape(leaf.shape, leaf.sharding.shard_shape(leaf.shape))
+        mine = []
+        for shard in leaf.addressable_shards:
+            if shard.replica_id == 0 and leaf.size:
+                start = tuple(s.indices(n)[0] for s, n in zip(shard.index, leaf.shape))
+                mine.append((tuple(a // c for a, c in zip(start, chunks)), shard))
+        arrays.append(_Stored(path_str(keypath), keys, leaf, chunks, mine))
+    return arrays, nones
+
+
+def _sharding_text(array: jax.Array) -> str | None:
+    """Orbax's description of a `NamedSharding` (in `params/_sharding`), from which stock Orbax rebuilds it."""
+    sharding = array.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    mesh = sharding.mesh
+    spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
+    return json.dumps({
+        "sharding_type": "NamedSharding",
+        "shape": list(mesh.devices.shape),
+        "axis_names": list(mesh.axis_names),
+        "axis_types": [str(t) for t in mesh.axis_types],
+        "partition_spec": spec,
+        "device_mesh": {"mesh": np.vectorize(lambda d: {"id": d.id}, otypes=[object])(mesh.devices).tolist()},
+    })
+
+
+def _tree_metadata(arrays: list[_Stored], nones: list[list[dict[str, Any]]]) -> dict[str, Any]:
+    """`params/_METADATA`: Orbax's PyTree metadata of arrays stored as zarr without OCDBT."""
+    tree = {}
+    for stored in arrays:
+        tree[str(tuple(k["key"] for k in stored.keys))] = {
+            "key_metadata": stored.keys,
+            "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": list(stored.chunks)},
+        }
+    for keys in nones:
+        tree[str(tuple(k["key"] for k in keys))] = {
+            "key_metadata": keys, "value_metadata": {"value_type": "None", "skip_deserialize": True}
+        }
+    return {
+        "tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
+        "store_array_data_equal_to_fill_value": True, "custom_metadata": None,
+    }
+
+
+def _write_new(path: Path, data: bytes | memoryview) -> None:
+    """Create `path` (never an existing file, nor through a link) holding `data`, flushed to disk.
+
+    The kernel is asked to start writing each 64 MB to disk as soon as it is written
+    (`_start_writeback`), so the final flush finds little left. An `OSError` names `path`.
     """
-    from etils import epath
-    from orbax.checkpoint.path import atomicity
+    view = memoryview(data).cast("B")
+    try:
+        fd = os.open(path, _OPEN_NEW, 0o644)
+        try:
+            done = 0
+            while done < len(view):
+                wrote = os.pwrite(fd, view[done : done + _CHUNK], done)
+                if wrote <= 0:
+                    raise OSError(errno.EIO, "the file system wrote nothing")
+                _start_writeback(fd, done, wrote)
+                done += wrote
+            getattr(os, "fdatasync", os.fsync)(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
-    token = run_token()
-    partial = directory.parent / f".{directory.name}.port-partial-{token}"
 
-    class PortTemporaryPath(atomicity.AtomicRenameTemporaryPath):
-        path = partial
+def _sync_directory(path: Path) -> None:
+    """Flush `path`'s entries to disk, where the file system can."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a directory; the files themselves are flushed
+    finally:
+        os.close(fd)
 
-        @classmethod
-        def from_final(cls, final_path: Any, **options: Any) -> PortTemporaryPath:
-            # Whatever path Orbax was handed (see `save`), the output is `directory`.
-            return cls(epath.Path(partial), epath.Path(directory), **options)
 
-        async def create(self) -> Any:
-            make_partial(partial, cleanup)
-            if self._checkpoint_metadata_store is not None:  # as Orbax's own create
-                self._checkpoint_metadata_store.update(
-                    file_path=self.get() / STEP_METADATA, init_timestamp_nsecs=time.time_ns()
-                )
-            return self.get()
+def _write_chunk(path: Path, shard: Any, chunks: tuple[int, ...]) -> int:
+    """Write one device's block as its chunk file; returns the bytes written.
 
-        async def finalize(self) -> None:
-            with replacing(directory, force):
-                try:
-                    await super().finalize()  # Orbax's commit file and timestamp, and its rename
-                except FileExistsError:
-                    raise OutputError(f"--out {directory}: another run wrote it meanwhile") from None
+    On CPU the block is written from the device's own buffer (NumPy's view of it, no
+    copy); from an accelerator it is copied to the host first. A block short of the
+    chunk shape (an uneven split's last) is padded, as zarr stores edge chunks.
+    """
+    data = np.asarray(shard.data)
+    if data.shape != chunks:
+        padded = np.zeros(chunks, data.dtype)
+        padded[tuple(slice(0, n) for n in data.shape)] = data
+        data = padded
+    _write_new(path, np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+    return data.nbytes
 
-    return PortTemporaryPath
+
+def _write_chunks(
+    partial: Path, arrays: list[_Stored], progress: Callable[[int, int], None] | None, workers: int = WORKERS
+) -> int:
+    """Write this process's chunk files with `workers` threads; returns the bytes written.
+
+    Blocks are handed to the threads in tree order; from an accelerator, at most the
+    largest array's bytes of host copies are in flight. `progress(done, total)` is
+    called (on this thread) as each chunk is written.
+    """
+    jobs = [(partial / "params" / s.path / chunk_name(index), shard, s.chunks, s.chunk_bytes)
+            for s in arrays for index, shard in s.mine]
+    total = sum(job[3] for job in jobs)
+    budget = max((s.array.nbytes for s in arrays), default=0)
+    done, in_flight = 0, 0
+    if progress is not None:
+        progress(0, total)
+    with ThreadPoolExecutor(workers, thread_name_prefix="port-save") as pool:
+        pending: deque[tuple[Future, int]] = deque()
+
+        def finish_oldest() -> None:
+            nonlocal done, in_flight
+            future, nbytes = pending.popleft()
+            done += future.result()
+            in_flight -= nbytes
+            if progress is not None:
+                progress(done, total)
+
+        try:
+            for path, shard, chunks, nbytes in jobs:
+                host = shard.data.devices().pop().platform != "cpu"
+                while pending and (len(pending) >= 4 * workers or host and in_flight + nbytes > budget):
+                    finish_oldest()
+                pending.append((pool.submit(_write_chunk, path, shard, chunks), nbytes if host else 0))
+                in_flight += pending[-1][1]
+            while pending:
+                finish_oldest()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+    return done
+
+
+def _checkpoint_metadata(started: int) -> bytes:
+    """`_CHECKPOINT_METADATA`: Orbax's record of a composite checkpoint's items, their handlers and its times."""
+    return json.dumps({
+        "init_timestamp_nsecs": started,
+        "item_handlers": {"params": _PYTREE_HANDLER, "port": _JSON_HANDLER},
+        "custom_metadata": {},
+        "commit_timestamp_nsecs": time.time_ns(),
+    }).encode()
+
+
+def _commit_text(directory: Path) -> bytes:
+    return f"Checkpoint commit was successful to {directory}".encode()
 
 
 def save(
@@ -295,6 +465,7 @@ def save(
     force: bool = False,
     sources: AnyMapping[str, Any] | None = None,
     include: Sequence[str] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Write `model`'s arrays and port's metadata as one Orbax checkpoint, atomically.
 
@@ -312,6 +483,8 @@ def save(
       `port export` can write the same tensors back; `port convert` passes them.
     - `include`: the patterns a partial model was loaded with (its other leaves None),
       recorded so that `restore` accepts the leaves the output lacks.
+    - `progress`: called with (bytes this process has written, bytes it writes) as
+      writing starts and as each chunk file is written.
 
     Returns the absolute output path. Raises `OutputError`, one line, when the directory
     may not be written or writing fails (a full disk, a file-size limit); nothing is
@@ -323,10 +496,12 @@ def save(
         save(model, "gpt2-jax", port.mapping_for(ckpt.config), ckpt.config)
     ```
     """
-    import orbax.checkpoint as ocp
-
     directory = check_out(directory, force)
-    params = eqx.filter(model, lambda leaf: isinstance(leaf, jax.Array))
+    me, processes = jax.process_index(), jax.process_count()
+    if processes > 1 and num_processes() is None:
+        raise RunError("port save in several processes needs the run joined by port.initialize (or port's flags)")
+    started = time.time_ns()
+    arrays, nones = _stored(eqx.filter(model, lambda leaf: isinstance(leaf, jax.Array)))
     axes = {p.path: p.axes for p in mapping.params}
     meta = {
         "format": FORMAT,
@@ -334,8 +509,9 @@ def save(
         "mapping": mapping.text,
         "config": dict(config),
         "leaves": {
-            p: {"shape": list(a.shape), "dtype": np.dtype(a.dtype).name, "axes": list(axes.get(p, ()))}
-            for p, a in leaves(params).items()
+            s.path: {"shape": list(s.array.shape), "dtype": np.dtype(s.array.dtype).name,
+                     "axes": list(axes.get(s.path, ()))}
+            for s in arrays
         },
     }
     if include is not None:
@@ -344,25 +520,50 @@ def save(
         meta["sources"] = {
             key: {"shape": list(info.shape), "dtype": np.dtype(info.dtype).name} for key, info in sources.items()
         }
-    # No compression: trained weights barely compress, and compressing doubled the
-    # host memory of a save; at most 1 GB of arrays in flight to the writer.
-    registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
-    registry.add("params", ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler(
-        use_compression=False, save_concurrent_gb=1, save_device_host_concurrent_gb=1
-    ))
-    registry.add("port", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
-    items = ocp.args.Composite(params=ocp.args.PyTreeSave(params), port=ocp.args.JsonSave(meta))
+    expected = sum(chunk_count(s.array.shape, s.chunks) * s.chunk_bytes for s in arrays if s.array.size)
+    partial = directory.parent / f".{directory.name}.port-partial-{run_token()}"
     with contextlib.ExitStack() as cleanup:
-        temporary = _temporary_path(directory, force, cleanup)
         try:
-            with ocp.Checkpointer(
-                ocp.CompositeCheckpointHandler(handler_registry=registry), temporary_path_class=temporary
-            ) as checkpointer:
-                # Orbax is handed the temporary path to check, not `directory`: it refuses an
-                # existing directory, which `force` replaces (in `finalize`, once the new one is complete).
-                checkpointer.save(temporary.path, args=items)
+            if me == 0:
+                make_partial(partial, cleanup)
+                for name in ("params", "port", *(f"params/{s.path}" for s in arrays)):
+                    os.mkdir(partial / name)
+                for s in arrays:
+                    text = json.dumps(zarray(s.array.shape, s.chunks, s.array.dtype))
+                    _write_new(partial / "params" / s.path / ZARRAY, text.encode())
+            exchange("save-created", "", "word that the output's directories exist")
+            wrote = _write_chunks(partial, arrays, progress)
+            counts = exchange("save-written", str(wrote), "what it wrote")
+            if me == 0:
+                if sum(int(n) for n in counts.values()) != expected:
+                    raise OutputError(f"--out {directory}: the processes wrote {counts}, not the {expected} bytes laid out")
+                sharding = {base64.b64encode(s.path.encode()).decode(): text
+                            for s in arrays if (text := _sharding_text(s.array)) is not None}
+                files = {
+                    "params/_METADATA": json.dumps(_tree_metadata(arrays, nones)).encode(),
+                    "params/_sharding": json.dumps(sharding).encode(),
+                    "params/" + COMMIT_FILE: _commit_text(partial / "params"),
+                    "port/metadata": json.dumps(meta).encode(),
+                    "port/" + COMMIT_FILE: _commit_text(partial / "port"),
+                    STEP_METADATA: _checkpoint_metadata(started),
+                    COMMIT_FILE: _commit_text(directory),
+                }
+                for name, data in files.items():
+                    _write_new(partial / name, data)
+                for name in (*(f"params/{s.path}" for s in arrays), "params", "port", ""):
+                    _sync_directory(partial / name)
+                with replacing(directory, force):
+                    try:
+                        os.rename(partial, directory)
+                    except OSError as e:
+                        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                            raise OutputError(f"--out {directory}: another run wrote it meanwhile") from None
+                        raise
+                _sync_directory(directory.parent)
+            exchange("save-done", "", "word that the output is in place")
         except PortError:
             raise
-        except (OSError, ValueError, RuntimeError) as e:  # tensorstore reports I/O errors as ValueError
-            raise OutputError(f"--out {directory}: writing the checkpoint failed: {_reason(e)}") from None
+        except OSError as e:
+            where = f" ({Path(e.filename).relative_to(partial)})" if e.filename and partial in Path(e.filename).parents else ""
+            raise OutputError(f"--out {directory}: writing the checkpoint failed: {_reason(e)}{where}") from None
     return directory
