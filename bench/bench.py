@@ -16,6 +16,14 @@ process on 8 simulated CPU devices, and reports the median:
                  pread backend); "floor-streamed" reads each tensor and drops it before the next
   (d) flax       transformers 4.x `FlaxGPT2LMHeadModel.from_pretrained(..., from_pt=True)`,
                  where installed
+  (e) floor-rw   each tensor read (streamed, as floor-streamed) and its bytes written to one
+                 new file; "floor-rw+fsync" also fsyncs the file: port-convert's floors
+  (f) port-restore  `port.restore(out, mesh=...)` of a `port convert` output that the
+                 driver writes once, untimed, beside the checkpoint (`<dir>-out`);
+                 "floor-restore" reads the same array chunk files into NumPy, its floor
+
+Under each table, one line per port command compares its time with its floor (bound
+1.5x) and its peak memory minus the arrays it produced with 1.5x the largest tensor.
 
 Memory is this script's own sampling of `RssAnon` (/proc/self/status) in the
 measured process, above its value just before the method starts. The result table
@@ -34,10 +42,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("port", "port-convert", "recipe", "floor", "floor-streamed", "flax")
+METHODS = ("port", "port-convert", "port-restore", "recipe", "floor", "floor-streamed",
+           "floor-rw", "floor-rw+fsync", "floor-restore", "flax")
+RESTORE_METHODS = ("port-restore", "floor-restore")
+BOUND = 1.5
+
+# Run by measure() after the clock stops: clean-up the methods leave (temp outputs).
+_AFTER: list[Callable[[], None]] = []
 
 
 # ---------------------------------------------------------------- measured process
@@ -158,8 +173,67 @@ def _port_convert(directory: Path, mesh):
     if code:
         raise RuntimeError(f"port convert exited {code}")
     figures = json.loads(report.read_text())
-    shutil.rmtree(out.parent)
+    _AFTER.append(lambda: shutil.rmtree(out.parent))  # not timed, as for the floor-rw rows
     return None, figures["bytes_read"], figures
+
+
+def _floor_rw(directory: Path, mesh, fsync: bool = False):
+    """Read each tensor (streamed) and write its bytes to one new file; port convert's floor."""
+    from safetensors import safe_open
+
+    scratch = Path(tempfile.mkdtemp(prefix="port-bench-rw-"))
+    _AFTER.append(lambda: shutil.rmtree(scratch))
+    total = 0
+    with safe_open(directory / "model.safetensors", "np", backend="pread") as f, \
+            open(scratch / "tensors.bin", "wb") as out:
+        for key in f.keys():
+            tensor = f.get_tensor(key)
+            total += tensor.nbytes
+            out.write(tensor.reshape(-1).view("uint8"))
+            del tensor
+        if fsync:
+            out.flush()
+            os.fsync(out.fileno())
+    return None, total
+
+
+def _floor_rw_fsync(directory: Path, mesh):
+    return _floor_rw(directory, mesh, fsync=True)
+
+
+def output_of(directory: Path) -> Path:
+    """Where the driver writes the `port convert` output that the restore rows read."""
+    return directory.parent / (directory.name + "-out")
+
+
+def chunk_files(out: Path) -> list[Path]:
+    """The array chunk files of a port output: regular files under params/, not metadata."""
+    params = out / "params"
+    return sorted(
+        path for path in params.rglob("*")
+        if path.is_file() and not path.is_symlink() and not path.name.startswith((".", "_"))
+        and "array_metadatas" not in path.relative_to(params).parts
+    )
+
+
+def _port_restore(directory: Path, mesh):
+    import jax
+
+    import port
+
+    out = output_of(directory)
+    model = port.restore(out, mesh)
+    jax.block_until_ready(model)
+    return model, sum(path.stat().st_size for path in chunk_files(out))
+
+
+def _floor_restore(directory: Path, mesh):
+    """Read the chunk files port.restore reads into NumPy, kept until the clock stops."""
+    import numpy as np
+
+    arrays = [np.fromfile(path, dtype=np.uint8) for path in chunk_files(output_of(directory))]
+    _AFTER.append(arrays.clear)
+    return None, sum(a.nbytes for a in arrays)
 
 
 def _floor(directory: Path, mesh):
@@ -213,16 +287,22 @@ def measure(method: str, directory: Path, mesh_spec: str) -> dict:
 
     mesh = port.make_mesh(mesh_spec)
     jax.devices()
-    fn = {"port": _port, "port-convert": _port_convert, "recipe": _recipe, "floor": _floor,
-          "floor-streamed": _floor_streamed, "flax": _flax}[method]
+    fn = {"port": _port, "port-convert": _port_convert, "port-restore": _port_restore,
+          "recipe": _recipe, "floor": _floor, "floor-streamed": _floor_streamed,
+          "floor-rw": _floor_rw, "floor-rw+fsync": _floor_rw_fsync,
+          "floor-restore": _floor_restore, "flax": _flax}[method]
     if method == "flax":
         from transformers import FlaxGPT2LMHeadModel  # noqa: F401  (transformers 4.x only)
     _back_memory(2 * (directory / "model.safetensors").stat().st_size)
     stop = _sampler()
-    start = time.perf_counter()
-    result, bytes_read, *report = fn(directory, mesh)
-    seconds = time.perf_counter() - start
-    peak = stop()
+    try:
+        start = time.perf_counter()
+        result, bytes_read, *report = fn(directory, mesh)
+        seconds = time.perf_counter() - start
+        peak = stop()
+    finally:
+        while _AFTER:  # clean-up, not timed (and done when the method failed)
+            _AFTER.pop()()
     if report:  # port convert: the arrays are gone once written; its report has the device bytes
         per_device, total_device = max(report[0]["device_bytes"].values()), sum(report[0]["device_bytes"].values())
     elif result is not None and method != "flax":
@@ -263,10 +343,23 @@ def median_run(runs: list, peaks: tuple[str, ...]) -> dict | str:
     return dict(chosen, **{name: max(r[name] for r in ok) for name in peaks})
 
 
-def warm(directory: Path) -> None:
-    with open(directory / "model.safetensors", "rb") as f:
-        while f.read(1 << 24):
-            pass
+def warm(*paths: Path) -> None:
+    """Read each file once, so that every method finds it in the page cache."""
+    for path in paths:
+        with open(path, "rb") as f:
+            while f.read(1 << 24):
+                pass
+
+
+def convert_for_restore(directory: Path, mesh: str) -> str | None:
+    """Write `port convert`'s output for the restore rows (untimed); an error line if it failed."""
+    command = [sys.executable, "-m", "port", "convert", str(directory), "--out", str(output_of(directory)),
+               "--mesh", mesh, "--force", "--no-progress"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["failed"])[-1]
+        return f"port convert failed: {last}"[:80]
+    return None
 
 
 def _mb(n: float) -> str:
@@ -291,6 +384,7 @@ def table(size: str, dtype: str, results: dict, largest: int) -> str:
         per_device = _mb(r["device_bytes"]) if r["device_bytes"] else "-"
         rows.append(f"| {method} | {r['seconds']:.3f} | {_mb(r['peak_above_start'])} | {_mb(r['bytes_read'])} | "
                     f"{per_device} | {vs_recipe} | {vs_floor} | {vs_streamed} | {mem} |")
+    rows += _convert_line(results, largest) + _restore_line(results, largest)
     p = results.get("port")
     if isinstance(p, dict) and isinstance(floor, dict):
         overhead = p["peak_above_start"] - p["total_device_bytes"]
@@ -300,6 +394,42 @@ def table(size: str, dtype: str, results: dict, largest: int) -> str:
                  f"{p['seconds'] / floor['seconds']:.2f} (bound 1.5: "
                  f"{'holds' if p['seconds'] <= 1.5 * floor['seconds'] else 'EXCEEDED'})."]
     return "\n".join(rows)
+
+
+def _holds(value: float, bound: float) -> str:
+    return "holds" if value <= bound else "EXCEEDED"
+
+
+def _vs(r: dict, floor: dict | str | None, name: str) -> str:
+    """`vs NAME 1.234 s: 1.05 (bound 1.5: holds)`, or why there is no ratio."""
+    if not isinstance(floor, dict):
+        return f"vs {name}: no figure ({floor or 'not run'})"
+    ratio = r["seconds"] / floor["seconds"]
+    return f"vs {name} {floor['seconds']:.3f} s: {ratio:.2f} (bound {BOUND}: {_holds(ratio, BOUND)})"
+
+
+def _memory(r: dict, largest: int) -> str:
+    overhead = r["peak_above_start"] - r["total_device_bytes"]
+    return (f"memory: peak above start minus the arrays ({_mb(r['total_device_bytes'])} on 8 devices) = "
+            f"{_mb(overhead)}, bound {BOUND} x the largest tensor = {_mb(BOUND * largest)} "
+            f"({_holds(overhead, BOUND * largest)})")
+
+
+def _convert_line(results: dict, largest: int) -> list[str]:
+    r = results.get("port-convert")
+    if not isinstance(r, dict):
+        return []
+    return ["", f"port-convert: {r['seconds']:.3f} s; {_vs(r, results.get('floor-rw'), 'floor-rw')}; "
+            f"{_vs(r, results.get('floor-rw+fsync'), 'floor-rw+fsync')} (the like-for-like floor: "
+            f"port fsyncs its output); {_memory(r, largest)}."]
+
+
+def _restore_line(results: dict, largest: int) -> list[str]:
+    r = results.get("port-restore")
+    if not isinstance(r, dict):
+        return []
+    return ["", f"port-restore: {r['seconds']:.3f} s; {_vs(r, results.get('floor-restore'), 'floor-restore')}; "
+            f"{_memory(r, largest)}."]
 
 
 MESH = "4x2"
@@ -336,12 +466,20 @@ def main() -> None:
                 with safe_open(directory / "model.safetensors", "np") as f:
                     largest = max(f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1]
                                   for k in f.keys()) * (2 if dtype == "bfloat16" else 4)
-                warm(directory)
                 methods = args.methods.split(",")
+                failed = None
+                if any(m in RESTORE_METHODS for m in methods):
+                    failed = convert_for_restore(directory, args.mesh)
+                    if failed is None:
+                        warm(*chunk_files(output_of(directory)))
+                warm(directory / "model.safetensors")
                 runs: dict = {m: [] for m in methods}
                 for _ in range(args.repeats):
                     for method in methods:
-                        r = run_method(method, directory, args.mesh)
+                        if failed and method in RESTORE_METHODS:
+                            r = failed
+                        else:
+                            r = run_method(method, directory, args.mesh)
                         runs[method].append(r)
                 results = {method: median_run(rs, ("peak_above_start",)) for method, rs in runs.items()}
                 section = table(size, dtype, results, largest)
@@ -372,6 +510,15 @@ def main() -> None:
             "to fresh host memory (on CPU, where the arrays already are in host memory) and then "
             "writes through tensorstore, at a fraction of the speed of a plain buffered write of the "
             "same bytes, and its staging copies are what it holds above the arrays.",
+            "- `floor-rw` reads each tensor (as `floor-streamed`) and writes its bytes to one new file "
+            "with a plain buffered write; `floor-rw+fsync` also fsyncs that file before the clock stops. "
+            "port writes its output to disk and fsyncs it before renaming it into place, so "
+            "`floor-rw+fsync` is `port-convert`'s like-for-like floor; the line under each table gives "
+            "both ratios and port-convert's memory above the arrays it wrote.",
+            "- `port-restore` is `port.restore(out, mesh=...)` of a `port convert` output written once "
+            "before the repeats (untimed, its chunk files then read once to warm the page cache). "
+            "`floor-restore` reads the same chunk files into NumPy and keeps them: its floor. The line "
+            "under each table compares the two and gives port-restore's memory above the arrays.",
             "- `recipe` gets the shardings from port for free; in practice users also build a randomly "
             "initialised model first, which costs another copy.",
             "- `flax` (transformers 4.x `FlaxGPT2LMHeadModel.from_pretrained(..., from_pt=True)`) runs "
