@@ -181,3 +181,55 @@ def test_python_api_in_two_processes(gpt2_checkpoints, tmp_path):
     ids = repr(INPUT_IDS.tolist())
     run_processes(lambda i: [sys.executable, "-c", SCRIPT, str(directories["lm"]), address, str(i), str(out), ids])
     assert np.abs(np.load(out) - expected_logits).max() < 1e-4
+
+
+RESTORE_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import equinox as eqx
+    import numpy as np
+    import port, port._source
+
+    out, address, process, mesh, logits_out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    assert port.initialize(address, num_processes=2, process_id=process, local_devices=4)
+    import jax
+    from jax.experimental import multihost_utils
+
+    read, real = [0], port._source._preadv
+    def counted(fd, iov, offset):
+        got = real(fd, iov, offset)
+        read[0] += got
+        return got
+    port._source._preadv = counted
+    model = port.restore(out, mesh)
+    # Its share: the distinct blocks its own devices hold, each once.
+    share = sum(
+        sum(np.prod([s.indices(n)[1] - s.indices(n)[0] for s, n in zip(index, a.shape)], dtype=np.int64)
+            for index in {tuple((s.start, s.stop) for s in sh.index): sh.index for sh in a.addressable_shards}.values())
+        * a.dtype.itemsize
+        for a in jax.tree.leaves(model)
+    )
+    ids = np.asarray(eval(sys.argv[6]))
+    logits = multihost_utils.process_allgather(eqx.filter_jit(lambda m, x: m(x))(model, ids), tiled=True)
+    if process == 0:
+        np.save(logits_out, np.asarray(logits))
+    print(json.dumps({"read": read[0], "share": int(share)}))
+""")
+
+
+@pytest.mark.parametrize("mesh_spec", ["4x2", "2x4"])
+def test_two_processes_restore_and_read_only_their_share(gpt2_checkpoints, tmp_path, mesh_spec):
+    """An output written from 4x2 in one process, restored by two processes of 4 devices:
+    each reads exactly the bytes of its own devices' distinct blocks, about half of all."""
+    directories, expected_logits = gpt2_checkpoints
+    out, address = tmp_path / "out", f"127.0.0.1:{free_port()}"
+    port.convert(directories["sharded"], mesh="4x2", out=out)
+    ids = repr(INPUT_IDS.tolist())
+    results = run_processes(lambda i: [sys.executable, "-c", RESTORE_SCRIPT, str(out), address, str(i), mesh_spec,
+                                       str(tmp_path / "logits.npy"), ids])
+    figures = [json.loads(stdout.strip().splitlines()[-1]) for _, stdout, _ in results]
+    total = sum(f.stat().st_size for f in (out / "params").rglob("*") if f.is_file() and f.parent != out / "params"
+                and f.name != ".zarray")
+    for figure in figures:
+        assert figure["read"] == figure["share"], figures
+        assert 0.3 * total < figure["read"] < 0.7 * total, (figures, total)
+    assert np.abs(np.load(tmp_path / "logits.npy") - expected_logits).max() < 1e-4

@@ -1,8 +1,11 @@
 """`port.save` / `port restore`: an Orbax output loads onto any mesh with the same logits."""
 
+import contextlib
+import os
 from pathlib import Path
 
 import equinox as eqx
+import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -98,3 +101,81 @@ def test_named_mesh_of_any_rank(tmp_path):
     assert len(model.blocks.attn.wq.sharding.device_set) == 8
     with pytest.raises(port.PortError, match="axis 'data' named twice"):
         port.make_mesh("data=2,data=2")
+
+
+def _chunk_files(out: Path, leaves=None) -> dict[str, int]:
+    """The chunk files of an output (every file of a leaf's directory but its `.zarray`), by path, with sizes."""
+    found = {}
+    for folder in (out / "params").iterdir():
+        if folder.is_dir() and (leaves is None or folder.name in leaves):
+            found.update({str(f): f.stat().st_size for f in folder.iterdir() if f.name != ".zarray"})
+    return found
+
+
+@contextlib.contextmanager
+def _bytes_read():
+    """Per file, how many times each of its bytes was read by `port._source._preadv` within the block."""
+    import port._source
+
+    counts, real = {}, port._source._preadv
+
+    def preadv(fd, iov, offset):
+        got = real(fd, iov, offset)
+        name = os.readlink(f"/proc/self/fd/{fd}")
+        size = os.fstat(fd).st_size
+        counts.setdefault(name, np.zeros(size, np.int64))[offset : offset + got] += 1
+        return got
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(port._source, "_preadv", preadv)
+        yield counts
+
+
+@pytest.mark.parametrize("mesh_spec", ["4x2", "2x4", "1x1", "8x1"])
+def test_restore_reads_every_chunk_byte_once(saved, mesh_spec):
+    """On the mesh it was saved from or any other: each device's block reads only the chunk
+    bytes it covers, every byte of the arrays is read exactly once, nothing else is."""
+    out, written_logits, _ = saved
+    with _bytes_read() as counts:
+        model = port.restore(out, mesh_spec)
+    chunks = _chunk_files(out)
+    assert set(counts) == set(chunks)
+    for name, count in counts.items():
+        assert count.size == chunks[name] and (count == 1).all(), name
+    assert np.abs(np.asarray(logits(model, INPUT_IDS)) - written_logits).max() < 1e-5
+
+
+def test_restore_include_reads_only_the_included_chunks(saved):
+    out, _, _ = saved
+    with _bytes_read() as counts:
+        model = port.restore(out, "2x4", include=["wte", "blocks.attn.*"])
+    included = {p for p in os.listdir(out / "params") if p == "wte" or p.startswith("blocks.attn.")}
+    assert len(included) == 9
+    chunks = _chunk_files(out, included)
+    assert set(counts) == set(chunks)
+    assert all((count == 1).all() for count in counts.values())
+    assert model.wpe is None and model.blocks.mlp.w_fc is None and model.wte is not None
+
+
+def test_convert_reports_the_write_as_it_goes(gpt2_checkpoints, tmp_path):
+    """Chunks are written while the next leaves are placed; once placing is over, `progress`
+    gets phase "write" for what is left, up to every byte of the output's arrays; `save`
+    reports each chunk file as it is written."""
+    directories, _ = gpt2_checkpoints
+    events = []
+    run = port.convert(directories["sharded"], mesh="4x2", out=tmp_path / "out", progress=events.append)
+    phases = [e.phase for e in events]
+    assert phases == sorted(phases, key=["read", "write"].index) and phases[-1] == "write"
+    writes = [e for e in events if e.phase == "write"]
+    total = sum(_chunk_files(tmp_path / "out").values())
+    assert total == sum(a.nbytes for a in jax.tree.leaves(run.model))
+    assert {e.total for e in writes} == {total} and writes[-1].done == total
+    assert all(a.done <= b.done for a, b in zip(writes, writes[1:]))
+    assert writes[-1].leaves_done == writes[-1].leaves == len(run.plan.leaves)
+
+    saved = []
+    with port.open_checkpoint(directories["sharded"]) as ckpt:
+        port.save(run.model, tmp_path / "again", port.mapping_for(ckpt.config), ckpt.config,
+                  progress=lambda done, total: saved.append((done, total)))
+    assert saved[-1] == (total, total) and len(saved) >= len(_chunk_files(tmp_path / "out"))
+    assert all(d <= t for d, t in saved) and all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(saved, saved[1:]))

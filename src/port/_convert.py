@@ -20,6 +20,7 @@ model = port.convert("ckpt/", skel, "my_mapping.toml", "2x2").model
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -42,7 +43,7 @@ from ._memory import PeakMemory
 from ._place import place
 from ._plan import LeafPlan, Plan, partition, plan
 from ._runtime import agree, as_mesh, mesh_spec
-from ._save import check_out, free_bytes, save
+from ._save import Saving, check_out, free_bytes
 from ._skeleton import leaves, skeleton as make_skeleton
 from ._source import Checkpoint, open_checkpoint
 
@@ -146,7 +147,7 @@ def convert(
     """
     start = time.perf_counter()
     owned = not isinstance(checkpoint, Checkpoint)
-    with PeakMemory() as peak:
+    with PeakMemory() as peak, contextlib.ExitStack() as stack:
         ckpt = open_checkpoint(checkpoint) if owned else checkpoint
         try:
             mapping = mapping_for(ckpt.config, mapping)
@@ -179,30 +180,35 @@ def convert(
                     "MODEL": fingerprint(ckpt),
                 }
             )
-            placed = 0
+            count, placed, writing = len(recipe.leaves), 0, None
 
-            def advance(leaf: LeafPlan) -> None:
+            def wrote(done: int, total: int) -> None:  # reported once placing is over: the write's tail
+                if progress is not None and writing is not None:
+                    progress(Progress("write", done, total, count if done == total else 0, count))
+
+            saving = stack.enter_context(Saving(out, force, wrote)) if out is not None else None
+
+            def advance(leaf: LeafPlan, array: jax.Array) -> None:
                 nonlocal placed
                 placed += 1
+                if saving is not None:  # written while the next leaves are placed
+                    saving.add(leaf.path, array)
                 if progress is not None:
-                    progress(Progress("read", ckpt.bytes_read, recipe.read_bytes, placed, len(recipe.leaves)))
+                    progress(Progress("read", ckpt.bytes_read, recipe.read_bytes, placed, count))
 
             if progress is not None:
-                progress(Progress("read", 0, recipe.read_bytes, 0, len(recipe.leaves)))
+                progress(Progress("read", 0, recipe.read_bytes, 0, count))
             placing = time.perf_counter()
             arrays = place(recipe, ckpt, mesh, advance)
-            arrays |= place_kept(kept, mapping, mesh, dtype)
+            extra = place_kept(kept, mapping, mesh, dtype)
+            for path, array in extra.items() if saving is not None else ():
+                saving.add(path, array)
+            arrays |= extra
             model = fill(skeleton, arrays | dict.fromkeys(recipe.excluded))
             jax.block_until_ready(arrays)
             writing = time.perf_counter()
-            if out is not None:
-                count = len(recipe.leaves)
-
-                def wrote(done: int, total: int) -> None:
-                    if progress is not None:
-                        progress(Progress("write", done, total, count if done == total else 0, count))
-
-                out = save(model, out, mapping, config, force=force, sources=ckpt.tensors, include=include, progress=wrote)
+            if saving is not None:
+                out = saving.finish(model, mapping, config, sources=ckpt.tensors, include=include)
             done = time.perf_counter()
         finally:
             if owned:

@@ -193,7 +193,7 @@ def place(
     plan: Plan,
     checkpoint: Checkpoint,
     mesh: Mesh,
-    progress: Callable[[LeafPlan], None] | None = None,
+    placed: Callable[[LeafPlan, jax.Array], None] | None = None,
     workers: int | None = None,
 ) -> dict[str, jax.Array | None]:
     """Every leaf of `plan` as an array under its final sharding, each device reading only its region.
@@ -207,7 +207,8 @@ def place(
     - `plan`: the `Plan` made by `port.plan` for this checkpoint and a mesh of this shape.
     - `checkpoint`: the open `Checkpoint` to read.
     - `mesh`: the `Mesh` the arrays are sharded over.
-    - `progress`: called with each `LeafPlan` once its array is made.
+    - `placed`: called with each `LeafPlan` and its array once made (to show progress,
+      or to start writing it while the next leaves are placed).
     - `workers`: reading threads (default: the CPU count, at most 8).
 
     Returns dotted module paths to arrays, for `port.fill`.
@@ -238,9 +239,9 @@ def place(
                 for future in futures:
                     future.result()
                 for i, leaf_blocks in zip(members, blocks):
-                    arrays[plan.leaves[i].path] = assemble(plan.leaves[i].shape, shardings[i], leaf_blocks)
-                    if progress is not None:
-                        progress(plan.leaves[i])
+                    array = arrays[plan.leaves[i].path] = assemble(plan.leaves[i].shape, shardings[i], leaf_blocks)
+                    if placed is not None:
+                        placed(plan.leaves[i], array)
                 del blocks, futures
         except BaseException:
             pool.shutdown(wait=True, cancel_futures=True)

@@ -46,7 +46,6 @@ from __future__ import annotations
 import base64
 import errno
 import contextlib
-import dataclasses
 import json
 import math
 import os
@@ -71,7 +70,7 @@ from ._errors import OutputError, PortError, RunError
 from ._interrupt import final, removing
 from ._mapping import Mapping
 from ._runtime import exchange, num_processes, run_token
-from ._skeleton import path_str
+from ._skeleton import leaves, path_str
 from ._writer import _CHUNK, _start_writeback
 from ._zarr import ZARRAY, chunk_count, chunk_name, chunk_shape, zarray
 
@@ -268,21 +267,6 @@ WORKERS = 4  # threads writing chunk files: enough to keep a disk and the page c
 _OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Stored:
-    """One array as the output stores it: its tree path, chunk shape, and this process's chunks to write."""
-
-    path: str
-    keys: list[dict[str, Any]]  # Orbax's key_metadata: [{"key": "blocks", "key_type": 2}, ...]
-    array: jax.Array
-    chunks: tuple[int, ...]
-    mine: list[tuple[tuple[int, ...], Any]]  # (chunk index, the shard holding it), replica 0 only
-
-    @property
-    def chunk_bytes(self) -> int:
-        return math.prod(self.chunks) * self.array.dtype.itemsize
-
-
 def _key(entry: Any) -> dict[str, Any]:
     """Orbax's metadata of one step of a tree path: a sequence index is key_type 1, any other key 2."""
     if isinstance(entry, jax.tree_util.SequenceKey):
@@ -291,25 +275,6 @@ def _key(entry: Any) -> dict[str, Any]:
         if hasattr(entry, attr):
             return {"key": str(getattr(entry, attr)), "key_type": 2}
     return {"key": str(entry), "key_type": 2}
-
-
-def _stored(model: Any) -> tuple[list[_Stored], list[list[dict[str, Any]]]]:
-    """The arrays of `model` as stored (in tree order), and the tree paths of its other leaves (stored as None)."""
-    arrays, nones = [], []
-    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: x is None)
-    for keypath, leaf in flat:
-        keys = [_key(k) for k in keypath]
-        if not isinstance(leaf, jax.Array):
-            nones.append(keys)
-            continue
-        chunks = chunk_shape(leaf.shape, leaf.sharding.shard_shape(leaf.shape))
-        mine = []
-        for shard in leaf.addressable_shards:
-            if shard.replica_id == 0 and leaf.size:
-                start = tuple(s.indices(n)[0] for s, n in zip(shard.index, leaf.shape))
-                mine.append((tuple(a // c for a, c in zip(start, chunks)), shard))
-        arrays.append(_Stored(path_str(keypath), keys, leaf, chunks, mine))
-    return arrays, nones
 
 
 def _sharding_text(array: jax.Array) -> str | None:
@@ -329,13 +294,13 @@ def _sharding_text(array: jax.Array) -> str | None:
     })
 
 
-def _tree_metadata(arrays: list[_Stored], nones: list[list[dict[str, Any]]]) -> dict[str, Any]:
+def _tree_metadata(arrays: list, nones: list[list[dict[str, Any]]], chunks: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     """`params/_METADATA`: Orbax's PyTree metadata of arrays stored as zarr without OCDBT."""
     tree = {}
-    for stored in arrays:
-        tree[str(tuple(k["key"] for k in stored.keys))] = {
-            "key_metadata": stored.keys,
-            "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": list(stored.chunks)},
+    for path, keys, _ in arrays:
+        tree[str(tuple(k["key"] for k in keys))] = {
+            "key_metadata": keys,
+            "value_metadata": {"value_type": "jax.Array", "skip_deserialize": False, "write_shape": list(chunks[path])},
         }
     for keys in nones:
         tree[str(tuple(k["key"] for k in keys))] = {
@@ -401,48 +366,6 @@ def _write_chunk(path: Path, shard: Any, chunks: tuple[int, ...]) -> int:
     return data.nbytes
 
 
-def _write_chunks(
-    partial: Path, arrays: list[_Stored], progress: Callable[[int, int], None] | None, workers: int = WORKERS
-) -> int:
-    """Write this process's chunk files with `workers` threads; returns the bytes written.
-
-    Blocks are handed to the threads in tree order; from an accelerator, at most the
-    largest array's bytes of host copies are in flight. `progress(done, total)` is
-    called (on this thread) as each chunk is written.
-    """
-    jobs = [(partial / "params" / s.path / chunk_name(index), shard, s.chunks, s.chunk_bytes)
-            for s in arrays for index, shard in s.mine]
-    total = sum(job[3] for job in jobs)
-    budget = max((s.array.nbytes for s in arrays), default=0)
-    done, in_flight = 0, 0
-    if progress is not None:
-        progress(0, total)
-    with ThreadPoolExecutor(workers, thread_name_prefix="port-save") as pool:
-        pending: deque[tuple[Future, int]] = deque()
-
-        def finish_oldest() -> None:
-            nonlocal done, in_flight
-            future, nbytes = pending.popleft()
-            done += future.result()
-            in_flight -= nbytes
-            if progress is not None:
-                progress(done, total)
-
-        try:
-            for path, shard, chunks, nbytes in jobs:
-                host = shard.data.devices().pop().platform != "cpu"
-                while pending and (len(pending) >= 4 * workers or host and in_flight + nbytes > budget):
-                    finish_oldest()
-                pending.append((pool.submit(_write_chunk, path, shard, chunks), nbytes if host else 0))
-                in_flight += pending[-1][1]
-            while pending:
-                finish_oldest()
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-    return done
-
-
 def _checkpoint_metadata(started: int) -> bytes:
     """`_CHECKPOINT_METADATA`: Orbax's record of a composite checkpoint's items, their handlers and its times."""
     return json.dumps({
@@ -455,6 +378,214 @@ def _checkpoint_metadata(started: int) -> bytes:
 
 def _commit_text(directory: Path) -> bytes:
     return f"Checkpoint commit was successful to {directory}".encode()
+
+
+class Saving:
+    """An output being written: arrays are added as they are made, and the chunk files of
+    the blocks this process holds are written meanwhile by a pool of threads; `finish`
+    writes the metadata and renames the output into place.
+
+    Leaving the block without `finish` (an error, an interrupt) cancels the writes not
+    yet started, waits for the others and removes the partial output. Every process
+    of a multi-process run makes one, adds every array (each writes only replica 0 of
+    the blocks its devices hold) and finishes it.
+
+    ```python
+    with Saving(check_out("out/gpt2"), progress=print) as saving:
+        for path, array in port.place(recipe, ckpt, mesh).items():
+            saving.add(path, array)
+        saving.finish(model, mapping, config)
+    ```
+
+    **Arguments:**
+
+    - `directory`: the output, as `check_out` returned it.
+    - `force`: at `finish`, replace an earlier port output there (see `replacing`).
+    - `progress`: called with (bytes written, bytes to write so far) as each chunk file is
+      written, on the thread that adds or finishes.
+    - `workers`: threads writing chunk files.
+    """
+
+    def __init__(
+        self, directory: Path, force: bool = False, progress: Callable[[int, int], None] | None = None,
+        workers: int = WORKERS,
+    ):
+        self.directory, self.force, self.progress = directory, force, progress
+        self.me, self.processes = jax.process_index(), jax.process_count()
+        if self.processes > 1 and num_processes() is None:
+            raise RunError("port save in several processes needs the run joined by port.initialize (or port's flags)")
+        self.partial = directory.parent / f".{directory.name}.port-partial-{run_token()}"
+        self.started = time.time_ns()
+        self.written = self.total = self._held = 0
+        self._budget = 0  # host bytes of accelerator blocks in flight: the largest array added
+        self._chunks: dict[str, tuple[int, ...]] = {}
+        self._pending: deque[tuple[Future, int]] = deque()
+        self._pool: ThreadPoolExecutor | None = None
+        self._cleanup = contextlib.ExitStack()
+        self._finished = False
+        with self._failing():
+            if self.me == 0:
+                make_partial(self.partial, self._cleanup)
+                os.mkdir(self.partial / "params")
+                os.mkdir(self.partial / "port")
+            exchange("save-created", "", "word that the output's directory exists")
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="port-save")
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """An `OSError` within becomes one `OutputError` line naming the output (and the file, inside it)."""
+        try:
+            yield
+        except PortError:
+            raise
+        except OSError as e:
+            inside = e.filename and self.partial in Path(e.filename).parents
+            where = f" ({Path(e.filename).relative_to(self.partial)})" if inside else ""
+            raise OutputError(f"--out {self.directory}: writing the checkpoint failed: {_reason(e)}{where}") from None
+
+    def add(self, path: str, array: jax.Array) -> None:
+        """Start writing `array`, the leaf at dotted module path `path`: its `.zarray` (process 0)
+        and a chunk file per block this process holds (replica 0), chunked as the array is sharded.
+        Raises the error of an earlier write that failed."""
+        if path in self._chunks:
+            raise ValueError(f"leaf '{path}' added twice")
+        chunks = self._chunks[path] = chunk_shape(array.shape, array.sharding.shard_shape(array.shape))
+        folder = self.partial / "params" / path
+        nbytes = math.prod(chunks) * array.dtype.itemsize
+        self._budget = max(self._budget, array.nbytes)
+        with self._failing():
+            os.makedirs(folder, exist_ok=True)  # by whichever process comes first
+            if self.me == 0:
+                _write_new(folder / ZARRAY, json.dumps(zarray(array.shape, chunks, array.dtype)).encode())
+            for shard in array.addressable_shards if array.size else ():
+                if shard.replica_id != 0:
+                    continue
+                start = tuple(s.indices(n)[0] for s, n in zip(shard.index, array.shape))
+                file = folder / chunk_name(tuple(a // c for a, c in zip(start, chunks)))
+                host = nbytes if shard.device.platform != "cpu" else 0  # CPU blocks are written without a copy
+                while self._pending and (self._pending[0][0].done() or len(self._pending) >= 64
+                                         or host and self._held + host > self._budget):
+                    self._finish_oldest()
+                self.total += nbytes
+                self._held += host
+                self._pending.append((self._pool.submit(_write_chunk, file, shard, chunks), host))
+
+    def _finish_oldest(self) -> None:
+        future, host = self._pending.popleft()
+        self.written += future.result()
+        self._held -= host
+        if self.progress is not None:
+            self.progress(self.written, self.total)
+
+    def finish(
+        self,
+        model: Any,
+        mapping: Mapping,
+        config: AnyMapping[str, Any],
+        sources: AnyMapping[str, Any] | None = None,
+        include: Sequence[str] | None = None,
+    ) -> Path:
+        """Wait for every chunk, then (process 0, once every process has written its share)
+        write the metadata of `model` (whose arrays are exactly those added) and rename
+        the output into place. Returns the output's path."""
+        with self._failing():
+            if self.progress is not None:
+                self.progress(self.written, self.total)
+            while self._pending:
+                self._finish_oldest()
+            arrays, nones = _tree(model)
+            if {path for path, _, _ in arrays} != set(self._chunks):
+                raise ValueError("the model's arrays are not the ones added")
+            counts = exchange("save-written", str(self.written), "what it wrote")
+            if self.me == 0:
+                expected = sum(
+                    chunk_count(a.shape, self._chunks[p]) * math.prod(self._chunks[p]) * a.dtype.itemsize
+                    for p, _, a in arrays if a.size
+                )
+                if sum(int(n) for n in counts.values()) != expected:
+                    raise OutputError(
+                        f"--out {self.directory}: the processes wrote {counts}, not the {expected} bytes laid out"
+                    )
+                self._commit(arrays, nones, _metadata_of(arrays, mapping, config, sources, include))
+            exchange("save-done", "", "word that the output is in place")
+        self._finished = True
+        return self.directory
+
+    def _commit(self, arrays: list, nones: list, meta: dict[str, Any]) -> None:
+        """Process 0: the metadata files, every directory flushed, and the rename into place."""
+        partial = self.partial
+        sharding = {base64.b64encode(p.encode()).decode(): text
+                    for p, _, a in arrays if (text := _sharding_text(a)) is not None}
+        files = {
+            "params/_METADATA": json.dumps(_tree_metadata(arrays, nones, self._chunks)).encode(),
+            "params/_sharding": json.dumps(sharding).encode(),
+            "params/" + COMMIT_FILE: _commit_text(partial / "params"),
+            "port/metadata": json.dumps(meta).encode(),
+            "port/" + COMMIT_FILE: _commit_text(partial / "port"),
+            STEP_METADATA: _checkpoint_metadata(self.started),
+            COMMIT_FILE: _commit_text(self.directory),
+        }
+        for name, data in files.items():
+            _write_new(partial / name, data)
+        for name in (*(f"params/{p}" for p in self._chunks), "params", "port", ""):
+            _sync_directory(partial / name)
+        with replacing(self.directory, self.force):
+            try:
+                os.rename(partial, self.directory)
+            except OSError as e:
+                if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise OutputError(f"--out {self.directory}: another run wrote it meanwhile") from None
+                raise
+        _sync_directory(self.directory.parent)
+
+    def __enter__(self) -> Saving:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        try:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True, cancel_futures=not self._finished)
+        finally:
+            self._cleanup.close()
+
+
+def _tree(model: Any) -> tuple[list[tuple[str, list[dict[str, Any]], jax.Array]], list[list[dict[str, Any]]]]:
+    """The arrays of `model` in tree order (dotted path, Orbax's key metadata, array), and the key
+    metadata of its other leaves (stored as None)."""
+    arrays, nones = [], []
+    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: x is None)
+    for keypath, leaf in flat:
+        keys = [_key(k) for k in keypath]
+        if isinstance(leaf, jax.Array):
+            arrays.append((path_str(keypath), keys, leaf))
+        else:
+            nones.append(keys)
+    return arrays, nones
+
+
+def _metadata_of(
+    arrays: list, mapping: Mapping, config: AnyMapping[str, Any], sources: AnyMapping[str, Any] | None,
+    include: Sequence[str] | None,
+) -> dict[str, Any]:
+    """`port/metadata`: the format, the mapping, the config, each leaf's shape, dtype and logical axes."""
+    axes = {p.path: p.axes for p in mapping.params}
+    meta = {
+        "format": FORMAT,
+        "mapping_source": mapping.source,
+        "mapping": mapping.text,
+        "config": dict(config),
+        "leaves": {
+            path: {"shape": list(a.shape), "dtype": np.dtype(a.dtype).name, "axes": list(axes.get(path, ()))}
+            for path, _, a in arrays
+        },
+    }
+    if include is not None:
+        meta["include"] = list(include)
+    if sources is not None:
+        meta["sources"] = {
+            key: {"shape": list(info.shape), "dtype": np.dtype(info.dtype).name} for key, info in sources.items()
+        }
+    return meta
 
 
 def save(
@@ -497,73 +628,7 @@ def save(
     ```
     """
     directory = check_out(directory, force)
-    me, processes = jax.process_index(), jax.process_count()
-    if processes > 1 and num_processes() is None:
-        raise RunError("port save in several processes needs the run joined by port.initialize (or port's flags)")
-    started = time.time_ns()
-    arrays, nones = _stored(eqx.filter(model, lambda leaf: isinstance(leaf, jax.Array)))
-    axes = {p.path: p.axes for p in mapping.params}
-    meta = {
-        "format": FORMAT,
-        "mapping_source": mapping.source,
-        "mapping": mapping.text,
-        "config": dict(config),
-        "leaves": {
-            s.path: {"shape": list(s.array.shape), "dtype": np.dtype(s.array.dtype).name,
-                     "axes": list(axes.get(s.path, ()))}
-            for s in arrays
-        },
-    }
-    if include is not None:
-        meta["include"] = list(include)
-    if sources is not None:
-        meta["sources"] = {
-            key: {"shape": list(info.shape), "dtype": np.dtype(info.dtype).name} for key, info in sources.items()
-        }
-    expected = sum(chunk_count(s.array.shape, s.chunks) * s.chunk_bytes for s in arrays if s.array.size)
-    partial = directory.parent / f".{directory.name}.port-partial-{run_token()}"
-    with contextlib.ExitStack() as cleanup:
-        try:
-            if me == 0:
-                make_partial(partial, cleanup)
-                for name in ("params", "port", *(f"params/{s.path}" for s in arrays)):
-                    os.mkdir(partial / name)
-                for s in arrays:
-                    text = json.dumps(zarray(s.array.shape, s.chunks, s.array.dtype))
-                    _write_new(partial / "params" / s.path / ZARRAY, text.encode())
-            exchange("save-created", "", "word that the output's directories exist")
-            wrote = _write_chunks(partial, arrays, progress)
-            counts = exchange("save-written", str(wrote), "what it wrote")
-            if me == 0:
-                if sum(int(n) for n in counts.values()) != expected:
-                    raise OutputError(f"--out {directory}: the processes wrote {counts}, not the {expected} bytes laid out")
-                sharding = {base64.b64encode(s.path.encode()).decode(): text
-                            for s in arrays if (text := _sharding_text(s.array)) is not None}
-                files = {
-                    "params/_METADATA": json.dumps(_tree_metadata(arrays, nones)).encode(),
-                    "params/_sharding": json.dumps(sharding).encode(),
-                    "params/" + COMMIT_FILE: _commit_text(partial / "params"),
-                    "port/metadata": json.dumps(meta).encode(),
-                    "port/" + COMMIT_FILE: _commit_text(partial / "port"),
-                    STEP_METADATA: _checkpoint_metadata(started),
-                    COMMIT_FILE: _commit_text(directory),
-                }
-                for name, data in files.items():
-                    _write_new(partial / name, data)
-                for name in (*(f"params/{s.path}" for s in arrays), "params", "port", ""):
-                    _sync_directory(partial / name)
-                with replacing(directory, force):
-                    try:
-                        os.rename(partial, directory)
-                    except OSError as e:
-                        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                            raise OutputError(f"--out {directory}: another run wrote it meanwhile") from None
-                        raise
-                _sync_directory(directory.parent)
-            exchange("save-done", "", "word that the output is in place")
-        except PortError:
-            raise
-        except OSError as e:
-            where = f" ({Path(e.filename).relative_to(partial)})" if e.filename and partial in Path(e.filename).parents else ""
-            raise OutputError(f"--out {directory}: writing the checkpoint failed: {_reason(e)}{where}") from None
-    return directory
+    with Saving(directory, force, progress) as saving:
+        for path, array in leaves(eqx.filter(model, lambda leaf: isinstance(leaf, jax.Array))).items():
+            saving.add(path, array)
+        return saving.finish(model, mapping, config, sources, include)
