@@ -96,6 +96,29 @@ def test_cli_convert_include_restores_with_the_rest_none(gpt2_checkpoints, tmp_p
     assert not (tmp_path / "hf").exists()
 
 
+def test_cli_convert_layers_writes_a_model_of_those_layers(gpt2_checkpoints, tmp_path):
+    """`port convert --layers 1:2`: the output holds layer 1 as layer 0, its config says 1 layer;
+    a bad range is one line naming the flag, nothing written."""
+    directories, _ = gpt2_checkpoints
+    out = tmp_path / "out"
+    result = run_port("convert", directories["lm"], "--mesh", "2x2", "--out", out, "--layers", "1:2")
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "port" / "metadata").read_text())["config"]["n_layer"] == 1
+    model, full = port.restore(out, "2x2"), port.load(directories["lm"])
+    assert model.blocks.mlp.w_fc.shape[0] == 1
+    np.testing.assert_array_equal(np.asarray(model.blocks.mlp.w_fc[0]), np.asarray(full.blocks.mlp.w_fc[1]))
+    np.testing.assert_array_equal(np.asarray(model.wte), np.asarray(full.wte))
+    layers = full.blocks.mlp.w_fc.shape[0]
+    for flag, expected in [("3", "--layers '3': expected START:STOP"), ("2:1", "--layers '2:1': expected START:STOP"),
+                           (f"0:{layers + 5}", f"--layers 0:{layers + 5}: outside the checkpoint's {layers} layers")]:
+        bad = run_port("convert", directories["lm"], "--out", tmp_path / "bad", "--layers", flag)
+        assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
+        lines = bad.stderr.strip().splitlines()
+        assert lines[-1].startswith("port: error: ") and expected in lines[-1], bad.stderr
+        assert all(line.startswith("port: ") for line in lines), bad.stderr
+        assert not (tmp_path / "bad").exists()
+
+
 def test_strict_false_keeps_the_models_own_leaves(llama_dir, tmp_path):
     """A concrete Llama whose lm_head the mapping does not name, a checkpoint with a key it does not use."""
     directory, torch_model = llama_dir
@@ -109,8 +132,13 @@ def test_strict_false_keeps_the_models_own_leaves(llama_dir, tmp_path):
     mine = cls.from_config(json.loads((directory / "config.json").read_text()), key=jax.random.key(7))
     with pytest.raises(port.PlanError):
         port.convert(checkpoint, mine, no_head, "2x2")  # strict: both are errors
-    run = port.convert(checkpoint, mine, no_head, "2x2", strict=False)
+    run = port.convert(checkpoint, mine, no_head, "2x2", strict=False, out=tmp_path / "kept")
     assert run.report.kept == ("lm_head",) and run.plan.kept == ("lm_head",)
+    # Saved with the rest; restored replicated (the output's mapping names no axes for it).
+    restored = port.restore(tmp_path / "kept", "2x2")
+    np.testing.assert_array_equal(np.asarray(restored.lm_head), np.asarray(mine.lm_head))
+    assert restored.lm_head.sharding.is_fully_replicated and len(restored.lm_head.sharding.device_set) == 4
+    np.testing.assert_array_equal(np.asarray(restored.embed), tensors["model.embed_tokens.weight"])
     assert run.report.unused == ("score.weight",)  # lm_head.weight is the mapping's tied key: accepted as before
     np.testing.assert_array_equal(np.asarray(run.model.lm_head), np.asarray(mine.lm_head))
     assert run.model.lm_head.sharding.spec == jax.sharding.PartitionSpec()  # no mapping entry: replicated

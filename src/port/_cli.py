@@ -124,6 +124,7 @@ def convert(args: argparse.Namespace) -> int:
     from ._save import check_out
 
     _processes(args)  # flags checked before the output's
+    layers = _layers(args.layers)
     check_out(args.out, args.force, inputs=(args.model,) if Path(args.model).exists() else ())
     if args.report is not None and not args.report.absolute().parent.is_dir():
         raise PortError(f"--report {args.report}: parent directory does not exist")
@@ -158,8 +159,12 @@ def convert(args: argparse.Namespace) -> int:
     try:
         result = run_convert(
             args.model, mapping=args.mapping, mesh=args.mesh, dtype=args.dtype, out=args.out, force=args.force,
-            progress=progress, include=_patterns(args.include),
+            progress=progress, include=_patterns(args.include), layers=layers,
         )
+    except PortError as e:  # the API's words for a range, as the flag was given
+        if layers is not None and str(e).startswith(f"layers={layers!r}: "):
+            raise PortError(f"--layers {args.layers}: " + str(e).removeprefix(f"layers={layers!r}: ")) from None
+        raise
     finally:
         if bar:
             bar.stop()
@@ -175,6 +180,16 @@ def convert(args: argparse.Namespace) -> int:
         f"peak host memory {size_text(figures.peak_host_bytes)} -> {figures.out}"
     )
     return 0
+
+
+def _layers(text: str | None) -> range | None:
+    """`--layers 0:12` as `range(0, 12)`; None without the flag."""
+    if text is None:
+        return None
+    start, colon, stop = text.partition(":")
+    if not (colon and start.strip().isdigit() and stop.strip().isdigit() and int(start) < int(stop)):
+        raise PortError(f"--layers {text!r}: expected START:STOP, the checkpoint's layers START to STOP-1, such as 0:12")
+    return range(int(start), int(stop))
 
 
 def _patterns(text: str | None) -> list[str] | None:
@@ -442,6 +457,10 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument(
         "--include", metavar="PATHS",
         help="convert only these leaves: module paths, dotted prefixes or globs, comma-separated (e.g. wte,blocks)",
+    )
+    sub.add_argument(
+        "--layers", metavar="START:STOP",
+        help="convert only the checkpoint's layers START to STOP-1 (e.g. 0:12); the output's config says how many",
     )
     sub.add_argument(
         "--force", action="store_true", help="replace --out (and --report) if it is an earlier port output"

@@ -246,9 +246,10 @@ def read_output(directory: str | os.PathLike) -> Output:
     declared = {}
     for path, info in meta["leaves"].items():
         leaf = _leaf(path, info, where)
-        if path not in entries:
-            raise OutputError(f"{where}: leaf '{path}' has no entry in the output's mapping")
-        if leaf.axes != entries[path].axes:
+        if path not in entries:  # a leaf a `strict=False` conversion kept: replicated, unless it names axes
+            if any(axis is not None for axis in leaf.axes):
+                raise OutputError(f"{where}: leaf '{path}' has no entry in the output's mapping, yet names axes")
+        elif leaf.axes != entries[path].axes:
             raise OutputError(
                 f"{where}: leaf '{path}': axes {list(leaf.axes)} differ from its mapping entry's "
                 f"{list(entries[path].axes)}"

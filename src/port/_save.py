@@ -575,7 +575,7 @@ def _metadata_of(
         "mapping": mapping.text,
         "config": dict(config),
         "leaves": {
-            path: {"shape": list(a.shape), "dtype": np.dtype(a.dtype).name, "axes": list(axes.get(path, ()))}
+            path: {"shape": list(a.shape), "dtype": np.dtype(a.dtype).name, "axes": list(axes.get(path, (None,) * a.ndim))}
             for path, _, a in arrays
         },
     }
