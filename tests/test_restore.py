@@ -179,3 +179,15 @@ def test_convert_reports_the_write_as_it_goes(gpt2_checkpoints, tmp_path):
                   progress=lambda done, total: saved.append((done, total)))
     assert saved[-1] == (total, total) and len(saved) >= len(_chunk_files(tmp_path / "out"))
     assert all(d <= t for d, t in saved) and all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(saved, saved[1:]))
+
+
+@pytest.mark.parametrize("key", ["..", "a/b", "x y"])
+def test_save_refuses_a_leaf_not_named_by_a_module_path(tmp_path, key):
+    """A leaf's name is its directory in params/: one restore could not read back, or one
+    that would climb out of it, is refused in one line, nothing left behind."""
+    import jax.numpy as jnp
+
+    mapping, config = port.mapping_for({"model_type": "gpt2"}), {"model_type": "gpt2"}
+    with pytest.raises(port.PortError, match=r"leaf '.*' is not named by a dotted module path$"):
+        port.save({"fine": jnp.ones(3), key: jnp.ones(3)}, tmp_path / "out", mapping, config)
+    assert list(tmp_path.iterdir()) == []

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import pkgutil
-import re
 import stat
 from collections import deque
 from collections.abc import Iterator, Mapping as AnyMapping, Sequence
@@ -46,7 +45,7 @@ from ._mapping import Mapping, import_object, parse_mapping
 from ._place import aligned_empty, assemble, boxes as _boxes
 from ._plan import check_include, partition, selects
 from ._runtime import as_mesh
-from ._save import FORMAT, MAX_METADATA_BYTES
+from ._save import FORMAT, LEAF_PATH, MAX_METADATA_BYTES
 from ._skeleton import leaves, skeleton
 from ._source import Checkpoint, Region, TensorInfo
 from ._zarr import ZARR_DTYPES, ZARRAY, chunk_count, chunk_name, grid, overlapping
@@ -62,7 +61,6 @@ MAX_SOURCES = 1_000_000
 MAX_KEY_CHARS = 1000
 MAX_RANK = 16
 _LEAF_FIELDS = ("shape", "dtype", "axes")
-_PATH = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")
 _SHIPPED = "port.models"
 
 
@@ -303,7 +301,7 @@ def _parse(text: str, where: str) -> Mapping:
 
 def _leaf(path: Any, info: Any, where: str) -> Leaf:
     """One entry of `port/metadata`'s `leaves`, every field checked."""
-    if not isinstance(path, str) or not _PATH.fullmatch(path):
+    if not isinstance(path, str) or not LEAF_PATH.fullmatch(path):
         raise OutputError(f"{where}: leaf name {quoted(path)} is not a dotted module path")
     if not isinstance(info, dict) or set(info) != set(_LEAF_FIELDS):
         raise OutputError(f"{where}: leaf '{path}' must be an object with exactly {', '.join(_LEAF_FIELDS)}")
@@ -445,7 +443,7 @@ def _check_stored(output: Output) -> None:
         if not isinstance(keys, list) or not all(isinstance(k, dict) and isinstance(k.get("key"), str) for k in keys):
             raise OutputError(f"{where}: an entry without key names")
         path = ".".join(k["key"] for k in keys)
-        if not _PATH.fullmatch(path):
+        if not LEAF_PATH.fullmatch(path):
             raise OutputError(f"{where}: array {quoted(path)} is not named by a dotted module path")
         if isinstance(value, dict) and value.get("value_type") == "None":  # an absent leaf (no pooler): no data
             continue

@@ -65,7 +65,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._console import one_line
+from ._console import one_line, quoted
 from ._errors import OutputError, PortError, RunError
 from ._interrupt import final, removing
 from ._mapping import Mapping
@@ -75,6 +75,7 @@ from ._writer import _CHUNK, _start_writeback
 from ._zarr import ZARRAY, chunk_count, chunk_name, chunk_shape, zarray
 
 FORMAT = 3
+LEAF_PATH = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")  # a leaf's name, and its directory in params/
 MAX_METADATA_BYTES = 32 << 20  # port/metadata, params/_METADATA: a few hundred KB for real models
 STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's names in a checkpoint it finalised
 COMMIT_FILE = "commit_success.txt"
@@ -423,12 +424,16 @@ class Saving:
         self._pool: ThreadPoolExecutor | None = None
         self._cleanup = contextlib.ExitStack()
         self._finished = False
-        with self._failing():
-            if self.me == 0:
-                make_partial(self.partial, self._cleanup)
-                os.mkdir(self.partial / "params")
-                os.mkdir(self.partial / "port")
-            exchange("save-created", "", "word that the output's directory exists")
+        try:
+            with self._failing():
+                if self.me == 0:
+                    make_partial(self.partial, self._cleanup)
+                    os.mkdir(self.partial / "params")
+                    os.mkdir(self.partial / "port")
+                exchange("save-created", "", "word that the output's directory exists")
+        except BaseException:
+            self._cleanup.close()
+            raise
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="port-save")
 
     @contextlib.contextmanager
@@ -447,6 +452,8 @@ class Saving:
         """Start writing `array`, the leaf at dotted module path `path`: its `.zarray` (process 0)
         and a chunk file per block this process holds (replica 0), chunked as the array is sharded.
         Raises the error of an earlier write that failed."""
+        if not LEAF_PATH.fullmatch(path):
+            raise OutputError(f"--out {self.directory}: leaf {quoted(path)} is not named by a dotted module path")
         if path in self._chunks:
             raise ValueError(f"leaf '{path}' added twice")
         chunks = self._chunks[path] = chunk_shape(array.shape, array.sharding.shard_shape(array.shape))
