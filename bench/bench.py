@@ -509,11 +509,9 @@ def main() -> None:
             "over) and it is compared with reading every tensor into NumPy (`floor`). `floor-streamed` "
             "reads each tensor and drops it before the next, so it never holds the model and reuses "
             "one warm buffer: a lower bound no conversion that produces the model can reach.",
-            "- `port-convert` is the whole `port convert` command: the same conversion, then the Orbax "
-            "write of the checkpoint. The write is most of its time: Orbax first copies every array "
-            "to fresh host memory (on CPU, where the arrays already are in host memory) and then "
-            "writes through tensorstore, at a fraction of the speed of a plain buffered write of the "
-            "same bytes, and its staging copies are what it holds above the arrays.",
+            "- `port-convert` is the whole `port convert` command: the same conversion, each leaf's "
+            "chunk files written (and flushed to disk) by a pool of threads straight from the device "
+            "buffers while the next leaves are placed, then the metadata and the rename into place.",
             "- `floor-rw` reads each tensor (as `floor-streamed`) and writes its bytes to one new file "
             "with a plain buffered write; `floor-rw+fsync` also fsyncs that file before the clock stops. "
             "port writes its output to disk and fsyncs it before renaming it into place, so "
