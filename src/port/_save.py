@@ -337,6 +337,12 @@ def _write_new(path: Path, data: bytes | memoryview) -> None:
         raise OSError(e.errno, e.strerror or str(e), str(path)) from None
 
 
+def _write_small(path: Path, data: bytes) -> int:
+    """`_write_new` of a metadata file: no array bytes written (0, for the count)."""
+    _write_new(path, data)
+    return 0
+
+
 def _sync_directory(path: Path) -> None:
     """Flush `path`'s entries to disk, where the file system can."""
     try:
@@ -462,8 +468,9 @@ class Saving:
         self._budget = max(self._budget, array.nbytes)
         with self._failing():
             os.makedirs(folder, exist_ok=True)  # by whichever process comes first
-            if self.me == 0:
-                _write_new(folder / ZARRAY, json.dumps(zarray(array.shape, chunks, array.dtype)).encode())
+            if self.me == 0:  # written (and flushed) by the pool too: this thread goes on placing
+                text = json.dumps(zarray(array.shape, chunks, array.dtype)).encode()
+                self._pending.append((self._pool.submit(_write_small, folder / ZARRAY, text), 0))
             for shard in array.addressable_shards if array.size else ():
                 if shard.replica_id != 0:
                     continue
@@ -532,9 +539,9 @@ class Saving:
             STEP_METADATA: _checkpoint_metadata(self.started),
             COMMIT_FILE: _commit_text(self.directory),
         }
-        for name, data in files.items():
-            _write_new(partial / name, data)
-        for name in (*(f"params/{p}" for p in self._chunks), "params", "port", ""):
+        list(self._pool.map(lambda item: _write_new(partial / item[0], item[1]), files.items()))
+        list(self._pool.map(_sync_directory, [partial / "params" / p for p in self._chunks]))
+        for name in ("params", "port", ""):
             _sync_directory(partial / name)
         with replacing(self.directory, self.force):
             try:
