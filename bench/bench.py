@@ -298,6 +298,9 @@ def measure(method: str, directory: Path, mesh_spec: str) -> dict:
     if method == "flax":
         from transformers import FlaxGPT2LMHeadModel  # noqa: F401  (transformers 4.x only)
     _back_memory(2 * (directory / "model.safetensors").stat().st_size)
+    # Every method starts with nothing waiting to be written: otherwise one that left gigabytes
+    # in the page cache (floor-rw) makes the next one's writes wait behind them.
+    os.sync()
     stop = _sampler()
     try:
         start = time.perf_counter()
@@ -498,8 +501,9 @@ def main() -> None:
             f"Machine: {machine()}, no accelerator; 8 simulated CPU devices; Python {platform.python_version()}.", "",
             "Command: `python bench/bench.py " + " ".join(sys.argv[1:]) + "`", "",
             "Each figure is the median of the repeats (peak memory: the largest), each run in a fresh "
-            "process after the page cache was warmed and twice the checkpoint's size of memory was touched "
-            "and freed (the VM backs fresh guest memory slowly on first touch). Seconds cover the method "
+            "process after the page cache was warmed, twice the checkpoint's size of memory was touched "
+            "and freed (the VM backs fresh guest memory slowly on first touch), and every dirty page was "
+            "written (`os.sync`, so no run waits behind an earlier one's writes). Seconds cover the method "
             "alone (not JAX start-up, nor importing port's modules). "
             "Peak memory is anonymous resident memory (`RssAnon`) sampled every 2 ms, above its value "
             "when the method started; on CPU the produced arrays themselves live in host memory.", "",
