@@ -165,8 +165,8 @@ def describe(shape: tuple[int, ...], dtype: np.dtype) -> str:
     return f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
 
 
-def _read_json(path: Path, what: str) -> Any:
-    """Parse the JSON file `path`, refusing anything but a regular file of at most `MAX_METADATA_BYTES`."""
+def _regular_file(path: Path, what: str) -> os.stat_result:
+    """`path`'s status (a link followed), refusing anything but a regular file in one line naming `what` it is."""
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -175,6 +175,12 @@ def _read_json(path: Path, what: str) -> Any:
         raise OutputError(f"{path}: cannot be read ({e.strerror})") from None
     if not stat.S_ISREG(info.st_mode):
         raise OutputError(f"{path}: not a regular file ({what})")
+    return info
+
+
+def _read_json(path: Path, what: str) -> Any:
+    """Parse the JSON file `path`, refusing anything but a regular file of at most `MAX_METADATA_BYTES`."""
+    info = _regular_file(path, what)
     if info.st_size > MAX_METADATA_BYTES:
         raise OutputError(f"{path}: {info.st_size} bytes, more than {what} ever holds ({MAX_METADATA_BYTES} at most)")
     try:
@@ -497,14 +503,7 @@ def _open_arrays(output: Output) -> tuple[dict[str, tuple[int, ...]], Checkpoint
         nbytes = math.prod(chunks) * leaf.dtype.itemsize
         for index in grid(leaf.shape, chunks):
             file = output.params / path / chunk_name(index)
-            try:
-                info = os.stat(file)
-            except FileNotFoundError:
-                raise OutputError(f"{file}: missing (a chunk of leaf '{path}')") from None
-            except OSError as e:
-                raise OutputError(f"{file}: cannot be read ({e.strerror})") from None
-            if not stat.S_ISREG(info.st_mode):
-                raise OutputError(f"{file}: not a regular file (a chunk of leaf '{path}')")
+            info = _regular_file(file, f"a chunk of leaf '{path}'")
             if info.st_size != nbytes:
                 raise OutputError(
                     f"{file}: {info.st_size} bytes, but a chunk of leaf '{path}' ({describe(chunks, leaf.dtype)}) "
