@@ -160,6 +160,30 @@ def run_port(*args, env=None, cwd=None, timeout=300) -> subprocess.CompletedProc
     )
 
 
+def one_line(result, *substrings: str) -> str:
+    """The run failed (exit 1) with exactly one `port: error:` line holding `substrings`, and no traceback."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "Traceback" not in output and "internal error" not in output, output
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("port: no accelerator")]
+    assert len(lines) == 1 and lines[0].startswith("port: error: "), output
+    for s in substrings:
+        assert s in lines[0], f"{s!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def place_on(directory, mesh, mapping=None):
+    """Plan and place the checkpoint at `directory` on `mesh` (the shipped mapping unless given), as
+    `port.load` does, for tests that record the reads: returns (plan, bytes read, tensor headers)."""
+    import port
+
+    with port.open_checkpoint(directory) as ckpt:
+        mapping = port.mapping_for(ckpt.config) if mapping is None else mapping
+        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape)
+        port.place(recipe, ckpt, mesh)
+        return recipe, ckpt.bytes_read, ckpt.tensors
+
+
 def cli(*args):
     """`port ARGS` in a subprocess; returns (exit status, stdout + stderr)."""
     result = run_port(*args)

@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import assert_blocks_read_exactly, run_port, write_checkpoint
+from helpers import assert_blocks_read_exactly, place_on, run_port, write_checkpoint
 from port._errors import MappingError, PlanError
 
 LAYERS, EXPERTS, EMBED, MLP = 2, 4, 6, 8
@@ -115,11 +115,7 @@ def test_each_device_block_reads_only_its_experts(workspace, reads):
     root, _ = workspace
     mesh = port.make_mesh("data=2,expert=4,model=1")
     mapping = port.load_mapping(root / "experts.toml")
-    with port.open_checkpoint(root / "ckpt") as ckpt:
-        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape)
-        port.place(recipe, ckpt, mesh)
-        total = ckpt.bytes_read
-        infos = ckpt.tensors
+    recipe, total, infos = place_on(root / "ckpt", mesh, mapping)
     per_block, elsewhere = reads()
     assert_blocks_read_exactly(per_block, recipe, infos, mesh.shape)  # each block: exactly its regions
     w1 = sorted(box for leaf, box, _ in per_block if leaf.path == "w1")

@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import VOCAB, assert_blocks_read_exactly, run_port, transformers_or_skip
+from helpers import VOCAB, assert_blocks_read_exactly, place_on, run_port, transformers_or_skip
 from port._errors import PortError
 from port.models.gpt_neox import GPTNeoX, GPTNeoXConfig
 
@@ -181,11 +181,7 @@ def test_a_device_reads_exactly_its_heads_rows(checkpoints, reads):
     into the block; every source byte is read once in all."""
     directory, _, _ = checkpoints("sequential-pct50-6heads-tied")
     mesh = port.make_mesh("4x2")
-    with port.open_checkpoint(directory) as ckpt:
-        mapping = port.mapping_for(ckpt.config)
-        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape)
-        port.place(recipe, ckpt, mesh)
-        total, infos = ckpt.bytes_read, ckpt.tensors
+    recipe, total, infos = place_on(directory, mesh)
     per_block, elsewhere = reads()
     assert_blocks_read_exactly(per_block, recipe, infos, mesh.shape)
     assert len(elsewhere) == 0  # no staging: a reshape only, read straight into the block

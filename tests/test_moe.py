@@ -25,7 +25,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import VOCAB, assert_blocks_read_exactly, run_port, torch_logits, transformers_or_skip
+from helpers import VOCAB, assert_blocks_read_exactly, place_on, run_port, torch_logits, transformers_or_skip
 from port._console import size_text
 from port._errors import ConfigError
 from port.models.moe import Moe, MoeConfig, routing_weights
@@ -206,11 +206,7 @@ def test_each_device_block_reads_exactly_its_experts(checkpoints, name, reads):
     nothing of the other 3."""
     directory, _ = checkpoints(name)
     mesh = port.make_mesh("4x2")
-    with port.open_checkpoint(directory) as ckpt:
-        mapping = port.mapping_for(ckpt.config)
-        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape)
-        port.place(recipe, ckpt, mesh)
-        total, infos = ckpt.bytes_read, ckpt.tensors
+    recipe, total, infos = place_on(directory, mesh)
     per_block, elsewhere = reads()
     assert_blocks_read_exactly(per_block, recipe, infos, mesh.shape)
     assert total == recipe.read_bytes == sum(i.nbytes for i in infos.values()) and len(elsewhere) == 0
@@ -220,6 +216,8 @@ def test_each_device_block_reads_exactly_its_experts(checkpoints, name, reads):
     assert boxes == [((0, layers), (e, e + experts // 2), (0, inter), (d, d + embed // 4))
                      for e in (0, experts // 2) for d in range(0, embed, embed // 4)]
     second = gate.box_keys(boxes[-1])  # experts 3-5, every layer
+    with port.open_checkpoint(directory) as ckpt:
+        mapping = port.mapping_for(ckpt.config)
     pattern = mapping.params[[p.path for p in mapping.params].index(gate.path)]
     assert second == tuple("model." + pattern.key_at((layer, e)) for layer in range(layers)
                            for e in range(experts // 2, experts))

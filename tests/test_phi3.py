@@ -21,7 +21,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import LLAMA_CONFIG, VOCAB, element_bytes, run_port, torch_llama, torch_logits, transformers_or_skip
+from helpers import LLAMA_CONFIG, VOCAB, element_bytes, place_on, run_port, torch_llama, torch_logits, transformers_or_skip
 from port._console import count_text, size_text
 from port._errors import PortError
 from port.models.llama import Llama, LlamaConfig
@@ -141,11 +141,7 @@ def test_each_block_reads_only_its_rows_of_the_fused_tensors(checkpoints, reads)
              "blocks.attn.wv": (HEADS + KV, HEAD_DIM), "blocks.mlp.gate": (0, 1), "blocks.mlp.up": (MLP, 1)}
     fused = {"attn": "self_attn.qkv_proj", "mlp": "mlp.gate_up_proj"}
     mesh = port.make_mesh("4x2")
-    with port.open_checkpoint(directory) as ckpt:
-        mapping = port.mapping_for(ckpt.config)
-        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape)
-        port.place(recipe, ckpt, mesh)
-        total, infos = ckpt.bytes_read, ckpt.tensors
+    recipe, total, infos = place_on(directory, mesh)
     per_block, elsewhere = reads()
     checked = 0
     for leaf, box, files in per_block:

@@ -10,7 +10,7 @@ from safetensors.numpy import load_file
 import port
 import port._place
 import port._source
-from helpers import assert_blocks_read_exactly, element_bytes, recorded_reads
+from helpers import assert_blocks_read_exactly, element_bytes, place_on, recorded_reads
 
 # The tiny GPT-2 example: save_pretrained's layout (tied, no lm_head) written with NumPy; vocab 1021,
 # not divisible by model=2, is replicated on it
@@ -24,15 +24,11 @@ def test_each_block_reads_exactly_its_region(reads, monkeypatch, band_bytes):
     jobs, real_bands = [], port._place._bands
     monkeypatch.setattr(port._place, "_bands", lambda parts: jobs.extend(real_bands(parts)) or real_bands(parts))
     mesh = port.make_mesh("4x2")
-    with port.open_checkpoint(EXAMPLE) as ckpt:
-        mapping = port.mapping_for(ckpt.config)
-        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape)
-        port.place(recipe, ckpt, mesh)
-        total = ckpt.bytes_read
+    recipe, total, infos = place_on(EXAMPLE, mesh)
     per_block, elsewhere = reads()
     # No transpose or cast in GPT-2's mapping: every byte is read straight into its block.
     assert len(elsewhere) == 0
-    assert_blocks_read_exactly(per_block, recipe, ckpt.tensors, mesh.shape)
+    assert_blocks_read_exactly(per_block, recipe, infos, mesh.shape)
     assert total == recipe.read_bytes == sum(len(files) for _, _, files in per_block)
     # One job per source key, or per band of it: wte (1021 x 64 float32) in bands of ~1000 bytes (3 rows).
     wte = [job for job in jobs if job[0].key == "transformer.wte.weight"]

@@ -28,7 +28,7 @@ import port
 import port._source
 import port._torchfile
 from helpers import (
-    INPUT_IDS, assert_blocks_read_exactly, run_port, torch_gpt2, torch_llama, torch_logits, transformers_or_skip,
+    INPUT_IDS, assert_blocks_read_exactly, one_line, place_on, run_port, torch_gpt2, torch_llama, torch_logits, transformers_or_skip,
 )
 from port._errors import CheckpointError
 
@@ -104,17 +104,6 @@ def refused(path: Path, *substrings: str) -> str:
         assert s in message, f"{s!r} not in {message!r}"
     return message
 
-
-def one_line(result, *substrings: str) -> str:
-    """The run failed with one `port: error:` line holding `substrings`, and no traceback."""
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output
-    assert "Traceback" not in output and "internal error" not in output, output
-    lines = [line for line in result.stderr.splitlines() if not line.startswith("port: no accelerator")]
-    assert len(lines) == 1 and lines[0].startswith("port: error: "), output
-    for s in substrings:
-        assert s in lines[0], f"{s!r} not in {lines[0]!r}"
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -266,11 +255,7 @@ def test_each_block_reads_exactly_its_region(models, reads, arch):
     the `reads` fixture tells bytes apart by their offset in the file)."""
     single, _, _, _ = models(arch)
     mesh = port.make_mesh("4x2")
-    with port.open_checkpoint(single) as ckpt:
-        mapping = port.mapping_for(ckpt.config)
-        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape)
-        port.place(recipe, ckpt, mesh)
-        total, infos = ckpt.bytes_read, ckpt.tensors
+    recipe, total, infos = place_on(single, mesh)
     per_block, elsewhere = reads()
     assert_blocks_read_exactly(per_block, recipe, infos, mesh.shape)
     assert total == recipe.read_bytes == sum(len(files) for _, _, files in per_block) + len(elsewhere)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import port_command, port_env, run_port
+from helpers import one_line, port_command, port_env, run_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
@@ -28,16 +28,6 @@ def variant(directory: Path, add=None, config=None) -> Path:
     (directory / "config.json").write_text(json.dumps(json.loads((EXAMPLE / "config.json").read_text()) | (config or {})))
     return directory
 
-
-def one_line(result, *substrings):
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output
-    assert "Traceback" not in output and "internal error" not in output, output
-    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("port: no accelerator:")]
-    assert len(lines) == 1 and lines[0].startswith("port: error:"), output
-    for s in substrings:
-        assert s in lines[0], f"{s!r} not in {lines[0]!r}"
-    return lines[0]
 
 
 def nothing_left(parent: Path, *allowed: str):

@@ -27,22 +27,11 @@ import port._source
 from port._errors import PortError
 from port._source import open_checkpoint, read_header
 
-from helpers import port_command, port_env, run_port
+from helpers import one_line, port_command, port_env, run_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
 
-
-def one_line(result, *substrings) -> str:
-    """The run failed with exactly one `port: error:` line holding `substrings`, and no traceback."""
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output
-    assert "Traceback" not in output and "internal error" not in output, output
-    lines = [line for line in result.stderr.splitlines() if not line.startswith("port: no accelerator")]
-    assert len(lines) == 1 and lines[0].startswith("port: error: "), output
-    for s in substrings:
-        assert s in lines[0], f"{s!r} not in {lines[0]!r}"
-    return lines[0]
 
 
 def sharded(directory: Path, weight_map: dict | None = None) -> Path:
