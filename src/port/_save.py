@@ -71,7 +71,7 @@ from ._interrupt import final, removing
 from ._mapping import Mapping
 from ._runtime import exchange, num_processes, run_token
 from ._skeleton import leaves, path_str
-from ._writer import _CHUNK, _start_writeback
+from ._writer import pwrite_all
 from ._zarr import ZARRAY, chunk_count, chunk_name, chunk_shape, zarray
 
 FORMAT = 3
@@ -317,19 +317,12 @@ def _write_new(path: Path, data: bytes | memoryview) -> None:
     """Create `path` (never an existing file, nor through a link) holding `data`, flushed to disk.
 
     The kernel is asked to start writing each 64 MB to disk as soon as it is written
-    (`_start_writeback`), so the final flush finds little left. An `OSError` names `path`.
+    (`pwrite_all`), so the final flush finds little left. An `OSError` names `path`.
     """
-    view = memoryview(data).cast("B")
     try:
         fd = os.open(path, _OPEN_NEW, 0o644)
         try:
-            done = 0
-            while done < len(view):
-                wrote = os.pwrite(fd, view[done : done + _CHUNK], done)
-                if wrote <= 0:
-                    raise OSError(errno.EIO, "the file system wrote nothing")
-                _start_writeback(fd, done, wrote)
-                done += wrote
+            pwrite_all(fd, memoryview(data).cast("B"), 0)
             getattr(os, "fdatasync", os.fsync)(fd)
         finally:
             os.close(fd)

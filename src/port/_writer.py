@@ -27,6 +27,7 @@ A multi-process export divides the keys: process 0 creates the files
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import json
 import math
@@ -536,15 +537,21 @@ class Writer:
             self._release()
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path, what: str) -> None:
-    """All of `data` at `offset`, however many writes it takes; an OSError is one OutputError line."""
+def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    """All of `data` at `offset`, however many writes it takes, each 64 MB's writeback
+    started as it is written (`_start_writeback`); raises `OSError`."""
     done = 0
+    while done < len(data):
+        wrote = os.pwrite(fd, data[done : done + _CHUNK], offset + done)
+        if wrote <= 0:
+            raise OSError(errno.EIO, "the file system wrote nothing")
+        _start_writeback(fd, offset + done, wrote)
+        done += wrote
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path, what: str) -> None:
+    """`pwrite_all`, an OSError as one OutputError line naming `path` and `what` was written."""
     try:
-        while done < len(data):
-            wrote = os.pwrite(fd, data[done : done + _CHUNK], offset + done)
-            if wrote <= 0:
-                raise OutputError(f"{path}: cannot write {what}: the file system wrote nothing")
-            _start_writeback(fd, offset + done, wrote)
-            done += wrote
+        pwrite_all(fd, data, offset)
     except OSError as e:
         raise OutputError(f"{path}: cannot write {what}: {e.strerror or e}") from None

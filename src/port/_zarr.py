@@ -81,11 +81,6 @@ def chunk_name(index: tuple[int, ...]) -> str:
     return ".".join(map(str, index)) if index else "0"
 
 
-def chunk_box(index: tuple[int, ...], chunks: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    """The box the chunk at `index` covers, full size (it may reach past the array's end)."""
-    return tuple((i * c, (i + 1) * c) for i, c in zip(index, chunks))
-
-
 def overlapping(
     box: tuple[tuple[int, int], ...], chunks: tuple[int, ...]
 ) -> Iterator[tuple[tuple[int, ...], tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]]:
