@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import port
-from helpers import INPUT_IDS, port_env
+from helpers import INPUT_IDS, one_line, port_env, run_port
 from port._errors import OutputError
 from port.models.gpt2 import GPT2
 
@@ -656,6 +656,9 @@ def test_an_output_of_format_2_is_refused_with_what_to_do(good, tmp_path, capfd,
         f"{out}: written by an earlier port (format 2, arrays in an OCDBT database); this port reads format 3: "
         "convert the checkpoint again"
     )
+    if params == "port's":  # the command line reading it (`port export`): the same line, exit 1, nothing written
+        one_line(run_port("export", out, "--out", tmp_path / "hf"), "written by an earlier port (format 2")
+        assert not (tmp_path / "hf").exists()
 
 
 def test_a_bad_output_leaves_stderr_clean_to_the_end(good, tmp_path):
