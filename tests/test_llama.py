@@ -85,6 +85,8 @@ def test_logits_match_transformers(checkpoints, name, mesh_spec):
 
 def with_config(model: Llama, **changes) -> Llama:
     """The same weights under a changed (static) config."""
+    if "rope_type" in changes:
+        changes["rope"] = dataclasses.replace(model.config.rope, kind=changes.pop("rope_type"))
     config = dataclasses.replace(model.config, **changes)
     skeleton = eqx.filter_eval_shape(Llama, config, key=jax.random.key(0))
     return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
@@ -197,14 +199,14 @@ def test_inv_freq_matches_transformers_v4_and_v5_configs(rope):
         {**LLAMA_CONFIG, "head_dim": 128, "rope_theta": rope["rope_theta"], "rope_scaling": scaling}
     )
     assert v4 == v5
-    np.testing.assert_allclose(v5.inv_freq(), hf_inv_freq, rtol=1e-6)
+    np.testing.assert_allclose(v5.rope.inv_freq(), hf_inv_freq, rtol=1e-6)
 
 
 @pytest.mark.parametrize(
     "change, match",
     [
         (dict(hidden_act="gelu"), "hidden_act"),
-        (dict(rope_parameters=dict(rope_type="yarn", factor=2.0)), "yarn"),
+        (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0)), "dynamic"),
         (dict(rope_scaling=dict(type="dynamic", factor=2.0)), "dynamic"),
         (dict(num_key_value_heads=3), "num_key_value_heads"),
         (dict(rope_parameters=dict(rope_type="llama3", factor=8.0)), "low_freq_factor"),

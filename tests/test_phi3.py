@@ -75,7 +75,10 @@ def max_diff(model, expected, ids=IDS) -> float:
 
 
 def with_config(model: Llama, **changes) -> Llama:
-    """The same weights under a changed (static) config."""
+    """The same weights under a changed (static) config (RoPE fields go to its `rope`)."""
+    rope = {k: changes.pop(k) for k in ("long_factor", "short_factor", "attention_factor", "rotary_dim") if k in changes}
+    if rope:
+        changes["rope"] = dataclasses.replace(model.config.rope, **rope)
     config = dataclasses.replace(model.config, **changes)
     skeleton = eqx.filter_eval_shape(Llama, config, key=jax.random.key(0))
     return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
@@ -113,10 +116,10 @@ def test_logits_match_transformers(checkpoints, name, mesh):
 @pytest.mark.parametrize(
     "name, ids, change",
     [
-        ("longrope", "long", dict(rope_long_factor=tuple(LONGROPE["short_factor"]))),  # long factors used
-        ("longrope", "short", dict(rope_short_factor=tuple(LONGROPE["long_factor"]))),  # short ones used
-        ("longrope", "long", dict(rope_attention_factor=1.0)),
-        ("partial-tied-sliding", "long", dict(partial_rotary_factor=1.0)),
+        ("longrope", "long", dict(long_factor=tuple(LONGROPE["short_factor"]))),  # long factors used
+        ("longrope", "short", dict(short_factor=tuple(LONGROPE["long_factor"]))),  # short ones used
+        ("longrope", "long", dict(attention_factor=1.0)),
+        ("partial-tied-sliding", "long", dict(rotary_dim=8)),
         ("partial-tied-sliding", "long", dict(sliding_window=None)),
     ],
     ids=["long-factors", "short-factors", "attention-factor", "full-rotary", "no-window"],
@@ -291,9 +294,9 @@ def test_longrope_matches_transformers_at_128k_sizes():
     rotary = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(transformers.Phi3Config(**config))
     for seq in (4096, 4097):
         rotary(torch.zeros(1, dtype=torch.float32), torch.arange(seq)[None])
-        np.testing.assert_allclose(ours.inv_freq(seq), rotary.inv_freq.numpy(), rtol=1e-6)  # float32 pow: an ulp
-    assert not np.array_equal(ours.inv_freq(4096), ours.inv_freq(4097))
-    assert ours.rope_attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12) and ours.rope_attention_factor > 1
+        np.testing.assert_allclose(ours.rope.inv_freq(long=seq > 4096), rotary.inv_freq.numpy(), rtol=1e-6)  # float32 pow: an ulp
+    assert not np.array_equal(ours.rope.inv_freq(long=False), ours.rope.inv_freq(long=True))
+    assert ours.rope.attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12) and ours.rope.attention_factor > 1
     v5 = {**config, "rope_scaling": None, "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, **factors}}
     su = {**config, "rope_scaling": {"type": "su", **factors}}
     assert LlamaConfig.from_hf(v5) == LlamaConfig.from_hf(su) == ours
@@ -326,4 +329,4 @@ def test_config_defaults_follow_phi3config():
     assert ours.head_dim == theirs.hidden_size // theirs.num_attention_heads
     assert not (ours.qkv_bias or ours.o_bias or ours.mlp_bias or ours.qk_norm)
     partial = LlamaConfig.from_hf(phi3_config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}))
-    assert partial.rotary_dim == 6 and partial.inv_freq().shape == (3,)
+    assert partial.rope.rotary_dim == 6 and partial.rope.inv_freq().shape == (3,)

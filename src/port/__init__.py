@@ -45,6 +45,8 @@ _EXPORTS = {
     "mesh_shape": "._runtime",
     "initialize": "._runtime",
     "agree": "._runtime",
+    # using a loaded model: generation (the layers themselves are `port.nn`)
+    "generate": ".nn",
     # mapping authors
     "scaffold": ".authoring",
     "check": ".authoring",

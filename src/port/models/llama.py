@@ -35,22 +35,21 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from port._errors import ConfigError
 from port._console import quoted
+from port._errors import ConfigError
 from port.models._config import MAX_LAYERS, activation, check, get
-from port.models._inputs import check_ids, per_sequence
+from port.nn import Attention, Cache, GatedMLP, MoE, Rope, cast, normal, prepare, read_rope, rms_norm, run_layers, stacked
+from port.nn._attention import KV
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Phi-3's config accepts only these (Phi3Config.validate_rope); "su" and "yarn" are old
 # names of "longrope" there.
 PHI3_ROPE_TYPES = ("default", "longrope")
@@ -67,136 +66,6 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "phi3": {"max_position_embeddings": 4096, "sliding_window": None, "rms_norm_eps": 1e-5,
              "original_max_position_embeddings": 4096},
 }
-
-
-def _first(*values: Any) -> Any:
-    return next((v for v in values if v is not None), None)
-
-
-def _rope_parameters(config: dict) -> tuple[str, dict]:
-    """The config.json key holding the RoPE settings, and the settings standardised as
-    transformers 5 does it.
-
-    transformers 5 writes `rope_parameters` (holding `rope_theta` and `rope_type`);
-    transformers 4 wrote a top-level `rope_theta` and an optional `rope_scaling`
-    (with `rope_type` or the legacy `type`). As in transformers, `rope_scaling` wins.
-    """
-    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
-    rope = config.get(key) or {}
-    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
-        raise ConfigError(
-            f"config.json: {key!r} must be one flat dict (per-layer-type RoPE "
-            f"is not supported), got {rope!r}"
-        )
-    rope = dict(rope)
-    rope["rope_theta"] = _first(rope.get("rope_theta"), config.get("rope_theta"), 10000.0)
-    rope["rope_type"] = _first(rope.get("rope_type"), rope.get("type"), "default")
-    if "original_max_position_embeddings" in config:  # transformers gives it priority
-        rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
-    rope["partial_rotary_factor"] = _first(
-        rope.get("partial_rotary_factor"), config.get("partial_rotary_factor"), 1.0
-    )
-    return key, rope
-
-
-def _rope_fields(config: dict, model_type: str, head_dim: int) -> dict[str, Any]:
-    """The RoPE fields of `LlamaConfig` from a config.json; `ConfigError` if unsupported.
-
-    ```python
-    _rope_fields({"rope_theta": 500000.0}, "llama", 64)
-    # {"rope_theta": 500000.0, "rope_type": "default", "partial_rotary_factor": 1.0}
-    ```
-    """
-    rope_key, rope = _rope_parameters(config)
-    rope_type, supported = rope["rope_type"], ROPE_TYPES
-    if model_type == "phi3":
-        supported = PHI3_ROPE_TYPES
-        rope_type = "longrope" if rope_type in ("su", "yarn") else rope_type
-        # Phi3Config always has original_max_position_embeddings (4096 if absent); it wins.
-        rope["original_max_position_embeddings"] = config.get(
-            "original_max_position_embeddings", _DEFAULTS["phi3"]["original_max_position_embeddings"]
-        )
-    if rope_type not in supported:
-        raise ConfigError(
-            f"config.json: {rope_key}: rope type {rope_type!r} is not supported "
-            f"(supported: {', '.join(supported)})"
-        )
-
-    def ropeget(name: str, kind: type) -> Any:
-        if rope.get(name) is None:
-            raise ConfigError(f"config.json: required key '{rope_key}.{name}' is missing")
-        return check(f"{rope_key}.{name}", rope[name], kind)
-
-    fields: dict[str, Any] = {"rope_theta": ropeget("rope_theta", float), "rope_type": rope_type}
-    fields["partial_rotary_factor"] = partial = ropeget("partial_rotary_factor", float)
-    rotary = int(head_dim * partial)
-    if model_type != "phi3" and partial != 1.0:
-        raise ConfigError(
-            f"config.json: 'partial_rotary_factor' {partial!r} is not supported for "
-            f"{model_type!r} (only 1.0)"
-        )
-    if partial > 1.0 or rotary < 2 or rotary % 2:
-        raise ConfigError(
-            f"config.json: 'partial_rotary_factor' {partial!r} of head_dim {head_dim} gives "
-            f"{rotary} rotary dimensions (must be even, at least 2, at most head_dim)"
-        )
-    if rope_type in ("linear", "llama3"):
-        fields["rope_factor"] = ropeget("factor", float)
-    if rope_type in ("llama3", "longrope"):
-        rope.setdefault(
-            "original_max_position_embeddings",
-            config.get("max_position_embeddings", _DEFAULTS[model_type]["max_position_embeddings"]),
-        )
-        fields["rope_original_max_position_embeddings"] = ropeget(
-            "original_max_position_embeddings", int
-        )
-    if rope_type == "llama3":
-        fields["rope_low_freq_factor"] = ropeget("low_freq_factor", float)
-        fields["rope_high_freq_factor"] = ropeget("high_freq_factor", float)
-    if rope_type == "longrope":
-        fields.update(_longrope_fields(config, model_type, rope, rope_key, rotary))
-    return fields
-
-
-def _longrope_fields(
-    config: dict, model_type: str, rope: dict, rope_key: str, rotary: int
-) -> dict[str, Any]:
-    """"longrope" (Phi-3 128k): short and long per-frequency factors, and the attention factor.
-
-    As transformers' `_compute_longrope_parameters`: `factor` defaults to
-    max_position_embeddings / original_max_position_embeddings, and the attention factor
-    (which scales cos and sin) to sqrt(1 + ln(factor) / ln(original)), or 1 if factor <= 1.
-    """
-    original = rope["original_max_position_embeddings"]
-    factors = {}
-    for name in ("short_factor", "long_factor"):
-        value = rope.get(name)
-        if (
-            not isinstance(value, list)
-            or len(value) != rotary // 2
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-            or not all(math.isfinite(v) and v > 0 for v in value)
-        ):
-            raise ConfigError(
-                f"config.json: '{rope_key}.{name}' must list {rotary // 2} positive numbers "
-                f"(one per rotary frequency), got {quoted(value)}"
-            )
-        factors[name] = tuple(float(v) for v in value)
-    factor = rope.get("factor")
-    if factor is None:
-        maximum = get(config, "max_position_embeddings", int,
-                      _DEFAULTS[model_type]["max_position_embeddings"])
-        factor = maximum / original
-    factor = check(f"{rope_key}.factor", factor, float)
-    attention = rope.get("attention_factor")
-    if attention is None:
-        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return {
-        "rope_factor": factor,
-        "rope_short_factor": factors["short_factor"],
-        "rope_long_factor": factors["long_factor"],
-        "rope_attention_factor": check(f"{rope_key}.attention_factor", attention, float),
-    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,16 +95,7 @@ class LlamaConfig:
     o_bias: bool = False  # o_proj
     mlp_bias: bool = False  # gate_proj, up_proj, down_proj
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of each query and key head
-    rope_theta: float = 10000.0
-    rope_type: str = "default"
-    partial_rotary_factor: float = 1.0  # Phi-3: RoPE on the first head_dim * this dims
-    rope_factor: float = 1.0  # "linear", "llama3" and "longrope"
-    rope_low_freq_factor: float = 1.0  # "llama3"
-    rope_high_freq_factor: float = 4.0  # "llama3"
-    rope_original_max_position_embeddings: int = 8192  # "llama3" and "longrope"
-    rope_short_factor: tuple[float, ...] = ()  # "longrope": up to the original length...
-    rope_long_factor: tuple[float, ...] = ()  # ...and beyond it
-    rope_attention_factor: float = 1.0  # "longrope": scales cos and sin
+    rope: Rope = Rope(theta=10000.0, rotary_dim=128)  # rotary embeddings, as config.json describes them
     sliding_window: int | None = None  # attend to the last `sliding_window` positions...
     sliding_layers: tuple[bool, ...] = ()  # ...in the layers marked True here
 
@@ -292,45 +152,13 @@ class LlamaConfig:
             qk_norm=model_type == "qwen3",
             sliding_window=window,
             sliding_layers=sliding,
-            **_rope_fields(config, model_type, head_dim),
+            rope=_rope(config, model_type, head_dim),
         )
 
-    @property
-    def rotary_dim(self) -> int:
-        """How many leading dimensions of each head RoPE rotates (head_dim unless partial)."""
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    def long_rope(self, seq_len: int) -> bool:
-        """Whether "longrope" uses its long factors for a sequence of `seq_len` tokens."""
-        return self.rope_type == "longrope" and seq_len > self.rope_original_max_position_embeddings
-
-    def inv_freq(self, seq_len: int = 0) -> np.ndarray:
-        """RoPE inverse frequencies [rotary_dim // 2] in float32, computed as transformers does.
-
-        "longrope" depends on the length of the sequence (`seq_len`, static under jit):
-        its short factors up to the original context length, its long ones beyond.
-        """
-        dim = self.rotary_dim
-        exponents = np.arange(0, dim, 2).astype(np.float32) / np.float32(dim)
-        inv_freq = np.float32(1.0) / np.float32(self.rope_theta) ** exponents
-        if self.rope_type == "longrope":
-            factors = self.rope_long_factor if self.long_rope(seq_len) else self.rope_short_factor
-            base = np.float32(self.rope_theta) ** exponents
-            inv_freq = np.float32(1.0) / (np.asarray(factors, np.float32) * base)
-        elif self.rope_type == "linear":
-            inv_freq = inv_freq / np.float32(self.rope_factor)
-        elif self.rope_type == "llama3":
-            factor = np.float32(self.rope_factor)
-            low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
-            old_len = self.rope_original_max_position_embeddings
-            low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
-            wavelen = np.float32(2 * math.pi) / inv_freq
-            scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-            smooth = (np.float32(old_len) / wavelen - np.float32(low)) / np.float32(high - low)
-            smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-            medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-            inv_freq = np.where(medium, smoothed, scaled)
-        return inv_freq.astype(np.float32)
+    def mlp(self, dtype: Any, key: PRNGKeyArray) -> GatedMLP | MoE:
+        """The feed-forward of one block: SwiGLU (mixture-of-experts families override this)."""
+        return GatedMLP(embd=self.hidden_size, inner=self.intermediate_size, activation="silu",
+                        dtype=dtype, key=key, bias=self.mlp_bias)
 
 
 def _sliding(config: dict, model_type: str, layers: int) -> tuple[int | None, tuple[bool, ...]]:
@@ -371,145 +199,49 @@ def _qwen2_sliding_layers(config: dict, layers: int) -> tuple[bool, ...]:
     return tuple(t == "sliding_attention" for t in layer_types)
 
 
-def _normal(key: PRNGKeyArray, shape: tuple[int, ...], dtype: Any) -> Array:
-    return 0.02 * jax.random.normal(key, shape, dtype)
-
-
-def _zeros_if(flag: bool, shape: tuple[int, ...], dtype: Any) -> Array | None:
-    return jnp.zeros(shape, dtype) if flag else None
-
-
-def _rms_norm(x: Float[Array, "seq embd"], weight: Float[Array, " embd"], eps: float) -> Array:
-    """transformers' LlamaRMSNorm: normalise in float32, cast back, then scale."""
-    h = x.astype(jnp.float32)
-    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-    return weight * h.astype(x.dtype)
-
-
-def _rotate_half(x: Array) -> Array:
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate((-x2, x1), axis=-1)
-
-
-def _apply_rope(x: Float[Array, "seq head dim"], cos: Array, sin: Array) -> Array:
-    """Rotate the first `cos.shape[-1]` dims of each head; the rest pass (partial RoPE)."""
-    rotary = cos.shape[-1]
-    x, rest = x[..., :rotary], x[..., rotary:]
-    x = x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
-    return x if rest.shape[-1] == 0 else jnp.concatenate((x, rest), axis=-1)
-
-
-class Attention(eqx.Module):
-    """Causal grouped-query self-attention with rotary position embeddings."""
-
-    wq: Float[Array, "head head_dim embd"]
-    wk: Float[Array, "kv_head head_dim embd"]
-    wv: Float[Array, "kv_head head_dim embd"]
-    wo: Float[Array, "embd head head_dim"]
-    bq: Float[Array, "head head_dim"] | None
-    bk: Float[Array, "kv_head head_dim"] | None
-    bv: Float[Array, "kv_head head_dim"] | None
-    bo: Float[Array, " embd"] | None
-    q_norm: Float[Array, " head_dim"] | None  # Qwen3
-    k_norm: Float[Array, " head_dim"] | None
-
-    def __init__(self, config: LlamaConfig, dtype: Any, *, key: PRNGKeyArray):
-        h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        e = config.hidden_size
-        kq, kk, kvv, ko = jax.random.split(key, 4)
-        self.wq = _normal(kq, (h, d, e), dtype)
-        self.wk = _normal(kk, (kv, d, e), dtype)
-        self.wv = _normal(kvv, (kv, d, e), dtype)
-        self.wo = _normal(ko, (e, h, d), dtype)
-        self.bq = _zeros_if(config.qkv_bias, (h, d), dtype)
-        self.bk = _zeros_if(config.qkv_bias, (kv, d), dtype)
-        self.bv = _zeros_if(config.qkv_bias, (kv, d), dtype)
-        self.bo = _zeros_if(config.o_bias, (e,), dtype)
-        self.q_norm = jnp.ones((d,), dtype) if config.qk_norm else None
-        self.k_norm = jnp.ones((d,), dtype) if config.qk_norm else None
-
-    def __call__(
-        self,
-        x: Float[Array, "seq embd"],
-        cos: Float[Array, "seq rotary"],
-        sin: Float[Array, "seq rotary"],
-        mask: Bool[Array, "seq seq"],
-        eps: float,
-    ) -> Float[Array, "seq embd"]:
-        def project(w: Array, b: Array | None, norm: Array | None = None) -> Array:
-            y = jnp.einsum("te,hde->thd", x, w)
-            y = y if b is None else y + b
-            return y if norm is None else _rms_norm(y, norm, eps)  # Qwen3: per head, before RoPE
-
-        q = _apply_rope(project(self.wq, self.bq, self.q_norm), cos, sin)
-        k = _apply_rope(project(self.wk, self.bk, self.k_norm), cos, sin)
-        v = project(self.wv, self.bv)
-        seq, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        # Query head h uses kv head h // groups (transformers' repeat_kv).
-        q = q.reshape(seq, kv_heads, heads // kv_heads, dim)
-        scores = jnp.einsum("qkgd,skd->kgqs", q, k) * (dim**-0.5)
-        scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("kgqs,skd->qkgd", weights, v).reshape(seq, heads, dim)
-        y = jnp.einsum("thd,ehd->te", out, self.wo)
-        return y if self.bo is None else y + self.bo
-
-
-class MLP(eqx.Module):
-    """SwiGLU feed-forward: `down(silu(gate x) * up x)`."""
-
-    gate: Float[Array, "inter embd"]
-    up: Float[Array, "inter embd"]
-    down: Float[Array, "embd inter"]
-    bgate: Float[Array, " inter"] | None
-    bup: Float[Array, " inter"] | None
-    bdown: Float[Array, " embd"] | None
-
-    def __init__(self, config: LlamaConfig, dtype: Any, *, key: PRNGKeyArray):
-        e, i = config.hidden_size, config.intermediate_size
-        kg, ku, kd = jax.random.split(key, 3)
-        self.gate = _normal(kg, (i, e), dtype)
-        self.up = _normal(ku, (i, e), dtype)
-        self.down = _normal(kd, (e, i), dtype)
-        self.bgate = _zeros_if(config.mlp_bias, (i,), dtype)
-        self.bup = _zeros_if(config.mlp_bias, (i,), dtype)
-        self.bdown = _zeros_if(config.mlp_bias, (e,), dtype)
-
-    def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
-        def linear(x: Array, w: Array, b: Array | None) -> Array:
-            y = jnp.einsum("ti,oi->to", x, w)
-            return y if b is None else y + b
-
-        h = jax.nn.silu(linear(x, self.gate, self.bgate)) * linear(x, self.up, self.bup)
-        return linear(h, self.down, self.bdown)
+def _rope(config: dict, model_type: str, head_dim: int) -> Rope:
+    """The RoPE of a Llama-family config.json: Phi-3 rotates part of each head and knows
+    "longrope" (its old names "su" and "yarn" included); the rest take llama3, linear and yarn."""
+    if model_type != "phi3":
+        maximum = get(config, "max_position_embeddings", int, _DEFAULTS[model_type]["max_position_embeddings"])
+        return read_rope(config, head_dim, supported=ROPE_TYPES, max_position_embeddings=maximum)
+    # Phi3Config always has original_max_position_embeddings (4096 if absent); it wins.
+    config = {**config, "original_max_position_embeddings": config.get(
+        "original_max_position_embeddings", _DEFAULTS["phi3"]["original_max_position_embeddings"])}
+    maximum = get(config, "max_position_embeddings", int, _DEFAULTS["phi3"]["max_position_embeddings"])
+    return read_rope(config, head_dim, supported=PHI3_ROPE_TYPES, max_position_embeddings=maximum,
+                     aliases={"su": "longrope", "yarn": "longrope"}, allow_partial=True)
 
 
 class Block(eqx.Module):
-    """One pre-RMSNorm decoder block."""
+    """One pre-RMSNorm decoder block: attention, then the MLP (or mixture of experts)."""
 
     attn_norm: Float[Array, " embd"]
     attn: Attention
     mlp_norm: Float[Array, " embd"]
-    mlp: MLP
+    mlp: GatedMLP | MoE
+    eps: float = eqx.field(static=True)
 
     def __init__(self, config: LlamaConfig, dtype: Any, *, key: PRNGKeyArray):
         kattn, kmlp = jax.random.split(key)
-        self.attn_norm = jnp.ones((config.hidden_size,), dtype)
-        self.attn = Attention(config, dtype, key=kattn)
-        self.mlp_norm = jnp.ones((config.hidden_size,), dtype)
-        self.mlp = MLP(config, dtype, key=kmlp)
+        c = config
+        self.attn_norm = jnp.ones((c.hidden_size,), dtype)
+        self.attn = Attention(
+            heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+            embd=c.hidden_size, dtype=dtype, key=kattn, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
+            qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps,
+        )
+        self.mlp_norm = jnp.ones((c.hidden_size,), dtype)
+        self.mlp = c.mlp(dtype, kmlp)
+        self.eps = c.rms_norm_eps
 
     def __call__(
-        self,
-        x: Float[Array, "seq embd"],
-        cos: Array,
-        sin: Array,
-        mask: Bool[Array, "seq seq"],
-        eps: float,
-    ) -> Float[Array, "seq embd"]:
-        x = x + self.attn(_rms_norm(x, self.attn_norm, eps), cos, sin, mask, eps)
-        return x + self.mlp(_rms_norm(x, self.mlp_norm, eps))
+        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
+        sin: Array, kv: KV | None, index: Array | None, layer: Array,
+    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+        h, kv = self.attn(rms_norm(x, self.attn_norm, self.eps), mask, cos=cos, sin=sin, kv=kv, index=index)
+        x = x + h
+        return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps)), kv
 
 
 class Llama(eqx.Module):
@@ -521,78 +253,62 @@ class Llama(eqx.Module):
     lm_head: Float[Array, "vocab embd"] | None
     config: LlamaConfig = eqx.field(static=True)
 
-    def __init__(
-        self, config: LlamaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32
-    ):
+    def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kembed, kblocks, khead = jax.random.split(key, 3)
-        self.embed = _normal(kembed, (config.vocab_size, config.hidden_size), dtype)
-        make_block = lambda k: Block(config, dtype, key=k)
-        self.blocks = eqx.filter_vmap(make_block)(
-            jax.random.split(kblocks, config.num_hidden_layers)
-        )
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed = normal(kembed, shape, dtype)
+        self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, config.num_hidden_layers)
         self.norm = jnp.ones((config.hidden_size,), dtype)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else _normal(khead, (config.vocab_size, config.hidden_size), dtype)
-        )
+        self.lm_head = None if config.tie_word_embeddings else normal(khead, shape, dtype)
         self.config = config
 
     @classmethod
-    def from_config(
-        cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32
-    ) -> Llama:
+    def from_config(cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32) -> Llama:
         """Randomly initialise from a Hugging Face `config.json` dict."""
         return cls(LlamaConfig.from_hf(config), key=key, dtype=dtype)
 
-    def __call__(
-        self, input_ids: Int[Array, "*batch seq"]
-    ) -> Float[Array, "*batch seq vocab"]:
-        """Logits for `input_ids` of shape (batch, seq), or (seq,) without the batch axis.
+    def init_cache(self, batch: int, length: int, dtype: Any = None) -> Cache:
+        """An empty key/value cache for `batch` sequences of up to `length` tokens (see `port.nn.Cache`)."""
+        c = self.config
+        return Cache.empty(layers=c.num_hidden_layers, batch=batch, length=length, kv_heads=c.num_key_value_heads,
+                           head_dim=c.head_dim, dtype=dtype or self.embed.dtype)
 
-        Unbatched ids run as a batch of one: `model(ids)` is `model(ids[None])[0]`.
-        Raises `ValueError` for another rank and `TypeError` for non-integer ids; the
-        checks read static shapes, so they work under `jax.jit`. (RoPE has no length
-        limit, so neither does the sequence.)
+    def __call__(
+        self,
+        input_ids: Int[Array, "*batch seq"],
+        *,
+        attention_mask: Any = None,
+        positions: Any = None,
+        segment_ids: Any = None,
+        cache: Cache | None = None,
+        dtype: Any = None,
+        remat: Any = None,
+    ) -> Any:
+        """Logits `[batch, seq, vocab]` for `input_ids` `(batch, seq)`, or `[seq, vocab]` for `(seq,)`.
+
+        **Arguments:** (all but `input_ids` keyword-only and optional)
+
+        - `attention_mask`: 0 on padding (left or right); positions then follow the mask.
+        - `positions`: explicit positions, `input_ids`' shape.
+        - `segment_ids`: packed sequences; attention never crosses a segment.
+        - `cache`: a `Cache` (`init_cache`): returns `(logits, cache)`; see `port.nn.generate`.
+        - `dtype`: the compute dtype (bfloat16 compute on float32 parameters).
+        - `remat`: rematerialise each layer in the backward pass (`port.nn.scan`).
+
+        Raises `ValueError` / `TypeError` naming the argument for a bad shape or dtype;
+        the checks read static shapes, so they work under `jax.jit`.
 
         ```python
         logits = model(jnp.zeros((2, 8), jnp.int32))  # (2, 8, vocab)
-        logits = model(jnp.zeros((8,), jnp.int32))    # (8, vocab)
+        logits = model(ids, attention_mask=mask, dtype=jnp.bfloat16, remat=True)
         ```
         """
-        return per_sequence(self._forward, check_ids(input_ids), input_ids)
-
-    def _forward(self, input_ids: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
-        config = self.config
-        x = self.embed[input_ids]
-        seq = input_ids.shape[0]
-
-        positions = jnp.arange(seq, dtype=jnp.float32)
-        freqs = positions[:, None] * jnp.asarray(config.inv_freq(seq))
-        angles = jnp.concatenate((freqs, freqs), axis=-1)
-        scale = np.float32(config.rope_attention_factor)
-        cos, sin = (jnp.cos(angles) * scale).astype(x.dtype), (jnp.sin(angles) * scale).astype(x.dtype)
-
-        q_pos, k_pos = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
-        causal = k_pos <= q_pos
-        windowed = causal
-        if config.sliding_window is not None:
-            windowed = causal & (k_pos > q_pos - config.sliding_window)
-
-        params, static = eqx.partition(self.blocks, eqx.is_array)
-
-        def step(x: Array, layer: tuple[Block, Array]) -> tuple[Array, None]:
-            block_params, sliding = layer
-            block = eqx.combine(block_params, static)
-            mask = jnp.where(sliding, windowed, causal)
-            return block(x, cos, sin, mask, config.rms_norm_eps), None
-
-        layers = config.num_hidden_layers
-        if config.sliding_window is None:
-            sliding = jnp.zeros((layers,), dtype=bool)
-        else:
-            sliding = jnp.asarray(config.sliding_layers or (True,) * layers, dtype=bool)
-        x, _ = jax.lax.scan(step, x, (params, sliding))
-        x = _rms_norm(x, self.norm, config.rms_norm_eps)
-        head = self.embed if self.lm_head is None else self.lm_head
-        return jnp.einsum("te,ve->tv", x, head)
+        model, c = cast(self, dtype), self.config
+        tokens = prepare(input_ids, attention_mask=attention_mask, positions=positions, segment_ids=segment_ids,
+                         cache=cache, window=c.sliding_window)
+        x = model.embed[tokens.ids]
+        cos, sin = c.rope.angles(tokens.positions, x.dtype)
+        x, kv = run_layers(model.blocks, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, remat=remat)
+        x = rms_norm(x, model.norm, c.rms_norm_eps)
+        head = model.embed if model.lm_head is None else model.lm_head
+        return tokens.output(jnp.einsum("bte,ve->btv", x, head), *kv)

@@ -11,7 +11,6 @@ The checks read static shapes and dtypes only, so they run under `jax.jit` /
 ```python
 batched = check_ids(input_ids, limit=("n_positions", 1024))  # True: (batch, seq)
 check_like("attention_mask", attention_mask, input_ids)        # None passes
-hidden = per_sequence(self._forward, batched, input_ids, attention_mask)
 batched = check_pixels(pixel_values, channels=3, size=(224, 224))
 ```
 """
@@ -129,12 +128,8 @@ def check_pixels(pixel_values: Any, *, channels: int, size: tuple[int, int]) -> 
     return len(shape) == 4
 
 
-def per_sequence(forward: Callable[..., Array], batched: bool, *args: Any) -> Array:
-    """`forward`, written for one sequence (or one image), mapped over the batch axis of `args`.
-
-    Unbatched `args` run as a batch of one and the batch axis is dropped from the
-    result, so `per_sequence(f, False, ids)` is exactly `per_sequence(f, True, ids[None])[0]`.
-    """
+def batch_first(batched: bool, *args: Any) -> tuple[Any, ...]:
+    """`args` with a batch axis: unchanged when `batched`, else each given a batch of one (None passes)."""
     if batched:
-        return jax.vmap(forward)(*args)
-    return jax.vmap(forward)(*(jnp.asarray(a)[None] for a in args))[0]
+        return args
+    return tuple(None if a is None else jnp.asarray(a)[None] for a in args)

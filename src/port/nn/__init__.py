@@ -1,0 +1,41 @@
+"""port's library of layers: what every model family is built from.
+
+A family file holds only what is new in it; norms, rotary embeddings, attention, MLPs,
+the routed mixture of experts, the layer scan, inputs and masks, the key/value cache,
+greedy generation and the loss live here. Every layer works on batch-first arrays
+(`[batch, seq, embd]`); models accept `(batch, seq)` ids or one `(seq,)` sequence.
+
+```python
+import port.nn as pnn
+attn = pnn.Attention(heads=8, kv_heads=2, head_dim=64, embd=512, dtype=jnp.float32, key=key)
+tokens = pnn.prepare(input_ids, attention_mask=mask)
+y, _ = attn(x, tokens.mask, cos=cos, sin=sin)
+```
+"""
+
+from port.nn._attention import Attention as Attention
+from port.nn._attention import attend as attend
+from port.nn._attention import with_cache as with_cache
+from port.nn._cache import Cache as Cache
+from port.nn._generate import decode_step as decode_step
+from port.nn._generate import generate as generate
+from port.nn._generate import prefill as prefill
+from port.nn._init import normal as normal
+from port.nn._init import stacked as stacked
+from port.nn._init import zeros_if as zeros_if
+from port.nn._layers import run_layers as run_layers
+from port.nn._loss import next_token_loss as next_token_loss
+from port.nn._mlp import MLP as MLP
+from port.nn._mlp import GatedMLP as GatedMLP
+from port.nn._mlp import linear as linear
+from port.nn._moe import MoE as MoE
+from port.nn._moe import route as route
+from port.nn._norm import LayerNorm as LayerNorm
+from port.nn._norm import rms_norm as rms_norm
+from port.nn._precision import cast as cast
+from port.nn._rope import Rope as Rope
+from port.nn._rope import apply_rope as apply_rope
+from port.nn._rope import read_rope as read_rope
+from port.nn._scan import scan as scan
+from port.nn._tokens import Tokens as Tokens
+from port.nn._tokens import prepare as prepare

@@ -1,0 +1,196 @@
+"""Attention: the scores-to-output core every family shares, and the common self-attention layer.
+
+`attend` runs `jax.nn.dot_product_attention` (XLA everywhere, cuDNN's fused kernel on
+GPUs when asked) whenever it can express the layer; soft-capped scores (Gemma 2) and
+attention sinks (gpt-oss) are outside what it computes, and take the written-out path
+below, which does what transformers' eager attention does.
+
+`Attention` is multi-head, grouped-query or multi-query self-attention with torch
+`Linear` layouts split per head (`wq` `[heads, head_dim, embd]`, `wo` `[embd, heads,
+head_dim]`, so loading is a copy), optional biases, optional per-head RMSNorm of queries
+and keys (Qwen3, Gemma 3), RoPE, a key/value cache, a scale override, soft-capping and
+sinks.
+
+```python
+attn = Attention(heads=8, kv_heads=2, head_dim=64, embd=512, dtype=jnp.float32, key=key)
+y, _ = attn(x, tokens.mask, cos=cos, sin=sin)           # x: [batch, seq, 512]
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from port.nn._cache import write
+from port.nn._init import normal, zeros_if
+from port.nn._norm import rms_norm
+from port.nn._rope import apply_rope
+
+KV = tuple[Array, Array]
+"""One layer's cached keys and values, `[batch, length, kv_heads, head_dim]` each."""
+
+
+def attend(
+    q: Float[Array, "batch seq heads head_dim"],
+    k: Float[Array, "batch keys kv_heads head_dim"],
+    v: Float[Array, "batch keys kv_heads head_dim"],
+    mask: Bool[Array, "batch seq keys"],
+    *,
+    scale: float,
+    softcap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
+) -> Float[Array, "batch seq heads head_dim"]:
+    """Softmax attention of `q` over `k`/`v` where `mask` allows; query head h uses kv head
+    h // (heads / kv_heads).
+
+    **Arguments:**
+
+    - `q`, `k`, `v`: queries, keys and values; `heads` a multiple of `kv_heads`.
+    - `mask`: True where a query may see a key.
+    - `scale`: multiplies the scores (`head_dim**-0.5` by default in most families).
+    - `softcap`: `softcap * tanh(scores / softcap)` before the mask (Gemma 2).
+    - `sinks`: a learned logit per head that joins every softmax and is then dropped
+      (gpt-oss).
+
+    **Returns:** the attended values, `q`'s shape and dtype. Scores and softmax are in
+    float32; a query that may see no key gets a finite, meaningless output.
+    """
+    if softcap is None and sinks is None:
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
+    # Written out: dot_product_attention has no soft-capping and no sinks.
+    batch, seq, heads, dim = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, seq, kv_heads, heads // kv_heads, dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * jnp.asarray(scale, q.dtype)
+    if softcap is not None:
+        scores = jnp.tanh(scores / softcap) * softcap
+    scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    if sinks is not None:
+        sink = jnp.broadcast_to(
+            sinks.astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1, 1), scores.shape[:-1] + (1,)
+        )
+        scores = jnp.concatenate([scores, sink], axis=-1)
+        scores = scores - jnp.max(scores, axis=-1, keepdims=True)
+        weights = jax.nn.softmax(scores, axis=-1)[..., :-1]
+    else:
+        weights = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v.dtype), v)
+    return out.reshape(batch, seq, heads, dim)
+
+
+def with_cache(
+    k: Float[Array, "batch seq kv_heads head_dim"],
+    v: Float[Array, "batch seq kv_heads head_dim"],
+    kv: KV | None,
+    index: Array | None,
+) -> tuple[Array, Array, KV | None]:
+    """The keys and values to attend over: this call's, or (with a cache) the cache's
+    buffers with this call's written at `index`; and the updated cache."""
+    if kv is None:
+        return k, v, None
+    keys, values = write(kv[0], k, index), write(kv[1], v, index)
+    return keys, values, (keys, values)
+
+
+class Attention(eqx.Module):
+    """Self-attention with per-head torch-`Linear` weights (see the module's docstring).
+
+    **Arguments:**
+
+    - `heads`, `kv_heads`, `head_dim`, `embd`: the sizes (kv_heads divides heads).
+    - `dtype`, `key`: the parameters' dtype and initialisation key.
+    - `qkv_bias`, `o_bias`: whether q/k/v and the output projection have biases.
+    - `qk_norm`: per-head RMSNorm of queries and keys before RoPE (Qwen3); `plus_one`
+      for Gemma's `(1 + w)` form; `norm_eps` its epsilon.
+    - `scale`: the score scale (default `head_dim**-0.5`); `softcap`, `sinks` as in `attend`.
+
+    Called as `attn(x, mask, cos=..., sin=..., kv=..., index=...)` -> `(y, kv)`: `x`
+    `[batch, seq, embd]`, `mask` from `Tokens`, `cos`/`sin` from `Rope.angles` (None: no
+    RoPE), `kv`/`index` this layer's cache and the first slot (None: no cache).
+    """
+
+    wq: Float[Array, "heads head_dim embd"]
+    wk: Float[Array, "kv_heads head_dim embd"]
+    wv: Float[Array, "kv_heads head_dim embd"]
+    wo: Float[Array, "embd heads head_dim"]
+    bq: Float[Array, "heads head_dim"] | None
+    bk: Float[Array, "kv_heads head_dim"] | None
+    bv: Float[Array, "kv_heads head_dim"] | None
+    bo: Float[Array, " embd"] | None
+    q_norm: Float[Array, " head_dim"] | None
+    k_norm: Float[Array, " head_dim"] | None
+    sinks: Float[Array, " heads"] | None
+    scale: float = eqx.field(static=True)
+    softcap: float | None = eqx.field(static=True)
+    norm_eps: float = eqx.field(static=True)
+    plus_one: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        embd: int,
+        dtype: Any,
+        key: PRNGKeyArray,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        plus_one: bool = False,
+        norm_eps: float = 1e-6,
+        scale: float | None = None,
+        softcap: float | None = None,
+        sinks: bool = False,
+    ):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        h, g, d, e = heads, kv_heads, head_dim, embd
+        self.wq, self.wk, self.wv = normal(kq, (h, d, e), dtype), normal(kk, (g, d, e), dtype), normal(kv, (g, d, e), dtype)
+        self.wo = normal(ko, (e, h, d), dtype)
+        self.bq, self.bk, self.bv = zeros_if(qkv_bias, (h, d), dtype), zeros_if(qkv_bias, (g, d), dtype), zeros_if(qkv_bias, (g, d), dtype)
+        self.bo = zeros_if(o_bias, (e,), dtype)
+        norm = (jnp.zeros if plus_one else jnp.ones)((d,), dtype) if qk_norm else None
+        self.q_norm, self.k_norm = norm, norm
+        self.sinks = jnp.zeros((h,), dtype) if sinks else None
+        self.scale = d**-0.5 if scale is None else scale
+        self.softcap = softcap
+        self.norm_eps = norm_eps
+        self.plus_one = plus_one
+
+    def project(
+        self, x: Float[Array, "batch seq embd"], cos: Array | None, sin: Array | None
+    ) -> tuple[Array, Array, Array]:
+        """Queries, keys and values `[batch, seq, heads or kv_heads, head_dim]`, normed and rotated."""
+
+        def linear(w: Array, b: Array | None, norm: Array | None) -> Array:
+            y = jnp.einsum("bte,hde->bthd", x, w)
+            y = y if b is None else y + b
+            return y if norm is None else rms_norm(y, norm, self.norm_eps, plus_one=self.plus_one)
+
+        q = linear(self.wq, self.bq, self.q_norm)
+        k = linear(self.wk, self.bk, self.k_norm)
+        v = linear(self.wv, self.bv, None)
+        if cos is not None:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embd"],
+        mask: Bool[Array, "batch seq keys"],
+        *,
+        cos: Array | None = None,
+        sin: Array | None = None,
+        kv: KV | None = None,
+        index: Array | None = None,
+    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+        q, k, v = self.project(x, cos, sin)
+        k, v, kv = with_cache(k, v, kv, index)
+        out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap, sinks=self.sinks)
+        y = jnp.einsum("bthd,ehd->bte", out, self.wo)
+        return (y if self.bo is None else y + self.bo), kv

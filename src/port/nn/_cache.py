@@ -1,0 +1,74 @@
+"""The key/value cache of a decoder: prefill once, then one token per step.
+
+A `Cache` holds every layer's keys and values in one buffer of a fixed length, so a
+jitted decode step has the same shapes at every step and compiles once. Slots fill
+from the left: a batch of prompts is padded to one length (left padding keeps each
+prompt's last token in the same slot), `mask` says which slots hold real tokens and
+`next_position` each sequence's next position (positions follow the mask, as
+transformers' `generate` computes them).
+
+```python
+cache = model.init_cache(batch=2, length=64)           # every decoder family has it
+logits, cache = model(prompt_ids, attention_mask=prompt_mask, cache=cache)   # prefill
+logits, cache = model(next_ids[:, None], cache=cache)                         # one step
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+
+class Cache(eqx.Module):
+    """Keys and values of every layer, `[layers, batch, length, kv_heads, head_dim]`.
+
+    **Fields:** `keys`, `values`; `mask` `[batch, length]`, the slots holding real
+    tokens; `next_position` `[batch]`, the position the next token of each sequence
+    takes; `length`, how many slots are filled (the same for the whole batch).
+    """
+
+    keys: Float[Array, "layers batch length kv_heads head_dim"]
+    values: Float[Array, "layers batch length kv_heads head_dim"]
+    mask: Bool[Array, "batch length"]
+    next_position: Int[Array, " batch"]
+    length: Int[Array, ""]
+
+    @classmethod
+    def empty(
+        cls, *, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype: Any
+    ) -> Cache:
+        """An empty cache of `length` slots per sequence.
+
+        **Arguments:** the model's `layers`, `kv_heads`, `head_dim` and activation
+        `dtype`; the `batch` size and the `length` (prompt plus every new token).
+        """
+        for name, value in (("batch", batch), ("length", length)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        shape = (layers, batch, length, kv_heads, head_dim)
+        return cls(
+            keys=jnp.zeros(shape, dtype),
+            values=jnp.zeros(shape, dtype),
+            mask=jnp.zeros((batch, length), bool),
+            next_position=jnp.zeros((batch,), jnp.int32),
+            length=jnp.zeros((), jnp.int32),
+        )
+
+    @property
+    def size(self) -> int:
+        """The number of slots per sequence."""
+        return self.mask.shape[1]
+
+
+def write(
+    buffer: Float[Array, "batch length kv_heads head_dim"],
+    new: Float[Array, "batch seq kv_heads head_dim"],
+    index: Int[Array, ""],
+) -> Float[Array, "batch length kv_heads head_dim"]:
+    """`buffer` with `new` written at slots `index, index + 1, ...` (one layer's keys or values)."""
+    return jax.lax.dynamic_update_slice_in_dim(buffer, new.astype(buffer.dtype), index, axis=1)

@@ -1,0 +1,96 @@
+"""Greedy decoding with a key/value cache: one prefill, then one compiled step per token.
+
+```python
+out = generate(model, prompt_ids, max_new_tokens=32, attention_mask=prompt_mask)
+# out: [batch, prompt + 32], the prompt (left padding kept) followed by the new tokens,
+# token for token what transformers' generate(do_sample=False) gives
+
+cache = model.init_cache(batch, length)                   # the pieces underneath
+logits, cache = prefill(model, prompt_ids, cache, attention_mask=prompt_mask)
+logits, cache = decode_step(model, logits.argmax(-1), cache)   # compiled once
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from port.nn._cache import Cache
+from port.nn._inputs import batch_first, check_ids, check_like
+
+
+@eqx.filter_jit
+def prefill(
+    model: Any, input_ids: Int[Array, "batch seq"], cache: Cache, *, attention_mask: Array | None = None
+) -> tuple[Float[Array, "batch vocab"], Cache]:
+    """Run the prompt through `model`, filling `cache`; the logits of each prompt's last slot.
+
+    **Arguments:** a decoder `model`; `input_ids` `[batch, seq]` (left-padded when the
+    prompts differ in length); `cache` from `model.init_cache`; `attention_mask` (0 on
+    padding). **Returns:** `(logits [batch, vocab], cache)`.
+    """
+    logits, cache = model(input_ids, attention_mask=attention_mask, cache=cache)
+    return logits[:, -1], cache
+
+
+@eqx.filter_jit
+def decode_step(model: Any, token: Int[Array, " batch"], cache: Cache) -> tuple[Float[Array, "batch vocab"], Cache]:
+    """One token per sequence through `model`, at the cache's next slot; its logits and the cache.
+
+    The shapes do not change from step to step, so under `jax.jit` this compiles once.
+    """
+    logits, cache = model(token[:, None], cache=cache)
+    return logits[:, -1], cache
+
+
+def generate(
+    model: Any,
+    input_ids: Any,
+    *,
+    max_new_tokens: int,
+    attention_mask: Any = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int = 0,
+) -> Int[Array, "batch total"]:
+    """Greedy decoding: the prompt followed by `max_new_tokens` tokens, each the argmax.
+
+    **Arguments:**
+
+    - `model`: a port decoder (it has `init_cache`).
+    - `input_ids`: `(batch, seq)` or `(seq,)` prompts, left-padded to one length.
+    - `max_new_tokens`: how many tokens to add (at least 1).
+    - `attention_mask`: `input_ids`' shape, 0 on padding; positions follow it.
+    - `eos_token_id`: a sequence that produced it is finished: its later tokens are
+      `pad_token_id` (as transformers pads them).
+
+    **Returns:** `[batch, seq + max_new_tokens]` (or `[seq + max_new_tokens]`).
+    Raises `ValueError` / `TypeError` naming the argument before anything is compiled.
+    """
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
+    if not hasattr(model, "init_cache"):
+        raise TypeError(f"`model` must be a port decoder with init_cache, got {type(model).__name__}")
+    batched = check_ids(input_ids)
+    check_like("attention_mask", attention_mask, input_ids)
+    ids, mask = batch_first(batched, input_ids, attention_mask)
+    ids = jnp.asarray(ids)
+    batch, seq = ids.shape
+    cache = model.init_cache(batch, seq + int(max_new_tokens))
+    logits, cache = prefill(model, ids, cache, attention_mask=mask)
+    finished = jnp.zeros((batch,), bool)
+    tokens = []
+    for step in range(int(max_new_tokens)):
+        if step:
+            logits, cache = decode_step(model, token, cache)
+        token = jnp.argmax(logits, axis=-1).astype(ids.dtype)
+        if eos_token_id is not None:
+            token = jnp.where(finished, jnp.asarray(pad_token_id, ids.dtype), token)
+            finished = finished | (token == eos_token_id)
+        tokens.append(token)
+    out = jnp.concatenate([ids, jnp.stack(tokens, axis=1)], axis=1)
+    return out if batched else out[0]

@@ -1,0 +1,68 @@
+"""Running a family's stacked blocks over prepared tokens: masks per layer, the cache, remat.
+
+Every decoder family calls `run_layers` between its embedding and its head; each block
+takes `block(x, mask, cos=, sin=, kv=, index=, layer=)` and returns `(x, kv)`.
+
+```python
+tokens = prepare(input_ids, attention_mask=mask, cache=cache, window=config.sliding_window)
+x = embed[tokens.ids]
+cos, sin = config.rope.angles(tokens.positions, x.dtype)
+x, kv = run_layers(blocks, x, tokens, cos=cos, sin=sin, sliding=config.sliding_layers, remat=remat)
+return tokens.output(head(x), *kv)
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from port.nn._scan import scan
+from port.nn._tokens import Tokens
+
+
+def run_layers(
+    blocks: Any,
+    x: Float[Array, "batch seq embd"],
+    tokens: Tokens,
+    *,
+    cos: Array | None = None,
+    sin: Array | None = None,
+    sliding: Sequence[bool] | None = None,
+    remat: bool | str | Callable[..., bool] | None = None,
+) -> tuple[Float[Array, "batch seq embd"], tuple[Array | None, Array | None]]:
+    """Run stacked `blocks` over `x`.
+
+    **Arguments:**
+
+    - `blocks`: the stacked blocks, arrays `[layers, ...]`.
+    - `x`: the embedded tokens.
+    - `tokens`: from `prepare` (its masks and cache).
+    - `cos`, `sin`: the rotary angles (None: no RoPE).
+    - `sliding`: per layer, whether it uses `tokens.sliding` (the window) rather than
+      `tokens.mask`.
+    - `remat`: as in `scan`.
+
+    **Returns:** `(x, (keys, values))`: the last block's output and, with a cache, every
+    layer's updated keys and values (else `(None, None)`).
+    """
+    layers = jnp.arange(jnp.shape(_first_leaf(blocks))[0])
+    flags = jnp.zeros(layers.shape, bool) if sliding is None or tokens.sliding is None else jnp.asarray(sliding, bool)
+    kv = None if tokens.cache is None else (tokens.cache.keys, tokens.cache.values)
+    index = tokens.index
+
+    def layer(block: Any, x: Array, i: Array, slides: Array, kv: Any) -> tuple[Array, Any]:
+        mask = tokens.mask if tokens.sliding is None else jnp.where(slides, tokens.sliding, tokens.mask)
+        return block(x, mask, cos=cos, sin=sin, kv=kv, index=index, layer=i)
+
+    x, kv = scan(layer, x, blocks, layers, flags, kv, remat=remat)
+    return x, (None, None) if kv is None else kv
+
+
+def _first_leaf(tree: Any) -> Array:
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))[0]

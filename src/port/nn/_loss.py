@@ -1,0 +1,34 @@
+"""The causal language-modelling loss, as transformers computes it with `labels`.
+
+```python
+loss = next_token_loss(model(ids, attention_mask=mask), ids, mask)
+grads = jax.grad(lambda m: next_token_loss(m(ids, attention_mask=mask), ids, mask))(model)
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+
+def next_token_loss(
+    logits: Float[Array, "batch seq vocab"], input_ids: Int[Array, "batch seq"], attention_mask: Any = None
+) -> Float[Array, ""]:
+    """Mean cross-entropy of predicting each token from those before it, over real tokens.
+
+    **Arguments:** `logits` from the model; `input_ids` (the labels); `attention_mask`,
+    0 on padding (padding labels are ignored, as transformers' -100).
+
+    **Returns:** a float32 scalar: transformers' `model(ids, labels=ids with -100 on
+    padding).loss`.
+    """
+    logits = logits[..., :-1, :].astype(jnp.float32)
+    targets = jnp.asarray(input_ids)[..., 1:]
+    valid = jnp.ones(targets.shape, bool) if attention_mask is None else jnp.asarray(attention_mask)[..., 1:] != 0
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return jnp.where(valid, nll, 0.0).sum() / jnp.maximum(valid.sum(), 1)

@@ -1,0 +1,79 @@
+"""Feed-forward layers with torch `Linear` layouts `[out, in]`: a plain MLP and a gated one.
+
+```python
+mlp = GatedMLP(embd=512, inner=1408, activation="silu", dtype=jnp.float32, key=key)
+y = mlp(x)                                  # down(silu(gate x) * up x); x: [..., 512]
+mlp = MLP(embd=768, inner=3072, activation="gelu", dtype=jnp.float32, key=key)
+y = mlp(x)                                  # down(gelu(up x + b) ) + b
+```
+
+`activation` is a transformers `ACT2FN` name (`port.models._config.ACTIVATIONS`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray
+
+from port.models._config import ACTIVATIONS
+from port.nn._init import normal, zeros_if
+
+
+def linear(x: Float[Array, "... in"], weight: Float[Array, "out in"], bias: Float[Array, " out"] | None) -> Array:
+    """`x @ weight.T (+ bias)`, weight in torch `Linear`'s `[out, in]` layout."""
+    y = jnp.einsum("...i,oi->...o", x, weight)
+    return y if bias is None else y + bias
+
+
+class GatedMLP(eqx.Module):
+    """`down(act(gate x) * up x)`: SwiGLU (Llama), GeGLU (Gemma); optional biases.
+
+    **Arguments:** `embd`, `inner` (the hidden size), `activation` (an `ACT2FN` name),
+    `dtype`, `key`, `bias` (biases on all three projections).
+    """
+
+    gate: Float[Array, "inner embd"]
+    up: Float[Array, "inner embd"]
+    down: Float[Array, "embd inner"]
+    bgate: Float[Array, " inner"] | None
+    bup: Float[Array, " inner"] | None
+    bdown: Float[Array, " embd"] | None
+    activation: str = eqx.field(static=True)
+
+    def __init__(self, *, embd: int, inner: int, activation: str, dtype: Any, key: PRNGKeyArray, bias: bool = False):
+        kg, ku, kd = jax.random.split(key, 3)
+        self.gate, self.up = normal(kg, (inner, embd), dtype), normal(ku, (inner, embd), dtype)
+        self.down = normal(kd, (embd, inner), dtype)
+        self.bgate, self.bup = zeros_if(bias, (inner,), dtype), zeros_if(bias, (inner,), dtype)
+        self.bdown = zeros_if(bias, (embd,), dtype)
+        self.activation = activation
+
+    def __call__(self, x: Float[Array, "... embd"]) -> Float[Array, "... embd"]:
+        h = ACTIVATIONS[self.activation](linear(x, self.gate, self.bgate)) * linear(x, self.up, self.bup)
+        return linear(h, self.down, self.bdown)
+
+
+class MLP(eqx.Module):
+    """`down(act(up x + bup)) + bdown`: the feed-forward of GPT-NeoX, BERT and ViT.
+
+    **Arguments:** `embd`, `inner`, `activation`, `dtype`, `key`.
+    """
+
+    up: Float[Array, "inner embd"]
+    bup: Float[Array, " inner"]
+    down: Float[Array, "embd inner"]
+    bdown: Float[Array, " embd"]
+    activation: str = eqx.field(static=True)
+
+    def __init__(self, *, embd: int, inner: int, activation: str, dtype: Any, key: PRNGKeyArray):
+        ku, kd = jax.random.split(key)
+        self.up, self.bup = normal(ku, (inner, embd), dtype), jnp.zeros((inner,), dtype)
+        self.down, self.bdown = normal(kd, (embd, inner), dtype), jnp.zeros((embd,), dtype)
+        self.activation = activation
+
+    def __call__(self, x: Float[Array, "... embd"]) -> Float[Array, "... embd"]:
+        return linear(ACTIVATIONS[self.activation](linear(x, self.up, self.bup)), self.down, self.bdown)

@@ -1,0 +1,86 @@
+"""Normalisation layers: RMSNorm (plain and Gemma's `1 + weight`) and LayerNorm.
+
+Statistics are always taken in float32 and the result cast back to the input's dtype,
+as transformers does, so bfloat16 activations normalise exactly as in PyTorch.
+
+```python
+y = rms_norm(x, weight, 1e-6)                  # Llama: weight * normalised.astype(x.dtype)
+y = rms_norm(x, weight, 1e-6, plus_one=True)    # Gemma: (1 + weight) * normalised, in float32
+norm = LayerNorm(768, eps=1e-5, dtype=jnp.float32)
+y = norm(x)                                     # any leading axes; normalises the last
+```
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+
+def rms_norm(
+    x: Float[Array, "*rest embd"], weight: Float[Array, " embd"], eps: float, *, plus_one: bool = False
+) -> Float[Array, "*rest embd"]:
+    """Root-mean-square normalisation over the last axis, scaled by `weight`.
+
+    **Arguments:**
+
+    - `x`: the activations; the last axis is normalised.
+    - `weight`: the learned scale.
+    - `eps`: added to the mean square (config.json's `rms_norm_eps`).
+    - `plus_one`: Gemma's form, `(1 + weight) * x_hat` computed in float32 and then cast;
+      without it Llama's, `weight * x_hat.astype(x.dtype)`.
+
+    **Returns:** an array of `x`'s shape and dtype.
+
+    ```python
+    rms_norm(jnp.ones((2, 4)), jnp.ones(4), 1e-6)   # ~ones
+    ```
+    """
+    h = x.astype(jnp.float32)
+    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
+    if plus_one:
+        return (h * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * h.astype(x.dtype)
+
+
+class LayerNorm(eqx.Module):
+    """Layer normalisation over the last axis, with an optional bias.
+
+    Statistics in float32, scale and shift in float32, the result in the input's dtype
+    (transformers' `nn.LayerNorm`). The leaves are `weight` and `bias`, as in
+    `eqx.nn.LayerNorm` and PyTorch, so mappings name them `ln_1.weight` / `ln_1.bias`.
+
+    **Arguments:**
+
+    - `size`: the normalised axis' length.
+    - `eps`: config.json's `layer_norm_eps` (or `layer_norm_epsilon`).
+    - `dtype`: the parameters' dtype.
+    - `bias`: whether there is a bias.
+
+    ```python
+    norm = LayerNorm(8, eps=1e-5, dtype=jnp.float32)
+    norm(jnp.arange(16.0).reshape(2, 8)).shape   # (2, 8)
+    ```
+    """
+
+    weight: Float[Array, " embd"]
+    bias: Float[Array, " embd"] | None
+    eps: float = eqx.field(static=True)
+
+    def __init__(self, size: int, *, eps: float, dtype: Any, bias: bool = True):
+        self.weight = jnp.ones((size,), dtype)
+        self.bias = jnp.zeros((size,), dtype) if bias else None
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "*rest embd"]) -> Float[Array, "*rest embd"]:
+        h = x.astype(jnp.float32)
+        mean = jnp.mean(h, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
+        h = (h - mean) * jax.lax.rsqrt(var + self.eps) * self.weight.astype(jnp.float32)
+        if self.bias is not None:
+            h = h + self.bias.astype(jnp.float32)
+        return h.astype(x.dtype)

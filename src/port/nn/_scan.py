@@ -1,0 +1,69 @@
+"""Running stacked layers: one compiled layer, whatever the depth, with optional rematerialisation.
+
+```python
+def layer(block, x, sliding, kv):
+    return block(x, ...)                        # -> (x, per-layer output or None)
+
+x, kvs = scan(layer, x, model.blocks, sliding_flags, cache_kvs, remat="full")
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+
+REMAT = {
+    "full": None,  # jax.checkpoint's default: save nothing, recompute the layer
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "everything": jax.checkpoint_policies.everything_saveable,
+}
+"""Named rematerialisation policies for `scan`'s `remat`: what the backward pass keeps."""
+
+
+def scan(
+    layer: Callable[..., tuple[Any, Any]],
+    carry: Any,
+    blocks: Any,
+    *per_layer: Any,
+    remat: bool | str | Callable[..., bool] | None = None,
+) -> tuple[Any, Any]:
+    """Run `layer(block_i, carry, *per_layer_i) -> (carry, out_i)` over stacked `blocks`.
+
+    **Arguments:**
+
+    - `layer`: one layer's step.
+    - `carry`: the hidden state passed from layer to layer.
+    - `blocks`: a module whose arrays have a leading `[layers]` axis.
+    - `per_layer`: pytrees with the same leading axis (per-layer flags, cache slices),
+      or None.
+    - `remat`: None or False (keep every activation for the backward pass), True or
+      "full" (recompute each layer in the backward pass: memory of one layer's
+      activations), "dots" (keep matmul outputs without batch dimensions), or a
+      `jax.checkpoint` policy. It changes memory and time, never values.
+
+    **Returns:** `(carry, outs)`, `outs` stacked over layers.
+    """
+    params, static = eqx.partition(blocks, eqx.is_array)
+
+    def step(carry: Any, xs: tuple[Any, ...]) -> tuple[Any, Any]:
+        block_params, *rest = xs
+        return layer(eqx.combine(block_params, static), carry, *rest)
+
+    if remat is not None and remat is not False:
+        if remat is True:
+            policy = None
+        elif isinstance(remat, str):
+            if remat not in REMAT:
+                raise ValueError(f"`remat` {remat!r} is not one of {', '.join(map(repr, REMAT))}, True or a policy")
+            policy = REMAT[remat]
+        elif callable(remat):
+            policy = remat
+        else:
+            raise TypeError(f"`remat` must be a bool, a policy name or a jax.checkpoint policy, got {remat!r}")
+        step = jax.checkpoint(step, policy=policy)
+    return jax.lax.scan(step, carry, (params, *per_layer))

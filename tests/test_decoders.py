@@ -1,0 +1,259 @@
+"""The contract every decoder family meets, against `transformers` on the same inputs.
+
+For each family (a small seeded `*ForCausalLM`, saved by `save_pretrained`, loaded by
+`port.load`): logits with right and left padding masks and explicit positions; packed
+sequences (`segment_ids`) equal to each sequence alone; the gradient of the mean
+next-token loss over a right-padded batch equal to PyTorch's `loss.backward()` (every
+parameter, by its checkpoint name, through `port.export`); `remat` changing nothing;
+bfloat16 compute on float32 parameters; a jitted train step on 4x2 equal to 1x1 with
+every sharding kept; greedy generation with the cache token for token equal to
+transformers' `generate(do_sample=False)` for a left-padded batch.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+import port
+from port.nn import next_token_loss
+from helpers import transformers_or_skip
+
+VOCAB = 97
+BASE = dict(vocab_size=VOCAB, max_position_embeddings=128, initializer_range=0.2, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0)
+LLAMA = dict(BASE, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
+             num_key_value_heads=2)
+# name: (transformers architecture, config). Windows of 4 against prompts of 9 and 32 new tokens.
+FAMILIES = {
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(BASE, n_positions=128, n_embd=48, n_layer=2, n_head=4)),
+    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(LLAMA, rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16))),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(LLAMA, sliding_window=4)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(LLAMA, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(LLAMA, head_dim=12)),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(LLAMA, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(LLAMA, head_dim=16)),
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
+        LLAMA, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+        attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(LLAMA, num_local_experts=6, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
+        LLAMA, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=40, norm_topk_prob=True)),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(
+        BASE, hidden_size=48, num_attention_heads=4, intermediate_size=80, num_hidden_layers=2, rotary_pct=0.5)),
+}
+NAMES = list(FAMILIES)
+
+
+def torch_model(name):
+    """The family's seeded model, eager attention, norms and biases perturbed (they matter)."""
+    transformers = transformers_or_skip()
+    import torch
+
+    arch, config_class, config = FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**config)
+    config._attn_implementation = "eager"
+    model = getattr(transformers, arch)(config)
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            if "norm" in key or "ln" in key or key.endswith("bias"):
+                param.add_(0.2 * torch.randn_like(param))
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    """get(name): (the PyTorch model, its checkpoint directory, port's model on 1x1), built once."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            model = torch_model(name)
+            directory = tmp_path_factory.mktemp(name)
+            model.save_pretrained(directory)
+            made[name] = model, directory, port.load(directory)
+        return made[name]
+
+    return get
+
+
+def padded(side, lengths=(11, 6), width=11, seed=1):
+    """A batch of `lengths` tokens padded to `width` on `side`, and its mask."""
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((len(lengths), width), np.int32)
+    mask = np.zeros((len(lengths), width), np.int32)
+    for row, n in enumerate(lengths):
+        cols = slice(0, n) if side == "right" else slice(width - n, width)
+        ids[row, cols] = rng.integers(3, VOCAB, n)
+        mask[row, cols] = 1
+    return ids, mask
+
+
+def torch_forward(model, ids, mask=None, positions=None):
+    import torch
+
+    kwargs = {}
+    if mask is not None:
+        kwargs["attention_mask"] = torch.tensor(mask)
+    if positions is not None:
+        kwargs["position_ids"] = torch.tensor(positions)
+    with torch.no_grad():
+        return model(torch.tensor(ids).long(), **kwargs).logits.float().numpy()
+
+
+@eqx.filter_jit
+def forward(model, ids, mask=None, positions=None, segments=None):
+    return model(ids, attention_mask=mask, positions=positions, segment_ids=segments)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_mask_and_positions_match_transformers(family, name, side):
+    """Padded batches: the real tokens' logits are transformers' with the same mask and the
+    positions transformers' generate gives them (cumsum of the mask - 1)."""
+    torch_lm, _, model = family(name)
+    ids, mask = padded(side)
+    positions = np.where(mask, np.cumsum(mask, -1) - 1, 0)
+    expected = torch_forward(torch_lm, ids, mask, positions)
+    ours = np.asarray(forward(model, ids, mask))
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], expected[real], atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_explicit_positions_match_transformers(family, name):
+    torch_lm, _, model = family(name)
+    ids, _ = padded("right", lengths=(9, 9), width=9)
+    positions = np.arange(9)[None].repeat(2, 0) + np.array([[3], [17]])
+    expected = torch_forward(torch_lm, ids, positions=positions)
+    np.testing.assert_allclose(np.asarray(forward(model, ids, positions=positions)), expected, atol=2e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_sequences_equal_each_alone(family, name):
+    """Two sequences packed into one row with `segment_ids` (and a padded tail): each segment's
+    logits are those of the sequence run alone; positions restart in each segment."""
+    _, _, model = family(name)
+    rng = np.random.default_rng(2)
+    a, b = rng.integers(3, VOCAB, 7), rng.integers(3, VOCAB, 5)
+    row = np.concatenate([a, b, [0, 0]])[None].astype(np.int32)
+    segments = np.array([[0] * 7 + [1] * 5 + [2, 2]], np.int32)
+    mask = np.array([[1] * 12 + [0, 0]], np.int32)
+    packed = np.asarray(forward(model, row, mask, None, segments))[0]
+    alone_a = np.asarray(forward(model, a[None].astype(np.int32)))[0]
+    alone_b = np.asarray(forward(model, b[None].astype(np.int32)))[0]
+    np.testing.assert_allclose(packed[:7], alone_a, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(packed[7:12], alone_b, atol=1e-4, rtol=0)
+
+
+def loss_and_grads(model, ids, mask, **call):
+    def loss(m):
+        return next_token_loss(m(ids, attention_mask=mask, **call), ids, mask)
+
+    return eqx.filter_jit(eqx.filter_value_and_grad(loss))(model)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gradients_match_pytorch(family, name, tmp_path):
+    """jax.grad of the mean next-token loss over a right-padded batch equals PyTorch's backward,
+    for every parameter (by its checkpoint name), within 1e-4 of its largest entry."""
+    import torch
+
+    torch_lm, directory, model = family(name)
+    ids, mask = padded("right")
+    labels = torch.tensor(np.where(mask == 1, ids, -100)).long()
+    torch_lm.zero_grad()
+    out = torch_lm(torch.tensor(ids).long(), attention_mask=torch.tensor(mask), labels=labels)
+    out.loss.backward()
+    loss, grads = loss_and_grads(model, ids, mask)
+    assert float(loss) == pytest.approx(out.loss.item(), rel=1e-5)
+    port.export(grads, tmp_path / "grads", directory)
+    ours = {}
+    for file in sorted((tmp_path / "grads").glob("*.safetensors")):
+        ours.update(load_file(file))
+    theirs = {k: p.grad.numpy() for k, p in torch_lm.named_parameters() if p.grad is not None}
+    assert set(ours) <= set(theirs) and len(ours) >= len(theirs) - 1  # a tied head: one name for both
+    for key, grad in ours.items():
+        scale = np.abs(theirs[key]).max()
+        np.testing.assert_allclose(grad, theirs[key], atol=1e-4 * scale + 1e-9, rtol=0, err_msg=key)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_remat_changes_no_value(family, name):
+    _, _, model = family(name)
+    ids, mask = padded("right")
+    plain = loss_and_grads(model, ids, mask)
+    for remat in (True, "dots"):
+        again = loss_and_grads(model, ids, mask, remat=remat)
+        for x, y in zip(jax.tree.leaves(plain), jax.tree.leaves(again)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_bfloat16_compute_on_float32_parameters(family, name):
+    """dtype=bfloat16: bfloat16 logits near the float32 ones, gradients in float32 for float32 leaves."""
+    _, _, model = family(name)
+    ids, mask = padded("right")
+    full = np.asarray(forward(model, ids, mask))
+    half = eqx.filter_jit(lambda m, i, k: m(i, attention_mask=k, dtype=jnp.bfloat16))(model, ids, mask)
+    assert half.dtype == jnp.bfloat16
+    real = mask.astype(bool)
+    assert np.abs(np.asarray(half, np.float32)[real] - full[real]).max() < 0.1 * np.abs(full[real]).max()
+    _, grads = loss_and_grads(model, ids, mask, dtype=jnp.bfloat16)
+    assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_train_step_on_4x2_equals_1x1_and_keeps_shardings(family, name):
+    """A jitted step (batch on `data`): the same loss and gradients as on one device, and every
+    gradient and updated parameter with the sharding port.load gave the parameter."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    _, directory, single = family(name)
+    mesh = port.make_mesh("4x2")
+    model = port.load(directory, mesh=mesh)
+    ids, mask = padded("right", lengths=(11, 6, 9, 4), width=11)
+    batch = NamedSharding(mesh, P("data", None))
+    ids_d, mask_d = jax.device_put(ids, batch), jax.device_put(mask, batch)
+    shardings = jax.tree.map(lambda a: a.sharding, eqx.filter(model, eqx.is_array))
+
+    @eqx.filter_jit
+    def step(m, ids, mask):
+        loss, grads = eqx.filter_value_and_grad(lambda m: next_token_loss(m(ids, attention_mask=mask), ids, mask))(m)
+        grads = eqx.filter_shard(grads, shardings)
+        updated = eqx.apply_updates(m, jax.tree.map(lambda g: -1e-3 * g, grads))
+        return loss, grads, eqx.filter_shard(updated, shardings)
+
+    loss, grads, updated = step(model, ids_d, mask_d)
+    loss1, grads1 = loss_and_grads(single, ids, mask)
+    assert float(loss) == pytest.approx(float(loss1), rel=1e-5)
+    for g, g1, s in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1), jax.tree.leaves(shardings)):
+        assert g.sharding.is_equivalent_to(s, g.ndim)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g1), atol=1e-5 * np.abs(np.asarray(g1)).max() + 1e-9)
+    for p, s in zip(jax.tree.leaves(eqx.filter(updated, eqx.is_array)), jax.tree.leaves(shardings)):
+        assert p.sharding.is_equivalent_to(s, p.ndim)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_generation_matches_transformers(family, name):
+    """32 new tokens for a left-padded batch of prompts of 9 and 4 tokens, token for token."""
+    import torch
+
+    torch_lm, _, model = family(name)
+    ids, mask = padded("left", lengths=(9, 4), width=9, seed=3)
+    torch_lm.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = torch_lm.generate(
+            torch.tensor(ids).long(), attention_mask=torch.tensor(mask), max_new_tokens=32, do_sample=False,
+            pad_token_id=0,
+        ).numpy()
+    ours = np.asarray(port.generate(model, ids, max_new_tokens=32, attention_mask=mask))
+    assert ours.shape == expected.shape == (2, 9 + 32)
+    np.testing.assert_array_equal(ours, expected)
