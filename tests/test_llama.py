@@ -32,6 +32,8 @@ CASES = {
     "llama-linear-rope": ("Llama", dict(rope_parameters=dict(rope_type="linear", rope_theta=500.0, factor=4.0))),
     "mistral-sliding": ("Mistral", dict(sliding_window=4)),
     "qwen2-bias": ("Qwen2", {}),
+    "qwen2-yarn": ("Qwen2", dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8))),
     "qwen2-sliding-layer1": ("Qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
     "llama-attn-mlp-bias": ("Llama", dict(attention_bias=True, mlp_bias=True, rms_norm_eps=1e-2)),
 }

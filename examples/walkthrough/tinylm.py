@@ -1,30 +1,24 @@
 """TinyLM in Equinox: the module a user brings to port (see docs/adding-an-architecture.md).
 
-Layers are stacked on a leading axis and run with `lax.scan`; attention weights
-are kept per head, `[heads, head_dim, embed]`, so they can be sharded by heads.
+Built from port's library of layers (`port.nn`): its LayerNorm, the attention core
+(`attend`), the inputs and masks (`prepare`) and the layer scan (`scan`), so the file
+holds only what is TinyLM's own: a fused-free per-head attention layout, learned
+positions, a GELU MLP of two `Linear`s and a tied head. Layers are stacked on a leading
+axis; attention weights are kept per head, `[heads, head_dim, embed]`, so they can be
+sharded by heads.
 
 ```python
 model = TinyLM.from_config(json.load(open("config.json")), key=jax.random.key(0))
-logits = model(input_ids)          # [batch, seq, vocab]
+logits = model(input_ids)                                 # [batch, seq, vocab]
+logits = model(input_ids, attention_mask=mask, remat=True)
 ```
 """
-
-import math
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-
-class LayerNorm(eqx.Module):
-    weight: jax.Array
-    bias: jax.Array
-    eps: float = eqx.field(static=True)
-
-    def __call__(self, x):
-        mean = x.mean(-1, keepdims=True)
-        var = ((x - mean) ** 2).mean(-1, keepdims=True)
-        return (x - mean) / jnp.sqrt(var + self.eps) * self.weight + self.bias
+from port.nn import LayerNorm, attend, prepare, scan
 
 
 class Block(eqx.Module):
@@ -46,25 +40,23 @@ class Block(eqx.Module):
         d = e // h
         keys = jax.random.split(key, 6)
         init = lambda k, *shape: 0.02 * jax.random.normal(k, shape)  # noqa: E731
-        self.norm1 = LayerNorm(jnp.ones(e), jnp.zeros(e), eps)
+        self.norm1 = LayerNorm(e, eps=eps, dtype=jnp.float32)
         self.wq, self.wk, self.wv = (init(k, h, d, e) for k in keys[:3])
         self.bq, self.bk, self.bv = jnp.zeros((h, d)), jnp.zeros((h, d)), jnp.zeros((h, d))
         self.wo, self.bo = init(keys[3], e, h, d), jnp.zeros(e)
-        self.norm2 = LayerNorm(jnp.ones(e), jnp.zeros(e), eps)
+        self.norm2 = LayerNorm(e, eps=eps, dtype=jnp.float32)
         self.ff1 = eqx.nn.Linear(e, 4 * e, key=keys[4])
         self.ff2 = eqx.nn.Linear(4 * e, e, key=keys[5])
 
-    def __call__(self, x):  # x: [seq, embed]
+    def __call__(self, x, mask):  # x: [batch, seq, embed], mask: [batch, seq, seq]
         y = self.norm1(x)
-        q = jnp.einsum("se,hde->hsd", y, self.wq) + self.bq[:, None]
-        k = jnp.einsum("se,hde->hsd", y, self.wk) + self.bk[:, None]
-        v = jnp.einsum("se,hde->hsd", y, self.wv) + self.bv[:, None]
-        scores = q @ k.transpose(0, 2, 1) / math.sqrt(q.shape[-1])
-        causal = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
-        attn = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1) @ v
-        x = x + jnp.einsum("hsd,ehd->se", attn, self.wo) + self.bo
-        hidden = jax.nn.gelu(jax.vmap(self.ff1)(self.norm2(x)), approximate=False)
-        return x + jax.vmap(self.ff2)(hidden)
+        q = jnp.einsum("bse,hde->bshd", y, self.wq) + self.bq
+        k = jnp.einsum("bse,hde->bshd", y, self.wk) + self.bk
+        v = jnp.einsum("bse,hde->bshd", y, self.wv) + self.bv
+        attn = attend(q, k, v, mask, scale=q.shape[-1] ** -0.5)
+        x = x + jnp.einsum("bshd,ehd->bse", attn, self.wo) + self.bo
+        ff = jax.vmap(jax.vmap(self.ff1))(self.norm2(x))
+        return x + jax.vmap(jax.vmap(self.ff2))(jax.nn.gelu(ff, approximate=False))
 
 
 class TinyLM(eqx.Module):
@@ -80,19 +72,15 @@ class TinyLM(eqx.Module):
         self.pos = 0.02 * jax.random.normal(k_pos, (config["max_positions"], e))
         keys = jax.random.split(k_blocks, config["num_layers"])
         self.blocks = eqx.filter_vmap(lambda k: Block(config, key=k))(keys)
-        self.norm = LayerNorm(jnp.ones(e), jnp.zeros(e), config["layer_norm_eps"])
+        self.norm = LayerNorm(e, eps=config["layer_norm_eps"], dtype=jnp.float32)
 
     @classmethod
     def from_config(cls, config: dict, *, key) -> "TinyLM":
         return cls(config, key=key)
 
-    def __call__(self, input_ids):  # [batch, seq] -> [batch, seq, vocab]
-        params, static = eqx.partition(self.blocks, eqx.is_array)
-
-        def one(ids):
-            x = self.embed[ids] + self.pos[: ids.shape[0]]
-            step = lambda h, p: (eqx.combine(p, static)(h), None)  # noqa: E731
-            x, _ = jax.lax.scan(step, x, params)
-            return self.norm(x) @ self.embed.T
-
-        return jax.vmap(one)(input_ids)
+    def __call__(self, input_ids, *, attention_mask=None, remat=None):
+        """[batch, seq] (or [seq]) ids -> [batch, seq, vocab] logits; 0 in `attention_mask` is padding."""
+        tokens = prepare(input_ids, attention_mask=attention_mask, limit=("max_positions", self.pos.shape[0]))
+        x = self.embed[tokens.ids] + self.pos[tokens.positions]
+        x, _ = scan(lambda block, h: (block(h, tokens.mask), None), x, self.blocks, remat=remat)
+        return tokens.output(self.norm(x) @ self.embed.T)

@@ -1,0 +1,204 @@
+"""port.nn, the library of layers: each piece against transformers or a plain reference, and its errors.
+
+The families' own tests (and tests/test_decoders.py) check the layers in place; here
+each is checked alone: YaRN's frequencies, soft-capped and sink attention against the
+formula, masks and positions, the cache's and generate's refusals, a decode step that
+compiles once, remat's names.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import port
+from port.models.llama import Llama, LlamaConfig
+from port.nn import Cache, attend, cast, generate, prepare, read_rope, scan
+from helpers import LLAMA_CONFIG, transformers_or_skip
+
+SMALL = {**LLAMA_CONFIG, "model_type": "llama", "num_hidden_layers": 2}
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32),
+        dict(rope_type="yarn", rope_theta=500000.0, factor=8.0, original_max_position_embeddings=16,
+             beta_fast=16.0, beta_slow=2.0, mscale=1.0, mscale_all_dim=0.5),
+    ],
+    ids=["yarn", "yarn-mscale"],
+)
+def test_yarn_matches_transformers(rope):
+    """inv_freq and the attention factor of transformers' YaRN (Qwen2's rotary embedding)."""
+    transformers = transformers_or_skip()
+    config = {**LLAMA_CONFIG, "model_type": "qwen2", "head_dim": 64, "rope_parameters": rope}
+    theirs = transformers.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding(transformers.Qwen2Config(**config))
+    ours = LlamaConfig.from_hf(config).rope
+    np.testing.assert_allclose(ours.inv_freq(), theirs.inv_freq.numpy(), rtol=1e-6)
+    assert ours.attention_factor == pytest.approx(theirs.attention_scaling, rel=1e-9)
+    assert ours.attention_factor != 1.0
+
+
+def test_unsupported_rope_is_one_line_naming_the_key():
+    with pytest.raises(port.ConfigError, match=r"config.json: rope_parameters: rope type 'dynamic' is not supported"):
+        read_rope({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, 64,
+                  supported=("default",), max_position_embeddings=128)
+
+
+def _qkv(seed=0, heads=4, kv_heads=2, seq=5, dim=8):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((2, seq, heads, dim)).astype(np.float32)
+    k = rng.standard_normal((2, seq, kv_heads, dim)).astype(np.float32)
+    v = rng.standard_normal((2, seq, kv_heads, dim)).astype(np.float32)
+    mask = np.tril(np.ones((seq, seq), bool))[None].repeat(2, 0)
+    mask[1, :, 0] = False  # a padded first key in the second sequence
+    mask[1, 0, 0] = True
+    return q, k, v, mask
+
+
+def _reference(q, k, v, mask, scale, softcap=None, sinks=None):
+    """Plain NumPy attention with grouped kv heads, soft-capping and sinks, as transformers' eager code."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = np.repeat(k, groups, axis=2), np.repeat(v, groups, axis=2)
+    scores = np.einsum("bthd,bshd->bhts", q, k) * scale
+    if softcap is not None:
+        scores = np.tanh(scores / softcap) * softcap
+    scores = np.where(mask[:, None], scores, -np.inf)
+    if sinks is not None:
+        scores = np.concatenate([scores, np.broadcast_to(sinks[None, :, None, None], scores.shape[:-1] + (1,))], -1)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights = weights / weights.sum(-1, keepdims=True)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    return np.einsum("bhts,bshd->bthd", weights, v)
+
+
+@pytest.mark.parametrize("softcap, sinks", [(None, None), (2.0, None), (None, True), (3.0, True)])
+def test_attend_matches_the_formula(softcap, sinks):
+    q, k, v, mask = _qkv()
+    sink = np.array([0.5, -1.0, 2.0, 0.0], np.float32) if sinks else None
+    ours = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), scale=0.3,
+                  softcap=softcap, sinks=None if sink is None else jnp.asarray(sink))
+    np.testing.assert_allclose(np.asarray(ours), _reference(q, k, v, mask, 0.3, softcap, sink), atol=1e-5)
+
+
+def test_attend_without_softcap_or_sinks_is_dot_product_attention():
+    """The common case goes through jax.nn.dot_product_attention (cuDNN on GPUs), not written-out scores."""
+    q, k, v, mask = _qkv()
+    jaxpr = str(jax.make_jaxpr(lambda *a: attend(*a, scale=0.3))(q, k, v, mask))
+    written = str(jax.make_jaxpr(lambda *a: attend(*a, scale=0.3, softcap=2.0))(q, k, v, mask))
+    assert "tanh" not in jaxpr and "tanh" in written
+    ref = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=0.3)
+    np.testing.assert_array_equal(np.asarray(attend(q, k, v, mask, scale=0.3)), np.asarray(ref))
+
+
+def test_positions_follow_the_mask_and_restart_per_segment():
+    mask = np.array([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0]])
+    tokens = prepare(np.zeros((2, 5), np.int32), attention_mask=mask)
+    np.testing.assert_array_equal(tokens.positions, [[0, 0, 0, 1, 2], [0, 1, 2, 0, 0]])
+    assert not bool(tokens.mask[0, 4, 1]) and bool(tokens.mask[0, 4, 2]) and not bool(tokens.mask[1, 1, 2])
+    packed = prepare(np.zeros((1, 6), np.int32), segment_ids=np.array([[3, 3, 3, 7, 7, 9]]))
+    np.testing.assert_array_equal(packed.positions, [[0, 1, 2, 0, 1, 0]])
+    assert not bool(packed.mask[0, 3, 2]) and bool(packed.mask[0, 4, 3])
+    window = prepare(np.zeros((1, 6), np.int32), window=2)
+    np.testing.assert_array_equal(np.asarray(window.sliding[0, 5]), [0, 0, 0, 0, 1, 1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        (dict(attention_mask=np.ones((2, 4))), ValueError, r"`attention_mask` must have shape \(batch, seq\) = \(2, 5\)"),
+        (dict(positions=np.zeros((2, 5), np.float32)), TypeError, r"`positions` must have an integer dtype"),
+        (dict(segment_ids=np.zeros((5,), np.int32)), ValueError, r"`segment_ids` must have shape"),
+        (dict(segment_ids=np.zeros((2, 5), np.int32), cache="cache"), ValueError, r"`segment_ids` cannot be used with `cache`"),
+        (dict(cache="short"), ValueError, r"`cache` has 4 slots, too few for 5 tokens"),
+        (dict(cache="batch"), ValueError, r"`cache` holds a batch of 3, but `input_ids` has 2"),
+    ],
+)
+def test_bad_inputs_are_one_line_naming_the_argument(kwargs, error, message):
+    caches = {
+        "cache": Cache.empty(layers=1, batch=2, length=8, kv_heads=1, head_dim=2, dtype=jnp.float32),
+        "short": Cache.empty(layers=1, batch=2, length=4, kv_heads=1, head_dim=2, dtype=jnp.float32),
+        "batch": Cache.empty(layers=1, batch=3, length=8, kv_heads=1, head_dim=2, dtype=jnp.float32),
+    }
+    if "cache" in kwargs:
+        kwargs = {**kwargs, "cache": caches[kwargs["cache"]]}
+    with pytest.raises(error, match=message):
+        prepare(np.zeros((2, 5), np.int32), **kwargs)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return Llama.from_config(SMALL, key=jax.random.key(0))
+
+
+def test_model_call_checks_before_compiling(llama):
+    with pytest.raises(ValueError, match=r"`attention_mask` must have shape"):
+        jax.jit(lambda ids, mask: llama(ids, attention_mask=mask))(np.zeros((2, 5), np.int32), np.ones((2, 6)))
+    with pytest.raises(ValueError, match=r"`remat` 'some' is not one of"):
+        llama(np.zeros((1, 3), np.int32), remat="some")
+    with pytest.raises(TypeError, match=r"`dtype` must be a floating dtype"):
+        llama(np.zeros((1, 3), np.int32), dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_generate_refuses_max_new_tokens_below_one(llama, bad):
+    with pytest.raises(ValueError, match=r"`max_new_tokens` must be a positive integer"):
+        generate(llama, np.ones((1, 3), np.int32), max_new_tokens=bad)
+
+
+def test_generate_refuses_a_mask_of_another_shape_and_a_model_without_cache(llama):
+    with pytest.raises(ValueError, match=r"`attention_mask` must have shape"):
+        generate(llama, np.ones((2, 3), np.int32), max_new_tokens=2, attention_mask=np.ones((2, 4)))
+    with pytest.raises(TypeError, match=r"`model` must be a port decoder with init_cache"):
+        generate(lambda ids: ids, np.ones((1, 3), np.int32), max_new_tokens=2)
+
+
+def test_a_full_cache_is_an_error_not_a_silent_overwrite(llama):
+    cache = llama.init_cache(1, 4)
+    _, cache = llama(np.ones((1, 3), np.int32), cache=cache)
+    _, cache = llama(np.ones((1, 1), np.int32), cache=cache)
+    with pytest.raises(Exception, match="`cache` is full"):
+        llama(np.ones((1, 1), np.int32), cache=cache)[0].block_until_ready()
+
+
+def test_decode_step_compiles_once_whatever_the_length(llama):
+    """8 or 24 new tokens (after a first run, which compiles the shape-independent pieces): the
+    same number of compilations, so nothing compiles per generated token."""
+    counts = []
+    for new in (4, 8, 24):
+        events = []
+        listener = lambda name, *_, **__: events.append(name) if name.endswith("backend_compile_duration") else None
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            generate(llama, np.ones((2, 5), np.int32) + np.arange(5), max_new_tokens=new,
+                     attention_mask=np.array([[1] * 5, [0, 0, 1, 1, 1]]))
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+        counts.append(len(events))
+    assert counts[2] == counts[1] and counts[1] <= 12, counts
+
+
+def test_cached_decoding_equals_the_full_forward(llama):
+    """Prefill 6 tokens then 3 single steps: each step's logits equal the full sequence's."""
+    ids = np.random.default_rng(0).integers(3, 90, (2, 9)).astype(np.int32)
+    full = np.asarray(llama(ids))
+    cache = llama.init_cache(2, 12)
+    out, cache = llama(ids[:, :6], cache=cache)
+    np.testing.assert_allclose(np.asarray(out), full[:, :6], atol=1e-5)
+    for t in range(6, 9):
+        out, cache = llama(ids[:, t : t + 1], cache=cache)
+        np.testing.assert_allclose(np.asarray(out[:, 0]), full[:, t], atol=1e-5)
+    assert int(cache.length) == 9 and list(np.asarray(cache.next_position)) == [9, 9]
+
+
+def test_scan_remat_names_and_cast():
+    blocks = jnp.ones((3, 2))
+    for remat in (None, True, "full", "dots", jax.checkpoint_policies.nothing_saveable):
+        x, _ = scan(lambda b, h: (h + b, None), jnp.zeros(2), blocks, remat=remat)
+        np.testing.assert_array_equal(x, [3.0, 3.0])
+    with pytest.raises(TypeError, match="`remat` must be"):
+        scan(lambda b, h: (h, None), jnp.zeros(2), blocks, remat=3)
+    tree = {"w": jnp.ones(2), "i": jnp.ones(2, jnp.int32)}
+    half = cast(tree, jnp.bfloat16)
+    assert half["w"].dtype == jnp.bfloat16 and half["i"].dtype == jnp.int32
