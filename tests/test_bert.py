@@ -70,7 +70,7 @@ def test_hidden_states_match_transformers(tmp_path, layout, mesh_spec):
     assert np.abs(np.asarray(ours_hidden) - hidden).max() < 1e-4
     assert np.abs(np.asarray(ours_pooled) - pooled).max() < 1e-4
     assert ours.layers.attn.wq.sharding.spec == P(None, "model", None, "data")
-    assert ours.layers.mlp.fc.weight.sharding.spec == P(None, "model", "data")
+    assert ours.layers.mlp.up.sharding.spec == P(None, "model", "data")
 
 
 def test_tanh_gelu_and_another_epsilon_match_transformers(tmp_path):
@@ -129,8 +129,8 @@ def test_stacked_field_shapes():
     assert model.layers.attn.wo.shape == (2, 64, 4, 16)
     assert model.layers.attn.bo.shape == (2, 64)
     assert model.layers.attn_norm.weight.shape == (2, 64)
-    assert model.layers.mlp.fc.weight.shape == (2, 128, 64)
-    assert model.layers.mlp.proj.weight.shape == (2, 64, 128)
+    assert model.layers.mlp.up.shape == (2, 128, 64)
+    assert model.layers.mlp.down.shape == (2, 64, 128)
     assert model.layers.mlp_norm.bias.shape == (2, 64)
     assert model.pooler.weight.shape == (64, 64)
     assert model.config.layer_norm_eps == 1e-12

@@ -31,6 +31,15 @@ def test_python_example_runs_as_written(tmp_path):
     assert list(tmp_path.iterdir()), "the example writes its output under TMPDIR"
 
 
+def test_training_and_generation_example_runs_as_written(tmp_path):
+    (code,) = fenced(section("Training and generation"), "python")
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+        env=port_env({"TMPDIR": str(tmp_path)}),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def shape_of(line: str) -> str:
     """A line with its numbers, sizes and paths generalised: the format, not the figures."""
     line = re.sub(r"\S*/\S+", "PATH", line)

@@ -118,9 +118,9 @@ def expected_specs(mesh: str) -> dict[str, P]:
         "layers.attn_norm.weight": P(None, "data"),
         "layers.attn.wq": P(None, heads, None, "data"),
         "layers.attn.wo": P(None, "data", heads, None),
-        "layers.mlp.fc.weight": P(None, "model", "data"),
-        "layers.mlp.fc.bias": P(None, "model"),
-        "layers.mlp.proj.weight": P(None, "data", "model"),
+        "layers.mlp.up": P(None, "model", "data"),
+        "layers.mlp.bup": P(None, "model"),
+        "layers.mlp.down": P(None, "data", "model"),
         "norm.bias": P("data"),
     }
 
@@ -363,7 +363,7 @@ def test_field_shapes():
     assert model.layers.attn.wq.shape == (2, 3, 16, 48)
     assert model.layers.attn.bq.shape == (2, 3, 16)
     assert model.layers.attn.wo.shape == (2, 48, 3, 16)
-    assert model.layers.mlp.fc.weight.shape == (2, 80, 48)
+    assert model.layers.mlp.up.shape == (2, 80, 48)
     assert model.pooler.weight.shape == (48, 48)
     assert model.config.layer_norm_eps == 1e-12 and model.config.hidden_act == "gelu"
     no_bias = eqx.filter_eval_shape(ViT.from_config, {**CONFIG, "qkv_bias": False}, key=jax.random.key(0))

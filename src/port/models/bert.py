@@ -1,8 +1,12 @@
 """BERT (the `BertModel` encoder, as sentence-embedding checkpoints ship it) in Equinox.
 
-A post-LayerNorm bidirectional encoder that returns the last hidden state. The
-layers are stored *stacked*: every array in `Bert.layers` has a leading axis of
-size `num_hidden_layers`, and the forward pass runs them with `jax.lax.scan`.
+A post-LayerNorm bidirectional encoder that returns the last hidden state, built from
+`port.nn`: its `Attention` (q/k/v and output biases, no mask but padding), `LayerNorm`
+and `MLP`. What is BERT's own is here: the word + token type + absolute position
+embeddings and the post-norm residual order; the pooler (`tanh(dense(hidden[:, 0]))`) is
+`port.nn.Pooler`, which ViT shares. The layers are stored *stacked*: every array in `Bert.layers` has a
+leading axis of size `num_hidden_layers`, and the forward pass runs them batch-first
+with `port.nn.scan`.
 
 Example:
     ```python
@@ -20,6 +24,8 @@ Example:
     hidden = eqx.filter_jit(model)(ids, attention_mask=mask)  # (2, 8, 384)
     pooled = model.pooled(hidden)  # (2, 384): tanh(dense(hidden[:, 0]))
     # Without the batch axis: ids and mask of shape (8,) give hidden (8, 384), pooled (384,)
+    # bfloat16 compute on float32 parameters, each layer recomputed in the backward pass:
+    hidden = model(ids, attention_mask=mask, dtype=jnp.bfloat16, remat=True)
 
     # Shapes only, no memory allocated (e.g. before loading a checkpoint):
     abstract = eqx.filter_eval_shape(Bert.from_config, config, key=jax.random.key(0))
@@ -29,17 +35,17 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from port._errors import ConfigError
-from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, get
-from port.models._inputs import check_ids, check_like, per_sequence
+from port.models._config import MAX_LAYERS, activation, get
+from port.nn import MLP, Attention, LayerNorm, Pooler, cast, normal, prepare, scan, stacked
+from port.nn._inputs import batch_first, check_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,99 +101,31 @@ class BertConfig:
         )
 
 
-def _normal(key: PRNGKeyArray, shape: tuple[int, ...], dtype: Any) -> Array:
-    return 0.02 * jax.random.normal(key, shape, dtype)
-
-
-def _linear(
-    in_features: int, out_features: int, dtype: Any, *, key: PRNGKeyArray
-) -> eqx.nn.Linear:
-    """An `eqx.nn.Linear` with BERT's init: weights N(0, 0.02), zero bias."""
-    linear = eqx.nn.Linear(in_features, out_features, dtype=dtype, key=key)
-    weight = _normal(jax.random.fold_in(key, 1), (out_features, in_features), dtype)
-    bias = jnp.zeros((out_features,), dtype)
-    return eqx.tree_at(lambda l: (l.weight, l.bias), linear, (weight, bias))
-
-
-class Attention(eqx.Module):
-    """Bidirectional multi-head self-attention with per-head projection weights."""
-
-    wq: Float[Array, "head head_dim embd"]
-    wk: Float[Array, "head head_dim embd"]
-    wv: Float[Array, "head head_dim embd"]
-    bq: Float[Array, "head head_dim"]
-    bk: Float[Array, "head head_dim"]
-    bv: Float[Array, "head head_dim"]
-    wo: Float[Array, "embd head head_dim"]
-    bo: Float[Array, " embd"]
-
-    def __init__(self, config: BertConfig, dtype: Any, *, key: PRNGKeyArray):
-        n, d, e = config.num_attention_heads, config.head_dim, config.hidden_size
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        self.wq = _normal(kq, (n, d, e), dtype)
-        self.wk = _normal(kk, (n, d, e), dtype)
-        self.wv = _normal(kv, (n, d, e), dtype)
-        self.bq = jnp.zeros((n, d), dtype)
-        self.bk = jnp.zeros((n, d), dtype)
-        self.bv = jnp.zeros((n, d), dtype)
-        self.wo = _normal(ko, (e, n, d), dtype)
-        self.bo = jnp.zeros((e,), dtype)
-
-    def __call__(
-        self, x: Float[Array, "seq embd"], bias: Float[Array, " seq"]
-    ) -> Float[Array, "seq embd"]:
-        """`bias` is added to every query's scores: 0 to attend to a key, very negative to not."""
-        q = jnp.einsum("te,hde->thd", x, self.wq) + self.bq
-        k = jnp.einsum("te,hde->thd", x, self.wk) + self.bk
-        v = jnp.einsum("te,hde->thd", x, self.wv) + self.bv
-        scores = jnp.einsum("qhd,khd->hqk", q, k).astype(jnp.float32)
-        scores = scores / math.sqrt(q.shape[-1]) + bias
-        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        attn = jnp.einsum("hqk,khd->qhd", weights, v)
-        return jnp.einsum("thd,ehd->te", attn, self.wo) + self.bo
-
-
-class MLP(eqx.Module):
-    """The position-wise feed-forward network (BERT's intermediate + output dense)."""
-
-    fc: eqx.nn.Linear
-    proj: eqx.nn.Linear
-    activation: str = eqx.field(static=True)
-
-    def __init__(self, config: BertConfig, dtype: Any, *, key: PRNGKeyArray):
-        kfc, kproj = jax.random.split(key)
-        e, i = config.hidden_size, config.intermediate_size
-        self.fc = _linear(e, i, dtype, key=kfc)
-        self.proj = _linear(i, e, dtype, key=kproj)
-        self.activation = config.hidden_act
-
-    def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
-        x = jax.vmap(self.fc)(x)
-        x = ACTIVATIONS[self.activation](x)
-        return jax.vmap(self.proj)(x)
-
-
 class Layer(eqx.Module):
-    """One post-LayerNorm encoder layer."""
+    """One post-LayerNorm encoder layer: `norm(x + attn(x))`, then `norm(x + mlp(x))`."""
 
     attn: Attention
-    attn_norm: eqx.nn.LayerNorm
+    attn_norm: LayerNorm
     mlp: MLP
-    mlp_norm: eqx.nn.LayerNorm
+    mlp_norm: LayerNorm
 
     def __init__(self, config: BertConfig, dtype: Any, *, key: PRNGKeyArray):
         kattn, kmlp = jax.random.split(key)
-        e, eps = config.hidden_size, config.layer_norm_eps
-        self.attn = Attention(config, dtype, key=kattn)
-        self.attn_norm = eqx.nn.LayerNorm(e, eps=eps, dtype=dtype)
-        self.mlp = MLP(config, dtype, key=kmlp)
-        self.mlp_norm = eqx.nn.LayerNorm(e, eps=eps, dtype=dtype)
+        c, e = config, config.hidden_size
+        self.attn = Attention(
+            heads=c.num_attention_heads, kv_heads=c.num_attention_heads, head_dim=c.head_dim,
+            embd=e, dtype=dtype, key=kattn, qkv_bias=True, o_bias=True,
+        )
+        self.attn_norm = LayerNorm(e, eps=c.layer_norm_eps, dtype=dtype)
+        self.mlp = MLP(embd=e, inner=c.intermediate_size, activation=c.hidden_act, dtype=dtype, key=kmlp)
+        self.mlp_norm = LayerNorm(e, eps=c.layer_norm_eps, dtype=dtype)
 
     def __call__(
-        self, x: Float[Array, "seq embd"], bias: Float[Array, " seq"]
-    ) -> Float[Array, "seq embd"]:
-        x = jax.vmap(self.attn_norm)(x + self.attn(x, bias))
-        return jax.vmap(self.mlp_norm)(x + self.mlp(x))
+        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"]
+    ) -> Float[Array, "batch seq embd"]:
+        h, _ = self.attn(x, mask)
+        x = self.attn_norm(x + h)
+        return self.mlp_norm(x + self.mlp(x))
 
 
 class Bert(eqx.Module):
@@ -196,112 +134,81 @@ class Bert(eqx.Module):
     word_embeddings: Float[Array, "vocab embd"]
     position_embeddings: Float[Array, "positions embd"]
     token_type_embeddings: Float[Array, "types embd"]
-    embed_norm: eqx.nn.LayerNorm
+    embed_norm: LayerNorm
     layers: Layer
-    pooler: eqx.nn.Linear | None
+    pooler: Pooler
     config: BertConfig = eqx.field(static=True)
 
-    def __init__(
-        self, config: BertConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32
-    ):
+    def __init__(self, config: BertConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kword, kpos, ktype, klayers, kpool = jax.random.split(key, 5)
         e = config.hidden_size
-        self.word_embeddings = _normal(kword, (config.vocab_size, e), dtype)
-        self.position_embeddings = _normal(
-            kpos, (config.max_position_embeddings, e), dtype
-        )
-        self.token_type_embeddings = _normal(ktype, (config.type_vocab_size, e), dtype)
-        self.embed_norm = eqx.nn.LayerNorm(e, eps=config.layer_norm_eps, dtype=dtype)
-        make_layer = lambda k: Layer(config, dtype, key=k)
-        self.layers = eqx.filter_vmap(make_layer)(
-            jax.random.split(klayers, config.num_hidden_layers)
-        )
-        self.pooler = _linear(e, e, dtype, key=kpool)
+        self.word_embeddings = normal(kword, (config.vocab_size, e), dtype)
+        self.position_embeddings = normal(kpos, (config.max_position_embeddings, e), dtype)
+        self.token_type_embeddings = normal(ktype, (config.type_vocab_size, e), dtype)
+        self.embed_norm = LayerNorm(e, eps=config.layer_norm_eps, dtype=dtype)
+        self.layers = stacked(lambda k: Layer(config, dtype, key=k), klayers, config.num_hidden_layers)
+        self.pooler = Pooler(e, e, dtype, key=kpool)
         self.config = config
 
     @classmethod
-    def from_config(
-        cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32
-    ) -> Bert:
+    def from_config(cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32) -> Bert:
         """Randomly initialise from a Hugging Face `config.json` dict (pooler included)."""
         return cls(BertConfig.from_hf(config), key=key, dtype=dtype)
 
     def __call__(
         self,
         input_ids: Int[Array, "*batch seq"],
-        attention_mask: Int[Array, "*batch seq"] | None = None,
+        attention_mask: Any = None,
         token_type_ids: Int[Array, "*batch seq"] | None = None,
+        *,
+        dtype: Any = None,
+        remat: Any = None,
     ) -> Float[Array, "*batch seq embd"]:
         """The last hidden state, for `input_ids` of shape (batch, seq) or (seq,).
 
-        `attention_mask` (1 = attend, 0 = padding; default all 1) and `token_type_ids`
-        (default all 0), when given, must have exactly `input_ids`' shape: both 1-D
-        for unbatched ids, no broadcasting. Unbatched inputs run as a batch of one:
-        `model(ids, mask)` is `model(ids[None], mask[None])[0]`. Raises `ValueError`
-        for another rank, mismatched shapes or more than `max_position_embeddings`
-        tokens, `TypeError` for non-integer ids or token types; the checks read static
-        shapes, so they work under `jax.jit`.
+        **Arguments:**
+
+        - `input_ids`: integer `(batch, seq)`, or `(seq,)` (run as a batch of one:
+          `model(ids, mask)` is `model(ids[None], mask[None])[0]`).
+        - `attention_mask`: `input_ids`' shape; nonzero/True to attend, 0 for padding
+          (default all attended). Padded keys are never attended; padded queries still
+          get an output, as in transformers. Positions are `0, 1, ...` whatever the mask.
+        - `token_type_ids`: `input_ids`' shape, integer (default all 0).
+        - `dtype`: the compute dtype (bfloat16 compute on float32 parameters).
+        - `remat`: rematerialise each layer in the backward pass (`port.nn.scan`).
+
+        Raises `ValueError` for another rank, mismatched shapes (no broadcasting) or more
+        than `max_position_embeddings` tokens, `TypeError` for non-integer ids or token
+        types; the checks read static shapes, so they work under `jax.jit`.
 
         ```python
         hidden = model(jnp.zeros((2, 8), jnp.int32), jnp.ones((2, 8), jnp.int32))  # (2, 8, embd)
         hidden = model(jnp.zeros((8,), jnp.int32), jnp.ones((8,), jnp.int32))      # (8, embd)
         ```
         """
-        batched = check_ids(
-            input_ids, limit=("max_position_embeddings", self.config.max_position_embeddings)
-        )
-        check_like("attention_mask", attention_mask, input_ids)
+        c = self.config
+        tokens = prepare(input_ids, attention_mask=attention_mask, causal=False,
+                         limit=("max_position_embeddings", c.max_position_embeddings))
         check_like("token_type_ids", token_type_ids, input_ids, integer=True)
-        if attention_mask is None:
-            attention_mask = jnp.ones_like(input_ids)
-        if token_type_ids is None:
-            token_type_ids = jnp.zeros_like(input_ids)
-        return per_sequence(
-            self._forward, batched, input_ids, attention_mask, token_type_ids
-        )
-
-    def _forward(
-        self,
-        input_ids: Int[Array, " seq"],
-        attention_mask: Int[Array, " seq"],
-        token_type_ids: Int[Array, " seq"],
-    ) -> Float[Array, "seq embd"]:
-        seq = input_ids.shape[0]
-        x = (
-            self.word_embeddings[input_ids]
-            + self.position_embeddings[:seq]
-            + self.token_type_embeddings[token_type_ids]
-        )
-        x = jax.vmap(self.embed_norm)(x)
-        # Like transformers' extended mask: the dtype's min added to masked keys' scores.
-        bias = jnp.where(attention_mask != 0, 0.0, jnp.finfo(jnp.float32).min)
-        bias = bias.astype(jnp.float32)
-
-        params, static = eqx.partition(self.layers, eqx.is_array)
-
-        def step(x, layer_params):
-            return eqx.combine(layer_params, static)(x, bias), None
-
-        x, _ = jax.lax.scan(step, x, params)
-        return x
+        (types,) = batch_first(tokens.batched, token_type_ids)
+        types = jnp.zeros_like(tokens.ids) if types is None else jnp.asarray(types)
+        model = cast(self, dtype)
+        seq = tokens.ids.shape[1]
+        # transformers' order: (word + token type) + position.
+        x = model.word_embeddings[tokens.ids] + model.token_type_embeddings[types]
+        x = model.embed_norm(x + model.position_embeddings[:seq])
+        x, _ = scan(lambda layer, x: (layer(x, tokens.mask), None), x, model.layers, remat=remat)
+        return tokens.output(x)
 
     def pooled(self, hidden: Float[Array, "*batch seq embd"]) -> Float[Array, "*batch embd"]:
         """BERT's pooler output, `tanh(dense(hidden[..., 0, :]))`, from `__call__`'s result.
 
         `hidden` is (batch, seq, embd), giving (batch, embd), or unbatched (seq, embd),
-        giving (embd,).
+        giving (embd,). `ValueError` if the checkpoint has no pooler (e.g. one saved by
+        `BertForMaskedLM`).
+
+        ```python
+        pooled = model.pooled(model(ids, attention_mask=mask))   # (batch, embd)
+        ```
         """
-        if self.pooler is None or self.pooler.weight is None:  # port leaves absent leaves None
-            raise ValueError(
-                "this BERT checkpoint has no pooler weights ('pooler.dense.weight'); "
-                "use the hidden state instead of the pooled output"
-            )
-        batched = jnp.ndim(hidden) == 3
-        if not batched and jnp.ndim(hidden) != 2:
-            raise ValueError(
-                "`hidden` must have shape (batch, seq, embd) or (seq, embd), "
-                f"got {tuple(jnp.shape(hidden))}"
-            )
-        first = hidden[:, 0] if batched else hidden[None, 0]  # unbatched: a batch of one
-        pooled = jnp.tanh(jax.vmap(self.pooler)(first))
-        return pooled if batched else pooled[0]
+        return self.pooler(hidden, jnp.tanh, "BERT")

@@ -13,9 +13,15 @@ the first), and two more norms per block: one on the attention output
 The two mappings (`mappings/gemma.toml`, `mappings/gemma2.toml`) differ only in which
 checkpoint norm fills which leaf.
 
+Everything else comes from `port.nn`: the (1 + w) norm is `rms_norm(..., plus_one=True)`,
+attention is `Attention` (with `scale` and `softcap`), the MLP is `GatedMLP` with the
+config's activation, and the layers run in `run_layers`, the sliding ones on `prepare`'s
+windowed mask. The model takes the arguments every port decoder takes (padding masks,
+positions, packed `segment_ids`, a `Cache` from `init_cache`, a compute `dtype`, `remat`).
+
 The transformer blocks are stored *stacked*: every array in `Gemma.blocks` has a leading
 axis of size `num_hidden_layers`, and the forward pass runs them with `jax.lax.scan`.
-Which layers slide is static (`GemmaConfig.sliding_layers`), scanned as a boolean array.
+Which layers slide is static (`GemmaConfig.sliding_layers`).
 The dtype of the parameters is the compute dtype (bfloat16 params: bfloat16 compute,
 with RMSNorm and the attention softmax in float32, as in transformers).
 
@@ -32,6 +38,7 @@ Example:
     model = Gemma.from_config(config, key=jax.random.key(0), dtype=jnp.bfloat16)
     logits = eqx.filter_jit(model)(jnp.zeros((1, 8), dtype=jnp.int32))
     # logits.shape == (1, 8, 256000), every |logit| <= 30 (final_logit_softcapping)
+    # without the batch axis, (8,) ids give (8, 256000)
 
     # Shapes only, no memory allocated (e.g. before loading a checkpoint):
     abstract = eqx.filter_eval_shape(Gemma.from_config, config, key=jax.random.key(0))
@@ -47,12 +54,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._console import quoted
 from port._errors import ConfigError
-from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, check, get
-from port.models._inputs import check_ids, per_sequence
+from port.models._config import MAX_LAYERS, activation, check, get
+from port.nn import Attention, Decoder, GatedMLP, Rope, Tokens, normal, read_rope, rms_norm, run_layers, stacked
+from port.nn._attention import KV
 
 MODEL_TYPES = ("gemma", "gemma2")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -80,27 +88,24 @@ def _optional(config: dict, key: str, kind: type, default: Any) -> Any:
     return None if value is None else check(key, value, kind)
 
 
-def _rope_theta(config: dict) -> float:
-    """The RoPE base from `rope_parameters` (transformers 5) or `rope_theta` (transformers 4).
+def _rope(config: dict, head_dim: int) -> Rope:
+    """Gemma's RoPE: plain (`rope_type` "default" only; anything else is a `ConfigError`),
+    rotating the whole head.
 
-    Gemma and Gemma 2 use plain RoPE; any other `rope_type` is a `ConfigError`.
+    transformers' Gemma rotary embedding computes its own default frequencies, which
+    ignore `partial_rotary_factor`, so it is dropped here before `read_rope` reads the rest.
 
     ```python
-    _rope_theta({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})  # 10000.0
-    _rope_theta({"rope_theta": 500.0})                                                  # 500.0
+    _rope({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}, 256).theta  # 10000.0
+    _rope({"rope_theta": 500.0}, 256).theta                                                 # 500.0
     ```
     """
-    key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
-    rope = config.get(key) or {}
-    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
-        raise ConfigError(f"config.json: {key!r} must be one flat dict, got {quoted(rope)}")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(
-            f"config.json: {key}: rope type {quoted(rope_type)} is not supported for Gemma (supported: default)"
-        )
-    theta = rope.get("rope_theta", config.get("rope_theta"))
-    return 10000.0 if theta is None else check(f"{key}.rope_theta", theta, float)
+    config = {k: v for k, v in config.items() if k != "partial_rotary_factor"}
+    for key in ("rope_scaling", "rope_parameters"):
+        if isinstance(config.get(key), dict):
+            config[key] = {k: v for k, v in config[key].items() if k != "partial_rotary_factor"}
+    # max_position_embeddings only matters to scaled types, which Gemma has none of.
+    return read_rope(config, head_dim, supported=("default",), max_position_embeddings=8192)
 
 
 def _sliding_layers(config: dict, layers: int) -> tuple[bool, ...]:
@@ -162,7 +167,7 @@ class GemmaConfig:
     hidden_act: str = "gelu_pytorch_tanh"
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # q_proj, k_proj, v_proj and o_proj
-    rope_theta: float = 10000.0
+    rope: Rope = Rope(theta=10000.0, rotary_dim=256)  # plain RoPE over the whole head
     model_type: str = "gemma"
     query_pre_attn_scalar: float | None = None  # Gemma 2: scores * this**-0.5 (None: head_dim)
     attn_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(scores / cap)
@@ -205,6 +210,7 @@ class GemmaConfig:
                 sliding_window=window,
                 sliding_layers=_sliding_layers(config, layers) if window else (False,) * layers,
             )
+        head_dim = get(config, "head_dim", int, 256)  # both config classes: 256
         return cls(
             vocab_size=get(config, "vocab_size", int),
             hidden_size=get(config, "hidden_size", int),
@@ -212,12 +218,12 @@ class GemmaConfig:
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=get(config, "head_dim", int, 256),  # both config classes: 256
+            head_dim=head_dim,
             rms_norm_eps=get(config, "rms_norm_eps", float, 1e-6),
             hidden_act=_hidden_act(config, model_type),
             tie_word_embeddings=get(config, "tie_word_embeddings", bool, True),
             attention_bias=get(config, "attention_bias", bool, False),
-            rope_theta=_rope_theta(config),
+            rope=_rope(config, head_dim),
             model_type=model_type,
             **fields,
         )
@@ -232,159 +238,62 @@ class GemmaConfig:
         """What the attention scores are multiplied by: `query_pre_attn_scalar**-0.5` (Gemma 2) or `head_dim**-0.5`."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies [head_dim // 2] in float32, computed as transformers does."""
-        exponents = np.arange(0, self.head_dim, 2).astype(np.float32) / np.float32(self.head_dim)
-        return (np.float32(1.0) / np.float32(self.rope_theta) ** exponents).astype(np.float32)
-
-
-def _normal(key: PRNGKeyArray, shape: tuple[int, ...], dtype: Any) -> Array:
-    return 0.02 * jax.random.normal(key, shape, dtype)
-
-
-def _zeros_if(flag: bool, shape: tuple[int, ...], dtype: Any) -> Array | None:
-    return jnp.zeros(shape, dtype) if flag else None
-
-
-def _rms_norm(x: Float[Array, "... embd"], weight: Float[Array, " embd"], eps: float) -> Array:
-    """transformers' GemmaRMSNorm: normalise and scale by `1 + weight` in float32, then cast back.
-
-    ```python
-    _rms_norm(jnp.ones((2, 4)), jnp.zeros(4), 1e-6)   # ~ones: a zero weight is the identity scale
-    ```
-    """
-    h = x.astype(jnp.float32)
-    h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
-    return (h * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-
-
-def _softcap(x: Array, cap: float | None) -> Array:
-    """`cap * tanh(x / cap)` in `x`'s dtype (None: `x` unchanged), as transformers computes it."""
-    return x if cap is None else jnp.tanh(x / cap) * cap
-
-
-def _rotate_half(x: Array) -> Array:
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate((-x2, x1), axis=-1)
-
-
-def _apply_rope(x: Float[Array, "seq head dim"], cos: Array, sin: Array) -> Array:
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
-
-
-class Attention(eqx.Module):
-    """Causal grouped-query self-attention with RoPE; Gemma 2's scale and score soft-capping."""
-
-    wq: Float[Array, "head head_dim embd"]
-    wk: Float[Array, "kv_head head_dim embd"]
-    wv: Float[Array, "kv_head head_dim embd"]
-    wo: Float[Array, "embd head head_dim"]
-    bq: Float[Array, "head head_dim"] | None  # attention_bias
-    bk: Float[Array, "kv_head head_dim"] | None
-    bv: Float[Array, "kv_head head_dim"] | None
-    bo: Float[Array, " embd"] | None
-
-    def __init__(self, config: GemmaConfig, dtype: Any, *, key: PRNGKeyArray):
-        h, kv, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        e, bias = config.hidden_size, config.attention_bias
-        kq, kk, kvv, ko = jax.random.split(key, 4)
-        self.wq = _normal(kq, (h, d, e), dtype)
-        self.wk = _normal(kk, (kv, d, e), dtype)
-        self.wv = _normal(kvv, (kv, d, e), dtype)
-        self.wo = _normal(ko, (e, h, d), dtype)
-        self.bq = _zeros_if(bias, (h, d), dtype)
-        self.bk = _zeros_if(bias, (kv, d), dtype)
-        self.bv = _zeros_if(bias, (kv, d), dtype)
-        self.bo = _zeros_if(bias, (e,), dtype)
-
-    def __call__(
-        self,
-        x: Float[Array, "seq embd"],
-        cos: Float[Array, "seq head_dim"],
-        sin: Float[Array, "seq head_dim"],
-        mask: Bool[Array, "seq seq"],
-        config: GemmaConfig,
-    ) -> Float[Array, "seq embd"]:
-        def project(w: Array, b: Array | None) -> Array:
-            y = jnp.einsum("te,hde->thd", x, w)
-            return y if b is None else y + b
-
-        q = _apply_rope(project(self.wq, self.bq), cos, sin)
-        k = _apply_rope(project(self.wk, self.bk), cos, sin)
-        v = project(self.wv, self.bv)
-        seq, heads, dim = q.shape
-        kv_heads = k.shape[1]
-        # Query head h uses kv head h // groups (transformers' repeat_kv).
-        q = q.reshape(seq, kv_heads, heads // kv_heads, dim)
-        scores = jnp.einsum("qkgd,skd->kgqs", q, k) * config.scaling
-        scores = _softcap(scores, config.attn_logit_softcapping)  # in x's dtype, before the mask
-        scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("kgqs,skd->qkgd", weights, v).reshape(seq, heads, dim)
-        y = jnp.einsum("thd,ehd->te", out, self.wo)
-        return y if self.bo is None else y + self.bo
-
-
-class MLP(eqx.Module):
-    """Gated feed-forward: `down(act(gate x) * up x)`, act GeLU-tanh unless config.json says otherwise."""
-
-    gate: Float[Array, "inter embd"]
-    up: Float[Array, "inter embd"]
-    down: Float[Array, "embd inter"]
-
-    def __init__(self, config: GemmaConfig, dtype: Any, *, key: PRNGKeyArray):
-        e, i = config.hidden_size, config.intermediate_size
-        kg, ku, kd = jax.random.split(key, 3)
-        self.gate = _normal(kg, (i, e), dtype)
-        self.up = _normal(ku, (i, e), dtype)
-        self.down = _normal(kd, (e, i), dtype)
-
-    def __call__(self, x: Float[Array, "seq embd"], act: str) -> Float[Array, "seq embd"]:
-        h = ACTIVATIONS[act](jnp.einsum("te,ie->ti", x, self.gate)) * jnp.einsum("te,ie->ti", x, self.up)
-        return jnp.einsum("ti,ei->te", h, self.down)
+    def attention(self, dtype: Any, key: PRNGKeyArray) -> Attention:
+        """One block's attention: GQA with its own `head_dim`, Gemma 2's scale and score soft-cap."""
+        return Attention(
+            heads=self.num_attention_heads, kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            embd=self.hidden_size, dtype=dtype, key=key, qkv_bias=self.attention_bias,
+            o_bias=self.attention_bias, scale=self.scaling, softcap=self.attn_logit_softcapping,
+        )
 
 
 class Block(eqx.Module):
-    """One pre-RMSNorm decoder block; Gemma 2 also norms the attention and MLP outputs."""
+    """One pre-RMSNorm decoder block; Gemma 2 also norms the attention and MLP outputs.
+
+    Every norm is `(1 + weight)` (`rms_norm(..., plus_one=True)`); the post-norms are
+    None for Gemma.
+    """
 
     attn_norm: Float[Array, " embd"]
     attn: Attention
     post_attn_norm: Float[Array, " embd"] | None  # Gemma 2
     mlp_norm: Float[Array, " embd"]
-    mlp: MLP
+    mlp: GatedMLP
     post_mlp_norm: Float[Array, " embd"] | None  # Gemma 2
+    eps: float = eqx.field(static=True)
 
     def __init__(self, config: GemmaConfig, dtype: Any, *, key: PRNGKeyArray):
         kattn, kmlp = jax.random.split(key)
-        norm = lambda: jnp.zeros((config.hidden_size,), dtype)  # (1 + 0): the identity scale
+        c = config
+        norm = lambda: jnp.zeros((c.hidden_size,), dtype)  # (1 + 0): the identity scale
         self.attn_norm = norm()
-        self.attn = Attention(config, dtype, key=kattn)
-        self.post_attn_norm = norm() if config.gemma2 else None
+        self.attn = c.attention(dtype, kattn)
+        self.post_attn_norm = norm() if c.gemma2 else None
         self.mlp_norm = norm()
-        self.mlp = MLP(config, dtype, key=kmlp)
-        self.post_mlp_norm = norm() if config.gemma2 else None
+        self.mlp = GatedMLP(embd=c.hidden_size, inner=c.intermediate_size, activation=c.hidden_act,
+                            dtype=dtype, key=kmlp)
+        self.post_mlp_norm = norm() if c.gemma2 else None
+        self.eps = c.rms_norm_eps
+
+    def _norm(self, x: Array, weight: Array | None) -> Array:
+        return x if weight is None else rms_norm(x, weight, self.eps, plus_one=True)
 
     def __call__(
-        self,
-        x: Float[Array, "seq embd"],
-        cos: Array,
-        sin: Array,
-        mask: Bool[Array, "seq seq"],
-        config: GemmaConfig,
-    ) -> Float[Array, "seq embd"]:
-        eps = config.rms_norm_eps
-
-        def post(h: Array, weight: Array | None) -> Array:
-            return h if weight is None else _rms_norm(h, weight, eps)
-
-        h = self.attn(_rms_norm(x, self.attn_norm, eps), cos, sin, mask, config)
-        x = x + post(h, self.post_attn_norm)
-        h = self.mlp(_rms_norm(x, self.mlp_norm, eps), config.hidden_act)
-        return x + post(h, self.post_mlp_norm)
+        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
+        sin: Array, kv: KV | None, index: Array | None, layer: Array,
+    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+        h, kv = self.attn(self._norm(x, self.attn_norm), mask, cos=cos, sin=sin, kv=kv, index=index)
+        x = x + self._norm(h, self.post_attn_norm)
+        h = self.mlp(self._norm(x, self.mlp_norm))
+        return x + self._norm(h, self.post_mlp_norm), kv
 
 
-class Gemma(eqx.Module):
-    """Gemma / Gemma 2 causal LM. Arrays in `blocks` are stacked over layers."""
+class Gemma(Decoder):
+    """Gemma / Gemma 2 causal LM. Arrays in `blocks` are stacked over layers.
+
+    Called as every `port.nn.Decoder`: `model(input_ids, *, attention_mask=None, positions=None,
+    segment_ids=None, cache=None, dtype=None, remat=None)`.
+    """
 
     embed: Float[Array, "vocab embd"]
     blocks: Block
@@ -394,15 +303,11 @@ class Gemma(eqx.Module):
 
     def __init__(self, config: GemmaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kembed, kblocks, khead = jax.random.split(key, 3)
-        self.embed = _normal(kembed, (config.vocab_size, config.hidden_size), dtype)
-        make_block = lambda k: Block(config, dtype, key=k)
-        self.blocks = eqx.filter_vmap(make_block)(jax.random.split(kblocks, config.num_hidden_layers))
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed = normal(kembed, shape, dtype)
+        self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, config.num_hidden_layers)
         self.norm = jnp.zeros((config.hidden_size,), dtype)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else _normal(khead, (config.vocab_size, config.hidden_size), dtype)
-        )
+        self.lm_head = None if config.tie_word_embeddings else normal(khead, shape, dtype)
         self.config = config
 
     @classmethod
@@ -419,48 +324,34 @@ class Gemma(eqx.Module):
         """
         return cls(GemmaConfig.from_hf(config), key=key, dtype=dtype)
 
-    def __call__(self, input_ids: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq vocab"]:
-        """Logits for `input_ids` of shape (batch, seq), or (seq,) without the batch axis.
+    @property
+    def layers(self) -> int:
+        return self.config.num_hidden_layers
 
-        Unbatched ids run as a batch of one: `model(ids)` is `model(ids[None])[0]`.
-        Raises `ValueError` for another rank and `TypeError` for non-integer ids; the
-        checks read static shapes, so they work under `jax.jit`.
+    @property
+    def kv_heads(self) -> int:
+        return self.config.num_key_value_heads
 
-        ```python
-        logits = model(jnp.zeros((2, 8), jnp.int32))  # (2, 8, vocab)
-        logits = model(jnp.zeros((8,), jnp.int32))    # (8, vocab)
-        ```
-        """
-        return per_sequence(self._forward, check_ids(input_ids), input_ids)
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
 
-    def _forward(self, input_ids: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
-        config = self.config
-        x = self.embed[input_ids]
+    @property
+    def window(self) -> int | None:
+        return self.config.sliding_window
+
+    def logits(self, tokens: Tokens, remat: Any) -> tuple[Array, tuple[Array | None, Array | None]]:
+        """Scaled embeddings, the stacked blocks, the (1 + w) final norm, the head and its soft-cap."""
+        c = self.config
+        x = self.embed[tokens.ids]
         # transformers holds sqrt(hidden_size) in float32 and rounds it to the weights' dtype.
-        x = x * jnp.asarray(np.float32(config.hidden_size**0.5), dtype=x.dtype)
-        seq = input_ids.shape[0]
-
-        positions = jnp.arange(seq, dtype=jnp.float32)
-        freqs = positions[:, None] * jnp.asarray(config.inv_freq())
-        angles = jnp.concatenate((freqs, freqs), axis=-1)
-        cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-
-        q_pos, k_pos = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
-        causal = k_pos <= q_pos
-        windowed = causal
-        if config.sliding_window is not None:
-            windowed = causal & (k_pos > q_pos - config.sliding_window)
-
-        params, static = eqx.partition(self.blocks, eqx.is_array)
-
-        def step(x: Array, layer: tuple[Block, Array]) -> tuple[Array, None]:
-            block_params, sliding = layer
-            block = eqx.combine(block_params, static)
-            mask = jnp.where(sliding, windowed, causal)
-            return block(x, cos, sin, mask, config), None
-
-        sliding = jnp.asarray(config.sliding_layers or (False,) * config.num_hidden_layers, dtype=bool)
-        x, _ = jax.lax.scan(step, x, (params, sliding))
-        x = _rms_norm(x, self.norm, config.rms_norm_eps)
+        x = x * jnp.asarray(np.float32(c.hidden_size**0.5), dtype=x.dtype)
+        cos, sin = c.rope.angles(tokens.positions, x.dtype)
+        x, kv = run_layers(self.blocks, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, remat=remat)
+        x = rms_norm(x, self.norm, c.rms_norm_eps, plus_one=True)
         head = self.embed if self.lm_head is None else self.lm_head
-        return _softcap(jnp.einsum("te,ve->tv", x, head), config.final_logit_softcapping)
+        logits = jnp.einsum("bte,ve->btv", x, head)
+        cap = c.final_logit_softcapping
+        if cap is not None:  # cap * tanh(logits / cap), in the logits' dtype, as transformers
+            logits = jnp.tanh(logits / cap) * cap
+        return logits, kv

@@ -40,12 +40,12 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._console import quoted
 from port._errors import ConfigError
 from port.models._config import MAX_LAYERS, activation, check, get
-from port.nn import Attention, Cache, GatedMLP, MoE, Rope, cast, normal, prepare, read_rope, rms_norm, run_layers, stacked
+from port.nn import Attention, Decoder, GatedMLP, MoE, Rope, Tokens, normal, read_rope, rms_norm, run_layers, stacked
 from port.nn._attention import KV
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
@@ -244,8 +244,12 @@ class Block(eqx.Module):
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps)), kv
 
 
-class Llama(eqx.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 / Phi-3 causal LM. Arrays in `blocks` are stacked over layers."""
+class Llama(Decoder):
+    """Llama / Mistral / Qwen2 / Qwen3 / Phi-3 causal LM. Arrays in `blocks` are stacked over layers.
+
+    Called as every `port.nn.Decoder`: `model(input_ids, *, attention_mask=None, positions=None,
+    segment_ids=None, cache=None, dtype=None, remat=None)`.
+    """
 
     embed: Float[Array, "vocab embd"]
     blocks: Block
@@ -267,48 +271,28 @@ class Llama(eqx.Module):
         """Randomly initialise from a Hugging Face `config.json` dict."""
         return cls(LlamaConfig.from_hf(config), key=key, dtype=dtype)
 
-    def init_cache(self, batch: int, length: int, dtype: Any = None) -> Cache:
-        """An empty key/value cache for `batch` sequences of up to `length` tokens (see `port.nn.Cache`)."""
+    @property
+    def layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim
+
+    @property
+    def window(self) -> int | None:
+        return self.config.sliding_window
+
+    def logits(self, tokens: Tokens, remat: Any) -> tuple[Array, tuple[Array | None, Array | None]]:
+        """Embed, the stacked blocks (each layer's own window), the final norm and the head."""
         c = self.config
-        return Cache.empty(layers=c.num_hidden_layers, batch=batch, length=length, kv_heads=c.num_key_value_heads,
-                           head_dim=c.head_dim, dtype=dtype or self.embed.dtype)
-
-    def __call__(
-        self,
-        input_ids: Int[Array, "*batch seq"],
-        *,
-        attention_mask: Any = None,
-        positions: Any = None,
-        segment_ids: Any = None,
-        cache: Cache | None = None,
-        dtype: Any = None,
-        remat: Any = None,
-    ) -> Any:
-        """Logits `[batch, seq, vocab]` for `input_ids` `(batch, seq)`, or `[seq, vocab]` for `(seq,)`.
-
-        **Arguments:** (all but `input_ids` keyword-only and optional)
-
-        - `attention_mask`: 0 on padding (left or right); positions then follow the mask.
-        - `positions`: explicit positions, `input_ids`' shape.
-        - `segment_ids`: packed sequences; attention never crosses a segment.
-        - `cache`: a `Cache` (`init_cache`): returns `(logits, cache)`; see `port.nn.generate`.
-        - `dtype`: the compute dtype (bfloat16 compute on float32 parameters).
-        - `remat`: rematerialise each layer in the backward pass (`port.nn.scan`).
-
-        Raises `ValueError` / `TypeError` naming the argument for a bad shape or dtype;
-        the checks read static shapes, so they work under `jax.jit`.
-
-        ```python
-        logits = model(jnp.zeros((2, 8), jnp.int32))  # (2, 8, vocab)
-        logits = model(ids, attention_mask=mask, dtype=jnp.bfloat16, remat=True)
-        ```
-        """
-        model, c = cast(self, dtype), self.config
-        tokens = prepare(input_ids, attention_mask=attention_mask, positions=positions, segment_ids=segment_ids,
-                         cache=cache, window=c.sliding_window)
-        x = model.embed[tokens.ids]
+        x = self.embed[tokens.ids]
         cos, sin = c.rope.angles(tokens.positions, x.dtype)
-        x, kv = run_layers(model.blocks, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, remat=remat)
-        x = rms_norm(x, model.norm, c.rms_norm_eps)
-        head = model.embed if model.lm_head is None else model.lm_head
-        return tokens.output(jnp.einsum("bte,ve->btv", x, head), *kv)
+        x, kv = run_layers(self.blocks, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, remat=remat)
+        x = rms_norm(x, self.norm, c.rms_norm_eps)
+        head = self.embed if self.lm_head is None else self.lm_head
+        return jnp.einsum("bte,ve->btv", x, head), kv

@@ -1,10 +1,12 @@
 """ViT (the `ViTModel` image encoder) in Equinox.
 
-A pre-LayerNorm bidirectional encoder over image patches: a strided convolution cuts
-the image into patches and embeds each, a class token goes first, learned position
-embeddings are added, and the final LayerNorm gives the last hidden state. The layers
-are stored *stacked*: every array in `ViT.layers` has a leading axis of size
-`num_hidden_layers`, and the forward pass runs them with `jax.lax.scan`.
+A pre-LayerNorm bidirectional encoder over image patches, built from `port.nn`: its
+`Attention` (no mask; q/k/v biases per `qkv_bias`), `LayerNorm` and `MLP`, and BERT's
+`port.nn.Pooler`. What is ViT's own is here: a strided convolution cuts the image into patches
+and embeds each, a class token goes first, learned position embeddings are added, and
+the final LayerNorm gives the last hidden state. The layers are stored *stacked*: every
+array in `ViT.layers` has a leading axis of size `num_hidden_layers`, and the forward
+pass runs them batch-first with `port.nn.scan`.
 
 Example:
     ```python
@@ -20,6 +22,8 @@ Example:
     hidden = eqx.filter_jit(model)(pixels)     # (2, 197, 768): class token + 14 x 14 patches
     pooled = model.pooled(hidden)              # (2, 768): tanh(dense(hidden[:, 0]))
     # Without the batch axis: pixels (3, 224, 224) give hidden (197, 768)
+    # bfloat16 compute on float32 parameters, each layer recomputed in the backward pass:
+    hidden = model(pixels, dtype=jnp.bfloat16, remat=True)
 
     # Shapes only, no memory allocated (e.g. before loading a checkpoint):
     abstract = eqx.filter_eval_shape(ViT.from_config, config, key=jax.random.key(0))
@@ -29,19 +33,19 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._console import quoted
 from port._errors import ConfigError
 from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, check, get
-from port.models._inputs import check_pixels, per_sequence
+from port.nn import MLP, Attention, LayerNorm, Pooler, cast, normal, scan, stacked
+from port.nn._inputs import batch_first, check_pixels
 
 POOLER_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"tanh": jnp.tanh, **ACTIVATIONS}
 """The pooler's activations (`pooler_act`): transformers' default `tanh`, or any of `ACTIVATIONS`."""
@@ -126,94 +130,31 @@ class ViTConfig:
         )
 
 
-def _normal(key: PRNGKeyArray, shape: tuple[int, ...], dtype: Any) -> Array:
-    return 0.02 * jax.random.normal(key, shape, dtype)
-
-
-def _linear(
-    in_features: int, out_features: int, dtype: Any, *, key: PRNGKeyArray
-) -> eqx.nn.Linear:
-    """An `eqx.nn.Linear` with ViT's init: weights N(0, 0.02), zero bias."""
-    linear = eqx.nn.Linear(in_features, out_features, dtype=dtype, key=key)
-    weight = _normal(jax.random.fold_in(key, 1), (out_features, in_features), dtype)
-    bias = jnp.zeros((out_features,), dtype)
-    return eqx.tree_at(lambda l: (l.weight, l.bias), linear, (weight, bias))
-
-
-class Attention(eqx.Module):
-    """Bidirectional multi-head self-attention with per-head weights; q/k/v biases per `qkv_bias`."""
-
-    wq: Float[Array, "head head_dim embd"]
-    wk: Float[Array, "head head_dim embd"]
-    wv: Float[Array, "head head_dim embd"]
-    bq: Float[Array, "head head_dim"] | None
-    bk: Float[Array, "head head_dim"] | None
-    bv: Float[Array, "head head_dim"] | None
-    wo: Float[Array, "embd head head_dim"]
-    bo: Float[Array, " embd"]
-
-    def __init__(self, config: ViTConfig, dtype: Any, *, key: PRNGKeyArray):
-        n, d, e = config.num_attention_heads, config.head_dim, config.hidden_size
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        self.wq = _normal(kq, (n, d, e), dtype)
-        self.wk = _normal(kk, (n, d, e), dtype)
-        self.wv = _normal(kv, (n, d, e), dtype)
-        bias = (lambda: jnp.zeros((n, d), dtype)) if config.qkv_bias else (lambda: None)
-        self.bq, self.bk, self.bv = bias(), bias(), bias()
-        self.wo = _normal(ko, (e, n, d), dtype)
-        self.bo = jnp.zeros((e,), dtype)
-
-    def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
-        def project(w: Array, b: Array | None) -> Array:
-            y = jnp.einsum("te,hde->thd", x, w)
-            return y if b is None else y + b
-
-        q, k, v = project(self.wq, self.bq), project(self.wk, self.bk), project(self.wv, self.bv)
-        scores = jnp.einsum("qhd,khd->hqk", q, k).astype(jnp.float32) / math.sqrt(q.shape[-1])
-        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        attn = jnp.einsum("hqk,khd->qhd", weights, v)
-        return jnp.einsum("thd,ehd->te", attn, self.wo) + self.bo
-
-
-class MLP(eqx.Module):
-    """The position-wise feed-forward network (ViT's intermediate + output dense)."""
-
-    fc: eqx.nn.Linear
-    proj: eqx.nn.Linear
-    activation: str = eqx.field(static=True)
-
-    def __init__(self, config: ViTConfig, dtype: Any, *, key: PRNGKeyArray):
-        kfc, kproj = jax.random.split(key)
-        e, i = config.hidden_size, config.intermediate_size
-        self.fc = _linear(e, i, dtype, key=kfc)
-        self.proj = _linear(i, e, dtype, key=kproj)
-        self.activation = config.hidden_act
-
-    def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
-        x = jax.vmap(self.fc)(x)
-        x = ACTIVATIONS[self.activation](x)
-        return jax.vmap(self.proj)(x)
-
-
 class Layer(eqx.Module):
-    """One pre-LayerNorm encoder layer: `layernorm_before` -> attention, `layernorm_after` -> MLP."""
+    """One pre-LayerNorm encoder layer: `x + attn(layernorm_before(x))`, then `x + mlp(layernorm_after(x))`."""
 
-    attn_norm: eqx.nn.LayerNorm
+    attn_norm: LayerNorm
     attn: Attention
-    mlp_norm: eqx.nn.LayerNorm
+    mlp_norm: LayerNorm
     mlp: MLP
 
     def __init__(self, config: ViTConfig, dtype: Any, *, key: PRNGKeyArray):
         kattn, kmlp = jax.random.split(key)
-        e, eps = config.hidden_size, config.layer_norm_eps
-        self.attn_norm = eqx.nn.LayerNorm(e, eps=eps, dtype=dtype)
-        self.attn = Attention(config, dtype, key=kattn)
-        self.mlp_norm = eqx.nn.LayerNorm(e, eps=eps, dtype=dtype)
-        self.mlp = MLP(config, dtype, key=kmlp)
+        c, e = config, config.hidden_size
+        self.attn_norm = LayerNorm(e, eps=c.layer_norm_eps, dtype=dtype)
+        self.attn = Attention(
+            heads=c.num_attention_heads, kv_heads=c.num_attention_heads, head_dim=c.head_dim,
+            embd=e, dtype=dtype, key=kattn, qkv_bias=c.qkv_bias, o_bias=True,
+        )
+        self.mlp_norm = LayerNorm(e, eps=c.layer_norm_eps, dtype=dtype)
+        self.mlp = MLP(embd=e, inner=c.intermediate_size, activation=c.hidden_act, dtype=dtype, key=kmlp)
 
-    def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
-        x = x + self.attn(jax.vmap(self.attn_norm)(x))
-        return x + self.mlp(jax.vmap(self.mlp_norm)(x))
+    def __call__(
+        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"]
+    ) -> Float[Array, "batch seq embd"]:
+        h, _ = self.attn(self.attn_norm(x), mask)
+        x = x + h
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class ViT(eqx.Module):
@@ -230,23 +171,20 @@ class ViT(eqx.Module):
     cls_token: Float[Array, " embd"]
     position_embeddings: Float[Array, "positions embd"]
     layers: Layer
-    norm: eqx.nn.LayerNorm
-    pooler: eqx.nn.Linear | None
+    norm: LayerNorm
+    pooler: Pooler
     config: ViTConfig = eqx.field(static=True)
 
     def __init__(self, config: ViTConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kpatch, kcls, kpos, klayers, kpool = jax.random.split(key, 5)
         e, (ph, pw) = config.hidden_size, config.patch_size
-        self.patch_weight = _normal(kpatch, (e, config.num_channels, ph, pw), dtype)
+        self.patch_weight = normal(kpatch, (e, config.num_channels, ph, pw), dtype)
         self.patch_bias = jnp.zeros((e,), dtype)
-        self.cls_token = _normal(kcls, (e,), dtype)
-        self.position_embeddings = _normal(kpos, (config.num_positions, e), dtype)
-        make_layer = lambda k: Layer(config, dtype, key=k)
-        self.layers = eqx.filter_vmap(make_layer)(
-            jax.random.split(klayers, config.num_hidden_layers)
-        )
-        self.norm = eqx.nn.LayerNorm(e, eps=config.layer_norm_eps, dtype=dtype)
-        self.pooler = _linear(e, config.pooler_output_size or e, dtype, key=kpool)
+        self.cls_token = normal(kcls, (e,), dtype)
+        self.position_embeddings = normal(kpos, (config.num_positions, e), dtype)
+        self.layers = stacked(lambda k: Layer(config, dtype, key=k), klayers, config.num_hidden_layers)
+        self.norm = LayerNorm(e, eps=config.layer_norm_eps, dtype=dtype)
+        self.pooler = Pooler(e, config.pooler_output_size or e, dtype, key=kpool)
         self.config = config
 
     @classmethod
@@ -255,49 +193,56 @@ class ViT(eqx.Module):
         return cls(ViTConfig.from_hf(config), key=key, dtype=dtype)
 
     def __call__(
-        self, pixel_values: Float[Array, "*batch channels height width"]
+        self,
+        pixel_values: Float[Array, "*batch channels height width"],
+        *,
+        dtype: Any = None,
+        remat: Any = None,
     ) -> Float[Array, "*batch seq embd"]:
         """The last hidden state, (batch, 1 + patches, embd), for (batch, channels, height, width) pixels.
 
-        Unbatched pixels (channels, height, width) run as a batch of one and give
-        (1 + patches, embd). The height and width must be config.json's `image_size`
-        (position embeddings are not interpolated) and the channels `num_channels`:
-        `ValueError` otherwise, `TypeError` for a non-floating dtype. Pixels are cast
-        to the weights' dtype, as transformers does. The checks read static shapes, so
-        they work under `jax.jit`.
+        **Arguments:**
+
+        - `pixel_values`: floating `(batch, channels, height, width)`, or unbatched
+          `(channels, height, width)` (run as a batch of one, giving `(1 + patches, embd)`).
+          The height and width must be config.json's `image_size` (position embeddings
+          are not interpolated) and the channels `num_channels`. Pixels are cast to the
+          compute dtype, as transformers casts them to the weights' dtype.
+        - `dtype`: the compute dtype (bfloat16 compute on float32 parameters).
+        - `remat`: rematerialise each layer in the backward pass (`port.nn.scan`).
+
+        `ValueError` for a bad shape, `TypeError` for a non-floating dtype; one line each.
+        The checks read static shapes, so they work under `jax.jit`.
 
         ```python
         hidden = model(jnp.zeros((2, 3, 224, 224)))  # (2, 197, embd)
         hidden = model(jnp.zeros((3, 224, 224)))     # (197, embd)
         ```
         """
-        batched = check_pixels(
-            pixel_values, channels=self.config.num_channels, size=self.config.image_size
-        )
-        pixels = jnp.asarray(pixel_values).astype(self.patch_weight.dtype)
-        return per_sequence(self._forward, batched, pixels)
+        c = self.config
+        batched = check_pixels(pixel_values, channels=c.num_channels, size=c.image_size)
+        model = cast(self, dtype)
+        (pixels,) = batch_first(batched, jnp.asarray(pixel_values).astype(model.patch_weight.dtype))
+        patches = model._patches(pixels)
+        batch, e = patches.shape[0], c.hidden_size
+        x = jnp.concatenate([jnp.broadcast_to(model.cls_token, (batch, 1, e)), patches], axis=1)
+        x = x + model.position_embeddings
+        seq = x.shape[1]
+        mask = jnp.ones((batch, seq, seq), bool)  # every patch sees every patch
+        x, _ = scan(lambda layer, x: (layer(x, mask), None), x, model.layers, remat=remat)
+        x = model.norm(x)
+        return x if batched else x[0]
 
-    def _patches(self, pixels: Float[Array, "channels height width"]) -> Float[Array, "patches embd"]:
+    def _patches(self, pixels: Float[Array, "batch channels height width"]) -> Float[Array, "batch patches embd"]:
         """The Conv2d of kernel = stride = patch size, as patches times the flattened kernel.
 
         Patches go row by row (torch's `flatten(2)` of the (embd, rows, columns) output).
         """
         (gh, gw), (ph, pw) = self.config.grid, self.config.patch_size
-        c = pixels.shape[0]
-        grid = pixels[:, : gh * ph, : gw * pw].reshape(c, gh, ph, gw, pw)
-        out = jnp.einsum("cipjq,ecpq->ije", grid, self.patch_weight)
-        return out.reshape(gh * gw, -1) + self.patch_bias
-
-    def _forward(self, pixels: Float[Array, "channels height width"]) -> Float[Array, "seq embd"]:
-        x = jnp.concatenate([self.cls_token[None], self._patches(pixels)])
-        x = x + self.position_embeddings
-        params, static = eqx.partition(self.layers, eqx.is_array)
-
-        def step(x, layer_params):
-            return eqx.combine(layer_params, static)(x), None
-
-        x, _ = jax.lax.scan(step, x, params)
-        return jax.vmap(self.norm)(x)
+        b, ch = pixels.shape[:2]
+        grid = pixels[:, :, : gh * ph, : gw * pw].reshape(b, ch, gh, ph, gw, pw)
+        out = jnp.einsum("bcipjq,ecpq->bije", grid, self.patch_weight)
+        return out.reshape(b, gh * gw, -1) + self.patch_bias
 
     def pooled(self, hidden: Float[Array, "*batch seq embd"]) -> Float[Array, "*batch pooled"]:
         """ViT's pooler output, `pooler_act(dense(hidden[..., 0, :]))`, from `__call__`'s result.
@@ -310,17 +255,4 @@ class ViT(eqx.Module):
         pooled = model.pooled(model(pixels))   # (batch, pooler_output_size)
         ```
         """
-        if self.pooler is None or self.pooler.weight is None:  # port leaves absent leaves None
-            raise ValueError(
-                "this ViT checkpoint has no pooler weights ('pooler.dense.weight'); "
-                "use the hidden state instead of the pooled output"
-            )
-        batched = jnp.ndim(hidden) == 3
-        if not batched and jnp.ndim(hidden) != 2:
-            raise ValueError(
-                "`hidden` must have shape (batch, seq, embd) or (seq, embd), "
-                f"got {tuple(jnp.shape(hidden))}"
-            )
-        first = hidden[:, 0] if batched else hidden[None, 0]  # unbatched: a batch of one
-        pooled = POOLER_ACTIVATIONS[self.config.pooler_act](jax.vmap(self.pooler)(first))
-        return pooled if batched else pooled[0]
+        return self.pooler(hidden, POOLER_ACTIVATIONS[self.config.pooler_act], "ViT")

@@ -17,6 +17,7 @@ from port.nn._attention import Attention as Attention
 from port.nn._attention import attend as attend
 from port.nn._attention import with_cache as with_cache
 from port.nn._cache import Cache as Cache
+from port.nn._decoder import Decoder as Decoder
 from port.nn._generate import decode_step as decode_step
 from port.nn._generate import generate as generate
 from port.nn._generate import prefill as prefill
@@ -32,6 +33,7 @@ from port.nn._moe import MoE as MoE
 from port.nn._moe import route as route
 from port.nn._norm import LayerNorm as LayerNorm
 from port.nn._norm import rms_norm as rms_norm
+from port.nn._pooler import Pooler as Pooler
 from port.nn._precision import cast as cast
 from port.nn._rope import Rope as Rope
 from port.nn._rope import apply_rope as apply_rope

@@ -17,12 +17,9 @@ batched = check_pixels(pixel_values, channels=3, size=(224, 224))
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-from jaxtyping import Array
 
 SHAPES = {2: "(batch, seq)", 1: "(seq,)"}
 """The accepted ranks of `input_ids` and how messages name them."""

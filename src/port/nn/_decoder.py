@@ -1,0 +1,123 @@
+"""What every decoder-only language model shares: its call, its inputs and its cache.
+
+`Decoder` is an abstract Equinox module (Equinox's abstract/final pattern): a family
+defines its fields and `logits(tokens, remat)`, and names its sizes; the call
+signature, the input checks, the compute dtype, the masks and positions and the cache
+come from here, so every family takes exactly the same arguments.
+
+```python
+class MyLM(Decoder):
+    embed: Array
+    blocks: Block
+    config: MyConfig = eqx.field(static=True)
+
+    layers = property(lambda self: self.config.num_layers)      # the cache's sizes
+    kv_heads = property(lambda self: self.config.kv_heads)
+    head_dim = property(lambda self: self.config.head_dim)
+
+    def logits(self, tokens, remat):
+        x = self.embed[tokens.ids]
+        x, kv = run_layers(self.blocks, x, tokens, remat=remat)
+        return x @ self.embed.T, kv
+
+logits = MyLM(...)(input_ids, attention_mask=mask)     # the call every decoder takes
+```
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from port.nn._cache import Cache
+from port.nn._precision import cast
+from port.nn._tokens import Tokens, prepare
+
+
+class Decoder(eqx.Module):
+    """A decoder-only language model: `model(input_ids, *, attention_mask=None, positions=None,
+    segment_ids=None, cache=None, dtype=None, remat=None)`.
+
+    **Arguments of the call:** (all but `input_ids` keyword-only and optional)
+
+    - `input_ids`: `(batch, seq)`, or `(seq,)` for one sequence (run as a batch of one).
+    - `attention_mask`: 0 on padding (left or right); positions then follow the mask as
+      transformers' `generate` computes them.
+    - `positions`: explicit positions, `input_ids`' shape.
+    - `segment_ids`: packed sequences; attention never crosses a segment and positions
+      restart in each.
+    - `cache`: a `Cache` from `init_cache`; the call then returns `(logits, cache)`.
+    - `dtype`: the compute dtype (bfloat16 compute on float32 parameters).
+    - `remat`: recompute each layer in the backward pass (`port.nn.scan`).
+
+    **Returns:** logits `[batch, seq, vocab]` (`[seq, vocab]` for `(seq,)` ids). Raises
+    `ValueError` / `TypeError` naming the argument for a bad shape or dtype; the checks
+    read static shapes, so they run while tracing, before anything compiles.
+
+    A family defines `logits(tokens, remat)` and the properties `layers`, `kv_heads`,
+    `head_dim` (the cache's sizes); optionally `window` (its sliding window) and
+    `position_limit` (a learned position table's config key and size).
+    """
+
+    @property
+    @abc.abstractmethod
+    def layers(self) -> int:
+        """How many layers (the cache's first axis)."""
+
+    @property
+    @abc.abstractmethod
+    def kv_heads(self) -> int:
+        """Key/value heads per layer."""
+
+    @property
+    @abc.abstractmethod
+    def head_dim(self) -> int:
+        """The size of each head's keys and values."""
+
+    @property
+    def window(self) -> int | None:
+        """The sliding window of the layers that slide, in slots (None: no layer slides)."""
+        return None
+
+    @property
+    def position_limit(self) -> tuple[str, int] | None:
+        """A learned position table's config key and size, bounding the positions (None: none)."""
+        return None
+
+    @abc.abstractmethod
+    def logits(self, tokens: Tokens, remat: Any) -> tuple[Array, tuple[Array | None, Array | None]]:
+        """The logits for prepared `tokens`, and every layer's keys and values (from `run_layers`)."""
+
+    def init_cache(self, batch: int, length: int, dtype: Any = None) -> Cache:
+        """An empty key/value cache for `batch` sequences of up to `length` tokens, in `dtype`
+        (default: the parameters' floating dtype)."""
+        if self.position_limit is not None and isinstance(length, int) and length > self.position_limit[1]:
+            name, size = self.position_limit
+            raise ValueError(f"`length` {length} exceeds {name} ({size}): the model has no positions past it")
+        if dtype is None:
+            floating = [leaf for leaf in jax.tree.leaves(self) if eqx.is_inexact_array(leaf)]
+            dtype = floating[0].dtype if floating else jnp.float32
+        return Cache.empty(layers=self.layers, batch=batch, length=length, kv_heads=self.kv_heads,
+                           head_dim=self.head_dim, dtype=dtype)
+
+    def __call__(
+        self,
+        input_ids: Int[Array, "*batch seq"],
+        *,
+        attention_mask: Any = None,
+        positions: Any = None,
+        segment_ids: Any = None,
+        cache: Cache | None = None,
+        dtype: Any = None,
+        remat: Any = None,
+    ) -> Float[Array, "*batch seq vocab"] | tuple[Float[Array, "*batch seq vocab"], Cache]:
+        tokens = prepare(input_ids, attention_mask=attention_mask, positions=positions, segment_ids=segment_ids,
+                         cache=cache, window=self.window, limit=self.position_limit)
+        logits, kv = cast(self, dtype).logits(tokens, remat)
+        return tokens.output(logits, *kv)
+
