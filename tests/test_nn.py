@@ -202,3 +202,23 @@ def test_scan_remat_names_and_cast():
     tree = {"w": jnp.ones(2), "i": jnp.ones(2, jnp.int32)}
     half = cast(tree, jnp.bfloat16)
     assert half["w"].dtype == jnp.bfloat16 and half["i"].dtype == jnp.int32
+
+
+def test_run_layers_gives_local_layers_their_own_window_and_rope():
+    """`sliding` picks, per layer, the windowed mask and (with `sliding_rope`) the local RoPE."""
+    import equinox as eqx
+
+    from port.nn import run_layers
+
+    class Probe(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x, mask, *, cos, sin, kv, index, layer):
+            return x + self.w * 0 + mask.sum() + 100 * cos.sum(), kv
+
+    tokens = prepare(np.zeros((1, 4), np.int32), window=2)
+    ones, twos = jnp.ones((1, 4, 2)), 2 * jnp.ones((1, 4, 2))
+    x, _ = run_layers(Probe(jnp.zeros((2, 1))), jnp.zeros((1, 4, 1)), tokens, cos=ones, sin=ones,
+                      sliding=(False, True), sliding_rope=(twos, twos))
+    # layer 0: causal mask (10 pairs), cos sum 8; layer 1: window 2 (7 pairs), cos sum 16
+    np.testing.assert_allclose(np.asarray(x)[0, 0, 0], 10 + 800 + 7 + 1600)

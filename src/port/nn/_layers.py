@@ -34,6 +34,7 @@ def run_layers(
     cos: Array | None = None,
     sin: Array | None = None,
     sliding: Sequence[bool] | None = None,
+    sliding_rope: tuple[Array, Array] | None = None,
     remat: bool | str | Callable[..., bool] | None = None,
 ) -> tuple[Float[Array, "batch seq embd"], tuple[Array | None, Array | None]]:
     """Run stacked `blocks` over `x`.
@@ -44,21 +45,26 @@ def run_layers(
     - `x`: the embedded tokens.
     - `tokens`: from `prepare` (its masks and cache).
     - `cos`, `sin`: the rotary angles (None: no RoPE).
-    - `sliding`: per layer, whether it uses `tokens.sliding` (the window) rather than
-      `tokens.mask`.
+    - `sliding`: per layer, whether it is a local layer: it uses `tokens.sliding` (the
+      window, when `prepare` was given one) rather than `tokens.mask`...
+    - `sliding_rope`: ...and these `(cos, sin)` rather than `cos`, `sin` (a per-layer RoPE
+      base, as Gemma 3's local layers have); None: every layer rotates alike.
     - `remat`: as in `scan`.
 
     **Returns:** `(x, (keys, values))`: the last block's output and, with a cache, every
     layer's updated keys and values (else `(None, None)`).
     """
     layers = jnp.arange(jnp.shape(_first_leaf(blocks))[0])
-    flags = jnp.zeros(layers.shape, bool) if sliding is None or tokens.sliding is None else jnp.asarray(sliding, bool)
+    flags = jnp.zeros(layers.shape, bool) if sliding is None else jnp.asarray(sliding, bool)
     kv = None if tokens.cache is None else (tokens.cache.keys, tokens.cache.values)
     index = tokens.index
 
     def layer(block: Any, x: Array, i: Array, slides: Array, kv: Any) -> tuple[Array, Any]:
         mask = tokens.mask if tokens.sliding is None else jnp.where(slides, tokens.sliding, tokens.mask)
-        return block(x, mask, cos=cos, sin=sin, kv=kv, index=index, layer=i)
+        c, s = cos, sin
+        if sliding_rope is not None:
+            c, s = (jnp.where(slides, local, default) for local, default in zip(sliding_rope, (cos, sin)))
+        return block(x, mask, cos=c, sin=s, kv=kv, index=index, layer=i)
 
     x, kv = scan(layer, x, blocks, layers, flags, kv, remat=remat)
     return x, (None, None) if kv is None else kv
