@@ -29,3 +29,27 @@ def test_the_exports_are_the_listed_names():
     assert {"convert", "load", "restore", "save", "make_mesh", "PortError"} <= set(port.__all__)
     with pytest.raises(AttributeError):
         port.no_such_name
+
+
+def _nn_names():
+    import port.nn
+
+    return sorted(name for name in dir(port.nn) if not name.startswith("_") and name[0] != name[0].lower() or (
+        not name.startswith("_") and callable(getattr(port.nn, name)) and getattr(getattr(port.nn, name), "__module__", "").startswith("port.nn")))
+
+
+@pytest.mark.parametrize("name", _nn_names())
+def test_every_layer_is_documented(name):
+    """port.nn, the library of layers: each name says what it takes and returns, with an example."""
+    import port.nn
+
+    obj = getattr(port.nn, name)
+    doc = inspect.getdoc(obj) or ""
+    assert "```python" in doc, f"port.nn.{name}: no example"
+    if inspect.isfunction(obj):
+        assert "**Arguments:**" in doc and "**Returns:**" in doc, f"port.nn.{name}: no **Arguments:** / **Returns:**"
+        documented = doc.split("**Arguments:**", 1)[1]
+        for parameter in inspect.signature(obj).parameters:
+            assert f"`{parameter}`" in documented, f"port.nn.{name}: argument `{parameter}` is not described"
+    else:
+        assert "**Arguments:**" in doc or "**Fields:**" in doc, f"port.nn.{name}: no **Arguments:** / **Fields:**"

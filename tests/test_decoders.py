@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
 
 import port
 from port.nn import next_token_loss
@@ -174,15 +173,15 @@ def test_gradients_match_pytorch(family, name, tmp_path):
     out.loss.backward()
     loss, grads = loss_and_grads(model, ids, mask)
     assert float(loss) == pytest.approx(out.loss.item(), rel=1e-5)
+    # Exported by the mapping (checkpoint names) and read back by transformers (its own names,
+    # experts fused as it holds them), so every parameter is compared with its own gradient.
     port.export(grads, tmp_path / "grads", directory)
-    ours = {}
-    for file in sorted((tmp_path / "grads").glob("*.safetensors")):
-        ours.update(load_file(file))
+    arch = FAMILIES[name][0]
+    ours = getattr(transformers_or_skip(), arch).from_pretrained(tmp_path / "grads").state_dict()
     theirs = {k: p.grad.numpy() for k, p in torch_lm.named_parameters() if p.grad is not None}
-    assert set(ours) <= set(theirs) and len(ours) >= len(theirs) - 1  # a tied head: one name for both
-    for key, grad in ours.items():
-        scale = np.abs(theirs[key]).max()
-        np.testing.assert_allclose(grad, theirs[key], atol=1e-4 * scale + 1e-9, rtol=0, err_msg=key)
+    assert theirs and set(theirs) <= set(ours)
+    for key, grad in theirs.items():
+        np.testing.assert_allclose(ours[key].numpy(), grad, atol=1e-4 * np.abs(grad).max() + 1e-9, rtol=0, err_msg=key)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -198,14 +197,21 @@ def test_remat_changes_no_value(family, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_bfloat16_compute_on_float32_parameters(family, name):
-    """dtype=bfloat16: bfloat16 logits near the float32 ones, gradients in float32 for float32 leaves."""
-    _, _, model = family(name)
+    """dtype=bfloat16: bfloat16 logits as near the float32 ones as transformers' own bfloat16 model
+    is to its float32 one (routers may flip a near-tie), gradients in float32 for float32 leaves."""
+    import copy
+
+    import torch
+
+    torch_lm, _, model = family(name)
     ids, mask = padded("right")
     full = np.asarray(forward(model, ids, mask))
     half = eqx.filter_jit(lambda m, i, k: m(i, attention_mask=k, dtype=jnp.bfloat16))(model, ids, mask)
     assert half.dtype == jnp.bfloat16
     real = mask.astype(bool)
-    assert np.abs(np.asarray(half, np.float32)[real] - full[real]).max() < 0.1 * np.abs(full[real]).max()
+    theirs = torch_forward(copy.deepcopy(torch_lm).to(torch.bfloat16), ids, mask, np.where(mask, np.cumsum(mask, -1) - 1, 0))
+    bound = max(0.1 * np.abs(full[real]).max(), 1.5 * np.abs(theirs[real] - full[real]).max())
+    assert np.abs(np.asarray(half, np.float32)[real] - full[real]).max() < bound
     _, grads = loss_and_grads(model, ids, mask, dtype=jnp.bfloat16)
     assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
 
@@ -236,7 +242,8 @@ def test_train_step_on_4x2_equals_1x1_and_keeps_shardings(family, name):
     assert float(loss) == pytest.approx(float(loss1), rel=1e-5)
     for g, g1, s in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1), jax.tree.leaves(shardings)):
         assert g.sharding.is_equivalent_to(s, g.ndim)
-        np.testing.assert_allclose(np.asarray(g), np.asarray(g1), atol=1e-5 * np.abs(np.asarray(g1)).max() + 1e-9)
+        # + 1e-7: a gradient that is zero but for rounding (GPT-2's key bias, which softmax cancels)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g1), atol=1e-5 * np.abs(np.asarray(g1)).max() + 1e-7)
     for p, s in zip(jax.tree.leaves(eqx.filter(updated, eqx.is_array)), jax.tree.leaves(shardings)):
         assert p.sharding.is_equivalent_to(s, p.ndim)
 

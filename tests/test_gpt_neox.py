@@ -17,6 +17,7 @@ import struct
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -25,6 +26,7 @@ import port
 from helpers import VOCAB, assert_blocks_read_exactly, place_on, run_port, transformers_or_skip
 from port._errors import PortError
 from port.models.gpt_neox import GPTNeoX, GPTNeoXConfig
+from port.nn import Rope
 
 BASE = dict(
     vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64, initializer_range=0.2,
@@ -117,21 +119,32 @@ def with_config(model: GPTNeoX, **changes) -> GPTNeoX:
     return jax.tree.unflatten(jax.tree.structure(skeleton), jax.tree.leaves(model))
 
 
+# What the cases' config.json give: head_dim 12 x 0.25 = 3 (4 rotated); head_dim 8 x 0.5 = 4, base 500.
+LOADED_ROPE = {"parallel-pct25-5heads": Rope(theta=10000.0, rotary_dim=3),
+               "sequential-pct50-6heads-tied": Rope(theta=500.0, rotary_dim=4)}
+
+
 @pytest.mark.parametrize(
     "name, change",
     [
-        ("parallel-pct25-5heads", dict(partial_rotary_factor=1.0)),
-        ("parallel-pct25-5heads", dict(partial_rotary_factor=0.2)),  # 2 rotated dims, not 3 rounded up to 4
+        ("parallel-pct25-5heads", dict(rope=Rope(theta=10000.0, rotary_dim=12))),
+        ("parallel-pct25-5heads", dict(rope=Rope(theta=10000.0, rotary_dim=2))),  # 2 rotated dims, not 3 -> 4
+        ("parallel-pct25-5heads", dict(rope=Rope(theta=10000.0, rotary_dim=4))),  # 4 rotated, inv_freq over 4, not 3
+        ("parallel-pct25-5heads", dict(rope=Rope(theta=10000.0, rotary_dim=0))),  # no rotation at all
         ("parallel-pct25-5heads", dict(use_parallel_residual=False)),
-        ("sequential-pct50-6heads-tied", dict(rope_theta=10000.0)),
+        ("sequential-pct50-6heads-tied", dict(rope=Rope(theta=10000.0, rotary_dim=4))),
         ("sequential-pct50-6heads-tied", dict(layer_norm_eps=1e-5)),
     ],
-    ids=["full-rotary", "even-rotary", "sequential", "wrong-theta", "wrong-eps"],
+    ids=["full-rotary", "even-rotary", "odd-dim-rounded-before-inv-freq", "no-rotary", "sequential", "wrong-theta",
+         "wrong-eps"],
 )
 def test_ignoring_a_feature_breaks_parity(checkpoints, name, change):
-    """The parity cases above are sensitive to the rotary dims, the residual layout, theta and the eps."""
+    """The parity cases above are sensitive to the rotary dims (and to odd ones rounded up only after
+    inv_freq is computed over them), the residual layout, theta and the eps."""
     directory, expected, _ = checkpoints(name)
-    model = with_config(port.load(directory), **change)
+    loaded = port.load(directory)
+    assert loaded.config.rope == LOADED_ROPE[name]
+    model = with_config(loaded, **change)
     assert np.abs(np.asarray(logits(model, IDS)) - expected).max() > 1e-2
 
 
@@ -397,24 +410,34 @@ def test_abstract_model_shapes():
     assert bare.lm_head is None and bare.blocks.attn.bqkv is None and bare.blocks.attn.bo is None
 
 
-@pytest.mark.parametrize("head_dim, pct, theta", [(12, 0.25, 10000.0), (8, 0.5, 500.0), (128, 0.25, 10000.0)])
+@pytest.mark.parametrize(
+    "head_dim, pct, theta", [(12, 0.25, 10000.0), (8, 0.5, 500.0), (128, 0.25, 10000.0), (12, 0.0, 10000.0)]
+)
 def test_config_v4_and_v5_agree_and_inv_freq_matches_transformers(head_dim, pct, theta):
-    """transformers 4 wrote rotary_pct / rotary_emb_base; transformers 5 writes rope_parameters."""
+    """transformers 4 wrote rotary_pct / rotary_emb_base; transformers 5 writes rope_parameters. The
+    inverse frequencies, cos and sin are transformers' (3 rotary dims: over 3, rounded up to 4; 0: none)."""
     transformers = transformers_or_skip()
+    import torch
+
     sizes = dict(hidden_size=2 * head_dim, num_attention_heads=2, intermediate_size=8, num_hidden_layers=1,
                  vocab_size=8)
     v4 = GPTNeoXConfig.from_hf({**sizes, "rotary_pct": pct, "rotary_emb_base": theta})
     hf = transformers.GPTNeoXConfig(**sizes, rotary_pct=pct, rotary_emb_base=theta)
     v5 = GPTNeoXConfig.from_hf(json.loads(hf.to_json_string()))
-    assert v4 == v5 and (v5.partial_rotary_factor, v5.rope_theta) == (pct, theta)
+    assert v4 == v5 and v5.rope == Rope(theta=theta, rotary_dim=int(head_dim * pct))
     rotary = transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXRotaryEmbedding(hf)
-    np.testing.assert_array_equal(v5.inv_freq(), rotary.inv_freq.numpy())
+    np.testing.assert_array_equal(v5.rope.inv_freq(), rotary.inv_freq.numpy())
+    positions = np.arange(7)[None]
+    cos, sin = rotary(torch.zeros(1, 7, 2 * head_dim), torch.tensor(positions))
+    ours = v5.rope.angles(jnp.asarray(positions), jnp.float32)
+    np.testing.assert_allclose(np.asarray(ours[0]), cos.numpy(), atol=1e-6, rtol=0)
+    np.testing.assert_allclose(np.asarray(ours[1]), sin.numpy(), atol=1e-6, rtol=0)
 
 
 def test_config_defaults_follow_transformers():
     config = GPTNeoXConfig.from_hf(dict(hidden_size=64, num_attention_heads=4, intermediate_size=8,
                                         num_hidden_layers=1, vocab_size=8))
-    assert (config.partial_rotary_factor, config.rope_theta, config.layer_norm_eps) == (0.25, 10000.0, 1e-5)
+    assert (config.rope, config.layer_norm_eps) == (Rope(theta=10000.0, rotary_dim=4), 1e-5)
     assert config.use_parallel_residual and config.attention_bias and not config.tie_word_embeddings
     assert config.hidden_act == "gelu"
 

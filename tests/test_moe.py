@@ -12,13 +12,16 @@ sparse file, never read) reports the bytes per device. The tests that build a
 `transformers` model skip without PyTorch.
 """
 
+import dataclasses
 import json
 import os
 import re
 import struct
+from pathlib import Path
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -28,7 +31,8 @@ import port
 from helpers import VOCAB, assert_blocks_read_exactly, place_on, run_port, torch_logits, transformers_or_skip
 from port._console import size_text
 from port._errors import ConfigError
-from port.models.moe import Moe, MoeConfig, routing_weights
+from port.models.moe import Moe, MoeConfig
+from port.nn import MoE, next_token_loss, route
 
 # Small and awkward: 6 query heads on 2 kv heads (groups of 3), top 2 of 6 experts,
 # expert, shared-expert and vocab sizes unlike each other and the hidden size.
@@ -60,6 +64,7 @@ PARITY = [
     ("mixtral-sliding", "4x2"),
 ]
 IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
+MAPPINGS = Path(__file__).resolve().parents[1] / "mappings"
 
 
 def ids(name):
@@ -195,6 +200,73 @@ def test_the_shared_expert_matters(checkpoints):
                   lambda m: m.blocks.mlp.shared_gate):  # its gate 0.5 instead of sigmoid(g . x)
         changed = eqx.tree_at(where, model, replace_fn=lambda x: 0 * x)
         assert np.abs(np.asarray(logits(changed, ids("qwen2-moe"))) - expected).max() > 1e-2
+
+
+def torch_routes(name):
+    """The experts transformers' router picks for each token of `ids(name)`: [layers, batch, seq, k]."""
+    import torch
+
+    model = torch_moe(name)
+    chosen = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda module, args, out: chosen.append(out[2].numpy()))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(torch.tensor(ids(name)))
+    for hook in hooks:
+        hook.remove()
+    batch, seq = ids(name).shape
+    return np.stack([c.reshape(batch, seq, -1) for c in chosen])
+
+
+def test_logits_match_transformers_with_experts_on_an_expert_axis(checkpoints):
+    """The shipped mapping with `experts = "expert"` on a `data=2,expert=2,model=2` mesh: each
+    device holds 3 of the 6 experts (their hidden dim halved on `model`) and one row of the
+    batch (on `data`); every row sends tokens, in every layer, to experts of both halves, so
+    to experts only other devices hold. The logits are transformers'."""
+    from jax.sharding import NamedSharding
+
+    directory, expected = checkpoints("mixtral")
+    shipped = port.load_mapping(MAPPINGS / "mixtral.toml")
+    mapping = dataclasses.replace(shipped, rules={**shipped.rules, "experts": ("expert",)})
+    mesh = port.make_mesh("data=2,expert=2,model=2")
+    model = port.load(directory, mesh=mesh, mapping=mapping)
+    mlp = model.blocks.mlp
+    assert mlp.experts.gate.sharding.spec == mlp.experts.up.sharding.spec == P(None, "expert", "model", "data")
+    assert mlp.experts.down.sharding.spec == P(None, "expert", "data", "model")
+    assert mlp.router.sharding.spec == P(None, "expert", "data")
+    routes = torch_routes("mixtral")
+    half = 6 // mesh.shape["expert"]
+    assert all({int(e) // half for e in row.ravel()} == {0, 1} for layer in routes for row in layer)
+    rows = jax.device_put(ids("mixtral"), NamedSharding(mesh, P("data", None)))
+    ours = logits(model, rows)
+    np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe"])
+def test_gradients_match_pytorch(checkpoints, name, tmp_path):
+    """jax.grad of the mean next-token loss equals PyTorch's backward for every parameter.
+
+    port.export writes the gradients under the checkpoint's names (one tensor per expert);
+    transformers' from_pretrained reads them into its in-memory layout (the experts fused
+    as `experts.gate_up_proj` / `down_proj`), where they are compared by parameter name."""
+    transformers = transformers_or_skip()
+    import torch
+
+    directory, _ = checkpoints(name)
+    tokens = ids(name)
+    torch_lm = torch_moe(name)
+    out = torch_lm(torch.tensor(tokens), labels=torch.tensor(tokens))
+    out.loss.backward()
+    model = port.load(directory)
+    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(lambda m: next_token_loss(m(tokens), tokens)))(model)
+    assert float(loss) == pytest.approx(out.loss.item(), rel=1e-5)
+    port.export(grads, tmp_path / "grads", directory)
+    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "grads").state_dict()
+    theirs = {key: p.grad.numpy() for key, p in torch_lm.named_parameters()}
+    assert any("experts.gate_up_proj" in key for key in theirs) and set(theirs) <= set(ours)
+    for key, grad in theirs.items():
+        scale = np.abs(grad).max()
+        np.testing.assert_allclose(ours[key].numpy(), grad, atol=1e-4 * scale + 1e-9, rtol=0, err_msg=key)
 
 
 # ---------------------------------------------------------------- reading
@@ -398,15 +470,118 @@ def test_experts_the_model_axis_does_not_divide_leave_it_to_the_expert_hidden_di
 # ---------------------------------------------------------------- the module and its config
 
 
-def test_routing_weights():
-    """Softmax in float32, zero outside the top k, renormalised on request."""
-    scores = np.array([[0.0, 1.0, 2.0, -1.0]], np.float32)
-    probs = np.exp(scores) / np.exp(scores).sum()
-    kept = np.where(np.isin(np.arange(4), [1, 2]), probs, 0)
-    np.testing.assert_allclose(routing_weights(scores, 2, False), kept, rtol=1e-6)
-    np.testing.assert_allclose(routing_weights(scores, 2, True), kept / kept.sum(), rtol=1e-6)
-    bf16 = routing_weights(scores.astype(ml_dtypes.bfloat16), 2, True)
-    assert bf16.dtype == np.float32
+def numpy_route(logits, top_k, *, scoring="softmax", renormalise=True, selection_bias=None, groups=1,
+                top_groups=1, scale=1.0):
+    """transformers' routers, in plain NumPy: Mixtral / Qwen2-MoE (softmax) and DeepSeek-V3's
+    `DeepseekV3TopkRouter` (sigmoid, a selection bias, group-limited choice, a routed scale).
+
+    Returns `(weights, experts)`, each token's row sorted by expert (the order of a top-k is
+    not part of the result)."""
+    logits = np.asarray(logits, np.float32)
+    if scoring == "softmax":
+        scores = np.exp(logits - logits.max(-1, keepdims=True))
+        scores /= scores.sum(-1, keepdims=True)
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+    choice = scores if selection_bias is None else scores + np.asarray(selection_bias, np.float32)
+    tokens, experts = choice.shape
+    if groups > 1:
+        per_group = choice.reshape(tokens, groups, experts // groups)
+        group_scores = np.sort(per_group, -1)[..., -2:].sum(-1)  # each group's two best
+        best = np.argsort(-group_scores, -1, kind="stable")[:, :top_groups]
+        allowed = np.zeros((tokens, groups), bool)
+        np.put_along_axis(allowed, best, True, -1)
+        choice = np.where(np.repeat(allowed, experts // groups, -1), choice, -np.inf)
+    chosen = np.sort(np.argsort(-choice, -1, kind="stable")[:, :top_k], -1)
+    weights = np.take_along_axis(scores, chosen, -1)
+    if renormalise:
+        weights = weights / (weights.sum(-1, keepdims=True) + (1e-20 if scoring == "sigmoid" else 0))
+    return weights * np.float32(scale), chosen
+
+
+def by_expert(weights, experts):
+    """`route`'s result with each token's row sorted by expert."""
+    weights, experts = np.asarray(weights), np.asarray(experts)
+    order = np.argsort(experts, -1)
+    return np.take_along_axis(weights, order, -1), np.take_along_axis(experts, order, -1)
+
+
+@pytest.mark.parametrize("renormalise", [False, True])
+def test_route_softmax_is_transformers_router(renormalise):
+    """Mixtral / Qwen2-MoE: softmax in float32 (bfloat16 logits included), the top k, renormalised
+    on request; weights come back float32, best first."""
+    logits = np.random.default_rng(0).standard_normal((16, 6)).astype(np.float32)
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        given = logits.astype(dtype)
+        weights, experts = route(given, 2, renormalise=renormalise)
+        assert weights.dtype == np.float32 and experts.shape == (16, 2)
+        assert np.all(np.diff(np.asarray(weights), axis=-1) <= 0)
+        expected_weights, expected_experts = numpy_route(given.astype(np.float32), 2, renormalise=renormalise)
+        ours_weights, ours_experts = by_expert(weights, experts)
+        np.testing.assert_array_equal(ours_experts, expected_experts)
+        np.testing.assert_allclose(ours_weights, expected_weights, rtol=1e-6)
+    total = np.asarray(weights).sum(-1)
+    assert np.allclose(total, 1) if renormalise else np.all(total < 1 - 1e-3)
+
+
+# DeepSeek-V3-shaped: 16 experts in 4 groups, the best 2 groups open, top 4 of their 8.
+SIGMOID = {"scoring": "sigmoid", "groups": 4, "top_groups": 2}
+
+
+def deepseek_case(seed=1, tokens=64, experts=16):
+    rng = np.random.default_rng(seed)
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
+    bias = rng.uniform(0.0, 0.5, experts).astype(np.float32)  # scores + bias > 0 everywhere
+    return logits, bias
+
+
+def test_route_sigmoid_group_limited_with_selection_bias_matches_numpy():
+    """Sigmoid scores; the bias chooses but does not weigh; only experts of the 2 best groups
+    (by the sum of their two best biased scores) may be chosen; renormalised."""
+    logits, bias = deepseek_case()
+    weights, experts = route(logits, 4, renormalise=True, selection_bias=bias, **SIGMOID)
+    expected_weights, expected_experts = numpy_route(logits, 4, renormalise=True, selection_bias=bias, **SIGMOID)
+    ours_weights, ours_experts = by_expert(weights, experts)
+    np.testing.assert_array_equal(ours_experts, expected_experts)
+    np.testing.assert_allclose(ours_weights, expected_weights, rtol=1e-6)
+    np.testing.assert_allclose(ours_weights.sum(-1), 1, rtol=1e-6)
+    # Every chosen expert lies in at most 2 groups of 4.
+    assert max(len(set(row // 4)) for row in ours_experts) <= 2
+    # The case is sensitive to each feature: without the groups, or without the bias, other
+    # experts win for some tokens; the weights are the unbiased scores.
+    free = numpy_route(logits, 4, scoring="sigmoid", selection_bias=bias)[1]
+    unbiased = numpy_route(logits, 4, **SIGMOID)[1]
+    assert (free != expected_experts).any(axis=-1).sum() > 5
+    assert (unbiased != expected_experts).any(axis=-1).sum() > 5
+    raw, _ = numpy_route(logits, 4, renormalise=False, selection_bias=bias, **SIGMOID)
+    scores = 1 / (1 + np.exp(-logits))
+    np.testing.assert_allclose(raw, np.take_along_axis(scores, expected_experts, -1), rtol=1e-6)
+
+
+def test_route_scale_multiplies_the_weights():
+    """`scale` (DeepSeek's routed_scaling_factor) multiplies the renormalised weights: each
+    token's weights sum to it; the experts chosen do not change."""
+    logits, bias = deepseek_case(seed=2)
+    weights, experts = route(logits, 4, selection_bias=bias, scale=2.5, **SIGMOID)
+    expected_weights, expected_experts = numpy_route(logits, 4, selection_bias=bias, scale=2.5, **SIGMOID)
+    ours_weights, ours_experts = by_expert(weights, experts)
+    np.testing.assert_array_equal(ours_experts, expected_experts)
+    np.testing.assert_allclose(ours_weights, expected_weights, rtol=1e-6)
+    np.testing.assert_allclose(ours_weights.sum(-1), 2.5, rtol=1e-6)
+    unscaled, same = route(logits, 4, selection_bias=bias, **SIGMOID)
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(experts))
+    np.testing.assert_allclose(np.asarray(weights), 2.5 * np.asarray(unscaled), rtol=1e-6)
+
+
+def test_route_group_limited_with_negative_biased_scores():
+    """A bias below -sigmoid(logit) makes the open group's scores negative: transformers still
+    chooses inside the open group (the closed ones are -inf)."""
+    logits = np.zeros((1, 4), np.float32)  # every score 0.5
+    bias = np.array([-0.6, -0.7, -0.9, -0.9], np.float32)  # biased: -0.1, -0.2 | -0.4, -0.4
+    weights, experts = route(logits, 2, scoring="sigmoid", selection_bias=bias, groups=2, top_groups=1)
+    _, expected_experts = numpy_route(logits, 2, scoring="sigmoid", selection_bias=bias, groups=2, top_groups=1)
+    assert expected_experts.tolist() == [[0, 1]]
+    np.testing.assert_array_equal(by_expert(weights, experts)[1], expected_experts)
 
 
 def test_config_defaults_follow_transformers():
@@ -414,7 +589,7 @@ def test_config_defaults_follow_transformers():
     base = {k: v for k, v in MIXTRAL.items() if k not in ("num_local_experts", "num_experts_per_tok")}
     mixtral = MoeConfig.from_hf({**base, "model_type": "mixtral"})
     assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.norm_topk_prob) == (8, 2, True)
-    assert mixtral.rms_norm_eps == 1e-5 and mixtral.rope_theta == 1e6 and mixtral.sliding_window is None
+    assert mixtral.rms_norm_eps == 1e-5 and mixtral.rope.theta == 1e6 and mixtral.sliding_window is None
     assert not mixtral.qkv_bias and mixtral.shared_intermediate_size is None
     assert mixtral.moe_intermediate_size == MIXTRAL["intermediate_size"]
     qwen = MoeConfig.from_hf({"model_type": "qwen2_moe", **{k: QWEN2_MOE[k] for k in (
@@ -456,3 +631,102 @@ def test_abstract_model_shapes():
     assert mlp.experts.down.shape == (32, 8, 4096, 14336)
     assert mlp.shared is None and mlp.shared_gate is None and mlp.top_k == 2
     assert model.blocks.attn.wk.shape == (32, 8, 128, 4096)
+
+
+# ---------------------------------------------------------------- the cost follows top-k
+
+
+def equations(jaxpr):
+    """Every equation of `jaxpr`, those of the jaxprs nested in it (scans, custom rules) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner)
+
+
+def jaxpr_of(module, x, grad=False):
+    """The jaxpr of `module(x)`, or of the gradient of its sum (parameters and input)."""
+    params, static = eqx.partition(module, lambda a: isinstance(a, (jax.Array, jax.ShapeDtypeStruct)))
+    run = lambda p, x: eqx.combine(p, static)(x)
+    if grad:
+        run = jax.grad(lambda p, x: eqx.combine(p, static)(x).astype(np.float32).sum(), argnums=(0, 1))
+    return jax.make_jaxpr(run)(params, x).jaxpr
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe"])
+def test_no_expert_runs_on_every_token(name):
+    """The MoE layer of each family, forward and backward: the experts run as grouped matmuls
+    (ragged_dot_general) on the tokens x top_k (token, expert) rows, and no matmul has an
+    output with both an experts and a tokens axis but the router's [tokens, experts] logits
+    (a dense dispatch would have [experts, tokens, ...])."""
+    arch, config = CASES[name]
+    c = MoeConfig.from_hf({**config, "model_type": "mixtral" if arch == "Mixtral" else "qwen2_moe"})
+    moe = c.mlp(jnp.float32, jax.random.key(0))
+    assert isinstance(moe, MoE) and (moe.shared_gate is not None) == (arch == "Qwen2Moe")
+    x = jnp.ones((3, 7, c.hidden_size))
+    tokens, experts, rows = 21, c.num_experts, 21 * c.num_experts_per_tok
+    sizes = {tokens, experts, rows, c.hidden_size, c.moe_intermediate_size, c.shared_intermediate_size}
+    assert len(sizes - {None}) == 5 + (arch == "Qwen2Moe")  # every axis recognisable by its size
+    for grad in (False, True):
+        eqns = list(equations(jaxpr_of(moe, x, grad)))
+        ragged = [e for e in eqns if e.primitive.name == "ragged_dot_general"]
+        assert len(ragged) == (9 if grad else 3)
+        for e in ragged:
+            assert rows in e.invars[0].aval.shape and e.invars[2].aval.shape == (experts,)
+        for e in eqns:
+            if e.primitive.name in ("dot_general", "ragged_dot_general"):
+                shape = e.outvars[0].aval.shape
+                if experts in shape and (tokens in shape or rows in shape):
+                    assert e.primitive.name == "dot_general" and shape == (tokens, experts), (e, shape)
+        assert sum(e.primitive.name == "dot_general" and e.outvars[0].aval.shape == (tokens, experts)
+                   for e in eqns) == 1  # the router
+
+
+def test_mixtral_top_2_sends_a_quarter_of_the_rows_of_top_8(monkeypatch, capsys):
+    """Mixtral-8x7B's MoE layer (8 experts) at top-2 and at top-8: the (token, expert) rows entering
+    the grouped matmuls, and the group sizes, are 4x fewer at top-2. Reports XLA's cost analysis
+    of both on Mixtral's real sizes (compiled from shapes only: on CPU ragged_dot is costed as
+    a dense matmul per group, so the figures are reported, not compared)."""
+    import port.nn._moe
+
+    config = MoeConfig.from_hf(MIXTRAL_8X7B)
+    # Small widths, Mixtral's routing, run eagerly to see the group sizes.
+    small = dataclasses.replace(config, hidden_size=64, moe_intermediate_size=96)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 64))
+    seen = {}
+    real_grouped = port.nn._moe.grouped
+
+    def grouped(h, w, sizes):
+        seen.setdefault(k, []).append((h.shape[0], np.asarray(sizes)))
+        return real_grouped(h, w, sizes)
+
+    monkeypatch.setattr(port.nn._moe, "grouped", grouped)
+    for k in (2, 8):
+        moe = dataclasses.replace(small, num_experts_per_tok=k).mlp(jnp.float32, jax.random.key(0))
+        moe(x)
+        assert len(seen[k]) == 3  # gate, up, down
+        for rows, sizes in seen[k]:
+            assert rows == 32 * k and sizes.shape == (8,) and sizes.sum() == rows
+    assert seen[8][0][0] == 4 * seen[2][0][0]
+    np.testing.assert_array_equal(seen[8][0][1], np.full(8, 32))  # top-8 of 8: every expert, every token
+    assert (seen[2][0][1] < 32).all()
+    monkeypatch.undo()
+
+    x = jax.ShapeDtypeStruct((2, 256, config.hidden_size), jnp.bfloat16)
+    rows, flops = {}, {}
+    for k in (2, 8):
+        moe = eqx.filter_eval_shape(dataclasses.replace(config, num_experts_per_tok=k).mlp, jnp.bfloat16,
+                                    jax.random.key(0))
+        ragged = [e for e in equations(jaxpr_of(moe, x)) if e.primitive.name == "ragged_dot_general"]
+        rows[k] = {e.invars[0].aval.shape[0] for e in ragged}
+        params, static = eqx.partition(moe, lambda a: isinstance(a, jax.ShapeDtypeStruct))
+        compiled = jax.jit(lambda p, x, static=static: eqx.combine(p, static)(x)).lower(params, x).compile()
+        cost = compiled.cost_analysis()
+        flops[k] = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    assert rows == {2: {512 * 2}, 8: {512 * 8}}
+    with capsys.disabled():
+        print(f"\nMixtral-8x7B MoE layer, 512 tokens, bfloat16, XLA cost_analysis on {jax.default_backend()}: "
+              f"top-2 {flops[2]:.4g} flops, top-8 {flops[8]:.4g} flops (ratio {flops[8] / flops[2]:.3g})")

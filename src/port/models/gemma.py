@@ -324,22 +324,6 @@ class Gemma(Decoder):
         """
         return cls(GemmaConfig.from_hf(config), key=key, dtype=dtype)
 
-    @property
-    def layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def kv_heads(self) -> int:
-        return self.config.num_key_value_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.config.head_dim
-
-    @property
-    def window(self) -> int | None:
-        return self.config.sliding_window
-
     def logits(self, tokens: Tokens, remat: Any) -> tuple[Array, tuple[Array | None, Array | None]]:
         """Scaled embeddings, the stacked blocks, the (1 + w) final norm, the head and its soft-cap."""
         c = self.config

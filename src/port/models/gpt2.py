@@ -1,14 +1,19 @@
 """GPT-2 as an Equinox model.
 
-The transformer blocks are stored *stacked*: every array in `GPT2.blocks` has a
-leading axis of size `n_layer`, and the forward pass runs them with
-`jax.lax.scan`. This keeps compile time independent of depth.
+What is new in this family, on top of `port.nn`: learned position embeddings (`wpe`,
+`n_positions` of them), and projections in GPT-2's `Conv1D` orientation, `(in, out)`,
+split per head (loading is a copy, never a transpose), with attention scaled by
+`1 / (layer + 1)` when `scale_attn_by_inverse_layer_idx`. LayerNorm, attention scores,
+masks, the cache and the layer scan are `port.nn`'s; the blocks are stored *stacked*
+(every array in `GPT2.blocks` has a leading axis of size `n_layer`) and run by
+`port.nn.run_layers`, so compile time does not grow with depth. The LM head is `wte`.
 
 Example:
     ```python
     import equinox as eqx
     import jax
     import jax.numpy as jnp
+    import port
     from port.models.gpt2 import GPT2
 
     config = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768,
@@ -16,6 +21,7 @@ Example:
     model = GPT2.from_config(config, key=jax.random.key(0))
     logits = eqx.filter_jit(model)(jnp.zeros((1, 8), dtype=jnp.int32))
     # logits.shape == (1, 8, 50257); without the batch axis, (8,) ids give (8, 50257)
+    out = port.generate(model, prompt_ids, max_new_tokens=16, attention_mask=prompt_mask)
 
     # Shapes only, no memory allocated (e.g. before loading a checkpoint):
     abstract = eqx.filter_eval_shape(GPT2.from_config, config, key=jax.random.key(0))
@@ -25,22 +31,28 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from port._errors import ConfigError
 from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, get
-from port.models._inputs import check_ids, per_sequence
+from port.nn import Decoder, LayerNorm, Tokens, attend, normal, run_layers, stacked, with_cache
+from port.nn._attention import KV
 
 
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
-    """The hyperparameters of a GPT-2 model, as read from a Hugging Face config.json."""
+    """The hyperparameters of a GPT-2 model, as read from a Hugging Face config.json.
+
+    ```python
+    c = GPT2Config.from_hf({"vocab_size": 101, "n_positions": 32, "n_embd": 64, "n_layer": 2, "n_head": 4})
+    c.head_dim, c.n_inner    # 16, 256
+    ```
+    """
 
     vocab_size: int
     n_positions: int
@@ -93,15 +105,20 @@ class GPT2Config:
         )
 
 
-def _normal(key: PRNGKeyArray, shape: tuple[int, ...], dtype: Any) -> Array:
-    return 0.02 * jax.random.normal(key, shape, dtype)
-
-
 class Attention(eqx.Module):
-    """Causal multi-head self-attention with per-head projection weights.
+    """Causal multi-head self-attention, projections in `Conv1D` orientation split per head.
 
-    Weights keep GPT-2's `Conv1D` orientation, (in, out), split per head: loading
-    them is a copy, never a transpose.
+    **Arguments:** `config` (sizes and the two scaling flags), `dtype`, `key`.
+
+    Called as `attn(x, mask, kv=, index=, layer=)` -> `(y, kv)`: `x` `[batch, seq, embd]`,
+    `mask` from `port.nn.prepare`, `kv`/`index` this layer's cache (None: none), `layer`
+    the layer's index (traced; the scores are divided by `layer + 1` when
+    `scale_attn_by_inverse_layer_idx`).
+
+    ```python
+    attn = Attention(config, jnp.float32, key=key)
+    y, _ = attn(x, tokens.mask, layer=jnp.asarray(0))
+    ```
     """
 
     wq: Float[Array, "embd head head_dim"]
@@ -118,38 +135,43 @@ class Attention(eqx.Module):
     def __init__(self, config: GPT2Config, dtype: Any, *, key: PRNGKeyArray):
         h, d, e = config.n_head, config.head_dim, config.n_embd
         kq, kk, kv, ko = jax.random.split(key, 4)
-        self.wq = _normal(kq, (e, h, d), dtype)
-        self.wk = _normal(kk, (e, h, d), dtype)
-        self.wv = _normal(kv, (e, h, d), dtype)
-        self.bq = jnp.zeros((h, d), dtype)
-        self.bk = jnp.zeros((h, d), dtype)
-        self.bv = jnp.zeros((h, d), dtype)
-        self.wo = _normal(ko, (h, d, e), dtype)
+        self.wq, self.wk = normal(kq, (e, h, d), dtype), normal(kk, (e, h, d), dtype)
+        self.wv = normal(kv, (e, h, d), dtype)
+        self.bq, self.bk, self.bv = jnp.zeros((h, d), dtype), jnp.zeros((h, d), dtype), jnp.zeros((h, d), dtype)
+        self.wo = normal(ko, (h, d, e), dtype)
         self.bo = jnp.zeros((e,), dtype)
         self.scale_attn_weights = config.scale_attn_weights
         self.scale_attn_by_inverse_layer_idx = config.scale_attn_by_inverse_layer_idx
 
     def __call__(
-        self, x: Float[Array, "seq embd"], layer_idx: Int[Array, ""]
-    ) -> Float[Array, "seq embd"]:
-        q = jnp.einsum("te,ehd->thd", x, self.wq) + self.bq
-        k = jnp.einsum("te,ehd->thd", x, self.wk) + self.bk
-        v = jnp.einsum("te,ehd->thd", x, self.wv) + self.bv
-        scores = jnp.einsum("qhd,khd->hqk", q, k).astype(jnp.float32)
-        if self.scale_attn_weights:
-            scores = scores / math.sqrt(q.shape[-1])
-        if self.scale_attn_by_inverse_layer_idx:
-            scores = scores / (layer_idx + 1).astype(jnp.float32)
-        seq = x.shape[0]
-        causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        attn = jnp.einsum("hqk,khd->qhd", weights, v)
-        return jnp.einsum("thd,hde->te", attn, self.wo) + self.bo
+        self,
+        x: Float[Array, "batch seq embd"],
+        mask: Bool[Array, "batch seq keys"],
+        *,
+        kv: KV | None = None,
+        index: Array | None = None,
+        layer: Int[Array, ""] | int = 0,
+    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+        q = jnp.einsum("bte,ehd->bthd", x, self.wq) + self.bq
+        k = jnp.einsum("bte,ehd->bthd", x, self.wk) + self.bk
+        v = jnp.einsum("bte,ehd->bthd", x, self.wv) + self.bv
+        if self.scale_attn_by_inverse_layer_idx:  # scores / (layer + 1): attend's scale is a Python float
+            q = q / (jnp.asarray(layer) + 1).astype(q.dtype)
+        k, v, kv = with_cache(k, v, kv, index)
+        out = attend(q, k, v, mask, scale=q.shape[-1] ** -0.5 if self.scale_attn_weights else 1.0)
+        return jnp.einsum("bthd,hde->bte", out, self.wo) + self.bo, kv
 
 
 class MLP(eqx.Module):
-    """The position-wise feed-forward network, weights in `Conv1D` orientation (in, out)."""
+    """The position-wise feed-forward network, weights in `Conv1D` orientation (in, out).
+
+    **Arguments:** `config` (`n_embd`, `n_inner`, `activation_function`), `dtype`, `key`.
+
+    ```python
+    mlp = MLP(config, jnp.float32, key=key)
+    y = mlp(x)    # act(x @ w_fc + b_fc) @ w_proj + b_proj; x: [..., n_embd]
+    ```
+    """
 
     w_fc: Float[Array, "embd inner"]
     b_fc: Float[Array, " inner"]
@@ -159,101 +181,85 @@ class MLP(eqx.Module):
 
     def __init__(self, config: GPT2Config, dtype: Any, *, key: PRNGKeyArray):
         kfc, kproj = jax.random.split(key)
-        self.w_fc = _normal(kfc, (config.n_embd, config.n_inner), dtype)
+        self.w_fc = normal(kfc, (config.n_embd, config.n_inner), dtype)
         self.b_fc = jnp.zeros((config.n_inner,), dtype)
-        self.w_proj = _normal(kproj, (config.n_inner, config.n_embd), dtype)
+        self.w_proj = normal(kproj, (config.n_inner, config.n_embd), dtype)
         self.b_proj = jnp.zeros((config.n_embd,), dtype)
         self.activation = config.activation_function
 
-    def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
+    def __call__(self, x: Float[Array, "... embd"]) -> Float[Array, "... embd"]:
         x = ACTIVATIONS[self.activation](x @ self.w_fc + self.b_fc)
         return x @ self.w_proj + self.b_proj
 
 
 class Block(eqx.Module):
-    """One pre-LayerNorm transformer block."""
+    """One pre-LayerNorm transformer block. **Arguments:** `config`, `dtype`, `key`.
 
-    ln_1: eqx.nn.LayerNorm
+    Called as `port.nn.run_layers` calls blocks (no RoPE: `cos` and `sin` are None).
+    """
+
+    ln_1: LayerNorm
     attn: Attention
-    ln_2: eqx.nn.LayerNorm
+    ln_2: LayerNorm
     mlp: MLP
 
     def __init__(self, config: GPT2Config, dtype: Any, *, key: PRNGKeyArray):
         kattn, kmlp = jax.random.split(key)
         eps = config.layer_norm_epsilon
-        self.ln_1 = eqx.nn.LayerNorm(config.n_embd, eps=eps, dtype=dtype)
+        self.ln_1 = LayerNorm(config.n_embd, eps=eps, dtype=dtype)
         self.attn = Attention(config, dtype, key=kattn)
-        self.ln_2 = eqx.nn.LayerNorm(config.n_embd, eps=eps, dtype=dtype)
+        self.ln_2 = LayerNorm(config.n_embd, eps=eps, dtype=dtype)
         self.mlp = MLP(config, dtype, key=kmlp)
 
     def __call__(
-        self, x: Float[Array, "seq embd"], layer_idx: Int[Array, ""]
-    ) -> Float[Array, "seq embd"]:
-        x = x + self.attn(jax.vmap(self.ln_1)(x), layer_idx)
-        return x + self.mlp(jax.vmap(self.ln_2)(x))
+        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: None = None,
+        sin: None = None, kv: KV | None = None, index: Array | None = None, layer: Int[Array, ""] | int = 0,
+    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+        h, kv = self.attn(self.ln_1(x), mask, kv=kv, index=index, layer=layer)
+        x = x + h
+        return x + self.mlp(self.ln_2(x)), kv
 
 
-class GPT2(eqx.Module):
-    """GPT-2 language model with a tied LM head. Arrays in `blocks` are stacked over layers."""
+class GPT2(Decoder):
+    """GPT-2 language model with a tied LM head. Arrays in `blocks` are stacked over layers.
+
+    Called as every `port.nn.Decoder`: `model(input_ids, *, attention_mask=None, positions=None,
+    segment_ids=None, cache=None, dtype=None, remat=None)`; positions stop at `n_positions`
+    (its learned table), and so does `init_cache`'s length.
+
+    **Arguments:** `config` (a `GPT2Config`; `from_config` reads a config.json dict),
+    `key`, `dtype` (the parameters').
+    """
 
     wte: Float[Array, "vocab embd"]
     wpe: Float[Array, "n_positions embd"]
     blocks: Block
-    ln_f: eqx.nn.LayerNorm
+    ln_f: LayerNorm
     config: GPT2Config = eqx.field(static=True)
 
-    def __init__(
-        self, config: GPT2Config, *, key: PRNGKeyArray, dtype: Any = jnp.float32
-    ):
+    def __init__(self, config: GPT2Config, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kwte, kwpe, kblocks = jax.random.split(key, 3)
-        self.wte = _normal(kwte, (config.vocab_size, config.n_embd), dtype)
-        self.wpe = _normal(kwpe, (config.n_positions, config.n_embd), dtype)
-        make_block = lambda k: Block(config, dtype, key=k)
-        self.blocks = eqx.filter_vmap(make_block)(
-            jax.random.split(kblocks, config.n_layer)
-        )
-        self.ln_f = eqx.nn.LayerNorm(
-            config.n_embd, eps=config.layer_norm_epsilon, dtype=dtype
-        )
+        self.wte = normal(kwte, (config.vocab_size, config.n_embd), dtype)
+        self.wpe = normal(kwpe, (config.n_positions, config.n_embd), dtype)
+        self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, config.n_layer)
+        self.ln_f = LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, dtype=dtype)
         self.config = config
 
     @classmethod
-    def from_config(
-        cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32
-    ) -> GPT2:
+    def from_config(cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32) -> GPT2:
         """Randomly initialise from a Hugging Face `config.json` dict."""
         return cls(GPT2Config.from_hf(config), key=key, dtype=dtype)
 
-    def __call__(
-        self, input_ids: Int[Array, "*batch seq"]
-    ) -> Float[Array, "*batch seq vocab"]:
-        """Logits for `input_ids` of shape (batch, seq), or (seq,) without the batch axis.
+    @property
+    def cache_sizes(self) -> tuple[int, int, int]:
+        return self.config.n_layer, self.config.n_head, self.config.head_dim
 
-        Unbatched ids run as a batch of one: `model(ids)` is `model(ids[None])[0]`.
-        Raises `ValueError` for another rank or more than `n_positions` tokens and
-        `TypeError` for non-integer ids; the checks read static shapes, so they work
-        under `jax.jit`.
+    @property
+    def position_limit(self) -> tuple[str, int]:
+        return "n_positions", self.config.n_positions
 
-        ```python
-        logits = model(jnp.zeros((2, 8), jnp.int32))  # (2, 8, vocab)
-        logits = model(jnp.zeros((8,), jnp.int32))    # (8, vocab)
-        ```
-        """
-        batched = check_ids(input_ids, limit=("n_positions", self.config.n_positions))
-        return per_sequence(self._forward, batched, input_ids)
-
-    def _forward(self, input_ids: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
-        seq = input_ids.shape[0]
-        x = self.wte[input_ids] + self.wpe[:seq]
-
-        params, static = eqx.partition(self.blocks, eqx.is_array)
-
-        def step(x, layer):
-            block_params, layer_idx = layer
-            block = eqx.combine(block_params, static)
-            return block(x, layer_idx), None
-
-        layers = (params, jnp.arange(self.config.n_layer))
-        x, _ = jax.lax.scan(step, x, layers)
-        x = jax.vmap(self.ln_f)(x)
-        return x @ self.wte.T
+    def logits(self, tokens: Tokens, remat: Any) -> tuple[Array, tuple[Array | None, Array | None]]:
+        """Token plus learned position embeddings, the stacked blocks, `ln_f`, the tied head."""
+        x = self.wte[tokens.ids] + self.wpe[tokens.positions]
+        x, kv = run_layers(self.blocks, x, tokens, remat=remat)
+        return jnp.einsum("bte,ve->btv", self.ln_f(x), self.wte), kv

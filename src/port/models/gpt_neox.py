@@ -1,23 +1,27 @@
 """GPT-NeoX and Pythia (decoder-only, LayerNorm, partial RoPE, parallel residual) as an Equinox model.
 
-The fused `query_key_value` projection of GPT-NeoX interleaves its rows per head (for
-each head: its query rows, then its key rows, then its value rows), so port keeps it
-fused, one leaf `[heads, 3, head_dim, embed]`: a device holding some heads reads exactly
-those heads' rows, q, k and v together. The transformer blocks are stored *stacked*:
-every array in `GPTNeoX.blocks` has a leading axis of size `num_hidden_layers`, and the
-forward pass runs them with `jax.lax.scan`.
+What is new in this family, on top of `port.nn`: the fused `query_key_value` projection,
+which interleaves its rows per head (for each head: its query rows, then its key rows,
+then its value rows). port keeps it fused, one leaf `[heads, 3, head_dim, embed]`: a
+device holding some heads reads exactly those heads' rows, q, k and v together. The
+blocks add attention and MLP in parallel (`use_parallel_residual`, the default) or in
+sequence. Norms, RoPE, the MLP, attention scores, masks, the cache and the layer scan
+are `port.nn`'s; the blocks are stored *stacked* (a leading `num_hidden_layers` axis on
+every array of `GPTNeoX.blocks`) and run by `port.nn.run_layers`.
 
-Only the first `rotary_ndims` of each head get rotary embeddings (NeoX-style
-`rotate_half`), from `rotary_pct` / `rotary_emb_base` (transformers 4) or
-`rope_parameters.partial_rotary_factor` / `rope_theta` (transformers 5). The dtype of
-the parameters is the compute dtype (bfloat16 params: bfloat16 compute, with LayerNorm
-statistics and the attention softmax in float32, as in transformers).
+Only the first `2 * ceil(rotary_ndims / 2)` dimensions of each head rotate
+(`rotary_ndims = int(head_dim * partial_rotary_factor)`, as transformers computes it),
+from `rotary_pct` / `rotary_emb_base` (transformers 4) or
+`rope_parameters.partial_rotary_factor` / `rope_theta` (transformers 5). LayerNorm
+statistics and the attention softmax are in float32, as in transformers; `dtype=` on the
+call computes in another dtype than the parameters'.
 
 Example:
     ```python
     import equinox as eqx
     import jax
     import jax.numpy as jnp
+    import port
     from port.models.gpt_neox import GPTNeoX
 
     config = {"model_type": "gpt_neox", "vocab_size": 50304, "hidden_size": 2048,
@@ -26,6 +30,7 @@ Example:
     model = GPTNeoX.from_config(config, key=jax.random.key(0), dtype=jnp.bfloat16)
     logits = eqx.filter_jit(model)(jnp.zeros((1, 8), dtype=jnp.int32))
     # logits.shape == (1, 8, 50304); without the batch axis, (8,) ids give (8, 50304)
+    out = port.generate(model, prompt_ids, max_new_tokens=16, attention_mask=prompt_mask)
 
     # Shapes only, no memory allocated (e.g. before loading a checkpoint):
     abstract = eqx.filter_eval_shape(GPTNeoX.from_config, config, key=jax.random.key(0))
@@ -40,13 +45,15 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._console import quoted
 from port._errors import ConfigError
-from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, check, get
-from port.models._inputs import check_ids, per_sequence
+from port.models._config import MAX_LAYERS, activation, check, get
+from port.nn import (
+    MLP, Decoder, LayerNorm, Rope, Tokens, apply_rope, attend, normal, run_layers, stacked, with_cache, zeros_if,
+)
+from port.nn._attention import KV
 
 MODEL_TYPES = ("gpt_neox",)
 
@@ -84,20 +91,31 @@ def _rope(config: dict) -> tuple[str, float, float]:
 
 @dataclasses.dataclass(frozen=True)
 class GPTNeoXConfig:
-    """The hyperparameters of a GPT-NeoX model, as read from a Hugging Face config.json."""
+    """The hyperparameters of a GPT-NeoX model, as read from a Hugging Face config.json.
+
+    `rope` holds the base and `rotary_dim`, transformers' `int(head_dim *
+    partial_rotary_factor)`; `rope.inv_freq()` is transformers' `inv_freq`, and the
+    rotated dimensions of each head are the first `2 * len(inv_freq)` (odd counts round
+    up to even, as in transformers; 0: no rotation).
+
+    ```python
+    c = GPTNeoXConfig.from_hf({"vocab_size": 8, "hidden_size": 48, "intermediate_size": 8,
+                               "num_hidden_layers": 1, "num_attention_heads": 4, "rotary_pct": 0.25})
+    c.head_dim, c.rope    # 12, Rope(theta=10000.0, rotary_dim=3, ...): 4 dims rotate
+    ```
+    """
 
     vocab_size: int
     hidden_size: int
     intermediate_size: int
     num_hidden_layers: int
     num_attention_heads: int
+    rope: Rope  # theta and rotary_dim (int(head_dim * partial_rotary_factor))
     layer_norm_eps: float = 1e-5
     hidden_act: str = "gelu"
     use_parallel_residual: bool = True
     attention_bias: bool = True  # query_key_value and dense
     tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0
-    partial_rotary_factor: float = 0.25
 
     @property
     def head_dim(self) -> int:
@@ -131,69 +149,29 @@ class GPTNeoXConfig:
             intermediate_size=get(config, "intermediate_size", int),
             num_hidden_layers=get(config, "num_hidden_layers", int, maximum=MAX_LAYERS),
             num_attention_heads=heads,
+            rope=Rope(theta=theta, rotary_dim=int(hidden // heads * factor)),
             layer_norm_eps=get(config, "layer_norm_eps", float, 1e-5),
             hidden_act=activation(config, "hidden_act", "gelu"),
             use_parallel_residual=get(config, "use_parallel_residual", bool, True),
             attention_bias=get(config, "attention_bias", bool, True),
             tie_word_embeddings=get(config, "tie_word_embeddings", bool, False),
-            rope_theta=theta,
-            partial_rotary_factor=factor,
         )
-
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies in float32, as transformers computes them.
-
-        Over `dim = int(head_dim * partial_rotary_factor)`; the rotated dimensions of
-        each head are the first `2 * len(inv_freq)` (dim rounded up to even).
-        """
-        dim = int(self.head_dim * self.partial_rotary_factor)
-        exponents = np.arange(0, dim, 2).astype(np.float32) / np.float32(dim if dim else 1)
-        return (np.float32(1.0) / np.float32(self.rope_theta) ** exponents).astype(np.float32)
-
-
-def _normal(key: PRNGKeyArray, shape: tuple[int, ...], dtype: Any) -> Array:
-    return 0.02 * jax.random.normal(key, shape, dtype)
-
-
-def _zeros_if(flag: bool, shape: tuple[int, ...], dtype: Any) -> Array | None:
-    return jnp.zeros(shape, dtype) if flag else None
-
-
-class LayerNorm(eqx.Module):
-    """transformers' `nn.LayerNorm` over the last axis: statistics in float32, cast back."""
-
-    weight: Float[Array, " embd"]
-    bias: Float[Array, " embd"]
-
-    def __init__(self, size: int, dtype: Any):
-        self.weight = jnp.ones((size,), dtype)
-        self.bias = jnp.zeros((size,), dtype)
-
-    def __call__(self, x: Float[Array, "seq embd"], eps: float) -> Float[Array, "seq embd"]:
-        h = x.astype(jnp.float32)
-        mean = jnp.mean(h, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
-        h = (h - mean) * jax.lax.rsqrt(var + eps)
-        return (h * self.weight.astype(jnp.float32) + self.bias.astype(jnp.float32)).astype(x.dtype)
-
-
-def _rotate_half(x: Array) -> Array:
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate((-x2, x1), axis=-1)
-
-
-def _apply_rope(x: Float[Array, "seq head dim"], cos: Array, sin: Array) -> Array:
-    """RoPE on the first `cos.shape[-1]` dimensions of each head; the rest pass through."""
-    rot = cos.shape[-1]
-    if rot == 0:
-        return x
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    x_rot = x_rot * cos[:, None, :] + _rotate_half(x_rot) * sin[:, None, :]
-    return jnp.concatenate((x_rot, x_pass), axis=-1)
 
 
 class Attention(eqx.Module):
-    """Causal multi-head self-attention, q, k and v fused per head as in the checkpoint."""
+    """Causal multi-head self-attention, q, k and v fused per head as in the checkpoint.
+
+    **Arguments:** `config` (its sizes and `attention_bias`), `dtype`, `key`.
+
+    Called as `attn(x, mask, cos=, sin=, kv=, index=)` -> `(y, kv)`, like
+    `port.nn.Attention`: `x` `[batch, seq, embd]`, `mask` from `port.nn.prepare`,
+    `cos`/`sin` from `Rope.angles`, `kv`/`index` this layer's cache (None: none).
+
+    ```python
+    attn = Attention(config, jnp.float32, key=key)
+    y, _ = attn(x, tokens.mask, cos=cos, sin=sin)
+    ```
+    """
 
     wqkv: Float[Array, "head 3 head_dim embd"]
     bqkv: Float[Array, "head 3 head_dim"] | None
@@ -203,88 +181,73 @@ class Attention(eqx.Module):
     def __init__(self, config: GPTNeoXConfig, dtype: Any, *, key: PRNGKeyArray):
         h, d, e = config.num_attention_heads, config.head_dim, config.hidden_size
         kqkv, ko = jax.random.split(key)
-        self.wqkv = _normal(kqkv, (h, 3, d, e), dtype)
-        self.bqkv = _zeros_if(config.attention_bias, (h, 3, d), dtype)
-        self.wo = _normal(ko, (e, h, d), dtype)
-        self.bo = _zeros_if(config.attention_bias, (e,), dtype)
+        self.wqkv = normal(kqkv, (h, 3, d, e), dtype)
+        self.bqkv = zeros_if(config.attention_bias, (h, 3, d), dtype)
+        self.wo = normal(ko, (e, h, d), dtype)
+        self.bo = zeros_if(config.attention_bias, (e,), dtype)
 
     def __call__(
         self,
-        x: Float[Array, "seq embd"],
-        cos: Float[Array, "seq rot"],
-        sin: Float[Array, "seq rot"],
-        mask: Bool[Array, "seq seq"],
-    ) -> Float[Array, "seq embd"]:
-        qkv = jnp.einsum("te,hcde->thcd", x, self.wqkv)
+        x: Float[Array, "batch seq embd"],
+        mask: Bool[Array, "batch seq keys"],
+        *,
+        cos: Array,
+        sin: Array,
+        kv: KV | None = None,
+        index: Array | None = None,
+    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+        qkv = jnp.einsum("bte,hcde->bthcd", x, self.wqkv)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
-        q = _apply_rope(qkv[:, :, 0], cos, sin)
-        k = _apply_rope(qkv[:, :, 1], cos, sin)
-        v = qkv[:, :, 2]
-        scores = jnp.einsum("qhd,khd->hqk", q, k) * (q.shape[-1] ** -0.5)
-        scores = jnp.where(mask, scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("hqk,khd->qhd", weights, v)
-        y = jnp.einsum("thd,ehd->te", out, self.wo)
-        return y if self.bo is None else y + self.bo
-
-
-class MLP(eqx.Module):
-    """`dense_4h_to_h(act(dense_h_to_4h x))`, torch `Linear` orientation (out, in)."""
-
-    up: Float[Array, "inter embd"]
-    bup: Float[Array, " inter"]
-    down: Float[Array, "embd inter"]
-    bdown: Float[Array, " embd"]
-    activation: str = eqx.field(static=True)
-
-    def __init__(self, config: GPTNeoXConfig, dtype: Any, *, key: PRNGKeyArray):
-        e, i = config.hidden_size, config.intermediate_size
-        ku, kd = jax.random.split(key)
-        self.up = _normal(ku, (i, e), dtype)
-        self.bup = jnp.zeros((i,), dtype)
-        self.down = _normal(kd, (e, i), dtype)
-        self.bdown = jnp.zeros((e,), dtype)
-        self.activation = config.hidden_act
-
-    def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
-        h = ACTIVATIONS[self.activation](jnp.einsum("te,ie->ti", x, self.up) + self.bup)
-        return jnp.einsum("ti,ei->te", h, self.down) + self.bdown
+        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k, v, kv = with_cache(k, v, kv, index)
+        out = attend(q, k, v, mask, scale=q.shape[-1] ** -0.5)
+        y = jnp.einsum("bthd,ehd->bte", out, self.wo)
+        return (y if self.bo is None else y + self.bo), kv
 
 
 class Block(eqx.Module):
-    """One GPT-NeoX layer: pre-LayerNorm attention and MLP, in parallel or in sequence."""
+    """One GPT-NeoX layer: pre-LayerNorm attention and MLP, in parallel or in sequence.
+
+    **Arguments:** `config`, `dtype`, `key`. Called as `port.nn.run_layers` calls blocks.
+    """
 
     attn_norm: LayerNorm
     attn: Attention
     mlp_norm: LayerNorm
     mlp: MLP
+    parallel: bool = eqx.field(static=True)
 
     def __init__(self, config: GPTNeoXConfig, dtype: Any, *, key: PRNGKeyArray):
         kattn, kmlp = jax.random.split(key)
-        self.attn_norm = LayerNorm(config.hidden_size, dtype)
+        e, eps = config.hidden_size, config.layer_norm_eps
+        self.attn_norm = LayerNorm(e, eps=eps, dtype=dtype)
         self.attn = Attention(config, dtype, key=kattn)
-        self.mlp_norm = LayerNorm(config.hidden_size, dtype)
-        self.mlp = MLP(config, dtype, key=kmlp)
+        self.mlp_norm = LayerNorm(e, eps=eps, dtype=dtype)
+        self.mlp = MLP(embd=e, inner=config.intermediate_size, activation=config.hidden_act, dtype=dtype, key=kmlp)
+        self.parallel = config.use_parallel_residual
 
     def __call__(
-        self,
-        x: Float[Array, "seq embd"],
-        cos: Array,
-        sin: Array,
-        mask: Bool[Array, "seq seq"],
-        eps: float,
-        parallel: bool,
-    ) -> Float[Array, "seq embd"]:
-        attn = self.attn(self.attn_norm(x, eps), cos, sin, mask)
-        if parallel:  # x + attn(ln1(x)) + mlp(ln2(x)), summed in transformers' order
-            return self.mlp(self.mlp_norm(x, eps)) + attn + x
+        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
+        sin: Array, kv: KV | None, index: Array | None, layer: Array,
+    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+        attn, kv = self.attn(self.attn_norm(x), mask, cos=cos, sin=sin, kv=kv, index=index)
+        if self.parallel:  # x + attn(ln1(x)) + mlp(ln2(x)), summed in transformers' order
+            return self.mlp(self.mlp_norm(x)) + attn + x, kv
         h = attn + x
-        return self.mlp(self.mlp_norm(h, eps)) + h
+        return self.mlp(self.mlp_norm(h)) + h, kv
 
 
-class GPTNeoX(eqx.Module):
-    """GPT-NeoX / Pythia causal LM. Arrays in `blocks` are stacked over layers."""
+class GPTNeoX(Decoder):
+    """GPT-NeoX / Pythia causal LM. Arrays in `blocks` are stacked over layers.
+
+    Called as every `port.nn.Decoder`: `model(input_ids, *, attention_mask=None, positions=None,
+    segment_ids=None, cache=None, dtype=None, remat=None)`.
+
+    **Arguments:** `config` (a `GPTNeoXConfig`; `from_config` reads a config.json dict),
+    `key`, `dtype` (the parameters').
+    """
 
     embed: Float[Array, "vocab embd"]
     blocks: Block
@@ -292,65 +255,24 @@ class GPTNeoX(eqx.Module):
     lm_head: Float[Array, "vocab embd"] | None
     config: GPTNeoXConfig = eqx.field(static=True)
 
-    def __init__(
-        self, config: GPTNeoXConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32
-    ):
+    def __init__(self, config: GPTNeoXConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kembed, kblocks, khead = jax.random.split(key, 3)
-        self.embed = _normal(kembed, (config.vocab_size, config.hidden_size), dtype)
-        make_block = lambda k: Block(config, dtype, key=k)
-        self.blocks = eqx.filter_vmap(make_block)(
-            jax.random.split(kblocks, config.num_hidden_layers)
-        )
-        self.norm = LayerNorm(config.hidden_size, dtype)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else _normal(khead, (config.vocab_size, config.hidden_size), dtype)
-        )
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed = normal(kembed, shape, dtype)
+        self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, config.num_hidden_layers)
+        self.norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=dtype)
+        self.lm_head = None if config.tie_word_embeddings else normal(khead, shape, dtype)
         self.config = config
 
     @classmethod
-    def from_config(
-        cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32
-    ) -> GPTNeoX:
+    def from_config(cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32) -> GPTNeoX:
         """Randomly initialise from a Hugging Face `config.json` dict."""
         return cls(GPTNeoXConfig.from_hf(config), key=key, dtype=dtype)
 
-    def __call__(
-        self, input_ids: Int[Array, "*batch seq"]
-    ) -> Float[Array, "*batch seq vocab"]:
-        """Logits for `input_ids` of shape (batch, seq), or (seq,) without the batch axis.
-
-        Unbatched ids run as a batch of one: `model(ids)` is `model(ids[None])[0]`.
-        Raises `ValueError` for another rank and `TypeError` for non-integer ids; the
-        checks read static shapes, so they work under `jax.jit`. (RoPE has no length
-        limit, so neither does the sequence.)
-
-        ```python
-        logits = model(jnp.zeros((2, 8), jnp.int32))  # (2, 8, vocab)
-        logits = model(jnp.zeros((8,), jnp.int32))    # (8, vocab)
-        ```
-        """
-        return per_sequence(self._forward, check_ids(input_ids), input_ids)
-
-    def _forward(self, input_ids: Int[Array, " seq"]) -> Float[Array, "seq vocab"]:
-        config = self.config
-        x = self.embed[input_ids]
-        seq = input_ids.shape[0]
-
-        positions = jnp.arange(seq, dtype=jnp.float32)
-        freqs = positions[:, None] * jnp.asarray(config.inv_freq())
-        angles = jnp.concatenate((freqs, freqs), axis=-1)
-        cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
-        mask = jnp.arange(seq)[None, :] <= jnp.arange(seq)[:, None]
-
-        params, static = eqx.partition(self.blocks, eqx.is_array)
-
-        def step(x: Array, block_params: Block) -> tuple[Array, None]:
-            block = eqx.combine(block_params, static)
-            return block(x, cos, sin, mask, config.layer_norm_eps, config.use_parallel_residual), None
-
-        x, _ = jax.lax.scan(step, x, params)
-        x = self.norm(x, config.layer_norm_eps)
+    def logits(self, tokens: Tokens, remat: Any) -> tuple[Array, tuple[Array | None, Array | None]]:
+        """Embed, the stacked blocks (partial RoPE), the final LayerNorm, the head."""
+        x = self.embed[tokens.ids]
+        cos, sin = self.config.rope.angles(tokens.positions, x.dtype)
+        x, kv = run_layers(self.blocks, x, tokens, cos=cos, sin=sin, remat=remat)
         head = self.embed if self.lm_head is None else self.lm_head
-        return jnp.einsum("te,ve->tv", x, head)
+        return jnp.einsum("bte,ve->btv", self.norm(x), head), kv

@@ -271,22 +271,6 @@ class Llama(Decoder):
         """Randomly initialise from a Hugging Face `config.json` dict."""
         return cls(LlamaConfig.from_hf(config), key=key, dtype=dtype)
 
-    @property
-    def layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    @property
-    def kv_heads(self) -> int:
-        return self.config.num_key_value_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.config.head_dim
-
-    @property
-    def window(self) -> int | None:
-        return self.config.sliding_window
-
     def logits(self, tokens: Tokens, remat: Any) -> tuple[Array, tuple[Array | None, Array | None]]:
         """Embed, the stacked blocks (each layer's own window), the final norm and the head."""
         c = self.config

@@ -1,20 +1,21 @@
-"""Mixtral and Qwen2-MoE (Llama attention, sparse mixture-of-experts MLP) as one Equinox model.
+"""Mixtral and Qwen2-MoE: port's Llama with a routed mixture of experts in every block.
 
-`Moe` is port's Llama (`port.models.llama`) with the SwiGLU MLP of every block replaced by
-a `SparseMoe`: a router (`gate`), a softmax over the experts, the top `num_experts_per_tok`
-of them per token, and the experts themselves stacked on an axis after the layers'
-(`blocks.mlp.experts.gate` is [layers, experts, intermediate, embed]). Two `model_type`s:
+Only what is new in these families lives here: reading their config.json into a
+`MoeConfig` (a `LlamaConfig`, attention, norms and RoPE, plus the experts) whose `mlp`
+builds each block's feed-forward as a `port.nn.MoE`. Its router picks the top
+`num_experts_per_tok` experts of each token and only those run, as grouped matmuls over
+the (token, expert) pairs sorted by expert: the cost follows top-k, not the expert
+count. The experts are stacked on an axis after the layers' (`blocks.mlp.experts.gate`
+is [layers, experts, intermediate, embed]). Two `model_type`s:
 
-- "mixtral": the top-k weights are renormalised to sum to 1 (and stay float32, as in
-  transformers); no attention biases; an optional sliding window on every layer.
-- "qwen2_moe": renormalised only when `norm_topk_prob`; q/k/v biases (`qkv_bias`); a
-  shared expert (a SwiGLU MLP of `shared_expert_intermediate_size`) added to every token,
-  scaled by `sigmoid(shared_expert_gate(x))`. Dense layers (`mlp_only_layers`,
+- "mixtral": softmax routing, the top-k weights renormalised to sum to 1 and kept
+  float32 when weighting the experts' outputs (as transformers); no attention biases; an
+  optional sliding window on every layer.
+- "qwen2_moe": renormalised only when `norm_topk_prob`, the weights cast to the
+  activations' dtype; q/k/v biases (`qkv_bias`); a shared expert (a SwiGLU MLP of
+  `shared_expert_intermediate_size`) added to every token, scaled by
+  `sigmoid(shared_expert_gate . x)`. Dense layers (`mlp_only_layers`,
   `decoder_sparse_step` > 1) would make the layers heterogeneous: refused.
-
-Every expert is computed for every token and weighted by the routing weights, which are
-zero outside the top k: exact, simple, and sharded on the experts axis with no gather,
-at `num_experts / num_experts_per_tok` times the MLP compute of a sparse dispatch.
 
 Example:
     ```python
@@ -43,15 +44,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import equinox as eqx
-import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import PRNGKeyArray
 
 from port._console import quoted
 from port._errors import ConfigError
 from port.models._config import MAX_LAYERS, get
-from port.models.llama import MLP, Attention, Block, Llama, LlamaConfig, _normal
+from port.models.llama import Llama, LlamaConfig
+from port.nn import MoE
 
 MODEL_TYPES = ("mixtral", "qwen2_moe")
 
@@ -114,6 +114,24 @@ class MoeConfig(LlamaConfig):
             )
         base = {f.name: getattr(attention, f.name) for f in dataclasses.fields(LlamaConfig)}
         return cls(**{**base, "model_type": model_type, **moe})
+
+    def mlp(self, dtype: Any, key: PRNGKeyArray) -> MoE:
+        """The feed-forward of one block: a `port.nn.MoE` routed as transformers routes it.
+
+        **Arguments:** `dtype` (of the parameters), `key` (their initialisation).
+
+        ```python
+        moe = MoeConfig.from_hf(config).mlp(jnp.float32, jax.random.key(0))
+        y = moe(x)   # x: [..., hidden_size]
+        ```
+        """
+        return MoE(
+            embd=self.hidden_size, inner=self.moe_intermediate_size, experts=self.num_experts,
+            top_k=self.num_experts_per_tok, activation=self.hidden_act, dtype=dtype, key=key,
+            scoring="softmax", renormalise=self.norm_topk_prob,
+            shared_inner=self.shared_intermediate_size, shared_gate=self.shared_intermediate_size is not None,
+            weights_in_input_dtype=self.weights_in_input_dtype,
+        )
 
 
 def _with_defaults(config: dict, defaults: dict[str, Any]) -> dict:
@@ -188,104 +206,22 @@ def _refuse_dense_layers(config: dict, layers: int) -> None:
         )
 
 
-def routing_weights(
-    logits: Float[Array, "seq experts"], top_k: int, renormalise: bool
-) -> Float[Array, "seq experts"]:
-    """Each token's weight for each expert: the softmax (in float32), zero outside the top k.
+class Moe(Llama):
+    """Mixtral / Qwen2-MoE causal LM: port's `Llama` whose blocks' `mlp` is a `port.nn.MoE`.
 
-    As transformers' routers: softmax of the router logits in float32, the `top_k`
-    largest, divided by their sum when `renormalise`.
+    Everything but the config is Llama's (call it as a `Llama`: masks, positions,
+    segments, the cache, `dtype`, `remat`); `config` is a `MoeConfig`.
 
     ```python
-    routing_weights(jnp.array([[0.0, 1.0, 2.0]]), 2, True)   # [[0, 0.269, 0.731]]
+    model = Moe.from_config(config, key=jax.random.key(0))
+    logits = model(ids)                      # (batch, seq, vocab)
     ```
     """
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    top, index = jax.lax.top_k(probs, top_k)
-    if renormalise:
-        top = top / top.sum(axis=-1, keepdims=True)
-    chosen = jax.nn.one_hot(index, probs.shape[-1], dtype=top.dtype)  # [seq, k, experts]
-    return (chosen * top[..., None]).sum(axis=-2)  # one nonzero term per entry: exact
-
-
-class SparseMoe(eqx.Module):
-    """Top-k routed SwiGLU experts, plus an optional sigmoid-gated shared expert.
-
-    `experts` is a llama `MLP` whose arrays are stacked on a leading experts axis.
-    """
-
-    router: Float[Array, "experts embd"]
-    experts: MLP
-    shared: MLP | None
-    shared_gate: Float[Array, " embd"] | None
-    top_k: int = eqx.field(static=True)
-    renormalise: bool = eqx.field(static=True)
-    weights_in_input_dtype: bool = eqx.field(static=True)
-
-    def __init__(self, config: MoeConfig, dtype: Any, *, key: PRNGKeyArray):
-        krouter, kexperts, kshared, kgate = jax.random.split(key, 4)
-        e = config.hidden_size
-        self.router = _normal(krouter, (config.num_experts, e), dtype)
-        expert = dataclasses.replace(config, intermediate_size=config.moe_intermediate_size, mlp_bias=False)
-        self.experts = eqx.filter_vmap(lambda k: MLP(expert, dtype, key=k))(
-            jax.random.split(kexperts, config.num_experts)
-        )
-        if config.shared_intermediate_size is None:
-            self.shared, self.shared_gate = None, None
-        else:
-            shared = dataclasses.replace(config, intermediate_size=config.shared_intermediate_size, mlp_bias=False)
-            self.shared = MLP(shared, dtype, key=kshared)
-            self.shared_gate = _normal(kgate, (e,), dtype)
-        self.top_k = config.num_experts_per_tok
-        self.renormalise = config.norm_topk_prob
-        self.weights_in_input_dtype = config.weights_in_input_dtype
-
-    def __call__(self, x: Float[Array, "seq embd"]) -> Float[Array, "seq embd"]:
-        weights = routing_weights(jnp.einsum("te,xe->tx", x, self.router), self.top_k, self.renormalise)
-        if self.weights_in_input_dtype:
-            weights = weights.astype(x.dtype)
-        each = eqx.filter_vmap(lambda mlp: mlp(x))(self.experts)  # [experts, seq, embd]
-        # Weighted in the weights' dtype, then cast, as transformers does per expert.
-        y = (each * weights.T[:, :, None]).astype(x.dtype).sum(axis=0)
-        if self.shared is not None:
-            gate = jax.nn.sigmoid(jnp.einsum("te,e->t", x, self.shared_gate))
-            y = y + gate[:, None] * self.shared(x)
-        return y
-
-
-class MoeBlock(Block):
-    """A llama `Block` whose MLP is a `SparseMoe`."""
-
-    mlp: SparseMoe
-
-    def __init__(self, config: MoeConfig, dtype: Any, *, key: PRNGKeyArray):
-        kattn, kmlp = jax.random.split(key)
-        self.attn_norm = jnp.ones((config.hidden_size,), dtype)
-        self.attn = Attention(config, dtype, key=kattn)
-        self.mlp_norm = jnp.ones((config.hidden_size,), dtype)
-        self.mlp = SparseMoe(config, dtype, key=kmlp)
-
-
-class Moe(Llama):
-    """Mixtral / Qwen2-MoE causal LM: port's `Llama` with `MoeBlock`s, stacked over layers."""
-
-    blocks: MoeBlock
-    config: MoeConfig = eqx.field(static=True)
-
-    def __init__(self, config: MoeConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
-        kembed, kblocks, khead = jax.random.split(key, 3)
-        self.embed = _normal(kembed, (config.vocab_size, config.hidden_size), dtype)
-        make_block = lambda k: MoeBlock(config, dtype, key=k)
-        self.blocks = eqx.filter_vmap(make_block)(jax.random.split(kblocks, config.num_hidden_layers))
-        self.norm = jnp.ones((config.hidden_size,), dtype)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else _normal(khead, (config.vocab_size, config.hidden_size), dtype)
-        )
-        self.config = config
 
     @classmethod
     def from_config(cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32) -> Moe:
-        """Randomly initialise from a Hugging Face `config.json` dict (model_type mixtral or qwen2_moe)."""
+        """Randomly initialise from a Hugging Face `config.json` dict (model_type mixtral or qwen2_moe).
+
+        **Arguments:** `config` (the config.json dict), `key`, `dtype` (of the parameters).
+        """
         return cls(MoeConfig.from_hf(config), key=key, dtype=dtype)

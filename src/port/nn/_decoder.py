@@ -9,11 +9,7 @@ come from here, so every family takes exactly the same arguments.
 class MyLM(Decoder):
     embed: Array
     blocks: Block
-    config: MyConfig = eqx.field(static=True)
-
-    layers = property(lambda self: self.config.num_layers)      # the cache's sizes
-    kv_heads = property(lambda self: self.config.kv_heads)
-    head_dim = property(lambda self: self.config.head_dim)
+    config: MyConfig = eqx.field(static=True)   # num_hidden_layers, num_key_value_heads, head_dim
 
     def logits(self, tokens, remat):
         x = self.embed[tokens.ids]
@@ -59,30 +55,26 @@ class Decoder(eqx.Module):
     `ValueError` / `TypeError` naming the argument for a bad shape or dtype; the checks
     read static shapes, so they run while tracing, before anything compiles.
 
-    A family defines `logits(tokens, remat)` and the properties `layers`, `kv_heads`,
-    `head_dim` (the cache's sizes); optionally `window` (its sliding window) and
-    `position_limit` (a learned position table's config key and size).
+    A family has a `config` field and defines `logits(tokens, remat)`; where its config
+    does not use transformers' names, it overrides `cache_sizes` (and `window`); a learned
+    position table sets `position_limit`.
     """
 
-    @property
-    @abc.abstractmethod
-    def layers(self) -> int:
-        """How many layers (the cache's first axis)."""
+    config: eqx.AbstractVar[Any]
 
     @property
-    @abc.abstractmethod
-    def kv_heads(self) -> int:
-        """Key/value heads per layer."""
-
-    @property
-    @abc.abstractmethod
-    def head_dim(self) -> int:
-        """The size of each head's keys and values."""
+    def cache_sizes(self) -> tuple[int, int, int]:
+        """`(layers, kv_heads, head_dim)` of the key/value cache. By default the config's
+        `num_hidden_layers`, `num_key_value_heads` (else `num_attention_heads`) and `head_dim`:
+        transformers' names; a family that names them otherwise overrides this."""
+        c = self.config
+        return c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or c.num_attention_heads, c.head_dim
 
     @property
     def window(self) -> int | None:
-        """The sliding window of the layers that slide, in slots (None: no layer slides)."""
-        return None
+        """The sliding window of the layers that slide, in slots (None: no layer slides); by
+        default the config's `sliding_window`, if it has one."""
+        return getattr(self.config, "sliding_window", None)
 
     @property
     def position_limit(self) -> tuple[str, int] | None:
@@ -102,8 +94,8 @@ class Decoder(eqx.Module):
         if dtype is None:
             floating = [leaf for leaf in jax.tree.leaves(self) if eqx.is_inexact_array(leaf)]
             dtype = floating[0].dtype if floating else jnp.float32
-        return Cache.empty(layers=self.layers, batch=batch, length=length, kv_heads=self.kv_heads,
-                           head_dim=self.head_dim, dtype=dtype)
+        layers, kv_heads, head_dim = self.cache_sizes
+        return Cache.empty(layers=layers, batch=batch, length=length, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
 
     def __call__(
         self,

@@ -70,6 +70,12 @@ def generate(
 
     **Returns:** `[batch, seq + max_new_tokens]` (or `[seq + max_new_tokens]`).
     Raises `ValueError` / `TypeError` naming the argument before anything is compiled.
+
+    ```python
+    prompts = np.array([[15, 42, 7, 300], [0, 0, 8, 1]])     # the second left-padded
+    out = port.generate(model, prompts, max_new_tokens=32, attention_mask=prompts != 0)
+    out[:, 4:]                                                # the 32 new tokens of each
+    ```
     """
     if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise ValueError(f"`max_new_tokens` must be a positive integer, got {max_new_tokens!r}")
@@ -83,10 +89,10 @@ def generate(
     cache = model.init_cache(batch, seq + int(max_new_tokens))
     logits, cache = prefill(model, ids, cache, attention_mask=mask)
     finished = jnp.zeros((batch,), bool)
-    tokens = []
-    for step in range(int(max_new_tokens)):
-        if step:
-            logits, cache = decode_step(model, token, cache)
+    tokens: list[Array] = []
+    for _ in range(int(max_new_tokens)):
+        if tokens:
+            logits, cache = decode_step(model, tokens[-1], cache)
         token = jnp.argmax(logits, axis=-1).astype(ids.dtype)
         if eos_token_id is not None:
             token = jnp.where(finished, jnp.asarray(pad_token_id, ids.dtype), token)

@@ -55,7 +55,7 @@ def run_layers(
     layer's updated keys and values (else `(None, None)`).
     """
     layers = jnp.arange(jnp.shape(_first_leaf(blocks))[0])
-    flags = jnp.zeros(layers.shape, bool) if sliding is None else jnp.asarray(sliding, bool)
+    flags = jnp.asarray(sliding, bool) if sliding else jnp.zeros(layers.shape, bool)
     kv = None if tokens.cache is None else (tokens.cache.keys, tokens.cache.values)
     index = tokens.index
 

@@ -81,7 +81,7 @@ def route(
         _, best = jax.lax.top_k(group_score, top_groups)
         allowed = jnp.zeros((tokens, groups), bool).at[jnp.arange(tokens)[:, None], best].set(True)
         allowed = jnp.repeat(allowed, experts // groups, axis=-1)
-        choice = jnp.where(allowed, choice, 0.0)
+        choice = jnp.where(allowed, choice, -jnp.inf)  # a closed group's experts are never chosen
     _, index = jax.lax.top_k(choice, top_k)
     weights = jnp.take_along_axis(scores, index, axis=-1)
     if renormalise:
