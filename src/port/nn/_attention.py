@@ -1,9 +1,10 @@
 """Attention: the scores-to-output core every family shares, and the common self-attention layer.
 
-`attend` runs `jax.nn.dot_product_attention` (XLA everywhere, cuDNN's fused kernel on
-GPUs when asked) whenever it can express the layer; soft-capped scores (Gemma 2) and
-attention sinks (gpt-oss) are outside what it computes, and take the written-out path
-below, which does what transformers' eager attention does.
+`attend` runs `jax.nn.dot_product_attention` (with no `implementation` given: jax's
+default, XLA's; `attend` does not ask for cuDNN's fused kernel) whenever it can express
+the layer; soft-capped scores (Gemma 2) and attention sinks (gpt-oss) are outside what
+it computes, and take the written-out path below, which does what transformers' eager
+attention does.
 
 `Attention` is multi-head, grouped-query or multi-query self-attention with torch
 `Linear` layouts split per head (`wq` `[heads, head_dim, embd]`, `wo` `[embd, heads,
@@ -50,15 +51,26 @@ def attend(
 
     **Arguments:**
 
-    - `q`, `k`, `v`: queries, keys and values; `heads` a multiple of `kv_heads`.
-    - `mask`: True where a query may see a key.
-    - `scale`: multiplies the scores (`head_dim**-0.5` by default in most families).
-    - `softcap`: `softcap * tanh(scores / softcap)` before the mask (Gemma 2).
-    - `sinks`: a learned logit per head that joins every softmax and is then dropped
-      (gpt-oss).
+    - `q`: queries `[batch, seq, heads, head_dim]`.
+    - `k`, `v`: keys and values `[batch, keys, kv_heads, head_dim]`, `q`'s dtype; `heads`
+      a multiple of `kv_heads`.
+    - `mask`: `[batch, seq, keys]`, True where a query may see a key (`Tokens.mask`).
+    - `scale`: multiplies the scores (`head_dim**-0.5` in most families).
+    - `softcap`: `softcap * tanh(scores / softcap)` before the mask (Gemma 2); None: none.
+    - `sinks`: `[heads]`, a learned logit per head that joins every softmax and is then
+      dropped (gpt-oss); None: none.
 
-    **Returns:** the attended values, `q`'s shape and dtype. Scores and softmax are in
-    float32; a query that may see no key gets a finite, meaningless output.
+    **Returns:** the attended values, `q`'s shape and dtype. The softmax is in float32
+    (without `softcap` and `sinks` the scores are too; with either, as in transformers'
+    eager attention, they are computed in `q`'s dtype and cast for the softmax); a query
+    that may see no key gets a finite, meaningless output.
+
+    ```python
+    q = jnp.zeros((2, 5, 8, 64))                   # 8 query heads
+    k = v = jnp.zeros((2, 5, 2, 64))               # 2 kv heads: 4 query heads each
+    mask = prepare(jnp.zeros((2, 5), jnp.int32)).mask   # causal, [2, 5, 5]
+    attend(q, k, v, mask, scale=64**-0.5).shape    # (2, 5, 8, 64)
+    ```
     """
     if softcap is None and sinks is None:
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
@@ -90,7 +102,26 @@ def with_cache(
     index: Array | None,
 ) -> tuple[Array, Array, KV | None]:
     """The keys and values to attend over: this call's, or (with a cache) the cache's
-    buffers with this call's written at `index`; and the updated cache."""
+    buffers with this call's written at `index`; and the updated cache.
+
+    **Arguments:**
+
+    - `k`, `v`: this call's keys and values, `[batch, seq, kv_heads, head_dim]`.
+    - `kv`: this layer's cache, `(keys, values)` `[batch, length, kv_heads, head_dim]`
+      each, as `run_layers` passes it to a block; None: no cache.
+    - `index`: the first slot this call's tokens take (`Tokens.index`); None without a
+      cache.
+
+    **Returns:** `(keys, values, kv)`: without a cache `k`, `v` and None; with one, the
+    buffers `[batch, length, kv_heads, head_dim]` with `k` and `v` written (cast to the
+    cache's dtype) at slots `index, index + 1, ...`, and those two again as the updated
+    cache.
+
+    ```python
+    k, v, kv = with_cache(k, v, kv, index)         # in a block's attention, before attend
+    out = attend(q, k, v, mask, scale=head_dim**-0.5)
+    ```
+    """
     if kv is None:
         return k, v, None
     keys, values = write(kv[0], k, index), write(kv[1], v, index)
@@ -107,11 +138,21 @@ class Attention(eqx.Module):
     - `qkv_bias`, `o_bias`: whether q/k/v and the output projection have biases.
     - `qk_norm`: per-head RMSNorm of queries and keys before RoPE (Qwen3); `plus_one`
       for Gemma's `(1 + w)` form; `norm_eps` its epsilon.
-    - `scale`: the score scale (default `head_dim**-0.5`); `softcap`, `sinks` as in `attend`.
+    - `scale`: the score scale (None: `head_dim**-0.5`); `softcap` as in `attend`.
+    - `sinks`: whether there is a learned per-head sink logit (a `sinks` leaf `[heads]`,
+      zeros at initialisation), used as in `attend` (gpt-oss).
 
     Called as `attn(x, mask, cos=..., sin=..., kv=..., index=...)` -> `(y, kv)`: `x`
     `[batch, seq, embd]`, `mask` from `Tokens`, `cos`/`sin` from `Rope.angles` (None: no
-    RoPE), `kv`/`index` this layer's cache and the first slot (None: no cache).
+    RoPE), `kv`/`index` this layer's cache and the first slot (None: no cache). `y` is
+    `[batch, seq, embd]`; `kv` the updated cache (None without one).
+
+    ```python
+    attn = Attention(heads=8, kv_heads=2, head_dim=64, embd=512, dtype=jnp.float32, key=key)
+    tokens = prepare(input_ids)                                # input_ids: [batch, seq]
+    cos, sin = Rope(theta=10000.0, rotary_dim=64).angles(tokens.positions, jnp.float32)
+    y, _ = attn(x, tokens.mask, cos=cos, sin=sin)              # x: [batch, seq, 512] -> y: same
+    ```
     """
 
     wq: Float[Array, "heads head_dim embd"]

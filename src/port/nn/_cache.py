@@ -27,9 +27,22 @@ from jaxtyping import Array, Bool, Float, Int
 class Cache(eqx.Module):
     """Keys and values of every layer, `[layers, batch, length, kv_heads, head_dim]`.
 
-    **Fields:** `keys`, `values`; `mask` `[batch, length]`, the slots holding real
-    tokens; `next_position` `[batch]`, the position the next token of each sequence
-    takes; `length`, how many slots are filled (the same for the whole batch).
+    **Fields:**
+
+    - `keys`, `values`: `[layers, batch, length, kv_heads, head_dim]` each.
+    - `mask`: `[batch, length]`, the slots holding real tokens.
+    - `next_position`: `[batch]`, the position the next token of each sequence takes.
+    - `length`: a scalar, how many slots are filled (the same for the whole batch).
+
+    Made empty by `Cache.empty` (or a decoder's `init_cache`); `prepare` and the layers
+    fill it, and a decoder called with `cache=` returns the filled one.
+
+    ```python
+    cache = Cache.empty(layers=2, batch=3, length=64, kv_heads=2, head_dim=16, dtype=jnp.float32)
+    cache.keys.shape                     # (2, 3, 64, 2, 16)
+    cache.size                           # 64 slots; cache.length is 0 until a call fills some
+    logits, cache = model(ids, attention_mask=mask, cache=cache)   # ids: [3, seq]
+    ```
     """
 
     keys: Float[Array, "layers batch length kv_heads head_dim"]
@@ -46,6 +59,9 @@ class Cache(eqx.Module):
 
         **Arguments:** the model's `layers`, `kv_heads`, `head_dim` and activation
         `dtype`; the `batch` size and the `length` (prompt plus every new token).
+
+        **Returns:** a `Cache` of zeros, no slot filled. Raises `ValueError` when `batch`
+        or `length` is not a positive integer.
         """
         for name, value in (("batch", batch), ("length", length)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -39,6 +39,13 @@ class Decoder(eqx.Module):
     """A decoder-only language model: `model(input_ids, *, attention_mask=None, positions=None,
     segment_ids=None, cache=None, dtype=None, remat=None)`.
 
+    Abstract: a family subclasses it, and its own constructor makes the fields.
+
+    **Fields:**
+
+    - `config`: the family's config (an `eqx.AbstractVar`; families declare it as a
+      static field), read by `cache_sizes` and `window`.
+
     **Arguments of the call:** (all but `input_ids` keyword-only and optional)
 
     - `input_ids`: `(batch, seq)`, or `(seq,)` for one sequence (run as a batch of one).
@@ -49,15 +56,31 @@ class Decoder(eqx.Module):
       restart in each.
     - `cache`: a `Cache` from `init_cache`; the call then returns `(logits, cache)`.
     - `dtype`: the compute dtype (bfloat16 compute on float32 parameters).
-    - `remat`: recompute each layer in the backward pass (`port.nn.scan`).
+    - `remat`: recompute each layer in the backward pass, as `port.nn.scan`'s `remat`.
 
-    **Returns:** logits `[batch, seq, vocab]` (`[seq, vocab]` for `(seq,)` ids). Raises
-    `ValueError` / `TypeError` naming the argument for a bad shape or dtype; the checks
-    read static shapes, so they run while tracing, before anything compiles.
+    **Returns:** logits `[batch, seq, vocab]` (`[seq, vocab]` for `(seq,)` ids); with a
+    `cache`, `(logits, cache)`. Raises `ValueError` / `TypeError` naming the argument for
+    a bad shape or dtype; the checks read static shapes, so they run while tracing,
+    before anything compiles.
 
     A family has a `config` field and defines `logits(tokens, remat)`; where its config
     does not use transformers' names, it overrides `cache_sizes` (and `window`); a learned
     position table sets `position_limit`.
+
+    ```python
+    class MyLM(Decoder):
+        embed: Array
+        blocks: Block                               # stacked, run by run_layers
+        config: MyConfig = eqx.field(static=True)   # num_hidden_layers, num_key_value_heads, head_dim
+
+        def logits(self, tokens, remat):
+            x, kv = run_layers(self.blocks, self.embed[tokens.ids], tokens, remat=remat)
+            return x @ self.embed.T, kv
+
+    model = MyLM(...)
+    logits = model(input_ids, attention_mask=mask)            # input_ids: [2, seq] -> [2, seq, vocab]
+    logits, cache = model(input_ids, attention_mask=mask, cache=model.init_cache(batch=2, length=64))
+    ```
     """
 
     config: eqx.AbstractVar[Any]

@@ -30,9 +30,25 @@ def prefill(
 ) -> tuple[Float[Array, "batch vocab"], Cache]:
     """Run the prompt through `model`, filling `cache`; the logits of each prompt's last slot.
 
-    **Arguments:** a decoder `model`; `input_ids` `[batch, seq]` (left-padded when the
-    prompts differ in length); `cache` from `model.init_cache`; `attention_mask` (0 on
-    padding). **Returns:** `(logits [batch, vocab], cache)`.
+    Jitted (`eqx.filter_jit`): it compiles once per prompt and cache shape.
+
+    **Arguments:**
+
+    - `model`: a port decoder (a `Decoder`).
+    - `input_ids`: `[batch, seq]` (left-padded when the prompts differ in length, so that
+      the last slot is each prompt's last token).
+    - `cache`: from `model.init_cache(batch, length)`, `length` at least `seq` plus the
+      tokens still to come.
+    - `attention_mask`: `input_ids`' shape, 0 on padding; None: no padding.
+
+    **Returns:** `(logits, cache)`: the logits `[batch, vocab]` of the last slot, and the
+    cache holding the prompt.
+
+    ```python
+    cache = model.init_cache(batch=2, length=36)
+    logits, cache = prefill(model, prompt_ids, cache, attention_mask=prompt_mask)  # prompt_ids: [2, 4]
+    next_ids = logits.argmax(-1)                                # [2]
+    ```
     """
     logits, cache = model(input_ids, attention_mask=attention_mask, cache=cache)
     return logits[:, -1], cache
@@ -42,7 +58,23 @@ def prefill(
 def decode_step(model: Any, token: Int[Array, " batch"], cache: Cache) -> tuple[Float[Array, "batch vocab"], Cache]:
     """One token per sequence through `model`, at the cache's next slot; its logits and the cache.
 
-    The shapes do not change from step to step, so under `jax.jit` this compiles once.
+    Jitted (`eqx.filter_jit`), and the shapes do not change from step to step, so it
+    compiles once.
+
+    **Arguments:**
+
+    - `model`: a port decoder (a `Decoder`).
+    - `token`: `[batch]`, each sequence's next token.
+    - `cache`: the cache from `prefill` or the previous step, with a free slot left.
+
+    **Returns:** `(logits, cache)`: the logits `[batch, vocab]` for the token after
+    `token`, and the cache holding `token` too.
+
+    ```python
+    logits, cache = prefill(model, prompt_ids, cache, attention_mask=prompt_mask)
+    for _ in range(32):
+        logits, cache = decode_step(model, logits.argmax(-1), cache)   # logits: [batch, vocab]
+    ```
     """
     logits, cache = model(token[:, None], cache=cache)
     return logits[:, -1], cache

@@ -21,12 +21,41 @@ T = TypeVar("T")
 
 
 def normal(key: PRNGKeyArray, shape: tuple[int, ...], dtype: Any, std: float = 0.02) -> Array:
-    """A weight drawn from N(0, `std`), the initialisation transformers gives linear layers."""
+    """A weight drawn from a normal distribution of mean 0 and standard deviation `std`,
+    the initialisation transformers gives linear layers.
+
+    **Arguments:**
+
+    - `key`: the PRNG key.
+    - `shape`: the weight's shape.
+    - `dtype`: its dtype (a floating one).
+    - `std`: the standard deviation (default 0.02, transformers' usual `initializer_range`).
+
+    **Returns:** an array of `shape` and `dtype`.
+
+    ```python
+    w = normal(jax.random.key(0), (64, 32), jnp.float32)   # (64, 32), std 0.02
+    ```
+    """
     return std * jax.random.normal(key, shape, dtype)
 
 
 def zeros_if(flag: bool, shape: tuple[int, ...], dtype: Any) -> Array | None:
-    """Zeros of `shape` when `flag` (a bias the config asks for), else None."""
+    """Zeros of `shape` when `flag` (a bias the config asks for), else None.
+
+    **Arguments:**
+
+    - `flag`: whether the parameter exists.
+    - `shape`: its shape.
+    - `dtype`: its dtype.
+
+    **Returns:** zeros of `shape` and `dtype`, or None (an absent leaf).
+
+    ```python
+    zeros_if(True, (64,), jnp.float32).shape    # (64,)
+    zeros_if(False, (64,), jnp.float32)         # None
+    ```
+    """
     return jnp.zeros(shape, dtype) if flag else None
 
 
@@ -35,5 +64,20 @@ def stacked(make: Callable[[PRNGKeyArray], T], key: PRNGKeyArray, count: int) ->
 
     The stacked form is what `scan` runs (one compiled layer, whatever the depth) and
     what mappings fill with `{layer}` / `{expert}` keys.
+
+    **Arguments:**
+
+    - `make`: makes one module from a key (under `eqx.filter_vmap`, once for all).
+    - `key`: split into `count` keys, one per module.
+    - `count`: how many (layers, experts).
+
+    **Returns:** one module of `make`'s type whose arrays have a leading `[count]` axis;
+    its non-array fields (static settings) are shared.
+
+    ```python
+    make = lambda k: GatedMLP(embd=64, inner=128, activation="silu", dtype=jnp.float32, key=k)
+    experts = stacked(make, jax.random.key(0), 8)
+    experts.gate.shape                          # (8, 128, 64)
+    ```
     """
     return eqx.filter_vmap(make)(jax.random.split(key, count))

@@ -41,8 +41,9 @@ def run_layers(
 
     **Arguments:**
 
-    - `blocks`: the stacked blocks, arrays `[layers, ...]`.
-    - `x`: the embedded tokens.
+    - `blocks`: the stacked blocks (from `stacked`), arrays `[layers, ...]`; each is
+      called `block(x, mask, cos=, sin=, kv=, index=, layer=)` and returns `(x, kv)`.
+    - `x`: the embedded tokens, `[batch, seq, embd]`.
     - `tokens`: from `prepare` (its masks and cache).
     - `cos`, `sin`: the rotary angles (None: no RoPE).
     - `sliding`: per layer, whether it is a local layer: it uses `tokens.sliding` (the
@@ -51,8 +52,16 @@ def run_layers(
       base, as Gemma 3's local layers have); None: every layer rotates alike.
     - `remat`: as in `scan`.
 
-    **Returns:** `(x, (keys, values))`: the last block's output and, with a cache, every
-    layer's updated keys and values (else `(None, None)`).
+    **Returns:** `(x, (keys, values))`: the last block's output `[batch, seq, embd]` and,
+    with a cache, every layer's updated keys and values, `[layers, batch, length,
+    kv_heads, head_dim]` each (else `(None, None)`), for `tokens.output`.
+
+    ```python
+    tokens = prepare(input_ids, attention_mask=mask, window=config.sliding_window)
+    cos, sin = config.rope.angles(tokens.positions, jnp.float32)
+    x, kv = run_layers(blocks, embed[tokens.ids], tokens, cos=cos, sin=sin,
+                       sliding=config.sliding_layers, remat="full")
+    ```
     """
     layers = jnp.arange(jnp.shape(_first_leaf(blocks))[0])
     flags = jnp.asarray(sliding, bool) if sliding else jnp.zeros(layers.shape, bool)

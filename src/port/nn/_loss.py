@@ -20,11 +20,21 @@ def next_token_loss(
 ) -> Float[Array, ""]:
     """Mean cross-entropy of predicting each token from those before it, over real tokens.
 
-    **Arguments:** `logits` from the model; `input_ids` (the labels); `attention_mask`,
-    0 on padding (padding labels are ignored, as transformers' -100).
+    **Arguments:**
+
+    - `logits`: the model's, `[batch, seq, vocab]` (or `[seq, vocab]`).
+    - `input_ids`: the labels, `[batch, seq]` (or `[seq]`); the logits at slot t predict
+      the token at t + 1.
+    - `attention_mask`: `input_ids`' shape, 0 on padding: a padding label is ignored, as
+      transformers' -100 is; None: every token counts.
 
     **Returns:** a float32 scalar: transformers' `model(ids, labels=ids with -100 on
     padding).loss`.
+
+    ```python
+    loss = next_token_loss(model(ids, attention_mask=mask), ids, mask)
+    grads = jax.grad(lambda m: next_token_loss(m(ids, attention_mask=mask), ids, mask))(model)
+    ```
     """
     logits = logits[..., :-1, :].astype(jnp.float32)
     targets = jnp.asarray(input_ids)[..., 1:]

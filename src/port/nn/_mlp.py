@@ -24,7 +24,20 @@ from port.nn._init import normal, zeros_if
 
 
 def linear(x: Float[Array, "... in"], weight: Float[Array, "out in"], bias: Float[Array, " out"] | None) -> Array:
-    """`x @ weight.T (+ bias)`, weight in torch `Linear`'s `[out, in]` layout."""
+    """`x @ weight.T (+ bias)`, weight in torch `Linear`'s `[out, in]` layout.
+
+    **Arguments:**
+
+    - `x`: `[..., in]`.
+    - `weight`: `[out, in]`, as torch stores it.
+    - `bias`: `[out]`, or None.
+
+    **Returns:** `[..., out]`.
+
+    ```python
+    linear(jnp.ones((2, 5, 64)), jnp.ones((128, 64)), None).shape   # (2, 5, 128)
+    ```
+    """
     y = jnp.einsum("...i,oi->...o", x, weight)
     return y if bias is None else y + bias
 
@@ -32,8 +45,22 @@ def linear(x: Float[Array, "... in"], weight: Float[Array, "out in"], bias: Floa
 class GatedMLP(eqx.Module):
     """`down(act(gate x) * up x)`: SwiGLU (Llama), GeGLU (Gemma); optional biases.
 
-    **Arguments:** `embd`, `inner` (the hidden size), `activation` (an `ACT2FN` name),
-    `dtype`, `key`, `bias` (biases on all three projections).
+    **Arguments:**
+
+    - `embd`: the input and output size.
+    - `inner`: the hidden size.
+    - `activation`: an `ACT2FN` name ("silu", "gelu_pytorch_tanh", ...).
+    - `dtype`, `key`: the parameters' dtype and initialisation key (N(0, 0.02), zero biases).
+    - `bias`: biases on all three projections.
+
+    Called on `x` `[..., embd]`, returns `[..., embd]`. The leaves `gate`, `up`
+    `[inner, embd]` and `down` `[embd, inner]` are torch `Linear` weights, biases
+    `bgate`, `bup`, `bdown` (None without `bias`).
+
+    ```python
+    mlp = GatedMLP(embd=512, inner=1408, activation="silu", dtype=jnp.float32, key=key)
+    mlp(jnp.zeros((2, 8, 512))).shape            # (2, 8, 512)
+    ```
     """
 
     gate: Float[Array, "inner embd"]
@@ -60,7 +87,21 @@ class GatedMLP(eqx.Module):
 class MLP(eqx.Module):
     """`down(act(up x + bup)) + bdown`: the feed-forward of GPT-NeoX, BERT and ViT.
 
-    **Arguments:** `embd`, `inner`, `activation`, `dtype`, `key`.
+    **Arguments:**
+
+    - `embd`: the input and output size.
+    - `inner`: the hidden size.
+    - `activation`: an `ACT2FN` name ("gelu", "gelu_new", ...).
+    - `dtype`, `key`: the parameters' dtype and initialisation key (N(0, 0.02), zero biases).
+
+    Called on `x` `[..., embd]`, returns `[..., embd]`. The leaves are `up` `[inner,
+    embd]`, `bup`, `down` `[embd, inner]` and `bdown` (torch `Linear` layouts; always
+    biased).
+
+    ```python
+    mlp = MLP(embd=768, inner=3072, activation="gelu", dtype=jnp.float32, key=key)
+    mlp(jnp.zeros((2, 8, 768))).shape            # (2, 8, 768)
+    ```
     """
 
     up: Float[Array, "inner embd"]

@@ -95,16 +95,26 @@ class MoE(eqx.Module):
 
     **Arguments:**
 
-    - `embd`, `inner` (each expert's hidden size), `experts`, `top_k`, `activation`,
-      `dtype`, `key`.
+    - `embd`, `inner` (each expert's hidden size), `experts` (how many), `top_k`
+      (experts per token), `activation` (an `ACT2FN` name), `dtype`, `key`.
     - `scoring`, `renormalise`, `groups`, `top_groups`, `scale`: as in `route`;
       `selection_bias`: whether there is a learned `selection_bias` leaf.
-    - `shared_inner`: the shared expert's hidden size (None: none); `shared_gate`: the
-      shared expert's output is scaled by `sigmoid(shared_gate . x)` (Qwen2-MoE).
+    - `shared_inner`: the shared expert's hidden size (None: none); `shared_gate`:
+      whether the shared expert's output is scaled by `sigmoid(shared_gate . x)`, a
+      learned `shared_gate` leaf `[embd]` (Qwen2-MoE).
     - `weights_in_input_dtype`: cast the routing weights to the activations' dtype
       before weighting (Qwen-MoE) rather than weighting in float32 (Mixtral).
 
-    Called on `[..., embd]`, returns the same shape.
+    Called on `x` `[..., embd]`, returns the same shape. The leaves are
+    `router` `[experts, embd]`, `experts` (a `GatedMLP` stacked by `stacked`, arrays
+    `[experts, ...]`), `shared` (a `GatedMLP`, or None) and the optional
+    `selection_bias` / `shared_gate`.
+
+    ```python
+    moe = MoE(embd=512, inner=256, experts=8, top_k=2, activation="silu", dtype=jnp.float32, key=key)
+    moe(jnp.zeros((2, 8, 512))).shape          # (2, 8, 512)
+    moe.experts.gate.shape                     # (8, 256, 512)
+    ```
     """
 
     router: Float[Array, "experts embd"]

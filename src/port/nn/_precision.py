@@ -22,7 +22,18 @@ T = TypeVar("T")
 def cast(module: T, dtype: Any) -> T:
     """`module` with every floating array cast to `dtype` (None: unchanged).
 
-    **Arguments:** `module`, any pytree; `dtype`, a floating dtype or None.
+    **Arguments:**
+
+    - `module`: any pytree (a model, a layer).
+    - `dtype`: a floating dtype, or None.
+
+    **Returns:** the same pytree, its floating arrays in `dtype`; integer and boolean
+    arrays and non-array leaves untouched. Raises `TypeError` for a non-floating `dtype`.
+
+    ```python
+    half = cast(model, jnp.bfloat16)          # what model(ids, dtype=jnp.bfloat16) runs
+    cast(jnp.ones(3), jnp.bfloat16).dtype     # bfloat16
+    ```
     """
     if dtype is None:
         return module

@@ -43,6 +43,15 @@ class Rope:
     (llama3, yarn, longrope), `short_factor` / `long_factor` (longrope: per frequency,
     up to the original length and beyond it), `attention_factor` (yarn, longrope: scales
     cos and sin), `beta_fast` / `beta_slow` / `truncate` (yarn's ramp).
+
+    A frozen dataclass, so a family keeps it in its static config; `read_rope` makes one
+    from a config.json.
+
+    ```python
+    rope = Rope(theta=10000.0, rotary_dim=64)
+    rope.inv_freq().shape                                        # (32,)
+    cos, sin = rope.angles(jnp.arange(8)[None], jnp.float32)     # (1, 8, 64) each
+    ```
     """
 
     theta: float
@@ -135,10 +144,20 @@ def apply_rope(
 ) -> Float[Array, "*batch seq heads head_dim"]:
     """Rotate the first `cos.shape[-1]` dimensions of every head; the rest pass (partial RoPE).
 
-    **Arguments:** `x` (queries or keys, heads on the second-to-last axis); `cos`, `sin`
-    from `Rope.angles` for the same positions.
+    **Arguments:**
 
-    **Returns:** `x` rotated, same shape and dtype.
+    - `x`: queries or keys `[..., seq, heads, head_dim]` (heads on the second-to-last axis).
+    - `cos`, `sin`: `[..., seq, rotary]` from `Rope.angles` for the same positions,
+      `rotary` at most `head_dim`.
+
+    **Returns:** `x` with the first `rotary` dimensions of each head rotated (as
+    transformers' `rotate_half` does), same shape and dtype when `cos` and `sin` have
+    `x`'s dtype.
+
+    ```python
+    cos, sin = Rope(theta=10000.0, rotary_dim=32).angles(jnp.arange(8)[None], jnp.float32)
+    apply_rope(jnp.ones((1, 8, 4, 64)), cos, sin).shape   # (1, 8, 4, 64); dims 32.. pass
+    ```
     """
     rotary = cos.shape[-1]
     if rotary == 0:
@@ -198,7 +217,16 @@ def read_rope(
     - `aliases`: old names of a type (Phi-3: `{"su": "longrope"}`).
     - `allow_partial`: whether `partial_rotary_factor` may be below 1.
 
-    **Returns:** a `Rope`.
+    **Returns:** a `Rope`, its `rotary_dim` `int(head_dim * partial_rotary_factor)`.
+
+    ```python
+    rope = read_rope({"rope_theta": 1000000.0}, 128, supported=("default", "yarn"),
+                     max_position_embeddings=32768)
+    rope.kind, rope.theta, rope.rotary_dim          # ('default', 1000000.0, 128)
+    read_rope({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, 128,
+              supported=("default",), max_position_embeddings=4096)
+    # ConfigError: config.json: rope_scaling: rope type 'dynamic' is not supported (supported: default)
+    ```
     """
     key, rope = rope_parameters(config)
     kind = (aliases or {}).get(rope["rope_type"], rope["rope_type"])

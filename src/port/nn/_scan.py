@@ -43,10 +43,22 @@ def scan(
       or None.
     - `remat`: None or False (keep every activation for the backward pass), True or
       "full" (recompute each layer in the backward pass: memory of one layer's
-      activations), "dots" (keep matmul outputs without batch dimensions), or a
-      `jax.checkpoint` policy. It changes memory and time, never values.
+      activations), "dots" (keep matmul outputs without batch dimensions), "nothing"
+      (`nothing_saveable`, as "full"), "everything" (`everything_saveable`), or a
+      `jax.checkpoint` policy. It changes memory and time, never values; another
+      string raises `ValueError`, another type `TypeError`.
 
-    **Returns:** `(carry, outs)`, `outs` stacked over layers.
+    **Returns:** `(carry, outs)`: the last layer's carry and the `out_i` stacked over
+    layers (None where every `out_i` is None).
+
+    ```python
+    x, _ = scan(lambda block, x: (block(x, mask), None), x, blocks, remat="full")
+
+    def layer(block, x, kv):                      # kv: this layer's slice of the cache
+        return block(x, mask, kv=kv, index=index)  # -> (x, kv)
+
+    x, (keys, values) = scan(layer, x, blocks, (cache.keys, cache.values))   # [layers, ...] each
+    ```
     """
     params, static = eqx.partition(blocks, eqx.is_array)
 

@@ -34,7 +34,31 @@ from port.nn._inputs import batch_first, check_ids, check_like
 
 
 class Tokens(eqx.Module):
-    """A decoder call's tokens, batch-first, with their positions and masks (see `prepare`)."""
+    """A decoder call's tokens, batch-first, with their positions and masks (see `prepare`).
+
+    **Fields:**
+
+    - `ids`: `[batch, seq]`, the ids with a batch axis.
+    - `positions`: `[batch, seq]`, int32.
+    - `mask`: `[batch, seq, keys]`, True where a query may see a key; `keys` is `seq`, or
+      the cache's slots with a cache.
+    - `sliding`: the same, within the sliding window (None without a `window`, or when
+      not causal).
+    - `cache`: the cache with this call's slots marked (its `mask`, `next_position` and
+      `length`), its keys and values not yet written (`output` writes them); None
+      without one.
+    - `batched`: whether `input_ids` had a batch axis.
+
+    `index` is the first slot this call's tokens take in the cache; `output(out, keys,
+    values)` gives the call's result.
+
+    ```python
+    tokens = prepare(jnp.array([[0, 0, 5, 6]]), attention_mask=jnp.array([[0, 0, 1, 1]]))
+    tokens.positions             # [[0, 0, 0, 1]]: they follow the mask
+    tokens.mask.shape            # (1, 4, 4): causal, never a padding key
+    tokens.output(logits)        # logits as they are: the ids had a batch axis
+    ```
+    """
 
     ids: Int[Array, "batch seq"]
     positions: Int[Array, "batch seq"]
@@ -81,10 +105,20 @@ def prepare(
     - `cache`: a `Cache`; this call's tokens take its next slots.
     - `causal`: False for an encoder (every token sees every unmasked token).
     - `window`: the sliding window, in slots, of the layers that slide (None: none).
-    - `limit`: a config key and value bounding the positions (learned position tables).
+    - `limit`: a config key and value bounding the sequence length (learned position
+      tables), e.g. `("n_positions", 1024)`; not checked with a `cache` (`init_cache`
+      bounds its length).
 
     **Returns:** `Tokens`. Raises `ValueError` / `TypeError` naming the argument for a
     bad shape or dtype, a cache of another batch size or too short for the tokens.
+
+    ```python
+    tokens = prepare(jnp.array([5, 6, 7]))         # (seq,): run as a batch of one
+    tokens.ids.shape, tokens.batched               # (1, 3), False
+    tokens.positions                               # [[0, 1, 2]]
+    tokens = prepare(input_ids, attention_mask=mask, cache=cache, window=4096)
+    x, kv = run_layers(blocks, embed[tokens.ids], tokens, sliding=sliding_layers)
+    ```
     """
     batched = check_ids(input_ids, limit=None if cache is not None else limit)
     check_like("attention_mask", attention_mask, input_ids)
