@@ -78,3 +78,37 @@ def activation(config: dict, key: str, default: str, supported: tuple[str, ...] 
             f"config.json: {key!r} {quoted(name)} is not supported (supported: {', '.join(sorted(allowed))})"
         )
     return name
+
+
+def check_model_type(config: dict, supported: tuple[str, ...], module: str, default: str | None = None) -> str:
+    """config.json's `model_type` (absent: `default`), one of the `supported` ones of `module`.
+
+    ```python
+    check_model_type({"model_type": "gemma2"}, ("gemma", "gemma2"), "port.models.gemma")   # "gemma2"
+    ```
+    """
+    value = config.get("model_type", default)
+    if value not in supported:
+        raise ConfigError(
+            f"config.json: 'model_type' {quoted(value)} is not supported by {module} "
+            f"(supported: {', '.join(supported)})"
+        )
+    return value
+
+
+def read_kv_heads(config: dict, heads: int, default: int | None) -> int:
+    """`num_key_value_heads`: absent, the config class's `default`; null (or no default), one
+    per query head; it must divide `heads`.
+
+    ```python
+    read_kv_heads({"num_key_value_heads": 2}, 8, None)   # 2
+    read_kv_heads({}, 8, None)                            # 8
+    ```
+    """
+    value = config.get("num_key_value_heads", default)
+    value = heads if value is None else check("num_key_value_heads", value, int)
+    if heads % value != 0:
+        raise ConfigError(
+            f"config.json: 'num_key_value_heads' ({value}) must divide 'num_attention_heads' ({heads})"
+        )
+    return value

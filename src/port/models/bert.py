@@ -44,7 +44,17 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from port._errors import ConfigError
 from port.models._config import MAX_LAYERS, activation, get
-from port.nn import MLP, Attention, LayerNorm, Pooler, cast, normal, prepare, scan, stacked
+from port.nn import (
+    MLP,
+    Attention,
+    LayerNorm,
+    Pooler,
+    cast,
+    normal,
+    prepare,
+    scan,
+    stacked,
+)
 from port.nn._inputs import batch_first, check_like
 
 

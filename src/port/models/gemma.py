@@ -58,8 +58,27 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._console import quoted
 from port._errors import ConfigError
-from port.models._config import MAX_LAYERS, activation, check, get
-from port.nn import Attention, Decoder, GatedMLP, Rope, Tokens, normal, read_rope, rms_norm, run_layers, stacked
+from port.models._config import (
+    MAX_LAYERS,
+    activation,
+    check,
+    check_model_type,
+    get,
+    read_kv_heads,
+)
+from port.nn import (
+    Attention,
+    Decoder,
+    GatedMLP,
+    Rope,
+    Tokens,
+    embeddings,
+    head,
+    read_rope,
+    rms_norm,
+    run_layers,
+    stacked,
+)
 from port.nn._attention import KV
 
 MODEL_TYPES = ("gemma", "gemma2")
@@ -178,23 +197,11 @@ class GemmaConfig:
     @classmethod
     def from_hf(cls, config: dict) -> GemmaConfig:
         """Build from a Hugging Face `config.json` dict; raises `ConfigError` if unsupported."""
-        model_type = config.get("model_type", "gemma")
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(
-                f"config.json: 'model_type' {quoted(model_type)} is not supported by "
-                f"port.models.gemma (supported: {', '.join(MODEL_TYPES)})"
-            )
+        model_type = check_model_type(config, MODEL_TYPES, "port.models.gemma", "gemma")
         defaults = _DEFAULTS[model_type]
         heads = get(config, "num_attention_heads", int)
         layers = get(config, "num_hidden_layers", int, maximum=MAX_LAYERS)
-        # Absent: the config class's default; null: one kv head per query head.
-        kv_heads = config.get("num_key_value_heads", defaults["num_key_value_heads"])
-        kv_heads = heads if kv_heads is None else check("num_key_value_heads", kv_heads, int)
-        if heads % kv_heads != 0:
-            raise ConfigError(
-                f"config.json: 'num_key_value_heads' ({kv_heads}) must divide "
-                f"'num_attention_heads' ({heads})"
-            )
+        kv_heads = read_kv_heads(config, heads, defaults.get("num_key_value_heads"))
         if get(config, "use_bidirectional_attention", bool, False):
             raise ConfigError("config.json: 'use_bidirectional_attention' true is not supported (causal only)")
         fields: dict[str, Any] = {}
@@ -302,12 +309,11 @@ class Gemma(Decoder):
     config: GemmaConfig = eqx.field(static=True)
 
     def __init__(self, config: GemmaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
-        kembed, kblocks, khead = jax.random.split(key, 3)
-        shape = (config.vocab_size, config.hidden_size)
-        self.embed = normal(kembed, shape, dtype)
+        kembed, kblocks = jax.random.split(key)
+        self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
+                                              dtype=dtype, tied=config.tie_word_embeddings)
         self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, config.num_hidden_layers)
-        self.norm = jnp.zeros((config.hidden_size,), dtype)
-        self.lm_head = None if config.tie_word_embeddings else normal(khead, shape, dtype)
+        self.norm = jnp.zeros((config.hidden_size,), dtype)  # (1 + 0): the identity scale
         self.config = config
 
     @classmethod
@@ -332,9 +338,7 @@ class Gemma(Decoder):
         x = x * jnp.asarray(np.float32(c.hidden_size**0.5), dtype=x.dtype)
         cos, sin = c.rope.angles(tokens.positions, x.dtype)
         x, kv = run_layers(self.blocks, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, remat=remat)
-        x = rms_norm(x, self.norm, c.rms_norm_eps, plus_one=True)
-        head = self.embed if self.lm_head is None else self.lm_head
-        logits = jnp.einsum("bte,ve->btv", x, head)
+        logits = head(rms_norm(x, self.norm, c.rms_norm_eps, plus_one=True), self.embed, self.lm_head)
         cap = c.final_logit_softcapping
         if cap is not None:  # cap * tanh(logits / cap), in the logits' dtype, as transformers
             logits = jnp.tanh(logits / cap) * cap

@@ -40,7 +40,16 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from port._errors import ConfigError
 from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, get
-from port.nn import Decoder, LayerNorm, Tokens, attend, normal, run_layers, stacked, with_cache
+from port.nn import (
+    Decoder,
+    LayerNorm,
+    Tokens,
+    attend,
+    normal,
+    run_layers,
+    stacked,
+    with_cache,
+)
 from port.nn._attention import KV
 
 

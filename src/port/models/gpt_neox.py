@@ -49,9 +49,22 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._console import quoted
 from port._errors import ConfigError
-from port.models._config import MAX_LAYERS, activation, check, get
+from port.models._config import MAX_LAYERS, activation, check, check_model_type, get
 from port.nn import (
-    MLP, Decoder, LayerNorm, Rope, Tokens, apply_rope, attend, normal, run_layers, stacked, with_cache, zeros_if,
+    MLP,
+    Decoder,
+    LayerNorm,
+    Rope,
+    Tokens,
+    apply_rope,
+    attend,
+    embeddings,
+    head,
+    normal,
+    run_layers,
+    stacked,
+    with_cache,
+    zeros_if,
 )
 from port.nn._attention import KV
 
@@ -124,12 +137,7 @@ class GPTNeoXConfig:
     @classmethod
     def from_hf(cls, config: dict) -> GPTNeoXConfig:
         """Build from a Hugging Face `config.json` dict; raises `ConfigError` if unsupported."""
-        model_type = config.get("model_type", "gpt_neox")
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(
-                f"config.json: 'model_type' {quoted(model_type)} is not supported by "
-                f"port.models.gpt_neox (supported: {', '.join(MODEL_TYPES)})"
-            )
+        check_model_type(config, MODEL_TYPES, "port.models.gpt_neox", "gpt_neox")
         hidden = get(config, "hidden_size", int)
         heads = get(config, "num_attention_heads", int)
         if hidden % heads != 0:
@@ -256,12 +264,11 @@ class GPTNeoX(Decoder):
     config: GPTNeoXConfig = eqx.field(static=True)
 
     def __init__(self, config: GPTNeoXConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
-        kembed, kblocks, khead = jax.random.split(key, 3)
-        shape = (config.vocab_size, config.hidden_size)
-        self.embed = normal(kembed, shape, dtype)
+        kembed, kblocks = jax.random.split(key)
+        self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
+                                              dtype=dtype, tied=config.tie_word_embeddings)
         self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, config.num_hidden_layers)
         self.norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=dtype)
-        self.lm_head = None if config.tie_word_embeddings else normal(khead, shape, dtype)
         self.config = config
 
     @classmethod
@@ -274,5 +281,4 @@ class GPTNeoX(Decoder):
         x = self.embed[tokens.ids]
         cos, sin = self.config.rope.angles(tokens.positions, x.dtype)
         x, kv = run_layers(self.blocks, x, tokens, cos=cos, sin=sin, remat=remat)
-        head = self.embed if self.lm_head is None else self.lm_head
-        return jnp.einsum("bte,ve->btv", self.norm(x), head), kv
+        return head(self.norm(x), self.embed, self.lm_head), kv

@@ -44,8 +44,28 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._console import quoted
 from port._errors import ConfigError
-from port.models._config import MAX_LAYERS, activation, check, get
-from port.nn import Attention, Decoder, GatedMLP, MoE, Rope, Tokens, normal, read_rope, rms_norm, run_layers, stacked
+from port.models._config import (
+    MAX_LAYERS,
+    activation,
+    check,
+    check_model_type,
+    get,
+    read_kv_heads,
+)
+from port.nn import (
+    Attention,
+    Decoder,
+    GatedMLP,
+    MoE,
+    Rope,
+    Tokens,
+    embeddings,
+    head,
+    read_rope,
+    rms_norm,
+    run_layers,
+    stacked,
+)
 from port.nn._attention import KV
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
@@ -102,24 +122,12 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, config: dict) -> LlamaConfig:
         """Build from a Hugging Face `config.json` dict; raises `ConfigError` if unsupported."""
-        model_type = config.get("model_type", "llama")
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(
-                f"config.json: 'model_type' {model_type!r} is not supported by "
-                f"port.models.llama (supported: {', '.join(MODEL_TYPES)})"
-            )
+        model_type = check_model_type(config, MODEL_TYPES, "port.models.llama", "llama")
         defaults = _DEFAULTS[model_type]
         hidden = get(config, "hidden_size", int)
         heads = get(config, "num_attention_heads", int)
         layers = get(config, "num_hidden_layers", int, maximum=MAX_LAYERS)
-        # Absent: the config class's default; null: one kv head per query head.
-        kv_heads = config.get("num_key_value_heads", defaults.get("num_key_value_heads"))
-        kv_heads = heads if kv_heads is None else check("num_key_value_heads", kv_heads, int)
-        if heads % kv_heads != 0:
-            raise ConfigError(
-                f"config.json: 'num_key_value_heads' ({kv_heads}) must divide "
-                f"'num_attention_heads' ({heads})"
-            )
+        kv_heads = read_kv_heads(config, heads, defaults.get("num_key_value_heads"))
         head_dim = get(config, "head_dim", int, defaults.get("head_dim", hidden // heads))
         activation(config, "hidden_act", "silu", supported=("silu", "swish"))
 
@@ -258,12 +266,11 @@ class Llama(Decoder):
     config: LlamaConfig = eqx.field(static=True)
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
-        kembed, kblocks, khead = jax.random.split(key, 3)
-        shape = (config.vocab_size, config.hidden_size)
-        self.embed = normal(kembed, shape, dtype)
+        kembed, kblocks = jax.random.split(key)
+        self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
+                                              dtype=dtype, tied=config.tie_word_embeddings)
         self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, config.num_hidden_layers)
         self.norm = jnp.ones((config.hidden_size,), dtype)
-        self.lm_head = None if config.tie_word_embeddings else normal(khead, shape, dtype)
         self.config = config
 
     @classmethod
@@ -277,6 +284,4 @@ class Llama(Decoder):
         x = self.embed[tokens.ids]
         cos, sin = c.rope.angles(tokens.positions, x.dtype)
         x, kv = run_layers(self.blocks, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, remat=remat)
-        x = rms_norm(x, self.norm, c.rms_norm_eps)
-        head = self.embed if self.lm_head is None else self.lm_head
-        return jnp.einsum("bte,ve->btv", x, head), kv
+        return head(rms_norm(x, self.norm, c.rms_norm_eps), self.embed, self.lm_head), kv

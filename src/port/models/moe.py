@@ -49,7 +49,7 @@ from jaxtyping import PRNGKeyArray
 
 from port._console import quoted
 from port._errors import ConfigError
-from port.models._config import MAX_LAYERS, get
+from port.models._config import MAX_LAYERS, check_model_type, get
 from port.models.llama import Llama, LlamaConfig
 from port.nn import MoE
 
@@ -96,12 +96,7 @@ class MoeConfig(LlamaConfig):
         c.num_experts, c.num_experts_per_tok, c.shared_intermediate_size   # (6, 4, 5632)
         ```
         """
-        model_type = config.get("model_type")
-        if model_type not in MODEL_TYPES:
-            raise ConfigError(
-                f"config.json: 'model_type' {quoted(model_type)} is not supported by "
-                f"port.models.moe (supported: {', '.join(MODEL_TYPES)})"
-            )
+        model_type = check_model_type(config, MODEL_TYPES, "port.models.moe")
         if model_type == "mixtral":
             attention, moe = _mixtral(config)
         else:

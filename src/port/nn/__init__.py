@@ -18,6 +18,8 @@ from port.nn._attention import attend as attend
 from port.nn._attention import with_cache as with_cache
 from port.nn._cache import Cache as Cache
 from port.nn._decoder import Decoder as Decoder
+from port.nn._embedding import embeddings as embeddings
+from port.nn._embedding import head as head
 from port.nn._generate import decode_step as decode_step
 from port.nn._generate import generate as generate
 from port.nn._generate import prefill as prefill
