@@ -20,10 +20,10 @@ windowed mask. The model takes the arguments every port decoder takes (padding m
 positions, packed `segment_ids`, a `Cache` from `init_cache`, a compute `dtype`, `remat`).
 
 The transformer blocks are stored *stacked*: every array in `Gemma.blocks` has a leading
-axis of size `num_hidden_layers`, and the forward pass runs them with `jax.lax.scan`.
-Which layers slide is static (`GemmaConfig.sliding_layers`).
-The dtype of the parameters is the compute dtype (bfloat16 params: bfloat16 compute,
-with RMSNorm and the attention softmax in float32, as in transformers).
+axis of size `num_hidden_layers`, scanned by `run_layers`. Which layers slide is static
+(`GemmaConfig.sliding_layers`). The compute dtype is the parameters' unless the call's
+`dtype` says otherwise; RMSNorm and the attention softmax are in float32 either way, as in
+transformers.
 
 Example:
     ```python

@@ -6,10 +6,13 @@ per-head RMSNorm of queries and keys (`q_norm`, `k_norm`, None elsewhere) and in
 RoPE (partial rotary dimensions, "longrope" scaling). Phi-3's fused `qkv_proj` and
 `gate_up_proj` are cut into this module's separate leaves by its mapping. The transformer blocks
 are stored *stacked*: every array in `Llama.blocks` has a leading axis of size
-`num_hidden_layers`, and the forward pass runs them with `jax.lax.scan`.
+`num_hidden_layers`, and `port.nn.run_layers` scans them.
 
-The dtype of the parameters is the compute dtype (bfloat16 params: bfloat16 compute,
-with RMSNorm statistics and the attention softmax in float32, as in transformers).
+Everything but what is named above comes from `port.nn` (`Attention`, `GatedMLP` or a
+`MoE`, `rms_norm`, `Rope`, `Decoder`), so the model takes the call every port decoder
+takes: padding masks, positions, packed `segment_ids`, a `Cache` from `init_cache`, a
+compute `dtype` (by default the parameters'; RMSNorm statistics and the attention
+softmax in float32 either way, as in transformers) and `remat`.
 
 Example:
     ```python
