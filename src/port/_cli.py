@@ -25,10 +25,19 @@ from typing import NoReturn
 
 from ._console import count_text, printable, quiet_libraries, say, show, size_text, stream
 from ._errors import PortError
-from ._remote import shown
 from ._interrupt import attach, final, hold_signals, removing, supervise
 
 SCAFFOLD_MARK = "# Draft mapping made by port scaffold"
+
+
+def _shown(model: str) -> str:
+    """`model` as messages show it: a URL without its credentials. `_remote` (and NumPy with
+    it) is imported here, when first needed, not when `port` starts: the command line holds
+    Ctrl-C before anything slow is imported."""
+    from ._remote import shown
+
+    return shown(model)
+
 DEFAULT_TIMEOUT = 300.0
 MESH_HELP = "device mesh: 4x2 (data x model) or named axes, data=2,expert=2,model=2 (default: 1x1)"
 
@@ -168,13 +177,13 @@ def convert(args: argparse.Namespace) -> int:
     finally:
         if bar:
             bar.stop()
-    summary = {"model": shown(args.model), **result.report.to_json()}
+    summary = {"model": _shown(args.model), **result.report.to_json()}
     if report is not None:
         _write_file(report, json.dumps(summary, indent=1) + "\n")
     figures = result.report
     who = f"process {figures.process}/{figures.num_processes}: " if figures.num_processes > 1 else ""
     say(
-        f"{who}converted {shown(args.model)}: {count_text(figures.params)} params onto mesh {args.mesh} in "
+        f"{who}converted {_shown(args.model)}: {count_text(figures.params)} params onto mesh {args.mesh} in "
         f"{figures.seconds:.1f} s (placing {figures.place_seconds:.1f} s, writing {figures.save_seconds:.1f} s); "
         f"read {size_text(figures.bytes_read)}, {size_text(max(figures.device_bytes.values(), default=0))} per device, "
         f"peak host memory {size_text(figures.peak_host_bytes)} -> {figures.out}"
@@ -317,7 +326,7 @@ def plan_command(args: argparse.Namespace) -> int:
     with open_checkpoint(args.model) as ckpt:
         mapping = mapping_for(ckpt.config, args.mapping)
         recipe = run_check(mapping, ckpt, args.mesh, args.dtype)
-    heading = [f"{shown(args.model)} -> {mapping.model} on mesh {args.mesh}", f"mapping: {mapping.source}"]
+    heading = [f"{_shown(args.model)} -> {mapping.model} on mesh {args.mesh}", f"mapping: {mapping.source}"]
     show(plan_text(recipe, heading, shutil.get_terminal_size((80, 24)).columns))
     return 0
 
@@ -332,9 +341,9 @@ def check(args: argparse.Namespace) -> int:
     except PlanError as e:
         show("".join(f"{problem}\n" for problem in e.problems))
         n = len(e.problems)
-        raise PortError(f"{args.mapping}: {n} problem{'s' if n > 1 else ''} with {shown(args.model)}") from None
+        raise PortError(f"{args.mapping}: {n} problem{'s' if n > 1 else ''} with {_shown(args.model)}") from None
     show(
-        f"{args.mapping}: ok: {len(result.leaves)} leaves from {shown(args.model)} ({count_text(result.params)} params), "
+        f"{args.mapping}: ok: {len(result.leaves)} leaves from {_shown(args.model)} ({count_text(result.params)} params), "
         f"{len(result.ignored)} keys ignored, {len(result.tied)} tied, {len(result.empty)} optional absent\n"
     )
     return 0
@@ -350,7 +359,7 @@ def verify(args: argparse.Namespace) -> int:
     bound = result.tolerance if args.tolerance is None else args.tolerance
     verdict = "ok" if result.max_abs_diff <= bound else "FAILED"
     show(
-        f"{shown(args.model)}: max abs difference {result.max_abs_diff:.3g} vs {result.reference} "
+        f"{_shown(args.model)}: max abs difference {result.max_abs_diff:.3g} vs {result.reference} "
         f"({result.dtype} {list(result.shape)}, max |reference| {result.max_abs_reference:.3g}"
         + ("" if result.reference_error is None else
            f", the reference's own {result.dtype} error {result.reference_error:.3g}")
@@ -379,7 +388,7 @@ def scaffold(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     else:
         _write_file(out, text)
-        say(f"wrote {args.out}: review the entries marked CHECK and TODO, then run port check {args.out} {shown(args.model)}")
+        say(f"wrote {args.out}: review the entries marked CHECK and TODO, then run port check {args.out} {_shown(args.model)}")
     return 0
 
 
