@@ -222,3 +222,20 @@ def test_run_layers_gives_local_layers_their_own_window_and_rope():
                       sliding=(False, True), sliding_rope=(twos, twos))
     # layer 0: causal mask (10 pairs), cos sum 8; layer 1: window 2 (7 pairs), cos sum 16
     np.testing.assert_allclose(np.asarray(x)[0, 0, 0], 10 + 800 + 7 + 1600)
+
+
+def test_remat_keeps_less_for_the_backward_pass(llama):
+    """remat=True: the compiled gradient's temporary memory (XLA's own accounting) shrinks."""
+    import equinox as eqx
+
+    from port.nn import next_token_loss
+
+    ids = np.ones((4, 64), np.int32)
+
+    def temp(remat):
+        grad = eqx.filter_grad(lambda m: next_token_loss(m(ids, remat=remat), ids))
+        compiled = jax.jit(lambda p: grad(eqx.combine(p, static))).lower(params).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    params, static = eqx.partition(llama, eqx.is_array)
+    assert temp(True) < 0.8 * temp(None)
