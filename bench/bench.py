@@ -45,6 +45,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from _measure import peak_memory  # bench/ is the script's directory, first on sys.path
+
 HERE = Path(__file__).resolve().parent
 METHODS = ("port", "port-convert", "port-restore", "recipe", "floor", "floor-streamed",
            "floor-rw", "floor-rw+fsync", "floor-restore", "flax")
@@ -56,40 +58,6 @@ _AFTER: list[Callable[[], None]] = []
 
 
 # ---------------------------------------------------------------- measured process
-
-
-_SAMPLER = """
-import select, sys
-status = f"/proc/{sys.argv[1]}/status"
-def rss():
-    with open(status) as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-start = peak = rss()
-print("ready", flush=True)
-while not select.select([sys.stdin], [], [], 0.002)[0]:
-    peak = max(peak, rss())
-print(max(peak, rss()) - start, flush=True)
-"""
-
-
-def _sampler():
-    """Peak RssAnon of this process, sampled by another process every 2 ms.
-
-    A sampling thread would stall while a library holds the GIL (safetensors' reader
-    does), and miss the peak; a separate process cannot be stalled that way.
-    """
-    sampler = subprocess.Popen([sys.executable, "-c", _SAMPLER, str(os.getpid())],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert sampler.stdout.readline().strip() == "ready"
-
-    def stop() -> int:
-        out, _ = sampler.communicate("")
-        return int(out.strip())
-
-    return stop
 
 
 def _device_bytes(tree) -> int:
@@ -301,7 +269,7 @@ def measure(method: str, directory: Path, mesh_spec: str) -> dict:
     # Every method starts with nothing waiting to be written: otherwise one that left gigabytes
     # in the page cache (floor-rw) makes the next one's writes wait behind them.
     os.sync()
-    stop = _sampler()
+    stop = peak_memory(0.002)  # RssAnon sampled by another process every 2 ms
     try:
         start = time.perf_counter()
         result, bytes_read, *report = fn(directory, mesh)
