@@ -41,7 +41,7 @@ def transformers_or_skip():
     return pytest.importorskip("transformers", exc_type=ImportError)
 
 
-def _perturbed(model, names, scale):
+def perturbed(model, names, scale):
     """`model` in eval mode, with `scale`-sized noise added to the parameters `names` picks."""
     import torch
 
@@ -69,7 +69,7 @@ def torch_gpt2(seed=0, **overrides):
 
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(gpt2_config(**overrides))
-    return _perturbed(model, lambda name: name.endswith("bias") or ".ln_" in name, 0.1)
+    return perturbed(model, lambda name: name.endswith("bias") or ".ln_" in name, 0.1)
 
 
 def torch_llama(arch="Llama", dtype=None, **overrides):
@@ -81,7 +81,7 @@ def torch_llama(arch="Llama", dtype=None, **overrides):
     config = getattr(transformers, f"{arch}Config")(**{**LLAMA_CONFIG, **overrides})
     config._attn_implementation = "eager"
     model = getattr(transformers, f"{arch}ForCausalLM")(config)
-    model = _perturbed(model, lambda name: name.endswith("bias") or "norm" in name, 0.2)
+    model = perturbed(model, lambda name: name.endswith("bias") or "norm" in name, 0.2)
     return model if dtype is None else model.to(getattr(torch, dtype))
 
 
@@ -94,7 +94,7 @@ def torch_bert(pooler=True, **overrides):
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = transformers.BertModel(config, add_pooling_layer=pooler)
-    return _perturbed(model, lambda name: "LayerNorm" in name or name.endswith("bias"), 0.3)
+    return perturbed(model, lambda name: "LayerNorm" in name or name.endswith("bias"), 0.3)
 
 
 def torch_logits(model, ids=INPUT_IDS):

@@ -18,7 +18,7 @@ import pytest
 
 import port
 from port.nn import next_token_loss
-from helpers import transformers_or_skip
+from helpers import perturbed, transformers_or_skip
 
 VOCAB = 97
 BASE = dict(vocab_size=VOCAB, max_position_embeddings=128, initializer_range=0.2, bos_token_id=1,
@@ -60,11 +60,7 @@ def torch_model(name):
     config = getattr(transformers, config_class)(**config)
     config._attn_implementation = "eager"
     model = getattr(transformers, arch)(config)
-    with torch.no_grad():
-        for key, param in model.named_parameters():
-            if "norm" in key or "ln" in key or key.endswith("bias"):
-                param.add_(0.2 * torch.randn_like(param))
-    return model.eval()
+    return perturbed(model, lambda key: "norm" in key or "ln" in key or key.endswith("bias"), 0.2)
 
 
 @pytest.fixture(scope="module")

@@ -21,23 +21,23 @@ def fenced(text: str, language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", text, re.S)
 
 
-def test_python_example_runs_as_written(tmp_path):
-    (code,) = fenced(section("Python"), "python")
+def run_example(heading: str, tmp_path) -> None:
+    """The one Python block of the README section `heading`, run from the checkout (TMPDIR: `tmp_path`)."""
+    (code,) = fenced(section(heading), "python")
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
         env=port_env({"TMPDIR": str(tmp_path)}),
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_python_example_runs_as_written(tmp_path):
+    run_example("Python", tmp_path)
     assert list(tmp_path.iterdir()), "the example writes its output under TMPDIR"
 
 
 def test_training_and_generation_example_runs_as_written(tmp_path):
-    (code,) = fenced(section("Training and generation"), "python")
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
-        env=port_env({"TMPDIR": str(tmp_path)}),
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
+    run_example("Training and generation", tmp_path)
 
 
 def shape_of(line: str) -> str:
