@@ -132,3 +132,24 @@ def test_interrupt_while_starting(tmp_path):
     assert code == 130, output
     assert output.strip().splitlines() == ["port: interrupted"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_signals_after_the_worker_ended_change_nothing(tmp_path):
+    """Ctrl-C repeated while the supervisor exits (after its worker finished) never kills it.
+
+    Python's finalization puts a handled signal back to its default action; a
+    signal then would end the supervisor by SIGINT (-2) with a complete output.
+    """
+    script = tmp_path / "supervisor.py"
+    script.write_text(
+        "import os, subprocess, sys, time\n"
+        "from port._interrupt import supervise\n"
+        "code = supervise([sys.executable, '-c', 'pass'], print)\n"
+        "pelt = f'i=0; while [ $i -lt 200000 ] && kill -INT {os.getpid()} 2>/dev/null; do i=$((i+1)); done'\n"
+        "subprocess.Popen(['sh', '-c', pelt], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+        "time.sleep(0.2)\n"
+        "sys.exit(code)\n"
+    )
+    for _ in range(3):
+        result = subprocess.run([sys.executable, script], capture_output=True, text=True, env=port_env(), timeout=60)
+        assert result.returncode == 0, (result.returncode, result.stderr)

@@ -201,6 +201,11 @@ def supervise(argv: Sequence[str], say: Callable[[str], None]) -> int:
                 pass
         if worker.poll() is not None and not open_pipe:
             break
+    # Decided: a signal from now on changes nothing. Ignored rather than noted, since
+    # Python's finalization puts a noted signal back to the default action, and one
+    # arriving then would kill this process after the worker had finished.
+    for s in SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
     for path in reversed(told.paths):
         _remove(path)
     if received:
