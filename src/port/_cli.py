@@ -296,8 +296,11 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
         for note in leaf.notes:
             lines += wrapped(f"note: {note}")
     lines.append("")
+    named = {key for _, _, keys in recipe.ignored_by_rule for key in keys}
+    lines += [f"ignored: {printable(resolved)} ({len(keys)} tensors, by the mapping's ignore '{printable(rule)}')"
+              for rule, resolved, keys in recipe.ignored_by_rule if keys]
     lines += [f"ignored: {printable(pattern)}" + (f" ({n} tensors)" if n > 1 else "")
-              for pattern, n in _grouped(recipe.ignored).items()]
+              for pattern, n in _grouped(tuple(k for k in recipe.ignored if k not in named)).items()]
     lines += [f"tied: {printable(key)} = {printable(copy_of)}, not read" for key, copy_of in recipe.tied]
     lines += [f"absent: {path} (optional, not in the checkpoint: None)" for path in recipe.empty]
     lines.append(

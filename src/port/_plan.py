@@ -19,6 +19,7 @@ import dataclasses
 import fnmatch
 import itertools
 import math
+import re
 from collections.abc import Iterable, Mapping as AnyMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +108,10 @@ class Plan:
     excluded: tuple[str, ...] = ()  # leaves `include` leaves out: set to None
     kept: tuple[str, ...] = ()  # leaves a non-strict plan does not fill: they keep the model's values
     unused: tuple[str, ...] = ()  # checkpoint keys a non-strict plan leaves unread
+    # The keys ignored by each mapping ignore pattern that names config values, as
+    # (pattern, with the values put in, keys): `layers.{num_hidden_layers}.*` ->
+    # `layers.61.*` (DeepSeek-V3's multi-token-prediction layer), for `port plan` to show.
+    ignored_by_rule: tuple[tuple[str, str, tuple[str, ...]], ...] = ()
 
     @property
     def params(self) -> int:
@@ -288,12 +293,16 @@ def plan_problems(
                     f"({', '.join(mesh_shape)}) does not have"
                 )
     stripped = _strip(mapping, tensors, problems)
+    name_of = {key: name for name, key in stripped.items()}
     names = config_names(skeleton, config)
+    ignore = ignore_patterns(mapping, names, problems)
     every = {p: leaf for p, leaf in skeleton_leaves(skeleton).items() if hasattr(leaf, "shape")}
     check_include(every, include, mapping.model)
     targets = {p: leaf for p, leaf in every.items() if selects(p, include)}
     excluded = tuple(p for p in every if p not in targets)
     claimed: set[str] = set()  # keys of every entry whose leaf exists, planned or not
+    groups_union = {i for ids in layer_groups(skeleton).values() for i in ids}
+    beyond: dict[int, str] = {}  # a layer no group holds -> a key naming it
     leaf_plans, empty, kept = [], [], []
     for param in mapping.params:
         where = f"{mapping.source}: entry '{param.key}'"
@@ -314,10 +323,16 @@ def plan_problems(
             continue  # an optional leaf the model lacks: its keys must be tied or ignored
         matches = {}
         pattern = param.pattern()
+        group = _layer_group(skeleton, param)
+        rows = None if group is None else {layer: row for row, layer in enumerate(group)}
         for name, key in stripped.items():
             if m := pattern.match(name):
                 claimed.add(key)
                 index = _in_layers(param, param.index(m), layers)
+                if index is not None and group is not None:
+                    if index[0] not in groups_union:
+                        beyond.setdefault(index[0], key)
+                    index = (rows[index[0]], *index[1:]) if index[0] in rows else None
                 if index is not None:
                     matches[index] = key
         if not matches and param.key_optional:
@@ -327,9 +342,19 @@ def plan_problems(
             kept.append(param.path)
             continue
         target = targets[param.path]
-        leaf = _leaf(param, where, matches, tensors, target, names, mapping.rules, mesh_shape, target_dtype, problems)
+        leaf = _leaf(param, where, matches, tensors, target, names, mapping.rules, mesh_shape, target_dtype, problems,
+                     group)
         if leaf is not None:
             leaf_plans.append(leaf)
+    beyond = {
+        layer: key for layer, key in beyond.items()
+        if not any(fnmatch.fnmatchcase(name_of[key], pattern) for pattern in ignore.values())
+    }
+    for layer, key in sorted(beyond.items())[:1]:
+        problems.append(
+            f"{tensors[key].file.name}: tensor '{key}' is of layer {layer}, beyond the model's "
+            f"{len(groups_union)} layers"
+        )
     filled = {p.path for p in mapping.params}
     for path in targets:
         if path not in filled:
@@ -341,7 +366,7 @@ def plan_problems(
     for name, key in stripped.items():
         if key in claimed:
             continue
-        if any(fnmatch.fnmatchcase(name, pattern) for pattern in mapping.ignore):
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in ignore.values()):
             ignored.append(key)
         elif name in mapping.tied:
             tied.append((key, mapping.tied[name]))
@@ -355,8 +380,59 @@ def plan_problems(
     if problems:
         return problems
     return Plan(
-        tuple(leaf_plans), mesh_shape, tuple(ignored), tuple(tied), tuple(empty), excluded, tuple(kept), tuple(unused)
+        tuple(leaf_plans), mesh_shape, tuple(ignored), tuple(tied), tuple(empty), excluded, tuple(kept), tuple(unused),
+        tuple(
+            (p, r, tuple(k for k in ignored if fnmatch.fnmatchcase(name_of[k], r)))
+            for p, r in ignore.items() if p != r
+        ),
     )
+
+
+def ignore_patterns(mapping: Mapping, names: AnyMapping[str, Any], problems: list[str]) -> dict[str, str]:
+    """The mapping's `ignore` patterns, each with config values put in for `{name}`.
+
+    `layers.{num_hidden_layers}.*` is the layer stored after the model's last one
+    (DeepSeek-V3's multi-token-prediction layer): `layers.61.*` for a 61-layer config.
+    A name config.json lacks, or whose value is not an integer, is a problem.
+    """
+    patterns = {}
+    for pattern in mapping.ignore:
+        resolved = pattern
+        for name in re.findall(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", pattern):
+            value = names.get(name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                problems.append(
+                    f"{mapping.source}: ignore pattern '{pattern}' names '{name}', which config.json "
+                    f"does not give as an integer"
+                )
+                break
+            resolved = resolved.replace("{" + name + "}", str(value))
+        patterns[pattern] = resolved
+    return patterns
+
+
+def layer_groups(skeleton: Any) -> dict[str, tuple[int, ...]]:
+    """The model's layer groups: path prefix -> the checkpoint layers its stacked rows hold.
+
+    A model whose layers differ (dense MLP layers among mixture-of-experts ones, linear
+    and full attention) keeps each kind in its own stack and says which checkpoint
+    layers each holds, as a `layer_groups` attribute: `{"dense": (0, 1, 2), "moe": (3,
+    ..., 60)}`. A `{layer}` entry whose path is under a group's prefix fills that
+    group's rows from those layers only (row i from layer `ids[i]`); {} for a model
+    without groups (every `{layer}` stack holds every layer, in order).
+    """
+    groups = getattr(skeleton, "layer_groups", None)
+    return dict(groups) if isinstance(groups, AnyMapping) else {}
+
+
+def _layer_group(skeleton: Any, param: Param) -> tuple[int, ...] | None:
+    """The checkpoint layers the stack at `param.path` holds, when it is in a layer group."""
+    if not param.stack or param.stack[0] != LAYER:
+        return None
+    for prefix, ids in layer_groups(skeleton).items():
+        if param.path == prefix or param.path.startswith(prefix + "."):
+            return tuple(ids)
+    return None
 
 
 def _in_layers(param: Param, index: tuple[int, ...], layers: range | None) -> tuple[int, ...] | None:
@@ -385,9 +461,12 @@ def config_names(skeleton: Any, config: AnyMapping[str, Any]) -> dict[str, Any]:
 
 
 def _is_none(module: Any, path: str) -> bool:
-    """Whether `path` names an attribute of `module` that is None (an absent optional leaf)."""
+    """Whether `path` names an attribute of `module` that is None, or lies under one that is
+    (an absent optional leaf, or a leaf of an absent submodule)."""
     node = module
     for part in path.split("."):
+        if node is None:
+            return True
         if part.isdigit() and isinstance(node, (list, tuple)):
             if int(part) >= len(node):
                 return False
@@ -425,6 +504,7 @@ def _leaf(
     mesh_shape: dict[str, int],
     target_dtype: np.dtype | None,
     problems: list[str],
+    group: tuple[int, ...] | None = None,
 ) -> LeafPlan | None:
     if not matches:
         problems.append(f"{where}: missing tensor: no key in the checkpoint matches")
@@ -439,7 +519,8 @@ def _leaf(
     missing = [i for i in grid if i not in matches]
     extra = sorted(i for i in matches if any(a >= n for a, n in zip(i, stack)))
     if missing:
-        problems.append(f"{where}: missing tensor '{param.key_at(missing[0])}' ({counts} expected)")
+        first_missing = missing[0] if group is None else (group[missing[0][0]], *missing[0][1:])
+        problems.append(f"{where}: missing tensor '{param.key_at(first_missing)}' ({counts} expected)")
         return None
     if extra:
         problems.append(f"{where}: tensor '{matches[extra[0]]}' is beyond the model's {counts}")
