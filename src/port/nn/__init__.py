@@ -26,6 +26,7 @@ from port.nn._generate import prefill as prefill
 from port.nn._init import normal as normal
 from port.nn._init import stacked as stacked
 from port.nn._init import zeros_if as zeros_if
+from port.nn._layers import run_groups as run_groups
 from port.nn._layers import run_layers as run_layers
 from port.nn._loss import next_token_loss as next_token_loss
 from port.nn._mlp import MLP as MLP

@@ -45,40 +45,69 @@ class Cache(eqx.Module):
     ```
     """
 
-    keys: Float[Array, "layers batch length kv_heads head_dim"]
-    values: Float[Array, "layers batch length kv_heads head_dim"]
+    keys: Any  # [layers, batch, length, kv_heads, head_dim], or a dict of them by layer group
+    values: Any
     mask: Bool[Array, "batch length"]
     next_position: Int[Array, " batch"]
     length: Int[Array, ""]
+    states: Any = None  # recurrent layers' states by layer group (None: none)
 
     @classmethod
     def empty(
-        cls, *, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype: Any
+        cls, *, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype: Any,
+        value_dim: int | None = None,
     ) -> Cache:
         """An empty cache of `length` slots per sequence.
 
         **Arguments:** the model's `layers`, `kv_heads`, `head_dim` and activation
-        `dtype`; the `batch` size and the `length` (prompt plus every new token).
+        `dtype`; the `batch` size and the `length` (prompt plus every new token);
+        `value_dim`, the values' head size where it is not the keys' (multi-head latent
+        attention).
 
         **Returns:** a `Cache` of zeros, no slot filled. Raises `ValueError` when `batch`
         or `length` is not a positive integer.
         """
-        for name, value in (("batch", batch), ("length", length)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
+        check_sizes(batch, length)
         shape = (layers, batch, length, kv_heads, head_dim)
+        value_shape = shape if value_dim is None else (*shape[:-1], value_dim)
+        return cls.of(jnp.zeros(shape, dtype), jnp.zeros(value_shape, dtype), batch=batch, length=length)
+
+    @classmethod
+    def of(cls, keys: Any, values: Any, states: Any = None, *, batch: int, length: int) -> Cache:
+        """An empty cache over buffers a model made itself: per layer group, or with
+        recurrent states (a hybrid model's `init_cache`).
+
+        **Arguments:** `keys`, `values` (zeros, `[layers, batch, length, ...]` each, or
+        dicts of them by layer group), `states` (zeros, by layer group; None: none), and
+        the `batch` and `length` they were made for.
+
+        ```python
+        kv = lambda n: jnp.zeros((n, batch, length, kv_heads, head_dim))
+        cache = Cache.of({"full": kv(12)}, {"full": kv(12)}, {"linear": (conv, recurrent)},
+                         batch=batch, length=length)
+        ```
+        """
+        check_sizes(batch, length)
         return cls(
-            keys=jnp.zeros(shape, dtype),
-            values=jnp.zeros(shape, dtype),
+            keys=keys,
+            values=values,
             mask=jnp.zeros((batch, length), bool),
             next_position=jnp.zeros((batch,), jnp.int32),
             length=jnp.zeros((), jnp.int32),
+            states=states,
         )
 
     @property
     def size(self) -> int:
         """The number of slots per sequence."""
         return self.mask.shape[1]
+
+
+def check_sizes(batch: Any, length: Any) -> None:
+    """Raise `ValueError` unless `batch` and `length` are positive integers."""
+    for name, value in (("batch", batch), ("length", length)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {value!r}")
 
 
 def write(

@@ -66,16 +66,21 @@ def scan(
         block_params, *rest = xs
         return layer(eqx.combine(block_params, static), carry, *rest)
 
-    if remat is not None and remat is not False:
-        if remat is True:
-            policy = None
-        elif isinstance(remat, str):
-            if remat not in REMAT:
-                raise ValueError(f"`remat` {remat!r} is not one of {', '.join(map(repr, REMAT))}, True or a policy")
-            policy = REMAT[remat]
-        elif callable(remat):
-            policy = remat
-        else:
-            raise TypeError(f"`remat` must be a bool, a policy name or a jax.checkpoint policy, got {remat!r}")
-        step = jax.checkpoint(step, policy=policy)
-    return jax.lax.scan(step, carry, (params, *per_layer))
+    return jax.lax.scan(checkpointed(step, remat), carry, (params, *per_layer))
+
+
+def checkpointed(step: Callable[..., Any], remat: bool | str | Callable[..., bool] | None) -> Callable[..., Any]:
+    """`step` under `jax.checkpoint` as `remat` asks (see `scan`); `step` itself for None or False."""
+    if remat is None or remat is False:
+        return step
+    if remat is True:
+        policy = None
+    elif isinstance(remat, str):
+        if remat not in REMAT:
+            raise ValueError(f"`remat` {remat!r} is not one of {', '.join(map(repr, REMAT))}, True or a policy")
+        policy = REMAT[remat]
+    elif callable(remat):
+        policy = remat
+    else:
+        raise TypeError(f"`remat` must be a bool, a policy name or a jax.checkpoint policy, got {remat!r}")
+    return jax.checkpoint(step, policy=policy)

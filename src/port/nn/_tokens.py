@@ -22,6 +22,8 @@ return tokens.output(logits)                   # the batch axis dropped if the i
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import equinox as eqx
@@ -72,13 +74,14 @@ class Tokens(eqx.Module):
         """The first slot this call's tokens take in the cache (None without one)."""
         return None if self.cache is None else self.cache.length - self.ids.shape[1]
 
-    def output(self, out: Array, keys: Array | None = None, values: Array | None = None) -> Any:
+    def output(self, out: Array, keys: Any = None, values: Any = None, states: Any = None) -> Any:
         """`out` without the batch axis if the ids had none; with a cache, `(out, cache)`,
-        the cache holding the layers' new `keys` and `values`."""
+        the cache holding the layers' new `keys` and `values` (and recurrent `states`,
+        for a model that has them)."""
         out = out if self.batched else out[0]
         if self.cache is None:
             return out
-        return out, eqx.tree_at(lambda c: (c.keys, c.values), self.cache, (keys, values))
+        return out, dataclasses.replace(self.cache, keys=keys, values=values, states=states)
 
 
 def prepare(
