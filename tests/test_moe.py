@@ -46,6 +46,8 @@ QWEN2_MOE = dict(
     COMMON, num_experts=6, intermediate_size=56, moe_intermediate_size=24,
     shared_expert_intermediate_size=40,
 )
+QWEN3_MOE = dict(COMMON, num_experts=6, intermediate_size=56, moe_intermediate_size=24, head_dim=12,
+                 norm_topk_prob=True)
 # name: (architecture, config)
 CASES = {
     "mixtral": ("Mixtral", MIXTRAL),
@@ -56,12 +58,18 @@ CASES = {
     # (Qwen2-MoE's rule: even layers below max_window_layers; here layer 0 only).
     "qwen2-moe-sliding": ("Qwen2Moe", dict(QWEN2_MOE, use_sliding_window=True, sliding_window=4,
                                            max_window_layers=1)),
+    # Layer 0 dense (decoder_sparse_step 2), layer 1 sparse: the two stacks of `layer_groups`.
+    "qwen2-moe-dense": ("Qwen2Moe", dict(QWEN2_MOE, decoder_sparse_step=2, norm_topk_prob=True)),
+    # Qwen3's attention (head_dim 12, not 48 / 6); layer 1 of 3 dense (mlp_only_layers), a
+    # window of 4 on every layer, q/k/v/o biases.
+    "qwen3-moe": ("Qwen3Moe", dict(QWEN3_MOE, num_hidden_layers=3, mlp_only_layers=[1], use_sliding_window=True,
+                                   sliding_window=4, attention_bias=True)),
 }
 # Every family on every mesh, each compile a new (config, mesh): 7 compiles in all.
 PARITY = [
     ("mixtral", "1x1"), ("mixtral", "4x2"), ("mixtral", "8x1"),
     ("qwen2-moe", "4x2"), ("qwen2-moe-norm", "8x1"), ("qwen2-moe-sliding", "1x1"),
-    ("mixtral-sliding", "4x2"),
+    ("mixtral-sliding", "4x2"), ("qwen2-moe-dense", "4x2"), ("qwen3-moe", "1x1"), ("qwen3-moe", "4x2"),
 ]
 IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
 MAPPINGS = Path(__file__).resolve().parents[1] / "mappings"
@@ -69,7 +77,7 @@ MAPPINGS = Path(__file__).resolve().parents[1] / "mappings"
 
 def ids(name):
     """16 tokens; the first 12 of them for the sliding-window cases (a window of 4 in either length)."""
-    return IDS[:, :12] if "sliding" in name else IDS
+    return IDS[:, :12] if "sliding" in name or name == "qwen3-moe" else IDS
 
 
 def torch_moe(name, dtype=None):
@@ -168,7 +176,17 @@ def test_logits_match_transformers(checkpoints, name, mesh_spec):
     assert blocks.attn.wq.sharding.spec == P(None, "model", None, "data")
     assert blocks.attn.wk.sharding.spec == P(None, "model", None, "data")
     qwen = name.startswith("qwen2")
-    assert (blocks.mlp.shared is not None) == qwen and (blocks.attn.bq is not None) == qwen
+    assert (blocks.mlp.shared is not None) == qwen
+    assert (blocks.attn.bq is not None) == (qwen or name == "qwen3-moe")
+    dense = [i for i, kind in enumerate(model.config.kinds) if kind == "dense"]
+    assert dense == {"qwen2-moe-dense": [0], "qwen3-moe": [1]}.get(name, [])
+    if dense:  # the dense layers' own stack, sharded as a dense model's
+        assert model.dense.mlp.gate.shape[0] == len(dense) and blocks.mlp.router.shape[0] == len(model.config.kinds) - 1
+        assert model.dense.mlp.gate.sharding.spec == P(None, "model", "data")
+        assert model.dense.mlp.down.sharding.spec == P(None, "data", "model")
+        assert model.dense.attn.wq.sharding.spec == P(None, "model", None, "data")
+    else:
+        assert model.dense is None and model.layer_groups == {}
     if qwen:
         assert blocks.mlp.shared.gate.sharding.spec == P(None, "model", "data")
         assert blocks.mlp.shared_gate.sharding.spec == P(None, "data")
@@ -242,7 +260,7 @@ def test_logits_match_transformers_with_experts_on_an_expert_axis(checkpoints):
     np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2-moe", "qwen3-moe"])
 def test_gradients_match_pytorch(checkpoints, name, tmp_path):
     """jax.grad of the mean next-token loss equals PyTorch's backward for every parameter.
 
@@ -329,7 +347,7 @@ def test_bfloat16_end_to_end(tmp_path):
 # ---------------------------------------------------------------- export
 
 
-@pytest.mark.parametrize("name, mesh", [("mixtral", "4x2"), ("qwen2-moe-norm", "8x1")])
+@pytest.mark.parametrize("name, mesh", [("mixtral", "4x2"), ("qwen2-moe-norm", "8x1"), ("qwen3-moe", "4x2")])
 def test_export_round_trip(checkpoints, name, mesh, tmp_path):
     """port.load on a mesh, port.export, transformers from_pretrained: no missing or unexpected
     key, every parameter equal to loading the original; the files hold the source's tensors
@@ -603,15 +621,15 @@ def test_config_defaults_follow_transformers():
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(mlp_only_layers=[1]), "config.json: 'mlp_only_layers' [1] gives layers [1] a dense MLP"),
-        (dict(decoder_sparse_step=2), "config.json: 'decoder_sparse_step' 2 gives layers [0] a dense MLP"),
+        (dict(mlp_only_layers=[1, "2"]), "config.json: 'mlp_only_layers' must be a list of layer indices"),
+        (dict(decoder_sparse_step=0), "config.json: 'decoder_sparse_step' must be a positive integer"),
         (dict(num_experts_per_tok=7), "config.json: 'num_experts_per_tok' (7) is more than 'num_experts' (6)"),
         (dict(num_experts=0), "config.json: 'num_experts' must be a positive integer"),
-        (dict(model_type="qwen3_moe"), "config.json: 'model_type' 'qwen3_moe' is not supported"),
+        (dict(model_type="qwen3_next"), "config.json: 'model_type' 'qwen3_next' is not supported"),
     ],
 )
 def test_config_refuses_in_one_line(change, message):
-    """Dense layers among sparse ones would make the stacked layers heterogeneous: refused, naming the key."""
+    """A config port cannot read is refused in one line naming the key."""
     with pytest.raises(ConfigError) as raised:
         MoeConfig.from_hf({**QWEN2_MOE, "model_type": "qwen2_moe", **change})
     assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
@@ -620,7 +638,19 @@ def test_config_refuses_in_one_line(change, message):
 def test_mlp_only_layers_beyond_the_model_change_nothing():
     """transformers only consults mlp_only_layers for layers that exist."""
     config = MoeConfig.from_hf({**QWEN2_MOE, "model_type": "qwen2_moe", "mlp_only_layers": [5]})
-    assert config.num_experts == 6
+    assert config.num_experts == 6 and config.kinds == ("blocks", "blocks")
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
+def test_dense_layers_as_transformers_places_them(model_type):
+    """Layer i is sparse unless listed in mlp_only_layers or (i + 1) % decoder_sparse_step != 0
+    (transformers' Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer); the model stacks each kind apart."""
+    base = {**QWEN3_MOE, "model_type": model_type, "num_hidden_layers": 6}
+    config = MoeConfig.from_hf({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert config.kinds == ("dense", "blocks", "dense", "dense", "dense", "blocks")
+    model = eqx.filter_eval_shape(Moe.from_config, {**base, "mlp_only_layers": [0, 4]}, key=jax.random.key(0))
+    assert model.layer_groups == {"blocks": (1, 2, 3, 5), "dense": (0, 4)}
+    assert model.blocks.mlp.router.shape == (4, 6, 48) and model.dense.mlp.gate.shape == (2, 56, 48)
 
 
 def test_abstract_model_shapes():

@@ -38,6 +38,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -233,7 +234,10 @@ class Block(eqx.Module):
     mlp: GatedMLP | MoE
     eps: float = eqx.field(static=True)
 
-    def __init__(self, config: LlamaConfig, dtype: Any, *, key: PRNGKeyArray):
+    def __init__(
+        self, config: LlamaConfig, dtype: Any, *, key: PRNGKeyArray,
+        mlp: Callable[[Any, PRNGKeyArray], GatedMLP | MoE] | None = None,
+    ):
         kattn, kmlp = jax.random.split(key)
         c = config
         self.attn_norm = jnp.ones((c.hidden_size,), dtype)
@@ -243,7 +247,7 @@ class Block(eqx.Module):
             qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps,
         )
         self.mlp_norm = jnp.ones((c.hidden_size,), dtype)
-        self.mlp = c.mlp(dtype, kmlp)
+        self.mlp = (c.mlp if mlp is None else mlp)(dtype, kmlp)  # `mlp`: another feed-forward (a dense layer)
         self.eps = c.rms_norm_eps
 
     def __call__(

@@ -1,4 +1,4 @@
-"""Mixtral and Qwen2-MoE: port's Llama with a routed mixture of experts in every block.
+"""Mixtral, Qwen2-MoE and Qwen3-MoE: port's Llama blocks with a routed mixture of experts.
 
 Only what is new in these families lives here: reading their config.json into a
 `MoeConfig` (a `LlamaConfig`, attention, norms and RoPE, plus the experts) whose `mlp`
@@ -6,7 +6,10 @@ builds each block's feed-forward as a `port.nn.MoE`. Its router picks the top
 `num_experts_per_tok` experts of each token and only those run, as grouped matmuls over
 the (token, expert) pairs sorted by expert: the cost follows top-k, not the expert
 count. The experts are stacked on an axis after the layers' (`blocks.mlp.experts.gate`
-is [layers, experts, intermediate, embed]). Two `model_type`s:
+is [layers, experts, intermediate, embed]). Layers with a dense MLP among the sparse
+ones (`mlp_only_layers`, `decoder_sparse_step` > 1) are stacked apart, in `dense`, and
+the model's `layer_groups` says which checkpoint layers each stack holds. Three
+`model_type`s:
 
 - "mixtral": softmax routing, the top-k weights renormalised to sum to 1 and kept
   float32 when weighting the experts' outputs (as transformers); no attention biases; an
@@ -14,8 +17,10 @@ is [layers, experts, intermediate, embed]). Two `model_type`s:
 - "qwen2_moe": renormalised only when `norm_topk_prob`, the weights cast to the
   activations' dtype; q/k/v biases (`qkv_bias`); a shared expert (a SwiGLU MLP of
   `shared_expert_intermediate_size`) added to every token, scaled by
-  `sigmoid(shared_expert_gate . x)`. Dense layers (`mlp_only_layers`,
-  `decoder_sparse_step` > 1) would make the layers heterogeneous: refused.
+  `sigmoid(shared_expert_gate . x)`.
+- "qwen3_moe": Qwen3's attention (per-head q/k RMSNorm, `attention_bias`), the sliding
+  window on every layer when `use_sliding_window`; Qwen2-MoE's routing without a shared
+  expert.
 
 Example:
     ```python
@@ -44,22 +49,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
-from jaxtyping import PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._console import quoted
 from port._errors import ConfigError
 from port.models._config import MAX_LAYERS, check_model_type, get
-from port.models.llama import Llama, LlamaConfig
-from port.nn import MoE
+from port.models.llama import Block, LlamaConfig
+from port.nn import Decoder, GatedMLP, MoE, Tokens, embeddings, head, rms_norm, run_groups, stacked
 
-MODEL_TYPES = ("mixtral", "qwen2_moe")
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # transformers' config class defaults, used where config.json omits a key (as port's Llama,
 # a null num_key_value_heads means one kv head per query head).
 _MIXTRAL_DEFAULTS: dict[str, Any] = {
     "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
     "rope_theta": 1e6, "sliding_window": None,
+}
+_QWEN3_MOE_DEFAULTS: dict[str, Any] = {
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
+    "decoder_sparse_step": 1, "num_key_value_heads": 4, "use_sliding_window": False, "sliding_window": 4096,
+    "attention_bias": False,
 }
 _QWEN2_MOE_DEFAULTS: dict[str, Any] = {
     "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
@@ -75,7 +87,9 @@ class MoeConfig(LlamaConfig):
     `moe_intermediate_size` is each routed expert's hidden size; `shared_intermediate_size`
     the shared expert's, or None without one. `weights_in_input_dtype`: the top-k weights
     are cast to the activations' dtype before weighting (Qwen2-MoE) rather than kept
-    float32 (Mixtral); the same in float32.
+    float32 (Mixtral); the same in float32. `sparse_layers`: per layer, whether its MLP
+    is the mixture of experts (True) or a dense SwiGLU of `intermediate_size`; () means
+    every layer is sparse.
     """
 
     num_experts: int = 8
@@ -84,6 +98,13 @@ class MoeConfig(LlamaConfig):
     norm_topk_prob: bool = True
     shared_intermediate_size: int | None = None
     weights_in_input_dtype: bool = False
+    sparse_layers: tuple[bool, ...] = ()
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's stack in `Moe`: "blocks" (mixture of experts) or "dense"."""
+        sparse = self.sparse_layers or (True,) * self.num_hidden_layers
+        return tuple("blocks" if s else "dense" for s in sparse)
 
     @classmethod
     def from_hf(cls, config: dict) -> MoeConfig:
@@ -97,10 +118,8 @@ class MoeConfig(LlamaConfig):
         ```
         """
         model_type = check_model_type(config, MODEL_TYPES, "port.models.moe")
-        if model_type == "mixtral":
-            attention, moe = _mixtral(config)
-        else:
-            attention, moe = _qwen2_moe(config)
+        read = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}[model_type]
+        attention, moe = read(config)
         if moe["num_experts_per_tok"] > moe["num_experts"]:
             key = "num_local_experts" if model_type == "mixtral" else "num_experts"
             raise ConfigError(
@@ -127,6 +146,10 @@ class MoeConfig(LlamaConfig):
             shared_inner=self.shared_intermediate_size, shared_gate=self.shared_intermediate_size is not None,
             weights_in_input_dtype=self.weights_in_input_dtype,
         )
+
+    def dense_mlp(self, dtype: Any, key: PRNGKeyArray) -> GatedMLP:
+        """The feed-forward of a dense layer (`mlp_only_layers`): SwiGLU of `intermediate_size`."""
+        return LlamaConfig.mlp(self, dtype, key)
 
 
 def _with_defaults(config: dict, defaults: dict[str, Any]) -> dict:
@@ -165,8 +188,8 @@ def _qwen2_moe(config: dict) -> tuple[LlamaConfig, dict[str, Any]]:
         ]
     attention = LlamaConfig.from_hf({**filled, "model_type": "qwen2"})
     attention = dataclasses.replace(attention, qkv_bias=get(filled, "qkv_bias", bool))
-    _refuse_dense_layers(filled, layers)
     moe = dict(
+        sparse_layers=_sparse_layers(filled, layers),
         num_experts=get(filled, "num_experts", int),
         num_experts_per_tok=get(filled, "num_experts_per_tok", int),
         moe_intermediate_size=get(filled, "moe_intermediate_size", int),
@@ -177,46 +200,97 @@ def _qwen2_moe(config: dict) -> tuple[LlamaConfig, dict[str, Any]]:
     return attention, moe
 
 
-def _refuse_dense_layers(config: dict, layers: int) -> None:
-    """Refuse `mlp_only_layers` / `decoder_sparse_step` that give some layer a dense MLP.
+def _qwen3_moe(config: dict) -> tuple[LlamaConfig, dict[str, Any]]:
+    """Qwen3-MoE's attention is Qwen3's; its window, when `use_sliding_window`, covers every layer."""
+    filled = _with_defaults(config, _QWEN3_MOE_DEFAULTS)
+    if "num_local_experts" in config:  # transformers 5 saves `num_experts` under this name
+        filled["num_experts"] = config["num_local_experts"]
+    layers = get(filled, "num_hidden_layers", int, maximum=MAX_LAYERS)
+    hidden, heads = get(filled, "hidden_size", int), get(filled, "num_attention_heads", int)
+    head_dim = filled.get("head_dim") or hidden // max(heads, 1)
+    attention = LlamaConfig.from_hf({**filled, "model_type": "qwen3", "use_sliding_window": False, "head_dim": head_dim})
+    if get(filled, "use_sliding_window", bool) and filled.get("sliding_window") is not None:
+        window = get(filled, "sliding_window", int)
+        attention = dataclasses.replace(attention, sliding_window=window, sliding_layers=(True,) * layers)
+    moe = dict(
+        sparse_layers=_sparse_layers(filled, layers),
+        num_experts=get(filled, "num_experts", int),
+        num_experts_per_tok=get(filled, "num_experts_per_tok", int),
+        moe_intermediate_size=get(filled, "moe_intermediate_size", int),
+        norm_topk_prob=get(filled, "norm_topk_prob", bool),
+        shared_intermediate_size=None,
+        weights_in_input_dtype=True,
+    )
+    return attention, moe
 
-    transformers makes layer i sparse when i is not in `mlp_only_layers` and
-    `(i + 1) % decoder_sparse_step == 0`; port stacks the layers, so all must be sparse.
-    """
+
+def _sparse_layers(config: dict, layers: int) -> tuple[bool, ...]:
+    """Which layers have the mixture of experts, as transformers decides: layer i is sparse
+    unless it is in `mlp_only_layers` or `(i + 1) % decoder_sparse_step` is not 0."""
     step = get(config, "decoder_sparse_step", int)
     only = config.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
         raise ConfigError(f"config.json: 'mlp_only_layers' must be a list of layer indices, got {quoted(only)}")
-    listed = sorted(i for i in set(only) if 0 <= i < layers)
-    if listed:
-        raise ConfigError(
-            f"config.json: 'mlp_only_layers' {listed} gives layers {listed} a dense MLP: "
-            "port.models.moe needs a sparse MoE MLP in every layer"
-        )
-    dense = [i for i in range(layers) if (i + 1) % step]
-    if dense:
-        raise ConfigError(
-            f"config.json: 'decoder_sparse_step' {step} gives layers {dense} a dense MLP: "
-            "port.models.moe needs a sparse MoE MLP in every layer (decoder_sparse_step 1)"
-        )
+    return tuple(i not in only and (i + 1) % step == 0 for i in range(layers))
 
 
-class Moe(Llama):
-    """Mixtral / Qwen2-MoE causal LM: port's `Llama` whose blocks' `mlp` is a `port.nn.MoE`.
+class Moe(Decoder):
+    """Mixtral / Qwen2-MoE / Qwen3-MoE causal LM: Llama blocks whose `mlp` is a `port.nn.MoE`.
 
-    Everything but the config is Llama's (call it as a `Llama`: masks, positions,
-    segments, the cache, `dtype`, `remat`); `config` is a `MoeConfig`.
+    Called as every `port.nn.Decoder` (masks, positions, segments, the cache, `dtype`,
+    `remat`). `blocks` holds the sparse layers, stacked; `dense` the layers with a dense
+    MLP (None when every layer is sparse, as in Mixtral); `layer_groups` says which
+    checkpoint layers each holds.
 
     ```python
     model = Moe.from_config(config, key=jax.random.key(0))
     logits = model(ids)                      # (batch, seq, vocab)
+    model.layer_groups                       # {} when every layer is sparse, else
+                                             # {"blocks": (1, 3), "dense": (0, 2)}
     ```
     """
 
+    embed: Float[Array, "vocab embd"]
+    blocks: Block | None
+    dense: Block | None
+    norm: Float[Array, " embd"]
+    lm_head: Float[Array, "vocab embd"] | None
+    config: MoeConfig = eqx.field(static=True)
+
+    def __init__(self, config: MoeConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
+        kembed, kblocks, kdense = jax.random.split(key, 3)
+        self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
+                                              dtype=dtype, tied=config.tie_word_embeddings)
+        sparse, dense = config.kinds.count("blocks"), config.kinds.count("dense")
+        self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, sparse) if sparse else None
+        self.dense = stacked(
+            lambda k: Block(config, dtype, key=k, mlp=config.dense_mlp), kdense, dense
+        ) if dense else None
+        self.norm = jnp.ones((config.hidden_size,), dtype)
+        self.config = config
+
     @classmethod
     def from_config(cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32) -> Moe:
-        """Randomly initialise from a Hugging Face `config.json` dict (model_type mixtral or qwen2_moe).
+        """Randomly initialise from a Hugging Face `config.json` dict (model_type mixtral, qwen2_moe
+        or qwen3_moe).
 
         **Arguments:** `config` (the config.json dict), `key`, `dtype` (of the parameters).
         """
         return cls(MoeConfig.from_hf(config), key=key, dtype=dtype)
+
+    @property
+    def layer_groups(self) -> dict[str, tuple[int, ...]]:
+        """The checkpoint layers `blocks` and `dense` hold; {} when every layer is sparse."""
+        kinds = self.config.kinds
+        if "dense" not in kinds:
+            return {}
+        return {kind: tuple(i for i, k in enumerate(kinds) if k == kind) for kind in ("blocks", "dense")}
+
+    def logits(self, tokens: Tokens, remat: Any) -> tuple[Array, Any]:
+        """Embed, the layers in checkpoint order (each its window), the final norm and the head."""
+        c = self.config
+        x = self.embed[tokens.ids]
+        cos, sin = c.rope.angles(tokens.positions, x.dtype)
+        groups = {"blocks": self.blocks, "dense": self.dense}
+        x, cache = run_groups(groups, c.kinds, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, remat=remat)
+        return head(rms_norm(x, self.norm, c.rms_norm_eps), self.embed, self.lm_head), cache
