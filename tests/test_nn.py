@@ -6,6 +6,8 @@ formula, masks and positions, the cache's and generate's refusals, a decode step
 compiles once, remat's names.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -239,3 +241,90 @@ def test_remat_keeps_less_for_the_backward_pass(llama):
 
     params, static = eqx.partition(llama, eqx.is_array)
     assert temp(True) < 0.8 * temp(None)
+
+
+# ---------------------------------------------------------------- layers of several kinds
+
+
+@pytest.fixture(scope="module")
+def mistral4():
+    """A 4-layer Mistral (window 3) whose layers run_groups regroups in every test below."""
+    config = {**LLAMA_CONFIG, "model_type": "mistral", "num_hidden_layers": 4, "sliding_window": 3}
+    return Llama.from_config(config, key=jax.random.key(1))
+
+
+@functools.partial(jax.jit, static_argnums=(1,), static_argnames=("remat",))
+def regrouped(model, kinds, ids, cache=None, remat=None):
+    """`model`'s layers split into one stack per kind of `kinds`, run by run_groups."""
+    import equinox as eqx
+
+    from port.nn import head, rms_norm, run_groups
+
+    params, static = eqx.partition(model.blocks, eqx.is_array)
+    groups = {
+        kind: eqx.combine(jax.tree.map(lambda a: a[np.array([i for i, k in enumerate(kinds) if k == kind])], params),
+                          static)
+        for kind in dict.fromkeys(kinds)
+    }
+    c = model.config
+    tokens = prepare(ids, cache=cache, window=c.sliding_window)
+    x = model.embed[tokens.ids]
+    cos, sin = c.rope.angles(tokens.positions, x.dtype)
+    x, parts = run_groups(groups, kinds, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, remat=remat)
+    return tokens.output(head(rms_norm(x, model.norm, c.rms_norm_eps), model.embed, model.lm_head), *parts)
+
+
+# (kinds, how run_groups runs them): a pattern repeated, runs, one kind.
+KINDS = [("abab", "one scan over 2 repeats"), ("aaab", "two scans"), ("abbb", "two scans"), ("aaaa", "run_layers")]
+
+
+@pytest.mark.parametrize("kinds", [k for k, _ in KINDS])
+def test_run_groups_equals_one_stack(mistral4, kinds):
+    """The same layers, regrouped by kind, give the model's logits; so does the gradient
+    (through the pattern's scan with remat, and through runs)."""
+    import equinox as eqx
+
+    ids = np.random.default_rng(0).integers(0, LLAMA_CONFIG["vocab_size"], (2, 9)).astype(np.int32)
+    np.testing.assert_allclose(regrouped(mistral4, tuple(kinds), ids), mistral4(ids), atol=1e-6, rtol=0)
+    if kinds not in ("abab", "aaab"):
+        return
+    loss = lambda f: lambda m: f(m).astype(jnp.float32).sum()  # noqa: E731
+    remat = kinds == "abab"
+    ours = eqx.filter_grad(loss(lambda m: regrouped(m, tuple(kinds), ids, remat=remat)))(mistral4)
+    theirs = eqx.filter_grad(loss(lambda m: m(ids)))(mistral4)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kinds, per_kind", [("abab", False), ("aabb", True)], ids=["one-buffer", "buffers-by-kind"])
+def test_run_groups_decodes_with_either_cache_layout(mistral4, kinds, per_kind):
+    """Prefill then one token at a time, through a cache over every layer or one per kind:
+    the logits of the whole sequence at once."""
+    kinds = tuple(kinds)
+    ids = np.random.default_rng(1).integers(0, LLAMA_CONFIG["vocab_size"], (2, 9)).astype(np.int32)
+    layers, kv_heads, head_dim = mistral4.cache_sizes
+    if per_kind:
+        zeros = lambda n: jnp.zeros((n, 2, 12, kv_heads, head_dim))  # noqa: E731
+        cache = Cache.of({k: zeros(kinds.count(k)) for k in "ab"}, {k: zeros(kinds.count(k)) for k in "ab"},
+                         batch=2, length=12)
+    else:
+        cache = mistral4.init_cache(2, 12)
+    out, cache = regrouped(mistral4, kinds, ids[:, :5], cache)
+    steps = [out]
+    for t in range(5, 9):
+        out, cache = regrouped(mistral4, kinds, ids[:, t : t + 1], cache)
+        steps.append(out)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), mistral4(ids), atol=1e-5, rtol=0)
+    assert isinstance(cache.keys, dict) == per_kind
+
+
+def test_run_groups_refuses_a_kind_without_blocks_or_cache(mistral4):
+    ids = np.zeros((1, 3), np.int32)
+    with pytest.raises(ValueError, match="layer kind 'b' has layers but no blocks"):
+        from port.nn import run_groups
+
+        run_groups({"a": mistral4.blocks, "b": None}, ("a", "b"), jnp.zeros((1, 3, 48)), prepare(ids))
+    zeros = jnp.zeros((4, 1, 8, 2, 8))
+    cache = Cache.of({"a": zeros}, {"a": zeros}, batch=1, length=8)
+    with pytest.raises(ValueError, match="the cache holds nothing for layer kind 'b'"):
+        regrouped(mistral4, ("a", "b", "a", "b"), ids, cache)

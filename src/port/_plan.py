@@ -302,7 +302,7 @@ def plan_problems(
     excluded = tuple(p for p in every if p not in targets)
     claimed: set[str] = set()  # keys of every entry whose leaf exists, planned or not
     groups_union = {i for ids in layer_groups(skeleton).values() for i in ids}
-    beyond: dict[int, str] = {}  # a layer no group holds -> a key naming it
+    beyond: dict[str, int] = {}  # keys of layers no group holds -> their layer
     leaf_plans, empty, kept = [], [], []
     for param in mapping.params:
         where = f"{mapping.source}: entry '{param.key}'"
@@ -331,7 +331,7 @@ def plan_problems(
                 index = _in_layers(param, param.index(m), layers)
                 if index is not None and group is not None:
                     if index[0] not in groups_union:
-                        beyond.setdefault(index[0], key)
+                        beyond[key] = index[0]
                     index = (rows[index[0]], *index[1:]) if index[0] in rows else None
                 if index is not None:
                     matches[index] = key
@@ -346,11 +346,8 @@ def plan_problems(
                      group)
         if leaf is not None:
             leaf_plans.append(leaf)
-    beyond = {
-        layer: key for layer, key in beyond.items()
-        if not any(fnmatch.fnmatchcase(name_of[key], pattern) for pattern in ignore.values())
-    }
-    for layer, key in sorted(beyond.items())[:1]:
+    beyond_ignored = [k for k in beyond if any(fnmatch.fnmatchcase(name_of[k], p) for p in ignore.values())]
+    for layer, key in sorted((layer, key) for key, layer in beyond.items() if key not in set(beyond_ignored))[:1]:
         problems.append(
             f"{tensors[key].file.name}: tensor '{key}' is of layer {layer}, beyond the model's "
             f"{len(groups_union)} layers"
@@ -362,7 +359,7 @@ def plan_problems(
                 problems.append(f"{mapping.source}: leaf '{path}' of {mapping.model} has no mapping entry")
             else:
                 kept.append(path)
-    ignored, tied, unused = [], [], []
+    ignored, tied, unused = list(beyond_ignored), [], []
     for name, key in stripped.items():
         if key in claimed:
             continue
