@@ -38,7 +38,7 @@ ROOT = Path(__file__).parents[1]
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{split={axis=0,index=0}}]',
          r"params\[0\] \(a\): split needs exactly one of 'parts' or 'sizes'"),
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{rotate=1}]',
-         r"params\[0\] \(a\): rotate: unknown transform \(expected transpose, reshape, split or cast\)"),
+         r"params\[0\] \(a\): rotate: unknown transform \(expected transpose, reshape, split, cast or stride\)"),
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\n[[params]]\nkey="c"\npath="b"\naxes=[]',
          "path 'b' is filled by both"),
     ],

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import port
-from port._transforms import REGISTRY, Cast, Chain, Reshape, Split, Transform, Transpose, parse_transform
+from port._transforms import REGISTRY, Cast, Chain, Reshape, Split, Stride, Transform, Transpose, parse_transform
 
 FLOATS = [np.dtype(np.float32), np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)]
 
@@ -609,15 +609,15 @@ def test_render_text(text, rendered):
 
 
 def test_registry_holds_every_transform_once():
-    assert list(REGISTRY) == ["transpose", "reshape", "split", "cast"]
+    assert list(REGISTRY) == ["transpose", "reshape", "split", "cast", "stride"]
     assert all(cls.name == name and issubclass(cls, Transform) for name, cls in REGISTRY.items())
-    assert [name for name, cls in REGISTRY.items() if cls.fused] == ["split"]
+    assert [name for name, cls in REGISTRY.items() if cls.fused] == ["split", "stride"]
 
 
 @pytest.mark.parametrize(
     "table, message",
     [
-        ({"rotate": 1}, "rotate: unknown transform \\(expected transpose, reshape, split or cast\\)"),
+        ({"rotate": 1}, "rotate: unknown transform \\(expected transpose, reshape, split, cast or stride\\)"),
         ({"transpose": [1, 0], "cast": "float32"}, "one-key table"),
         ([1, 0], "one-key table"),
         ({"transpose": [True, False]}, "transpose takes a permutation"),
@@ -689,3 +689,150 @@ def test_a_new_transform_is_one_class():
         np.testing.assert_array_equal(chain.inverse(x[:, ::-1], x.dtype), x)
     finally:
         del REGISTRY["flip"]
+
+
+# ------------------------------------------------------------ stride (a de-interleave)
+
+
+@st.composite
+def stride_for(draw, shape):
+    """Every `step`-th element of an axis from an offset; the step divides the axis."""
+    ndim = len(shape)
+    axis = draw(st.integers(-ndim, ndim - 1))
+    step = draw(st.sampled_from(_divisors(shape[axis])))
+    return Stride(axis, step, draw(st.integers(0, step - 1)))
+
+
+def reference_strided(transforms, x: np.ndarray) -> np.ndarray:
+    """`reference`, with `x[..., offset::step]` (plain numpy) for a stride."""
+    for t in transforms:
+        if isinstance(t, Stride):
+            x = np.moveaxis(np.moveaxis(x, t.axis, 0)[t.offset :: t.step], 0, t.axis)
+        else:
+            x = reference([t], x)
+    return x
+
+
+@st.composite
+def chain_with_stride(draw, shape, others=("transpose", "cast", "reshape")):
+    """Up to two transforms, one stride, up to two more: the stride's siblings have the same steps."""
+    transforms, current = [], shape
+    for _ in range(draw(st.integers(0, 2))):
+        t = draw(KINDS[draw(st.sampled_from(sorted(others)))](current))
+        transforms.append(t)
+        current = t.shape(current)
+    at = len(transforms)
+    transforms.append(draw(stride_for(current)))
+    current = transforms[-1].shape(current)
+    for _ in range(draw(st.integers(0, 2))):
+        t = draw(KINDS[draw(st.sampled_from(sorted(others)))](current))
+        transforms.append(t)
+        current = t.shape(current)
+    return transforms, at
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_stride_contract(data):
+    """apply(x[region(box)]) == full(x)[box] for every box, and the region is the tightest
+    box holding the strided elements: at most `step` times the box along the axis."""
+    shape = data.draw(shapes, label="shape")
+    x = _source(data, shape)
+    t = data.draw(stride_for(shape), label="transform")
+    box = data.draw(out_box(t.shape(shape)), label="box")
+    region = t.region(shape, box)
+    want = reference_strided([t], x)[_slices(box)]
+    got = t.apply(x[_slices(region)], shape, box)
+    assert got.shape == want.shape and got.tobytes() == np.ascontiguousarray(want).tobytes()
+    axis = t.axis % len(shape)
+    (a, b), (lo, hi) = box[axis], region[axis]
+    assert (lo, hi) == (t.offset + t.step * a, t.offset + t.step * (b - 1) + 1)
+    assert hi - lo <= t.step * (b - a) and hi - lo == (b - a - 1) * t.step + 1
+    assert region[:axis] + region[axis + 1 :] == box[:axis] + box[axis + 1 :]
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_stride_in_a_chain_contract(data):
+    shape = data.draw(shapes, label="shape")
+    x = _source(data, shape, data.draw(st.sampled_from(FLOATS), label="source dtype"))
+    transforms, _ = data.draw(chain_with_stride(shape), label="chain")
+    chain = Chain.build(transforms, shape)
+    box = data.draw(out_box(chain.shape), label="box")
+    regions = chain.regions(box)
+    for region, s in zip(regions, chain.shapes):
+        assert all(0 <= a <= b <= n for (a, b), n in zip(region, s))
+    got = chain.apply(x[_slices(regions[0])], regions)
+    want = reference_strided(transforms, x)[_slices(box)]
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes()
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_stride_inverse_interleaves_every_part(data):
+    shape = data.draw(shapes, label="shape")
+    x = _exact_source(data, shape, data.draw(st.sampled_from(FLOATS), label="source dtype"))
+    t = data.draw(stride_for(shape), label="transform")
+    family = t.siblings(shape)
+    assert t in family and [s.offset for s in family] == list(range(t.step))
+    _same_bits(t.inverse([reference_strided([s], x) for s in family], shape, x.dtype), x)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_stride_chain_inverse_from_its_siblings(data):
+    """Chain.inverse of a chain holding a stride rebuilds the source bit for bit from every
+    offset's chain (equal before the stride, each with the same later steps)."""
+    shape = data.draw(shapes, label="shape")
+    x = _exact_source(data, shape, data.draw(st.sampled_from(FLOATS), label="source dtype"))
+    transforms, at = data.draw(chain_with_stride(shape), label="chain")
+    chain = Chain.build(transforms, shape)
+    siblings = []
+    for other in transforms[at].siblings(chain.shapes[at]):
+        if other != transforms[at]:
+            steps = [*transforms[:at], other, *transforms[at + 1 :]]
+            siblings.append((Chain.build(steps, shape), reference_strided(steps, x)))
+    _same_bits(chain.inverse(reference_strided(transforms, x), x.dtype, siblings=siblings), x)
+    if siblings:
+        with pytest.raises(ValueError, match="needs every part"):
+            chain.inverse(reference_strided(transforms, x), x.dtype, siblings=siblings[1:])
+
+
+def test_gpt_oss_gate_up_de_interleave():
+    """gpt-oss's `gate_up_proj` [experts, hidden, 2 inter]: gate = columns 0, 2, ..., up = 1, 3, ...;
+    a quarter of the gate's rows (after the transpose) reads only the span of its columns."""
+    x = np.arange(2 * 3 * 16, dtype=np.float32).reshape(2, 3, 16)
+    gate = Chain.build([Stride(2, 2, 0), Transpose((0, 2, 1))], x.shape)
+    up = Chain.build([Stride(2, 2, 1), Transpose((0, 2, 1))], x.shape)
+    box = ((1, 2), (4, 6), (0, 3))  # expert 1, gate rows 4-5 of 8
+    regions = gate.regions(box)
+    assert regions[0] == ((1, 2), (0, 3), (8, 11))  # columns 8 and 10: 3 columns read, not 16
+    np.testing.assert_array_equal(gate.apply(x[_slices(regions[0])], regions), x[1:2, :, 8:11:2].transpose(0, 2, 1))
+    up_regions = up.regions(box)
+    assert up_regions[0] == ((1, 2), (0, 3), (9, 12))
+    np.testing.assert_array_equal(up.apply(x[_slices(up_regions[0])], up_regions), x[1:2, :, 9:12:2].transpose(0, 2, 1))
+    back = gate.inverse(x[..., ::2].transpose(0, 2, 1), x.dtype, siblings=[(up, x[..., 1::2].transpose(0, 2, 1))])
+    _same_bits(back, x)
+
+
+@pytest.mark.parametrize("arg, message", [
+    ({"axis": 0}, "stride takes"),
+    ({"axis": 0, "step": 2, "every": 1}, "stride takes"),
+    ({"axis": 0, "step": 2.0}, "integer"),
+    ({"axis": 0, "step": 2, "offset": 2}, "offset"),
+    ({"axis": 0, "step": 0}, "step"),
+])
+def test_stride_parse_errors(arg, message):
+    with pytest.raises(ValueError, match=message):
+        parse_transform({"stride": arg})
+
+
+def test_stride_render_and_bad_shapes():
+    t = Stride(2, 2, 1)
+    assert t.render() == "{ stride = { axis = 2, step = 2, offset = 1 } }"
+    assert _parse_text(t.render()) == t and parse_transform({"stride": {"axis": 2, "step": 2}}) == Stride(2, 2, 0)
+    with pytest.raises(ValueError, match="step must divide"):
+        t.shape((2, 3, 5))
+    with pytest.raises(ValueError, match="does not fit"):
+        t.shape((4, 4))

@@ -17,7 +17,9 @@ list of one-key tables; the key names a class in `REGISTRY`. Each class
   back to `in_dtype` (exact when the forward cast lost nothing: a widening cast, or
   values the narrower dtype holds). `split` keeps one part of a fused tensor, so its
   inverse takes every part, in index order, and concatenates them (`Split.fused`):
-  `Split.inverse([forward of part i for every i], in_shape, in_dtype) == x`.
+  `Split.inverse([forward of part i for every i], in_shape, in_dtype) == x`. `stride`
+  (every `step`-th element from an offset: a de-interleave) is fused the same way, its
+  inverse interleaving the parts.
 
 `Chain` strings transforms together for a source shape, and inverts them in reverse
 order; a chain holding a split inverts with its siblings, the chains that keep the
@@ -470,6 +472,98 @@ class Cast(Transform, name="cast"):
 
     def __str__(self) -> str:
         return f"cast({self.dtype.name})"
+
+
+@dataclass(frozen=True)
+class Stride(Transform, name="stride"):
+    """Take every `step`-th element of `axis` from `offset` on: `x[..., offset::step]` (de-interleave).
+
+    gpt-oss fuses its experts' gate and up projections column by column
+    (`gate_up_proj[..., ::2]` is the gate, `[..., 1::2]` up): `step` 2, offset 0 and 1.
+    Like `split` it keeps one part of a fused tensor, so its inverse takes every part,
+    offsets `0..step-1` in order, and interleaves them back (`fused`).
+
+    Reading: a box `[a, b)` of the output needs elements `offset + step*a` through
+    `offset + step*(b-1)` of the input. A source region is a box and a read is a run
+    of contiguous bytes (positioned reads; skipping every other element of the
+    innermost axis would save no I/O, pages are read whole), so the region is the
+    tightest box holding them, `[offset + step*a, offset + step*(b-1) + 1)`, and
+    `apply` picks the elements out with a step: a device holding a part of the
+    de-interleaved axis reads about `step` times its bytes (never the whole axis
+    unless it holds all of it).
+
+    ```python
+    t = Stride(axis=1, step=2, offset=0)         # { stride = { axis = 1, step = 2, offset = 0 } }
+    t.shape((4, 10))                             # (4, 5)
+    t.region((4, 10), ((0, 4), (1, 3)))          # ((0, 4), (2, 5)): elements 2 and 4
+    t.inverse([gate, up], (4, 10), dtype)        # interleaved: gate in columns 0, 2, ...
+    ```
+    """
+
+    fused: ClassVar[bool] = True
+
+    axis: int
+    step: int
+    offset: int = 0
+
+    @classmethod
+    def parse(cls, arg: Any) -> Stride:
+        if not isinstance(arg, dict) or set(arg) - {"axis", "step", "offset"} or not {"axis", "step"} <= set(arg):
+            raise ValueError("stride takes { axis, step, offset }")
+        if not all(_int(v) for v in arg.values()):
+            raise ValueError("stride needs integer 'axis', 'step' and 'offset'")
+        if arg["step"] < 1 or not 0 <= arg.get("offset", 0) < arg["step"]:
+            raise ValueError(f"stride: 'step' must be positive and 'offset' in [0, step), got {arg}")
+        return cls(arg["axis"], arg["step"], arg.get("offset", 0))
+
+    def arg(self) -> dict[str, int]:
+        return {"axis": self.axis, "step": self.step, "offset": self.offset}
+
+    def _axis(self, in_shape: Shape) -> int:
+        if not (in_shape and -len(in_shape) <= self.axis < len(in_shape)):
+            raise ValueError(f"stride axis {self.axis} does not fit a {len(in_shape)}-d tensor")
+        axis = self.axis % len(in_shape)
+        if self.step < 1 or not 0 <= self.offset < self.step or in_shape[axis] % self.step:
+            raise ValueError(
+                f"stride of axis {self.axis} (size {in_shape[axis]}) by step {self.step} from offset {self.offset}: "
+                "the step must divide the axis, the offset be below the step"
+            )
+        return axis
+
+    def siblings(self, in_shape: Shape) -> tuple[Stride, ...]:
+        """The strides keeping every offset of `in_shape`, in offset order (this one among them)."""
+        self._axis(in_shape)
+        return tuple(replace(self, offset=i) for i in range(self.step))
+
+    def shape(self, in_shape: Shape) -> Shape:
+        axis = self._axis(in_shape)
+        return in_shape[:axis] + (in_shape[axis] // self.step,) + in_shape[axis + 1 :]
+
+    def region(self, in_shape: Shape, out: Region) -> Region:
+        axis = self._axis(in_shape)
+        a, b = out[axis]
+        span = (0, 0) if b <= a else (self.offset + self.step * a, self.offset + self.step * (b - 1) + 1)
+        return out[:axis] + (span,) + out[axis + 1 :]
+
+    def apply(self, block: np.ndarray, in_shape: Shape, out: Region) -> np.ndarray:
+        axis = self._axis(in_shape)
+        return block[(slice(None),) * axis + (slice(None, None, self.step),)]
+
+    def inverse(self, out: Sequence[np.ndarray], in_shape: Shape, in_dtype: np.dtype) -> np.ndarray:
+        """Interleave every part back along the axis (`out[i]` the elements at `i`, `i + step`, ...)."""
+        axis, siblings = self._axis(in_shape), self.siblings(in_shape)
+        if len(out) != len(siblings):
+            raise ValueError(f"stride inverse needs all {len(siblings)} parts, got {len(out)}")
+        for i, (part, s) in enumerate(zip(out, siblings)):
+            if tuple(part.shape) != s.shape(in_shape):
+                raise ValueError(f"stride part {i} is {list(part.shape)}, expected {list(s.shape(in_shape))}")
+        whole = np.empty(in_shape, np.result_type(*out))
+        for i, part in enumerate(out):
+            whole[(slice(None),) * axis + (slice(i, None, self.step),)] = part
+        return whole
+
+    def __str__(self) -> str:
+        return f"stride(axis={self.axis}, step={self.step}, offset={self.offset})"
 
 
 def _strides(sizes: Sequence[int]) -> list[int]:
