@@ -1,8 +1,9 @@
 """port's library of layers: what every model family is built from.
 
 A family file holds only what is new in it; norms, rotary embeddings, attention, MLPs,
-the routed mixture of experts, the layer scan, inputs and masks, the key/value cache,
-greedy generation and the loss live here. Every layer works on batch-first arrays
+the routed mixture of experts, multi-head latent attention (DeepSeek-V3), Gated
+DeltaNet linear attention (Qwen3-Next), the layer scan and layers of several kinds,
+inputs and masks, the key/value cache, greedy generation and the loss live here. Every layer works on batch-first arrays
 (`[batch, seq, embd]`); models accept `(batch, seq)` ids or one `(seq,)` sequence.
 
 ```python
@@ -18,6 +19,12 @@ from port.nn._attention import attend as attend
 from port.nn._attention import with_cache as with_cache
 from port.nn._cache import Cache as Cache
 from port.nn._decoder import Decoder as Decoder
+from port.nn._deltanet import GatedDeltaNet as GatedDeltaNet
+from port.nn._deltanet import causal_conv as causal_conv
+from port.nn._deltanet import chunk_gated_delta_rule as chunk_gated_delta_rule
+from port.nn._deltanet import gated_rms_norm as gated_rms_norm
+from port.nn._deltanet import l2norm as l2norm
+from port.nn._deltanet import recurrent_gated_delta_rule as recurrent_gated_delta_rule
 from port.nn._embedding import embeddings as embeddings
 from port.nn._embedding import head as head
 from port.nn._generate import decode_step as decode_step
@@ -29,8 +36,10 @@ from port.nn._init import zeros_if as zeros_if
 from port.nn._layers import run_groups as run_groups
 from port.nn._layers import run_layers as run_layers
 from port.nn._loss import next_token_loss as next_token_loss
+from port.nn._mla import LatentAttention as LatentAttention
 from port.nn._mlp import MLP as MLP
 from port.nn._mlp import GatedMLP as GatedMLP
+from port.nn._mlp import clamped_swiglu as clamped_swiglu
 from port.nn._mlp import linear as linear
 from port.nn._moe import MoE as MoE
 from port.nn._moe import route as route

@@ -141,6 +141,9 @@ class Attention(eqx.Module):
     - `scale`: the score scale (None: `head_dim**-0.5`); `softcap` as in `attend`.
     - `sinks`: whether there is a learned per-head sink logit (a `sinks` leaf `[heads]`,
       zeros at initialisation), used as in `attend` (gpt-oss).
+    - `gate`: an output gate (Qwen3-Next): a `wg` leaf `[heads, head_dim, embd]` (and `bg`
+      with `qkv_bias`) projecting `x`; the attended values are multiplied by its sigmoid
+      before `wo`.
 
     Called as `attn(x, mask, cos=..., sin=..., kv=..., index=...)` -> `(y, kv)`: `x`
     `[batch, seq, embd]`, `mask` from `Tokens`, `cos`/`sin` from `Rope.angles` (None: no
@@ -166,6 +169,8 @@ class Attention(eqx.Module):
     q_norm: Float[Array, " head_dim"] | None
     k_norm: Float[Array, " head_dim"] | None
     sinks: Float[Array, " heads"] | None
+    wg: Float[Array, "heads head_dim embd"] | None
+    bg: Float[Array, "heads head_dim"] | None
     scale: float = eqx.field(static=True)
     softcap: float | None = eqx.field(static=True)
     norm_eps: float = eqx.field(static=True)
@@ -188,6 +193,7 @@ class Attention(eqx.Module):
         scale: float | None = None,
         softcap: float | None = None,
         sinks: bool = False,
+        gate: bool = False,
     ):
         kq, kk, kv, ko = jax.random.split(key, 4)
         h, g, d, e = heads, kv_heads, head_dim, embd
@@ -198,6 +204,8 @@ class Attention(eqx.Module):
         norm = (jnp.zeros if plus_one else jnp.ones)((d,), dtype) if qk_norm else None
         self.q_norm, self.k_norm = norm, norm
         self.sinks = jnp.zeros((h,), dtype) if sinks else None
+        self.wg = normal(jax.random.fold_in(kq, 1), (h, d, e), dtype) if gate else None
+        self.bg = zeros_if(gate and qkv_bias, (h, d), dtype)
         self.scale = d**-0.5 if scale is None else scale
         self.softcap = softcap
         self.norm_eps = norm_eps
@@ -233,5 +241,8 @@ class Attention(eqx.Module):
         q, k, v = self.project(x, cos, sin)
         k, v, kv = with_cache(k, v, kv, index)
         out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap, sinks=self.sinks)
+        if self.wg is not None:
+            g = jnp.einsum("bte,hde->bthd", x, self.wg)
+            out = out * jax.nn.sigmoid(g if self.bg is None else g + self.bg)
         y = jnp.einsum("bthd,ehd->bte", out, self.wo)
         return (y if self.bo is None else y + self.bo), kv

@@ -42,8 +42,29 @@ def linear(x: Float[Array, "... in"], weight: Float[Array, "out in"], bias: Floa
     return y if bias is None else y + bias
 
 
+def clamped_swiglu(gate: Array, up: Array, *, alpha: float, limit: float) -> Array:
+    """gpt-oss's SwiGLU: `(clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`, `g = min(gate, limit)`.
+
+    As transformers' `GptOssExperts`: the gate is clamped from above only, the up
+    projection on both sides, and 1 is added to it; each step in the inputs' dtype.
+
+    **Arguments:** `gate`, `up` (the two projections, one shape); `alpha` (the sigmoid's
+    slope); `limit` (the clamp).
+
+    **Returns:** `up`'s shape and dtype.
+
+    ```python
+    clamped_swiglu(jnp.array([9.0]), jnp.array([-9.0]), alpha=1.702, limit=7.0)   # (-7 + 1) * 7 * sigmoid(11.9)
+    ```
+    """
+    gate = jnp.minimum(gate, jnp.asarray(limit, gate.dtype))
+    up = jnp.clip(up, jnp.asarray(-limit, up.dtype), jnp.asarray(limit, up.dtype))
+    glu = gate * jax.nn.sigmoid(gate * jnp.asarray(alpha, gate.dtype))
+    return (up + jnp.asarray(1, up.dtype)) * glu
+
+
 class GatedMLP(eqx.Module):
-    """`down(act(gate x) * up x)`: SwiGLU (Llama), GeGLU (Gemma); optional biases.
+    """`down(act(gate x) * up x)`: SwiGLU (Llama), GeGLU (Gemma); optional biases; gpt-oss's clamped SwiGLU.
 
     **Arguments:**
 
@@ -52,6 +73,8 @@ class GatedMLP(eqx.Module):
     - `activation`: an `ACT2FN` name ("silu", "gelu_pytorch_tanh", ...).
     - `dtype`, `key`: the parameters' dtype and initialisation key (N(0, 0.02), zero biases).
     - `bias`: biases on all three projections.
+    - `limit`, `alpha`: with a `limit`, gpt-oss's clamped SwiGLU (`clamped_swiglu`, the
+      sigmoid's gain `alpha`) replaces `act(gate x) * up x`; `activation` is then unused.
 
     Called on `x` `[..., embd]`, returns `[..., embd]`. The leaves `gate`, `up`
     `[inner, embd]` and `down` `[embd, inner]` are torch `Linear` weights, biases
@@ -70,17 +93,34 @@ class GatedMLP(eqx.Module):
     bup: Float[Array, " inner"] | None
     bdown: Float[Array, " embd"] | None
     activation: str = eqx.field(static=True)
+    limit: float | None = eqx.field(static=True)
+    alpha: float = eqx.field(static=True)
 
-    def __init__(self, *, embd: int, inner: int, activation: str, dtype: Any, key: PRNGKeyArray, bias: bool = False):
+    def __init__(
+        self, *, embd: int, inner: int, activation: str, dtype: Any, key: PRNGKeyArray, bias: bool = False,
+        limit: float | None = None, alpha: float = 1.0,
+    ):
         kg, ku, kd = jax.random.split(key, 3)
         self.gate, self.up = normal(kg, (inner, embd), dtype), normal(ku, (inner, embd), dtype)
         self.down = normal(kd, (embd, inner), dtype)
         self.bgate, self.bup = zeros_if(bias, (inner,), dtype), zeros_if(bias, (inner,), dtype)
         self.bdown = zeros_if(bias, (embd,), dtype)
         self.activation = activation
+        self.limit, self.alpha = limit, alpha
+
+    def glu(self, gate: Array, up: Array) -> Array:
+        """The hidden activations from the gate and up projections: `act(gate) * up`, or clamped.
+
+        ```python
+        h = mlp.glu(linear(x, mlp.gate, mlp.bgate), linear(x, mlp.up, mlp.bup))
+        ```
+        """
+        if self.limit is not None:
+            return clamped_swiglu(gate, up, alpha=self.alpha, limit=self.limit)
+        return ACTIVATIONS[self.activation](gate) * up
 
     def __call__(self, x: Float[Array, "... embd"]) -> Float[Array, "... embd"]:
-        h = ACTIVATIONS[self.activation](linear(x, self.gate, self.bgate)) * linear(x, self.up, self.bup)
+        h = self.glu(linear(x, self.gate, self.bgate), linear(x, self.up, self.bup))
         return linear(h, self.down, self.bdown)
 
 

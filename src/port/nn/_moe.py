@@ -6,7 +6,8 @@ expert and each expert's gated MLP runs on its own tokens only, as grouped matmu
 weighted and added back to their tokens. No token is dropped, so the result is
 transformers' exactly (no capacity factor). Scoring is a softmax (Mixtral, Qwen-MoE,
 gpt-oss) or a sigmoid with a selection bias and group-limited choice (DeepSeek-V3);
-a shared expert, gated or not, may be added to every token.
+a shared expert, gated or not, may be added to every token. The router may have a
+bias and the experts biases and gpt-oss's clamped SwiGLU (`limit`, `alpha`).
 
 ```python
 moe = MoE(embd=512, inner=256, experts=8, top_k=2, activation="silu", dtype=jnp.float32, key=key)
@@ -23,8 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from port.models._config import ACTIVATIONS
-from port.nn._init import normal, stacked
+from port.nn._init import normal, stacked, zeros_if
 from port.nn._mlp import GatedMLP, linear
 
 _GROUPED = jax.lax.RaggedDotDimensionNumbers(
@@ -104,9 +104,17 @@ class MoE(eqx.Module):
       learned `shared_gate` leaf `[embd]` (Qwen2-MoE).
     - `weights_in_input_dtype`: cast the routing weights to the activations' dtype
       before weighting (Qwen-MoE) rather than weighting in float32 (Mixtral).
+    - `router_bias`: whether the router has a learned bias, a `router_bias` leaf
+      `[experts]` added to its logits (gpt-oss). gpt-oss's router takes the top k of the
+      logits and a softmax over those k: that is `scoring="softmax"` with `renormalise`
+      (the softmax is monotonic, and renormalising its top k is the softmax of their logits).
+    - `weight_inputs`: multiply each chosen expert's *input* by its weight, not its
+      output (Llama 4: `sigmoid` scoring, top 1, no renormalising).
+    - `bias`: biases on the experts' projections (`experts.bgate`, `bup`, `bdown`,
+      `[experts, ...]`); `limit`, `alpha`: the experts' clamped SwiGLU, as `GatedMLP`'s.
 
     Called on `x` `[..., embd]`, returns the same shape. The leaves are
-    `router` `[experts, embd]`, `experts` (a `GatedMLP` stacked by `stacked`, arrays
+    `router` `[experts, embd]`, the optional `router_bias`, `experts` (a `GatedMLP` stacked by `stacked`, arrays
     `[experts, ...]`), `shared` (a `GatedMLP`, or None) and the optional
     `selection_bias` / `shared_gate`.
 
@@ -118,6 +126,7 @@ class MoE(eqx.Module):
     """
 
     router: Float[Array, "experts embd"]
+    router_bias: Float[Array, " experts"] | None
     selection_bias: Float[Array, " experts"] | None
     experts: GatedMLP
     shared: GatedMLP | None
@@ -129,6 +138,7 @@ class MoE(eqx.Module):
     top_groups: int = eqx.field(static=True)
     scale: float = eqx.field(static=True)
     weights_in_input_dtype: bool = eqx.field(static=True)
+    weight_inputs: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -149,11 +159,18 @@ class MoE(eqx.Module):
         shared_inner: int | None = None,
         shared_gate: bool = False,
         weights_in_input_dtype: bool = False,
+        router_bias: bool = False,
+        weight_inputs: bool = False,
+        bias: bool = False,
+        limit: float | None = None,
+        alpha: float = 1.0,
     ):
         krouter, kexperts, kshared, kgate = jax.random.split(key, 4)
         self.router = normal(krouter, (experts, embd), dtype)
+        self.router_bias = zeros_if(router_bias, (experts,), dtype)
         self.selection_bias = jnp.zeros((experts,), dtype) if selection_bias else None
-        make = lambda k: GatedMLP(embd=embd, inner=inner, activation=activation, dtype=dtype, key=k)
+        make = lambda k: GatedMLP(embd=embd, inner=inner, activation=activation, dtype=dtype, key=k, bias=bias,
+                                  limit=limit, alpha=alpha)
         self.experts = stacked(make, kexperts, experts)
         self.shared = None if shared_inner is None else GatedMLP(
             embd=embd, inner=shared_inner, activation=activation, dtype=dtype, key=kshared
@@ -162,12 +179,13 @@ class MoE(eqx.Module):
         self.top_k, self.scoring, self.renormalise = top_k, scoring, renormalise
         self.groups, self.top_groups, self.scale = groups, top_groups, scale
         self.weights_in_input_dtype = weights_in_input_dtype
+        self.weight_inputs = weight_inputs
 
     def __call__(self, x: Float[Array, "... embd"]) -> Float[Array, "... embd"]:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, index = route(
-            linear(x, self.router, None), self.top_k, scoring=self.scoring, renormalise=self.renormalise,
+            linear(x, self.router, self.router_bias), self.top_k, scoring=self.scoring, renormalise=self.renormalise,
             selection_bias=self.selection_bias, groups=self.groups, top_groups=self.top_groups, scale=self.scale,
         )
         if self.weights_in_input_dtype:
@@ -187,15 +205,16 @@ class MoE(eqx.Module):
         order = jnp.argsort(flat, stable=True)
         token = order // self.top_k
         sizes = jnp.bincount(flat, length=experts).astype(jnp.int32)
-        rows = x[token]
+        weight = weights.reshape(-1)[order][:, None]
+        rows = (x[token] * weight).astype(x.dtype) if self.weight_inputs else x[token]
         mlp, chosen = self.experts, flat[order]
 
         def project(w: Array, b: Array | None, h: Array) -> Array:
             out = grouped(h, w, sizes)
             return out if b is None else out + b[chosen]
 
-        h = ACTIVATIONS[mlp.activation](project(mlp.gate, mlp.bgate, rows)) * project(mlp.up, mlp.bup, rows)
+        h = mlp.glu(project(mlp.gate, mlp.bgate, rows), project(mlp.up, mlp.bup, rows))
         out = project(mlp.down, mlp.bdown, h)
         # Weighted in the weights' dtype, then cast, as transformers does per expert.
-        out = (out * weights.reshape(-1)[order][:, None]).astype(x.dtype)
+        out = (out if self.weight_inputs else out * weight).astype(x.dtype)
         return jnp.zeros_like(x).at[token].add(out)
