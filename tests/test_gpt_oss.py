@@ -82,18 +82,20 @@ def logits(model, ids):
 
 def placed_reading_exactly(directory, mesh, mapping=None):
     """Place the checkpoint on `mesh`, recording every positioned read; check that the bytes read
-    are, as a multiset, those of the source region of every distinct block of every leaf (each
-    block read once, nothing else read; gate and up each read their own span of `gate_up_proj`).
-    Returns the plan."""
+    are, as a multiset, those of the distinct source regions of every distinct block of every
+    leaf (each region read once: gate's and up's blocks on one device share the region of their
+    interleaved columns of `gate_up_proj`; nothing else read). Returns the plan."""
     with recorded_reads() as calls:
         recipe, total, infos = place_on(directory, mesh, mapping)
     files, _ = read_offsets(calls)
-    wanted = Counter()
+    regions = set()
     for leaf in recipe.leaves:
         for box in leaf.shards(mesh.shape):
             region, keys = leaf.source_region(box)
-            for key in keys:
-                wanted.update(element_bytes(infos[key], region))
+            regions.update((key, region) for key in keys)
+    wanted = Counter()
+    for key, region in regions:
+        wanted.update(element_bytes(infos[key], region))
     assert Counter(files.tolist()) == wanted
     assert total == recipe.read_bytes == sum(wanted.values())
     return recipe, infos
@@ -193,8 +195,8 @@ def test_clamped_swiglu_is_transformers_apply_gate():
 def test_logits_match_transformers_with_experts_on_an_expert_axis(checkpoint):
     """`experts = "expert"` on `data=2,expert=2,model=2`: each device holds 2 of the 4 experts,
     half their hidden dim (`model`) and one batch row; the logits are transformers'. A block of
-    the gate reads only the span of its interleaved columns of `gate_up_proj`: 2I/2 - 1 of the
-    2I columns, for experts 2-3 only their rows."""
+    the gate and the same block of up read, once for both, only their interleaved columns of
+    `gate_up_proj`: I of the 2I columns, for experts 2-3 only their rows."""
     from jax.sharding import NamedSharding
 
     _, directory, expected, _ = checkpoint
@@ -209,9 +211,9 @@ def test_logits_match_transformers_with_experts_on_an_expert_axis(checkpoint):
     for box in boxes:
         region, keys = gate.source_region(box)
         (a, b) = box[2]
-        assert region == (box[1], box[3], (2 * a, 2 * b - 1))  # its columns' span: 2 * 20 - 1 of 80
+        assert region == (box[1], box[3], (2 * a, 2 * b))  # its and up's columns: 2 * 20 of 80
         read = sum(len(element_bytes(infos[k], region)) for k in keys)
-        assert read == layers * (experts // 2) * (hidden // 2) * (inter - 1) * 4
+        assert read == layers * (experts // 2) * (hidden // 2) * inter * 4
 
     model = port.load(directory, mesh=mesh, mapping=mapping)
     mlp = model.blocks.mlp
@@ -302,7 +304,7 @@ def test_each_device_block_reads_exactly_its_experts(checkpoint):
     assert boxes[-1] == ((0, layers), (2, 4), (0, inter), (hidden * 3 // 4, hidden))
     assert gate.box_keys(boxes[-1]) == tuple(f"model.layers.{i}.mlp.experts.gate_up_proj" for i in range(layers))
     region, _ = gate.source_region(boxes[-1])
-    assert region == ((2, 4), (hidden * 3 // 4, hidden), (0, 2 * inter - 1))
+    assert region == ((2, 4), (hidden * 3 // 4, hidden), (0, 2 * inter))
 
 
 def test_export_round_trip(checkpoint, tmp_path):

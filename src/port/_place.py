@@ -83,12 +83,23 @@ class Part:
 
 
 def read_key(checkpoint: Checkpoint, parts: list[Part]) -> None:
-    """Read one source key's regions for all the blocks that need it at once, and finish the staged ones."""
-    buffers = [
-        part.source if part.source is not None else np.empty(tuple(b - a for a, b in part.region), part.leaf.source_dtype)
-        for part in parts
-    ]
-    checkpoint.read_into(parts[0].key, [(part.region, buffer) for part, buffer in zip(parts, buffers)])
+    """Read one source key's regions for all the blocks that need it at once, and finish the staged ones.
+
+    Staged blocks that need the same region (the parts of an interleaved tensor, as
+    `stride` cuts it) share one buffer, read once."""
+    staged: dict[Region, np.ndarray] = {}
+    requests, buffers = [], []
+    for part in parts:
+        if part.source is not None:
+            buffer = part.source
+        elif part.region in staged:
+            buffers.append(staged[part.region])
+            continue
+        else:
+            buffer = staged[part.region] = np.empty(tuple(b - a for a, b in part.region), part.leaf.source_dtype)
+        requests.append((part.region, buffer))
+        buffers.append(buffer)
+    checkpoint.read_into(parts[0].key, requests)
     for part, buffer in zip(parts, buffers):
         if part.source is None:
             np.copyto(part.target, part.leaf.chain.apply(buffer, part.regions), casting="unsafe")

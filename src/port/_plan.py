@@ -129,8 +129,17 @@ class Plan:
 
     @property
     def read_bytes(self) -> int:
-        """Bytes read from the checkpoint when every distinct shard is read once."""
-        return sum(leaf.read_bytes for leaf in self.leaves)
+        """Bytes read from the checkpoint when every distinct shard is read once, and a region
+        several leaves' blocks need (the parts of an interleaved tensor) once for all."""
+        sharing = [leaf for leaf in self.leaves if any(t.shares_regions for t in leaf.chain.transforms)]
+        regions: dict[tuple[str, Region], int] = {}
+        for leaf in sharing:
+            for box in leaf.shards(self.mesh_shape):
+                region, keys = leaf.source_region(box)
+                size = math.prod(b - a for a, b in region) * leaf.source_dtype.itemsize
+                regions.update(((key, region), size) for key in keys)
+        shared = {id(leaf) for leaf in sharing}
+        return sum(regions.values()) + sum(leaf.read_bytes for leaf in self.leaves if id(leaf) not in shared)
 
     def table(self) -> list[dict[str, str]]:
         """One row per leaf, as `port plan` prints it."""

@@ -79,6 +79,8 @@ class Transform:
     name: ClassVar[str]
     #: True when one output does not determine the input: `inverse` takes every part.
     fused: ClassVar[bool] = False
+    #: True when the parts' blocks on a device need one region (read once for all of them).
+    shares_regions: ClassVar[bool] = False
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -486,21 +488,23 @@ class Stride(Transform, name="stride"):
     Reading: a box `[a, b)` of the output needs elements `offset + step*a` through
     `offset + step*(b-1)` of the input. A source region is a box and a read is a run
     of contiguous bytes (positioned reads; skipping every other element of the
-    innermost axis would save no I/O, pages are read whole), so the region is the
-    tightest box holding them, `[offset + step*a, offset + step*(b-1) + 1)`, and
-    `apply` picks the elements out with a step: a device holding a part of the
-    de-interleaved axis reads about `step` times its bytes (never the whole axis
-    unless it holds all of it).
+    innermost axis would save no I/O, pages are read whole), so the region is the box
+    of whole groups of `step` elements, `[step*a, step*b)`, the same for every offset,
+    and `apply` picks the elements out with a step. The parts' blocks on one device
+    then need one region, which placing reads once for all of them (`_place.read_key`):
+    a device holding columns `[a, b)` of gate and up reads exactly `[2a, 2b)` of the
+    fused tensor, its own bytes, once.
 
     ```python
     t = Stride(axis=1, step=2, offset=0)         # { stride = { axis = 1, step = 2, offset = 0 } }
     t.shape((4, 10))                             # (4, 5)
-    t.region((4, 10), ((0, 4), (1, 3)))          # ((0, 4), (2, 5)): elements 2 and 4
+    t.region((4, 10), ((0, 4), (1, 3)))          # ((0, 4), (2, 6)): elements 2 and 4 (and 3, 5 for offset 1)
     t.inverse([gate, up], (4, 10), dtype)        # interleaved: gate in columns 0, 2, ...
     ```
     """
 
     fused: ClassVar[bool] = True
+    shares_regions: ClassVar[bool] = True
 
     axis: int
     step: int
@@ -542,12 +546,12 @@ class Stride(Transform, name="stride"):
     def region(self, in_shape: Shape, out: Region) -> Region:
         axis = self._axis(in_shape)
         a, b = out[axis]
-        span = (0, 0) if b <= a else (self.offset + self.step * a, self.offset + self.step * (b - 1) + 1)
+        span = (0, 0) if b <= a else (self.step * a, self.step * b)
         return out[:axis] + (span,) + out[axis + 1 :]
 
     def apply(self, block: np.ndarray, in_shape: Shape, out: Region) -> np.ndarray:
         axis = self._axis(in_shape)
-        return block[(slice(None),) * axis + (slice(None, None, self.step),)]
+        return block[(slice(None),) * axis + (slice(self.offset, None, self.step),)]
 
     def inverse(self, out: Sequence[np.ndarray], in_shape: Shape, in_dtype: np.dtype) -> np.ndarray:
         """Interleave every part back along the axis (`out[i]` the elements at `i`, `i + step`, ...)."""
