@@ -104,6 +104,25 @@ def recurrent_gated_delta_rule(
     return jnp.moveaxis(out, 0, 1).astype(dtype), state
 
 
+def _unit_lower_inverse(lower: Float[Array, "... n n"]) -> Float[Array, "... n n"]:
+    """`(I + lower)^-1` for a strictly lower triangular `lower`, by matmuls only.
+
+    `lower` is nilpotent (`lower^n = 0`), so `(I + L)(I - L)(I + L^2)(I + L^4)...` telescopes
+    to `I - L^(2^m) = I` once `2^m >= n`: log2(n) squarings and products. Not
+    `jax.lax.linalg.triangular_solve`: inside a scan over layers whose inputs are sharded,
+    XLA's CPU runtime deadlocks on it (jax 0.10.2, 8 simulated devices); matmuls also suit
+    accelerators better than a substitution.
+    """
+    n = lower.shape[-1]
+    eye = jnp.eye(n, dtype=lower.dtype)
+    inverse, power, reach = eye - lower, lower, 2
+    while reach < n:
+        power = power @ power
+        inverse = inverse @ (eye + power)
+        reach *= 2
+    return inverse
+
+
 def chunk_gated_delta_rule(
     q: Float[Array, "batch seq key_heads key_dim"],
     k: Float[Array, "batch seq key_heads key_dim"],
@@ -116,7 +135,7 @@ def chunk_gated_delta_rule(
     normalize: bool = True,
 ) -> tuple[Float[Array, "batch seq heads value_dim"], Float[Array, "batch heads key_dim value_dim"]]:
     """The gated delta rule `chunk_size` tokens at a time: matmuls within a chunk (the UT
-    transform, a unit lower-triangular solve), a scan over chunks. Equal to
+    transform: a unit lower-triangular system, inverted by matmuls), a scan over chunks. Equal to
     `recurrent_gated_delta_rule`, differentiable, and what prefill and training use.
 
     **Arguments:** `q`, `k`, `v`, `g`, `beta`, `initial_state`, `normalize` as in
@@ -146,7 +165,8 @@ def chunk_gated_delta_rule(
     pairwise = jnp.exp(jnp.where(upper, -jnp.inf, cum[..., :, None] - cum[..., None, :]))
     system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * pairwise
     intra = jnp.einsum("...ik,...jk->...ij", q, k) * pairwise
-    solve = lambda b: jax.lax.linalg.triangular_solve(system, b, left_side=True, lower=True, unit_diagonal=True)
+    inverse = _unit_lower_inverse(system * jnp.tril(jnp.ones((size, size), system.dtype), -1))
+    solve = lambda b: inverse @ b  # noqa: E731
     new_values, k_cumdecay = solve(v_beta), solve(k_beta * jnp.exp(cum)[..., None])
     q = q * jnp.exp(cum)[..., None]
     k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
