@@ -160,6 +160,36 @@ def run_port(*args, env=None, cwd=None, timeout=300) -> subprocess.CompletedProc
     )
 
 
+_PROCESS_STATS = '''
+import atexit, os
+
+def _report():  # this process's bytes read (read/pread/preadv) and peak resident set, at exit
+    path = os.environ["PORT_TEST_IO"] + "." + str(os.getpid())
+    with open("/proc/self/io") as f, open("/proc/self/status") as s, open(path, "w") as out:
+        out.write(f.read() + s.read())
+
+if os.environ.get("PORT_TEST_IO"):
+    atexit.register(_report)
+'''
+
+
+def run_port_measured(tmp_path: Path, *args) -> tuple[subprocess.CompletedProcess, int, int]:
+    """`port ARGS` as `run_port`, every process of it (the supervisor and its worker) reporting at
+    exit what it read and its peak; returns (result, bytes read by all, the largest peak RSS)."""
+    hook = tmp_path / "stats-hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(_PROCESS_STATS)
+    io = tmp_path / "stats"
+    result = run_port(*args, env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])),
+                                  "PORT_TEST_IO": str(io)})
+    reports = [dict(line.split(":", 1) for line in f.read_text().splitlines() if ":" in line)
+               for f in tmp_path.glob("stats.*")]
+    assert len(reports) == 2 or result.returncode != 0, reports  # the supervisor and the worker
+    read = sum(int(r["rchar"]) for r in reports)
+    peak = max((int(r["VmHWM"].split()[0]) * 1024 for r in reports), default=0)
+    return result, read, peak
+
+
 def one_line(result, *substrings: str) -> str:
     """The run failed (exit 1) with exactly one `port: error:` line holding `substrings`, and no traceback."""
     output = result.stdout + result.stderr

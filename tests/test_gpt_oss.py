@@ -14,7 +14,6 @@ shape over a sparse file; one-line errors for configs that contradict the tensor
 
 import dataclasses
 import json
-import os
 import re
 import time
 from collections import Counter
@@ -35,11 +34,12 @@ from helpers import (
     read_offsets,
     recorded_reads,
     run_port,
+    run_port_measured,
     torch_logits,
     transformers_or_skip,
 )
 from jax.sharding import PartitionSpec as P
-from test_moe import HOOK, write_sparse_checkpoint
+from test_moe import write_sparse_checkpoint
 
 import port
 from port._errors import ConfigError
@@ -382,15 +382,8 @@ def test_plan_gpt_oss_120b_reads_no_tensor(tmp_path):
     shapes = gpt_oss_shapes(GPT_OSS_120B)
     file_size = write_sparse_checkpoint(tmp_path / "gpt-oss-120b", GPT_OSS_120B, shapes)
     assert file_size > 230e9
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HOOK.replace(
-        "out.write(f.read())", "out.write(f.read())\n        out.write(open('/proc/self/status').read())"))
-    io = tmp_path / "io.txt"
     start = time.perf_counter()
-    result = run_port("plan", tmp_path / "gpt-oss-120b", "--mesh", "4x2",
-                      env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])),
-                           "PORT_TEST_IO": str(io)})
+    result, rchar, peak = run_port_measured(tmp_path, "plan", tmp_path / "gpt-oss-120b", "--mesh", "4x2")
     seconds = time.perf_counter() - start
     assert result.returncode == 0, result.stdout + result.stderr
     c = GPT_OSS_120B
@@ -399,8 +392,6 @@ def test_plan_gpt_oss_120b_reads_no_tensor(tmp_path):
                               ("down", "2880,2880", "(-, model, data, -)")]:
         row = rf"^blocks\.mlp\.experts\.{leaf} +{re.escape(f'bf16[{stacked},{shape}]')} +{re.escape(spec)} "
         assert re.search(row, result.stdout, re.MULTILINE), result.stdout
-    stats = dict(line.split(":", 1) for line in io.read_text().splitlines() if ":" in line)
-    rchar, peak = int(stats["rchar"]), int(stats["VmHWM"].split()[0]) * 1024
     print(f"port plan gpt-oss-120b: {seconds:.1f} s, peak RSS {peak / 2**20:.0f} MiB, read {rchar / 2**20:.1f} MiB")
     assert rchar < 1e9 and peak < 1e9, (rchar, peak)
 

@@ -16,7 +16,6 @@ bit; the multimodal checkpoint's text half loads with its vision tensors ignored
 
 import dataclasses
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import perturbed, run_port, transformers_or_skip
+from helpers import perturbed, run_port, run_port_measured, transformers_or_skip
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_moe import recipe_for, write_sparse_checkpoint
@@ -417,38 +416,18 @@ def scout_shapes(c):
     return shapes
 
 
-HOOK = '''
-import atexit, os
-
-def _report():  # bytes read (read/pread/preadv) and the peak resident set, at exit
-    with open("/proc/self/io") as f, open("/proc/self/status") as s, open(os.environ["PORT_TEST_IO"], "w") as out:
-        out.write(f.read() + s.read())
-
-if os.environ.get("PORT_TEST_IO"):
-    atexit.register(_report)
-'''
-
-
 def test_plan_llama4_scout_reads_no_tensor(tmp_path):
     """`port plan` on Llama-4-Scout's text sizes (a ~215 GB sparse file): exit 0 in seconds, the
     experts on `model` x `data`, the dense group absent, under 1 GB read and peak resident."""
     shapes = scout_shapes(SCOUT)
     size = write_sparse_checkpoint(tmp_path / "scout", SCOUT, shapes)
     assert size > 200e9
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HOOK)
-    io = tmp_path / "io.txt"
     start = time.perf_counter()
-    result = run_port("plan", tmp_path / "scout", "--mesh", "4x2",
-                      env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])),
-                           "PORT_TEST_IO": str(io)})
+    result, rchar, peak = run_port_measured(tmp_path, "plan", tmp_path / "scout", "--mesh", "4x2")
     seconds = time.perf_counter() - start
     assert result.returncode == 0, result.stdout + result.stderr
-    stats = dict(line.split(":", 1) for line in io.read_text().splitlines() if ":" in line)
-    rchar, peak_kb = int(stats["rchar"]), int(stats["VmHWM"].split()[0])
-    print(f"port plan Llama-4-Scout text: {seconds:.1f} s, peak RSS {peak_kb / 1024:.0f} MiB, read {rchar} bytes")
-    assert rchar < 1e9 and peak_kb * 1024 < 1e9, (rchar, peak_kb)
+    print(f"port plan Llama-4-Scout text: {seconds:.1f} s, peak RSS {peak / 2**20:.0f} MiB, read {rchar} bytes")
+    assert rchar < 1e9 and peak < 1e9, (rchar, peak)
     recipe = recipe_for(tmp_path / "scout", {"data": 4, "model": 2})
     total = sum(2 * int(np.prod(s)) for s in shapes.values())
     assert recipe.nbytes == total

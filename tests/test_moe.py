@@ -28,7 +28,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import VOCAB, assert_blocks_read_exactly, place_on, run_port, torch_logits, transformers_or_skip
+from helpers import (
+    VOCAB, assert_blocks_read_exactly, place_on, run_port_measured, torch_logits, transformers_or_skip,
+)
 from port._console import size_text
 from port._errors import ConfigError
 from port.models.moe import Moe, MoeConfig
@@ -428,18 +430,6 @@ def write_sparse_checkpoint(directory, config, shapes) -> int:
     return size
 
 
-HOOK = '''
-import atexit, os
-
-def _report():  # this process's bytes read by read()/pread()/preadv() (port reads no other way)
-    with open("/proc/self/io") as f, open(os.environ["PORT_TEST_IO"], "w") as out:
-        out.write(f.read())
-
-if os.environ.get("PORT_TEST_IO"):
-    atexit.register(_report)
-'''
-
-
 def test_plan_mixtral_8x7b_reads_no_tensor(tmp_path):
     """`port plan` on Mixtral-8x7B's real sizes (46.7B bfloat16 params, a 93 GB sparse file):
     exit 0, every expert leaf sharded on `model` x `data`, the bytes per device port's own
@@ -449,13 +439,7 @@ def test_plan_mixtral_8x7b_reads_no_tensor(tmp_path):
     shapes = mixtral_shapes(MIXTRAL_8X7B)
     file_size = write_sparse_checkpoint(tmp_path / "mixtral", MIXTRAL_8X7B, shapes)
     assert file_size > 90e9
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HOOK)
-    io = tmp_path / "io.txt"
-    result = run_port("plan", tmp_path / "mixtral", "--mesh", "4x2",
-                      env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])),
-                           "PORT_TEST_IO": str(io)})
+    result, rchar, peak = run_port_measured(tmp_path, "plan", tmp_path / "mixtral", "--mesh", "4x2")
     assert result.returncode == 0, result.stdout + result.stderr
     recipe = recipe_for(tmp_path / "mixtral", {"data": 4, "model": 2})
     total = sum(2 * int(np.prod(s)) for s in shapes.values())
@@ -470,8 +454,7 @@ def test_plan_mixtral_8x7b_reads_no_tensor(tmp_path):
         row = rf"^blocks\.mlp\.experts\.{leaf} +{re.escape(f'bf16[{stacked},{shape}]')} +{re.escape(spec)} "
         assert re.search(row, result.stdout, re.M), result.stdout
     assert "layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight x32 x8" in result.stdout
-    rchar = int(dict(line.split(": ") for line in io.read_text().splitlines())["rchar"])
-    assert rchar < 1e9, rchar
+    assert rchar < 1e9 and peak < 1e9, (rchar, peak)
 
 
 def test_experts_the_model_axis_does_not_divide_leave_it_to_the_expert_hidden_dim(tmp_path):
