@@ -52,8 +52,9 @@ class Draft:
     ignore: list[str]
     tied: dict[str, str]
     unpaired: list[Group]
-    hints: dict[str, FusedHint | None]
+    hints: dict[str, FusedHint | None]  # by `Group.ident`
     free: list[Leaf]
+    notes: list[str] = field(default_factory=list)  # header comments: layers no group holds, empty groups
 
 
 def shape_text(shape: Shape) -> str:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
 
@@ -47,6 +47,12 @@ class Group:
     shape: Shape  # of each key
     dtype: np.dtype
     counts: Shape = ()  # the size of each stack axis: (layers,), (layers, experts), (experts,)
+    layer_group: str | None = None  # the model's layer group (its path prefix) whose layers the keys are
+
+    @property
+    def ident(self) -> str:
+        """The pattern, told apart from the same pattern of another layer group: `moe:layers.{layer}.x`."""
+        return self.pattern if self.layer_group is None else f"{self.layer_group}:{self.pattern}"
 
     @property
     def stack(self) -> tuple[str, ...]:
@@ -81,7 +87,7 @@ def find_prefix(keys: Sequence[str], paths: Sequence[str]) -> str | None:
 
 def _prefix_ok(prefix: str, keys: Sequence[str], paths: Sequence[str], everywhere: bool) -> bool:
     after = [k[len(prefix) :].split(".") for k in keys if k.startswith(prefix)]
-    stripped = [k[len(prefix) :] if k.startswith(prefix) else k for k in keys]
+    stripped = [k.removeprefix(prefix) for k in keys]
     return not (
         prefix[:-1].split(".")[-1].isdigit()
         or any(a[0].isdigit() for a in after)  # `h.` of `h.0.attn`
@@ -93,14 +99,15 @@ def _prefix_ok(prefix: str, keys: Sequence[str], paths: Sequence[str], everywher
 
 
 def group_keys(
-    names: AnyMapping[str, str], tensors: AnyMapping[str, TensorInfo], stacks: Collection[Shape]
+    names: AnyMapping[str, str], tensors: AnyMapping[str, TensorInfo], stacks: Collection[Shape], single: bool = False
 ) -> list[Group]:
     """Keys differing only in integer segments become one `{layer}` (and `{expert}`) group.
 
     `names` maps each stripped name to its checkpoint key; `stacks` holds the leading
     shapes some leaf has ((n,) and (n, m)). A group needs every index of an n x m (or n)
     grid, one shape and dtype, and a leaf whose leading shape is the grid's; otherwise
-    its keys stay single. In order of preference, keys are grouped on:
+    its keys stay single (`single`: a grid of one layer, `{layer}` of a layer group
+    holding one layer, is a group too). In order of preference, keys are grouped on:
 
     1. their first two integer segments: `layers.{layer}.experts.{expert}.w1` (leaf [n, m, ...]);
     2. their first one: `h.{layer}.ln_1`, or `experts.{expert}.w1` after an `experts` segment;
@@ -120,7 +127,7 @@ def group_keys(
                 pattern, index = found
                 by_pattern.setdefault(pattern, {})[index] = name
         for pattern, members in sorted(by_pattern.items()):
-            if (group := _grid(pattern, members, names, tensors, stacks)) is not None:
+            if (group := _grid(pattern, members, names, tensors, stacks, single)) is not None:
                 groups.append(group)
                 grouped.update(members.values())
     for name in sorted(set(names) - grouped):
@@ -181,10 +188,12 @@ def _grid(
     names: AnyMapping[str, str],
     tensors: AnyMapping[str, TensorInfo],
     stacks: Collection[Shape],
+    single: bool = False,
 ) -> Group | None:
     """The group of `members` when they fill an n (x m) grid of one shape and dtype that some leaf stacks."""
     counts = tuple(max(index[i] for index in members) + 1 for i in range(len(next(iter(members)))))
-    if len(members) < 2 or len(members) != math.prod(counts) or counts not in stacks:
+    one_layer = single and LAYER in pattern.split(".")
+    if (len(members) < 2 and not one_layer) or len(members) != math.prod(counts) or counts not in stacks:
         return None
     infos = [tensors[names[members[index]]] for index in sorted(members)]  # layer-major
     if any(i.shape != infos[0].shape or i.dtype != infos[0].dtype for i in infos):
@@ -206,3 +215,31 @@ def ignore_pattern(name: str) -> str:
     """The `ignore` glob of a key pattern: each layer or expert index a `*` (`h.{layer}.attn.bias` -> `h.*.attn.bias`).
     """
     return ".".join("*" if s in STACKS or s.isdigit() else s for s in name.split("."))
+
+
+def layer_container(names: Iterable[str], ids: Collection[int]) -> str | None:
+    """The segments holding a model's layers (`layers` of `layers.3.mlp.w`), or None.
+
+    The part of a name before its first integer segment, among those whose indices
+    include every layer of `ids` (the layers of the model's layer groups), of the most keys.
+    """
+    found: dict[str, set[int]] = {}
+    count: Counter[str] = Counter()
+    for name in names:
+        segments = name.split(".")
+        at = _digits(segments)
+        if not at or at[0] == 0:
+            continue
+        head = ".".join(segments[: at[0]])
+        found.setdefault(head, set()).add(int(segments[at[0]]))
+        count[head] += 1
+    fits = [head for head, indices in found.items() if set(ids) <= indices]
+    return max(fits, key=lambda h: (count[h], h)) if fits else None
+
+
+def layer_of(name: str, container: str) -> tuple[int, str] | None:
+    """The layer of a name under `container` and the rest of it: `layers.3.mlp.w` -> (3, "mlp.w")."""
+    if not name.startswith(container + "."):
+        return None
+    index, _, rest = name[len(container) + 1 :].partition(".")
+    return (int(index), rest) if index.isdigit() else None

@@ -40,7 +40,7 @@ def render(d: Draft) -> str:
         lines += ["", "# TODO unpaired source keys (map them, or add them to ignore):"]
         for group in d.unpaired:
             lines.append(f"#   {_describe(group)}")
-            if hint := d.hints[group.pattern]:
+            if hint := d.hints.get(group.ident):
                 lines += hint.lines
                 for entry in hint.entries:
                     lines += ["#", *_entry_lines(entry, "# ")]
@@ -62,7 +62,8 @@ def _entry_lines(entry: Entry, prefix: str = "") -> list[str]:
 def _describe(group: Group) -> str:
     stack = " x ".join(f"{n} {_STACK_NAMES[name]}" for name, n in zip(group.stack, group.counts))
     of = f"{stack} of " if stack else ""
-    return f"{printable(group.pattern)}  {of}{shape_text(group.shape)} {np.dtype(group.dtype).name}"
+    where = f" (layer group {printable(group.layer_group)})" if group.layer_group is not None else ""
+    return f"{printable(group.pattern)}{where}  {of}{shape_text(group.shape)} {np.dtype(group.dtype).name}"
 
 
 def _header(d: Draft) -> list[str]:
@@ -84,6 +85,7 @@ def _header(d: Draft) -> list[str]:
         lines += ["# TODO: config.json has no model_type", "model_types = []"]
     if d.prefix:
         lines.append(f"prefixes = {_toml([d.prefix])}")
+    lines += d.notes
     if d.ignore:
         lines.append(f"ignore = {_toml(d.ignore)}   # known buffers, never read")
     if d.tied:

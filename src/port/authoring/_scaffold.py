@@ -5,6 +5,13 @@ the transforms (`transpose`, `reshape`) that turn one into the other and a logic
 axis for every dimension, and writes what it could not pair as TODO comments, with
 hints for fused tensors. It reads no tensor data and writes no file: it returns text.
 
+A module with `layer_groups` (one stack per kind of layer) is paired group by group:
+each group's leaves with its layers' keys only, so a key pattern both groups hold gets
+one entry per group; a group with no layer (a None stack) gets none (a header note says
+so), and the keys of a layer no group holds are ignored as `layers.{num_hidden_layers}.*`
+when that is the one such layer (DeepSeek-V3's multi-token-prediction layer), else
+listed unpaired with a TODO.
+
 The draft parses with `parse_mapping`; when every key and leaf paired, it passes
 `plan` as it is. Entries it is unsure of carry a `# CHECK:` comment.
 
@@ -19,6 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping as AnyMapping
 from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,13 +34,14 @@ import numpy as np
 from .._console import printable, quoted
 from .._errors import MappingError, PlanError
 from .._mapping import import_object
+from .._plan import layer_groups
 from .._skeleton import leaves as skeleton_leaves
 from .._skeleton import skeleton as make_skeleton
-from .._source import Checkpoint, open_checkpoint
+from .._source import Checkpoint, TensorInfo, open_checkpoint
 from ._axes import Dims, config_dims, named, propose_axes
 from ._draft import Draft, Entry, ops_text, shape_text
 from ._fused import fused_hint, tied_to
-from ._keys import find_prefix, group_keys, ignore_pattern, is_buffer
+from ._keys import Group, find_prefix, group_keys, ignore_pattern, is_buffer, layer_container, layer_of
 from ._pairing import Candidate, Leaf, assign, candidate, is_matrix, orientation, pick, rivals, target_shape
 from ._render import render
 
@@ -103,42 +112,142 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
     ]
     prefix = find_prefix(sorted(tensors), [leaf.path for leaf in leaves])
     names = {(k[len(prefix) :] if prefix and k.startswith(prefix) else k): k for k in sorted(tensors)}
-    stacks = {leaf.shape[:n] for leaf in leaves for n in (1, 2) if len(leaf.shape) >= n}
-    groups = group_keys(names, tensors, stacks)
-    candidates = [c for g in groups for leaf in leaves if (c := candidate(g, leaf)) is not None]
-    pairs = assign(candidates)
+    passes, notes, ignore, beyond = _passes(names, tensors, leaves, layer_groups(skeleton), config)
+    found = []  # per pass: its groups, candidates and pairs
+    for p in passes:
+        stacks = {leaf.shape[:n] for leaf in p.leaves for n in (1, 2) if len(leaf.shape) >= n}
+        groups = _in_group(group_keys(p.names, tensors, stacks, single=p.label is not None), p, names)
+        candidates = [c for g in groups for leaf in p.leaves if (c := candidate(g, leaf)) is not None]
+        found.append((p, groups, candidates, assign(candidates)))
+    pairs = [c for *_, chosen in found for c in chosen]
     if not pairs:
         raise PlanError([f"{checkpoint.directory}: no checkpoint tensor fits any leaf of {model} by shape"])
     transposed, voters = orientation(pairs)
     dims = config_dims(config)
-    by_group: dict[str, list[Candidate]] = {}
-    by_leaf: dict[str, list[Candidate]] = {}
-    for c in candidates:
-        by_group.setdefault(c.group.pattern, []).append(c)
-        by_leaf.setdefault(c.leaf.path, []).append(c)
-    also = {c.group.pattern: rivals(c, by_group, by_leaf) for c in pairs}
     order = {leaf.path: i for i, leaf in enumerate(leaves)}
-    entries = sorted(
-        (_entry(c, also[c.group.pattern], transposed, voters, config, dims) for c in pairs),
-        key=lambda e: order[e.path],
-    )
-    paired, filled = {c.group.pattern for c in pairs}, {c.leaf.path for c in pairs}
-    free = [leaf for leaf in leaves if leaf.path not in filled]
-    ignore, tied, unpaired = [], {}, []
-    for group in groups:
-        if group.pattern in paired:
-            continue
-        if is_buffer(group):
-            ignore.append(ignore_pattern(group.pattern))
-        elif (tie := tied_to(group, pairs, free)) is not None:
-            tied[group.pattern] = tie
-        else:
-            unpaired.append(group)
-    hints = {g.pattern: fused_hint(g, free, transposed, config, dims) for g in unpaired}
+    entries, free, tied, unpaired, hints = [], [], {}, list(beyond), {}
+    for p, groups, candidates, chosen in found:
+        by_group: dict[str, list[Candidate]] = {}
+        by_leaf: dict[str, list[Candidate]] = {}
+        for c in candidates:
+            by_group.setdefault(c.group.pattern, []).append(c)
+            by_leaf.setdefault(c.leaf.path, []).append(c)
+        entries += [_entry(c, rivals(c, by_group, by_leaf), transposed, voters, config, dims) for c in chosen]
+        paired, filled = {c.group.pattern for c in chosen}, {c.leaf.path for c in chosen}
+        mine = [leaf for leaf in p.leaves if leaf.path not in filled]
+        free += mine
+        left = []
+        for group in groups:
+            if group.pattern in paired:
+                continue
+            if is_buffer(group):
+                ignore.append(ignore_pattern(group.pattern))
+            elif (tie := tied_to(group, chosen, mine)) is not None:
+                tied[group.pattern] = tie
+            else:
+                left.append(group)
+        hints |= {g.ident: fused_hint(g, mine, transposed, config, dims) for g in left}
+        unpaired += left
+    entries.sort(key=lambda e: order[e.path])
+    free.sort(key=lambda leaf: order[leaf.path])
+    unpaired.sort(key=lambda g: (g.pattern, g.layer_group or ""))
     return Draft(
         model, str(checkpoint.directory), len(tensors), config, prefix, entries, sorted(set(ignore)),
-        tied, unpaired, hints, free,
+        tied, unpaired, hints, free, notes,
     )
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """Keys and leaves paired among themselves: the whole model, or one layer group and its layers.
+
+    `names` maps the names to group to checkpoint keys; a layer group's names count their
+    layers by row of the group's stack (`layers.0.x` for its first layer, whichever it is).
+    """
+
+    names: dict[str, str]
+    leaves: list[Leaf]
+    label: str | None = None  # the layer group's prefix
+    ids: tuple[int, ...] = ()  # the checkpoint layers of its rows
+    container: str = ""  # the key segments holding the layers (`layers`)
+
+
+def _passes(
+    names: AnyMapping[str, str],
+    tensors: AnyMapping[str, TensorInfo],
+    leaves: Sequence[Leaf],
+    groups: AnyMapping[str, Sequence[int]],
+    config: AnyMapping[str, Any],
+) -> tuple[list[_Pass], list[str], list[str], list[Group]]:
+    """The pairing passes, header notes, ignore patterns and unpaired groups of layers no group holds.
+
+    Without layer groups (or without keys laid out by layer) one pass pairs everything.
+    With them, each group's leaves pair with its layers' keys only, and the other leaves
+    with the keys outside the layers. Keys of a layer no group holds are ignored as
+    `layers.{num_hidden_layers}.*` when that is the one such layer (DeepSeek-V3's
+    multi-token-prediction layer), else left unpaired.
+    """
+    union = {i for ids in groups.values() for i in ids}
+    container = layer_container(names, union) if union else None
+    if container is None:
+        return [_Pass(dict(names), list(leaves))], [], [], []
+    labels = {label: tuple(ids) for label, ids in groups.items()}
+
+    def under(path: str, label: str) -> bool:
+        return path == label or path.startswith(label + ".")
+
+    notes = [
+        f"# layer group {quoted(printable(label))} holds no layer with this config.json: its entries "
+        '(a copy of another group\'s, with optional = "model") are not drafted'
+        for label, ids in labels.items() if not ids
+    ]
+    rest = [leaf for leaf in leaves if not any(under(leaf.path, label) for label in labels)]
+    row_of = {label: {layer: row for row, layer in enumerate(ids)} for label, ids in labels.items()}
+    outside, by_label, others = {}, {label: {} for label in labels}, {}
+    for name, key in names.items():
+        if (at := layer_of(name, container)) is None:
+            outside[name] = key
+            continue
+        layer, tail = at
+        homes = [label for label in labels if layer in row_of[label]]
+        for label in homes:
+            by_label[label][f"{container}.{row_of[label][layer]}.{tail}"] = key
+        if not homes:
+            others.setdefault(layer, {})[name] = key
+    passes = [_Pass(outside, rest)] + [
+        _Pass(by_label[label], [leaf for leaf in leaves if under(leaf.path, label)], label, ids, container)
+        for label, ids in labels.items() if ids
+    ]
+    ignore, beyond = [], []
+    n_layers = config.get("num_hidden_layers")
+    if set(others) == {n_layers}:
+        ignore.append(f"{container}.{{num_hidden_layers}}.*")
+        notes.append(
+            f"# CHECK: {len(others[n_layers])} tensors of layer {n_layers} ({container}.{n_layers}.*), which no layer "
+            "group of the model holds, are ignored as "
+            f"'{container}.{{num_hidden_layers}}.*' (a layer stored after the last one, such as DeepSeek-V3's "
+            "multi-token-prediction layer)"
+        )
+    else:
+        for layer, members in sorted(others.items()):
+            for name, key in sorted(members.items()):
+                beyond.append(Group(name, (key,), tensors[key].shape, tensors[key].dtype))
+        if others:
+            notes.append(
+                f"# TODO: the keys of layer(s) {', '.join(map(str, sorted(others)))}, which no layer group of the "
+                "model holds, are listed unpaired below: ignore them (or give the model those layers)"
+            )
+    return passes, notes, ignore, beyond
+
+
+def _in_group(groups: list[Group], p: _Pass, names: AnyMapping[str, str]) -> list[Group]:
+    """A pass's groups, those of a layer group labelled with it and named as the checkpoint names them."""
+    if p.label is None:
+        return groups
+    name_of = {key: name for name, key in names.items()}
+    return [
+        replace(g, layer_group=p.label, pattern=g.pattern if g.stacked else name_of[g.keys[0]]) for g in groups
+    ]
 
 
 def _entry(
