@@ -91,6 +91,7 @@ def torch_moe(name, dtype=None):
     torch.manual_seed(0)
     config = getattr(transformers, f"{arch}Config")(**config)
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # torch's grouped_mm needs 16-byte strides
     model = getattr(transformers, f"{arch}ForCausalLM")(config)
     with torch.no_grad():
         for param_name, param in model.named_parameters():
@@ -229,7 +230,7 @@ def torch_routes(name):
     model = torch_moe(name)
     chosen = []
     hooks = [layer.mlp.gate.register_forward_hook(lambda module, args, out: chosen.append(out[2].numpy()))
-             for layer in model.model.layers]
+             for layer in model.model.layers if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
     with torch.no_grad():
         model(torch.tensor(ids(name)))
     for hook in hooks:
@@ -238,15 +239,16 @@ def torch_routes(name):
     return np.stack([c.reshape(batch, seq, -1) for c in chosen])
 
 
-def test_logits_match_transformers_with_experts_on_an_expert_axis(checkpoints):
+@pytest.mark.parametrize("name, mapping_file", [("mixtral", "mixtral.toml"), ("qwen3-moe", "qwen3_moe.toml")])
+def test_logits_match_transformers_with_experts_on_an_expert_axis(checkpoints, name, mapping_file):
     """The shipped mapping with `experts = "expert"` on a `data=2,expert=2,model=2` mesh: each
     device holds 3 of the 6 experts (their hidden dim halved on `model`) and one row of the
-    batch (on `data`); every row sends tokens, in every layer, to experts of both halves, so
-    to experts only other devices hold. The logits are transformers'."""
+    batch (on `data`); every row sends tokens, in every sparse layer, to experts of both halves,
+    so to experts only other devices hold. The logits are transformers'."""
     from jax.sharding import NamedSharding
 
-    directory, expected = checkpoints("mixtral")
-    shipped = port.load_mapping(MAPPINGS / "mixtral.toml")
+    directory, expected = checkpoints(name)
+    shipped = port.load_mapping(MAPPINGS / mapping_file)
     mapping = dataclasses.replace(shipped, rules={**shipped.rules, "experts": ("expert",)})
     mesh = port.make_mesh("data=2,expert=2,model=2")
     model = port.load(directory, mesh=mesh, mapping=mapping)
@@ -254,10 +256,10 @@ def test_logits_match_transformers_with_experts_on_an_expert_axis(checkpoints):
     assert mlp.experts.gate.sharding.spec == mlp.experts.up.sharding.spec == P(None, "expert", "model", "data")
     assert mlp.experts.down.sharding.spec == P(None, "expert", "data", "model")
     assert mlp.router.sharding.spec == P(None, "expert", "data")
-    routes = torch_routes("mixtral")
+    routes = torch_routes(name)
     half = 6 // mesh.shape["expert"]
     assert all({int(e) // half for e in row.ravel()} == {0, 1} for layer in routes for row in layer)
-    rows = jax.device_put(ids("mixtral"), NamedSharding(mesh, P("data", None)))
+    rows = jax.device_put(ids(name), NamedSharding(mesh, P("data", None)))
     ours = logits(model, rows)
     np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4, rtol=0)
 
@@ -321,8 +323,9 @@ def test_each_device_block_reads_exactly_its_experts(checkpoints, name, reads):
 # ---------------------------------------------------------------- bfloat16
 
 
-def test_bfloat16_end_to_end(tmp_path):
-    """A bfloat16 Mixtral stays bfloat16 from file to logits, near transformers' own bfloat16.
+@pytest.mark.parametrize("name", ["mixtral", "qwen3-moe"])
+def test_bfloat16_end_to_end(tmp_path, name):
+    """A bfloat16 Mixtral (Qwen3-MoE) stays bfloat16 from file to logits, near transformers' own bfloat16.
 
     The tolerance is measured, not guessed: bfloat16 rounding (8 bits of mantissa) moves
     transformers' own logits away from its float32 ones by some amount; ours must be no
@@ -330,17 +333,17 @@ def test_bfloat16_end_to_end(tmp_path):
     computations, each about that far from the exact result), and within 5% of the
     logits' range.
     """
-    model = torch_moe("mixtral", dtype="bfloat16")
+    model = torch_moe(name, dtype="bfloat16")
     model.save_pretrained(tmp_path)
     recipe = recipe_for(tmp_path, {"data": 4, "model": 2})
     bf16 = np.dtype(ml_dtypes.bfloat16)
     assert all(leaf.source_dtype == leaf.dtype == bf16 and "cast" not in str(leaf.chain) for leaf in recipe.leaves)
     ours = port.load(tmp_path, mesh=port.make_mesh("4x2"))
     assert all(x.dtype == bf16 for x in jax.tree.leaves(eqx.filter(ours, eqx.is_array)))
-    out = logits(ours, ids("mixtral"))
+    out = logits(ours, ids(name))
     assert out.dtype == bf16
-    expected = torch_logits(model, ids("mixtral"))
-    exact = torch_logits(model.float(), ids("mixtral"))  # the same bfloat16 weights, in float32
+    expected = torch_logits(model, ids(name))
+    exact = torch_logits(model.float(), ids(name))  # the same bfloat16 weights, in float32
     bf16_noise = np.abs(expected - exact).max()
     error = np.abs(np.asarray(out).astype(np.float32) - expected).max()
     assert error <= 2 * bf16_noise and error < 0.05 * np.abs(expected).max(), (error, bf16_noise)
