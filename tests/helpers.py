@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -282,3 +283,22 @@ def assert_blocks_read_exactly(per_block, recipe, tensors, mesh_shape) -> None:
     for leaf in recipe.leaves:  # one read per distinct block, though several devices ask
         boxes = by_leaf[leaf.path]
         assert len(boxes) == len(set(boxes)) == len(leaf.shards(mesh_shape)), leaf.path
+
+
+def write_sparse_checkpoint(directory: Path, config: dict, shapes: dict) -> int:
+    """config.json and a bfloat16 model.safetensors: a real header, and data that is a hole
+    (os.truncate: no byte allocated). Returns the file's size."""
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for key, shape in shapes.items():
+        n = 2 * int(np.prod(shape))
+        header[key] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path = directory / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text)
+    size = 8 + len(text) + offset
+    os.truncate(path, size)
+    return size

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 from helpers import VOCAB, perturbed, run_port, run_port_measured, torch_logits, transformers_or_skip
 from jax.sharding import PartitionSpec as P
-from test_moe import write_sparse_checkpoint
+from helpers import write_sparse_checkpoint
 
 import port
 from port._errors import ConfigError, PlanError

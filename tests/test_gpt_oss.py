@@ -39,7 +39,7 @@ from helpers import (
     transformers_or_skip,
 )
 from jax.sharding import PartitionSpec as P
-from test_moe import write_sparse_checkpoint
+from helpers import write_sparse_checkpoint
 
 import port
 from port._errors import ConfigError

@@ -29,7 +29,8 @@ import pytest
 from helpers import perturbed, run_port, run_port_measured, transformers_or_skip
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_moe import recipe_for, write_sparse_checkpoint
+from helpers import write_sparse_checkpoint
+from test_moe import recipe_for
 
 import port
 from port._console import size_text

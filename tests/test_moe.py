@@ -14,9 +14,7 @@ sparse file, never read) reports the bytes per device. The tests that build a
 
 import dataclasses
 import json
-import os
 import re
-import struct
 from pathlib import Path
 
 import equinox as eqx
@@ -29,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import port
 from helpers import (
+    write_sparse_checkpoint,
     VOCAB, assert_blocks_read_exactly, place_on, run_port_measured, torch_logits, transformers_or_skip,
 )
 from port._console import size_text
@@ -412,25 +411,6 @@ def mixtral_shapes(config):
             shapes.update({expert + "w1.weight": [inter, h], expert + "w2.weight": [h, inter],
                            expert + "w3.weight": [inter, h]})
     return shapes
-
-
-def write_sparse_checkpoint(directory, config, shapes) -> int:
-    """config.json and a bfloat16 model.safetensors: a real header, and data that is a hole
-    (os.truncate: no byte allocated). Returns the file's size."""
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(config))
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for key, shape in shapes.items():
-        n = 2 * int(np.prod(shape))
-        header[key] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path = directory / "model.safetensors"
-    path.write_bytes(struct.pack("<Q", len(text)) + text)
-    size = 8 + len(text) + offset
-    os.truncate(path, size)
-    return size
 
 
 def test_plan_mixtral_8x7b_reads_no_tensor(tmp_path):

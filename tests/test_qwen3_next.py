@@ -13,8 +13,6 @@ bit; `port plan` of Qwen3-Next-80B-A3B's real shape reads no tensor byte.
 
 import dataclasses
 import json
-import os
-import struct
 import time
 from pathlib import Path
 
@@ -23,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import VOCAB, perturbed, run_port_measured, torch_logits, transformers_or_skip
+from helpers import write_sparse_checkpoint, VOCAB, perturbed, run_port_measured, torch_logits, transformers_or_skip
 from jax.sharding import PartitionSpec as P
 
 import port
@@ -282,23 +280,6 @@ def qwen3_next_shapes(c):
             shapes.update({f"{m}experts.{e}.gate_proj.weight": [inter, h], f"{m}experts.{e}.up_proj.weight": [inter, h],
                            f"{m}experts.{e}.down_proj.weight": [h, inter]})
     return shapes
-
-
-def write_sparse_checkpoint(directory, config, shapes) -> int:
-    """config.json and a bfloat16 model.safetensors whose data is a hole; returns its size."""
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(config))
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for key, shape in shapes.items():
-        n = 2 * int(np.prod(shape))
-        header[key] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
-        offset += n
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path = directory / "model.safetensors"
-    path.write_bytes(struct.pack("<Q", len(text)) + text)
-    os.truncate(path, 8 + len(text) + offset)
-    return 8 + len(text) + offset
 
 
 def test_plan_qwen3_next_80b_reads_no_tensor(tmp_path):
