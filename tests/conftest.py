@@ -35,6 +35,33 @@ def gpt2_checkpoints(tmp_path_factory):
     return {name: root / name for name in ("lm", "base", "sharded")}, torch_logits(model)
 
 
+# Each executable XLA compiles for the CPU keeps a few memory maps while JAX's caches hold it
+# (~6 a small function, ~370 a decoder's train step), and Linux allows 65,530 maps a process
+# (`vm.max_map_count`): past that, the next compile fails to map its code and the worker dies
+# with SIGSEGV inside `backend_compile`. A worker that runs test_decoders.py passes 50,000.
+# When a test leaves more than MAX_MAPS maps, JAX's caches are dropped (the next test that
+# needs a function compiles it again).
+MAX_MAPS = 20_000
+
+
+def _maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _bounded_compiled_code():
+    yield
+    if _maps() > MAX_MAPS:
+        import gc
+
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.fixture
 def reads(monkeypatch):
     """Every byte read while placing, attributed to the block it landed in.
