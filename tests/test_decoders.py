@@ -79,11 +79,13 @@ NO_SEGMENTS = {"qwen3_next"}
 # whatever `position_ids` say, and has no packed sequences; port's chunks follow positions, so
 # explicit positions and packed segments are compared with what they mean, not with it.
 BY_SLOT = {"llama4"}
-# The backward of the gated delta rule's chunked form amplifies rounding in this tiny random
-# model (its logits agree to 1e-4 on either mesh): gradients agree with PyTorch's to 20 times
-# the common tolerance (2e-3 of each parameter's largest entry), 4x2's with 1x1's to 100 times
-# (1e-3 of the largest).
-LOOSER = {"qwen3_next": (20.0, 100.0)}
+# The backward through the Gated DeltaNet layers amplifies float32 rounding in this tiny random
+# model (its loss agrees to 1e-7 on either mesh). Against the same model in float64, the
+# float32 gradients of every parameter at or below a DeltaNet layer are off by up to 2.6e-4 of
+# their largest entry on 1x1 and 8.9e-4 on 4x2 (the full-attention layer above them: 3.6e-5),
+# so gradients agree with PyTorch's to 20 times the common tolerance (2e-3 of each parameter's
+# largest entry) and 4x2's with 1x1's to 500 times (5e-3; a sharding error is of order 1).
+LOOSER = {"qwen3_next": (20.0, 500.0)}
 NAMES = list(FAMILIES)
 
 
@@ -266,12 +268,6 @@ def test_train_step_on_4x2_equals_1x1_and_keeps_shardings(family, name):
     gradient and updated parameter with the sharding port.load gave the parameter."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    if name == "mixtral":
-        # XLA (jax 0.10.2, CPU) segfaults compiling this step in a pytest worker that has
-        # compiled the other families first (twice in full runs); it passes run alone:
-        # `pytest tests/test_decoders.py -k "train_step and mixtral"`. Mixtral on 4x2 is also
-        # covered by tests/test_moe.py's parity and gradient tests.
-        pytest.skip("XLA CPU segfault after the other families' compiles in one worker; passes alone")
     _, directory, single = family(name)
     mesh = port.make_mesh("4x2")
     model = port.load(directory, mesh=mesh)

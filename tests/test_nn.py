@@ -293,7 +293,8 @@ def test_run_groups_equals_one_stack(mistral4, kinds):
     ours = eqx.filter_grad(loss(lambda m: regrouped(m, tuple(kinds), ids, remat=remat)))(mistral4)
     theirs = eqx.filter_grad(loss(lambda m: m(ids)))(mistral4)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
-        np.testing.assert_allclose(a, b, atol=2e-5, rtol=0)
+        # Float32 sums in another order: within 1e-5 of the leaf's largest entry (up to ~40 here).
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(np.abs(b).max()) + 1e-7, rtol=0)
 
 
 @pytest.mark.parametrize("kinds, per_kind", [("abab", False), ("aabb", True)], ids=["one-buffer", "buffers-by-kind"])
