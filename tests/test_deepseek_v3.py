@@ -201,6 +201,14 @@ def test_bfloat16_end_to_end(tmp_path):
     assert error <= 2 * bf16_noise and error < 0.05 * np.abs(expected).max(), (error, bf16_noise)
 
 
+def test_verify_in_bfloat16_runs_the_reference_experts_eagerly(checkpoints):
+    """`port.verify(dtype="bfloat16")` on experts of 20 (40-byte rows: torch's grouped matmul
+    refuses them in bfloat16) compares with the reference's eager experts and passes its bound."""
+    result = port.verify(checkpoints("lora")[1], "1x1", dtype="bfloat16")
+    assert result.dtype == "bfloat16" and result.reference_error is not None
+    assert result.max_abs_diff <= result.tolerance, (result.max_abs_diff, result.tolerance)
+
+
 # ---------------------------------------------------------------- training and generation
 
 

@@ -185,7 +185,11 @@ def verify(
     ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, inputs))
     reference_cls = import_object(mapping.reference["class"], f"{mapping.source}: reference")
     torch_dtype = getattr(torch, str(ours.dtype)) if str(ours.dtype) in CASTS else torch.float32
-    reference = reference_cls.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+    # Eager attention and experts: the reference code as written, in any dtype (torch's grouped
+    # matmul for experts refuses bfloat16 weights whose strides are not multiples of 16 bytes).
+    reference = reference_cls.from_pretrained(
+        directory, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
 
     def run() -> np.ndarray:
         with torch.no_grad():
