@@ -329,3 +329,30 @@ def test_run_groups_refuses_a_kind_without_blocks_or_cache(mistral4):
     cache = Cache.of({"a": zeros}, {"a": zeros}, batch=1, length=8)
     with pytest.raises(ValueError, match="the cache holds nothing for layer kind 'b'"):
         regrouped(mistral4, ("a", "b", "a", "b"), ids, cache)
+
+
+@pytest.mark.parametrize("plus_one", [False, True])
+def test_pre_norm_block_is_the_residual_formula(plus_one):
+    """PreNormBlock: x + attn(norm(x)), then + mlp(norm(x)), with RMSNorms whose weights start at
+    1 (or at 0 for `(1 + w)` norms) and the attention's keys and values handed back."""
+    import equinox as eqx
+
+    from port.nn import Attention, GatedMLP, PreNormBlock, rms_norm
+
+    k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+    attn = Attention(heads=4, kv_heads=2, head_dim=8, embd=24, dtype=jnp.float32, key=k1)
+    mlp = GatedMLP(embd=24, inner=40, activation="silu", dtype=jnp.float32, key=k2)
+    block = PreNormBlock(attn, mlp, embd=24, eps=1e-5, dtype=jnp.float32, plus_one=plus_one)
+    assert float(block.attn_norm[0]) == float(block.mlp_norm[0]) == (0.0 if plus_one else 1.0)
+    block = eqx.tree_at(lambda b: (b.attn_norm, b.mlp_norm), block,
+                        (jax.random.normal(k3, (24,)), jax.random.normal(jax.random.fold_in(k3, 1), (24,))))
+    x = jax.random.normal(jax.random.fold_in(k3, 2), (2, 5, 24))
+    mask = prepare(np.ones((2, 5), np.int32)).mask
+    y, kv = block(x, mask, cos=None, sin=None, kv=None, index=None)
+    h, kv_attn = attn(rms_norm(x, block.attn_norm, 1e-5, plus_one=plus_one), mask)
+    expected = x + h
+    expected = expected + mlp(rms_norm(expected, block.mlp_norm, 1e-5, plus_one=plus_one))
+    np.testing.assert_allclose(y, expected, atol=1e-6, rtol=0)
+    for a, b in zip(jax.tree.leaves(kv), jax.tree.leaves(kv_attn)):
+        np.testing.assert_array_equal(a, b)
+

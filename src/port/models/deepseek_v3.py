@@ -53,7 +53,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._console import quoted
 from port._errors import ConfigError
@@ -63,6 +63,7 @@ from port.nn import (
     Decoder,
     GatedMLP,
     MoE,
+    PreNormBlock,
     Rope,
     Tokens,
     embeddings,
@@ -72,7 +73,6 @@ from port.nn import (
     run_groups,
     stacked,
 )
-from port.nn._attention import KV
 from port.nn._mla import LatentAttention
 from port.nn._rope import rope_parameters
 
@@ -263,30 +263,11 @@ def _scale(config: dict, rope: Rope, qk_head_dim: int) -> float:
     return scale
 
 
-class Block(eqx.Module):
-    """One pre-RMSNorm decoder layer: latent attention, then a dense MLP or the experts."""
-
-    attn_norm: Float[Array, " embd"]
-    attn: LatentAttention
-    mlp_norm: Float[Array, " embd"]
-    mlp: GatedMLP | MoE
-    eps: float = eqx.field(static=True)
-
-    def __init__(self, config: DeepseekV3Config, kind: str, dtype: Any, *, key: PRNGKeyArray):
-        kattn, kmlp = jax.random.split(key)
-        self.attn_norm = jnp.ones((config.hidden_size,), dtype)
-        self.attn = config.attention(dtype, kattn)
-        self.mlp_norm = jnp.ones((config.hidden_size,), dtype)
-        self.mlp = config.mlp(kind, dtype, kmlp)
-        self.eps = config.rms_norm_eps
-
-    def __call__(
-        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: Array, sin: Array,
-        kv: KV | None, index: Array | None, layer: Array,
-    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
-        h, kv = self.attn(rms_norm(x, self.attn_norm, self.eps), mask, cos=cos, sin=sin, kv=kv, index=index)
-        x = x + h
-        return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps)), kv
+def block(c: DeepseekV3Config, kind: str, dtype: Any, *, key: PRNGKeyArray) -> PreNormBlock:
+    """One layer: latent attention, then a dense MLP (`kind` "dense") or the experts ("moe")."""
+    kattn, kmlp = jax.random.split(key)
+    return PreNormBlock(c.attention(dtype, kattn), c.mlp(kind, dtype, kmlp), embd=c.hidden_size,
+                        eps=c.rms_norm_eps, dtype=dtype)
 
 
 class DeepseekV3(Decoder):
@@ -303,8 +284,8 @@ class DeepseekV3(Decoder):
     """
 
     embed: Float[Array, "vocab embd"]
-    dense: Block | None
-    moe: Block | None
+    dense: PreNormBlock | None
+    moe: PreNormBlock | None
     norm: Float[Array, " embd"]
     lm_head: Float[Array, "vocab embd"] | None
     config: DeepseekV3Config = eqx.field(static=True)
@@ -314,7 +295,7 @@ class DeepseekV3(Decoder):
         self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
                                               dtype=dtype, tied=config.tie_word_embeddings)
         counts = {kind: config.kinds.count(kind) for kind in ("dense", "moe")}
-        make = lambda kind, k: stacked(lambda kk: Block(config, kind, dtype, key=kk), k, counts[kind]) \
+        make = lambda kind, k: stacked(lambda kk: block(config, kind, dtype, key=kk), k, counts[kind]) \
             if counts[kind] else None
         self.dense, self.moe = make("dense", kdense), make("moe", kmoe)
         self.norm = jnp.ones((config.hidden_size,), dtype)

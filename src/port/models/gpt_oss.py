@@ -47,7 +47,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._console import quoted
 from port._errors import ConfigError
@@ -56,6 +56,7 @@ from port.nn import (
     Attention,
     Decoder,
     MoE,
+    PreNormBlock,
     Rope,
     Tokens,
     embeddings,
@@ -65,7 +66,6 @@ from port.nn import (
     run_layers,
     stacked,
 )
-from port.nn._attention import KV
 
 MODEL_TYPES = ("gpt_oss",)
 ROPE_TYPES = ("default", "yarn")
@@ -202,35 +202,15 @@ def _rope(config: dict, head_dim: int) -> Rope:
     return read_rope(config, head_dim, supported=ROPE_TYPES, max_position_embeddings=maximum)
 
 
-class Block(eqx.Module):
-    """One pre-RMSNorm gpt-oss block: attention with sinks and biases, then the mixture of experts."""
-
-    attn_norm: Float[Array, " embd"]
-    attn: Attention
-    mlp_norm: Float[Array, " embd"]
-    mlp: MoE
-    eps: float = eqx.field(static=True)
-
-    def __init__(self, config: GptOssConfig, dtype: Any, *, key: PRNGKeyArray):
-        kattn, kmlp = jax.random.split(key)
-        c = config
-        self.attn_norm = jnp.ones((c.hidden_size,), dtype)
-        self.attn = Attention(
-            heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-            embd=c.hidden_size, dtype=dtype, key=kattn, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
-            sinks=True,
-        )
-        self.mlp_norm = jnp.ones((c.hidden_size,), dtype)
-        self.mlp = c.mlp(dtype, kmlp)
-        self.eps = c.rms_norm_eps
-
-    def __call__(
-        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
-        sin: Array, kv: KV | None, index: Array | None, layer: Array,
-    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
-        h, kv = self.attn(rms_norm(x, self.attn_norm, self.eps), mask, cos=cos, sin=sin, kv=kv, index=index)
-        x = x + h
-        return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps)), kv
+def block(c: GptOssConfig, dtype: Any, *, key: PRNGKeyArray) -> PreNormBlock:
+    """One gpt-oss layer: attention with sinks and biases, then the mixture of experts."""
+    kattn, kmlp = jax.random.split(key)
+    attn = Attention(
+        heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        embd=c.hidden_size, dtype=dtype, key=kattn, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
+        sinks=True,
+    )
+    return PreNormBlock(attn, c.mlp(dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
 
 
 class GptOss(Decoder):
@@ -246,7 +226,7 @@ class GptOss(Decoder):
     """
 
     embed: Float[Array, "vocab embd"]
-    blocks: Block
+    blocks: PreNormBlock
     norm: Float[Array, " embd"]
     lm_head: Float[Array, "vocab embd"] | None
     config: GptOssConfig = eqx.field(static=True)
@@ -255,7 +235,7 @@ class GptOss(Decoder):
         kembed, kblocks = jax.random.split(key)
         self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
                                               dtype=dtype, tied=config.tie_word_embeddings)
-        self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, config.num_hidden_layers)
+        self.blocks = stacked(lambda k: block(config, dtype, key=k), kblocks, config.num_hidden_layers)
         self.norm = jnp.ones((config.hidden_size,), dtype)
         self.config = config
 

@@ -44,7 +44,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._console import quoted
 from port._errors import ConfigError
@@ -61,6 +61,7 @@ from port.nn import (
     Decoder,
     GatedMLP,
     MoE,
+    PreNormBlock,
     Rope,
     Tokens,
     embeddings,
@@ -70,7 +71,6 @@ from port.nn import (
     run_layers,
     stacked,
 )
-from port.nn._attention import KV
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -225,38 +225,19 @@ def _rope(config: dict, model_type: str, head_dim: int) -> Rope:
                      aliases={"su": "longrope", "yarn": "longrope"}, allow_partial=True)
 
 
-class Block(eqx.Module):
-    """One pre-RMSNorm decoder block: attention, then the MLP (or mixture of experts)."""
-
-    attn_norm: Float[Array, " embd"]
-    attn: Attention
-    mlp_norm: Float[Array, " embd"]
-    mlp: GatedMLP | MoE
-    eps: float = eqx.field(static=True)
-
-    def __init__(
-        self, config: LlamaConfig, dtype: Any, *, key: PRNGKeyArray,
-        mlp: Callable[[Any, PRNGKeyArray], GatedMLP | MoE] | None = None,
-    ):
-        kattn, kmlp = jax.random.split(key)
-        c = config
-        self.attn_norm = jnp.ones((c.hidden_size,), dtype)
-        self.attn = Attention(
-            heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-            embd=c.hidden_size, dtype=dtype, key=kattn, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
-            qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps,
-        )
-        self.mlp_norm = jnp.ones((c.hidden_size,), dtype)
-        self.mlp = (c.mlp if mlp is None else mlp)(dtype, kmlp)  # `mlp`: another feed-forward (a dense layer)
-        self.eps = c.rms_norm_eps
-
-    def __call__(
-        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
-        sin: Array, kv: KV | None, index: Array | None, layer: Array,
-    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
-        h, kv = self.attn(rms_norm(x, self.attn_norm, self.eps), mask, cos=cos, sin=sin, kv=kv, index=index)
-        x = x + h
-        return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps)), kv
+def block(
+    c: LlamaConfig, dtype: Any, *, key: PRNGKeyArray,
+    mlp: Callable[[Any, PRNGKeyArray], GatedMLP | MoE] | None = None,
+) -> PreNormBlock:
+    """One decoder layer: `c`'s attention and `c.mlp` (or `mlp`: another feed-forward, a dense layer)."""
+    kattn, kmlp = jax.random.split(key)
+    attn = Attention(
+        heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+        embd=c.hidden_size, dtype=dtype, key=kattn, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
+        qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps,
+    )
+    return PreNormBlock(attn, (c.mlp if mlp is None else mlp)(dtype, kmlp), embd=c.hidden_size,
+                        eps=c.rms_norm_eps, dtype=dtype)
 
 
 class Llama(Decoder):
@@ -267,7 +248,7 @@ class Llama(Decoder):
     """
 
     embed: Float[Array, "vocab embd"]
-    blocks: Block
+    blocks: PreNormBlock
     norm: Float[Array, " embd"]
     lm_head: Float[Array, "vocab embd"] | None
     config: LlamaConfig = eqx.field(static=True)
@@ -276,7 +257,7 @@ class Llama(Decoder):
         kembed, kblocks = jax.random.split(key)
         self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
                                               dtype=dtype, tied=config.tie_word_embeddings)
-        self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, config.num_hidden_layers)
+        self.blocks = stacked(lambda k: block(config, dtype, key=k), kblocks, config.num_hidden_layers)
         self.norm = jnp.ones((config.hidden_size,), dtype)
         self.config = config
 

@@ -57,8 +57,8 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from port._console import quoted
 from port._errors import ConfigError
 from port.models._config import MAX_LAYERS, check_model_type, get
-from port.models.llama import Block, LlamaConfig
-from port.nn import Decoder, GatedMLP, MoE, Tokens, embeddings, head, rms_norm, run_groups, stacked
+from port.models.llama import LlamaConfig, block
+from port.nn import Decoder, GatedMLP, MoE, PreNormBlock, Tokens, embeddings, head, rms_norm, run_groups, stacked
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -251,8 +251,8 @@ class Moe(Decoder):
     """
 
     embed: Float[Array, "vocab embd"]
-    blocks: Block | None
-    dense: Block | None
+    blocks: PreNormBlock | None
+    dense: PreNormBlock | None
     norm: Float[Array, " embd"]
     lm_head: Float[Array, "vocab embd"] | None
     config: MoeConfig = eqx.field(static=True)
@@ -262,9 +262,9 @@ class Moe(Decoder):
         self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
                                               dtype=dtype, tied=config.tie_word_embeddings)
         sparse, dense = config.kinds.count("blocks"), config.kinds.count("dense")
-        self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, sparse) if sparse else None
+        self.blocks = stacked(lambda k: block(config, dtype, key=k), kblocks, sparse) if sparse else None
         self.dense = stacked(
-            lambda k: Block(config, dtype, key=k, mlp=config.dense_mlp), kdense, dense
+            lambda k: block(config, dtype, key=k, mlp=config.dense_mlp), kdense, dense
         ) if dense else None
         self.norm = jnp.ones((config.hidden_size,), dtype)
         self.config = config

@@ -63,6 +63,7 @@ from port.nn import (
     Decoder,
     GatedMLP,
     MoE,
+    PreNormBlock,
     Rope,
     Tokens,
     embeddings,
@@ -272,35 +273,16 @@ class LinearBlock(eqx.Module):
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps, plus_one=True)), kv
 
 
-class FullBlock(eqx.Module):
+def full_block(c: Qwen3NextConfig, dtype: Any, *, key: PRNGKeyArray) -> PreNormBlock:
     """Gated full attention (per-head `(1 + w)` q/k norms, partial RoPE), then the feed-forward."""
-
-    attn_norm: Float[Array, " embd"]
-    attn: Attention
-    mlp_norm: Float[Array, " embd"]
-    mlp: MoE | GatedMLP
-    eps: float = eqx.field(static=True)
-
-    def __init__(self, c: Qwen3NextConfig, dtype: Any, *, key: PRNGKeyArray):
-        kattn, kmlp = jax.random.split(key)
-        self.attn_norm = jnp.zeros((c.hidden_size,), dtype)
-        self.attn = Attention(
-            heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim, embd=c.hidden_size,
-            dtype=dtype, key=kattn, qkv_bias=c.attention_bias, o_bias=c.attention_bias, qk_norm=True,
-            plus_one=True, norm_eps=c.rms_norm_eps, gate=True,
-        )
-        self.mlp_norm = jnp.zeros((c.hidden_size,), dtype)
-        self.mlp = c.mlp(dtype, kmlp)
-        self.eps = c.rms_norm_eps
-
-    def __call__(
-        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: Array, sin: Array,
-        kv: Any, index: Array | None, layer: Array,
-    ) -> tuple[Float[Array, "batch seq embd"], Any]:
-        h, kv = self.attn(rms_norm(x, self.attn_norm, self.eps, plus_one=True), mask, cos=cos, sin=sin, kv=kv,
-                          index=index)
-        x = x + h
-        return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps, plus_one=True)), kv
+    kattn, kmlp = jax.random.split(key)
+    attn = Attention(
+        heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim, embd=c.hidden_size,
+        dtype=dtype, key=kattn, qkv_bias=c.attention_bias, o_bias=c.attention_bias, qk_norm=True,
+        plus_one=True, norm_eps=c.rms_norm_eps, gate=True,
+    )
+    return PreNormBlock(attn, c.mlp(dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype,
+                        plus_one=True)
 
 
 class Qwen3Next(Decoder):
@@ -318,7 +300,7 @@ class Qwen3Next(Decoder):
 
     embed: Float[Array, "vocab embd"]
     linear: LinearBlock | None
-    full: FullBlock | None
+    full: PreNormBlock | None
     norm: Float[Array, " embd"]
     lm_head: Float[Array, "vocab embd"] | None
     config: Qwen3NextConfig = eqx.field(static=True)
@@ -330,7 +312,7 @@ class Qwen3Next(Decoder):
         groups = _groups(config.kinds)
         self.linear = stacked(lambda k: LinearBlock(config, dtype, key=k), klinear, len(groups["linear"])) \
             if groups["linear"] else None
-        self.full = stacked(lambda k: FullBlock(config, dtype, key=k), kfull, len(groups["full"])) \
+        self.full = stacked(lambda k: full_block(config, dtype, key=k), kfull, len(groups["full"])) \
             if groups["full"] else None
         self.norm = jnp.zeros((config.hidden_size,), dtype)
         self.config = config

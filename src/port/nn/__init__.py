@@ -1,7 +1,7 @@
 """port's library of layers: what every model family is built from.
 
 A family file holds only what is new in it; norms, rotary embeddings, attention, MLPs,
-the routed mixture of experts, multi-head latent attention (DeepSeek-V3), Gated
+the pre-norm decoder layer, the routed mixture of experts, multi-head latent attention (DeepSeek-V3), Gated
 DeltaNet linear attention (Qwen3-Next), the layer scan and layers of several kinds,
 inputs and masks, the key/value cache, greedy generation and the loss live here. Every layer works on batch-first arrays
 (`[batch, seq, embd]`); models accept `(batch, seq)` ids or one `(seq,)` sequence.
@@ -17,6 +17,7 @@ y, _ = attn(x, tokens.mask, cos=cos, sin=sin)
 from port.nn._attention import Attention as Attention
 from port.nn._attention import attend as attend
 from port.nn._attention import with_cache as with_cache
+from port.nn._block import PreNormBlock as PreNormBlock
 from port.nn._cache import Cache as Cache
 from port.nn._decoder import Decoder as Decoder
 from port.nn._deltanet import GatedDeltaNet as GatedDeltaNet
