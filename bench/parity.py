@@ -1,15 +1,23 @@
 """Measure output parity of port's models against `transformers`, per family and mesh.
 
-    python bench/parity.py [--cases gpt2,llama-gqa,...] [--meshes 1x1,2x2,4x2,8x1] [--gpt2-small]
+    python bench/parity.py [--cases gpt2,llama-gqa,...] [--meshes 1x1,2x2,4x2,8x1] [--dtype bfloat16]
+    python bench/parity.py --cases 2026 --meshes 1x1,4x2,data=2,expert=2,model=2
 
 Each case writes a random-init checkpoint with `transformers` (float32) into a
 temporary directory and runs `port.verify` on it: convert onto the mesh, run the
 jitted JAX model and the PyTorch model on the same random token ids [2, 16], and
 take the largest absolute difference of the logits (the last hidden state for BERT
 and ViT, whose inputs are random pixel values [2, channels, height, width]).
+
+`--cases 2026` runs the 2026 families (Qwen3-MoE with a dense layer among MoE layers,
+DeepSeek-V3 with and without `q_lora_rank` and group-limited routing, gpt-oss, Llama 4,
+Qwen3-Next). A mesh with an `expert` axis (`data=2,expert=2,model=2`) loads with the
+shipped mapping's `experts` rule moved to that axis. `--dtype bfloat16` casts the
+parameters and runs the reference in bfloat16 too (`port verify --dtype`).
 """
 
 import argparse
+import dataclasses
 import tempfile
 
 import jax
@@ -26,6 +34,12 @@ LLAMA = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_l
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **SMALL)
 LLAMA3 = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
               high_freq_factor=4.0, original_max_position_embeddings=8)
+DEEPSEEK = dict(LLAMA, hidden_size=48, intermediate_size=72, moe_intermediate_size=20, num_hidden_layers=3,
+                num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6,
+                v_head_dim=10, routed_scaling_factor=1.7, n_shared_experts=2,
+                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                     original_max_position_embeddings=16, mscale=0.9, mscale_all_dim=1.0))
 NEOX = dict(vocab_size=101, hidden_size=60, intermediate_size=120, num_hidden_layers=2, num_attention_heads=5,
             max_position_embeddings=64, **SMALL)
 CASES = {
@@ -64,29 +78,83 @@ CASES = {
     "vit": (transformers.ViTModel, transformers.ViTConfig,
             dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=3, intermediate_size=80,
                  image_size=16, patch_size=4, initializer_range=0.2)),
+    # 2026's families: sizes unlike each other, every feature the family adds switched on.
+    "qwen3-moe-dense-layer": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig,
+                              dict(LLAMA, num_hidden_layers=3, num_attention_heads=6, head_dim=12, num_experts=6,
+                                   num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
+                                   mlp_only_layers=[1])),
+    "deepseek-v3-lora-groups": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config, DEEPSEEK),
+    "deepseek-v3-no-lora": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config,
+                            dict(DEEPSEEK, q_lora_rank=None)),
+    "gpt-oss-sinks-window": (transformers.GptOssForCausalLM, transformers.GptOssConfig, dict(
+        LLAMA, hidden_size=48, intermediate_size=40, num_hidden_layers=3, num_attention_heads=6, head_dim=8,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.5,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=False, original_max_position_embeddings=16))),
+    "llama4-nope-chunked": (transformers.Llama4ForCausalLM, transformers.Llama4TextConfig, dict(
+        LLAMA, hidden_size=48, num_hidden_layers=4, num_attention_heads=6, head_dim=8, intermediate_size_mlp=64,
+        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1],
+        attention_chunk_size=4, floor_scale=2, attn_scale=0.5)),
+    "qwen3-next-hybrid": (transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig, dict(
+        LLAMA, hidden_size=48, num_hidden_layers=4, num_attention_heads=4, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, num_experts=6,
+        num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)),
 }
-DEFAULT = [c for c in CASES if c != "gpt2-small-124M"]
+NEW_2026 = ["qwen3-moe-dense-layer", "deepseek-v3-lora-groups", "deepseek-v3-no-lora", "gpt-oss-sinks-window",
+            "llama4-nope-chunked", "qwen3-next-hybrid"]
+DEFAULT = [c for c in CASES if c != "gpt2-small-124M" and c not in NEW_2026]
+
+
+def split_meshes(text: str) -> list[str]:
+    """"1x1,4x2,data=2,expert=2,model=2" -> ["1x1", "4x2", "data=2,expert=2,model=2"]."""
+    meshes: list[str] = []
+    for part in text.split(","):
+        if "=" in part and meshes and "=" in meshes[-1]:
+            meshes[-1] += "," + part
+        else:
+            meshes.append(part)
+    return meshes
+
+
+def mapping_for(directory: str, mesh: str) -> port.Mapping | None:
+    """The shipped mapping, with `experts` on the mesh's `expert` axis when it has one."""
+    if "expert" not in mesh:
+        return None
+    with port.open_checkpoint(directory) as ckpt:
+        shipped = port.mapping_for(ckpt.config)
+    return dataclasses.replace(shipped, rules={**shipped.rules, "experts": ("expert",)})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(DEFAULT), help=f"from {', '.join(CASES)}")
-    parser.add_argument("--meshes", default="1x1,2x2,4x2,8x1")
+    parser.add_argument("--cases", default=",".join(DEFAULT),
+                        help=f"'2026', or from {', '.join(CASES)}")
+    parser.add_argument("--meshes", default="1x1,2x2,4x2,8x1",
+                        help="comma-separated; a named mesh such as data=2,expert=2,model=2 counts as one")
+    parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's float32)")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
-    meshes = args.meshes.split(",")
+    meshes = split_meshes(args.meshes)
+    cases = NEW_2026 if args.cases == "2026" else args.cases.split(",")
     print("| case | params | max abs reference | " + " | ".join(f"error {m}" for m in meshes) + " |")
     print("|---|---|---|" + "---|" * len(meshes))
-    for case in args.cases.split(","):
+    for case in cases:
         cls, config_cls, overrides = CASES[case]
         torch.manual_seed(0)
-        model = cls(config_cls(**overrides)).eval()
+        config = config_cls(**overrides)
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"  # torch's grouped_mm wants 16-byte strides in bfloat16
+        model = cls(config).eval()
         params = sum(p.numel() for name, p in model.named_parameters() if "lm_head" not in name or
                      not model.config.tie_word_embeddings)
         with tempfile.TemporaryDirectory() as directory:
             model.save_pretrained(directory)
-            results = [port.verify(directory, port.make_mesh(m)) for m in meshes]
-        row = " | ".join(f"{r.max_abs_diff:.2e}" for r in results)
+            results = [port.verify(directory, port.make_mesh(m), mapping=mapping_for(directory, m), dtype=args.dtype)
+                       for m in meshes]
+        # In 16 bits the bound is port verify's: 2e-2 of the largest |logit|, and at least twice
+        # the reference's own distance from its float32 run.
+        row = " | ".join(f"{r.max_abs_diff:.2e}" + ("" if args.dtype is None else f" (bound {r.tolerance:.2e})")
+                         for r in results)
         print(f"| {case} | {params / 1e6:.2f}M | {results[0].max_abs_reference:.3g} | {row} |", flush=True)
 
 
