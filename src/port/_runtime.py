@@ -51,6 +51,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -278,6 +279,27 @@ def _stop(message: str) -> NoReturn:
     os._exit(1)
 
 
+def _within(seconds: float, message: Callable[[], str], step: Callable[[], Any]) -> None:
+    """Run `step`, or end the process with `message` (`_stop`) if it has not returned after
+    `seconds`: for waits inside JAX's C++, which no Python exception can interrupt."""
+    done, lock = threading.Event(), threading.Lock()
+
+    def watch() -> None:
+        if done.wait(seconds):
+            return
+        text = message()
+        with lock:  # never once `step` has returned
+            if not done.is_set():
+                _stop(text)
+
+    threading.Thread(target=watch, name="port-timeout", daemon=True).start()
+    try:
+        step()
+    finally:
+        with lock:
+            done.set()
+
+
 def _listening(coordinator: str) -> bool:
     """Whether anything accepts connections at HOST:PORT (within a second)."""
     host, _, port = coordinator.rpartition(":")
@@ -383,33 +405,31 @@ def initialize(
         _service = serve(coordinator, num_processes)  # before JAX: the others connect once they have joined
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
-    joined, lock = threading.Event(), threading.Lock()
+    def join() -> None:
+        try:
+            jax.distributed.initialize(
+                coordinator,
+                num_processes,
+                process_id,
+                initialization_timeout=math.ceil(timeout) + _JAX_JOIN_MARGIN,
+                shutdown_timeout_seconds=max(_JAX_SHUTDOWN_TIMEOUT, math.ceil(timeout) + 2 * _JAX_JOIN_MARGIN),
+            )
+        except (RuntimeError, ValueError) as e:
+            raise RunError(f"--coordinator {coordinator}: could not join the run ({_first(e)})") from None
 
-    def watch() -> None:
-        if joined.wait(timeout):
-            return
-        message = _not_joined(coordinator, num_processes, process_id, timeout)
-        with lock:  # never once the main thread has joined
-            if not joined.is_set():
-                _stop(message)
-
-    threading.Thread(target=watch, name="port-join-timeout", daemon=True).start()
-    try:
-        jax.distributed.initialize(
-            coordinator,
-            num_processes,
-            process_id,
-            initialization_timeout=math.ceil(timeout) + _JAX_JOIN_MARGIN,
-            shutdown_timeout_seconds=max(_JAX_SHUTDOWN_TIMEOUT, math.ceil(timeout) + 2 * _JAX_JOIN_MARGIN),
-        )
-    except (RuntimeError, ValueError) as e:
-        raise RunError(f"--coordinator {coordinator}: could not join the run ({_first(e)})") from None
-    finally:
-        with lock:
-            joined.set()
+    _within(timeout, lambda: _not_joined(coordinator, num_processes, process_id, timeout), join)
     _run = _Run(coordinator, num_processes, process_id, float(timeout))
     if num_processes > 1:
-        _run.store = Store.connect(coordinator, process_id, num_processes, timeout)
+        # Every process starts its devices here, together (JAX exchanges their list), so that one
+        # that stops from here on leaves the others a wait this bounds, not one inside JAX's C++.
+        _within(timeout, lambda: (
+            f"--coordinator {coordinator}: the other processes did not start their devices within {timeout:g} s "
+            f"(--timeout {timeout:g}): see their output"
+        ), jax.devices)
+        try:
+            _run.store = Store.connect(coordinator, process_id, num_processes, timeout)
+        except RunError as e:  # joined JAX already: its exit would wait for the others, then abort
+            _stop(str(e))
         atexit.register(_leave)  # after JAX's own exit hook was registered: runs before it
     return True
 
@@ -477,7 +497,10 @@ def run_token() -> str:
     """
     mine = secrets.token_bytes(8)
     if _current() is not None:  # a run port joined: through its store
-        return exchange("token", mine.hex(), "the run's name")[0]
+        token = exchange("token", mine.hex(), "the run's name")[0]
+        if not re.fullmatch(r"[0-9a-f]{16}", token):  # it names a directory: a plain name, never a path
+            raise RunError(f"process 0 sent {quoted(token, 40)} as the run's name, not 16 hex digits")
+        return token
     if jax.process_count() > 1:  # a run JAX joined alone: through a collective
         from jax.experimental import multihost_utils
 
