@@ -153,3 +153,32 @@ def test_signals_after_the_worker_ended_change_nothing(tmp_path):
     for _ in range(3):
         result = subprocess.run([sys.executable, script], capture_output=True, text=True, env=port_env(), timeout=60)
         assert result.returncode == 0, (result.returncode, result.stderr)
+
+
+def worker_of(supervisor: subprocess.Popen, within: float = 30.0) -> int:
+    """The pid of the worker `port` started (its only child)."""
+    deadline = time.monotonic() + within
+    children = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children")
+    while time.monotonic() < deadline:
+        pids = children.read_text().split()
+        if pids:
+            return int(pids[0])
+        time.sleep(0.02)
+    raise AssertionError("port started no worker")
+
+
+@pytest.mark.parametrize("signum, code, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+def test_a_signal_sent_to_the_worker_stops_the_run_as_one_sent_to_port(gpt2_small, tmp_path, signum, code, word):
+    """`kill WORKER_PID` (not port's own pid) is honoured: the same status, line and cleanup."""
+    import os
+
+    out = tmp_path / "out"
+    process = start("convert", gpt2_small, "--mesh", "4x2", "--out", out)
+    worker = worker_of(process)
+    time.sleep(2.0)  # JAX imported, the run under way
+    os.kill(worker, signum)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == code, stdout + stderr
+    assert stderr.strip().splitlines()[-1] == f"port: {word}", stderr
+    assert "Traceback" not in stderr and "converted" not in stderr
+    assert not out.exists() and leftovers(tmp_path) == []

@@ -7,7 +7,10 @@ worker outright (every thread with it: JAX and Orbax keep C++ threads that write
 files, which no exception would stop), removes every path the worker registered
 with `removing`, says `port: interrupted`, and exits with 128 + the signal number
 (130 for Ctrl-C, 143 for SIGTERM). A worker that fails or dies any other way (an
-error, a crash, the kernel's OOM killer) is cleaned up after the same way.
+error, a crash, the kernel's OOM killer) is cleaned up after the same way. The worker
+runs in a process group of its own (a terminal's Ctrl-C reaches the supervisor only);
+a SIGINT or SIGTERM sent to the worker's own pid is passed to the supervisor, which
+acts on it as on its own.
 
 Code that writes marks what to remove, and the step that makes the result final:
 
@@ -37,7 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-_ENV = "PORT_SUPERVISOR_FDS"  # "NOTES,LIFELINE": the worker's ends of the two pipes
+_ENV = "PORT_SUPERVISOR_FDS"  # "NOTES,LIFELINE,SIGNALS": the worker's ends of the three pipes
 
 _lock = threading.RLock()
 _notes: int | None = None  # the worker's end of the pipe to the supervisor
@@ -85,17 +88,21 @@ def final() -> Iterator[None]:
 def attach() -> bool:
     """In a worker started by `supervise`: report to it from now on; False elsewhere.
 
-    The worker leaves SIGINT and SIGTERM to the supervisor (a terminal's Ctrl-C
-    reaches both), and ends itself if the supervisor disappears.
+    The worker leaves SIGINT and SIGTERM to the supervisor: one sent to the worker's
+    pid is written (its number, one byte) to the supervisor's signal pipe by Python's
+    C-level handler at once, even while the main thread is inside JAX, and changes
+    nothing here. It ends itself if the supervisor disappears.
     """
     global _notes
     fds = os.environ.pop(_ENV, None)
     if fds is None:
         return False
-    notes, lifeline = (int(fd) for fd in fds.split(","))
+    notes, lifeline, signals = (int(fd) for fd in fds.split(","))
     _notes = notes
+    os.set_blocking(signals, False)
+    signal.set_wakeup_fd(signals, warn_on_full_buffer=False)
     for s in SIGNALS:
-        signal.signal(s, signal.SIG_IGN)
+        signal.signal(s, _passed_on)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)  # blocked by `supervise` until now
 
     def orphaned() -> None:
@@ -105,6 +112,10 @@ def attach() -> bool:
 
     threading.Thread(target=orphaned, name="port-lifeline", daemon=True).start()
     return True
+
+
+def _passed_on(signum: int, frame: object) -> None:
+    """The worker's handler: nothing (the wakeup fd told the supervisor, which decides)."""
 
 
 # ---------------------------------------------------------------------------- the supervisor's side
@@ -176,16 +187,23 @@ def supervise(argv: Sequence[str], say: Callable[[str], None]) -> int:
     hold_signals()  # in case the caller did not
     notes_read, notes_write = os.pipe()
     lifeline_read, lifeline_write = os.pipe()
-    env = os.environ | {_ENV: f"{notes_write},{lifeline_read}"}
+    signals_read, signals_write = os.pipe()
+    env = os.environ | {_ENV: f"{notes_write},{lifeline_read},{signals_write}"}
     try:
-        worker = subprocess.Popen(list(argv), env=env, pass_fds=(notes_write, lifeline_read))
+        worker = subprocess.Popen(list(argv), env=env, pass_fds=(notes_write, lifeline_read, signals_write),
+                                  process_group=0)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-    os.close(notes_write)
-    os.close(lifeline_read)
+    for fd in (notes_write, lifeline_read, signals_write):
+        os.close(fd)
+    os.set_blocking(signals_read, False)
     told = _Worker(notes_read)
     open_pipe = True
     while True:
+        try:  # signals sent to the worker's pid, as its handler wrote them
+            received.extend(n for n in os.read(signals_read, 64) if n in SIGNALS)
+        except (BlockingIOError, OSError):
+            pass
         if received and (not told.in_final or len(received) > 1):
             worker.kill()
             worker.wait()
