@@ -395,6 +395,45 @@ def test_urls_are_parsed_and_shown_without_credentials():
         port.open_checkpoint("nosuchscheme://bucket/x")
 
 
+def test_hub_urls_with_user_info_and_broken_urls_are_refused_without_their_secret():
+    assert remote.redact("hf://me:SECRET@org/name") == "hf://org/name"
+    assert remote.redact("hf://org/name@v1") == "hf://org/name@v1"  # a revision stays
+    for url, words in [("hf://me:SECRET@org/name", "not a Hugging Face repo URL"),
+                       ("http://u:SECRET@[::1/x", "not a URL port can read (Invalid IPv6 URL)")]:
+        result = run_port("plan", url, "--mesh", "1x1")
+        assert result.returncode == 1 and words in result.stderr, result.stderr
+        assert "SECRET" not in result.stdout + result.stderr
+        assert "internal error" not in result.stderr and "Traceback" not in result.stderr
+
+
+def test_the_worker_is_not_given_the_url_in_its_argv(server, served, tmp_path):
+    """`ps` shows every user a process's argv: port's worker gets the command line through its
+    environment (readable by the same user only), so a URL's credentials are not in it."""
+    import subprocess
+    import time
+
+    from helpers import port_command, port_env
+
+    served.credentials = ("Basic " + base64.b64encode(b"me:s3cret-pass").decode(), "t0ken-value")
+    served.delay = 0.3  # every answer slowed: the run lasts long enough to look at
+    url = f"http://me:s3cret-pass@127.0.0.1:{server.server_port}/tiny?token=t0ken-value"
+    process = subprocess.Popen([*port_command(), "plan", url, "--mesh", "1x1"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=port_env())
+    try:
+        children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+        deadline = time.monotonic() + 30
+        while not children.read_text().split() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        worker = children.read_text().split()[0]
+        argv = Path(f"/proc/{worker}/cmdline").read_bytes().split(b"\0")
+        assert argv[-2:] == [b"from port._cli import main; main()", b""], argv
+        assert not any(b"s3cret" in part or b"t0ken" in part for part in argv)
+    finally:
+        out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert "s3cret" not in out + err and "t0ken" not in out + err
+
+
 def test_ranges_merge_when_adjacent_and_stop_at_the_chunk():
     offsets, lengths = np.array([40, 0, 8, 16, 100]), np.array([8, 8, 8, 8, 30])
     addresses = np.array([1000, 0, 8, 16, 2000], np.uint64)

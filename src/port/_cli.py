@@ -561,6 +561,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
+_ARGV = "PORT_WORKER_ARGV"  # the command line, for the worker (JSON)
+
+
 def main() -> NoReturn:
     """The `port` entry point.
 
@@ -570,6 +573,9 @@ def main() -> NoReturn:
     worker was writing.
     """
     if attach():  # the worker
+        # Its arguments come through the environment (readable by this user only), not its argv,
+        # which any user can read in `ps`: a URL's credentials are not shown twice.
+        sys.argv[1:] = json.loads(os.environ.pop(_ARGV, "[]"))
         quiet_libraries()
         if os.getcwd() not in sys.path:  # a mapping's own module beside the user, as with `python -m`
             sys.path.append(os.getcwd())
@@ -585,5 +591,6 @@ def main() -> NoReturn:
     if args.command is None:
         parser().print_help()
         sys.exit(2)
-    worker = [sys.executable, "-P", "-c", "from port._cli import main; main()", *sys.argv[1:]]
+    os.environ[_ARGV] = json.dumps(sys.argv[1:])
+    worker = [sys.executable, "-P", "-c", "from port._cli import main; main()"]
     sys.exit(supervise(worker, say))

@@ -122,10 +122,15 @@ def redact(url: str) -> str:
     ```python
     redact("https://me:secret@host/dir/?token=x")   # 'https://host/dir'
     redact("hf://org/name@v1")                       # 'hf://org/name@v1' (a revision, not a user)
+    redact("hf://me:secret@org/name")                # 'hf://org/name' (a repo id has no ':')
     ```
     """
-    parts = urlsplit(url)
-    netloc = parts.netloc if parts.scheme.lower() == "hf" else parts.netloc.rpartition("@")[2]
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unclosed IPv6 bracket: show the scheme alone
+        return url.partition("://")[0] + "://..."
+    user_info = parts.scheme.lower() != "hf" or ":" in parts.netloc.partition("@")[0]
+    netloc = parts.netloc.rpartition("@")[2] if user_info else parts.netloc
     return urlunsplit((parts.scheme, netloc, parts.path, "", "")).rstrip("/")
 
 
@@ -696,7 +701,7 @@ def hf_location(url: str) -> tuple[str, str, str]:
     rest = urlsplit(url)
     segments = [s for s in (rest.netloc + rest.path).split("/") if s]
     if not segments:
-        raise CheckpointError(f"{url}: no repo id (expected hf://org/name[@revision])")
+        raise CheckpointError(f"{redact(url)}: no repo id (expected hf://org/name[@revision])")
     count = 1 if len(segments) == 1 or "@" in segments[0] else 2
     repo, _, revision = "/".join(segments[:count]).partition("@")
     folder = segments[count:]
@@ -737,6 +742,10 @@ def transport_for(url: str) -> Transport:
     ```
     """
     scheme = _SCHEME.match(url).group(1).lower()
+    try:
+        urlsplit(url)
+    except ValueError as e:  # an unclosed IPv6 bracket, a port that is no number
+        raise CheckpointError(f"{redact(url)}: not a URL port can read ({e})") from None
     if scheme in _DEFAULT_PORTS:
         return _http_transport(url)
     if scheme == "hf":
