@@ -136,3 +136,32 @@ def test_a_report_that_is_a_directory_is_refused_before_reading(tmp_path):
     )
     nothing_left(tmp_path, "run.json")
     assert list((tmp_path / "run.json").iterdir()) == []
+
+
+def test_a_report_at_the_outputs_path_is_refused_before_reading(tmp_path):
+    out = tmp_path / "out"
+    one_line(run_port("convert", EXAMPLE, "--out", out, "--report", out), "--report",
+             "the same path as --out; give the run summary a file of its own")
+    nothing_left(tmp_path)
+
+
+def test_a_report_that_cannot_be_written_says_the_output_is_complete(tmp_path, monkeypatch, capfd):
+    """The disk fills while the summary is written: one line, status 1, and the output (written
+    and made final before the summary) is said to be complete, as it is."""
+    import errno
+
+    import port._cli as cli
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(cli, "_write_file", full)
+    code = cli.run(["convert", str(EXAMPLE), "--out", str(tmp_path / "out"), "--report", str(tmp_path / "r.json")])
+    err = capfd.readouterr().err
+    assert code == 1
+    assert err.strip().splitlines()[-1] == (
+        f"port: error: --report {tmp_path / 'r.json'}: could not write the run summary (No space left on device); "
+        f"the output {tmp_path / 'out'} is complete"
+    ), err
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "_CHECKPOINT_METADATA", "commit_success.txt", "params", "port"]

@@ -139,6 +139,8 @@ def convert(args: argparse.Namespace) -> int:
         raise PortError(f"--report {args.report}: parent directory does not exist")
     if args.report is not None and args.out.absolute() in args.report.absolute().parents:
         raise PortError(f"--report {args.report}: inside --out {args.out}, which port replaces")
+    if args.report is not None and args.report.absolute() == args.out.absolute():
+        raise PortError(f"--report {args.report}: the same path as --out; give the run summary a file of its own")
     processes, count, simulated = _join(args)
 
     import jax
@@ -179,7 +181,13 @@ def convert(args: argparse.Namespace) -> int:
             bar.stop()
     summary = {"model": _shown(args.model), **result.report.to_json()}
     if report is not None:
-        _write_file(report, json.dumps(summary, indent=1) + "\n")
+        try:
+            _write_file(report, json.dumps(summary, indent=1) + "\n")
+        except OSError as e:
+            raise PortError(
+                f"--report {report}: could not write the run summary ({e.strerror or e}); "
+                f"the output {result.report.out} is complete"
+            ) from None
     figures = result.report
     who = f"process {figures.process}/{figures.num_processes}: " if figures.num_processes > 1 else ""
     say(
