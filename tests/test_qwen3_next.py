@@ -39,10 +39,11 @@ CONFIG = dict(
 )
 IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
 MAPPINGS = Path(__file__).resolve().parents[1] / "mappings"
-# Measured: float32 logits within 2.1e-4 (1x1) to 6.7e-4 (sharded) of transformers' (values
-# up to ~6): the delta rule's float32 sums in another order, amplified at a few positions by
-# the random layers (the delta-rule kernels alone agree with torch's to 4e-7).
-ATOL = 1e-3
+# This random model amplifies float32 rounding (its Gated DeltaNet layers, perturbed decays):
+# transformers' own float32 logits are 8.1e-3 from its float64 ones (values up to ~6), port's
+# float32 logits 7.2e-4 (1x1). So the reference is transformers' model run in float64, and
+# port's float32 logits must be within 2e-3 of it, on every mesh.
+ATOL = 2e-3
 
 
 def torch_qwen3_next(dtype=None):
@@ -52,6 +53,7 @@ def torch_qwen3_next(dtype=None):
     torch.manual_seed(0)
     config = transformers.Qwen3NextConfig(**CONFIG)
     config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # runs in float64 too (torch's grouped_mm does not)
     model = transformers.Qwen3NextForCausalLM(config)
     model = perturbed(model, lambda n: "norm" in n or n.endswith(("A_log", "dt_bias")), 0.2)
     return model if dtype is None else model.to(getattr(torch, dtype))
@@ -64,11 +66,11 @@ def logits(model, ids):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """The float32 model saved by save_pretrained, and transformers' logits."""
+    """The float32 model saved by save_pretrained, and transformers' logits (in float64)."""
     model = torch_qwen3_next()
     directory = tmp_path_factory.mktemp("qwen3_next")
     model.save_pretrained(directory)
-    return directory, torch_logits(model, IDS)
+    return directory, torch_logits(model.double(), IDS)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +147,7 @@ def test_gradients_match_pytorch(checkpoint, loaded, tmp_path):
     import torch
 
     directory, _ = checkpoint
-    torch_lm = torch_qwen3_next()
+    torch_lm = torch_qwen3_next().double()  # the reference in float64, as for the logits
     out = torch_lm(torch.tensor(IDS), labels=torch.tensor(IDS))
     out.loss.backward()
     loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(lambda m: next_token_loss(m(IDS), IDS)))(loaded)

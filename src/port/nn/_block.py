@@ -41,6 +41,14 @@ class PreNormBlock(eqx.Module):
 
     The fields `attn_norm`, `attn`, `mlp_norm` and `mlp` are the paths mappings name
     (`blocks.attn_norm`, `blocks.mlp.experts.gate`).
+
+    ```python
+    k1, k2 = jax.random.split(jax.random.key(0))
+    attn = Attention(heads=4, kv_heads=2, head_dim=16, embd=64, dtype=jnp.float32, key=k1)
+    mlp = GatedMLP(embd=64, inner=128, activation="silu", dtype=jnp.float32, key=k2)
+    block = PreNormBlock(attn, mlp, embd=64, eps=1e-6, dtype=jnp.float32)
+    y, kv = block(x, prepare(input_ids).mask, cos=None, sin=None, kv=None, index=None)
+    ```
     """
 
     attn_norm: Float[Array, " embd"]
