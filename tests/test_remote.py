@@ -91,6 +91,13 @@ class Handler(BaseHTTPRequestHandler):
         if fault == "stall":
             self.wfile.flush()
             time.sleep(1.0)
+        if fault == "trickle":  # 64 bytes every 20 ms (3.2 KB/s) until done or the client gives up
+            for start in range(0, len(body), 64):
+                self.wfile.write(body[start : start + 64])
+                self.wfile.flush()
+                time.sleep(0.02)
+            self.server.state.add(len(body))
+            return
         self.wfile.write(body)
         self.server.state.add(len(body))
 
@@ -242,6 +249,27 @@ def test_http_faults_are_retried_and_a_short_body_is_never_data(server, served, 
     assert_same(run.model, port.load(gpt2_checkpoints[0]["sharded"], mesh="4x2"))
     assert all(served.served_faults.get(fault, 0) >= 5 for fault in served.faults), served.served_faults
     assert run.report.bytes_read >= files_size(gpt2_checkpoints[0]["sharded"])  # partial bodies count too
+
+
+def test_a_server_slower_than_the_minimum_rate_is_retried_then_refused(server, served, gpt2_checkpoints, monkeypatch):
+    """A body that trickles in (3.2 KB/s here) is given up once the request has run GRACE seconds
+    below MIN_RATE: retried (a fault on one request costs nothing), and where every answer
+    trickles, one line after ATTEMPTS tries instead of a run that never ends."""
+    monkeypatch.setattr(remote, "GRACE", 0.3)
+    monkeypatch.setattr(remote, "MIN_RATE", 1 << 20)
+    served.faults = [None, "trickle"]
+    run = port.convert(f"{server.base}/sharded", mesh="2x2")
+    assert_same(run.model, port.load(gpt2_checkpoints[0]["sharded"], mesh="2x2"))
+    assert served.served_faults.get("trickle", 0) >= 1
+    served.faults, served.always = [], ("model.safetensors", "trickle")
+    began = time.monotonic()
+    with pytest.raises(port.CheckpointError) as caught:
+        port.load(f"{server.base}/lm", mesh="1x1")
+    message = str(caught.value)
+    assert re.search(r"model\.safetensors: bytes \d+-\d+ \(tensor '[\w.]+'\): \d+ of \d+ bytes in [\d.]+ s, "
+                     r"slower than 1024 KiB/s "
+                     rf"\(gave up after {remote.ATTEMPTS} attempts\)$", message), message
+    assert "\n" not in message and time.monotonic() - began < 60
 
 
 def test_requests_in_flight_are_bounded(server, served, monkeypatch):

@@ -78,8 +78,12 @@ ATTEMPTS = 6
 """Tries of one request before its failure is reported."""
 BACKOFF = 0.1
 """Seconds before the first retry; doubled each time, with jitter (about 3 s in all)."""
-TIMEOUT = 30.0
+TIMEOUT = 15.0
 """Seconds a connection may wait for the server (connect, or the next bytes)."""
+MIN_RATE = 64 * 2**10
+"""Bytes per second below which a request that has run `GRACE` seconds is given up and retried."""
+GRACE = 10.0
+"""Seconds a request may take before `MIN_RATE` applies (a connection's start, a slow first byte)."""
 REQUESTS = 16
 """Range requests in flight at once, per checkpoint."""
 HTTP_CHUNK = 16 * 2**20
@@ -421,9 +425,11 @@ class HttpTransport(Transport):
         raise _Permanent(_phrase(status))
 
     def _fill(self, response: Any, views: Sequence[memoryview]) -> None:
-        """Read the body into `views`, all of them; a body that ends early is transient."""
+        """Read the body into `views`, all of them; a body that ends early, stalls for `TIMEOUT`
+        or comes slower than `MIN_RATE` once `GRACE` has passed is transient."""
         wanted = sum(v.nbytes for v in views)
         received = 0
+        began = time.monotonic()
         for view in views:
             got = 0
             while got < view.nbytes:
@@ -436,6 +442,11 @@ class HttpTransport(Transport):
                 got += n
                 received += n
                 self.count(n)
+                elapsed = time.monotonic() - began
+                if elapsed > GRACE and received < MIN_RATE * elapsed and received < wanted:
+                    raise _Transient(
+                        f"{received} of {wanted} bytes in {elapsed:.1f} s, slower than {MIN_RATE // 1024} KiB/s"
+                    )
 
     def _finish(self, response: Any, conn: Any, key: tuple[str, str, int]) -> None:
         """The body must end where the range does; then the connection serves the next request."""
