@@ -49,3 +49,27 @@ def test_load_is_convert_without_output():
     model = port.load(EXAMPLE, mesh="2x2")
     again = port.convert(EXAMPLE, mesh="2x2").model
     np.testing.assert_array_equal(np.asarray(model.blocks.attn.wq), np.asarray(again.blocks.attn.wq))
+
+
+def test_a_mesh_whose_blocks_outgrow_host_memory_is_refused_before_reading(tmp_path, monkeypatch):
+    """On CPU devices every block is host memory: the plan's bytes per device times this process's
+    devices is checked against what the host has available, before any tensor byte is read."""
+    import port._convert
+
+    with port.open_checkpoint(EXAMPLE) as ckpt:
+        device_bytes = port.plan(port.skeleton(port.mapping_for(ckpt.config), ckpt.config),
+                                 port.mapping_for(ckpt.config), ckpt.tensors, ckpt.config, {"data": 4, "model": 2}
+                                 ).device_bytes
+        monkeypatch.setattr(port._convert, "available_host_bytes", lambda: 8 * device_bytes - 1)
+        try:
+            port.convert(ckpt, mesh="4x2", out=tmp_path / "out")
+        except port.PlanError as e:
+            message = str(e)
+        else:
+            raise AssertionError("converted")
+        assert ckpt.bytes_read == 0
+    assert message.startswith("--mesh data=4,model=2: its blocks take ") and "(8 CPU devices x " in message
+    assert message.endswith("available; use fewer devices, or shard what is replicated") and "\n" not in message
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(port._convert, "available_host_bytes", lambda: 8 * device_bytes)
+    assert port.convert(EXAMPLE, mesh="4x2").report.bytes_read > 0  # exactly enough is enough

@@ -1,4 +1,4 @@
-"""Peak anonymous host memory, sampled from `/proc/self/status` (`RssAnon`).
+"""Peak anonymous host memory, sampled from `/proc/self/status` (`RssAnon`); what is available.
 
 `ru_maxrss` also counts pages of the memory-mapped checkpoint; `RssAnon` does not.
 
@@ -24,6 +24,19 @@ def rss_anon() -> int:
     except OSError:
         pass
     return 0
+
+
+def available_host_bytes() -> int | None:
+    """What the kernel says new allocations can take without swapping (`MemAvailable` in
+    `/proc/meminfo`), in bytes; None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class PeakMemory:
