@@ -182,3 +182,25 @@ def test_a_third_process_cannot_make_the_run_write_outside_or_succeed(tmp_path):
     assert "converted" not in err0 + err1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["work"] and list(work.iterdir()) == []
     assert TINY.is_dir()
+
+
+def test_an_output_missing_a_chunk_is_never_made_final(tmp_path, monkeypatch):
+    """Whatever the processes report, process 0 looks: a chunk file that never reached this
+    output's directory (written elsewhere, as the finding's process 1 was made to) stops the
+    save with one line, and nothing is left."""
+    import port
+    import port._save as save
+
+    real = save._write_chunk
+
+    def astray(file, shard, chunks):  # says it wrote the chunk, and wrote it somewhere else
+        stray = file.name == "0.0" and file.parent.name == "wte"
+        return real(tmp_path / "elsewhere" if stray else file, shard, chunks)
+
+    monkeypatch.setattr(save, "_write_chunk", astray)
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(port.OutputError, match=r"^--out .*/out: leaf 'wte': 1 of its 2 chunk files are missing "
+                                               r"\(first 0\.0\); the output is not complete$"):
+        port.convert(TINY, mesh="2x2", out=work / "out")
+    assert list(work.iterdir()) == []

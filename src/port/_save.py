@@ -513,10 +513,32 @@ class Saving:
                     raise OutputError(
                         f"--out {self.directory}: the processes wrote {counts}, not the {expected} bytes laid out"
                     )
+                self._check_written(arrays)
                 self._commit(arrays, nones, _metadata_of(arrays, mapping, config, sources, include))
             exchange("save-done", "", "word that the output is in place")
         self._finished = True
         return self.directory
+
+    def _check_written(self, arrays: list) -> None:
+        """Process 0, before the metadata: every chunk file of every leaf is in this output's
+        directory, a regular file of its chunk's size. What the processes said they wrote is
+        not proof: this is what restore will find."""
+        for path, _, array in arrays:
+            if not array.size:
+                continue
+            chunks = self._chunks[path]
+            size = math.prod(chunks) * array.dtype.itemsize
+            names = {chunk_name(tuple(i)) for i in np.ndindex(*(-(-n // c) for n, c in zip(array.shape, chunks)))}
+            with os.scandir(self.partial / "params" / path) as entries:
+                found = {e.name: e for e in entries if e.name != ZARRAY}
+            missing = sorted(names - set(found))
+            wrong = sorted(n for n in names & set(found)
+                           if not found[n].is_file(follow_symlinks=False) or found[n].stat(follow_symlinks=False).st_size != size)
+            if missing or wrong or len(found) != len(names):
+                what = (f"{len(missing)} of its {len(names)} chunk files are missing (first {missing[0]})" if missing
+                        else f"chunk file {wrong[0]} is not a regular file of {size} bytes" if wrong
+                        else "it holds files that are not its chunks")
+                raise OutputError(f"--out {self.directory}: leaf {quoted(path)}: {what}; the output is not complete")
 
     def _commit(self, arrays: list, nones: list, meta: dict[str, Any]) -> None:
         """Process 0: the metadata files, every directory flushed, and the rename into place."""
