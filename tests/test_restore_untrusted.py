@@ -407,6 +407,7 @@ def nest(chunk: Path) -> None:
 
 
 WTE = "params/wte/0.1"  # a chunk of the first leaf read: 101 rows by 16 columns of float32
+LINK = "a symbolic link, not a regular file of the output: refused"
 NOT_C = "not stored in C order with '.'-separated chunk names, as port stores arrays"
 
 
@@ -427,7 +428,7 @@ NOT_C = "not stored in C order with '.'-separated chunk names, as port stores ar
     (lambda out: (shutil.rmtree(out / "params" / "wpe"), (out / "params" / "wpe").write_text("x")),
      "params/wpe: missing or not a directory (leaf 'wpe' of port/metadata)"),
     (lambda out: move_aside(out, "blocks.mlp.w_fc"),
-     "params/blocks.mlp.w_fc: missing or not a directory (leaf 'blocks.mlp.w_fc' of port/metadata)"),
+     "params/blocks.mlp.w_fc: a symbolic link, not a directory of the output: refused"),
     # a leaf's .zarray
     (lambda out: (out / "params" / "wte" / ".zarray").unlink(),
      "params/wte/.zarray: missing (zarr's metadata of the array)"),
@@ -486,11 +487,11 @@ NOT_C = "not stored in C order with '.'-separated chunk names, as port stores ar
     (lambda out: truncate(out / WTE, 1 << 40), f"{WTE}: {1 << 40} bytes, but a chunk of leaf 'wte'"),  # sparse
     (lambda out: replace(out / WTE, os.mkfifo), f"{WTE}: not a regular file (a chunk of leaf 'wte')"),
     (lambda out: replace(out / WTE, Path.mkdir), f"{WTE}: not a regular file (a chunk of leaf 'wte')"),
-    (lambda out: replace(out / WTE, lambda p: p.symlink_to(out / "params")),
-     f"{WTE}: not a regular file (a chunk of leaf 'wte')"),
-    (lambda out: replace(out / WTE, lambda p: p.symlink_to(out / "nowhere")), f"{WTE}: missing (a chunk of leaf 'wte')"),
-    (lambda out: replace(out / WTE, lambda p: p.symlink_to(p)), f"{WTE}: cannot be read (Too many levels of symbolic"),
-    (lambda out: replace(out / WTE, lambda p: p.symlink_to("/dev/zero")), f"{WTE}: not a regular file"),
+    (lambda out: replace(out / WTE, lambda p: p.symlink_to(out / "params")), f"{WTE}: {LINK} (a chunk of leaf 'wte')"),
+    (lambda out: replace(out / WTE, lambda p: p.symlink_to(out / "nowhere")), f"{WTE}: {LINK} (a chunk of leaf 'wte')"),
+    (lambda out: replace(out / WTE, lambda p: p.symlink_to(p)), f"{WTE}: {LINK} (a chunk of leaf 'wte')"),
+    (lambda out: replace(out / WTE, lambda p: p.symlink_to("/dev/zero")), f"{WTE}: {LINK} (a chunk of leaf 'wte')"),
+    (lambda out: replace(out / WTE, lambda p: p.symlink_to("0.0")), f"{WTE}: {LINK} (a chunk of leaf 'wte')"),
     (lambda out: (out / "params" / "wte" / "0.1").rename(out / "params" / "wte" / "1.0"),
      f"{WTE}: missing (a chunk of leaf 'wte')"),
     (lambda out: nest(out / WTE), f"{WTE}: missing (a chunk of leaf 'wte')"),
@@ -565,6 +566,18 @@ def _swap(victim: Path) -> None:
     new.replace(victim)
 
 
+def _secret(path: Path, size: int) -> Path:
+    """A file of `size` bytes that is no part of any output (another user's key, say)."""
+    path.write_bytes((b"not yours " * (size // 10 + 1))[:size])
+    return path
+
+
+def _link_elsewhere(victim: Path) -> None:
+    """The chunk replaced by a link to a file of its very size outside the output."""
+    secret = _secret(victim.parents[3] / f"secret-{victim.name}", victim.stat().st_size)
+    replace(victim, lambda p: p.symlink_to(secret))
+
+
 @pytest.mark.parametrize("read_ahead", [None, 0])
 @pytest.mark.parametrize("chunk", ["wte/0.1", "blocks.mlp.w_proj/0.1.0", "ln_f.bias/3"])
 @pytest.mark.parametrize("damage, reason", [
@@ -573,6 +586,7 @@ def _swap(victim: Path) -> None:
     (lambda f: f.unlink(), "cannot read: No such file or directory"),
     (lambda f: replace(f, os.mkfifo), "not a regular file"),
     (_swap, "changed since"),
+    (_link_elsewhere, LINK),
 ])
 def test_a_chunk_damaged_after_the_checks_is_one_line(out, capfd, monkeypatch, read_ahead, chunk, damage, reason):
     """A chunk cut short, removed or replaced between the checks and the reads: the file that
@@ -592,6 +606,105 @@ def test_a_chunk_damaged_after_the_checks_is_one_line(out, capfd, monkeypatch, r
     message = refused(out, capfd, mesh="1x1")
     assert message.startswith(f"{out}/params: leaf '{leaf}': cannot be read ({name}: {reason}"), message
     assert opened == [out]
+
+
+# Links: nothing below an output's directory is reached through a symbolic link, so a tampered
+# output cannot make restore, or `port export` after it, read a file from elsewhere (issue 21).
+
+
+@pytest.mark.parametrize("target", ["outside", "another chunk"])
+def test_a_chunk_linked_to_a_file_of_its_size_is_refused_and_never_exported(out, tmp_path, capfd, target):
+    """The link's target has exactly the chunk's size, so every size check would pass: restore
+    refuses the link in one line, and `port export` exits 1 with that line, writing nothing."""
+    victim = out / WTE
+    size = victim.stat().st_size
+    secret = _secret(tmp_path / "secret", size) if target == "outside" else victim.with_name("0.0")
+    assert secret.stat().st_size == size and not secret.is_symlink()
+    replace(victim, lambda p: p.symlink_to(secret))
+    message = refused(out, capfd)
+    assert message == f"{out}/{WTE}: {LINK} (a chunk of leaf 'wte')"
+    if target == "outside":
+        line = one_line(run_port("export", out, "--out", tmp_path / "hf"), f"{out}/{WTE}: {LINK}")
+        assert line == f"port: error: {message}"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "secret"]  # no hf, no hidden partial
+
+
+@pytest.mark.parametrize("name", ["port", "params", "params/wte", "params/blocks.attn.wq"])
+def test_a_directory_of_the_output_linked_in_is_refused(out, tmp_path, capfd, name):
+    """The output's own files, moved aside and linked back in by their directory: refused, naming the link."""
+    shutil.move(out / name, tmp_path / "aside")
+    (out / name).symlink_to(tmp_path / "aside", target_is_directory=True)
+    message = refused(out, capfd)
+    assert message == f"{out}/{name}: a symbolic link, not a directory of the output: refused"
+    if name == "params/wte":
+        assert one_line(run_port("export", out, "--out", tmp_path / "hf"), message) == f"port: error: {message}"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["aside", "out"]
+
+
+@pytest.mark.parametrize("name", ["params", "params/wte"])
+def test_a_directory_linked_in_after_the_checks_is_not_followed(out, tmp_path, capfd, monkeypatch, name):
+    """Between the checks and the reads, a directory is moved aside and linked back: the very
+    files checked, yet not read through the link (each read opens every step with O_NOFOLLOW)."""
+    real = port._restore._open_arrays
+
+    def open_then_link(output):
+        result = real(output)
+        shutil.move(out / name, tmp_path / "aside")
+        (out / name).symlink_to(tmp_path / "aside", target_is_directory=True)
+        return result
+
+    monkeypatch.setattr(port._restore, "_open_arrays", open_then_link)
+    message = refused(out, capfd, mesh="1x1")
+    assert message == (
+        f"{out}/params: leaf 'wte': cannot be read ({out}/{name}: a symbolic link, not a directory of the output: "
+        "refused)"
+    )
+
+
+def test_an_output_in_the_hub_cache_restores_and_links_elsewhere_are_refused(good, tmp_path, capfd):
+    """An output downloaded into the Hugging Face cache: every file of its snapshot a symbolic link
+    to a blob of the repo. Those links are followed, and restore gives the same model; a link of
+    the snapshot that leads anywhere but the repo's `blobs/` is refused, named."""
+    repo = tmp_path / "hub" / "models--someone--gpt2-jax"
+    blobs, out = repo / "blobs", repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    files = [p for p in sorted(good[0].rglob("*")) if p.is_file()]
+    for i, path in enumerate(files):
+        shutil.copyfile(path, blobs / f"{i:040x}")
+        target = out / path.relative_to(good[0])
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.symlink_to(os.path.relpath(blobs / f"{i:040x}", target.parent))
+    model = port.restore(out, "2x4")
+    assert np.abs(logits(model) - good[1]).max() < 1e-5
+    chunk = out / "params" / "wte" / "0.0"
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copyfile(chunk, elsewhere)  # a file of the right size, outside the cache repo's blobs
+    chunk.unlink()
+    chunk.symlink_to(elsewhere)
+    assert refused(out, capfd) == f"{chunk}: {LINK} (a chunk of leaf 'wte')"
+
+
+def test_open_regular_follows_no_link_below_an_output(out, tmp_path):
+    """The helper itself: a file reached through no link opens; a link at any step is one OutputError."""
+    from port._source import open_regular
+
+    fd, st = open_regular(out / WTE, output=out)
+    os.close(fd)
+    assert st.st_size == (out / WTE).stat().st_size
+    outside = tmp_path / "elsewhere"
+    outside.symlink_to(out, target_is_directory=True)  # the output itself may be named through a link
+    fd, _ = open_regular(outside / WTE, output=outside)
+    os.close(fd)
+    replace(out / "params" / "wte" / "0.0", lambda p: p.symlink_to("0.1"))
+    with pytest.raises(OutputError, match=f"^0.0: {LINK}$"):
+        open_regular(out / "params" / "wte" / "0.0", output=out)
+    with pytest.raises(OutputError, match=r"^0\.1: not a file inside the output "):
+        open_regular(out / WTE, output=out / "port")
+    shutil.move(out / "params" / "wpe", tmp_path / "wpe")
+    (out / "params" / "wpe").symlink_to(tmp_path / "wpe", target_is_directory=True)
+    with pytest.raises(OutputError) as caught:
+        open_regular(out / "params" / "wpe" / "0.0", output=out)
+    assert str(caught.value) == f"{out}/params/wpe: a symbolic link, not a directory of the output: refused"
 
 
 @pytest.mark.parametrize("dtype", [["<f4"], {"name": "<f4"}])
@@ -701,18 +814,6 @@ def test_a_bad_output_leaves_stderr_clean_to_the_end(good, tmp_path):
 
 
 # 5. Good outputs: exactly what Orbax itself restores, any dtype, any mesh.
-
-
-def test_an_output_of_links_to_files_restores(good, tmp_path):
-    """As the Hugging Face cache stores a download: every file a symbolic link to a blob."""
-    blobs, out = tmp_path / "blobs", tmp_path / "snapshot"
-    shutil.copytree(good[0], blobs)
-    out.mkdir()
-    for path in sorted(blobs.rglob("*")):
-        target = out / path.relative_to(blobs)
-        target.mkdir(parents=True, exist_ok=True) if path.is_dir() else target.symlink_to(path)
-    model = port.restore(out, "2x4")
-    assert np.abs(logits(model) - good[1]).max() < 1e-5
 
 
 def test_stray_files_are_never_opened(good, tmp_path):

@@ -165,3 +165,54 @@ def test_a_report_that_cannot_be_written_says_the_output_is_complete(tmp_path, m
     ), err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "_CHECKPOINT_METADATA", "commit_success.txt", "params", "port"]
+
+
+def test_many_ignored_tensors_convert_to_an_output_that_reads_back(tmp_path, monkeypatch):
+    """Issue 21, row 9: 1.35M ignored zero-size tensors made port/metadata 78.8 MB, over the 32 MB
+    restore reads, so port refused the output it had just written. An output records only the
+    tensors `port export` writes back: here the metadata stays far under a bound 7x smaller than
+    the ignored names alone would take, and restore and export read it back."""
+    from safetensors.numpy import load_file
+
+    import port
+    import port._restore
+    import port._save
+
+    model = variant(tmp_path / "model", add={
+        f"transformer.h.{i}.attn.bias": np.zeros((0,), np.float32) for i in range(2, 20_002)  # ignored by the mapping
+    })
+    limit = 200_000  # the names of the ignored tensors alone take over 1.3 MB
+    monkeypatch.setattr(port._save, "MAX_METADATA_BYTES", limit)  # one bound, the writer's and the reader's
+    monkeypatch.setattr(port._restore, "MAX_METADATA_BYTES", limit)
+    out = tmp_path / "out"
+    port.convert(model, mesh="1x1", out=out)
+    assert (out / "port" / "metadata").stat().st_size < limit
+    original = load_file(EXAMPLE / "model.safetensors")
+    assert sorted(json.loads((out / "port" / "metadata").read_text())["sources"]) == sorted(original)
+    port.export(port.restore(out, "2x2"), tmp_path / "hf", out)
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(exported) == sorted(original)
+    for key, array in original.items():
+        np.testing.assert_array_equal(exported[key], array, err_msg=key)
+
+
+@pytest.mark.parametrize("bound, value, expected", [
+    ("MAX_METADATA_BYTES", 4000, (r"port/metadata would be \d+ bytes \([\d.]+ KB\), more than restore reads back "
+                                  r"\(4000 at most; its 'mapping' takes [\d.]+ KB\); the output is not written")),
+    ("MAX_SOURCES", 10, (r"port/metadata would record 28 source tensors, more than restore reads back "
+                         r"\(10 at most\); the output is not written")),
+], ids=["bytes", "sources"])
+def test_metadata_restore_would_refuse_is_never_written(tmp_path, monkeypatch, bound, value, expected):
+    """The writer checks the metadata against the bounds restore reads it under before writing it:
+    one line saying how large and what is large, and nothing left (no output, no hidden partial)."""
+    import re
+
+    import port
+    import port._save
+
+    monkeypatch.setattr(port._save, bound, value)
+    out = tmp_path / "out"
+    with pytest.raises(port.OutputError) as caught:
+        port.convert(EXAMPLE, mesh="2x2", out=out)
+    assert re.fullmatch(f"--out {re.escape(str(out))}: {expected}", str(caught.value)), str(caught.value)
+    nothing_left(tmp_path)

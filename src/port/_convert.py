@@ -92,6 +92,21 @@ class Conversion:
     report: Report
 
 
+def written_back(recipe: Plan, tensors: AnyMapping[str, Any]) -> dict[str, Any]:
+    """The headers, in the checkpoint's order, of the tensors the plan reads: what an output
+    records for `port export`, which writes back exactly those. Ignored buffers, tied
+    duplicates and unused keys are left out (export leaves them out too), so the metadata
+    grows with the model, not with what else the checkpoint holds (1.35M ignored tensors
+    once made it larger than `restore` reads back).
+
+    ```python
+    written_back(recipe, ckpt.tensors)     # {"transformer.wte.weight": TensorInfo(...), ...}
+    ```
+    """
+    used = {key for leaf in recipe.leaves for key in leaf.keys}
+    return {key: info for key, info in tensors.items() if key in used}
+
+
 def fingerprint(checkpoint: Checkpoint) -> str:
     """A digest of a checkpoint's config and tensor headers: equal for the same checkpoint on every host."""
     headers = sorted((k, t.dtype.name, list(t.shape)) for k, t in checkpoint.tensors.items())
@@ -209,7 +224,7 @@ def convert(
             jax.block_until_ready(arrays)
             writing = time.perf_counter()
             if saving is not None:
-                out = saving.finish(model, mapping, config, sources=ckpt.tensors, include=include)
+                out = saving.finish(model, mapping, config, sources=written_back(recipe, ckpt.tensors), include=include)
             done = time.perf_counter()
         finally:
             if owned:

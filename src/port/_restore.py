@@ -10,8 +10,11 @@ chunk file's size against its chunk (so every byte declared is on disk before an
 is built or allocated), and the module's skeleton built from its config against every
 leaf. Then each distinct block of this process's devices is read with positioned reads
 (`Checkpoint.read_into`, as `place` reads a safetensors file) from only the chunk bytes
-it covers, straight into the block's memory, which the device adopts. Every problem is
-one `OutputError` line naming the directory, file and leaf.
+it covers, straight into the block's memory, which the device adopts. Every file read
+is a regular file inside the output, reached with no symbolic link below its directory
+followed (`open_regular(..., output=...)`): a link in a tampered output cannot make
+restore, or `port export` after it, read a file from elsewhere. Every problem is one
+`OutputError` line naming the directory, file and leaf.
 
 ```python
 model = restore("out/gpt2", "2x4")
@@ -45,9 +48,9 @@ from ._mapping import Mapping, import_object, parse_mapping
 from ._place import aligned_empty, assemble, boxes as _boxes
 from ._plan import check_include, partition, selects
 from ._runtime import as_mesh
-from ._save import FORMAT, LEAF_PATH, MAX_METADATA_BYTES
+from ._save import FORMAT, LEAF_PATH, MAX_METADATA_BYTES, MAX_SOURCES
 from ._skeleton import leaves, skeleton
-from ._source import Checkpoint, Region, TensorInfo
+from ._source import Checkpoint, Region, TensorInfo, hub_blob, open_regular
 from ._zarr import ZARR_DTYPES, ZARRAY, chunk_count, chunk_name, grid, overlapping
 
 MAX_PARAMS_FILES = 1_000_000  # chunk files: one per block of the saving mesh, per leaf
@@ -57,7 +60,6 @@ READ_AHEAD_BYTES = 1 << 30  # host bytes of blocks read but not yet on their dev
 _FIELDS = ("format", "mapping_source", "mapping", "config", "leaves")
 _OPTIONAL_FIELDS = ("sources", "include")  # the checkpoint's tensor headers, for `port export`; a partial load's patterns
 MAX_INCLUDE = 1000
-MAX_SOURCES = 1_000_000
 MAX_KEY_CHARS = 1000
 MAX_RANK = 16
 _LEAF_FIELDS = ("shape", "dtype", "axes")
@@ -165,26 +167,43 @@ def describe(shape: tuple[int, ...], dtype: np.dtype) -> str:
     return f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
 
 
-def _regular_file(path: Path, what: str) -> os.stat_result:
-    """`path`'s status (a link followed), refusing anything but a regular file in one line naming `what` it is."""
+def _regular_file(path: Path, what: str, output: Path) -> os.stat_result:
+    """`path`'s status (`lstat`: a link is not followed, but for one into the Hugging Face cache
+    repo's `blobs/` of an `output` downloaded there), refusing anything but a regular file in one
+    line naming `what` it is. The directories above it are checked by the callers."""
     try:
-        info = os.stat(path)
+        info = os.lstat(path)
+        if stat.S_ISLNK(info.st_mode) and (blob := hub_blob(output, path)) is not None:
+            info = os.lstat(blob)
     except FileNotFoundError:
         raise OutputError(f"{path}: missing ({what})") from None
     except OSError as e:
         raise OutputError(f"{path}: cannot be read ({e.strerror})") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise OutputError(f"{path}: a symbolic link, not a regular file of the output: refused ({what})")
     if not stat.S_ISREG(info.st_mode):
         raise OutputError(f"{path}: not a regular file ({what})")
     return info
 
 
-def _read_json(path: Path, what: str) -> Any:
-    """Parse the JSON file `path`, refusing anything but a regular file of at most `MAX_METADATA_BYTES`."""
-    info = _regular_file(path, what)
+def _directory(path: Path, what: str) -> None:
+    """Refuse `path` unless it is a directory, not a symbolic link to one, in one line (naming `what` it is
+    when it is missing)."""
+    if path.is_symlink():
+        raise OutputError(f"{path}: a symbolic link, not a directory of the output: refused")
+    if not path.is_dir():
+        raise OutputError(f"{path}: missing or not a directory ({what})")
+
+
+def _read_json(directory: Path, path: Path, what: str) -> Any:
+    """Parse the JSON file `path` of the output `directory`, refusing anything but a regular file
+    of at most `MAX_METADATA_BYTES` reached with no link followed below `directory`."""
+    info = _regular_file(path, what, directory)
     if info.st_size > MAX_METADATA_BYTES:
         raise OutputError(f"{path}: {info.st_size} bytes, more than {what} ever holds ({MAX_METADATA_BYTES} at most)")
+    fd, _ = open_regular(path, str(path), output=directory)
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(fd, "rb") as f:
             data = f.read(MAX_METADATA_BYTES + 1)
     except OSError as e:
         raise OutputError(f"{path}: cannot be read ({e.strerror})") from None
@@ -225,7 +244,8 @@ def read_output(directory: str | os.PathLike) -> Output:
             )
         raise OutputError(f"{directory}: not a port output (no port/metadata)")
     where = f"{directory}/port/metadata"
-    meta = _read_json(directory / "port" / "metadata", "port's metadata")
+    _directory(directory / "port", "port's item of the output")
+    meta = _read_json(directory, directory / "port" / "metadata", "port's metadata")
     if not isinstance(meta, dict):
         raise OutputError(f"{where}: expected a JSON object, got {type(meta).__name__}")
     for name in meta:
@@ -433,10 +453,9 @@ def _check_skeleton(skel: Any, output: Output, cls: type) -> list[str]:
 def _check_stored(output: Output) -> None:
     """The arrays `params/_METADATA` declares, which must be exactly `port/metadata`'s leaves."""
     params = output.params
-    if params.is_symlink() or not params.is_dir():
-        raise OutputError(f"{params}: missing or not a directory (an incomplete port output)")
+    _directory(params, "an incomplete port output")
     where = f"{params}/_METADATA"
-    meta = _read_json(params / "_METADATA", "Orbax's metadata")
+    meta = _read_json(output.directory, params / "_METADATA", "Orbax's metadata")
     tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
     if not isinstance(tree, dict):
         raise OutputError(f"{where}: not Orbax's PyTree metadata (no 'tree_metadata')")
@@ -465,10 +484,9 @@ def _check_stored(output: Output) -> None:
 def _chunk_shape(output: Output, leaf: Leaf) -> tuple[int, ...]:
     """The chunk shape of `leaf`'s stored array, from its `.zarray`, every field checked against the leaf."""
     folder = output.params / leaf.path
-    if folder.is_symlink() or not folder.is_dir():
-        raise OutputError(f"{folder}: missing or not a directory (leaf '{leaf.path}' of port/metadata)")
+    _directory(folder, f"leaf '{leaf.path}' of port/metadata")
     where = f"{folder}/{ZARRAY}"
-    meta = _read_json(folder / ZARRAY, "zarr's metadata of the array")
+    meta = _read_json(output.directory, folder / ZARRAY, "zarr's metadata of the array")
     if not isinstance(meta, dict) or meta.get("zarr_format") != 2 or type(meta.get("zarr_format")) is not int:
         raise OutputError(f"{where}: not zarr format 2 metadata")
     if meta.get("shape") != list(leaf.shape):
@@ -490,7 +508,8 @@ def _chunk_shape(output: Output, leaf: Leaf) -> tuple[int, ...]:
 
 def _open_arrays(output: Output) -> tuple[dict[str, tuple[int, ...]], Checkpoint]:
     """Every leaf's chunk shape, and its chunk files as the tensors of a `Checkpoint` (keyed
-    `LEAF/CHUNK`), each found to be a regular file of exactly a chunk's bytes; reads no array data."""
+    `LEAF/CHUNK`), each found to be a regular file of exactly a chunk's bytes, not a link; reads
+    no array data. The checkpoint opens each with no link followed below the output's directory."""
     shapes, tensors = {}, {}
     budget = MAX_PARAMS_FILES
     for path, leaf in output.leaves.items():
@@ -503,7 +522,7 @@ def _open_arrays(output: Output) -> tuple[dict[str, tuple[int, ...]], Checkpoint
         nbytes = math.prod(chunks) * leaf.dtype.itemsize
         for index in grid(leaf.shape, chunks):
             file = output.params / path / chunk_name(index)
-            info = _regular_file(file, f"a chunk of leaf '{path}'")
+            info = _regular_file(file, f"a chunk of leaf '{path}'", output.directory)
             if info.st_size != nbytes:
                 raise OutputError(
                     f"{file}: {info.st_size} bytes, but a chunk of leaf '{path}' ({describe(chunks, leaf.dtype)}) "
@@ -511,7 +530,7 @@ def _open_arrays(output: Output) -> tuple[dict[str, tuple[int, ...]], Checkpoint
                 )
             key = f"{path}/{chunk_name(index)}"
             tensors[key] = TensorInfo(key, file, leaf.dtype, chunks, 0, (info.st_dev, info.st_ino, info.st_size))
-    return shapes, Checkpoint(output.params, {}, tensors)
+    return shapes, Checkpoint(output.params, {}, tensors, output=output.directory)
 
 
 def _plan_reads(

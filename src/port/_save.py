@@ -65,7 +65,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._console import one_line, quoted
+from ._console import one_line, quoted, size_text
 from ._errors import OutputError, PortError, RunError
 from ._interrupt import final, removing
 from ._mapping import Mapping
@@ -77,6 +77,7 @@ from ._zarr import ZARRAY, chunk_count, chunk_name, chunk_shape, zarray
 FORMAT = 3
 LEAF_PATH = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")  # a leaf's name, and its directory in params/
 MAX_METADATA_BYTES = 32 << 20  # port/metadata, params/_METADATA: a few hundred KB for real models
+MAX_SOURCES = 1_000_000  # source tensors port/metadata records: written and read back under the same bounds
 STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's names in a checkpoint it finalised
 COMMIT_FILE = "commit_success.txt"
 PARTS = frozenset({STEP_METADATA, COMMIT_FILE, "params", "port"})  # what `save` writes into an output
@@ -554,6 +555,7 @@ class Saving:
             STEP_METADATA: _checkpoint_metadata(self.started),
             COMMIT_FILE: _commit_text(self.directory),
         }
+        _check_readable(self.directory, meta, files["port/metadata"], files["params/_METADATA"], len(nones))
         list(self._pool.map(lambda item: _write_new(partial / item[0], item[1]), files.items()))
         list(self._pool.map(_sync_directory, [partial / "params" / p for p in self._chunks]))
         for name in ("params", "port", ""):
@@ -576,6 +578,38 @@ class Saving:
                 self._pool.shutdown(wait=True, cancel_futures=not self._finished)
         finally:
             self._cleanup.close()
+
+
+def _check_readable(directory: Path, meta: dict[str, Any], port_meta: bytes, tree_meta: bytes, nones: int) -> None:
+    """Refuse, before any metadata file is written (the partial output then removed), metadata
+    that `restore` would refuse to read back under its bounds, which are these: `port/metadata`
+    or `params/_METADATA` over `MAX_METADATA_BYTES`, more than `MAX_SOURCES` source tensors.
+    The one line says which file, how large, and what in it is large."""
+    sources = meta.get("sources") or {}
+    if len(sources) > MAX_SOURCES:
+        raise OutputError(
+            f"--out {directory}: port/metadata would record {len(sources)} source tensors, more than restore "
+            f"reads back ({MAX_SOURCES} at most); the output is not written"
+        )
+    counts = {"leaves": f"{len(meta['leaves'])} leaves", "sources": f"{len(sources)} tensors",
+              "include": f"{len(meta.get('include') or ())} patterns"}
+    for name, data, why in [
+        ("port/metadata", port_meta, lambda: _largest_field(meta, counts)),
+        ("params/_METADATA", tree_meta, lambda: f"{len(meta['leaves'])} arrays and {nones} None leaves"),
+    ]:
+        if len(data) > MAX_METADATA_BYTES:
+            raise OutputError(
+                f"--out {directory}: {name} would be {len(data)} bytes ({size_text(len(data))}), more than restore "
+                f"reads back ({MAX_METADATA_BYTES} at most; {why()}); the output is not written"
+            )
+
+
+def _largest_field(meta: dict[str, Any], counts: dict[str, str]) -> str:
+    """What makes `port/metadata` large: its largest field, its size and what it holds."""
+    sizes = {name: len(json.dumps(value).encode()) for name, value in meta.items()}
+    name = max(sizes, key=sizes.__getitem__)
+    held = f", {counts[name]}" if name in counts else ""
+    return f"its '{name}' takes {size_text(sizes[name])}{held}"
 
 
 def _tree(model: Any) -> tuple[list[tuple[str, list[dict[str, Any]], jax.Array]], list[list[dict[str, Any]]]]:
@@ -640,15 +674,17 @@ def save(
     - `force`: replace an earlier port output at `directory` (and nothing else, see
       `check_out`); it stays complete until the new output is.
     - `sources`: the checkpoint's tensor headers (`Checkpoint.tensors`), recorded so that
-      `port export` can write the same tensors back; `port convert` passes them.
+      `port export` can write the same tensors back; `port convert` passes those its plan
+      reads (`written_back`), the ones export writes. At most `MAX_SOURCES`.
     - `include`: the patterns a partial model was loaded with (its other leaves None),
       recorded so that `restore` accepts the leaves the output lacks.
     - `progress`: called with (bytes this process has written, bytes it writes) as
       writing starts and as each chunk file is written.
 
     Returns the absolute output path. Raises `OutputError`, one line, when the directory
-    may not be written or writing fails (a full disk, a file-size limit); nothing is
-    left behind then.
+    may not be written, writing fails (a full disk, a file-size limit), or the metadata
+    would pass the bounds `restore` reads back (`MAX_METADATA_BYTES`, `MAX_SOURCES`);
+    nothing is left behind then.
 
     ```python
     with port.open_checkpoint("ckpt/gpt2") as ckpt:

@@ -38,7 +38,7 @@ import numpy as np
 
 from ._dtypes import SAFETENSORS
 from ._console import quoted
-from ._errors import CheckpointError
+from ._errors import CheckpointError, OutputError
 
 Region = tuple[tuple[int, int], ...]
 """A box in a tensor: one `(start, stop)` per dimension."""
@@ -75,39 +75,149 @@ def _kind(mode: int) -> str:
     return next((name for test, name in kinds.items() if test(mode)), "an unknown kind of file")
 
 
-def open_regular(path: Path, name: str | None = None) -> tuple[int, os.stat_result]:
-    """Open `path` for reading if, and only if, it is a regular file (or a link to one).
+_READ = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+def open_regular(path: Path, name: str | None = None, *, output: Path | None = None) -> tuple[int, os.stat_result]:
+    """Open `path` for reading if, and only if, it is a regular file (or a link to one, but with `output`).
 
     Checked before opening (`stat`, so a FIFO or device is never opened) and again
     on the open descriptor (`fstat`: the same file, still regular). Opened with
     `O_NONBLOCK`, so even a FIFO swapped in between cannot block. Returns the
     descriptor and its `fstat`.
 
+    With `output` (a port output's directory, which holds `path`), no link is followed
+    below that directory: each directory from it down to `path` is opened relative to
+    the one above with `O_NOFOLLOW | O_DIRECTORY`, and `path` itself with `O_NOFOLLOW`,
+    so a link anywhere there (to a file of another user, another output, a device) is
+    refused, not read: an `OutputError` naming it. One exception: an output downloaded
+    into the Hugging Face cache, whose files are links into its repo's `blobs/`; a link
+    there is followed to a file directly in that `blobs/`, and nowhere else. (A
+    checkpoint's files may be links anywhere: the cache stores each as one to its blob.)
+
     ```python
     fd, st = open_regular(Path("ckpt/model.safetensors"))
+    fd, st = open_regular(Path("out/params/wte/0.0"), output=Path("out"))   # no link followed below out/
     ```
     """
     name = name or path.name
+    if output is not None:
+        return _open_below(path, name, output)
     try:
         before = os.stat(path)
     except OSError as e:
         raise CheckpointError(f"{name}: cannot read: {e.strerror or e}") from None
     if not stat.S_ISREG(before.st_mode):
         raise CheckpointError(f"{name}: not a regular file ({_kind(before.st_mode)})")
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags)
+        fd = os.open(path, _READ)
     except OSError as e:
         raise CheckpointError(f"{name}: cannot read: {e.strerror or e}") from None
+    return fd, _same_regular(fd, before, name, CheckpointError)
+
+
+def _same_regular(fd: int, before: os.stat_result, name: str, error: type[Exception]) -> os.stat_result:
+    """The `fstat` of `fd`, if it is still the regular file `before` describes; else `fd` closed and `error` raised."""
     try:
         after = os.fstat(fd)
     except OSError as e:
         os.close(fd)
-        raise CheckpointError(f"{name}: cannot read: {e.strerror or e}") from None
+        raise error(f"{name}: cannot read: {e.strerror or e}") from None
     if not stat.S_ISREG(after.st_mode) or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
         os.close(fd)
-        raise CheckpointError(f"{name}: replaced while being opened (now {_kind(after.st_mode)})")
-    return fd, after
+        raise error(f"{name}: replaced while being opened (now {_kind(after.st_mode)})")
+    return after
+
+
+def _link_refused(shown: Any, what: str) -> OutputError:
+    """The one line refusing a symbolic link found in an output where `what` should be."""
+    return OutputError(f"{shown}: a symbolic link, not {what} of the output: refused")
+
+
+def _open_below(path: Path, name: str, output: Path) -> tuple[int, os.stat_result]:
+    """`open_regular(path, name, output=output)`: every step below `output` taken without following a link."""
+    try:
+        parts = path.relative_to(output).parts
+    except ValueError:
+        parts = ()
+    if not parts or any(part in (".", "..") for part in parts):
+        raise OutputError(f"{name}: not a file inside the output {output}")
+    try:  # the output itself is the directory the caller named: a link to it is the caller's choice
+        fd = os.open(output, _READ | _DIRECTORY)
+    except OSError as e:
+        raise OutputError(f"{output}: cannot read: {e.strerror or e}") from None
+    where = output
+    try:
+        for part in parts[:-1]:
+            where = where / part
+            try:
+                below = os.open(part, _READ | _DIRECTORY | _NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                raise _step_refused(fd, part, where, e) from None
+            os.close(fd)
+            fd = below
+        last = parts[-1]
+        try:
+            before = os.stat(last, dir_fd=fd, follow_symlinks=False)
+        except OSError as e:
+            raise OutputError(f"{name}: cannot read: {e.strerror or e}") from None
+        if stat.S_ISLNK(before.st_mode):
+            blob = hub_blob(output, path)
+            if blob is None:
+                raise _link_refused(name, "a regular file")
+            return _open_blob(blob, name)
+        if not stat.S_ISREG(before.st_mode):
+            raise OutputError(f"{name}: not a regular file ({_kind(before.st_mode)})")
+        try:
+            opened = os.open(last, _READ | _NOFOLLOW, dir_fd=fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # made a link since the stat above
+                raise _link_refused(name, "a regular file") from None
+            raise OutputError(f"{name}: cannot read: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    return opened, _same_regular(opened, before, name, OutputError)
+
+
+def hub_blob(output: Path, path: Path) -> Path | None:
+    """Where the link `path` leads, if `output` is (in) a snapshot of the Hugging Face cache
+    (`.../models--org--name/snapshots/REV/...`) and the link ends at a file directly in that
+    repo's `blobs/`, as the cache stores every downloaded file; None otherwise."""
+    real = Path(os.path.realpath(output))
+    for snapshot in (real, *real.parents):
+        repo = snapshot.parent.parent
+        if snapshot.parent.name == "snapshots" and repo.name.startswith(("models--", "datasets--")):
+            target = Path(os.path.realpath(path))
+            return target if target.parent == repo / "blobs" else None
+    return None
+
+
+def _open_blob(blob: Path, name: str) -> tuple[int, os.stat_result]:
+    """Open a blob of the Hugging Face cache (`hub_blob`): a regular file, no link followed."""
+    try:
+        before = os.stat(blob, follow_symlinks=False)
+        if not stat.S_ISREG(before.st_mode):
+            raise OutputError(f"{name}: not a regular file ({_kind(before.st_mode)})")
+        opened = os.open(blob, _READ | _NOFOLLOW)
+    except OSError as e:
+        raise OutputError(f"{name}: cannot read: {e.strerror or e}") from None
+    return opened, _same_regular(opened, before, name, OutputError)
+
+
+def _step_refused(fd: int, part: str, where: Path, error: OSError) -> OutputError:
+    """Why the directory `part` (shown as `where`) below the descriptor `fd` could not be
+    opened without following a link: a link, not a directory, or the system's reason."""
+    try:
+        mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
+    except OSError:
+        return OutputError(f"{where}: cannot read: {error.strerror or error}")
+    if stat.S_ISLNK(mode):
+        return _link_refused(where, "a directory")
+    if not stat.S_ISDIR(mode):
+        return OutputError(f"{where}: not a directory ({'a regular file' if stat.S_ISREG(mode) else _kind(mode)})")
+    return OutputError(f"{where}: cannot read: {error.strerror or error}")
 
 
 def _pread_exact(fd: int, n: int, offset: int, name: str) -> bytes:
@@ -789,6 +899,7 @@ class Checkpoint:
     directory: Path
     config: dict
     tensors: dict[str, TensorInfo]
+    output: Path | None = None  # a port output's directory (`restore`): no link followed below it
     bytes_read: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -831,7 +942,7 @@ class Checkpoint:
         total = sum(out.nbytes for _, out in requests)
         if total == 0:
             return
-        fd = self._open(info)
+        fd = self._open(info, self.output)
         try:
             for batch in batches:
                 offsets, lengths, addresses = (np.concatenate(parts) for parts in zip(*batch))
@@ -843,9 +954,10 @@ class Checkpoint:
             self.bytes_read += total
 
     @staticmethod
-    def _open(info: TensorInfo) -> int:
-        """A descriptor of the file `info` lives in: the very file whose header was read."""
-        fd, st = open_regular(info.file)
+    def _open(info: TensorInfo, output: Path | None = None) -> int:
+        """A descriptor of the file `info` lives in: the very file whose header was read (with
+        `output`, reached with no link followed below that directory: see `open_regular`)."""
+        fd, st = open_regular(info.file, output=output)
         if info.file_id is not None and (st.st_dev, st.st_ino, st.st_size) != info.file_id:
             os.close(fd)
             change = "truncated" if st.st_size < info.file_id[2] else "changed"
