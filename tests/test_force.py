@@ -67,13 +67,31 @@ def test_force_refuses_what_port_did_not_write(decoys, model, out, cwd, home, ex
     assert snapshot(decoys) == before
 
 
-@pytest.mark.parametrize("extra", ["my-notes.txt", "port/my-notes.txt", "port.json"])
+@pytest.mark.parametrize("extra", ["my-notes.txt", "port/my-notes.txt", "port.json", "params/my-notes.txt",
+                                   "params/wte/my-notes.txt", "params/wte/0.0.bak", "params/my dir/x"])
 def test_force_refuses_a_port_output_holding_other_files(decoys, extra):
+    (decoys / "earlier" / extra).parent.mkdir(exist_ok=True)
     (decoys / "earlier" / extra).write_text("keep me")
     before = snapshot(decoys)
     result = run_port("convert", decoys / "ck" / "victim", "--out", decoys / "earlier", "--force")
     refused(result, "not a port output", "--force replaces only")
     assert snapshot(decoys) == before
+
+
+@pytest.mark.parametrize("where", ["params/wte/0.0", "params/_sharding", "params/wte"])
+def test_force_refuses_an_output_with_a_link_in_params(decoys, where):
+    """A link inside params/ (to the user's file, or directory) is not what port writes: refused."""
+    target = decoys / "earlier" / where
+    if target.is_dir():
+        shutil.rmtree(target)
+        target.symlink_to(decoys / "notes", target_is_directory=True)
+    else:
+        target.unlink()
+        target.symlink_to(decoys / "notes" / "todo.txt")
+    before = snapshot(decoys)
+    result = run_port("convert", decoys / "ck" / "victim", "--out", decoys / "earlier", "--force")
+    refused(result, "not a port output", "--force replaces only")
+    assert snapshot(decoys) == before and (decoys / "notes" / "todo.txt").read_text() == "mine"
 
 
 def format_1_output(directory: Path, meta: str = '{"format": 1, "leaves": {}}') -> None:

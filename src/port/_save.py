@@ -127,7 +127,41 @@ def is_output(directory: str | os.PathLike) -> bool:
         items = {p.name for p in port.iterdir()}
     except OSError:
         return False
-    return items == PORT_PARTS and _metadata(port / "metadata") is not None
+    meta = _metadata(port / "metadata") if items == PORT_PARTS else None
+    return meta is not None and (meta["format"] != FORMAT or _params_are_ours(params))
+
+
+_PARAMS_FILES = frozenset({"_METADATA", "_sharding", COMMIT_FILE})
+_CHUNK = re.compile(r"[0-9]+(?:\.[0-9]+)*")
+MAX_OUTPUT_ENTRIES = 2_000_000  # files `is_output` looks at before it calls a tree not port's
+
+
+def _params_are_ours(params: Path) -> bool:
+    """Whether `params/` holds only what `save` writes there: Orbax's `_METADATA`, `_sharding` and
+    commit file, and per leaf a directory named by its dotted path holding its `.zarray` and chunk
+    files; every one a regular file or a directory, none a link. (What `--force` would delete.)"""
+    budget = MAX_OUTPUT_ENTRIES
+    try:
+        with os.scandir(params) as top:
+            entries = list(top)
+        for entry in entries:
+            budget -= 1
+            if entry.name in _PARAMS_FILES:
+                if not entry.is_file(follow_symlinks=False):
+                    return False
+                continue
+            if not LEAF_PATH.fullmatch(entry.name) or not entry.is_dir(follow_symlinks=False):
+                return False
+            with os.scandir(entry.path) as leaf:
+                for item in leaf:
+                    budget -= 1
+                    if budget < 0 or not item.is_file(follow_symlinks=False) or not (
+                        item.name == ZARRAY or _CHUNK.fullmatch(item.name)
+                    ):
+                        return False
+    except OSError:
+        return False
+    return budget >= 0
 
 
 _OUTPUT = "a port output (Orbax's checkpoint of params/ and port/ only)"
