@@ -1,5 +1,8 @@
-"""Mapping files: parsing errors, the shipped files in the wheel, and a user's own module."""
+"""Mapping files: parsing errors, the shipped files in the wheel, a user's own module, and files that are
+not what a mapping is (a FIFO, not UTF-8, nested deep, a `model` that is not a class): one line each."""
 
+import os
+import re
 import zipfile
 from pathlib import Path
 
@@ -11,8 +14,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
+import port._mapping
 import port._transforms
-from helpers import write_checkpoint
+from helpers import one_line, run_port, write_checkpoint
 
 ROOT = Path(__file__).parents[1]
 
@@ -175,3 +179,99 @@ def test_config_names_resolve_per_entry():
     ]
     with pytest.raises(port.PortError, match=r"^mapping entry 'h.\{layer\}.w': config.json has no integer 'n_head'$"):
         param.build({"n_embd": 8})
+
+
+# ---------------------------------------------------------------- untrusted mapping files (issue 21, rows 12 and 13)
+
+
+GPT2 = ROOT / "mappings" / "gpt2.toml"
+EXAMPLE = ROOT / "examples" / "tiny-gpt2"
+
+
+def gpt2_with_model(path: Path, model: str) -> Path:
+    """The shipped GPT-2 mapping, its `model` changed to `model`, written to `path`."""
+    text = GPT2.read_text()
+    assert 'model = "port.models.gpt2:GPT2"\n' in text
+    path.write_text(text.replace('model = "port.models.gpt2:GPT2"\n', f'model = "{model}"\n', 1))
+    return path
+
+
+def nested(arrays: int) -> str:
+    """A mapping whose (unknown) top-level key `x` holds `arrays` arrays nested in each other."""
+    return "x = " + "[" * arrays + "]" * arrays + "\n" + GPT2.read_text()
+
+
+def mapping_refused(path: Path, expected: str, model_class: bool = False) -> None:
+    """Loading the mapping at `path` (and importing its model class) is one MappingError line: the file,
+    then `expected`."""
+    with pytest.raises(port.MappingError) as info:
+        mapping = port.load_mapping(path)
+        if model_class:
+            mapping.model_class()
+    message = str(info.value)
+    assert message == f"{path}: {expected}", message
+
+
+@pytest.mark.parametrize("write, expected", [
+    (lambda p: p.write_bytes(GPT2.read_bytes().replace(b"#", b"# caf\xe9", 1)),
+     "not UTF-8 text (byte 5 is 0xe9); a mapping is a TOML file"),
+    (lambda p: p.write_text(nested(100_000)),
+     f"invalid TOML: tables and arrays nested more than {port._mapping.MAX_NESTING} deep"),
+    (lambda p: p.write_text(nested(port._mapping.MAX_NESTING)),
+     f"invalid TOML: tables and arrays nested more than {port._mapping.MAX_NESTING} deep"),
+    (lambda p: p.write_text(nested(port._mapping.MAX_NESTING - 1)),  # the top table and 31 arrays: read
+     "unknown key 'x' (expected aliases, ignore, model, model_types, params, prefixes, reference, rules, tied)"),
+    (lambda p: os.mkfifo(p), "not a regular file (a FIFO); a mapping is a TOML file"),
+    (lambda p: p.mkdir(), "not a regular file (a directory); a mapping is a TOML file"),
+    (lambda p: None, "cannot read mapping file (No such file or directory)"),
+], ids=["not UTF-8", "nested a million deep", "nested one too deep", "nested just enough", "FIFO", "directory",
+        "missing"])
+def test_a_mapping_file_that_is_not_toml_text_is_one_line(tmp_path, write, expected):
+    path = tmp_path / "bad.toml"
+    write(path)
+    mapping_refused(path, expected)
+
+
+def test_a_mapping_file_is_bounded_before_it_is_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(port._mapping, "MAX_MAPPING_BYTES", 100)
+    path = tmp_path / "big.toml"
+    path.write_text(GPT2.read_text())
+    mapping_refused(path, f"a mapping file of {path.stat().st_size} bytes, more than port reads (100)")
+
+
+@pytest.mark.parametrize("model, expected", [
+    (".gpt2:GPT2", "model '.gpt2:GPT2': expected module:Class, such as port.models.gpt2:GPT2"),
+    ("port..gpt2:GPT2", "model 'port..gpt2:GPT2': expected module:Class, such as port.models.gpt2:GPT2"),
+    ("os:sep", "model 'os:sep' is a str, not a class (expected module:Class, such as port.models.gpt2:GPT2)"),
+    ("port.models.gpt2:GPT2.from_config", ("model 'port.models.gpt2:GPT2.from_config' is a method, not a class "
+                                           "(expected module:Class, such as port.models.gpt2:GPT2)")),
+    ("collections:OrderedDict",
+     "model 'collections:OrderedDict' is not a model class: it has no from_config(config, *, key)"),
+    ("port.models.gpt2:Nope", ("model 'port.models.gpt2:Nope' cannot be imported (module 'port.models.gpt2' has no "
+                               "attribute 'Nope')")),
+], ids=["relative", "empty part", "a str", "a method", "no from_config", "missing"])
+def test_a_model_that_is_not_a_class_is_one_line(tmp_path, model, expected):
+    path = gpt2_with_model(tmp_path / "bad.toml", model)
+    mapping_refused(path, expected, model_class=True)
+    with pytest.raises(port.MappingError, match="^" + re.escape(f"{path}: {expected}") + "$"):
+        port.load(EXAMPLE, mapping=path)
+
+
+@pytest.mark.parametrize("command", ["plan", "check"])
+def test_a_fifo_as_the_mapping_is_refused_through_the_command(tmp_path, command):
+    fifo = tmp_path / "mapping.toml"
+    os.mkfifo(fifo)
+    args = ("plan", EXAMPLE, "--mapping", fifo) if command == "plan" else ("check", fifo, EXAMPLE)
+    one_line(run_port(*args, timeout=120), f"{fifo}: not a regular file (a FIFO); a mapping is a TOML file")
+
+
+@pytest.mark.parametrize("write, expected", [
+    (lambda p: gpt2_with_model(p, "this:s"), "model 'this:s' is a str, not a class"),  # importing `this` prints
+    (lambda p: gpt2_with_model(p, ".gpt2:GPT2"), "model '.gpt2:GPT2': expected module:Class"),
+    (lambda p: p.write_text(nested(100_000)), "invalid TOML: tables and arrays nested more than"),
+    (lambda p: p.write_bytes(b"model = \"caf\xe9\"\n"), "not UTF-8 text (byte 12 is 0xe9)"),
+], ids=["this:s", "relative", "deep", "not UTF-8"])
+def test_bad_mappings_are_one_line_through_the_command(tmp_path, write, expected):
+    path = tmp_path / "bad.toml"
+    write(path)
+    one_line(run_port("plan", EXAMPLE, "--mapping", path, timeout=120), f"{path}: {expected}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import signal
 import struct
 import subprocess
 import sys
@@ -337,6 +338,29 @@ def _record_outside(path: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
+def _binunicode(text: str) -> bytes:
+    return b"X" + struct.pack("<I", len(text)) + text.encode()
+
+
+def _long4(n: int) -> bytes:
+    raw = n.to_bytes(n.bit_length() // 8 + 1, "little", signed=True)
+    return b"\x8b" + struct.pack("<I", len(raw)) + raw
+
+
+def huge(what: str) -> bytes:
+    """The data.pkl of `{"w": a float32 tensor of 3}` as torch.save writes it (storage '0'), but with
+    a 5000-digit number (which Python will not print) for its storage's `numel`, or its `offset`,
+    `size` or `stride`."""
+    numbers = {"numel": b"K\x03", "offset": b"K\x00", "size": b"K\x03", "stride": b"K\x01"}
+    numbers[what] = _long4(10**5000)
+    storage = b"(" + _binunicode("storage") + b"ctorch\nFloatStorage\n" + _binunicode("0") + _binunicode("cpu")
+    return (
+        b"\x80\x02}" + _binunicode("w") + b"ctorch._utils\n_rebuild_tensor_v2\n("
+        + storage + numbers["numel"] + b"tQ" + numbers["offset"] + numbers["size"] + b"\x85" + numbers["stride"]
+        + b"\x85\x89ccollections\nOrderedDict\n)RtRs."
+    )
+
+
 CASES = {  # name: (state dict, torch.save options, how the file is broken, what the line says)
     "truncated": ({"w": torch.zeros(64)}, {}, _truncated, "truncated or corrupt zip"),
     "local header": ({"w": torch.zeros(64)}, {}, _local_header_smashed, "the local header of record"),
@@ -365,6 +389,14 @@ CASES = {  # name: (state dict, torch.save options, how the file is broken, what
               "data.pkl names the global 'builtins.range'"),
     "instance": ({"w": torch.zeros(4)}, {}, lambda p: rezip(p, {"data.pkl": b"(i__main__\nX\n."}),
                  "the pickle opcode INST"),
+    "parameter of a dict": ({"w": torch.zeros(4)}, {}, lambda p: rezip(p, {"data.pkl": (
+        b"\x80\x02}" + _binunicode("w") + b"ctorch._utils\n_rebuild_parameter\nccollections\nOrderedDict\n)R"
+        b"\x89)\x87Rs.")}), "corrupt data.pkl: a parameter whose data is not a tensor"),
+    **{f"{what} of 5000 digits": ({"w": torch.zeros(3)}, {}, lambda p, what=what: rezip(p, {"data.pkl": huge(what)}),
+                                  expected)
+       for what, expected in [("numel", "storage '0' claims more than 2**63 - 1 bytes"),
+                              *((what, "tensor 'w' has an offset, size or stride past 2**63 - 1")
+                                for what in ("offset", "size", "stride"))]},
 }
 
 
@@ -438,3 +470,75 @@ def test_pickle_and_directory_sizes_are_bounded_before_reading(tmp_path, monkeyp
     monkeypatch.setattr(port._source, "MAX_HEADERS", directory - 1)
     monkeypatch.setattr(port._torchfile, "read_tensors", lambda *a: pytest.fail("a directory was read"))
     refused(path, f"the zip directories of its 1 files take {directory} bytes, more than {directory - 1} in all")
+
+
+# ---------------------------------------------------------------- objects nested deep
+
+
+DEEP = 1_000_000
+_KEY_W = _binunicode("w")
+
+NESTED = {  # a state dict holding objects nested DEEP deep, each way a pickle can nest them
+    # {((((...)))): 1}: hashing the key recurses in C once per level (issue 21, row 5: SIGSEGV)
+    "TUPLE1 chain as a key": b"\x80\x02})" + b"\x85" * DEEP + b"K\x01s.",
+    "MARK ... TUPLE": b"\x80\x02}" + _KEY_W + b"(" * DEEP + b"t" * DEEP + b"s.",
+    "EMPTY_LIST + APPEND": b"\x80\x02}" + _KEY_W + b"]" * DEEP + b"a" * (DEEP - 1) + b"s.",
+    "EMPTY_DICT + SETITEM": b"\x80\x02}" + _KEY_W + b"}" + b"K\x01}" * (DEEP - 1) + b"s" * DEEP + b".",
+}
+
+
+def nested_bin(directory: Path, data: bytes) -> Path:
+    """A minimal torch.save zip (`{"w": zeros(3)}`, an empty config) whose data.pkl is `data`."""
+    return rezip(torch_save(directory, {"w": torch.zeros(3)}), {"data.pkl": data})
+
+
+def test_a_deep_key_crashes_plain_pickle(tmp_path):
+    """The first payload is live: `pickle.loads` of it dies by SIGSEGV (C stack overflow, hashing the key)."""
+    (tmp_path / "deep.pkl").write_bytes(NESTED["TUPLE1 chain as a key"])
+    code = "import pickle, sys; pickle.loads(open(sys.argv[1], 'rb').read())"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "deep.pkl"], cwd=tmp_path, capture_output=True, timeout=120, check=False
+    )
+    if result.returncode == 0:
+        pytest.skip("this process's C stack holds a million frames: no crash to show")
+    assert result.returncode == -signal.SIGSEGV, result
+
+
+@pytest.mark.parametrize("how", NESTED)
+def test_objects_nested_a_million_deep_are_refused(tmp_path, how):
+    path = nested_bin(tmp_path / "ckpt", NESTED[how])
+    refused(path, f"pytorch_model.bin: data.pkl nests objects more than {port._torchfile.MAX_DEPTH} deep: refused "
+                  "(nothing was run)")
+    with pytest.raises(CheckpointError, match="nests objects more than"):  # port.load, in this process
+        port.load(tmp_path / "ckpt", mapping=Path(__file__).resolve().parents[1] / "mappings" / "gpt2.toml")
+
+
+def test_objects_nested_a_million_deep_are_one_line_through_the_command(tmp_path):
+    nested_bin(tmp_path / "ckpt", NESTED["TUPLE1 chain as a key"])
+    one_line(run_port("plan", tmp_path / "ckpt", "--mesh", "1x1", timeout=120),
+             "pytorch_model.bin: data.pkl nests objects more than 100 deep: refused (nothing was run)")
+
+
+def test_nesting_is_counted_exactly_up_to_the_bound(tmp_path):
+    """A dict whose key is a tuple nested `levels` deep nests `levels + 1` deep: MAX_DEPTH is read (and
+    refused as holding no tensor), one level more is refused unread."""
+    depth = port._torchfile.MAX_DEPTH
+    for levels, expected in [(depth - 1, "data.pkl has a key that is not a string (a tuple)"),
+                             (depth, f"data.pkl nests objects more than {depth} deep")]:
+        path = nested_bin(tmp_path / f"ckpt{levels}", b"\x80\x02})" + b"\x85" * (levels - 1) + b"K\x01s.")
+        refused(path, expected)
+
+
+@pytest.mark.parametrize("data", [
+    # a list appended to itself: infinitely deep
+    b"\x80\x02}" + _KEY_W + b"]q\x00h\x00as.",
+    # lists nested through the memo, each one filled after it was nested: the stack never holds more than
+    # two, but the last is 1000 deep
+    b"\x80\x02}" + _KEY_W + b"".join(b"]r" + struct.pack("<I", i) + b"0" for i in range(1000))
+    + b"".join(b"j" + struct.pack("<I", i) + b"j" + struct.pack("<I", i + 1) + b"a0" for i in range(999))
+    + b"j\x00\x00\x00\x00s.",
+], ids=["self", "through the memo"])
+def test_an_object_changed_after_it_was_nested_is_refused(tmp_path, data):
+    path = nested_bin(tmp_path / "ckpt", data)
+    refused(path, "data.pkl changes an object after nesting it in another (APPEND at byte",
+            "which a state dict never does: refused (nothing was run)")

@@ -5,6 +5,7 @@ leaves nothing behind. (Checkpoint files and restore have their own test files.)
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -216,3 +217,41 @@ def test_metadata_restore_would_refuse_is_never_written(tmp_path, monkeypatch, b
         port.convert(EXAMPLE, mesh="2x2", out=out)
     assert re.fullmatch(f"--out {re.escape(str(out))}: {expected}", str(caught.value)), str(caught.value)
     nothing_left(tmp_path)
+
+
+# ---------------------------------------------------------------- long input in error lines (issue 21, row 18)
+
+
+def test_a_100_kb_tensor_name_is_shortened_in_the_error_line(tmp_path):
+    name = "transformer.h.0." + "x" * 100_000 + ".weight"
+    model = variant(tmp_path / "model", add={name: np.zeros((2,), np.float32)})
+    line = one_line(run_port("plan", model), "port: error: model.safetensors: tensor 'transformer.h.0.xxx",
+                    "'... is not used by the mapping", "(map it, or add it to ignore)")
+    assert len(line) < 1000, len(line)
+
+
+@pytest.mark.parametrize("include, expected", [
+    ("x" * 5000, "port: error: include 'xxx"),
+    ("," * 5000, "port: error: --include ',,,"),
+])
+def test_a_5000_character_include_is_shortened_in_the_error_line(tmp_path, include, expected):
+    line = one_line(run_port("convert", EXAMPLE, "--out", tmp_path / "out", "--include", include), expected)
+    assert len(line) < 1000, len(line)
+    nothing_left(tmp_path)
+
+
+def test_no_line_port_says_is_longer_than_its_bound(monkeypatch, capfd):
+    """Whatever a message quotes unshortened, the line keeps its beginning and end, and says how much was cut."""
+    import port._console as console
+
+    monkeypatch.setattr(console, "failed", False)
+    console.say("error: x.bin: " + "\x1b" * 100_000 + " is wrong")
+    line = capfd.readouterr().err
+    assert line.endswith("\n") and "\n" not in line[:-1] and "\x1b" not in line
+    assert len(line[:-1]) <= console.MAX_LINE
+    assert line.startswith("port: error: x.bin: \\x1b\\x1b") and line.endswith("\\x1b\\x1b is wrong\n")
+    whole = len("port: error: x.bin: ") + 4 * 100_000 + len(" is wrong")  # each \x1b written as its 4-character escape
+    head, cut, tail = re.fullmatch(r"(.*) \.\.\. \((\d+) characters cut\) \.\.\. (.*)\n", line).groups()
+    assert len(head) + int(cut) + len(tail) == whole
+    assert console.shortened("short") == "short"
+    assert console.shortened("a" * 50 + "b" * 50, 60) == "a" * 15 + " ... (70 characters cut) ... " + "b" * 15

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from ._console import count_text, printable, quiet_libraries, say, show, size_text, stream
+from ._console import count_text, printable, quiet_libraries, quoted, say, show, shortened, size_text, stream
 from ._errors import PortError
 from ._interrupt import attach, final, hold_signals, removing, supervise
 
@@ -205,7 +205,9 @@ def _layers(text: str | None) -> range | None:
         return None
     start, colon, stop = text.partition(":")
     if not (colon and start.strip().isdigit() and stop.strip().isdigit() and int(start) < int(stop)):
-        raise PortError(f"--layers {text!r}: expected START:STOP, the checkpoint's layers START to STOP-1, such as 0:12")
+        raise PortError(
+            f"--layers {quoted(text, 200)}: expected START:STOP, the checkpoint's layers START to STOP-1, such as 0:12"
+        )
     return range(int(start), int(stop))
 
 
@@ -215,7 +217,7 @@ def _patterns(text: str | None) -> list[str] | None:
         return None
     patterns = [p.strip() for p in text.split(",") if p.strip()]
     if not patterns:
-        raise PortError(f"--include {text!r}: expected module paths or patterns, such as wte,blocks")
+        raise PortError(f"--include {quoted(text, 200)}: expected module paths or patterns, such as wte,blocks")
     return patterns
 
 
@@ -350,7 +352,7 @@ def check(args: argparse.Namespace) -> int:
     try:
         result = run_check(args.mapping, args.model, args.mesh)
     except PlanError as e:
-        show("".join(f"{problem}\n" for problem in e.problems))
+        show("".join(f"{shortened(printable(problem))}\n" for problem in e.problems))
         n = len(e.problems)
         raise PortError(f"{args.mapping}: {n} problem{'s' if n > 1 else ''} with {_shown(args.model)}") from None
     show(

@@ -26,6 +26,8 @@ import sys
 import unicodedata
 from typing import TextIO
 
+MAX_LINE = 1000
+"""Characters one line port says may have, whatever it quotes: a longer one keeps its beginning and end."""
 _ESCAPED = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})  # control, format, surrogate, private, unassigned
 _fd = 2  # the user's stderr
 _stream: TextIO | None = None
@@ -61,6 +63,22 @@ def one_line(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def shortened(text: str, limit: int = MAX_LINE) -> str:
+    """`text` in at most `limit` characters: its beginning and end, and how many were cut between them.
+
+    ```python
+    shortened("port: error: tensor 'h." + "x" * 5000 + "' is not used", 60)
+    # "port: error: te ... (5007 characters cut) ... x' is not used"
+    ```
+    """
+    if len(text) <= limit:
+        return text
+    marker = " ... ({} characters cut) ... "
+    keep = max(0, limit - len(marker.format(len(text))))
+    end = keep // 2
+    return text[: keep - end] + marker.format(len(text) - keep) + text[len(text) - end :]
+
+
 def size_text(n: float) -> str:
     """Bytes as people read them: `678.1 KB`, `497.8 MB` (powers of 1000)."""
     for unit in ("B", "KB", "MB", "GB", "TB"):
@@ -89,10 +107,10 @@ failed = False  # whether this process has said an error: it says at most one
 
 
 def say(message: str) -> None:
-    """Print `port: MESSAGE` on the user's stderr, on one line, literally."""
+    """Print `port: MESSAGE` on the user's stderr, on one line, literally, at most `MAX_LINE` characters."""
     global failed
     failed = failed or message.startswith(("error:", "internal error:"))
-    line = "port: " + printable(message.replace("\n", "\\n")) + "\n"
+    line = shortened("port: " + printable(message.replace("\n", "\\n"))) + "\n"
     for s in (sys.stdout, stream()):
         try:
             s.flush()

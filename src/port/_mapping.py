@@ -43,13 +43,16 @@ import importlib
 import importlib.resources
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ._console import one_line, quoted
 from ._errors import ConfigError, MappingError, PortError
+from ._source import _kind
 from ._transforms import Transform, parse_transform
 
 LAYER = "{layer}"
@@ -60,6 +63,10 @@ fills a leaf [layers, experts, ...]."""
 _INDEX = r"(0|[1-9][0-9]{0,8})"
 _TOP = {"model", "model_types", "prefixes", "ignore", "tied", "aliases", "reference", "rules", "params"}
 _PARAM = {"key", "path", "axes", "transforms", "optional"}
+MAX_MAPPING_BYTES = 16 * 2**20
+"""Bytes a mapping file may have (the shipped ones take a few KB)."""
+MAX_NESTING = 32
+"""How deep a mapping's tables and arrays may nest (the shipped ones nest 5 deep)."""
 
 
 @dataclass(frozen=True)
@@ -143,25 +150,38 @@ class Mapping:
     reference: dict[str, str]
 
     def model_class(self) -> type:
-        """Import the `module:Class` named by `model`."""
-        return import_object(self.model, f"{self.source}: model")
+        """Import the `module:Class` named by `model`: a class, or a `MappingError` naming the file."""
+        found = import_object(self.model, f"{self.source}: model", MappingError)
+        if not isinstance(found, type):
+            raise MappingError(
+                f"{self.source}: model {quoted(self.model, 200)} is a {type(found).__name__}, not a class "
+                "(expected module:Class, such as port.models.gpt2:GPT2)"
+            )
+        if not hasattr(found, "from_config"):
+            raise MappingError(
+                f"{self.source}: model {quoted(self.model, 200)} is not a model class: it has no "
+                "from_config(config, *, key)"
+            )
+        return found
 
 
-def import_object(spec: str, what: str) -> Any:
-    """Import `package.module:Name`; `what` starts the error message.
+def import_object(spec: str, what: str, error: type[PortError] = PortError) -> Any:
+    """Import `package.module:Name`; `what` starts the error message, an `error`.
 
     The module must be importable as it is (installed, or on `sys.path`): port adds
     no directory to the path here. The command line adds the working directory once.
+    Both parts must be dotted identifiers: a relative module (`.gpt2:GPT2`) is refused,
+    not imported.
     """
     module, colon, name = spec.partition(":")
-    if not colon or not module or not name or not all(part.isidentifier() for part in name.split(".")):
-        raise PortError(f"{what} '{spec}': expected module:Class, such as port.models.gpt2:GPT2")
+    if not (colon and all(part.isidentifier() for part in (*module.split("."), *name.split(".")))):
+        raise error(f"{what} {quoted(spec, 200)}: expected module:Class, such as port.models.gpt2:GPT2")
     try:
         found: Any = importlib.import_module(module)
         for part in name.split("."):
             found = getattr(found, part)
     except (ImportError, AttributeError) as e:
-        raise PortError(f"{what} '{spec}' cannot be imported ({e})") from None
+        raise error(f"{what} {quoted(spec, 200)} cannot be imported ({one_line(str(e), 300)})") from None
     return found
 
 
@@ -179,10 +199,15 @@ def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
     mapping = port.parse_mapping(Path("my_model.toml").read_text(), "my_model.toml")
     ```
     """
+    deep = MappingError(f"{source}: invalid TOML: tables and arrays nested more than {MAX_NESTING} deep")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise MappingError(f"{source}: invalid TOML: {e}") from None
+        raise MappingError(f"{source}: invalid TOML: {one_line(str(e), 300)}") from None
+    except RecursionError:  # tomllib recurses once per level (about 300 of them)
+        raise deep from None
+    if _nesting(data) > MAX_NESTING:
+        raise deep
 
     def fail(msg: str) -> MappingError:
         return MappingError(f"{source}: {msg}")
@@ -236,6 +261,18 @@ def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
     )
 
 
+def _nesting(data: Any) -> int:
+    """How deep the tables and arrays of parsed TOML nest (a table of scalars: 1)."""
+    deepest, todo = 0, [(data, 1)]
+    while todo:
+        value, depth = todo.pop()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def _param(entry: Any, i: int, fail) -> Param:
     if not isinstance(entry, dict):
         raise fail(f"params[{i}] must be a table")
@@ -284,11 +321,44 @@ def load_mapping(path: str | os.PathLike) -> Mapping:
     ```
     """
     path = Path(path)
+    return parse_mapping(_read(path), str(path))
+
+
+def _read(path: Path) -> str:
+    """The text of the mapping file `path`, or a `MappingError` naming it.
+
+    Only a regular file is read: checked before opening (`stat`, so a FIFO or device is
+    never opened) and again on a descriptor opened with `O_NONBLOCK` (`fstat`: the same
+    file, still regular), so nothing can block. At most `MAX_MAPPING_BYTES`, UTF-8.
+    """
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
-        text = path.read_text()
+        before = os.stat(path)
+        if not stat.S_ISREG(before.st_mode):
+            raise MappingError(f"{path}: not a regular file ({_kind(before.st_mode)}); a mapping is a TOML file")
+        fd = os.open(path, flags)
+        try:
+            after = os.fstat(fd)
+            if not stat.S_ISREG(after.st_mode) or (after.st_dev, after.st_ino) != (before.st_dev, before.st_ino):
+                raise MappingError(f"{path}: replaced while being opened")
+            if after.st_size > MAX_MAPPING_BYTES:
+                raise MappingError(
+                    f"{path}: a mapping file of {after.st_size} bytes, more than port reads ({MAX_MAPPING_BYTES})"
+                )
+            with open(fd, "rb", closefd=False) as f:
+                data = f.read(MAX_MAPPING_BYTES + 1)
+        finally:
+            os.close(fd)
     except OSError as e:
         raise MappingError(f"{path}: cannot read mapping file ({e.strerror or e})") from None
-    return parse_mapping(text, str(path))
+    if len(data) > MAX_MAPPING_BYTES:
+        raise MappingError(f"{path}: a mapping file of more than {MAX_MAPPING_BYTES} bytes (it grew while read)")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise MappingError(
+            f"{path}: not UTF-8 text (byte {e.start} is {data[e.start]:#04x}); a mapping is a TOML file"
+        ) from None
 
 
 def shipped_mappings() -> list[Path]:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
+from ._console import quoted
 from ._errors import PlanError, PortError
 from ._dtypes import dtype as dtype_named, floating
 from ._mapping import LAYER, Mapping, Param
@@ -218,7 +219,7 @@ def check_include(paths: Iterable[str], patterns: Sequence[str] | None, model: s
     paths = list(paths)
     for pattern in patterns or ():
         if not any(selects(path, [pattern]) for path in paths):
-            raise PortError(f"include {pattern!r}: matches no leaf of {model} (leaves: {_few(paths)})")
+            raise PortError(f"include {quoted(pattern, 200)}: matches no leaf of {model} (leaves: {_few(paths)})")
 
 
 def _few(paths: list[str], n: int = 6) -> str:
@@ -358,7 +359,7 @@ def plan_problems(
     beyond_ignored = [k for k in beyond if any(fnmatch.fnmatchcase(name_of[k], p) for p in ignore.values())]
     for layer, key in sorted((layer, key) for key, layer in beyond.items() if key not in set(beyond_ignored))[:1]:
         problems.append(
-            f"{tensors[key].file.name}: tensor '{key}' is of layer {layer}, beyond the model's "
+            f"{tensors[key].file.name}: tensor {quoted(key, 200)} is of layer {layer}, beyond the model's "
             f"{len(groups_union)} layers"
         )
     filled = {p.path for p in mapping.params}
@@ -380,7 +381,7 @@ def plan_problems(
             unused.append(key)
         else:
             problems.append(
-                f"{tensors[key].file.name}: tensor '{key}' is not used by the mapping "
+                f"{tensors[key].file.name}: tensor {quoted(key, 200)} is not used by the mapping "
                 f"{mapping.source} (map it, or add it to ignore)"
             )
     if problems:
@@ -494,7 +495,9 @@ def _strip(mapping: Mapping, tensors: AnyMapping[str, TensorInfo], problems: lis
                 name = name[: -len(legacy)] + modern
                 break
         if name in stripped:
-            problems.append(f"{tensors[key].file.name}: both '{stripped[name]}' and '{key}' are present")
+            problems.append(
+                f"{tensors[key].file.name}: both {quoted(stripped[name], 200)} and {quoted(key, 200)} are present"
+            )
         stripped[name] = key
     return stripped
 
@@ -529,7 +532,7 @@ def _leaf(
         problems.append(f"{where}: missing tensor '{param.key_at(first_missing)}' ({counts} expected)")
         return None
     if extra:
-        problems.append(f"{where}: tensor '{matches[extra[0]]}' is beyond the model's {counts}")
+        problems.append(f"{where}: tensor {quoted(matches[extra[0]], 200)} is beyond the model's {counts}")
         return None
     keys = tuple(matches[i] for i in grid)
     infos = [tensors[k] for k in keys]

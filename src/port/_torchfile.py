@@ -9,12 +9,12 @@ storages' raw bytes, stored uncompressed; and `byteorder` (`little` or `big`).
 
 This module reads the zip's directory itself (bounded before a byte of it is read,
 every record checked against the file), then parses `data.pkl` with a restricted
-unpickler: every opcode is checked before the pickle is loaded, and `find_class`
-answers only the few globals a state dict of tensors names, with small stand-ins;
-it never imports a module, so no global a file names (`os.system`, `builtins.eval`)
-can run. Each tensor becomes a `TensorInfo` over the `.bin` file itself, at its
-storage record's data offset plus its storage offset: reads go through the same
-region reads as safetensors. PyTorch is not needed.
+unpickler: every opcode is checked before the pickle is loaded, and how deep the objects
+it would build nest, and `find_class` answers only the few globals a state dict of
+tensors names, with small stand-ins; it never imports a module, so no global a file
+names (`os.system`, `builtins.eval`) can run. Each tensor becomes a `TensorInfo` over
+the `.bin` file itself, at its storage record's data offset plus its storage offset:
+reads go through the same region reads as safetensors. PyTorch is not needed.
 
 ```python
 tensors, used = read_tensors(Path("gpt2/pytorch_model.bin"), limit=100_000_000)
@@ -38,7 +38,7 @@ import numpy as np
 from ._console import one_line, quoted
 from ._dtypes import NAMES
 from ._errors import CheckpointError
-from ._source import _CONTROL, _MAX_RANK, TensorInfo, _nbytes, _pread_exact, open_regular
+from ._source import _CONTROL, _MAX_NBYTES, _MAX_RANK, TensorInfo, _nbytes, _pread_exact, open_regular
 
 MAX_PICKLE = 64 * 2**20
 """Bytes one `data.pkl` may have (a state dict of 100,000 tensors takes about 10 MB)."""
@@ -46,6 +46,10 @@ MAX_OPCODES = 1 << 23
 """Opcodes one `data.pkl` may run, so objects it may build (about 30 per tensor)."""
 MAX_RECORDS = 1 << 20
 """Records one zip's directory may list."""
+MAX_DEPTH = 100
+"""How deep the objects one `data.pkl` builds may nest (a state dict's nest about 8 deep). Python
+hashes a tuple by recursing in C with no depth check: a key a million tuples deep would run
+past the C stack, and the process die by SIGSEGV, before any check of the result."""
 _MAX_BYTEORDER = 16
 
 # Zip structures (PKWARE's APPNOTE.TXT, sections 4.3.7, 4.3.12 to 4.3.16): little-endian, fixed fields first.
@@ -95,6 +99,15 @@ _OPCODES = frozenset({
 })
 _PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 _GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+# Opcodes that push one object holding no other (a number, a string, a tuple of none, a global's
+# stand-in); those that pop 1, 2 or 3 items into a new tuple; those that pop items into the object below.
+_ATOMS = frozenset({
+    "NONE", "NEWTRUE", "NEWFALSE", "INT", "BININT", "BININT1", "BININT2", "LONG1", "LONG4", "BINFLOAT",
+    "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING",
+    "SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "EMPTY_TUPLE", "GLOBAL",
+})
+_TUPLES = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
+_CHANGES = {"APPEND": 1, "SETITEM": 2, "BUILD": 1}
 
 
 class _Entry(NamedTuple):
@@ -160,11 +173,19 @@ def _rebuild_tensor_v3(*args: Any) -> _Tensor:
     return _Tensor(args, v3=True)
 
 
-def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any) -> Any:
-    return data
+def _rebuild_parameter(data: Any, requires_grad: Any, hooks: Any) -> _Tensor:
+    return _parameter_data(data)
 
 
-def _rebuild_parameter_with_state(data: Any, requires_grad: Any, hooks: Any, state: Any) -> Any:
+def _rebuild_parameter_with_state(data: Any, requires_grad: Any, hooks: Any, state: Any) -> _Tensor:
+    return _parameter_data(data)
+
+
+def _parameter_data(data: Any) -> _Tensor:
+    """A parameter's tensor: only a `_Tensor`, which nothing can change, is handed back as REDUCE's
+    result (`_Nesting` counts a REDUCE's result as a new object, never one of its arguments)."""
+    if not isinstance(data, _Tensor):
+        raise TypeError("a parameter whose data is not a tensor")
     return data
 
 
@@ -225,12 +246,146 @@ class _Unpickler(pickle.Unpickler):
         return self._storage(pid)
 
 
+class _Nesting:
+    """The objects a pickle would build, followed opcode by opcode without building one: how deep
+    each nests, every one refused past `MAX_DEPTH`.
+
+    An object that cannot change (a number, a string, a tuple, a global's stand-in, a storage) is
+    its depth, a positive int. One that APPEND, SETITEM or BUILD may change (a list, a dict, what
+    REDUCE returns: a new object, one level above its arguments) is `~i`, its depth
+    `self.depths[i]`: once it is inside another object it is frozen, for changing it then (a list
+    appended to itself, a memoized dict filled after it was nested) would deepen the objects
+    holding it past what was counted; a state dict never does.
+
+    ```python
+    nesting = _Nesting("x.bin")
+    for opcode, arg, position in pickletools.genops(data):
+        nesting.step(opcode.name, arg, position)   # CheckpointError: ... nests objects more than 100 deep ...
+    ```
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.stack: list[int] = []
+        self.marks: list[int] = []  # the stack's length at each open MARK
+        self.memo: list[int | None] = []  # indices in order (`_scan` checks), so a list
+        self.filled = 0  # memo entries set: where MEMOIZE puts (the C unpickler's memo_len)
+        self.depths: list[int] = []
+        self.frozen = bytearray()
+
+    def _corrupt(self, what: str, position: int) -> CheckpointError:
+        return CheckpointError(f"{self.name}: corrupt data.pkl: {what} at byte {position}")
+
+    def _pop(self, n: int, opcode: str, position: int) -> list[int]:
+        """The top `n` objects, above the last MARK."""
+        floor = self.marks[-1] if self.marks else 0
+        if len(self.stack) - n < floor:
+            raise self._corrupt(f"{opcode} takes more objects than the stack holds", position)
+        items = self.stack[len(self.stack) - n :]
+        del self.stack[len(self.stack) - n :]
+        return items
+
+    def _pop_mark(self, opcode: str, position: int) -> list[int]:
+        """The objects above the last MARK, and the MARK."""
+        if not self.marks:
+            raise self._corrupt(f"{opcode} without a MARK", position)
+        return self._pop(len(self.stack) - self.marks.pop(), opcode, position)
+
+    def _nest(self, items: list[int]) -> int:
+        """The depth of an object holding `items`, which are frozen from now on."""
+        deepest = 0
+        for item in items:
+            if item < 0:
+                self.frozen[~item] = 1
+                item = self.depths[~item]
+            deepest = max(deepest, item)
+        if deepest >= MAX_DEPTH:
+            raise CheckpointError(
+                f"{self.name}: data.pkl nests objects more than {MAX_DEPTH} deep: refused (nothing was run)"
+            )
+        return deepest + 1
+
+    def _changeable(self, depth: int) -> int:
+        self.depths.append(depth)
+        self.frozen.append(0)
+        return ~(len(self.depths) - 1)
+
+    def _top(self, opcode: str, position: int) -> int:
+        if len(self.stack) <= (self.marks[-1] if self.marks else 0):
+            raise self._corrupt(f"{opcode} on an empty stack", position)
+        return self.stack[-1]
+
+    def _change(self, items: list[int], opcode: str, position: int) -> None:
+        """`items` put into the object on top of the stack (APPEND, SETITEM, BUILD and their batches)."""
+        target = self._top(opcode, position)
+        depth = self._nest(items)
+        if target > 0:
+            raise self._corrupt(f"{opcode} changes an object that is not a list, dict or REDUCE's result", position)
+        if self.frozen[~target]:
+            raise CheckpointError(
+                f"{self.name}: data.pkl changes an object after nesting it in another ({opcode} at byte "
+                f"{position}), which a state dict never does: refused (nothing was run)"
+            )
+        self.depths[~target] = max(self.depths[~target], depth)
+
+    def step(self, opcode: str, arg: Any, position: int) -> None:
+        """Follow one opcode (already one of `_OPCODES`, its memo index checked)."""
+        stack = self.stack
+        if opcode in _PUTS or opcode == "MEMOIZE":  # the most frequent first
+            index, memo = self.filled if opcode == "MEMOIZE" else arg, self.memo
+            if index >= len(memo):
+                memo.extend([None] * (index + 1 - len(memo)))
+            self.filled += memo[index] is None
+            memo[index] = self._top(opcode, position)
+        elif opcode in _GETS:
+            if arg >= len(self.memo) or self.memo[arg] is None:
+                raise CheckpointError(f"{self.name}: corrupt data.pkl: memo index {quoted(arg, 30)} was never set")
+            stack.append(self.memo[arg])
+        elif opcode in _ATOMS:
+            stack.append(1)
+        elif opcode == "MARK":
+            self.marks.append(len(stack))
+        elif opcode in _TUPLES:
+            stack.append(self._nest(self._pop(_TUPLES[opcode], opcode, position)))
+        elif opcode == "TUPLE":
+            stack.append(self._nest(self._pop_mark(opcode, position)))
+        elif opcode in ("EMPTY_LIST", "EMPTY_DICT"):
+            stack.append(self._changeable(1))
+        elif opcode in ("LIST", "DICT"):
+            stack.append(self._changeable(self._nest(self._pop_mark(opcode, position))))
+        elif opcode in _CHANGES:
+            self._change(self._pop(_CHANGES[opcode], opcode, position), opcode, position)
+        elif opcode in ("APPENDS", "SETITEMS"):
+            self._change(self._pop_mark(opcode, position), opcode, position)
+        elif opcode == "REDUCE":  # what a stand-in returns may hold its arguments
+            stack.append(self._changeable(self._nest(self._pop(2, opcode, position))))
+        elif opcode == "STACK_GLOBAL":
+            self._pop(2, opcode, position)
+            stack.append(1)
+        elif opcode == "BINPERSID":
+            stack.append(self._nest(self._pop(1, opcode, position)))
+        elif opcode == "DUP":
+            stack.append(self._top(opcode, position))
+        elif opcode == "POP":  # the C unpickler's load_pop: a MARK with nothing above it is what it pops
+            if self.marks and self.marks[-1] == len(stack):
+                self.marks.pop()
+            else:
+                self._pop(1, opcode, position)
+        elif opcode == "POP_MARK":
+            self._pop_mark(opcode, position)
+        elif opcode == "STOP":
+            self._pop(1, opcode, position)
+        # PROTO and FRAME build nothing
+
+
 def _scan(data: bytes, name: str) -> None:
-    """Every opcode of `data` is one a state dict needs, at most `MAX_OPCODES` of them, the memo
-    filled in order (the C unpickler sizes its memo by the largest index it is given), and nothing
-    after STOP: checked by reading the opcodes (`pickletools.genops`), running none."""
+    """Every opcode of `data` is one a state dict needs, at most `MAX_OPCODES` of them (so at most
+    as many objects built and memo entries), the memo filled in order (the C unpickler sizes its
+    memo by the largest index it is given), no object nested more than `MAX_DEPTH` deep, and
+    nothing after STOP: checked by reading the opcodes (`pickletools.genops`), running none."""
     count = puts = 0
     end = -1
+    nesting = _Nesting(name)
     try:
         for opcode, arg, position in pickletools.genops(data):
             count += 1
@@ -246,6 +401,7 @@ def _scan(data: bytes, name: str) -> None:
             if opcode.name in _GETS and not (type(arg) is int and 0 <= arg < puts):
                 raise CheckpointError(f"{name}: corrupt data.pkl: memo index {quoted(arg, 30)} was never set")
             puts += opcode.name in _PUTS or opcode.name == "MEMOIZE"
+            nesting.step(opcode.name, arg, position)
             end = position
     except CheckpointError:
         raise
@@ -503,6 +659,10 @@ def _storages(archive: _Zip, folder: str) -> Callable[[Any], _Storage]:
         if not (isinstance(kind, _StorageType) and type(key) is str and type(location) is str
                 and type(numel) is int and numel >= 0):
             raise CheckpointError(f"{archive.name}: corrupt data.pkl: a malformed storage id")
+        if numel > _MAX_NBYTES // kind.dtype.itemsize:  # refused unprinted: Python will not print 5000 digits
+            raise CheckpointError(
+                f"{archive.name}: corrupt data.pkl: storage {quoted(key, 60)} claims more than 2**63 - 1 bytes"
+            )
         nbytes = numel * kind.dtype.itemsize
         if key in found:
             if (found[key].dtype, found[key].untyped, found[key].nbytes) != (kind.dtype, kind.untyped, nbytes):
@@ -554,6 +714,10 @@ def _tensor_info(key: str, tensor: _Tensor, path: Path, file_id: tuple[int, int,
         and all(type(s) is int for s in stride)
     ):
         raise CheckpointError(f"{name}: corrupt data.pkl: tensor {shown} has a malformed offset, shape or stride")
+    if offset > _MAX_NBYTES or any(d > _MAX_NBYTES for d in shape) or any(abs(s) > _MAX_NBYTES for s in stride):
+        raise CheckpointError(  # before any arithmetic or printing: Python will not print 5000 digits
+            f"{name}: corrupt data.pkl: tensor {shown} has an offset, size or stride past 2**63 - 1"
+        )
     if len(shape) > _MAX_RANK:
         raise CheckpointError(f"{name}: tensor {shown} has {len(shape)} dimensions (at most {_MAX_RANK})")
     if metadata:  # torch._utils.get_tensor_metadata: flags (such as a conjugate bit) that change the values
