@@ -54,13 +54,13 @@ def test_load_is_convert_without_output():
 def test_a_mesh_whose_blocks_outgrow_host_memory_is_refused_before_reading(tmp_path, monkeypatch):
     """On CPU devices every block is host memory: the plan's bytes per device times this process's
     devices is checked against what the host has available, before any tensor byte is read."""
-    import port._convert
+    import port._memory
 
     with port.open_checkpoint(EXAMPLE) as ckpt:
         device_bytes = port.plan(port.skeleton(port.mapping_for(ckpt.config), ckpt.config),
                                  port.mapping_for(ckpt.config), ckpt.tensors, ckpt.config, {"data": 4, "model": 2}
                                  ).device_bytes
-        monkeypatch.setattr(port._convert, "available_host_bytes", lambda: 8 * device_bytes - 1)
+        monkeypatch.setattr(port._memory, "available_host_bytes", lambda: 8 * device_bytes - 1)
         try:
             port.convert(ckpt, mesh="4x2", out=tmp_path / "out")
         except port.PlanError as e:
@@ -71,5 +71,25 @@ def test_a_mesh_whose_blocks_outgrow_host_memory_is_refused_before_reading(tmp_p
     assert message.startswith("--mesh data=4,model=2: its blocks take ") and "(8 CPU devices x " in message
     assert message.endswith("available; use fewer devices, or shard what is replicated") and "\n" not in message
     assert list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(port._convert, "available_host_bytes", lambda: 8 * device_bytes)
+    monkeypatch.setattr(port._memory, "available_host_bytes", lambda: 8 * device_bytes)
     assert port.convert(EXAMPLE, mesh="4x2").report.bytes_read > 0  # exactly enough is enough
+
+
+def test_restoring_onto_a_mesh_whose_blocks_outgrow_host_memory_is_refused_before_reading(tmp_path, monkeypatch):
+    """The same check in `port.restore`: what the output's leaves take on this mesh's devices."""
+    import port._memory
+    import port._source
+
+    port.convert(EXAMPLE, mesh="2x2", out=tmp_path / "out")
+    monkeypatch.setattr(port._memory, "available_host_bytes", lambda: 1000)
+    read = []
+    real = port._source.Checkpoint.read_into
+    monkeypatch.setattr(port._source.Checkpoint, "read_into", lambda *a, **k: read.append(a) or real(*a, **k))
+    try:
+        port.restore(tmp_path / "out", "4x2")
+    except port.PlanError as e:
+        message = str(e)
+    else:
+        raise AssertionError("restored")
+    assert message.startswith("mesh data=4,model=2: its blocks take ") and "(8 CPU devices x " in message
+    assert read == []

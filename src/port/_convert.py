@@ -36,10 +36,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._console import size_text
 from ._dtypes import floating
-from ._errors import OutputError, PlanError, PortError
+from ._errors import OutputError, PortError
 from ._fill import fill
 from ._mapping import Mapping, mapping_for
-from ._memory import PeakMemory, available_host_bytes
+from ._memory import PeakMemory, check_host_memory
 from ._place import place
 from ._plan import LeafPlan, Plan, partition, plan
 from ._runtime import agree, as_mesh, mesh_spec
@@ -177,7 +177,7 @@ def convert(
                 skeleton, mapping, ckpt.tensors, config, mesh.shape, dtype, include=include, layers=layers, strict=strict
             )
             kept = kept_values(skeleton, recipe)
-            check_host_memory(recipe, mesh)
+            check_host_memory(recipe.device_bytes, mesh, f"--mesh {mesh_spec(dict(mesh.shape))}")
             if out is not None:
                 if recipe.nbytes > (free := free_bytes(out)):
                     raise OutputError(
@@ -254,26 +254,6 @@ def convert(
 
 LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 """The config.json keys Hugging Face configs keep their layer count in."""
-
-
-def check_host_memory(recipe: Plan, mesh: Mesh) -> None:
-    """Refuse, before a byte is read, a plan whose blocks on this process's CPU devices (whose
-    memory is the host's) take more than the host has available.
-
-    A replicated dimension costs a copy per device (`port plan` shows bytes per device), so a
-    mesh of many simulated devices multiplies a model: `--mesh 16x32` is 512 copies of what
-    each block replicates.
-    """
-    me = jax.process_index()
-    cpus = sum(1 for d in mesh.devices.flat if d.process_index == me and d.platform == "cpu")
-    need = cpus * recipe.device_bytes
-    available = available_host_bytes()
-    if cpus and available is not None and need > available:
-        raise PlanError([
-            f"--mesh {mesh_spec(dict(mesh.shape))}: its blocks take {size_text(need)} of host memory "
-            f"({cpus} CPU devices x {size_text(recipe.device_bytes)} each), more than the "
-            f"{size_text(available)} available; use fewer devices, or shard what is replicated"
-        ])
 
 
 def with_layers(config: AnyMapping[str, Any], layers: range | None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ peak.bytes
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 
 def rss_anon() -> int:
@@ -37,6 +38,32 @@ def available_host_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def check_host_memory(device_bytes: int, mesh: Any, flag: str) -> None:
+    """Refuse, before anything is allocated, blocks of `device_bytes` on each of this process's
+    CPU devices of `mesh` (their memory is the host's) that take more than the host has
+    available; `flag` names the mesh in the message (`--mesh data=4,model=2`).
+
+    A replicated dimension costs a copy per device (`port plan` shows bytes per device), so a
+    mesh of many simulated devices multiplies a model: `--mesh 16x32` is 512 copies of what
+    each block replicates.
+    """
+    import jax
+
+    from ._console import size_text
+    from ._errors import PlanError
+
+    me = jax.process_index()
+    cpus = sum(1 for d in mesh.devices.flat if d.process_index == me and d.platform == "cpu")
+    need = cpus * device_bytes
+    available = available_host_bytes()
+    if cpus and available is not None and need > available:
+        raise PlanError([
+            f"{flag}: its blocks take {size_text(need)} of host memory ({cpus} CPU devices x "
+            f"{size_text(device_bytes)} each), more than the {size_text(available)} available; "
+            "use fewer devices, or shard what is replicated"
+        ])
 
 
 class PeakMemory:

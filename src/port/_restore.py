@@ -47,7 +47,8 @@ from ._fill import fill
 from ._mapping import Mapping, import_object, parse_mapping
 from ._place import aligned_empty, assemble, boxes as _boxes
 from ._plan import check_include, partition, selects
-from ._runtime import as_mesh
+from ._memory import check_host_memory
+from ._runtime import as_mesh, mesh_spec
 from ._save import FORMAT, LEAF_PATH, MAX_METADATA_BYTES, MAX_SOURCES
 from ._skeleton import leaves, skeleton
 from ._source import Checkpoint, Region, TensorInfo, hub_blob, open_regular
@@ -158,8 +159,18 @@ def restore(
         chosen = {p: leaf for p, leaf in output.leaves.items() if selects(p, include)}
         absent += [path for path in output.leaves if path not in chosen]
         output = dataclasses.replace(output, leaves=chosen)
+    check_host_memory(_device_bytes(output, mesh), mesh, f"mesh {mesh_spec(dict(mesh.shape))}")
     arrays = dict(_read_arrays(output, chunks, checkpoint, mesh))
     return fill(skel, arrays | {path: None for path in absent})
+
+
+def _device_bytes(output: Output, mesh: Mesh) -> int:
+    """Bytes each device of `mesh` holds once every leaf is restored (shards are equal in size)."""
+    total = 0
+    for leaf in output.leaves.values():
+        spec, _ = partition(leaf.shape, leaf.axes, output.mapping.rules, mesh.shape)
+        total += math.prod(NamedSharding(mesh, spec).shard_shape(leaf.shape)) * leaf.dtype.itemsize
+    return total
 
 
 def describe(shape: tuple[int, ...], dtype: np.dtype) -> str:
