@@ -72,7 +72,7 @@ from ._mapping import Mapping
 from ._runtime import exchange, num_processes, run_token
 from ._skeleton import leaves, path_str
 from ._writer import pwrite_all
-from ._zarr import ZARRAY, chunk_count, chunk_name, chunk_shape, zarray
+from ._zarr import ZARRAY, chunk_count, chunk_name, chunk_shape, grid, zarray
 
 FORMAT = 3
 LEAF_PATH = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")  # a leaf's name, and its directory in params/
@@ -563,7 +563,7 @@ class Saving:
                 continue
             chunks = self._chunks[path]
             size = math.prod(chunks) * array.dtype.itemsize
-            names = {chunk_name(tuple(i)) for i in np.ndindex(*(-(-n // c) for n, c in zip(array.shape, chunks)))}
+            names = {chunk_name(index) for index in grid(array.shape, chunks)}
             with os.scandir(self.partial / "params" / path) as entries:
                 found = {e.name: e for e in entries if e.name != ZARRAY}
             missing = sorted(names - set(found))
