@@ -174,15 +174,19 @@ if os.environ.get("PORT_TEST_IO"):
 '''
 
 
+def hooked(directory: Path, source: str) -> dict:
+    """Environment that runs `source` first thing in every Python process of a `port` run (the
+    supervisor and its worker): a `sitecustomize` module in `directory`, put first on PYTHONPATH."""
+    directory.mkdir(exist_ok=True)
+    (directory / "sitecustomize.py").write_text(source)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")]))}
+
+
 def run_port_measured(tmp_path: Path, *args) -> tuple[subprocess.CompletedProcess, int, int]:
     """`port ARGS` as `run_port`, every process of it (the supervisor and its worker) reporting at
     exit what it read and its peak; returns (result, bytes read by all, the largest peak RSS)."""
-    hook = tmp_path / "stats-hook"
-    hook.mkdir(exist_ok=True)
-    (hook / "sitecustomize.py").write_text(_PROCESS_STATS)
     io = tmp_path / "stats"
-    result = run_port(*args, env={"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])),
-                                  "PORT_TEST_IO": str(io)})
+    result = run_port(*args, env=hooked(tmp_path / "stats-hook", _PROCESS_STATS) | {"PORT_TEST_IO": str(io)})
     reports = [dict(line.split(":", 1) for line in f.read_text().splitlines() if ":" in line)
                for f in tmp_path.glob("stats.*")]
     assert len(reports) == 2 or result.returncode != 0, reports  # the supervisor and the worker

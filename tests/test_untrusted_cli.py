@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import one_line, port_command, port_env, run_port
+from helpers import hooked, one_line, port_command, port_env, run_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
@@ -255,3 +255,44 @@ def test_no_line_port_says_is_longer_than_its_bound(monkeypatch, capfd):
     assert len(head) + int(cut) + len(tail) == whole
     assert console.shortened("short") == "short"
     assert console.shortened("a" * 50 + "b" * 50, 60) == "a" * 15 + " ... (70 characters cut) ... " + "b" * 15
+
+
+FULL_DISK = """
+import errno, os
+_replace = os.replace
+def replace(src, dst, *args, **kwargs):  # the disk is full when the run summary is put in place
+    if str(dst).endswith("r.json"):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return _replace(src, dst, *args, **kwargs)
+os.replace = replace
+"""
+
+
+def test_a_report_the_disk_cannot_take_is_one_line_through_the_command(tmp_path):
+    """The same, through the installed `port` (exit 1, one line, the output complete, no partial summary)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    out, report = work / "out", work / "r.json"
+    result = run_port("convert", EXAMPLE, "--out", out, "--report", report, env=hooked(tmp_path / "hook", FULL_DISK))
+    one_line(result, f"--report {report}: could not write the run summary (No space left on device); "
+                     f"the output {out} is complete")
+    nothing_left(work, "out")
+    assert sorted(p.name for p in out.iterdir()) == ["_CHECKPOINT_METADATA", "commit_success.txt", "params", "port"]
+
+
+SMALL_HOST = """
+import builtins, io
+_open = builtins.open
+def small(file, *args, **kwargs):  # a host with 1 KB of memory available
+    return io.StringIO("MemAvailable:       1 kB\\n") if file == "/proc/meminfo" else _open(file, *args, **kwargs)
+builtins.open = small
+"""
+
+
+def test_a_mesh_that_outgrows_host_memory_is_one_line_through_the_command(tmp_path):
+    result = run_port("convert", EXAMPLE, "--mesh", "4x2", "--out", tmp_path / "out",
+                      env=hooked(tmp_path / "hook", SMALL_HOST))
+    line = one_line(result, "--mesh data=4,model=2: its blocks take ", "(8 CPU devices x ",
+                    "more than the 1.0 KB available; use fewer devices, or shard what is replicated")
+    assert "converted" not in result.stderr, line
+    nothing_left(tmp_path, "hook")
