@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -26,6 +27,7 @@ from typing import NoReturn
 from ._console import count_text, printable, quiet_libraries, quoted, say, show, shortened, size_text, stream
 from ._errors import PortError
 from ._interrupt import attach, final, hold_signals, removing, supervise
+from ._leftovers import claimed, recover
 
 SCAFFOLD_MARK = "# Draft mapping made by port scaffold"
 
@@ -78,6 +80,8 @@ def _is_report(path: Path) -> bool:
 def _check_file_out(path: Path, force: bool, flag: str, ours: Callable[[Path], bool], what: str) -> Path:
     """Refuse to write `path` over anything but a file port wrote (with `force`)."""
     path = path.absolute()
+    if path.parent.is_dir():
+        recover(path, ours)  # what a killed run left beside it
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise PortError(f"{flag} {path}: exists and is not a regular file")
     if path.exists():
@@ -93,7 +97,9 @@ def _check_file_out(path: Path, force: bool, flag: str, ours: Callable[[Path], b
 def _write_file(path: Path, text: str) -> None:
     """Write `path` whole or not at all: a hidden sibling renamed into place."""
     partial = path.parent / f".{path.name}.port-partial-{secrets.token_hex(8)}"
-    with removing(partial, create=lambda p: os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))):
+    with claimed(partial), removing(
+        partial, create=lambda p: os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+    ):
         partial.write_text(text)
         with final():
             os.replace(partial, path)
@@ -574,6 +580,19 @@ def run(argv: Sequence[str] | None = None) -> int:
 _ARGV = "PORT_WORKER_ARGV"  # the command line, for the worker (JSON)
 
 
+class _Said(logging.Handler):
+    """The library's warnings (the `port` logger), said on the user's stderr as `port: ...` lines."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        say(record.getMessage())
+
+
+def _tell_what_port_logs() -> None:
+    logger = logging.getLogger("port")
+    logger.addHandler(_Said(logging.WARNING))
+    logger.propagate = False
+
+
 def main() -> NoReturn:
     """The `port` entry point.
 
@@ -587,6 +606,7 @@ def main() -> NoReturn:
         # which any user can read in `ps`: a URL's credentials are not shown twice.
         sys.argv[1:] = json.loads(os.environ.pop(_ARGV, "[]"))
         quiet_libraries()
+        _tell_what_port_logs()
         if os.getcwd() not in sys.path:  # a mapping's own module beside the user, as with `python -m`
             sys.path.append(os.getcwd())
         code = run()

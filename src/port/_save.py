@@ -68,6 +68,7 @@ import numpy as np
 from ._console import one_line, quoted, size_text
 from ._errors import OutputError, PortError, RunError
 from ._interrupt import final, removing
+from ._leftovers import claimed, recover
 from ._mapping import Mapping
 from ._runtime import exchange, num_processes, run_token
 from ._skeleton import leaves, path_str
@@ -204,6 +205,8 @@ def check_out(
         if _inside(source, real):
             what = "is" if source == real else "contains"
             raise OutputError(f"{flag} {out}: {what} the input {name}; choose another directory")
+    if out.parent.is_dir():
+        recover(out, ours)  # what a killed run left beside it: removed, or the earlier output put back
     if out.is_symlink():
         raise OutputError(f"{flag} {out}: is a symbolic link; give the directory itself")
     if out.exists():
@@ -260,6 +263,7 @@ def make_partial(partial: Path, cleanup: contextlib.ExitStack) -> None:
     ```
     """
     try:
+        cleanup.enter_context(claimed(partial))  # the owner file first: removed after the directory
         cleanup.enter_context(removing(partial, create=os.mkdir))
     except FileExistsError:
         raise OutputError(f"{partial}: exists; port writes only into a directory it creates") from None
@@ -283,10 +287,11 @@ def replacing(
     ```
     """
     aside = directory.parent / f".{directory.name}.port-old-{secrets.token_hex(4)}"
-    with removing(aside):
+    with contextlib.ExitStack() as claim, removing(aside):
         with final():
             if force and os.path.lexists(directory):
                 check_out(directory, force, ours=ours, what=what)
+                claim.enter_context(claimed(aside))  # its owner file: made first, removed last
                 os.rename(directory, aside)
             try:
                 yield
