@@ -148,7 +148,7 @@ def test_check_names_the_entry_that_cannot_be_walked_back(tmp_path):
     (tmp_path / "qkmodel.py").write_text(QK_MODULE)
     (tmp_path / "qk.toml").write_text(QK_MAPPING)
     write_checkpoint(tmp_path / "ckpt", {"qkv": np.zeros((4, 12), np.float32)}, {"model_type": "qk"})
-    result = run_port("check", "qk.toml", "ckpt", cwd=tmp_path)
+    result = run_port("check", "qk.toml", "ckpt", "--module", "qkmodel:QK", cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     assert result.stdout.strip().splitlines() == [
         "qk.toml: entry 'qkv': the fused tensor 'qkv' has 3 parts but the entries keep only [0, 1]; "

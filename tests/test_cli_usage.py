@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_port, transformers_or_skip
+from helpers import one_line, run_port, transformers_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
@@ -78,7 +78,7 @@ def test_scaffold_module_needs_a_class(tmp_path):
     result = run_port("scaffold", EXAMPLE, "--module", "port.models.gpt2")
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [
-        "port: error: --module 'port.models.gpt2': expected module:Class, such as port.models.gpt2:GPT2"
+        "port: error: --module 'port.models.gpt2': expected module:Class, such as mymodel:MyModel"
     ]
 
 
@@ -146,13 +146,69 @@ def test_a_directory_named_like_a_module_does_not_shadow_it(tmp_path):
     assert "shadowed" not in result.stdout + result.stderr
 
 
-def test_a_module_beside_the_user_is_found(tmp_path):
-    (tmp_path / "mymodel.py").write_text("from port.models.gpt2 import GPT2 as MyGPT2\n")
+MYMODEL = """
+from pathlib import Path
+Path(__file__).with_name("imported").write_text("mymodel ran")
+from port.models.gpt2 import GPT2 as MyGPT2
+"""
+
+
+@pytest.fixture
+def beside(tmp_path):
+    """`mymodel.py` (which says when it is imported) and `mine.toml` naming it, in the working directory."""
+    (tmp_path / "mymodel.py").write_text(MYMODEL)
     mapping = (REPO / "mappings" / "gpt2.toml").read_text().replace(
         'model = "port.models.gpt2:GPT2"', 'model = "mymodel:MyGPT2"'
     )
     assert "mymodel:MyGPT2" in mapping
     (tmp_path / "mine.toml").write_text(mapping)
-    result = run_port("check", "mine.toml", EXAMPLE, cwd=tmp_path)
+    return tmp_path
+
+
+def test_a_module_beside_the_user_is_found_when_named(beside):
+    result = run_port("check", "mine.toml", EXAMPLE, "--module", "mymodel:MyGPT2", cwd=beside)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "mine.toml: ok: 20 leaves" in result.stdout
+    assert (beside / "imported").read_text() == "mymodel ran"
+
+
+@pytest.mark.parametrize("command", [
+    ["check", "mine.toml", EXAMPLE], ["plan", EXAMPLE, "--mapping", "mine.toml"],
+    ["convert", EXAMPLE, "--mapping", "mine.toml", "--out", "out"],
+])
+def test_a_mapping_alone_imports_nothing_from_the_working_directory(beside, command):
+    """Issue 21 row 17: the mapping's word is not enough; the command line says how to name it."""
+    result = run_port(*command, cwd=beside)
+    line = one_line(result, "mine.toml: model 'mymodel:MyGPT2' cannot be imported (No module named 'mymodel')")
+    assert line.endswith("mymodel.py in the working directory is imported only when named: "
+                         "`--module mymodel:MyGPT2` on the command line, or its directory on sys.path in Python")
+    assert not (beside / "imported").exists() and not (beside / "out").exists()
+
+
+def test_module_must_be_a_class_the_mapping_names(beside):
+    (beside / "other.py").write_text(MYMODEL)
+    result = run_port("check", "mine.toml", EXAMPLE, "--module", "other:MyGPT2", cwd=beside)
+    one_line(result, "--module 'other:MyGPT2': mine.toml names model 'mymodel:MyGPT2' and reference "
+             "'transformers:GPT2LMHeadModel'; --module names one of those")
+    result = run_port("plan", EXAMPLE, "--module", "mymodel:MyGPT2", cwd=beside)
+    one_line(result, "--module mymodel:MyGPT2: give the mapping that names it (--mapping FILE)")
+    result = run_port("check", "mine.toml", EXAMPLE, "--module", "../mymodel:MyGPT2", cwd=beside)
+    one_line(result, "--module '../mymodel:MyGPT2': expected module:Class")
+    assert not (beside / "imported").exists()
+
+
+def test_export_of_your_own_model_names_its_class(beside):
+    """Issue 24 row 1: an output of your own module exports with `--module` (the output's word imports nothing)."""
+    made = run_port("convert", EXAMPLE, "--mapping", "mine.toml", "--module", "mymodel:MyGPT2", "--out", "out", cwd=beside)
+    assert made.returncode == 0, made.stderr
+    (beside / "imported").unlink()
+    refused = run_port("export", "out", "--out", "hf", cwd=beside)
+    one_line(refused, "model 'mymodel:MyGPT2' is not one of port's models", "`port export DIR --module mymodel:MyGPT2`")
+    assert not (beside / "imported").exists() and not (beside / "hf").exists()
+    done = run_port("export", "out", "--out", "hf", "--module", "mymodel:MyGPT2", cwd=beside)
+    assert done.returncode == 0, done.stderr
+    from safetensors.numpy import load_file
+
+    ours = load_file(beside / "hf" / "model.safetensors")
+    theirs = load_file(EXAMPLE / "model.safetensors")
+    assert set(ours) <= set(theirs) and all((ours[k] == theirs[k]).all() for k in ours)

@@ -129,7 +129,8 @@ def test_the_plan_names_a_missing_expert_and_one_beyond_the_model(workspace):
     root, source = workspace
     del source["model.layers.1.experts.3.w1.weight"]
     write_checkpoint(root / "missing", source, CONFIG)
-    result = run_port("plan", root / "missing", "--mapping", root / "experts.toml", "--mesh", "data=1,expert=1,model=1", cwd=root)
+    result = run_port("plan", root / "missing", "--mapping", root / "experts.toml", "--mesh", "data=1,expert=1,model=1",
+                      "--module", "expertmodel:Experts", cwd=root)
     assert result.returncode == 1
     assert "missing tensor 'layers.1.experts.3.w1.weight' (2 layers x 4 experts expected)" in result.stdout + result.stderr
     extra = tensors()
@@ -143,10 +144,10 @@ def test_the_plan_names_a_missing_expert_and_one_beyond_the_model(workspace):
 def test_the_plan_table_shows_the_stack(workspace):
     root, _ = workspace
     result = run_port("plan", root / "ckpt", "--mapping", root / "experts.toml", "--mesh", "data=2,expert=4", "--json",
-                      cwd=root)
+                      "--module", "expertmodel:Experts", cwd=root)
     if result.returncode == 2:  # no --json: read the table
         result = run_port("plan", root / "ckpt", "--mapping", root / "experts.toml", "--mesh", "data=2,expert=4,model=1",
-                          cwd=root)
+                          "--module", "expertmodel:Experts", cwd=root)
     assert "layers.{layer}.experts.{expert}.w1.weight x2 x4" in result.stdout, result.stdout + result.stderr
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import port_command, port_env
+from helpers import hooked, port_command, port_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,11 +31,23 @@ def gpt2_small(tmp_path_factory):
     return directory
 
 
-def start(*args):
+def start(*args, env=None):
     return subprocess.Popen(
         [*port_command(), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=port_env(),
+        env=port_env(env),
     )
+
+
+PAUSE_IN_SAVE = """
+import os, time
+if "PORT_SUPERVISOR_FDS" in os.environ:  # the worker: a minute's pause once its output directory is made
+    _mkdir = os.mkdir
+    def mkdir(path, *rest, **kw):
+        _mkdir(path, *rest, **kw)
+        if ".port-partial-" in str(path) and str(path).endswith("/port"):
+            time.sleep(60)
+    os.mkdir = mkdir
+"""
 
 
 def leftovers(root: Path) -> list[str]:
@@ -123,7 +135,7 @@ def test_sigterm_exits_143(gpt2_small, tmp_path):
     code, output = interrupt_at(delay, "convert", gpt2_small, "--mesh", "4x2", "--out", out, signum=signal.SIGTERM)
     assert code == 143, output
     assert output.strip().splitlines()[-1] == "port: terminated"
-    assert not out.exists() and leftovers(tmp_path) == []
+    assert not out.exists() and leftovers(out.parent) == []
 
 
 def test_interrupt_while_starting(tmp_path):
@@ -172,13 +184,16 @@ def test_a_signal_sent_to_the_worker_stops_the_run_as_one_sent_to_port(gpt2_smal
     """`kill WORKER_PID` (not port's own pid) is honoured: the same status, line and cleanup."""
     import os
 
-    out = tmp_path / "out"
-    process = start("convert", gpt2_small, "--mesh", "4x2", "--out", out)
+    out = tmp_path / "work" / "out"
+    out.parent.mkdir()
+    process = start("convert", gpt2_small, "--mesh", "4x2", "--out", out, env=hooked(tmp_path / "hook", PAUSE_IN_SAVE))
     worker = worker_of(process)
-    time.sleep(2.0)  # JAX imported, the run under way
+    deadline = time.monotonic() + 60
+    while not list(out.parent.glob(".out.port-partial-*/port")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the run under way, writing (the hook holds it there: the signal comes first)
     os.kill(worker, signum)
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == code, stdout + stderr
     assert stderr.strip().splitlines()[-1] == f"port: {word}", stderr
     assert "Traceback" not in stderr and "converted" not in stderr
-    assert not out.exists() and leftovers(tmp_path) == []
+    assert not out.exists() and leftovers(out.parent) == []

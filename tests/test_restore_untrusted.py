@@ -107,7 +107,8 @@ def test_an_output_naming_another_module_is_refused_without_importing_it(out, ev
     message = refused(out, capfd, "port/metadata: model 'evil:Model' is not one of port's models", "model=")
     assert message == (
         f"{out}/port/metadata: model 'evil:Model' is not one of port's models (port.models.*), and restore imports "
-        "no other module an output names; pass the class: port.restore(directory, mesh, model=YourModel)"
+        "no other module an output names; name the class: `port export DIR --module evil:Model` on the command "
+        "line, port.restore(directory, mesh, model=YourModel) in Python"
     )
     assert not evil.exists() and "evil" not in sys.modules
     proves_importable(evil)

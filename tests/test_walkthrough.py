@@ -180,7 +180,7 @@ def test_walkthrough(tmp_path, monkeypatch):
     assert mine.reference == {"class": "torch_tinylm:TinyLM", "output": "logits"}
 
     # The shipped mapping passes check too, and loads TinyLM equal to PyTorch's on two meshes.
-    code, output = run(["port", "check", str(SHIPPED), "tinylm-checkpoint", "--mesh", "4x2"], work)
+    code, output = run(["port", "check", str(SHIPPED), "tinylm-checkpoint", "--mesh", "4x2", "--module", "tinylm:TinyLM"], work)
     assert code == 0 and "ok: 20 leaves" in output, output
     import equinox as eqx
     import numpy as np

@@ -13,6 +13,8 @@ message), 130 interrupted (Ctrl-C; 143 for SIGTERM), removing what the run wrote
 from __future__ import annotations
 
 import argparse
+import importlib.abc
+import importlib.machinery
 import json
 import logging
 import os
@@ -105,6 +107,77 @@ def _write_file(path: Path, text: str) -> None:
             os.replace(partial, path)
 
 
+class _Beside(importlib.abc.MetaPathFinder):
+    """Finds one top-level module, `name`, in `directory`, and nothing else; asked after every installed one."""
+
+    def __init__(self, name: str, directory: str):
+        self.name, self.directory = name, directory
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        return importlib.machinery.PathFinder.find_spec(fullname, [self.directory])
+
+
+def _valid(spec: str) -> None:
+    from ._mapping import MODEL_SPEC
+
+    if not MODEL_SPEC.fullmatch(spec):
+        raise PortError(f"--module {quoted(spec, 200)}: expected module:Class, such as mymodel:MyModel")
+
+
+def _allow(spec: str) -> None:
+    """Let `--module MODULE:CLASS`'s module (and its submodules) come from the working directory, if not installed."""
+    _valid(spec)
+    top = spec.partition(":")[0].split(".")[0]
+    if not any(isinstance(f, _Beside) and f.name == top for f in sys.meta_path):
+        sys.meta_path.append(_Beside(top, os.getcwd()))
+
+
+def _model_class(spec: str | None) -> type | None:
+    """The class `--module MODULE:CLASS` names (see `_allow`); None without the flag."""
+    from ._mapping import import_object
+
+    if spec is None:
+        return None
+    _allow(spec)
+    cls = import_object(spec, "--module")
+    if not isinstance(cls, type) or not hasattr(cls, "from_config"):
+        raise PortError(f"--module {spec}: not a model class (a class with from_config(config, *, key))")
+    return cls
+
+
+def _mapping_named(args: argparse.Namespace, path: Path | None):
+    """The mapping a command was given (`--mapping` or MAPPING); loaded here when `--module` flags name its classes.
+
+    Only a module a `--module` flag names may come from the working directory, and each
+    must be one the mapping names (its `model`, or its `reference` for `port verify`): a
+    mapping file cannot make port import a module of the working directory on its own word.
+    """
+    from ._mapping import load_mapping
+
+    specs = args.module or []
+    if not specs:
+        return path
+    if path is None:
+        raise PortError(
+            f"--module {specs[0]}: give the mapping that names it (--mapping FILE); port's own mappings name port's models"
+        )
+    for spec in specs:
+        _valid(spec)
+    mapping = load_mapping(path)
+    named = [mapping.model, *([mapping.reference["class"]] if mapping.reference.get("class") else [])]
+    for spec in specs:
+        if spec not in named:
+            raise PortError(
+                f"--module {quoted(spec, 200)}: {mapping.source} names "
+                + " and ".join(f"{what} {quoted(n, 200)}" for what, n in zip(("model", "reference"), named))
+                + "; --module names one of those"
+            )
+        _allow(spec)
+    return mapping
+
+
 # ---------------------------------------------------------------------------- commands
 
 
@@ -153,6 +226,7 @@ def convert(args: argparse.Namespace) -> int:
 
     from ._convert import convert as run_convert
 
+    mapping = _mapping_named(args, args.mapping)
     report = args.report
     if report is not None and jax.process_count() > 1:  # each process reports its own reads: run.1.json
         report = report.with_name(f"{report.stem}.{jax.process_index()}{report.suffix}")
@@ -175,7 +249,7 @@ def convert(args: argparse.Namespace) -> int:
 
     try:
         result = run_convert(
-            args.model, mapping=args.mapping, mesh=args.mesh, dtype=args.dtype, out=args.out, force=args.force,
+            args.model, mapping=mapping, mesh=args.mesh, dtype=args.dtype, out=args.out, force=args.force,
             progress=progress, include=_patterns(args.include), layers=layers,
         )
     except PortError as e:  # the API's words for a range, as the flag was given
@@ -251,7 +325,7 @@ def export_command(args: argparse.Namespace) -> int:
         if bar:
             bar.update(0, completed=at.done, total=at.total, description="writing")
 
-    model = restore(args.dir, args.mesh)
+    model = restore(args.dir, args.mesh, model=_model_class(args.module))
     try:
         out = export(
             model, args.out, args.dir, max_shard_size=args.max_shard_size, dtype=args.dtype, force=args.force,
@@ -343,7 +417,7 @@ def plan_command(args: argparse.Namespace) -> int:
     from .authoring import check as run_check
 
     with open_checkpoint(args.model) as ckpt:
-        mapping = mapping_for(ckpt.config, args.mapping)
+        mapping = mapping_for(ckpt.config, _mapping_named(args, args.mapping))
         recipe = run_check(mapping, ckpt, args.mesh, args.dtype)
     heading = [f"{_shown(args.model)} -> {mapping.model} on mesh {args.mesh}", f"mapping: {mapping.source}"]
     show(plan_text(recipe, heading, shutil.get_terminal_size((80, 24)).columns))
@@ -356,7 +430,7 @@ def check(args: argparse.Namespace) -> int:
     from .authoring import check as run_check
 
     try:
-        result = run_check(args.mapping, args.model, args.mesh)
+        result = run_check(_mapping_named(args, args.mapping), args.model, args.mesh)
     except PlanError as e:
         show("".join(f"{shortened(printable(problem))}\n" for problem in e.problems))
         n = len(e.problems)
@@ -374,7 +448,7 @@ def verify(args: argparse.Namespace) -> int:
 
     if args.tolerance is not None and not args.tolerance >= 0:
         raise PortError(f"--tolerance {args.tolerance}: expected a number >= 0")
-    result = run_verify(args.model, args.mesh, args.mapping, args.dtype)
+    result = run_verify(args.model, args.mesh, _mapping_named(args, args.mapping), args.dtype)
     bound = result.tolerance if args.tolerance is None else args.tolerance
     verdict = "ok" if result.max_abs_diff <= bound else "FAILED"
     show(
@@ -398,16 +472,15 @@ def _is_draft(path: Path) -> bool:
 
 def scaffold(args: argparse.Namespace) -> int:
     """Write a draft mapping file pairing MODEL's keys with your module's leaves."""
-    from ._mapping import import_object
     from .authoring import scaffold as run_scaffold
 
     out = None if args.out is None else _check_file_out(args.out, args.force, "--out", _is_draft, "a scaffold draft")
-    text = run_scaffold(args.model, import_object(args.module, "--module"), args.module)
+    text = run_scaffold(args.model, _model_class(args.module), args.module)
     if out is None:
         sys.stdout.write(text)
     else:
         _write_file(out, text)
-        say(f"wrote {args.out}: review the entries marked CHECK and TODO, then run port check {args.out} {_shown(args.model)}")
+        say(f"wrote {args.out}: review the entries marked CHECK and TODO, then run port check {args.out} {_shown(args.model)} --module {args.module}")
     return 0
 
 
@@ -464,6 +537,15 @@ def parser() -> argparse.ArgumentParser:
             help=f"how long processes wait for each other (default: {DEFAULT_TIMEOUT:g})",
         )
 
+    def module_flag(sub, required: bool = False, what: str | None = None) -> None:
+        many = what is None
+        sub.add_argument(
+            "--module", required=required, metavar="MODULE:CLASS", action="append" if many else "store",
+            help=(what or "a class the mapping names (its model, or its reference), repeatable")
+            + ", imported from the working directory if not installed (e.g. mymodel:MyModel); "
+            "nothing else is imported from there",
+        )
+
     def options(sub, mapping: bool = True) -> None:
         sub.add_argument("--mesh", default="1x1", metavar="SPEC", help=MESH_HELP)
         sub.add_argument("--dtype", choices=CASTS, help="cast floating parameters (default: keep the checkpoint's)")
@@ -471,6 +553,7 @@ def parser() -> argparse.ArgumentParser:
             sub.add_argument(
                 "--mapping", type=Path, metavar="FILE", help="mapping file (default: the shipped one for model_type)"
             )
+            module_flag(sub)
 
     sub = command(
         "convert", convert, "Convert MODEL into a sharded Equinox model and save it with Orbax to --out.",
@@ -510,6 +593,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--dtype", choices=CASTS, help="write floating tensors in this dtype (default: the checkpoint's)")
     sub.add_argument("--mesh", default="1x1", metavar="SPEC", help="mesh to restore DIR onto first (default: 1x1)")
     sub.add_argument("--force", action="store_true", help="replace --out if it is an earlier port export")
+    module_flag(sub, what="DIR's model class, when not one of port's (an output's word imports nothing else)")
     sub.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None,
         help="progress bar (default: on a terminal)",
@@ -524,6 +608,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("mapping", type=Path, metavar="MAPPING", help="the mapping file to check")
     model(sub)
     sub.add_argument("--mesh", default="1x1", metavar="SPEC", help=MESH_HELP)
+    module_flag(sub)
 
     sub = command(
         "verify", verify,
@@ -539,7 +624,7 @@ def parser() -> argparse.ArgumentParser:
 
     sub = command("scaffold", scaffold, "Write a draft mapping pairing MODEL's keys with your module's leaves.")
     model(sub)
-    sub.add_argument("--module", required=True, metavar="MODULE:CLASS", help="your Equinox module, e.g. mypkg.model:MyModel")
+    module_flag(sub, required=True, what="your Equinox module's class")
     sub.add_argument("--out", type=Path, metavar="FILE", help="write the draft here (default: stdout)")
     sub.add_argument("--force", action="store_true", help="replace --out if it is an earlier scaffold draft")
     return root
@@ -607,8 +692,6 @@ def main() -> NoReturn:
         sys.argv[1:] = json.loads(os.environ.pop(_ARGV, "[]"))
         quiet_libraries()
         _tell_what_port_logs()
-        if os.getcwd() not in sys.path:  # a mapping's own module beside the user, as with `python -m`
-            sys.path.append(os.getcwd())
         code = run()
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -165,23 +165,35 @@ class Mapping:
         return found
 
 
+_NAME = r"[^\W\d]\w*"
+MODEL_SPEC = re.compile(rf"{_NAME}(?:\.{_NAME})*:{_NAME}(?:\.{_NAME})*")  # module:Class, both dotted identifiers
+
+
 def import_object(spec: str, what: str, error: type[PortError] = PortError) -> Any:
     """Import `package.module:Name`; `what` starts the error message, an `error`.
 
     The module must be importable as it is (installed, or on `sys.path`): port adds
-    no directory to the path here. The command line adds the working directory once.
+    no directory to the path. The command line lets one module come from the working
+    directory, the one its `--module` flag names; a module found there but not named
+    gets a hint saying so.
     Both parts must be dotted identifiers: a relative module (`.gpt2:GPT2`) is refused,
     not imported.
     """
-    module, colon, name = spec.partition(":")
-    if not (colon and all(part.isidentifier() for part in (*module.split("."), *name.split(".")))):
+    if not MODEL_SPEC.fullmatch(spec):
         raise error(f"{what} {quoted(spec, 200)}: expected module:Class, such as port.models.gpt2:GPT2")
+    module, _, name = spec.partition(":")
     try:
         found: Any = importlib.import_module(module)
         for part in name.split("."):
             found = getattr(found, part)
     except (ImportError, AttributeError) as e:
-        raise error(f"{what} {quoted(spec, 200)} cannot be imported ({one_line(str(e), 300)})") from None
+        top = module.split(".")[0]
+        beside = next((f"{top}{s}" for s in (".py", "/") if (Path.cwd() / f"{top}{s}").exists()), None)
+        hint = "" if beside is None or not isinstance(e, ModuleNotFoundError) else (
+            f"; {beside} in the working directory is imported only when named: "
+            f"`--module {spec}` on the command line, or its directory on sys.path in Python"
+        )
+        raise error(f"{what} {quoted(spec, 200)} cannot be imported ({one_line(str(e), 300)}){hint}") from None
     return found
 
 

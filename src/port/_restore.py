@@ -377,7 +377,8 @@ def model_class(output: Output, model: type | None = None) -> type:
     if package != _SHIPPED or submodule not in _shipped_modules() or not name.isidentifier() or name.startswith("_"):
         raise OutputError(
             f"{output.where}: model {quoted(spec)} is not one of port's models ({_SHIPPED}.*), and restore "
-            f"imports no other module an output names; pass the class: port.restore(directory, mesh, model=YourModel)"
+            f"imports no other module an output names; name the class: `port export DIR --module {quoted(spec)[1:-1]}` "
+            "on the command line, port.restore(directory, mesh, model=YourModel) in Python"
         )
     cls = import_object(spec, f"{output.where}: model")
     if not isinstance(cls, type) or not hasattr(cls, "from_config"):
