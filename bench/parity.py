@@ -128,34 +128,42 @@ def mapping_for(directory: str, mesh: str) -> port.Mapping | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(DEFAULT),
-                        help=f"'2026', or from {', '.join(CASES)}")
+                        help=f"'2026', 'all' (the default cases and 2026's), or from {', '.join(CASES)}")
     parser.add_argument("--meshes", default="1x1,2x2,4x2,8x1",
                         help="comma-separated; a named mesh such as data=2,expert=2,model=2 counts as one")
     parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's float32)")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     meshes = split_meshes(args.meshes)
-    cases = NEW_2026 if args.cases == "2026" else args.cases.split(",")
+    cases = {"2026": NEW_2026, "all": DEFAULT + NEW_2026}.get(args.cases) or args.cases.split(",")
     print("| case | params | max abs reference | " + " | ".join(f"error {m}" for m in meshes) + " |")
     print("|---|---|---|" + "---|" * len(meshes))
     for case in cases:
-        cls, config_cls, overrides = CASES[case]
-        torch.manual_seed(0)
-        config = config_cls(**overrides)
-        config._attn_implementation = "eager"
-        config._experts_implementation = "eager"  # torch's grouped_mm wants 16-byte strides in bfloat16
-        model = cls(config).eval()
-        params = sum(p.numel() for name, p in model.named_parameters() if "lm_head" not in name or
-                     not model.config.tie_word_embeddings)
-        with tempfile.TemporaryDirectory() as directory:
-            model.save_pretrained(directory)
-            results = [port.verify(directory, port.make_mesh(m), mapping=mapping_for(directory, m), dtype=args.dtype)
-                       for m in meshes]
-        # In 16 bits the bound is port verify's: 2e-2 of the largest |logit|, and at least twice
-        # the reference's own distance from its float32 run.
-        row = " | ".join(f"{r.max_abs_diff:.2e}" + ("" if args.dtype is None else f" (bound {r.tolerance:.2e})")
-                         for r in results)
-        print(f"| {case} | {params / 1e6:.2f}M | {results[0].max_abs_reference:.3g} | {row} |", flush=True)
+        try:
+            row(case, meshes, args.dtype)
+        except Exception as e:  # one case's failure (a missing class in an older transformers) is its row
+            print(f"| {case} | failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} |", flush=True)
+
+
+def row(case: str, meshes: list[str], dtype: str | None) -> None:
+    """Verify one case on every mesh and print its table row."""
+    cls, config_cls, overrides = CASES[case]
+    torch.manual_seed(0)
+    config = config_cls(**overrides)
+    config._attn_implementation = "eager"
+    config._experts_implementation = "eager"  # torch's grouped_mm wants 16-byte strides in bfloat16
+    model = cls(config).eval()
+    params = sum(p.numel() for name, p in model.named_parameters() if "lm_head" not in name or
+                 not model.config.tie_word_embeddings)
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        results = [port.verify(directory, port.make_mesh(m), mapping=mapping_for(directory, m), dtype=dtype)
+                   for m in meshes]
+    # In 16 bits the bound is port verify's: 2e-2 of the largest |logit|, and at least twice
+    # the reference's own distance from its float32 run.
+    cells = " | ".join(f"{r.max_abs_diff:.2e}" + ("" if dtype is None else f" (bound {r.tolerance:.2e})")
+                       for r in results)
+    print(f"| {case} | {params / 1e6:.2f}M | {results[0].max_abs_reference:.3g} | {cells} |", flush=True)
 
 
 if __name__ == "__main__":

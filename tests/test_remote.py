@@ -576,3 +576,26 @@ def test_two_processes_each_transfer_their_share(server, served, gpt2_checkpoint
     assert served.sent == sum(moved) + opening
     assert all(m < 0.6 * files_size(directory) for m in moved)
     assert_same(port.restore(tmp_path / "out", port.make_mesh("4x2")), port.load(directory, mesh="4x2"))
+
+
+def test_a_whole_run_deadline_stops_a_slow_remote_convert(server, served, tmp_path):
+    """Issue 21 row 7: `--deadline` bounds the whole run, whatever each request does: a server that
+    answers every request, slowly (0.3 s each, above every per-request limit), is stopped at the
+    deadline with one line and exit 1, and nothing is left at --out or beside it."""
+    from helpers import one_line, run_port
+
+    served.delay = 0.3
+    began = time.monotonic()
+    result = run_port("convert", f"{server.base}/lm", "--out", tmp_path / "out", "--deadline", "4")
+    took = time.monotonic() - began
+    one_line(result, "--deadline 4: the run had not finished after 4 s; stopped, and what it was writing removed")
+    assert took < 30 and served.requests > 1
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_deadline_must_be_a_positive_number(tmp_path):
+    from helpers import run_port
+
+    for value in ("0", "-3", "nan", "inf", "soon"):
+        result = run_port("convert", EXAMPLE, "--out", tmp_path / "out", "--deadline", value)
+        assert result.returncode == 2 and "argument --deadline: expected a number of seconds > 0" in result.stderr

@@ -528,6 +528,13 @@ def parser() -> argparse.ArgumentParser:
 
     from ._dtypes import CASTS
 
+    def deadline_flag(sub) -> None:
+        sub.add_argument(
+            "--deadline", type=_seconds, metavar="SECONDS",
+            help="stop the whole run if it has not finished by then, removing what it wrote (exit 1); "
+            "default: none (each remote request has its own timeouts)",
+        )
+
     def run_flags(sub) -> None:
         sub.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, for a multi-process run")
         sub.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
@@ -565,6 +572,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory (an Orbax checkpoint)")
     options(sub)
     sub.add_argument("--report", type=Path, metavar="FILE", help="write the run summary as JSON")
+    deadline_flag(sub)
     sub.add_argument(
         "--include", metavar="PATHS",
         help="convert only these leaves: module paths, dotted prefixes or globs, comma-separated (e.g. wte,blocks)",
@@ -594,6 +602,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--mesh", default="1x1", metavar="SPEC", help="mesh to restore DIR onto first (default: 1x1)")
     sub.add_argument("--force", action="store_true", help="replace --out if it is an earlier port export")
     module_flag(sub, what="DIR's model class, when not one of port's (an output's word imports nothing else)")
+    deadline_flag(sub)
     sub.add_argument(
         "--progress", action=argparse.BooleanOptionalAction, default=None,
         help="progress bar (default: on a terminal)",
@@ -628,6 +637,17 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--out", type=Path, metavar="FILE", help="write the draft here (default: stdout)")
     sub.add_argument("--force", action="store_true", help="replace --out if it is an earlier scaffold draft")
     return root
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (argparse's type for --deadline)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, not {quoted(text, 40)}")
+    return value
 
 
 def _parse(cli: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
@@ -706,4 +726,4 @@ def main() -> NoReturn:
         sys.exit(2)
     os.environ[_ARGV] = json.dumps(sys.argv[1:])
     worker = [sys.executable, "-P", "-c", "from port._cli import main; main()"]
-    sys.exit(supervise(worker, say))
+    sys.exit(supervise(worker, say, deadline=getattr(args, "deadline", None)))

@@ -35,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -181,9 +182,16 @@ def hold_signals() -> None:
         signal.signal(s, _noted)
 
 
-def supervise(argv: Sequence[str], say: Callable[[str], None]) -> int:
-    """Run `argv` as the worker and return the exit status `port` should end with."""
+def supervise(argv: Sequence[str], say: Callable[[str], None], deadline: float | None = None) -> int:
+    """Run `argv` as the worker and return the exit status `port` should end with.
+
+    With `deadline` (seconds), a worker still running then is stopped as an interrupt
+    stops it (what it registered removed; a `final` block first finished), and the
+    status is 1 with one line saying so.
+    """
     received = _received
+    ends = None if deadline is None else time.monotonic() + deadline
+    late = False
     hold_signals()  # in case the caller did not
     notes_read, notes_write = os.pipe()
     lifeline_read, lifeline_write = os.pipe()
@@ -204,7 +212,9 @@ def supervise(argv: Sequence[str], say: Callable[[str], None]) -> int:
             received.extend(n for n in os.read(signals_read, 64) if n in SIGNALS)
         except (BlockingIOError, OSError):
             pass
-        if received and (not told.in_final or len(received) > 1):
+        if ends is not None and not late and time.monotonic() > ends and worker.poll() is None:
+            late = True
+        if (received and (not told.in_final or len(received) > 1)) or (late and not told.in_final and not received):
             worker.kill()
             worker.wait()
             while open_pipe:
@@ -230,6 +240,10 @@ def supervise(argv: Sequence[str], say: Callable[[str], None]) -> int:
         say("interrupted" if received[0] == signal.SIGINT else "terminated")
         return 128 + received[0]
     code = worker.returncode
+    if late and code == -signal.SIGKILL:
+        say(f"error: --deadline {deadline:g}: the run had not finished after {deadline:g} s; stopped, "
+            "and what it was writing removed")
+        return 1
     if code < 0:
         say(f"stopped by signal {-code} ({signal.Signals(-code).name})")
         return 128 - code
