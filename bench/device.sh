@@ -6,6 +6,7 @@
 #
 #   OUT=/tmp/device bash bench/device.sh            # with port installed, or from a checkout:
 #   PYTHONPATH=src bash bench/device.sh
+#   STEPS=parity-float32,train bash bench/device.sh   # only these steps; each step's limit: NAME_LIMIT below
 set -u
 OUT=${OUT:-device-out}
 mkdir -p "$OUT"
@@ -17,6 +18,7 @@ summary="$OUT/summary.md"
 step() {  # step NAME SECONDS COMMAND...: run it under a time limit, log it, and add its tail to the summary
   local name=$1 limit=$2
   shift 2
+  case ",${STEPS:-all}," in *",all,"*|*",$name,"*) ;; *) return ;; esac
   local began=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?

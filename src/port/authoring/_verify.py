@@ -163,6 +163,7 @@ def verify(
     ```
     """
     import equinox as eqx
+    import jax
 
     from .._convert import convert
     from .._runtime import as_mesh, mesh_shape
@@ -182,7 +183,11 @@ def verify(
         kind = input_kind(mapping.model_class())
         inputs = INPUTS[kind](config)  # a bad config is told before converting
         converted = convert(ckpt, skeleton(mapping, config), mapping, mesh, dtype=dtype).model
-    ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, inputs))
+    # Full float32 matrix products: an accelerator's default (TF32 on NVIDIA GPUs since Ampere,
+    # bfloat16 passes on TPU) differs from PyTorch's CPU float32 by about 1e-2 of the logits,
+    # which would hide a wrong mapping at the tolerance verify applies.
+    with jax.default_matmul_precision("highest"):
+        ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, inputs))
     reference_cls = import_object(mapping.reference["class"], f"{mapping.source}: reference")
     torch_dtype = getattr(torch, str(ours.dtype)) if str(ours.dtype) in CASTS else torch.float32
     # Eager attention and experts: the reference code as written, in any dtype (torch's grouped
