@@ -65,20 +65,22 @@ class Handler(BaseHTTPRequestHandler):
         file = state.root / path.lstrip("/")
         if not file.is_file():
             return self._empty(404)
-        data = file.read_bytes()
+        size = file.stat().st_size  # the file is read only where asked: it may be a 234 GB hole
         match = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range") or "")
         fault = state.fault(parts.path, match and (int(match[1]), int(match[2])))
         if fault == "503":
             return self._empty(503)
         if match is None or state.ignore_range:
-            return self._send(200, data, {}, fault)
-        first, last = int(match[1]), min(int(match[2]), len(data) - 1)
-        if first >= len(data):
-            return self._empty(416, **{"Content-Range": f"bytes */{len(data)}"})
+            return self._send(200, file.read_bytes(), {}, fault)
+        first, last = int(match[1]), min(int(match[2]), size - 1)
+        if first >= size:
+            return self._empty(416, **{"Content-Range": f"bytes */{size}"})
         if fault == "shifted":  # another range than asked, announced truthfully
-            first, last = first + 1, min(last + 1, len(data) - 1)
-        body = data[first : last + 1]
-        self._send(206, body, {"Content-Range": f"bytes {first}-{last}/{len(data)}"}, fault)
+            first, last = first + 1, min(last + 1, size - 1)
+        with open(file, "rb") as f:
+            f.seek(first)
+            body = f.read(last + 1 - first)
+        self._send(206, body, {"Content-Range": f"bytes {first}-{last}/{size}"}, fault)
 
     def _send(self, status: int, body: bytes, headers: dict, fault: str | None) -> None:
         length = len(body) // 2 if fault == "short" else len(body)  # "short": a lying Content-Length
@@ -599,3 +601,23 @@ def test_deadline_must_be_a_positive_number(tmp_path):
     for value in ("0", "-3", "nan", "inf", "soon"):
         result = run_port("convert", EXAMPLE, "--out", tmp_path / "out", "--deadline", value)
         assert result.returncode == 2 and "argument --deadline: expected a number of seconds > 0" in result.stderr
+
+
+def test_a_server_claiming_a_huge_checkpoint_is_refused_before_its_data(tmp_path):
+    """Issue 21 row 8: a server states a 234 GB file (gpt-oss-120b's real shapes, served from a
+    sparse file whose data is a hole): the plan's memory is checked against the host before any
+    tensor byte is asked for, and the run is one line, exit 1, with nothing at --out."""
+    from helpers import one_line, run_port, write_sparse_checkpoint
+    from test_gpt_oss import GPT_OSS_120B, gpt_oss_shapes
+
+    root = tmp_path / "served"
+    root.mkdir()
+    assert write_sparse_checkpoint(root / "big", GPT_OSS_120B, gpt_oss_shapes(GPT_OSS_120B)) > 230e9
+    httpd = start_server(root)
+    try:
+        result = run_port("convert", f"{httpd.base}/big", "--out", tmp_path / "out")
+        one_line(result, "its blocks take 233.7 GB of host memory (1 CPU device x 233.7 GB each), more than the")
+        assert httpd.state.sent < 2 << 20, httpd.state.sent  # config.json and the header, no tensor data
+    finally:
+        httpd.shutdown()
+    assert not (tmp_path / "out").exists()

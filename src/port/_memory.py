@@ -60,7 +60,7 @@ def check_host_memory(device_bytes: int, mesh: Any, flag: str) -> None:
     available = available_host_bytes()
     if cpus and available is not None and need > available:
         raise PlanError([
-            f"{flag}: its blocks take {size_text(need)} of host memory ({cpus} CPU devices x "
+            f"{flag}: its blocks take {size_text(need)} of host memory ({cpus} CPU device{'s' if cpus > 1 else ''} x "
             f"{size_text(device_bytes)} each), more than the {size_text(available)} available; "
             "use fewer devices, or shard what is replicated"
         ])
