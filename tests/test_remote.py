@@ -473,6 +473,31 @@ def test_ranges_merge_when_adjacent_and_stop_at_the_chunk():
     assert ranges[3].pieces == [(2000, 20)] and ranges[4].pieces == [(2020, 10)]
 
 
+@pytest.mark.parametrize("blocks, rows, width, shuffle", [
+    (2, 50, 24, False),   # two column blocks: rows alternate A, B, A, B
+    (3, 7, 8, False),     # three
+    (1, 9, 16, False),    # one block's rows, strided in its buffer
+    (2, 6, 8, True),      # no pattern: piece by piece
+    (70, 3, 4, False),    # more blocks than _MAX_INTERLEAVE: piece by piece
+])
+def test_scatter_puts_every_byte_where_its_piece_says(blocks, rows, width, shuffle):
+    """`_scatter` (an HTTP answer's small pieces out of the scratch buffer): each block gets its rows,
+    as strided copies when the rows interleave regularly, else one by one, and nothing else is written."""
+    rng = np.random.default_rng(blocks * rows)
+    outs = [np.full((rows, width + 3), 7, np.uint8) for _ in range(blocks)]  # 3 bytes of padding per row
+    pieces = [(outs[b][r].ctypes.data, width) for r in range(rows) for b in range(blocks)]
+    expected = [out.copy() for out in outs]
+    source = rng.integers(0, 255, len(pieces) * width, dtype=np.uint8)
+    order = rng.permutation(len(pieces)) if shuffle else np.arange(len(pieces))
+    pieces = [pieces[i] for i in order]
+    for i, (address, n) in enumerate(pieces):
+        b, r = next((b, r) for b in range(blocks) for r in range(rows) if outs[b][r].ctypes.data == address)
+        expected[b][r, :n] = source[i * width : (i + 1) * width]
+    remote._scatter(source.ctypes.data, pieces)
+    for out, want in zip(outs, expected):
+        np.testing.assert_array_equal(out, want)
+
+
 # ---------------------------------------------------------------------------- S3 (moto)
 
 

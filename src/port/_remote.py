@@ -87,7 +87,11 @@ GRACE = 10.0
 REQUESTS = 16
 """Range requests in flight at once, per checkpoint."""
 HTTP_CHUNK = 16 * 2**20
-"""Bytes one HTTP request asks for at most (read straight into the destination)."""
+"""Bytes one HTTP request asks for at most."""
+DIRECT = 256 * 2**10
+"""An HTTP answer's piece this large is read straight into its destination; smaller ones through `SCRATCH`."""
+SCRATCH = 2**20
+"""Bytes of each request thread's buffer for an HTTP answer's small pieces."""
 SCRATCH_CHUNK = 8 * 2**20
 """Bytes one fsspec request asks for at most (its answer is copied into the destination)."""
 MIN_SCRATCH = 4 * 2**20
@@ -276,8 +280,8 @@ class Transport:
         """A file's first (up to) 8 bytes, its size and its ETag if the server gives a strong one."""
         raise NotImplementedError
 
-    def read(self, file: RemoteFile, start: int, views: Sequence[memoryview]) -> None:
-        """Fill `views`, in order, with the file's bytes from `start` on."""
+    def read(self, file: RemoteFile, start: int, pieces: Sequence[tuple[int, int]]) -> None:
+        """Fill `pieces`, (address, length) of the caller's memory in order, with the file's bytes from `start` on."""
         raise NotImplementedError
 
     def listing(self) -> list[str] | None:
@@ -309,10 +313,55 @@ def _content_range(value: str | None) -> tuple[int | None, int | None, int | Non
     )
 
 
+_MAX_INTERLEAVE = 64  # blocks whose rows alternate in one request that `_scatter` copies as strided arrays
+
+
+def _scatter(source: int, pieces: Sequence[tuple[int, int]]) -> None:
+    """Copy the bytes at `source`, in order, to `pieces` (address, length).
+
+    The rows of column blocks arrive interleaved (block A's row, block B's row, A's next
+    row, ...): equal pieces whose destinations advance by one stride every `k` pieces are
+    `k` strided copies, each one numpy assignment of a [rows, length] array, not one call
+    per row. Anything else is copied piece by piece.
+    """
+    if not pieces:
+        return
+    addresses = np.fromiter((a for a, _ in pieces), np.int64, len(pieces))
+    lengths = np.fromiter((n for _, n in pieces), np.int64, len(pieces))
+    n, length = len(pieces), int(lengths[0])
+    k = _interleave(addresses) if n > 2 and (lengths == length).all() else None
+    if k is None:
+        for address, size in pieces:
+            ctypes.memmove(address, source, size)
+            source += size
+        return
+    for r in range(min(k, n)):
+        rows = addresses[r::k]
+        stride = int(rows[1] - rows[0]) if len(rows) > 1 else length
+        target = _strided(int(rows[0]), len(rows), length, stride)
+        target[...] = _strided(source + r * length, len(rows), length, k * length)
+
+
+def _interleave(addresses: np.ndarray) -> int | None:
+    """The smallest `k` (up to `_MAX_INTERLEAVE`) such that every `k`-th destination advances by one stride."""
+    for k in range(1, min(_MAX_INTERLEAVE, len(addresses) - 1) + 1):
+        steps = addresses[k:] - addresses[:-k]  # one stride for every k-th piece: k strided arrays
+        if (steps == steps[0]).all() and steps[0] > 0:
+            return k
+    return None
+
+
+def _strided(address: int, rows: int, length: int, stride: int) -> np.ndarray:
+    """A [rows, length] uint8 array over memory at `address`, rows `stride` bytes apart."""
+    span = (rows - 1) * stride + length
+    flat = np.frombuffer(_view(address, span), np.uint8)
+    return np.lib.stride_tricks.as_strided(flat, (rows, length), (stride, 1))
+
+
 class HttpTransport(Transport):
     """HTTP(S) with the standard library's `http.client`: exact `Range` requests, the
     answer checked (`206`, `Content-Range`, `Content-Length`, size, ETag) and read with
-    `readinto` straight into the destination; keep-alive connections, one per thread
+    `readinto1` into the destination (small pieces through a scratch buffer); keep-alive connections, one per thread
     and host; redirects followed (credentials sent to the first host only).
 
     ```python
@@ -424,29 +473,62 @@ class HttpTransport(Transport):
             raise _Transient(_phrase(status))
         raise _Permanent(_phrase(status))
 
-    def _fill(self, response: Any, views: Sequence[memoryview]) -> None:
-        """Read the body into `views`, all of them; a body that ends early, stalls for `TIMEOUT`
-        or comes slower than `MIN_RATE` once `GRACE` has passed is transient."""
-        wanted = sum(v.nbytes for v in views)
+    def _fill(self, response: Any, pieces: Sequence[tuple[int, int]]) -> None:
+        """Read the body into `pieces` (address, length), all of them.
+
+        A piece of `DIRECT` bytes or more is read straight into its memory; runs of smaller
+        ones (a column block's rows: a few KB each, interleaved with the other blocks') are
+        read in `SCRATCH` bytes at a time into this thread's scratch buffer and copied out,
+        so a request costs a few large socket reads, not one per piece. Each read is one
+        receive (`readinto1`), so the rate is checked as the bytes come: a body that ends
+        early, stalls for `TIMEOUT` or comes slower than `MIN_RATE` once `GRACE` has passed
+        is transient.
+        """
+        wanted = sum(n for _, n in pieces)
         received = 0
         began = time.monotonic()
-        for view in views:
-            got = 0
-            while got < view.nbytes:
+
+        def take(address: int, n: int) -> None:  # the next n body bytes into memory at address
+            nonlocal received
+            view, got = _view(address, n), 0
+            while got < n:
                 try:
-                    n = response.readinto(view[got:])
+                    k = response.readinto1(view[got:])
                 except (OSError, http.client.HTTPException) as e:
                     raise _Transient(f"the body broke off after {received} of {wanted} bytes ({_reason(e)})") from None
-                if not n:
+                if not k:
                     raise _Transient(f"the body ended after {received} of {wanted} bytes")
-                got += n
-                received += n
-                self.count(n)
+                got += k
+                received += k
+                self.count(k)
                 elapsed = time.monotonic() - began
                 if elapsed > GRACE and received < MIN_RATE * elapsed and received < wanted:
                     raise _Transient(
                         f"{received} of {wanted} bytes in {elapsed:.1f} s, slower than {MIN_RATE // 1024} KiB/s"
                     )
+
+        i = 0
+        while i < len(pieces):
+            address, n = pieces[i]
+            if n >= DIRECT:
+                take(address, n)
+                i += 1
+                continue
+            scratch = self._scratch()
+            j, total = i, 0
+            while j < len(pieces) and pieces[j][1] < DIRECT and total + pieces[j][1] <= SCRATCH:
+                total += pieces[j][1]
+                j += 1
+            take(scratch, total)
+            _scatter(scratch, pieces[i:j])
+            i = j
+
+    def _scratch(self) -> int:
+        """The address of this thread's `SCRATCH` bytes (kept for the thread's later requests)."""
+        buffer = getattr(self._local, "scratch", None)
+        if buffer is None:
+            buffer = self._local.scratch = np.empty(SCRATCH, np.uint8)
+        return buffer.ctypes.data
 
     def _finish(self, response: Any, conn: Any, key: tuple[str, str, int]) -> None:
         """The body must end where the range does; then the connection serves the next request."""
@@ -457,6 +539,7 @@ class HttpTransport(Transport):
                 raise _Transient(f"the body did not end cleanly ({_reason(e)})") from None
             if extra:
                 raise _Permanent("the server sent more bytes than the range asked for")
+        response.close()  # read to its end: the connection may send the next request
         if response.will_close:
             self._drop(key, conn)
 
@@ -500,10 +583,10 @@ class HttpTransport(Transport):
             first, last, size = self._answered(response)
             if first != 0 or last is None or last > 7 or last >= size:
                 raise _Transient(f"asked for bytes 0-7, the server answered bytes {first}-{last}/{size}")
-            prefix = bytearray(last + 1)
-            self._fill(response, [memoryview(prefix)])
+            prefix = np.empty(last + 1, np.uint8)
+            self._fill(response, [(prefix.ctypes.data, prefix.size)])
             self._finish(response, conn, key)
-            return bytes(prefix), size, _strong(response.getheader("ETag"))
+            return prefix.tobytes(), size, _strong(response.getheader("ETag"))
         except BaseException:
             self._drop(key, conn)
             raise
@@ -520,14 +603,14 @@ class HttpTransport(Transport):
             raise _Permanent("the server does not give the file's size (Content-Range bytes A-B/SIZE)")
         return found
 
-    def read(self, file: RemoteFile, start: int, views: Sequence[memoryview]) -> None:
-        size = sum(v.nbytes for v in views)
+    def read(self, file: RemoteFile, start: int, pieces: Sequence[tuple[int, int]]) -> None:
+        size = sum(n for _, n in pieces)
         stop = start + size
         response, conn, key = self._get(file.name, {"Range": f"bytes={start}-{stop - 1}"})
         try:
             self._judge(response, conn, key)
             self._check_range(response, file, start, stop)
-            self._fill(response, views)
+            self._fill(response, pieces)
             self._finish(response, conn, key)
         except BaseException:
             self._drop(key, conn)
@@ -643,14 +726,14 @@ class FsspecTransport(Transport):
         size = self._size(name)
         return (self._cat(name, 0, min(8, size)) if size else b""), size, None
 
-    def read(self, file: RemoteFile, start: int, views: Sequence[memoryview]) -> None:
-        size = sum(v.nbytes for v in views)
+    def read(self, file: RemoteFile, start: int, pieces: Sequence[tuple[int, int]]) -> None:
+        size = sum(n for _, n in pieces)
         with self._budget.take(size):
-            data = memoryview(self._cat(file.name, start, start + size))
-            at = 0
-            for view in views:
-                view[:] = data[at : at + view.nbytes]
-                at += view.nbytes
+            data = np.frombuffer(self._cat(file.name, start, start + size), np.uint8)
+            at = data.ctypes.data
+            for address, n in pieces:
+                ctypes.memmove(address, at, n)
+                at += n
 
     def listing(self) -> list[str]:
         try:
@@ -872,9 +955,8 @@ class RemoteCheckpoint(Checkpoint):
             self.parallel([functools.partial(self._fetch, info, r) for r in ranges])
 
     def _fetch(self, info: TensorInfo, r: _Range) -> None:
-        views = [_view(address, length) for address, length in r.pieces]
         what = f"{info.file}: bytes {r.start}-{r.stop - 1} (tensor {quoted(info.key, 200)})"
-        retried(what, lambda: self.transport.read(info.file, r.start, views))
+        retried(what, lambda: self.transport.read(info.file, r.start, r.pieces))
 
     def close(self) -> None:
         """Stop the request threads and close the connections."""
@@ -949,10 +1031,10 @@ def _headers(ckpt: RemoteCheckpoint, names: list[str], known: dict) -> dict[str,
 
 def _header_bytes(t: Transport, file: RemoteFile, n: int) -> bytes:
     """The `n` header bytes after a file's length field."""
-    raw = bytearray(n)
+    raw = np.empty(n, np.uint8)
     if n:
-        retried(f"{file.url}: bytes 8-{8 + n - 1}", lambda: t.read(file, 8, [memoryview(raw)]))
-    return bytes(raw)
+        retried(f"{file.url}: bytes 8-{8 + n - 1}", lambda: t.read(file, 8, [(raw.ctypes.data, n)]))
+    return raw.tobytes()
 
 
 def open_remote(url: str, requests: int = REQUESTS) -> RemoteCheckpoint:

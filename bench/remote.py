@@ -1,0 +1,159 @@
+"""Remote reads against the wire: `port.load` from a URL served by nginx, beside `curl` of the same bytes.
+
+    python bench/remote.py [--sizes medium] [--mesh 4x2] [--repeats 3] [--workdir DIR] [--out FILE]
+
+The benchmark writes GPT-2 checkpoints (`bench/make_gpt2.py`), starts nginx (from the
+distribution's packages: `apt-get install nginx-light`) on 127.0.0.1 over them with
+sendfile on and logging off, warms the page cache and the server, and measures, each
+in a fresh process, best of `--repeats`:
+
+- `curl`: `curl -s -o /dev/null` of every safetensors file of the checkpoint, in turn;
+- `port.load`: `port.load(URL, mesh=...)` onto the mesh (8 simulated CPU devices for
+  4x2), port and JAX imported before the clock, the arrays ready when it stops; with
+  its peak anonymous memory above the start (`RssAnon`, sampled; the arrays are in it,
+  since CPU devices hold them in host memory) and the bytes it read (`bytes_read`).
+
+Without nginx the benchmark says so and exits 2: Python's `http.server` is no
+stand-in for a production server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _measure
+
+HERE = Path(__file__).resolve().parent
+
+NGINX = """
+daemon off;
+worker_processes 2;
+user root;
+pid {work}/nginx.pid;
+error_log {work}/error.log;
+events {{ worker_connections 256; }}
+http {{
+    access_log off;
+    sendfile on;
+    tcp_nopush on;
+    keepalive_requests 100000;
+    server {{
+        listen 127.0.0.1:{port};
+        root {root};
+        location / {{ }}
+    }}
+}}
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_nginx(root: Path, work: Path) -> tuple[subprocess.Popen, str]:
+    """nginx over `root` on a free loopback port: (process, base URL)."""
+    port = free_port()
+    conf = work / "nginx.conf"
+    conf.write_text(NGINX.format(work=work, port=port, root=root))
+    server = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(work)], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return server, f"http://127.0.0.1:{port}"
+        except OSError:
+            time.sleep(0.05)
+    server.kill()
+    raise SystemExit(f"nginx did not start: {server.stderr.read().decode()[-500:]}")
+
+
+def measure(spec: dict) -> dict:
+    """One `port.load` from the URL, in this fresh process."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import port
+
+    mesh = port.make_mesh(spec["mesh"])
+    stop = _measure.peak_memory()
+    began = time.perf_counter()
+    with port.open_checkpoint(spec["url"]) as ckpt:
+        model = port.load(ckpt, mesh=mesh)
+        jax.block_until_ready(jax.tree.leaves(model))
+        read = ckpt.bytes_read
+    seconds = time.perf_counter() - began
+    return {"seconds": seconds, "peak": stop(), "bytes_read": read}
+
+
+def curl(urls: list[str]) -> float:
+    began = time.perf_counter()
+    for url in urls:
+        subprocess.run(["curl", "-s", "-f", "-o", "/dev/null", url], check=True)
+    return time.perf_counter() - began
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--measure":
+        print(json.dumps(measure(json.loads(sys.argv[2]))))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="medium", help="GPT-2 sizes, from small, medium, large")
+    parser.add_argument("--mesh", default="4x2")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, help="where checkpoints go (default: a temp dir)")
+    parser.add_argument("--out", type=Path, help="also write the table to this Markdown file")
+    args = parser.parse_args()
+    if shutil.which("nginx") is None or shutil.which("curl") is None:
+        print("bench/remote.py needs nginx and curl (apt-get install nginx-light curl)", file=sys.stderr)
+        raise SystemExit(2)
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="port-remote-"))
+    www = work / "www"
+    www.mkdir(parents=True, exist_ok=True)
+    rows = []
+    server, base = start_nginx(www, work)
+    try:
+        for size in args.sizes.split(","):
+            directory = www / f"gpt2-{size}"
+            if not directory.exists():
+                subprocess.run([sys.executable, HERE / "make_gpt2.py", size, directory], check=True)
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+            total = sum((directory / f).stat().st_size for f in files)
+            urls = [f"{base}/gpt2-{size}/{f}" for f in files]
+            curl(urls)  # the page cache and the server warm
+            curls = [curl(urls) for _ in range(args.repeats)]
+            loads = [_measure.isolated(__file__, {"url": f"{base}/gpt2-{size}", "mesh": args.mesh})
+                     for _ in range(args.repeats)]
+            done = [r for r in loads if isinstance(r, dict)]
+            best_curl = min(curls)
+            if not done:
+                rows.append([f"GPT-2 {size}", _measure.mb(total), f"{best_curl:.3f}", f"failed: {loads[0]}"])
+                continue
+            best = min(done, key=lambda r: r["seconds"])
+            rows.append([f"GPT-2 {size}", _measure.mb(total), f"{best_curl:.3f}", f"{best['seconds']:.3f}",
+                         f"{best['seconds'] / best_curl:.2f}", _measure.mb(best["peak"]), _measure.mb(best["bytes_read"])])
+            print(f"gpt2-{size}: curl {best_curl:.3f} s, port.load {best['seconds']:.3f} s", file=sys.stderr, flush=True)
+    finally:
+        server.terminate()
+        server.wait()
+    header = ["checkpoint", "file bytes", "curl s", f"port.load s (mesh {args.mesh})", "x curl",
+              "port peak anon memory above start", "port bytes read"]
+    title = f"### HTTP from nginx on 127.0.0.1, best of {args.repeats}\n\n"
+    text = title + _measure.markdown(header, rows) + f"\n{_measure.machine()}\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
