@@ -8,6 +8,7 @@ sendfile on and logging off, warms the page cache and the server, and measures, 
 in a fresh process, best of `--repeats`:
 
 - `curl`: `curl -s -o /dev/null` of every safetensors file of the checkpoint, in turn;
+- `port.load` of the local file, the same way, for what is not the wire's;
 - `port.load`: `port.load(URL, mesh=...)` onto the mesh (8 simulated CPU devices for
   4x2), port and JAX imported before the clock, the arrays ready when it stops; with
   its peak anonymous memory above the start (`RssAnon`, sampled; the arrays are in it,
@@ -134,6 +135,8 @@ def main() -> None:
             curls = [curl(urls) for _ in range(args.repeats)]
             loads = [_measure.isolated(__file__, {"url": f"{base}/gpt2-{size}", "mesh": args.mesh})
                      for _ in range(args.repeats)]
+            local = [_measure.isolated(__file__, {"url": str(directory), "mesh": args.mesh}) for _ in range(args.repeats)]
+            local_best = min((r["seconds"] for r in local if isinstance(r, dict)), default=float("nan"))
             done = [r for r in loads if isinstance(r, dict)]
             best_curl = min(curls)
             if not done:
@@ -141,13 +144,14 @@ def main() -> None:
                 continue
             best = min(done, key=lambda r: r["seconds"])
             rows.append([f"GPT-2 {size}", _measure.mb(total), f"{best_curl:.3f}", f"{best['seconds']:.3f}",
-                         f"{best['seconds'] / best_curl:.2f}", _measure.mb(best["peak"]), _measure.mb(best["bytes_read"])])
+                         f"{best['seconds'] / best_curl:.2f}", f"{local_best:.3f}", _measure.mb(best["peak"]),
+                         _measure.mb(best["bytes_read"])])
             print(f"gpt2-{size}: curl {best_curl:.3f} s, port.load {best['seconds']:.3f} s", file=sys.stderr, flush=True)
     finally:
         server.terminate()
         server.wait()
     header = ["checkpoint", "file bytes", "curl s", f"port.load s (mesh {args.mesh})", "x curl",
-              "port peak anon memory above start", "port bytes read"]
+              "port.load of the local file s", "port peak anon memory above start", "port bytes read"]
     title = f"### HTTP from nginx on 127.0.0.1, best of {args.repeats}\n\n"
     text = title + _measure.markdown(header, rows) + f"\n{_measure.machine()}\n"
     print(text)

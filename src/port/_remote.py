@@ -313,6 +313,19 @@ def _content_range(value: str | None) -> tuple[int | None, int | None, int | Non
     )
 
 
+def _receive(response: http.client.HTTPResponse, view: memoryview) -> int:
+    """Up to `len(view)` body bytes into `view` with at most one receive: `readinto1` on the
+    response's buffered socket itself (`HTTPResponse.readinto1` reads into a new bytes object,
+    then copies), the response's count of bytes to come kept as `HTTPResponse.readinto` keeps it."""
+    if response.chunked or response.fp is None or response.length is None:
+        return response.readinto1(view)
+    if len(view) > response.length:
+        view = view[: response.length]
+    n = response.fp.readinto1(view)
+    response.length -= n
+    return n
+
+
 _MAX_INTERLEAVE = 64  # blocks whose rows alternate in one request that `_scatter` copies as strided arrays
 
 
@@ -493,7 +506,7 @@ class HttpTransport(Transport):
             view, got = _view(address, n), 0
             while got < n:
                 try:
-                    k = response.readinto1(view[got:])
+                    k = _receive(response, view[got:])
                 except (OSError, http.client.HTTPException) as e:
                     raise _Transient(f"the body broke off after {received} of {wanted} bytes ({_reason(e)})") from None
                 if not k:
