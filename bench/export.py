@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import _measure
+
 HERE = Path(__file__).resolve().parent
 METHODS = ("port", "floor", "floor+fsync")
 
@@ -88,7 +90,7 @@ def measure(method: str, directory: Path, mesh_spec: str, out: Path) -> dict:
                     os.close(fd)
 
     _bench._back_memory(source.stat().st_size)
-    stop = _bench._sampler()
+    stop = _measure.peak_memory()
     base = rss_anon()
     with PeakMemory() as thread:  # its `bytes`: the largest value sampled
         start = time.perf_counter()
@@ -183,7 +185,7 @@ def main() -> None:
                 if not (directory / "model.safetensors").exists():
                     make_gpt2.write(size, directory, dtype)
                 largest, total = largest_tensor(directory)
-                _bench.warm(directory)
+                _bench.warm(*sorted(directory.glob("*.safetensors")))
                 methods = args.methods.split(",")
                 runs: dict = {m: [] for m in methods}
                 for _ in range(args.repeats):

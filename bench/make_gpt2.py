@@ -2,7 +2,7 @@
 
     python bench/make_gpt2.py small /tmp/gpt2-small [--dtype bfloat16]
 
-Sizes: small (124M), medium (355M), large (774M). The layout is what
+Sizes: small (124M), medium (355M), large (774M); tiny (0.2M) for the benchmarks' smoke runs. The layout is what
 `GPT2LMHeadModel.save_pretrained` writes: `transformer.` keys, tied head absent.
 """
 
@@ -16,6 +16,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 SIZES = {
+    "tiny": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=1021, n_positions=128),  # the benchmarks' smoke runs
     "small": dict(n_embd=768, n_layer=12, n_head=12),
     "medium": dict(n_embd=1024, n_layer=24, n_head=16),
     "large": dict(n_embd=1280, n_layer=36, n_head=20),
