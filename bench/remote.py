@@ -1,6 +1,6 @@
 """Remote reads against the wire: `port.load` from a URL served by nginx, beside `curl` of the same bytes.
 
-    python bench/remote.py [--sizes medium] [--mesh 4x2] [--repeats 3] [--workdir DIR] [--out FILE]
+    python bench/remote.py [--sizes medium] [--mesh 4x2] [--repeats 3] [--processes 2] [--workdir DIR] [--out FILE]
 
 The benchmark writes GPT-2 checkpoints (`bench/make_gpt2.py`), starts nginx (from the
 distribution's packages: `apt-get install nginx-light`) on 127.0.0.1 over them with
@@ -13,6 +13,10 @@ in a fresh process, best of `--repeats`:
   4x2), port and JAX imported before the clock, the arrays ready when it stops; with
   its peak anonymous memory above the start (`RssAnon`, sampled; the arrays are in it,
   since CPU devices hold them in host memory) and the bytes it read (`bytes_read`).
+
+With `--processes 2`, also two processes joined by `port.initialize` on 127.0.0.1 (4 simulated
+devices each, the same mesh) load the URL, each its own share, their clocks started together
+after joining: the slower one's seconds, and the bytes each read.
 
 Without nginx the benchmark says so and exits 2: Python's `http.server` is no
 stand-in for a production server.
@@ -97,6 +101,38 @@ def measure(spec: dict) -> dict:
     return {"seconds": seconds, "peak": stop(), "bytes_read": read}
 
 
+def measure_process(spec: dict) -> dict:
+    """One process of a two-process `port.load` of the URL: joined first, then timed."""
+    import jax
+
+    import port
+
+    port.initialize(spec["coordinator"], 2, spec["process"], local_devices=4)
+    mesh = port.make_mesh(spec["mesh"])
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("start")  # both processes start the clock together
+    began = time.perf_counter()
+    with port.open_checkpoint(spec["url"]) as ckpt:
+        model = port.load(ckpt, mesh=mesh)
+        jax.block_until_ready(jax.tree.leaves(model))
+        read = ckpt.bytes_read
+    return {"seconds": time.perf_counter() - began, "bytes_read": read}
+
+
+def two_processes(url: str, mesh: str) -> dict | str:
+    """`port.load(url)` in two processes (4 simulated devices each): the slower one's seconds, bytes each read."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    runs = [subprocess.Popen([sys.executable, __file__, "--measure-process",
+                              json.dumps({"url": url, "mesh": mesh, "coordinator": coordinator, "process": i})],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [r.communicate(timeout=1800) for r in runs]
+    if any(r.returncode for r in runs):
+        return next(err.strip().splitlines()[-1] for (_, err), r in zip(outs, runs) if r.returncode)[:160]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    return {"seconds": max(r["seconds"] for r in results), "bytes_read": [r["bytes_read"] for r in results]}
+
+
 def curl(urls: list[str]) -> float:
     began = time.perf_counter()
     for url in urls:
@@ -108,12 +144,17 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--measure":
         print(json.dumps(measure(json.loads(sys.argv[2]))))
         return
+    if len(sys.argv) > 1 and sys.argv[1] == "--measure-process":
+        print(json.dumps(measure_process(json.loads(sys.argv[2]))))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="medium", help="GPT-2 sizes, from small, medium, large")
     parser.add_argument("--mesh", default="4x2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, help="where checkpoints go (default: a temp dir)")
     parser.add_argument("--out", type=Path, help="also write the table to this Markdown file")
+    parser.add_argument("--processes", type=int, default=1, choices=(1, 2),
+                        help="2: also load the URL in two processes (4 devices each), each its share")
     args = parser.parse_args()
     if shutil.which("nginx") is None or shutil.which("curl") is None:
         print("bench/remote.py needs nginx and curl (apt-get install nginx-light curl)", file=sys.stderr)
@@ -147,6 +188,17 @@ def main() -> None:
                          f"{best['seconds'] / best_curl:.2f}", f"{local_best:.3f}", _measure.mb(best["peak"]),
                          _measure.mb(best["bytes_read"])])
             print(f"gpt2-{size}: curl {best_curl:.3f} s, port.load {best['seconds']:.3f} s", file=sys.stderr, flush=True)
+            if args.processes == 2:
+                pairs = [two_processes(f"{base}/gpt2-{size}", args.mesh) for _ in range(args.repeats)]
+                done = [r for r in pairs if isinstance(r, dict)]
+                if not done:
+                    rows.append([f"GPT-2 {size}, 2 processes", _measure.mb(total), f"{best_curl:.3f}",
+                                 f"failed: {pairs[0]}"])
+                    continue
+                pair = min(done, key=lambda r: r["seconds"])
+                rows.append([f"GPT-2 {size}, 2 processes", _measure.mb(total), f"{best_curl:.3f}",
+                             f"{pair['seconds']:.3f}", f"{pair['seconds'] / best_curl:.2f}", "", "",
+                             " + ".join(_measure.mb(b) for b in pair["bytes_read"])])
     finally:
         server.terminate()
         server.wait()

@@ -66,7 +66,10 @@ class Handler(BaseHTTPRequestHandler):
         if not file.is_file():
             return self._empty(404)
         size = file.stat().st_size  # the file is read only where asked: it may be a 234 GB hole
-        match = re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers.get("Range") or "")
+        asked = self.headers.get("Range") or ""
+        if "," in asked:
+            return self._parts(state, file, size, asked)
+        match = re.fullmatch(r"bytes=(\d+)-(\d+)", asked)
         fault = state.fault(parts.path, match and (int(match[1]), int(match[2])))
         if fault == "503":
             return self._empty(503)
@@ -81,6 +84,29 @@ class Handler(BaseHTTPRequestHandler):
             f.seek(first)
             body = f.read(last + 1 - first)
         self._send(206, body, {"Content-Range": f"bytes {first}-{last}/{size}"}, fault)
+
+    def _parts(self, state: "Served", file: Path, size: int, asked: str) -> None:
+        """Several ranges: a multipart/byteranges answer as nginx writes it, unless the state says
+        to answer as a server that takes one range only (`one_range`: the first range alone)."""
+        spans = [tuple(map(int, part.split("-"))) for part in asked.removeprefix("bytes=").split(",")]
+        state.multipart_requests += 1
+        with open(file, "rb") as f:
+            def data(first, last):
+                f.seek(first)
+                return f.read(last + 1 - first)
+
+            if state.one_range:
+                first, last = spans[0]
+                return self._send(206, data(first, last), {"Content-Range": f"bytes {first}-{last}/{size}"}, None)
+            boundary = "00000000042"
+            data_bytes = sum(last + 1 - first for first, last in spans)
+            body = b"".join(
+                f"\r\n--{boundary}\r\nContent-Type: application/octet-stream\r\n"
+                f"Content-Range: bytes {first}-{last}/{size}\r\n\r\n".encode() + data(first, last)
+                for first, last in spans
+            ) + f"\r\n--{boundary}--\r\n".encode()
+        self._send(206, body, {"Content-Type": f"multipart/byteranges; boundary={boundary}"}, None)
+        state.add(data_bytes - len(body))  # `sent` counts the file's bytes, not the parts' headers
 
     def _send(self, status: int, body: bytes, headers: dict, fault: str | None) -> None:
         length = len(body) // 2 if fault == "short" else len(body)  # "short": a lying Content-Length
@@ -122,6 +148,8 @@ class Served:
         self.always: tuple[str, str] | None = None  # (path suffix, fault): every data request for it
         self.ignore_range = False
         self.delay = 0.0  # seconds before each answer
+        self.one_range = False  # answer a request for several ranges with the first range only
+        self.multipart_requests = 0
         self.cdn: str | None = None  # where /redirect/ sends: another server (host, port), sharing this state
         self.credentials: tuple[str, str] | None = None  # (Authorization, query token) required
         self.hub: tuple[str, Path] | None = None  # ("/org/name/resolve/main/", directory under root)
@@ -464,6 +492,52 @@ def test_the_worker_is_not_given_the_url_in_its_argv(server, served, tmp_path):
     assert "s3cret" not in out + err and "t0ken" not in out + err
 
 
+@pytest.mark.parametrize("one_range", [False, True])
+def test_separate_ranges_share_a_request_or_go_one_by_one(server, served, gpt2_checkpoints, one_range):
+    """A column block's rows are separate ranges: asked for several to a request and read part by
+    part from the multipart answer; a server that answers such a request with one range is asked
+    range by range from then on. Either way the bytes are the file's."""
+    served.one_range = one_range
+    directory = gpt2_checkpoints[0]["lm"]
+    with port.open_checkpoint(f"{server.base}/lm") as ckpt, port.open_checkpoint(directory) as local:
+        key = max((k for k, t in local.tensors.items() if len(t.shape) == 2), key=lambda k: local.tensors[k].shape[0])
+        rows, cols = local.tensors[key].shape
+        region = ((0, rows), (cols // 4, cols // 2))
+        before = served.requests
+        np.testing.assert_array_equal(ckpt.read(key, region), local.read(key, region))
+        asked = served.requests - before
+        assert ckpt.transport.multipart is not one_range
+        groups = -(-rows // remote.MAX_PARTS)  # asked at once, on the request threads
+        assert 1 <= served.multipart_requests <= groups, served.multipart_requests
+        # One server answered with one range: each range then has a request of its own.
+        assert asked == (served.multipart_requests + rows if one_range else groups), (asked, rows)
+
+
+def test_a_multipart_answer_must_hold_the_ranges_asked():
+    """Parts out of order or for another range, a missing delimiter or header end, a part cut
+    short, another file size, bytes after the last part: never data."""
+    ranges = [remote._Range(10, 14), remote._Range(30, 32)]
+
+    def part(first, last, data, size=100, delimiter=b"--B"):
+        return b"\r\n" + delimiter + f"\r\nContent-Type: x\r\nContent-Range: bytes {first}-{last}/{size}\r\n\r\n".encode() + data
+
+    good = part(10, 13, b"abcd") + part(30, 31, b"ef") + b"\r\n--B--\r\n"
+    offsets = remote.part_offsets(good, b"B", ranges, 100)
+    assert [good[o : o + r.stop - r.start] for o, r in zip(offsets, ranges)] == [b"abcd", b"ef"]
+    for body, message in [
+        (part(30, 31, b"ef") + part(10, 13, b"abcd") + b"\r\n--B--\r\n", "answered bytes 30-31 for 10-13"),
+        (part(10, 13, b"abcd", delimiter=b"--C") + part(30, 31, b"ef") + b"\r\n--B--\r\n", "without the delimiter"),
+        (part(10, 13, b"abcd") + part(30, 31, b"ef", size=99) + b"\r\n--B--\r\n", "changed since its header"),
+        (part(10, 13, b"abcd") + part(30, 31, b"e"), "ends within a part"),
+        (part(10, 13, b"abcd") + part(30, 31, b"ef") + b"\r\n--B--\r\nmore", "closing delimiter"),
+        (part(10, 13, b"abcd") + part(30, 31, b"ef") + b"\r\n--B\r\n", "closing delimiter"),
+        (b"\r\n--B\r\nContent-Type: x\r\n\r\nabcd" + part(30, 31, b"ef"), "without a valid Content-Range"),
+        (b"\r\n--B\r\nContent-Range: bytes 10-13/100" + b" " * 5000, "without the end of its headers"),
+    ]:
+        with pytest.raises((remote._Transient, remote._Permanent), match=message):
+            remote.part_offsets(body, b"B", ranges, 100)
+
+
 def test_ranges_merge_when_adjacent_and_stop_at_the_chunk():
     offsets, lengths = np.array([40, 0, 8, 16, 100]), np.array([8, 8, 8, 8, 30])
     addresses = np.array([1000, 0, 8, 16, 2000], np.uint64)
@@ -601,6 +675,8 @@ def test_two_processes_each_transfer_their_share(server, served, gpt2_checkpoint
           f"files {files_size(directory)}, {served.requests} requests")
     assert moved == [share + opening for share in shares]
     assert served.sent == sum(moved) + opening
+    # Each process's rows alternate with the other's: the small ranges go several to a request.
+    assert served.multipart_requests > 0 and served.requests < 200, served.requests
     assert all(m < 0.6 * files_size(directory) for m in moved)
     assert_same(port.restore(tmp_path / "out", port.make_mesh("4x2")), port.load(directory, mesh="4x2"))
 

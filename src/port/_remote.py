@@ -92,6 +92,14 @@ DIRECT = 256 * 2**10
 """An HTTP answer's piece this large is read straight into its destination; smaller ones through `SCRATCH`."""
 SCRATCH = 2**20
 """Bytes of each request thread's buffer for an HTTP answer's small pieces."""
+MAX_PARTS = 128
+"""Byte ranges one HTTP request asks for at most (`Range: bytes=a-b,c-d,...`, answered part by part)."""
+PART = 64 * 2**10
+"""A range smaller than this may share a request with others (larger ones are a request each)."""
+PART_HEADERS = 256
+"""Bytes of a multipart answer's delimiter and headers allowed for each part (nginx: about 100)."""
+MAX_RANGE_HEADER = 4000
+"""Characters of a `Range` header at most (servers take about 8 KB of request headers)."""
 SCRATCH_CHUNK = 8 * 2**20
 """Bytes one fsspec request asks for at most (its answer is copied into the destination)."""
 MIN_SCRATCH = 4 * 2**20
@@ -177,6 +185,10 @@ class _Permanent(Exception):
 
 class _Missing(_Permanent):
     """The file is not there."""
+
+
+class _OneRangeOnly(Exception):
+    """The server answered a request for several ranges otherwise than part by part."""
 
 
 def retried(what: str, attempt: Callable[[], _T]) -> _T:
@@ -629,6 +641,42 @@ class HttpTransport(Transport):
             self._drop(key, conn)
             raise
 
+    multipart = True  # until a server answers several ranges otherwise than part by part
+
+    def read_parts(self, file: RemoteFile, ranges: Sequence[_Range]) -> None:
+        """Several ranges of one file in one request, each filling its pieces.
+
+        The server's `multipart/byteranges` answer (at most `SCRATCH` bytes: `_grouped`
+        keeps the ranges' total under it) is received whole into this thread's scratch
+        buffer, its parts found there (`part_offsets`: each part's `Content-Range` the
+        next range asked for) and copied out. A server that answers otherwise (the whole
+        file, one range, ranges merged, a longer answer) is not asked for several ranges
+        again: `_OneRangeOnly`, and the caller asks range by range.
+        """
+        header = "bytes=" + ",".join(f"{r.start}-{r.stop - 1}" for r in ranges)
+        response, conn, key = self._get(file.name, {"Range": header})
+        try:
+            self._judge(response, conn, key)
+            boundary = _boundary(response.getheader("Content-Type"))
+            length = response.length
+            if response.status != 206 or boundary is None or length is None or length > SCRATCH:
+                self.multipart = False
+                self._drop(key, conn)
+                raise _OneRangeOnly
+            etag = _strong(response.getheader("ETag"))
+            if file.etag and etag and etag != file.etag:
+                raise _Permanent("changed since its header was read (its ETag differs)")
+            scratch = self._scratch()
+            self._fill(response, [(scratch, length)])
+            self._finish(response, conn, key)
+        except BaseException:
+            self._drop(key, conn)
+            raise
+        offsets = part_offsets(_view(scratch, length).tobytes(), boundary, ranges, file.size)
+        self.count(sum(r.stop - r.start for r in ranges) - length)  # the file's bytes, not the parts' framing
+        for r, at in zip(ranges, offsets):
+            _scatter(scratch + at, r.pieces)
+
     def _check_range(self, response: Any, file: RemoteFile, start: int, stop: int) -> None:
         """The answer is bytes [start, stop) of the same file, announced so."""
         if response.status == 200:
@@ -652,6 +700,55 @@ class HttpTransport(Transport):
 
 
 _NO_RANGES = "the server does not honour Range requests (it answered with the whole file); port reads remote files by byte range"
+
+
+def part_offsets(body: bytes, boundary: bytes, ranges: Sequence[_Range], size: int) -> list[int]:
+    """Where each range's bytes start in a `multipart/byteranges` body: its parts in order,
+    each part's `Content-Range` the next range asked for, of a file of `size` bytes, and the
+    closing delimiter after the last; anything else is transient (never data).
+
+    ```python
+    part_offsets(b"\\r\\n--B\\r\\nContent-Range: bytes 0-3/9\\r\\n\\r\\nabcd\\r\\n--B--\\r\\n", b"B", [_Range(0, 4)], 9)
+    # [37]
+    ```
+    """
+    delimiter = b"--" + boundary
+    offsets, at = [], 0
+    for r in ranges:
+        begins = body.find(delimiter, at, at + 64)
+        if begins < 0 or body[at:begins].strip():
+            raise _Transient("a multipart answer without the delimiter where a part should begin")
+        ends = body.find(b"\r\n\r\n", begins, begins + 4096)
+        if ends < 0:
+            raise _Transient("a multipart answer's part without the end of its headers")
+        found = None
+        for line in body[begins + len(delimiter) : ends].split(b"\r\n"):
+            name, _, value = line.decode("latin-1").partition(":")
+            if name.strip().lower() == "content-range":
+                found = _content_range(value)
+        if found is None:
+            raise _Transient("a multipart answer's part without a valid Content-Range")
+        first, last, total = found
+        if total is not None and total != size:
+            raise _Permanent(f"changed since its header was read (now {total} bytes, was {size})")
+        if (first, last) != (r.start, r.stop - 1):
+            raise _Transient(f"the server answered bytes {first}-{last} for {r.start}-{r.stop - 1}")
+        offsets.append(ends + 4)
+        at = ends + 4 + (r.stop - r.start)
+        if at > len(body):
+            raise _Transient("a multipart answer that ends within a part")
+    if body[at:].strip() != delimiter + b"--":
+        raise _Transient("a multipart answer without its closing delimiter where the last part ends")
+    return offsets
+
+
+_BOUNDARY = re.compile(r'^\s*multipart/byteranges\s*;.*\bboundary="?([0-9A-Za-z\'()+_,./:=?-]{1,70})"?\s*$', re.IGNORECASE)
+
+
+def _boundary(content_type: str | None) -> bytes | None:
+    """The boundary of a `multipart/byteranges` answer (RFC 2046's characters, at most 70), else None."""
+    match = _BOUNDARY.match(content_type or "")
+    return match.group(1).encode() if match else None
 
 
 def _strong(etag: str | None) -> str | None:
@@ -872,6 +969,35 @@ class _Range:
     pieces: list[tuple[int, int]] = field(default_factory=list)
 
 
+def _grouped(ranges: Sequence[_Range]) -> list[list[_Range]]:
+    """Ranges (in file order) in groups, one request each: consecutive ranges under `PART`
+    bytes together, up to `MAX_PARTS` of them, a `Range` header of `MAX_RANGE_HEADER`
+    characters and an answer that fits `SCRATCH` (`PART_HEADERS` bytes of part headers
+    allowed for each); a larger range alone, and ranges that continue one another (a run
+    split at `HTTP_CHUNK`, to be fetched in parallel) apart.
+
+    Two processes reading one file each ask for their own rows, which alternate with the
+    other's: hundreds of thousands of ranges of a few KB, a few thousand requests this way.
+    """
+    groups: list[list[_Range]] = []
+    size = header = 0
+    for r in ranges:
+        small = r.stop - r.start < PART
+        text = len(f"{r.start}-{r.stop - 1},")
+        last = groups[-1] if groups else None
+        if (last is None or not small or last[-1].stop - last[-1].start >= PART or len(last) >= MAX_PARTS
+                or last[-1].stop == r.start  # split at `HTTP_CHUNK` to be fetched in parallel
+                or size + (r.stop - r.start) > SCRATCH - MAX_PARTS * PART_HEADERS
+                or header + text > MAX_RANGE_HEADER):
+            groups.append([r])
+            size, header = r.stop - r.start, text
+        else:
+            last.append(r)
+            size += r.stop - r.start
+            header += text
+    return groups
+
+
 def plan_ranges(offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray, chunk: int) -> list[_Range]:
     """The requests that read runs (file offset, length, destination address): runs that lie
     end to end in the file share one request, and no request asks for more than `chunk` bytes.
@@ -965,11 +1091,27 @@ class RemoteCheckpoint(Checkpoint):
             _check_out(info, region, out)
         for offsets, lengths, addresses in _batches(info, requests):
             ranges = plan_ranges(offsets, lengths, addresses, self.transport.chunk)
-            self.parallel([functools.partial(self._fetch, info, r) for r in ranges])
+            if getattr(self.transport, "multipart", False):
+                jobs = [functools.partial(self._fetch_parts, info, group) for group in _grouped(ranges)]
+            else:
+                jobs = [functools.partial(self._fetch, info, r) for r in ranges]
+            self.parallel(jobs)
 
     def _fetch(self, info: TensorInfo, r: _Range) -> None:
         what = f"{info.file}: bytes {r.start}-{r.stop - 1} (tensor {quoted(info.key, 200)})"
         retried(what, lambda: self.transport.read(info.file, r.start, r.pieces))
+
+    def _fetch_parts(self, info: TensorInfo, group: list[_Range]) -> None:
+        """Ranges in one request where the server answers several ranges, else one by one."""
+        if len(group) > 1 and self.transport.multipart:
+            what = (f"{info.file}: {len(group)} ranges in bytes {group[0].start}-{group[-1].stop - 1} "
+                    f"(tensor {quoted(info.key, 200)})")
+            try:
+                return retried(what, lambda: self.transport.read_parts(info.file, group))
+            except _OneRangeOnly:
+                pass
+        for r in group:
+            self._fetch(info, r)
 
     def close(self) -> None:
         """Stop the request threads and close the connections."""
