@@ -133,6 +133,10 @@ def test_only_a_dead_runs_own_leftovers_are_touched(tmp_path):
         elsewhere = root / ".gpt2.port-partial-00000000000000bb"
         elsewhere.mkdir()
         claim(elsewhere, host="another-host", pid=1)
+        os.utime(str(elsewhere) + ".owner", (1_000_000, 1_000_000))  # old: said, not silently kept
+        recent = root / ".gpt2.port-partial-00000000000000ff"  # another host's, of now: kept without a word
+        recent.mkdir()
+        claim(recent, host="another-host", pid=2)
         unclaimed = root / ".gpt2.port-partial-00000000000000cc"
         unclaimed.mkdir()
         link = root / ".gpt2.port-partial-00000000000000dd"
@@ -147,7 +151,8 @@ def test_only_a_dead_runs_own_leftovers_are_touched(tmp_path):
         left = hidden(root)
         assert live.name in left and elsewhere.name in left and unclaimed.name in left and link.name in left
         assert reused.name not in left and reused.name + ".owner" not in left
-        assert f"made by process 1 on host another-host" in result.stderr
+        assert "made by process 1 on host another-host" in result.stderr and recent.name in left
+        assert "process 2 on host" not in result.stderr
         assert f"left {unclaimed}: not claimed" in result.stderr
         assert f"left {link}: not claimed" in result.stderr  # a link is never followed nor removed
         assert (live / "x").read_text() == "a run writing now"

@@ -15,8 +15,9 @@ process has ended. Then a `port-partial` is removed, and a `port-old` is renamed
 to `OUT` if `OUT` is missing (the run died between moving the old output aside and
 putting the new one in place) or removed if `OUT` is a finished output of the same
 kind (the run died just before removing it). Anything else is left as it is and said:
-a leftover of a run on another host, one without an owner file (an earlier port), a
-`port-old` beside something that is not an output of that kind.
+a leftover of a run on another host (once its owner file is an hour old: until then it
+may be the partial output of a process of this very run), one without an owner file (an
+earlier port), a `port-old` beside something that is not an output of that kind.
 
 ```python
 with claimed(partial):                       # .OUT.port-partial-TOKEN.owner, first
@@ -36,6 +37,7 @@ import re
 import shutil
 import socket
 import stat
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -43,6 +45,7 @@ from ._interrupt import removing
 
 OWNER = ".owner"  # the claim's suffix: `.OUT.port-partial-TOKEN.owner`
 MAX_OWNER_BYTES = 4096  # an owner file is about 150 bytes
+QUIET_SECONDS = 3600  # a leftover of another host younger than this may be a run's of now (a process of this run)
 log = logging.getLogger("port")
 
 
@@ -151,6 +154,14 @@ def _ended(claim: dict) -> bool:
     return not _alive(claim["pid"], claim.get("start"))
 
 
+def _age(path: Path) -> float:
+    """Seconds since the owner file of `path` was written."""
+    try:
+        return time.time() - os.lstat(str(path) + OWNER).st_mtime
+    except OSError:
+        return 0.0
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -201,8 +212,10 @@ def recover(out: Path, ours: Callable[[Path], bool]) -> list[str]:
         if claim is None or info.st_uid != os.getuid() or stat.S_ISLNK(info.st_mode):
             tell(f"left {path}: not claimed by a port run of this user; remove it yourself if no run is writing it")
             continue
-        if claim["host"] != host:
-            tell(f"left {path}: made by process {claim['pid']} on host {claim['host']}; remove it once that run has ended")
+        if claim["host"] != host:  # its process cannot be seen from here: said once it is an hour old
+            if _age(path) > QUIET_SECONDS:
+                tell(f"left {path}: made by process {claim['pid']} on host {claim['host']}; "
+                     "remove it once that run has ended")
             continue
         if not _ended(claim):
             continue  # a run writing now
