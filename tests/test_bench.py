@@ -25,6 +25,7 @@ SMOKE = {
     "moe.py": ["--tokens", "64", "--hidden", "32", "--inner", "16", "--experts", "4", "--repeats", "1"],
     "parity.py": ["--cases", "gpt2", "--meshes", "1x1,2x2"],
     "plan.py": ["--quick"],
+    "cold.py": ["--sizes", "tiny", "--repeats", "1", "--warm", "--workdir", "{tmp}"],
 }
 
 

@@ -1,0 +1,112 @@
+"""Cold local reads: `port.load` of a checkpoint not in the page cache, beside `dd` reading the file.
+
+    python bench/cold.py [--sizes medium] [--mesh 4x2] [--repeats 3] [--workdir DIR] [--out FILE] [--warm]
+
+Before each measured run the page cache is dropped (`sync; echo 3 > /proc/sys/vm/drop_caches`,
+which needs root); where it cannot be, the benchmark says so and measures with the cache warm,
+labelled as such. Each run is a fresh process: `dd if=FILE of=/dev/null bs=16M` (sequential,
+one reader), and `port.load(DIR, mesh=...)` with port and JAX imported before the clock (the
+arrays ready when it stops), then the same load again with the file now cached: the
+difference is the time the cold read adds, compared with dd's; best of `--repeats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _measure
+
+HERE = Path(__file__).resolve().parent
+
+
+def drop_caches() -> bool:
+    """Write back dirty pages and drop the page cache; False where not permitted."""
+    subprocess.run(["sync"], check=False)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def measure(spec: dict) -> dict:
+    """One `port.load` of the directory, in this fresh process."""
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    import port
+
+    mesh = port.make_mesh(spec["mesh"])
+    began = time.perf_counter()
+    model = port.load(spec["directory"], mesh=mesh)
+    jax.block_until_ready(jax.tree.leaves(model))
+    return {"seconds": time.perf_counter() - began}
+
+
+def dd(files: list[Path]) -> float:
+    began = time.perf_counter()
+    for file in files:
+        subprocess.run(["dd", f"if={file}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
+    return time.perf_counter() - began
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--measure":
+        print(json.dumps(measure(json.loads(sys.argv[2]))))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="medium", help="GPT-2 sizes, from tiny, small, medium, large")
+    parser.add_argument("--mesh", default="4x2")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workdir", type=Path, help="where checkpoints go (default: a temp dir)")
+    parser.add_argument("--out", type=Path, help="also write the table to this Markdown file")
+    parser.add_argument("--warm", action="store_true", help="never drop the page cache (a smoke run)")
+    args = parser.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="port-cold-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cold = not args.warm and drop_caches()
+    if not cold and not args.warm:
+        print("cannot drop the page cache (needs root): measuring with the cache warm", file=sys.stderr)
+    rows = []
+    for size in args.sizes.split(","):
+        directory = work / f"gpt2-{size}"
+        if not directory.exists():
+            subprocess.run([sys.executable, HERE / "make_gpt2.py", size, directory], check=True)
+        files = sorted(directory.glob("*.safetensors"))
+        total = sum(f.stat().st_size for f in files)
+        dds, loads, warms = [], [], []
+        spec = {"directory": str(directory), "mesh": args.mesh}
+        for _ in range(args.repeats):
+            cold and drop_caches()
+            dds.append(dd(files))
+            cold and drop_caches()
+            loads.append(_measure.isolated(__file__, spec))
+            warms.append(_measure.isolated(__file__, spec))  # the same load with the file now cached
+        done = [r["seconds"] for r in loads if isinstance(r, dict)]
+        warm = [r["seconds"] for r in warms if isinstance(r, dict)]
+        if not done or not warm:
+            rows.append([f"GPT-2 {size}", _measure.mb(total), f"{min(dds):.3f}", f"failed: {(loads + warms)[0]}"])
+            continue
+        best_dd, best, best_warm = min(dds), min(done), min(warm)
+        rows.append([f"GPT-2 {size}", _measure.mb(total), f"{best_dd:.3f}", f"{total / best_dd / 1e9:.2f}",
+                     f"{best:.3f}", f"{best_warm:.3f}", f"{best - best_warm:.3f}", f"{best / best_dd:.2f}",
+                     f"{(best - best_warm) / best_dd:.2f}"])
+        print(f"gpt2-{size}: dd {best_dd:.3f} s, port.load {best:.3f} s", file=sys.stderr, flush=True)
+    state = "page cache dropped before each run" if cold else "page cache WARM (could not drop it)"
+    header = ["checkpoint", "file bytes", "dd s", "dd GB/s", f"port.load s (mesh {args.mesh})",
+              "port.load, cache warm s", "the difference: reading s", "x dd", "reading x dd"]
+    text = f"### Local reads, {state}, best of {args.repeats}\n\n" + _measure.markdown(header, rows)
+    text += f"\n{_measure.machine()}\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
