@@ -1,6 +1,6 @@
 """Remote reads against the wire: `port.load` from a URL served by nginx, beside `curl` of the same bytes.
 
-    python bench/remote.py [--sizes medium] [--mesh 4x2] [--repeats 3] [--processes 2] [--workdir DIR] [--out FILE]
+    python bench/remote.py [--sizes medium] [--mesh 4x2] [--repeats 3] [--processes 2] [--s3] [--workdir DIR] [--out FILE]
 
 The benchmark writes GPT-2 checkpoints (`bench/make_gpt2.py`), starts nginx (from the
 distribution's packages: `apt-get install nginx-light`) on 127.0.0.1 over them with
@@ -13,6 +13,10 @@ in a fresh process, best of `--repeats`:
   4x2), port and JAX imported before the clock, the arrays ready when it stops; with
   its peak anonymous memory above the start (`RssAnon`, sampled; the arrays are in it,
   since CPU devices hold them in host memory) and the bytes it read (`bytes_read`).
+
+With `--s3`, the same checkpoints are also put in a moto S3 server on 127.0.0.1 and
+`port.load("s3://...")` is measured beside s3fs's download of the files (`cat_file`),
+each in a fresh process: the same server either way (moto's own speed bounds both).
 
 With `--processes 2`, also two processes joined by `port.initialize` on 127.0.0.1 (4 simulated
 devices each, the same mesh) load the URL, each its own share, their clocks started together
@@ -133,6 +137,53 @@ def two_processes(url: str, mesh: str) -> dict | str:
     return {"seconds": max(r["seconds"] for r in results), "bytes_read": [r["bytes_read"] for r in results]}
 
 
+def fetch_s3(spec: dict) -> dict:
+    """s3fs's download of every safetensors file of the checkpoint (`cat_file`), in this fresh process."""
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    began = time.perf_counter()
+    total = sum(len(fs.cat_file(path)) for path in spec["s3"])
+    return {"seconds": time.perf_counter() - began, "bytes": total}
+
+
+def s3_rows(sizes: list[str], www: Path, mesh: str, repeats: int) -> list[list[str]]:
+    """The same checkpoints in a moto S3 server on 127.0.0.1: port.load of s3://... beside s3fs's download."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"})
+    rows = []
+    try:
+        import s3fs
+
+        fs = s3fs.S3FileSystem(skip_instance_cache=True)
+        fs.mkdir("models")
+        for size in sizes:
+            directory = www / f"gpt2-{size}"
+            fs.put(f"{directory}/", f"models/gpt2-{size}/", recursive=True)
+            paths = [f"models/gpt2-{size}/{p.name}" for p in sorted(directory.glob("*.safetensors"))]
+            total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
+            fetches = [_measure.isolated(__file__, {"s3": paths}) for _ in range(repeats)]
+            loads = [_measure.isolated(__file__, {"url": f"s3://models/gpt2-{size}", "mesh": mesh})
+                     for _ in range(repeats)]
+            got = [r["seconds"] for r in fetches if isinstance(r, dict)]
+            done = [r for r in loads if isinstance(r, dict)]
+            if not got or not done:
+                rows.append([f"GPT-2 {size}, S3 (moto)", _measure.mb(total), f"failed: {(fetches + loads)[0]}"])
+                continue
+            best = min(done, key=lambda r: r["seconds"])
+            rows.append([f"GPT-2 {size}, S3 (moto)", _measure.mb(total), f"{min(got):.3f} (s3fs)",
+                         f"{best['seconds']:.3f}", f"{best['seconds'] / min(got):.2f}", "", _measure.mb(best["peak"]),
+                         _measure.mb(best["bytes_read"])])
+    finally:
+        server.stop()
+    return rows
+
+
 def curl(urls: list[str]) -> float:
     began = time.perf_counter()
     for url in urls:
@@ -142,7 +193,8 @@ def curl(urls: list[str]) -> float:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--measure":
-        print(json.dumps(measure(json.loads(sys.argv[2]))))
+        spec = json.loads(sys.argv[2])
+        print(json.dumps(fetch_s3(spec) if "s3" in spec else measure(spec)))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--measure-process":
         print(json.dumps(measure_process(json.loads(sys.argv[2]))))
@@ -153,6 +205,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, help="where checkpoints go (default: a temp dir)")
     parser.add_argument("--out", type=Path, help="also write the table to this Markdown file")
+    parser.add_argument("--s3", action="store_true",
+                        help="also through a moto S3 server on 127.0.0.1, beside s3fs's download of the file")
     parser.add_argument("--processes", type=int, default=1, choices=(1, 2),
                         help="2: also load the URL in two processes (4 devices each), each its share")
     args = parser.parse_args()
@@ -202,6 +256,8 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait()
+    if args.s3:
+        rows += s3_rows(args.sizes.split(","), www, args.mesh, args.repeats)
     header = ["checkpoint", "file bytes", "curl s", f"port.load s (mesh {args.mesh})", "x curl",
               "port.load of the local file s", "port peak anon memory above start", "port bytes read"]
     title = f"### HTTP from nginx on 127.0.0.1, best of {args.repeats}\n\n"
