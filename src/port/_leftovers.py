@@ -173,14 +173,21 @@ def _kind(out: Path) -> re.Pattern:
     return re.compile(rf"\.{re.escape(out.name)}\.port-(partial|old)-[0-9a-f]{{8,16}}")
 
 
-def leftovers(out: Path) -> list[Path]:
-    """The hidden `.OUT.port-partial-*` and `.OUT.port-old-*` beside `out`, claimed or not (their owner files aside)."""
+def _beside(out: Path) -> tuple[list[Path], list[Path]]:
+    """From one listing of `out`'s directory: the hidden `.OUT.port-partial-*` and `.OUT.port-old-*`
+    there, claimed or not; and the leftovers named by owner files there whose leftover is gone."""
     pattern = _kind(out)
     try:
         with os.scandir(out.parent) as entries:
-            return sorted(out.parent / e.name for e in entries if pattern.fullmatch(e.name))
+            names = {e.name for e in entries}
     except OSError:
-        return []
+        return [], []
+    found = sorted(out.parent / n for n in names if pattern.fullmatch(n))
+    orphans = sorted(
+        out.parent / n.removesuffix(OWNER) for n in names
+        if n.endswith(OWNER) and pattern.fullmatch(n.removesuffix(OWNER)) and n.removesuffix(OWNER) not in names
+    )
+    return found, orphans
 
 
 def recover(out: Path, ours: Callable[[Path], bool]) -> list[str]:
@@ -203,7 +210,8 @@ def recover(out: Path, ours: Callable[[Path], bool]) -> list[str]:
 
     host = socket.gethostname()
     kind = _kind(out)
-    for path in leftovers(out):
+    found, orphans = _beside(out)
+    for path in found:
         try:
             info = os.lstat(path)
         except OSError:
@@ -238,24 +246,9 @@ def recover(out: Path, ours: Callable[[Path], bool]) -> list[str]:
             continue
         with contextlib.suppress(OSError):
             os.unlink(str(path) + OWNER)
-    for name in _orphans(out):  # owner files whose leftover is gone: a run killed between the two removals
+    for name in orphans:  # owner files whose leftover is gone: a run killed between the two removals
         claim = _owner(name)
         if claim is not None and claim["host"] == host and _ended(claim):
             with contextlib.suppress(OSError):
                 os.unlink(str(name) + OWNER)
     return said
-
-
-def _orphans(out: Path) -> list[Path]:
-    """The leftovers named by owner files beside `out` whose leftover itself is not there."""
-    pattern = _kind(out)
-    try:
-        with os.scandir(out.parent) as entries:
-            names = [e.name for e in entries]
-    except OSError:
-        return []
-    return [
-        out.parent / n.removesuffix(OWNER)
-        for n in names
-        if n.endswith(OWNER) and pattern.fullmatch(n.removesuffix(OWNER)) and not os.path.lexists(out.parent / n.removesuffix(OWNER))
-    ]

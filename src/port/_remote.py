@@ -296,6 +296,13 @@ class Transport:
         """Fill `pieces`, (address, length) of the caller's memory in order, with the file's bytes from `start` on."""
         raise NotImplementedError
 
+    multipart = False
+    """Whether `read_parts` may be asked for several ranges in one request (HTTP, until a server declines)."""
+
+    def read_parts(self, file: RemoteFile, ranges: Sequence[_Range]) -> None:
+        """Fill several ranges' pieces from one request; `_OneRangeOnly` where the server will not."""
+        raise _OneRangeOnly
+
     def listing(self) -> list[str] | None:
         """The directory's file names, or None where the protocol cannot list (HTTP)."""
         return None
@@ -663,9 +670,7 @@ class HttpTransport(Transport):
                 self.multipart = False
                 self._drop(key, conn)
                 raise _OneRangeOnly
-            etag = _strong(response.getheader("ETag"))
-            if file.etag and etag and etag != file.etag:
-                raise _Permanent("changed since its header was read (its ETag differs)")
+            _check_etag(response, file)
             scratch = self._scratch()
             self._fill(response, [(scratch, length)])
             self._finish(response, conn, key)
@@ -694,9 +699,7 @@ class HttpTransport(Transport):
         length = response.getheader("Content-Length")
         if length is not None and (not length.strip().isdigit() or int(length) != stop - start):
             raise _Transient(f"the server announced {quoted(length.strip(), 20)} bytes of {stop - start}")
-        etag = _strong(response.getheader("ETag"))
-        if file.etag and etag and etag != file.etag:
-            raise _Permanent("changed since its header was read (its ETag differs)")
+        _check_etag(response, file)
 
 
 _NO_RANGES = "the server does not honour Range requests (it answered with the whole file); port reads remote files by byte range"
@@ -749,6 +752,13 @@ def _boundary(content_type: str | None) -> bytes | None:
     """The boundary of a `multipart/byteranges` answer (RFC 2046's characters, at most 70), else None."""
     match = _BOUNDARY.match(content_type or "")
     return match.group(1).encode() if match else None
+
+
+def _check_etag(response: Any, file: RemoteFile) -> None:
+    """An answer's strong ETag, if any, is the one the file had when its header was read."""
+    etag = _strong(response.getheader("ETag"))
+    if file.etag and etag and etag != file.etag:
+        raise _Permanent("changed since its header was read (its ETag differs)")
 
 
 def _strong(etag: str | None) -> str | None:
@@ -840,10 +850,7 @@ class FsspecTransport(Transport):
         size = sum(n for _, n in pieces)
         with self._budget.take(size):
             data = np.frombuffer(self._cat(file.name, start, start + size), np.uint8)
-            at = data.ctypes.data
-            for address, n in pieces:
-                ctypes.memmove(address, at, n)
-                at += n
+            _scatter(data.ctypes.data, pieces)
 
     def listing(self) -> list[str]:
         try:
@@ -1091,7 +1098,7 @@ class RemoteCheckpoint(Checkpoint):
             _check_out(info, region, out)
         for offsets, lengths, addresses in _batches(info, requests):
             ranges = plan_ranges(offsets, lengths, addresses, self.transport.chunk)
-            if getattr(self.transport, "multipart", False):
+            if self.transport.multipart:
                 jobs = [functools.partial(self._fetch_parts, info, group) for group in _grouped(ranges)]
             else:
                 jobs = [functools.partial(self._fetch, info, r) for r in ranges]
