@@ -516,14 +516,14 @@ def test_separate_ranges_share_a_request_or_go_one_by_one(server, served, gpt2_c
 def test_a_multipart_answer_must_hold_the_ranges_asked():
     """Parts out of order or for another range, a missing delimiter or header end, a part cut
     short, another file size, bytes after the last part: never data."""
-    ranges = [remote._Range(10, 14), remote._Range(30, 32)]
+    ranges = [(10, 14), (30, 32)]
 
     def part(first, last, data, size=100, delimiter=b"--B"):
         return b"\r\n" + delimiter + f"\r\nContent-Type: x\r\nContent-Range: bytes {first}-{last}/{size}\r\n\r\n".encode() + data
 
     good = part(10, 13, b"abcd") + part(30, 31, b"ef") + b"\r\n--B--\r\n"
     offsets = remote.part_offsets(good, b"B", ranges, 100)
-    assert [good[o : o + r.stop - r.start] for o, r in zip(offsets, ranges)] == [b"abcd", b"ef"]
+    assert [good[o : o + stop - start] for o, (start, stop) in zip(offsets, ranges)] == [b"abcd", b"ef"]
     for body, message in [
         (part(30, 31, b"ef") + part(10, 13, b"abcd") + b"\r\n--B--\r\n", "answered bytes 30-31 for 10-13"),
         (part(10, 13, b"abcd", delimiter=b"--C") + part(30, 31, b"ef") + b"\r\n--B--\r\n", "without the delimiter"),
@@ -542,9 +542,28 @@ def test_ranges_merge_when_adjacent_and_stop_at_the_chunk():
     offsets, lengths = np.array([40, 0, 8, 16, 100]), np.array([8, 8, 8, 8, 30])
     addresses = np.array([1000, 0, 8, 16, 2000], np.uint64)
     ranges = remote.plan_ranges(offsets, lengths, addresses, chunk=20)
-    assert [(r.start, r.stop) for r in ranges] == [(0, 20), (20, 24), (40, 48), (100, 120), (120, 130)]
-    assert ranges[0].pieces == [(0, 8), (8, 8), (16, 4)] and ranges[1].pieces == [(20, 4)]
-    assert ranges[3].pieces == [(2000, 20)] and ranges[4].pieces == [(2020, 10)]
+    assert list(zip(ranges.starts.tolist(), ranges.stops.tolist())) == [(0, 20), (20, 24), (40, 48), (100, 120), (120, 130)]
+    pieces = [ranges.pieces_of(i).tolist() for i in range(len(ranges))]
+    assert pieces == [[[0, 8], [8, 8], [16, 4]], [[20, 4]], [[1000, 8]], [[2000, 20]], [[2020, 10]]]
+    # A run across several chunk boundaries is cut at each; an empty plan has no ranges.
+    ranges = remote.plan_ranges(np.array([5]), np.array([50]), np.array([0], np.uint64), chunk=20)
+    assert ranges.pieces.tolist() == [[0, 20], [20, 20], [40, 10]] and ranges.stops.tolist() == [25, 45, 55]
+    assert len(remote.plan_ranges(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64), 20)) == 0
+
+
+def test_groups_keep_every_limit():
+    """`_grouped`: small ranges share a request up to MAX_PARTS, the scratch and the header's
+    length; a large range and a range continuing the one before start groups of their own."""
+    starts = np.arange(0, 1000 * 100, 100)
+    ranges = remote._Ranges(starts, starts + 10, np.arange(len(starts) + 1), remote.iovecs(starts, starts * 0 + 10))
+    groups = remote._grouped(ranges)
+    assert groups[0] == (0, remote.MAX_PARTS) and groups[-1][1] == 1000
+    assert all(b - a <= remote.MAX_PARTS for a, b in groups) and all(b == c for (_, b), (c, _) in zip(groups, groups[1:]))
+    for a, b in groups:
+        assert len(",".join(f"{s}-{s + 9}" for s in starts[a:b].tolist())) <= remote.MAX_RANGE_HEADER
+    starts, stops = np.array([0, 100, 200, 210, 1000]), np.array([10, 110, 210, 220, 1000 + remote.PART])
+    ranges = remote._Ranges(starts, stops, np.arange(6), remote.iovecs(starts, stops - starts))
+    assert remote._grouped(ranges) == [(0, 3), (3, 4), (4, 5)]
 
 
 @pytest.mark.parametrize("blocks, rows, width, shuffle", [
@@ -567,7 +586,7 @@ def test_scatter_puts_every_byte_where_its_piece_says(blocks, rows, width, shuff
     for i, (address, n) in enumerate(pieces):
         b, r = next((b, r) for b in range(blocks) for r in range(rows) if outs[b][r].ctypes.data == address)
         expected[b][r, :n] = source[i * width : (i + 1) * width]
-    remote._scatter(source.ctypes.data, pieces)
+    remote._scatter(source.ctypes.data, remote.iovecs([a for a, _ in pieces], [n for _, n in pieces]))
     for out, want in zip(outs, expected):
         np.testing.assert_array_equal(out, want)
 

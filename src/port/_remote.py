@@ -37,8 +37,11 @@ import ctypes
 import functools
 import http
 import http.client
+import errno
+import os
 import random
 import re
+import select
 import ssl
 import threading
 import time
@@ -54,6 +57,7 @@ from ._console import one_line, quoted
 from ._errors import CheckpointError
 from ._source import (
     _INDEX,
+    _IOV_MAX,
     _MAX_RUNS,
     _SINGLE,
     MAX_CONFIG,
@@ -69,6 +73,7 @@ from ._source import (
     _plain_name,
     header_length_of,
     header_tensors,
+    libc_function,
     parse_header,
     runs,
     shard_names_in,
@@ -292,14 +297,14 @@ class Transport:
         """A file's first (up to) 8 bytes, its size and its ETag if the server gives a strong one."""
         raise NotImplementedError
 
-    def read(self, file: RemoteFile, start: int, pieces: Sequence[tuple[int, int]]) -> None:
-        """Fill `pieces`, (address, length) of the caller's memory in order, with the file's bytes from `start` on."""
+    def read(self, file: RemoteFile, start: int, pieces: np.ndarray) -> None:
+        """Fill `pieces` (an `iovecs` array: the caller's memory, in order) with the file's bytes from `start` on."""
         raise NotImplementedError
 
     multipart = False
     """Whether `read_parts` may be asked for several ranges in one request (HTTP, until a server declines)."""
 
-    def read_parts(self, file: RemoteFile, ranges: Sequence[_Range]) -> None:
+    def read_parts(self, file: RemoteFile, ranges: _Ranges) -> None:
         """Fill several ranges' pieces from one request; `_OneRangeOnly` where the server will not."""
         raise _OneRangeOnly
 
@@ -346,32 +351,121 @@ def _receive(response: http.client.HTTPResponse, view: memoryview) -> int:
 
 
 _MAX_INTERLEAVE = 64  # blocks whose rows alternate in one request that `_scatter` copies as strided arrays
+_READV = libc_function("readv", [ctypes.c_int, ctypes.c_void_p, ctypes.c_int])
 
 
-def _scatter(source: int, pieces: Sequence[tuple[int, int]]) -> None:
-    """Copy the bytes at `source`, in order, to `pieces` (address, length).
+def iovecs(addresses: np.ndarray | Sequence[int], lengths: np.ndarray | Sequence[int]) -> np.ndarray:
+    """Pieces of memory as one answer fills them, in order: a C-contiguous uint64 array of
+    (address, length) rows, a `struct iovec` each (what `readv` takes).
+
+    ```python
+    iovecs([out.ctypes.data], [out.nbytes])    # array([[140..., 4096]], dtype=uint64)
+    ```
+    """
+    iov = np.empty((len(addresses), 2), np.uint64)
+    iov[:, 0], iov[:, 1] = addresses, lengths
+    return iov
+
+
+def _scatter(source: int, pieces: np.ndarray) -> None:
+    """Copy the bytes at `source`, in order, to `pieces` (an `iovecs` array).
 
     The rows of column blocks arrive interleaved (block A's row, block B's row, A's next
     row, ...): equal pieces whose destinations advance by one stride every `k` pieces are
     `k` strided copies, each one numpy assignment of a [rows, length] array, not one call
     per row. Anything else is copied piece by piece.
     """
-    if not pieces:
-        return
-    addresses = np.fromiter((a for a, _ in pieces), np.int64, len(pieces))
-    lengths = np.fromiter((n for _, n in pieces), np.int64, len(pieces))
-    n, length = len(pieces), int(lengths[0])
-    k = _interleave(addresses) if n > 2 and (lengths == length).all() else None
-    if k is None:
-        for address, size in pieces:
-            ctypes.memmove(address, source, size)
-            source += size
-        return
-    for r in range(min(k, n)):
-        rows = addresses[r::k]
-        stride = int(rows[1] - rows[0]) if len(rows) > 1 else length
-        target = _strided(int(rows[0]), len(rows), length, stride)
-        target[...] = _strided(source + r * length, len(rows), length, k * length)
+    n = len(pieces)
+    if n > 2:
+        addresses, lengths = pieces[:, 0].astype(np.int64), pieces[:, 1]
+        length = int(lengths[0])
+        k = _interleave(addresses) if (lengths == lengths[0]).all() else None
+        if k is not None:
+            for r in range(min(k, n)):
+                rows = addresses[r::k]
+                stride = int(rows[1] - rows[0]) if len(rows) > 1 else length
+                target = _strided(int(rows[0]), len(rows), length, stride)
+                target[...] = _strided(source + r * length, len(rows), length, k * length)
+            return
+    for address, size in pieces.tolist():
+        ctypes.memmove(address, source, size)
+        source += size
+
+
+class _Body:
+    """An answer's bytes counted as they come: each receive passed to `count`, and the rate
+    checked (a body that ends early, or comes slower than `MIN_RATE` once `GRACE` has
+    passed, is transient)."""
+
+    def __init__(self, wanted: int, count: Callable[[int], None]):
+        self.wanted, self.received, self._count, self._began = wanted, 0, count, time.monotonic()
+
+    def got(self, n: int) -> None:
+        if not n:
+            raise _Transient(f"the body ended after {self.received} of {self.wanted} bytes")
+        self.received += n
+        self._count(n)
+        elapsed = time.monotonic() - self._began
+        if elapsed > GRACE and self.received < MIN_RATE * elapsed and self.received < self.wanted:
+            raise _Transient(
+                f"{self.received} of {self.wanted} bytes in {elapsed:.1f} s, slower than {MIN_RATE // 1024} KiB/s"
+            )
+
+    def broke(self, error: BaseException) -> _Transient:
+        return _Transient(f"the body broke off after {self.received} of {self.wanted} bytes ({_reason(error)})")
+
+
+def _advance(iov: np.ndarray, first: int, count: int, got: int) -> int:
+    """`got` bytes landed in `iov[first:first + count]`: the index of the first piece not
+    yet full, that piece's row moved past the bytes it already has."""
+    done = np.cumsum(iov[first : first + count, 1])
+    full = int(np.searchsorted(done, got, side="right"))
+    used = got - (int(done[full - 1]) if full else 0)
+    if used:
+        iov[first + full, 0] += np.uint64(used)
+        iov[first + full, 1] -= np.uint64(used)
+    return first + full
+
+
+def _readv(sock: Any, iov: np.ndarray, body: _Body) -> None:
+    """Receive from the plain socket `sock` straight into the pieces of `iov` (advanced in
+    place), `IOV_MAX` pieces a `readv`, the socket's timeout kept while waiting for bytes:
+    the kernel copies each byte once, into its destination."""
+    fd, timeout = sock.fileno(), sock.gettimeout()
+    waiting = select.poll()
+    waiting.register(fd, select.POLLIN)
+    first = 0
+    while first < len(iov):
+        count = min(len(iov) - first, _IOV_MAX)
+        got = _READV(fd, iov.ctypes.data + first * iov.strides[0], count)
+        if got < 0:
+            code = ctypes.get_errno()
+            if code in (errno.EAGAIN, errno.EWOULDBLOCK):  # a socket with a timeout is non-blocking
+                if not waiting.poll(None if timeout is None else timeout * 1000):
+                    raise body.broke(TimeoutError("timed out"))
+                continue
+            if code == errno.EINTR:
+                continue
+            raise body.broke(OSError(code, os.strerror(code)))
+        body.got(got)
+        first = _advance(iov, first, count, got)
+
+
+def _held(response: Any, iov: np.ndarray, body: _Body) -> int:
+    """Copy the body bytes the response's buffered reader already holds (read with the
+    head; one receive if it holds none) into the first pieces of `iov`, advanced past
+    them: the index of the first piece not yet full."""
+    held = len(response.fp.peek(1)[: body.wanted])
+    data = response.fp.read(held) if held else b""
+    body.got(len(data))
+    source = np.frombuffer(data, np.uint8).ctypes.data
+    done = np.cumsum(iov[:, 1])
+    full = int(np.searchsorted(done, len(data), side="right"))
+    _scatter(source, iov[:full])
+    used = len(data) - (int(done[full - 1]) if full else 0)
+    if used:
+        ctypes.memmove(int(iov[full, 0]), source + len(data) - used, used)
+    return _advance(iov, 0, len(iov), len(data))
 
 
 def _interleave(addresses: np.ndarray) -> int | None:
@@ -505,53 +599,55 @@ class HttpTransport(Transport):
             raise _Transient(_phrase(status))
         raise _Permanent(_phrase(status))
 
-    def _fill(self, response: Any, pieces: Sequence[tuple[int, int]]) -> None:
-        """Read the body into `pieces` (address, length), all of them.
+    def _fill(self, response: Any, conn: Any, pieces: np.ndarray) -> None:
+        """Read the body into `pieces` (an `iovecs` array), all of them.
 
-        A piece of `DIRECT` bytes or more is read straight into its memory; runs of smaller
-        ones (a column block's rows: a few KB each, interleaved with the other blocks') are
-        read in `SCRATCH` bytes at a time into this thread's scratch buffer and copied out,
-        so a request costs a few large socket reads, not one per piece. Each read is one
-        receive (`readinto1`), so the rate is checked as the bytes come: a body that ends
-        early, stalls for `TIMEOUT` or comes slower than `MIN_RATE` once `GRACE` has passed
-        is transient.
+        Over plain HTTP the socket is read with `readv` straight into the pieces (the bytes
+        the response's reader took with the head copied first). Over TLS a piece of
+        `DIRECT` bytes or more is read straight into its memory; runs of smaller ones (a
+        column block's rows: a few KB each, interleaved with the other blocks') are read
+        `SCRATCH` bytes at a time into this thread's scratch buffer and copied out. Each
+        read is one receive, so the rate is checked as the bytes come (`_Body`).
         """
-        wanted = sum(n for _, n in pieces)
-        received = 0
-        began = time.monotonic()
+        lengths = pieces[:, 1]
+        body = _Body(int(lengths.sum()), self.count)
+        if not body.wanted:
+            return
+        sock = getattr(conn, "sock", None)
+        if (_READV is not None and sock is not None and not isinstance(sock, ssl.SSLSocket)
+                and not response.chunked and response.length is not None and body.wanted <= response.length):
+            iov = np.array(pieces, np.uint64, order="C")
+            try:
+                first = _held(response, iov, body)
+            except (OSError, http.client.HTTPException) as e:
+                raise body.broke(e) from None
+            _readv(sock, iov[first:], body)
+            response.length -= body.wanted  # read past http.client: what it expects to come
+            return
 
         def take(address: int, n: int) -> None:  # the next n body bytes into memory at address
-            nonlocal received
             view, got = _view(address, n), 0
             while got < n:
                 try:
                     k = _receive(response, view[got:])
                 except (OSError, http.client.HTTPException) as e:
-                    raise _Transient(f"the body broke off after {received} of {wanted} bytes ({_reason(e)})") from None
-                if not k:
-                    raise _Transient(f"the body ended after {received} of {wanted} bytes")
+                    raise body.broke(e) from None
+                body.got(k)
                 got += k
-                received += k
-                self.count(k)
-                elapsed = time.monotonic() - began
-                if elapsed > GRACE and received < MIN_RATE * elapsed and received < wanted:
-                    raise _Transient(
-                        f"{received} of {wanted} bytes in {elapsed:.1f} s, slower than {MIN_RATE // 1024} KiB/s"
-                    )
 
+        ends = np.concatenate(([0], np.cumsum(lengths)))
+        large = np.flatnonzero(lengths >= DIRECT)
         i = 0
         while i < len(pieces):
-            address, n = pieces[i]
-            if n >= DIRECT:
-                take(address, n)
+            if lengths[i] >= DIRECT:
+                take(int(pieces[i, 0]), int(lengths[i]))
                 i += 1
                 continue
+            after = int(np.searchsorted(large, i))
+            j = min(int(np.searchsorted(ends, ends[i] + SCRATCH, side="right")) - 1,  # what fits the scratch
+                    int(large[after]) if after < len(large) else len(pieces))  # up to the next large piece
             scratch = self._scratch()
-            j, total = i, 0
-            while j < len(pieces) and pieces[j][1] < DIRECT and total + pieces[j][1] <= SCRATCH:
-                total += pieces[j][1]
-                j += 1
-            take(scratch, total)
+            take(scratch, int(ends[j] - ends[i]))
             _scatter(scratch, pieces[i:j])
             i = j
 
@@ -616,7 +712,7 @@ class HttpTransport(Transport):
             if first != 0 or last is None or last > 7 or last >= size:
                 raise _Transient(f"asked for bytes 0-7, the server answered bytes {first}-{last}/{size}")
             prefix = np.empty(last + 1, np.uint8)
-            self._fill(response, [(prefix.ctypes.data, prefix.size)])
+            self._fill(response, conn, iovecs([prefix.ctypes.data], [prefix.size]))
             self._finish(response, conn, key)
             return prefix.tobytes(), size, _strong(response.getheader("ETag"))
         except BaseException:
@@ -635,14 +731,13 @@ class HttpTransport(Transport):
             raise _Permanent("the server does not give the file's size (Content-Range bytes A-B/SIZE)")
         return found
 
-    def read(self, file: RemoteFile, start: int, pieces: Sequence[tuple[int, int]]) -> None:
-        size = sum(n for _, n in pieces)
-        stop = start + size
+    def read(self, file: RemoteFile, start: int, pieces: np.ndarray) -> None:
+        stop = start + int(pieces[:, 1].sum())
         response, conn, key = self._get(file.name, {"Range": f"bytes={start}-{stop - 1}"})
         try:
             self._judge(response, conn, key)
             self._check_range(response, file, start, stop)
-            self._fill(response, pieces)
+            self._fill(response, conn, pieces)
             self._finish(response, conn, key)
         except BaseException:
             self._drop(key, conn)
@@ -650,7 +745,7 @@ class HttpTransport(Transport):
 
     multipart = True  # until a server answers several ranges otherwise than part by part
 
-    def read_parts(self, file: RemoteFile, ranges: Sequence[_Range]) -> None:
+    def read_parts(self, file: RemoteFile, ranges: _Ranges) -> None:
         """Several ranges of one file in one request, each filling its pieces.
 
         The server's `multipart/byteranges` answer (at most `SCRATCH` bytes: `_grouped`
@@ -660,7 +755,8 @@ class HttpTransport(Transport):
         file, one range, ranges merged, a longer answer) is not asked for several ranges
         again: `_OneRangeOnly`, and the caller asks range by range.
         """
-        header = "bytes=" + ",".join(f"{r.start}-{r.stop - 1}" for r in ranges)
+        spans = list(zip(ranges.starts.tolist(), ranges.stops.tolist()))
+        header = "bytes=" + ",".join(f"{start}-{stop - 1}" for start, stop in spans)
         response, conn, key = self._get(file.name, {"Range": header})
         try:
             self._judge(response, conn, key)
@@ -672,15 +768,14 @@ class HttpTransport(Transport):
                 raise _OneRangeOnly
             _check_etag(response, file)
             scratch = self._scratch()
-            self._fill(response, [(scratch, length)])
+            self._fill(response, conn, iovecs([scratch], [length]))
             self._finish(response, conn, key)
         except BaseException:
             self._drop(key, conn)
             raise
-        offsets = part_offsets(_view(scratch, length).tobytes(), boundary, ranges, file.size)
-        self.count(sum(r.stop - r.start for r in ranges) - length)  # the file's bytes, not the parts' framing
-        for r, at in zip(ranges, offsets):
-            _scatter(scratch + at, r.pieces)
+        offsets = part_offsets(_view(scratch, length).tobytes(), boundary, spans, file.size)
+        self.count(int((ranges.stops - ranges.starts).sum()) - length)  # the file's bytes, not the parts' framing
+        ranges.scatter(scratch, np.array(offsets, np.int64))
 
     def _check_range(self, response: Any, file: RemoteFile, start: int, stop: int) -> None:
         """The answer is bytes [start, stop) of the same file, announced so."""
@@ -705,39 +800,54 @@ class HttpTransport(Transport):
 _NO_RANGES = "the server does not honour Range requests (it answered with the whole file); port reads remote files by byte range"
 
 
-def part_offsets(body: bytes, boundary: bytes, ranges: Sequence[_Range], size: int) -> list[int]:
-    """Where each range's bytes start in a `multipart/byteranges` body: its parts in order,
-    each part's `Content-Range` the next range asked for, of a file of `size` bytes, and the
-    closing delimiter after the last; anything else is transient (never data).
+def part_offsets(body: bytes, boundary: bytes, spans: Sequence[tuple[int, int]], size: int) -> list[int]:
+    """Where each span's bytes (start, stop) start in a `multipart/byteranges` body: its parts
+    in order, each part's `Content-Range` the next span asked for, of a file of `size` bytes,
+    and the closing delimiter after the last; anything else is transient (never data).
+
+    A part whose head is the previous part's with the next span's numbers in its
+    `Content-Range` (servers write every part's head alike) is taken by one comparison;
+    any other is read line by line.
 
     ```python
-    part_offsets(b"\\r\\n--B\\r\\nContent-Range: bytes 0-3/9\\r\\n\\r\\nabcd\\r\\n--B--\\r\\n", b"B", [_Range(0, 4)], 9)
+    part_offsets(b"\\r\\n--B\\r\\nContent-Range: bytes 0-3/9\\r\\n\\r\\nabcd\\r\\n--B--\\r\\n", b"B", [(0, 4)], 9)
     # [37]
     ```
     """
     delimiter = b"--" + boundary
     offsets, at = [], 0
-    for r in ranges:
+    alike: tuple[bytes, bytes] | None = None  # the last head, cut around its numbers `first-last`
+    for start, stop in spans:
+        numbers = f"{start}-{stop - 1}".encode()
+        if alike is not None and body.startswith(head := alike[0] + numbers + alike[1], at):
+            offsets.append(at + len(head))
+            at += len(head) + stop - start
+            if at > len(body):
+                raise _Transient("a multipart answer that ends within a part")
+            continue
         begins = body.find(delimiter, at, at + 64)
         if begins < 0 or body[at:begins].strip():
             raise _Transient("a multipart answer without the delimiter where a part should begin")
         ends = body.find(b"\r\n\r\n", begins, begins + 4096)
         if ends < 0:
             raise _Transient("a multipart answer's part without the end of its headers")
-        found = None
+        found, cut, line_at = None, None, begins + len(delimiter)
         for line in body[begins + len(delimiter) : ends].split(b"\r\n"):
             name, _, value = line.decode("latin-1").partition(":")
             if name.strip().lower() == "content-range":
-                found = _content_range(value)
+                found, k = _content_range(value), line.find(numbers, len(name) + 1)
+                cut = line_at + k if k >= 0 else None
+            line_at += len(line) + 2
         if found is None:
             raise _Transient("a multipart answer's part without a valid Content-Range")
         first, last, total = found
         if total is not None and total != size:
             raise _Permanent(f"changed since its header was read (now {total} bytes, was {size})")
-        if (first, last) != (r.start, r.stop - 1):
-            raise _Transient(f"the server answered bytes {first}-{last} for {r.start}-{r.stop - 1}")
+        if (first, last) != (start, stop - 1):
+            raise _Transient(f"the server answered bytes {first}-{last} for {start}-{stop - 1}")
+        alike = None if cut is None else (body[at:cut], body[cut + len(numbers) : ends + 4])
         offsets.append(ends + 4)
-        at = ends + 4 + (r.stop - r.start)
+        at = ends + 4 + (stop - start)
         if at > len(body):
             raise _Transient("a multipart answer that ends within a part")
     if body[at:].strip() != delimiter + b"--":
@@ -846,8 +956,8 @@ class FsspecTransport(Transport):
         size = self._size(name)
         return (self._cat(name, 0, min(8, size)) if size else b""), size, None
 
-    def read(self, file: RemoteFile, start: int, pieces: Sequence[tuple[int, int]]) -> None:
-        size = sum(n for _, n in pieces)
+    def read(self, file: RemoteFile, start: int, pieces: np.ndarray) -> None:
+        size = int(pieces[:, 1].sum())
         with self._budget.take(size):
             data = np.frombuffer(self._cat(file.name, start, start + size), np.uint8)
             _scatter(data.ctypes.data, pieces)
@@ -967,66 +1077,125 @@ def transport_for(url: str) -> Transport:
 # ---------------------------------------------------------------------------- reading regions
 
 
-@dataclass
-class _Range:
-    """One request: bytes [start, stop) of the file, landing in `pieces` (address, length) in order."""
+@dataclass(frozen=True)
+class _Ranges:
+    """Byte ranges of one file, each asked for as a whole: range `i` is bytes
+    [`starts[i]`, `stops[i]`), landing in `pieces[firsts[i]:firsts[i + 1]]` (an `iovecs`
+    array, in file order). `part(lo, hi)` is ranges `lo` to `hi` (views, no copy).
 
-    start: int
-    stop: int
-    pieces: list[tuple[int, int]] = field(default_factory=list)
+    ```python
+    r = plan_ranges(offsets, lengths, addresses, 1 << 20)
+    r.starts[0], r.stops[0], r.pieces_of(0)
+    ```
+    """
+
+    starts: np.ndarray
+    stops: np.ndarray
+    firsts: np.ndarray
+    pieces: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def part(self, lo: int, hi: int) -> _Ranges:
+        return _Ranges(self.starts[lo:hi], self.stops[lo:hi], self.firsts[lo : hi + 1], self.pieces)
+
+    def pieces_of(self, i: int) -> np.ndarray:
+        return self.pieces[self.firsts[i] : self.firsts[i + 1]]
+
+    def scatter(self, source: int, offsets: np.ndarray) -> None:
+        """Copy each range's bytes, found at `source + offsets[i]`, to its pieces."""
+        counts = np.diff(self.firsts)
+        if len(self) and counts.max() > 2:  # column blocks' rows: strided copies, range by range
+            for i, at in enumerate(offsets.tolist()):
+                _scatter(source + at, self.pieces_of(i))
+            return
+        pieces = self.pieces[self.firsts[0] : self.firsts[-1]]
+        ends = np.cumsum(pieces[:, 1].astype(np.int64))  # each piece's place in its range's bytes
+        begins = ends - pieces[:, 1].astype(np.int64)
+        begins -= np.repeat(begins[self.firsts[:-1] - self.firsts[0]], counts)
+        sources = (source + np.repeat(offsets, counts) + begins).tolist()
+        for (address, size), at in zip(pieces.tolist(), sources):
+            ctypes.memmove(address, at, size)
 
 
-def _grouped(ranges: Sequence[_Range]) -> list[list[_Range]]:
-    """Ranges (in file order) in groups, one request each: consecutive ranges under `PART`
-    bytes together, up to `MAX_PARTS` of them, a `Range` header of `MAX_RANGE_HEADER`
-    characters and an answer that fits `SCRATCH` (`PART_HEADERS` bytes of part headers
-    allowed for each); a larger range alone, and ranges that continue one another (a run
-    split at `HTTP_CHUNK`, to be fetched in parallel) apart.
+def _grouped(ranges: _Ranges) -> list[tuple[int, int]]:
+    """Ranges (in file order) in groups `(lo, hi)`, one request each: consecutive ranges
+    under `PART` bytes together, up to `MAX_PARTS` of them, a `Range` header of
+    `MAX_RANGE_HEADER` characters and an answer that fits `SCRATCH` (`PART_HEADERS` bytes
+    of part headers allowed for each); a larger range alone, and ranges that continue one
+    another (a run split at `HTTP_CHUNK`, to be fetched in parallel) apart.
 
     Two processes reading one file each ask for their own rows, which alternate with the
     other's: hundreds of thousands of ranges of a few KB, a few thousand requests this way.
     """
-    groups: list[list[_Range]] = []
-    size = header = 0
-    for r in ranges:
-        small = r.stop - r.start < PART
-        text = len(f"{r.start}-{r.stop - 1},")
-        last = groups[-1] if groups else None
-        if (last is None or not small or last[-1].stop - last[-1].start >= PART or len(last) >= MAX_PARTS
-                or last[-1].stop == r.start  # split at `HTTP_CHUNK` to be fetched in parallel
-                or size + (r.stop - r.start) > SCRATCH - MAX_PARTS * PART_HEADERS
-                or header + text > MAX_RANGE_HEADER):
-            groups.append([r])
-            size, header = r.stop - r.start, text
-        else:
-            last.append(r)
-            size += r.stop - r.start
-            header += text
+    n = len(ranges)
+    sizes = ranges.stops - ranges.starts
+    small = sizes < PART
+    alone = ~small  # a range no group may take in after its first
+    alone[1:] |= ranges.starts[1:] == ranges.stops[:-1]
+    breaks = np.flatnonzero(alone)
+    text = _digits(ranges.starts) + _digits(ranges.stops - 1) + 2  # "a-b,"
+    sized = np.concatenate(([0], np.cumsum(sizes)))
+    written = np.concatenate(([0], np.cumsum(text)))
+    groups, i = [], 0
+    while i < n:
+        if not small[i]:
+            groups.append((i, i + 1))
+            i += 1
+            continue
+        after = int(np.searchsorted(breaks, i, side="right"))
+        j = min(
+            i + MAX_PARTS,
+            int(breaks[after]) if after < len(breaks) else n,
+            int(np.searchsorted(sized, sized[i] + SCRATCH - MAX_PARTS * PART_HEADERS, side="right")) - 1,
+            int(np.searchsorted(written, written[i] + MAX_RANGE_HEADER, side="right")) - 1,
+        )
+        groups.append((i, max(j, i + 1)))
+        i = max(j, i + 1)
     return groups
 
 
-def plan_ranges(offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray, chunk: int) -> list[_Range]:
+def _digits(values: np.ndarray) -> np.ndarray:
+    """The decimal digits of each non-negative integer."""
+    digits = np.ones(len(values), np.int64)
+    for power in range(1, 20):
+        digits += values >= 10**power
+    return digits
+
+
+def plan_ranges(offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray, chunk: int) -> _Ranges:
     """The requests that read runs (file offset, length, destination address): runs that lie
-    end to end in the file share one request, and no request asks for more than `chunk` bytes.
+    end to end in the file share one request, and no request asks for more than `chunk`
+    bytes (a run across a `chunk` boundary is cut there).
 
     ```python
-    plan_ranges(np.array([0, 8, 32]), np.array([8, 8, 8]), np.array([a, a + 8, b]), 1 << 20)
-    # [_Range(0, 16, [(a, 8), (a + 8, 8)]), _Range(32, 40, [(b, 8)])]
+    r = plan_ranges(np.array([0, 8, 32]), np.array([8, 8, 8]), np.array([a, a + 8, b]), 1 << 20)
+    # two ranges: bytes 0-16 into (a, 8), (a + 8, 8); bytes 32-40 into (b, 8)
     ```
     """
     order = np.argsort(offsets, kind="stable")
-    ranges: list[_Range] = []
-    for offset, length, address in zip(offsets[order].tolist(), lengths[order].tolist(), addresses[order].tolist()):
-        while length:
-            last = ranges[-1] if ranges else None
-            if last is None or last.stop != offset or last.stop - last.start >= chunk:
-                last = _Range(offset, offset)
-                ranges.append(last)
-            take = min(length, chunk - (last.stop - last.start))
-            last.pieces.append((address, take))
-            last.stop += take
-            offset, address, length = offset + take, address + take, length - take
-    return ranges
+    offsets, lengths = offsets[order].astype(np.int64), lengths[order].astype(np.int64)
+    addresses = addresses[order].astype(np.int64)
+    ends = offsets + lengths
+    new = np.ones(len(offsets), bool)  # a run that does not continue the one before starts a stretch
+    new[1:] = offsets[1:] != ends[:-1]
+    base = np.maximum.accumulate(np.where(new, offsets, 0))  # each run's stretch starts here
+    first, last = (offsets - base) // chunk, (ends - 1 - base) // chunk
+    cuts = last - first + 1
+    if (cuts > 1).any():  # runs across a chunk boundary of their stretch: one piece per chunk
+        run = np.repeat(np.arange(len(offsets)), cuts)
+        k = np.arange(len(run)) - np.repeat(np.cumsum(cuts) - cuts, cuts)
+        begin = np.maximum(offsets[run], base[run] + (first[run] + k) * chunk)
+        end = np.minimum(ends[run], base[run] + (first[run] + k + 1) * chunk)
+        addresses = addresses[run] + (begin - offsets[run])
+        offsets, ends, base, new = begin, end, base[run], new[run] & (k == 0)
+    which = (offsets - base) // chunk
+    begins = new.copy()
+    begins[1:] |= which[1:] != which[:-1]
+    firsts = np.concatenate((np.flatnonzero(begins), [len(offsets)]))
+    stops = ends[np.maximum(firsts[1:] - 1, 0)] if len(offsets) else ends
+    return _Ranges(offsets[firsts[:-1]], stops, firsts, iovecs(addresses, ends - offsets))
 
 
 def _batches(info: TensorInfo, requests: Sequence[tuple[Region, np.ndarray]]) -> Iterator[tuple[np.ndarray, ...]]:
@@ -1099,26 +1268,27 @@ class RemoteCheckpoint(Checkpoint):
         for offsets, lengths, addresses in _batches(info, requests):
             ranges = plan_ranges(offsets, lengths, addresses, self.transport.chunk)
             if self.transport.multipart:
-                jobs = [functools.partial(self._fetch_parts, info, group) for group in _grouped(ranges)]
+                groups = _grouped(ranges)
             else:
-                jobs = [functools.partial(self._fetch, info, r) for r in ranges]
-            self.parallel(jobs)
+                groups = [(i, i + 1) for i in range(len(ranges))]
+            self.parallel([functools.partial(self._fetch_parts, info, ranges.part(lo, hi)) for lo, hi in groups])
 
-    def _fetch(self, info: TensorInfo, r: _Range) -> None:
-        what = f"{info.file}: bytes {r.start}-{r.stop - 1} (tensor {quoted(info.key, 200)})"
-        retried(what, lambda: self.transport.read(info.file, r.start, r.pieces))
+    def _fetch(self, info: TensorInfo, ranges: _Ranges, i: int) -> None:
+        start, stop = int(ranges.starts[i]), int(ranges.stops[i])
+        what = f"{info.file}: bytes {start}-{stop - 1} (tensor {quoted(info.key, 200)})"
+        retried(what, lambda: self.transport.read(info.file, start, ranges.pieces_of(i)))
 
-    def _fetch_parts(self, info: TensorInfo, group: list[_Range]) -> None:
+    def _fetch_parts(self, info: TensorInfo, group: _Ranges) -> None:
         """Ranges in one request where the server answers several ranges, else one by one."""
         if len(group) > 1 and self.transport.multipart:
-            what = (f"{info.file}: {len(group)} ranges in bytes {group[0].start}-{group[-1].stop - 1} "
+            what = (f"{info.file}: {len(group)} ranges in bytes {int(group.starts[0])}-{int(group.stops[-1]) - 1} "
                     f"(tensor {quoted(info.key, 200)})")
             try:
                 return retried(what, lambda: self.transport.read_parts(info.file, group))
             except _OneRangeOnly:
                 pass
-        for r in group:
-            self._fetch(info, r)
+        for i in range(len(group)):
+            self._fetch(info, group, i)
 
     def close(self) -> None:
         """Stop the request threads and close the connections."""
@@ -1195,7 +1365,7 @@ def _header_bytes(t: Transport, file: RemoteFile, n: int) -> bytes:
     """The `n` header bytes after a file's length field."""
     raw = np.empty(n, np.uint8)
     if n:
-        retried(f"{file.url}: bytes 8-{8 + n - 1}", lambda: t.read(file, 8, [(raw.ctypes.data, n)]))
+        retried(f"{file.url}: bytes 8-{8 + n - 1}", lambda: t.read(file, 8, iovecs([raw.ctypes.data], [n])))
     return raw.tobytes()
 
 

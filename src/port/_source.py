@@ -28,7 +28,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -703,20 +703,26 @@ def _headers(directory: Path, files: list[Path]) -> dict[str, TensorInfo]:
 # ---------------------------------------------------------------------------- reading regions
 
 
-def _libc_preadv():
-    """libc's `preadv` through ctypes (the GIL released during the call), or None."""
+def libc_function(name: str, argtypes: list, restype: Any = ctypes.c_ssize_t) -> Callable | None:
+    """libc's function `name` through ctypes (the GIL released during each call, `errno`
+    kept), or None where there is no such libc or the platform's sizes are not 64-bit.
+
+    ```python
+    preadv = libc_function("preadv", [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64])
+    ```
+    """
     if ctypes.sizeof(ctypes.c_void_p) != 8 or ctypes.sizeof(ctypes.c_size_t) != 8:
         return None
     try:
-        function = ctypes.CDLL(None, use_errno=True).preadv
+        function = getattr(ctypes.CDLL(None, use_errno=True), name)
     except (AttributeError, OSError):
         return None
-    function.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-    function.restype = ctypes.c_ssize_t
+    function.argtypes = argtypes
+    function.restype = restype
     return function
 
 
-_LIBC_PREADV = _libc_preadv()
+_LIBC_PREADV = libc_function("preadv", [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64])
 
 
 def _iov_max() -> int:

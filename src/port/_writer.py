@@ -47,7 +47,7 @@ import numpy as np
 from ._console import printable, quoted
 from ._dtypes import SAFETENSORS
 from ._errors import OutputError, PortError
-from ._source import MAX_HEADER
+from ._source import MAX_HEADER, libc_function
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -72,19 +72,9 @@ _CHUNK = 64 << 20
 unit after which writing to disk is started (`_start_writeback`)."""
 
 
-def _writeback_call() -> Callable[[int, int, int], Any] | None:
-    """Linux's `sync_file_range`, from the C library, or None where there is none (macOS)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        call = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    call.restype = ctypes.c_int
-    return call
-
-
-_SYNC_FILE_RANGE = _writeback_call()
+_SYNC_FILE_RANGE = libc_function(  # Linux's; None elsewhere (macOS)
+    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
+)
 _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writing the range's dirty pages, without waiting
 
 
