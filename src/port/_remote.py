@@ -34,10 +34,10 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import errno
 import functools
 import http
 import http.client
-import errno
 import os
 import random
 import re

@@ -36,8 +36,8 @@ from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
-from ._dtypes import SAFETENSORS
 from ._console import quoted
+from ._dtypes import SAFETENSORS
 from ._errors import CheckpointError, OutputError
 
 Region = tuple[tuple[int, int], ...]

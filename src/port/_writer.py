@@ -35,7 +35,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from numbers import Integral
