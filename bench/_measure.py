@@ -6,6 +6,11 @@
 - `rss()`: this process's `RssAnon` now.
 - `CONFIGS`, `build(name, layers)`: the benchmarked decoders (Hugging Face config dicts),
   randomly initialised in float32.
+- `started(mesh, devices)`: JAX on `devices` simulated CPU devices (unless a GPU is there),
+  port's pipeline and model modules imported (they load lazily), the mesh made: a fresh
+  process's start-up, done before any clock starts.
+- `back_memory(nbytes)`: touch and free `nbytes`, so that the VM's first touch of guest
+  memory is paid before the clock (every method alike).
 - `isolated(script, spec)`: run `python script --measure JSON` in a fresh process and
   return the JSON object its last stdout line holds, or a one-line error.
 - `median(values)`, `machine()`, `markdown(header, rows)`, `write(path, title, sections)`.
@@ -96,6 +101,43 @@ def parameters(model) -> int:
     import jax
 
     return sum(leaf.size for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_array)))
+
+
+def back_memory(nbytes: int) -> None:
+    """Touch and free `nbytes`: a VM backs fresh guest memory on first touch, slowly.
+
+    Without this, whichever method first touches memory the VM never backed pays for
+    it (0.9 s per 656 MB seen on the development VM, 0.06 s once backed). Every
+    method gets the same treatment.
+    """
+    import numpy as np
+
+    buffer = np.empty(nbytes, np.uint8)
+    buffer[::4096] = 1
+    del buffer
+
+
+def started(mesh: str, devices: int | None = 8):
+    """The mesh `mesh` ("4x2") in this fresh process, everything `port.load` imports already
+    imported: JAX (on `devices` simulated CPU devices where the backend is the CPU), port's
+    pipeline, its remote reader and its model families. Start-up, not the method measured."""
+    import importlib
+    import pkgutil
+
+    import jax
+
+    if devices:
+        jax.config.update("jax_num_cpu_devices", devices)
+    import port
+    import port.models
+
+    for name in ("open_checkpoint", "mapping_for", "skeleton", "plan", "place", "fill", "load", "restore",
+                 "convert", "export"):
+        getattr(port, name)
+    for module in ("port._remote", "port._torchfile", *(f"port.models.{m.name}" for m in
+                                                       pkgutil.iter_modules(port.models.__path__))):
+        importlib.import_module(module)
+    return port.make_mesh(mesh)
 
 
 def isolated(script: str | Path, spec: dict, timeout: float | None = None) -> dict | str:

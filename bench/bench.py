@@ -45,7 +45,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from _measure import peak_memory  # bench/ is the script's directory, first on sys.path
+import _measure  # bench/ is the script's directory, first on sys.path
+from _measure import peak_memory
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("port", "port-convert", "port-restore", "recipe", "floor", "floor-streamed",
@@ -232,32 +233,10 @@ def _flax(directory: Path, mesh):
     return model.params, (directory / "model.safetensors").stat().st_size
 
 
-def _back_memory(nbytes: int) -> None:
-    """Touch and free `nbytes`: a VM backs fresh guest memory on first touch, slowly.
-
-    Without this, whichever method first touches memory the VM never backed pays for
-    it (0.9 s per 656 MB seen on the development VM, 0.06 s once backed). Every
-    method gets the same treatment.
-    """
-    import numpy as np
-
-    buffer = np.empty(nbytes, np.uint8)
-    buffer[::4096] = 1
-    del buffer
-
-
 def measure(method: str, directory: Path, mesh_spec: str) -> dict:
     """Run one method once in this (fresh) process and return its figures."""
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", 8)
-    import port
-
-    mesh = port.make_mesh(mesh_spec)
-    jax.devices()
     # port's modules load lazily: imported here, before the clock, like JAX itself (start-up, not the method).
-    for name in ("open_checkpoint", "mapping_for", "skeleton", "plan", "place", "fill", "load", "restore", "convert"):
-        getattr(port, name)
+    mesh = _measure.started(mesh_spec)
     import port._cli  # noqa: F401  (port-convert runs the command)
     fn = {"port": _port, "port-convert": _port_convert, "port-restore": _port_restore,
           "recipe": _recipe, "floor": _floor, "floor-streamed": _floor_streamed,
@@ -265,7 +244,7 @@ def measure(method: str, directory: Path, mesh_spec: str) -> dict:
           "floor-restore": _floor_restore, "flax": _flax}[method]
     if method == "flax":
         from transformers import FlaxGPT2LMHeadModel  # noqa: F401  (transformers 4.x only)
-    _back_memory(2 * (directory / "model.safetensors").stat().st_size)
+    _measure.back_memory(2 * (directory / "model.safetensors").stat().st_size)
     # Every method starts with nothing waiting to be written: otherwise one that left gigabytes
     # in the page cache (floor-rw) makes the next one's writes wait behind them.
     os.sync()

@@ -39,10 +39,10 @@ def measure(spec: dict) -> dict:
     """One `port.load` of the directory, in this fresh process."""
     import jax
 
-    jax.config.update("jax_num_cpu_devices", 8)
     import port
 
-    mesh = port.make_mesh(spec["mesh"])
+    mesh = _measure.started(spec["mesh"])
+    _measure.back_memory(2 * spec["bytes"])
     began = time.perf_counter()
     model = port.load(spec["directory"], mesh=mesh)
     jax.block_until_ready(jax.tree.leaves(model))
@@ -81,7 +81,7 @@ def main() -> None:
         files = sorted(directory.glob("*.safetensors"))
         total = sum(f.stat().st_size for f in files)
         dds, loads, warms = [], [], []
-        spec = {"directory": str(directory), "mesh": args.mesh}
+        spec = {"directory": str(directory), "mesh": args.mesh, "bytes": total}
         for _ in range(args.repeats):
             cold and drop_caches()
             dds.append(dd(files))

@@ -1,18 +1,27 @@
 """Remote reads against the wire: `port.load` from a URL served by nginx, beside `curl` of the same bytes.
 
-    python bench/remote.py [--sizes medium] [--mesh 4x2] [--repeats 3] [--processes 2] [--s3] [--workdir DIR] [--out FILE]
+    python bench/remote.py [--checkpoints gpt2-medium] [--mesh 4x2] [--repeats 3] [--processes 2]
+                           [--hub] [--s3] [--workdir DIR] [--out FILE]
 
-The benchmark writes GPT-2 checkpoints (`bench/make_gpt2.py`), starts nginx (from the
+Checkpoints (written once into the work directory, random weights): `gpt2-small`,
+`gpt2-medium`, `gpt2-large` (`bench/make_gpt2.py`, one file), `gpt2-medium-x4` (the same in 4
+files with an index), `bert-base` (`bench/make_bert.py`: 199 tensors, many of them small),
+and `gpt2-tiny`, `bert-tiny` for smoke runs. The benchmark starts nginx (from the
 distribution's packages: `apt-get install nginx-light`) on 127.0.0.1 over them with
-sendfile on and logging off, warms the page cache and the server, and measures, each
-in a fresh process, best of `--repeats`:
+sendfile on and logging off, warms the page cache and the server, and measures, each in a
+fresh process, best of `--repeats`:
 
 - `curl`: `curl -s -o /dev/null` of every safetensors file of the checkpoint, in turn;
 - `port.load` of the local file, the same way, for what is not the wire's;
 - `port.load`: `port.load(URL, mesh=...)` onto the mesh (8 simulated CPU devices for
-  4x2), port and JAX imported before the clock, the arrays ready when it stops; with
+  4x2), port and JAX imported before the clock (`_measure.started`), the arrays ready when it stops; with
   its peak anonymous memory above the start (`RssAnon`, sampled; the arrays are in it,
-  since CPU devices hold them in host memory) and the bytes it read (`bytes_read`).
+  since CPU devices hold them in host memory), the bytes it read (`bytes_read`), and the
+  CPU seconds it and the server (nginx's workers) spent: on this machine both share its cores.
+
+With `--hub`, nginx also serves the checkpoints as the Hub does (`/bench/NAME/resolve/main/FILE`,
+with `ETag` and `X-Repo-Commit`), and `port.load("hf://bench/NAME")` (`HF_ENDPOINT` set to it)
+is measured beside `huggingface_hub.snapshot_download` of the same files into an empty cache.
 
 With `--s3`, the same checkpoints are also put in a moto S3 server on 127.0.0.1 and
 `port.load("s3://...")` is measured beside s3fs's download of the files (`cat_file`),
@@ -42,6 +51,9 @@ from pathlib import Path
 import _measure
 
 HERE = Path(__file__).resolve().parent
+COMMIT = "0123456789abcdef0123456789abcdef01234567"  # the revision the Hub layout answers with
+MAKERS = {"gpt2": "make_gpt2.py", "bert": "make_bert.py"}
+TITLES = {"gpt2": "GPT-2", "bert": "BERT"}
 
 NGINX = """
 daemon off;
@@ -59,6 +71,10 @@ http {{
         listen 127.0.0.1:{port};
         root {root};
         location / {{ }}
+        location ~ ^/bench/([^/]+)/resolve/main/(.+)$ {{  # the Hub's resolve URLs, for hf://bench/NAME
+            alias {root}/$1/$2;
+            add_header X-Repo-Commit {commit};
+        }}
     }}
 }}
 """
@@ -74,7 +90,7 @@ def start_nginx(root: Path, work: Path) -> tuple[subprocess.Popen, str]:
     """nginx over `root` on a free loopback port: (process, base URL)."""
     port = free_port()
     conf = work / "nginx.conf"
-    conf.write_text(NGINX.format(work=work, port=port, root=root))
+    conf.write_text(NGINX.format(work=work, port=port, root=root, commit=COMMIT))
     server = subprocess.Popen(["nginx", "-c", str(conf), "-p", str(work)], stderr=subprocess.PIPE)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -91,18 +107,18 @@ def measure(spec: dict) -> dict:
     """One `port.load` from the URL, in this fresh process."""
     import jax
 
-    jax.config.update("jax_num_cpu_devices", 8)
     import port
 
-    mesh = port.make_mesh(spec["mesh"])
+    mesh = _measure.started(spec["mesh"])
+    _measure.back_memory(2 * spec["bytes"])
     stop = _measure.peak_memory()
-    began = time.perf_counter()
+    cpu, began = time.process_time(), time.perf_counter()
     with port.open_checkpoint(spec["url"]) as ckpt:
         model = port.load(ckpt, mesh=mesh)
         jax.block_until_ready(jax.tree.leaves(model))
         read = ckpt.bytes_read
     seconds = time.perf_counter() - began
-    return {"seconds": seconds, "peak": stop(), "bytes_read": read}
+    return {"seconds": seconds, "cpu": time.process_time() - cpu, "peak": stop(), "bytes_read": read}
 
 
 def measure_process(spec: dict) -> dict:
@@ -112,29 +128,31 @@ def measure_process(spec: dict) -> dict:
     import port
 
     port.initialize(spec["coordinator"], 2, spec["process"], local_devices=4)
-    mesh = port.make_mesh(spec["mesh"])
+    mesh = _measure.started(spec["mesh"], devices=None)
+    _measure.back_memory(spec["bytes"])
     from jax.experimental import multihost_utils
 
     multihost_utils.sync_global_devices("start")  # both processes start the clock together
-    began = time.perf_counter()
+    cpu, began = time.process_time(), time.perf_counter()
     with port.open_checkpoint(spec["url"]) as ckpt:
         model = port.load(ckpt, mesh=mesh)
         jax.block_until_ready(jax.tree.leaves(model))
         read = ckpt.bytes_read
-    return {"seconds": time.perf_counter() - began, "bytes_read": read}
+    return {"seconds": time.perf_counter() - began, "cpu": time.process_time() - cpu, "bytes_read": read}
 
 
-def two_processes(url: str, mesh: str) -> dict | str:
+def two_processes(url: str, mesh: str, nbytes: int) -> dict | str:
     """`port.load(url)` in two processes (4 simulated devices each): the slower one's seconds, bytes each read."""
     coordinator = f"127.0.0.1:{free_port()}"
-    runs = [subprocess.Popen([sys.executable, __file__, "--measure-process",
-                              json.dumps({"url": url, "mesh": mesh, "coordinator": coordinator, "process": i})],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    specs = [{"url": url, "mesh": mesh, "bytes": nbytes, "coordinator": coordinator, "process": i} for i in range(2)]
+    runs = [subprocess.Popen([sys.executable, __file__, "--measure-process", json.dumps(spec)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for spec in specs]
     outs = [r.communicate(timeout=1800) for r in runs]
     if any(r.returncode for r in runs):
         return next(err.strip().splitlines()[-1] for (_, err), r in zip(outs, runs) if r.returncode)[:160]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    return {"seconds": max(r["seconds"] for r in results), "bytes_read": [r["bytes_read"] for r in results]}
+    return {"seconds": max(r["seconds"] for r in results), "cpu": sum(r["cpu"] for r in results),
+            "bytes_read": [r["bytes_read"] for r in results]}
 
 
 def fetch_s3(spec: dict) -> dict:
@@ -147,7 +165,94 @@ def fetch_s3(spec: dict) -> dict:
     return {"seconds": time.perf_counter() - began, "bytes": total}
 
 
-def s3_rows(sizes: list[str], www: Path, mesh: str, repeats: int) -> list[list[str]]:
+def fetch_hub(spec: dict) -> dict:
+    """`huggingface_hub.hf_hub_download` of every safetensors file into an empty cache, in this fresh process."""
+    from huggingface_hub import hf_hub_download
+
+    with tempfile.TemporaryDirectory() as cache:
+        began = time.perf_counter()
+        paths = [hf_hub_download(spec["repo"], name, cache_dir=cache) for name in spec["hub"]]
+        seconds = time.perf_counter() - began
+        total = sum(Path(p).stat().st_size for p in paths)
+    return {"seconds": seconds, "bytes": total}
+
+
+def server_cpu(server: subprocess.Popen | None) -> float:
+    """CPU seconds nginx's worker processes have spent so far (0 for a server that is not ours)."""
+    if server is None:
+        return 0.0
+    try:
+        children = Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()
+    except OSError:
+        return 0.0
+    ticks = 0
+    for pid in children:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def make(name: str, www: Path) -> Path:
+    """The checkpoint `name` (`gpt2-medium`, `gpt2-medium-x4`, `bert-base`) in `www`, written once."""
+    directory = www / name
+    family, size, *rest = name.split("-")
+    if family not in MAKERS or not size or len(rest) > 1 or (rest and not rest[0].startswith("x")):
+        raise SystemExit(f"--checkpoints: {name!r} is not gpt2-SIZE[-xN] or bert-SIZE")
+    if not directory.exists():
+        shards = ["--shards", rest[0][1:]] if rest else []
+        subprocess.run([sys.executable, HERE / MAKERS[family], size, directory, *shards], check=True)
+    return directory
+
+
+def title(name: str) -> str:
+    family, size, *rest = name.split("-")
+    return f"{TITLES[family]} {size}" + (f", {rest[0][1:]} files" if rest else "")
+
+
+class Table:
+    """Rows of the side-by-side table: a baseline and port.load of the same bytes."""
+
+    HEADER = ["checkpoint", "file bytes", "baseline s", "port.load s", "x baseline", "port.load of the local file s",
+              "port CPU s", "server CPU s", "port peak anon memory above start", "port bytes read"]
+
+    def __init__(self) -> None:
+        self.rows: list[list[str]] = []
+
+    def add(self, what: str, total: int, baseline: float, how: str, loads: list, server: float | None = None,
+            local: float | None = None) -> None:
+        done = [r for r in loads if isinstance(r, dict)]
+        if not done:
+            self.rows.append([what, _measure.mb(total), f"{baseline:.3f} ({how})", f"failed: {loads[0]}"])
+            return
+        best = min(done, key=lambda r: r["seconds"])
+        read = best["bytes_read"]
+        self.rows.append([
+            what, _measure.mb(total), f"{baseline:.3f} ({how})", f"{best['seconds']:.3f}",
+            f"{best['seconds'] / baseline:.2f}", "" if local is None else f"{local:.3f}", f"{best['cpu']:.2f}",
+            "" if server is None else f"{server:.2f}", _measure.mb(best["peak"]) if "peak" in best else "",
+            " + ".join(map(_measure.mb, read)) if isinstance(read, list) else _measure.mb(read),
+        ])
+        print(f"{what}: {how} {baseline:.3f} s, port.load {best['seconds']:.3f} s", file=sys.stderr, flush=True)
+
+
+def timed(server: subprocess.Popen | None, run) -> tuple[dict | str, float]:
+    """`run()` and the CPU seconds the server spent meanwhile."""
+    before = server_cpu(server)
+    result = run()
+    return result, server_cpu(server) - before
+
+
+def best_of(repeats: int, server: subprocess.Popen | None, run) -> tuple[list, float | None]:
+    """`run()` `repeats` times: the results, and the server's CPU seconds during the fastest."""
+    pairs = [timed(server, run) for _ in range(repeats)]
+    done = [(r, cpu) for r, cpu in pairs if isinstance(r, dict)]
+    return [r for r, _ in pairs], (min(done, key=lambda p: p[0]["seconds"])[1] if done else None)
+
+
+def s3_rows(table: Table, names: list[str], www: Path, mesh: str, repeats: int) -> None:
     """The same checkpoints in a moto S3 server on 127.0.0.1: port.load of s3://... beside s3fs's download."""
     from moto.server import ThreadedMotoServer
 
@@ -156,32 +261,26 @@ def s3_rows(sizes: list[str], www: Path, mesh: str, repeats: int) -> list[list[s
     host, port = server.get_host_and_port()
     os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"})
-    rows = []
     try:
         import s3fs
 
         fs = s3fs.S3FileSystem(skip_instance_cache=True)
         fs.mkdir("models")
-        for size in sizes:
-            directory = www / f"gpt2-{size}"
-            fs.put(f"{directory}/", f"models/gpt2-{size}/", recursive=True)
-            paths = [f"models/gpt2-{size}/{p.name}" for p in sorted(directory.glob("*.safetensors"))]
+        for name in names:
+            directory = www / name
+            fs.put(f"{directory}/", f"models/{name}/", recursive=True)
+            paths = [f"models/{name}/{p.name}" for p in sorted(directory.glob("*.safetensors"))]
             total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
             fetches = [_measure.isolated(__file__, {"s3": paths}) for _ in range(repeats)]
-            loads = [_measure.isolated(__file__, {"url": f"s3://models/gpt2-{size}", "mesh": mesh})
+            loads = [_measure.isolated(__file__, {"url": f"s3://models/{name}", "mesh": mesh, "bytes": total})
                      for _ in range(repeats)]
             got = [r["seconds"] for r in fetches if isinstance(r, dict)]
-            done = [r for r in loads if isinstance(r, dict)]
-            if not got or not done:
-                rows.append([f"GPT-2 {size}, S3 (moto)", _measure.mb(total), f"failed: {(fetches + loads)[0]}"])
+            if not got:
+                table.rows.append([f"{title(name)}, S3 (moto)", _measure.mb(total), f"failed: {fetches[0]}"])
                 continue
-            best = min(done, key=lambda r: r["seconds"])
-            rows.append([f"GPT-2 {size}, S3 (moto)", _measure.mb(total), f"{min(got):.3f} (s3fs)",
-                         f"{best['seconds']:.3f}", f"{best['seconds'] / min(got):.2f}", "", _measure.mb(best["peak"]),
-                         _measure.mb(best["bytes_read"])])
+            table.add(f"{title(name)}, S3 (moto)", total, min(got), "s3fs", loads)
     finally:
         server.stop()
-    return rows
 
 
 def curl(urls: list[str]) -> float:
@@ -194,17 +293,22 @@ def curl(urls: list[str]) -> float:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--measure":
         spec = json.loads(sys.argv[2])
-        print(json.dumps(fetch_s3(spec) if "s3" in spec else measure(spec)))
+        kind = fetch_s3 if "s3" in spec else fetch_hub if "hub" in spec else measure
+        print(json.dumps(kind(spec)))
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--measure-process":
         print(json.dumps(measure_process(json.loads(sys.argv[2]))))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="medium", help="GPT-2 sizes, from small, medium, large")
+    parser.add_argument("--checkpoints", default="gpt2-medium",
+                        help="from gpt2-small, gpt2-medium, gpt2-large, gpt2-medium-x4 (4 files), bert-base; "
+                             "gpt2-tiny, bert-tiny for a smoke run")
     parser.add_argument("--mesh", default="4x2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, help="where checkpoints go (default: a temp dir)")
     parser.add_argument("--out", type=Path, help="also write the table to this Markdown file")
+    parser.add_argument("--hub", action="store_true",
+                        help="also hf://bench/NAME through nginx as the Hub, beside huggingface_hub's download")
     parser.add_argument("--s3", action="store_true",
                         help="also through a moto S3 server on 127.0.0.1, beside s3fs's download of the file")
     parser.add_argument("--processes", type=int, default=1, choices=(1, 2),
@@ -216,52 +320,45 @@ def main() -> None:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="port-remote-"))
     www = work / "www"
     www.mkdir(parents=True, exist_ok=True)
-    rows = []
+    names = args.checkpoints.split(",")
+    table = Table()
     server, base = start_nginx(www, work)
     try:
-        for size in args.sizes.split(","):
-            directory = www / f"gpt2-{size}"
-            if not directory.exists():
-                subprocess.run([sys.executable, HERE / "make_gpt2.py", size, directory], check=True)
+        for name in names:
+            directory = make(name, www)
             files = sorted(p.name for p in directory.glob("*.safetensors"))
             total = sum((directory / f).stat().st_size for f in files)
-            urls = [f"{base}/gpt2-{size}/{f}" for f in files]
+            urls = [f"{base}/{name}/{f}" for f in files]
             curl(urls)  # the page cache and the server warm
-            curls = [curl(urls) for _ in range(args.repeats)]
-            loads = [_measure.isolated(__file__, {"url": f"{base}/gpt2-{size}", "mesh": args.mesh})
-                     for _ in range(args.repeats)]
-            local = [_measure.isolated(__file__, {"url": str(directory), "mesh": args.mesh}) for _ in range(args.repeats)]
+            best_curl = min(curl(urls) for _ in range(args.repeats))
+            spec = {"url": f"{base}/{name}", "mesh": args.mesh, "bytes": total}
+            loads, cpu = best_of(args.repeats, server, lambda: _measure.isolated(__file__, spec))
+            local = [_measure.isolated(__file__, spec | {"url": str(directory)}) for _ in range(args.repeats)]
             local_best = min((r["seconds"] for r in local if isinstance(r, dict)), default=float("nan"))
-            done = [r for r in loads if isinstance(r, dict)]
-            best_curl = min(curls)
-            if not done:
-                rows.append([f"GPT-2 {size}", _measure.mb(total), f"{best_curl:.3f}", f"failed: {loads[0]}"])
-                continue
-            best = min(done, key=lambda r: r["seconds"])
-            rows.append([f"GPT-2 {size}", _measure.mb(total), f"{best_curl:.3f}", f"{best['seconds']:.3f}",
-                         f"{best['seconds'] / best_curl:.2f}", f"{local_best:.3f}", _measure.mb(best["peak"]),
-                         _measure.mb(best["bytes_read"])])
-            print(f"gpt2-{size}: curl {best_curl:.3f} s, port.load {best['seconds']:.3f} s", file=sys.stderr, flush=True)
+            table.add(title(name), total, best_curl, "curl", loads, cpu, local_best)
             if args.processes == 2:
-                pairs = [two_processes(f"{base}/gpt2-{size}", args.mesh) for _ in range(args.repeats)]
-                done = [r for r in pairs if isinstance(r, dict)]
-                if not done:
-                    rows.append([f"GPT-2 {size}, 2 processes", _measure.mb(total), f"{best_curl:.3f}",
-                                 f"failed: {pairs[0]}"])
-                    continue
-                pair = min(done, key=lambda r: r["seconds"])
-                rows.append([f"GPT-2 {size}, 2 processes", _measure.mb(total), f"{best_curl:.3f}",
-                             f"{pair['seconds']:.3f}", f"{pair['seconds'] / best_curl:.2f}", "", "",
-                             " + ".join(_measure.mb(b) for b in pair["bytes_read"])])
+                pairs, cpu = best_of(args.repeats, server, lambda: two_processes(spec["url"], args.mesh, total))
+                table.add(f"{title(name)}, 2 processes", total, best_curl, "curl", pairs, cpu)
+            if args.hub:
+                os.environ.update({"HF_ENDPOINT": base, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
+                                   "HF_HUB_DISABLE_XET": "1"})
+                fetches = [_measure.isolated(__file__, {"repo": f"bench/{name}", "hub": files})
+                           for _ in range(args.repeats)]
+                got = [r["seconds"] for r in fetches if isinstance(r, dict)]
+                loads, cpu = best_of(args.repeats, server,
+                                     lambda: _measure.isolated(__file__, spec | {"url": f"hf://bench/{name}"}))
+                if got:
+                    table.add(f"{title(name)}, hf://", total, min(got), "huggingface_hub", loads, cpu)
+                else:
+                    table.rows.append([f"{title(name)}, hf://", _measure.mb(total), f"failed: {fetches[0]}"])
     finally:
         server.terminate()
         server.wait()
     if args.s3:
-        rows += s3_rows(args.sizes.split(","), www, args.mesh, args.repeats)
-    header = ["checkpoint", "file bytes", "curl s", f"port.load s (mesh {args.mesh})", "x curl",
-              "port.load of the local file s", "port peak anon memory above start", "port bytes read"]
-    title = f"### HTTP from nginx on 127.0.0.1, best of {args.repeats}\n\n"
-    text = title + _measure.markdown(header, rows) + f"\n{_measure.machine()}\n"
+        s3_rows(table, names, www, args.mesh, args.repeats)
+    title_line = (f"### Remote reads from 127.0.0.1 (mesh {args.mesh}), best of {args.repeats}: "
+                  f"`python bench/remote.py {' '.join(sys.argv[1:])}`\n\n")
+    text = title_line + _measure.markdown(Table.HEADER, table.rows) + f"\n{_measure.machine()}\n"
     print(text)
     if args.out:
         args.out.write_text(text)

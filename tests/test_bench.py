@@ -30,8 +30,9 @@ SMOKE = {
 
 
 def test_every_script_has_a_smoke_run():
-    scripts = {p.name for p in BENCH.glob("*.py") if not p.name.startswith("_")} - {"make_gpt2.py", "remote.py"}
-    assert scripts == set(SMOKE)  # make_gpt2.py runs inside bench.py's and export.py's; remote.py below
+    makers = {"make_gpt2.py", "make_bert.py"}  # run inside the others' smoke runs (remote.py's below)
+    scripts = {p.name for p in BENCH.glob("*.py") if not p.name.startswith("_")} - makers - {"remote.py"}
+    assert scripts == set(SMOKE)
 
 
 def run(script: str, *args, env=None) -> subprocess.CompletedProcess:
@@ -50,18 +51,14 @@ def test_a_benchmark_runs_in_its_smoke_form(script, tmp_path):
 
 
 def test_the_remote_benchmark_needs_nginx_and_says_so(tmp_path):
-    """With nginx (and curl) it measures; without, one line and exit 2: no stand-in server."""
-    result = run("remote.py", "--sizes", "tiny", "--repeats", "1", "--workdir", tmp_path)
+    """With nginx (and curl) it measures every layout (one file, 4 files, BERT's many small tensors,
+    the Hub's URLs); without, one line and exit 2: no stand-in server."""
+    result = run("remote.py", "--checkpoints", "gpt2-tiny,gpt2-tiny-x4,bert-tiny", "--hub", "--repeats", "1",
+                 "--workdir", tmp_path)
     if shutil.which("nginx") and shutil.which("curl"):
         assert result.returncode == 0, result.stderr[-3000:]
-        assert "| GPT-2 tiny |" in result.stdout and "failed" not in result.stdout
+        for row in ["| GPT-2 tiny |", "| GPT-2 tiny, 4 files |", "| BERT tiny |", "| GPT-2 tiny, hf:// |"]:
+            assert row in result.stdout, result.stdout
+        assert "failed" not in result.stdout
     else:
         assert result.returncode == 2 and "needs nginx and curl" in result.stderr
-
-
-def test_the_device_script_runs_the_steps_it_is_given(tmp_path):
-    result = subprocess.run(["bash", str(BENCH / "device.sh")], capture_output=True, text=True, timeout=300,
-                            cwd=BENCH.parent, env=port_env({"OUT": str(tmp_path), "STEPS": "environment"}))
-    assert result.returncode == 0, result.stderr
-    summary = (tmp_path / "summary.md").read_text()
-    assert summary.startswith("## environment: rc ") and "jax " in summary and "## parity" not in summary

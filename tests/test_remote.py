@@ -119,6 +119,16 @@ class Handler(BaseHTTPRequestHandler):
         if fault == "stall":
             self.wfile.flush()
             time.sleep(1.0)
+        if fault == "dribble":  # the body in writes of 1 to 13 bytes: receives end anywhere in a piece
+            sizes, at = [1, 13, 2, 7, 5, 11, 3], 0
+            for i in range(len(body)):
+                if at >= len(body):
+                    break
+                self.wfile.write(body[at : at + sizes[i % len(sizes)]])
+                self.wfile.flush()
+                at += sizes[i % len(sizes)]
+            self.server.state.add(len(body))
+            return
         if fault == "trickle":  # 64 bytes every 20 ms (3.2 KB/s) until done or the client gives up
             for start in range(0, len(body), 64):
                 self.wfile.write(body[start : start + 64])
@@ -182,6 +192,8 @@ class Served:
 
     def fault(self, path: str, span: tuple[int, int] | None) -> str | None:
         if self.always and path.endswith(self.always[0]) and span and span[0] > 8:
+            with self.lock:
+                self.served_faults[self.always[1]] = self.served_faults.get(self.always[1], 0) + 1
             return self.always[1]
         with self.lock:
             if not self.faults or (path, span) in self.seen:
@@ -549,6 +561,56 @@ def test_ranges_merge_when_adjacent_and_stop_at_the_chunk():
     ranges = remote.plan_ranges(np.array([5]), np.array([50]), np.array([0], np.uint64), chunk=20)
     assert ranges.pieces.tolist() == [[0, 20], [20, 20], [40, 10]] and ranges.stops.tolist() == [25, 45, 55]
     assert len(remote.plan_ranges(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64), 20)) == 0
+
+
+def test_a_body_in_odd_bits_lands_where_its_pieces_say(server, served, gpt2_checkpoints):
+    """Plain HTTP is received with `readv` straight into the blocks: a body whose bytes come a few
+    at a time (each receive ending anywhere in a row, most of them waiting for bytes) fills a
+    column block's rows exactly, and the bytes are counted once."""
+    served.always = ("model.safetensors", "dribble")
+    directory = gpt2_checkpoints[0]["lm"]
+    with port.open_checkpoint(f"{server.base}/lm") as ckpt, port.open_checkpoint(directory) as local:
+        key = "transformer.h.0.mlp.c_fc.weight"
+        rows, cols = local.tensors[key].shape
+        region = ((1, rows - 1), (0, cols))  # one range of the file; its rows land apart in `out`
+        wide = np.full((rows - 2, cols + 5), -1.0, np.float32)
+        out = wide[:, 2 : 2 + cols]
+        before = ckpt.bytes_read
+        ckpt.read(key, region, out=out)
+        np.testing.assert_array_equal(out, local.read(key, region))
+        assert (wide[:, :2] == -1).all() and (wide[:, 2 + cols :] == -1).all()
+        assert ckpt.bytes_read - before == (rows - 2) * cols * 4
+    assert served.served_faults == {"dribble": 1}  # one request, its answer in odd bits
+
+
+def test_parts_are_copied_to_their_pieces():
+    """`_Ranges.scatter`: each range's bytes, found at its offset in a multipart body, go to its
+    pieces: equal rows of two blocks alternating across parts (gathered, then strided), and
+    pieces of unequal lengths one by one; nothing else is written."""
+    rng = np.random.default_rng(0)
+    body = rng.integers(0, 255, 4000, dtype=np.uint8)
+    for width, counts in [(8, [2, 2, 2, 2, 2]), (8, [1, 3, 1]), (5, [1, 1])]:
+        a, b = np.full(200, 7, np.uint8), np.full(200, 9, np.uint8)
+        dests = [(a if i % 2 == 0 else b)[(i // 2) * 16 :][:width] for i in range(sum(counts))]
+        lengths = [width] * len(dests)
+        if counts == [1, 3, 1]:
+            lengths[1] = 3  # unequal: copied piece by piece
+            dests[1] = dests[1][:3]
+        firsts = np.concatenate(([0], np.cumsum(counts)))
+        offsets = np.array([37 + 300 * i + (i % 3) for i in range(len(counts))])  # part heads of varying length
+        starts = np.arange(len(counts)) * 1000
+        ranges = remote._Ranges(starts, starts + np.add.reduceat(lengths, firsts[:-1]), firsts,
+                                remote.iovecs([d.ctypes.data for d in dests], lengths))
+        want_a, want_b = a.copy(), b.copy()
+        for r in range(len(counts)):
+            at = offsets[r]
+            for i in range(firsts[r], firsts[r + 1]):
+                target = want_a if i % 2 == 0 else want_b
+                target[(i // 2) * 16 :][: lengths[i]] = body[at : at + lengths[i]]
+                at += lengths[i]
+        ranges.scatter(body, offsets)
+        np.testing.assert_array_equal(a, want_a)
+        np.testing.assert_array_equal(b, want_b)
 
 
 def test_groups_keep_every_limit():

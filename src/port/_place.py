@@ -38,6 +38,7 @@ from ._source import Checkpoint, Region
 
 ALIGN = 64  # XLA's CPU client adopts host buffers aligned like this without a copy
 BAND_BYTES = 16 * 2**20  # a source tensor larger than this is read by several jobs
+AHEAD = 2  # units (leaves, or leaves cut from the same tensors) read ahead of the one being assembled
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -241,11 +242,11 @@ def place(
             pending.append((blocks, [pool.submit(read_key, checkpoint, parts) for parts in jobs]))
 
         try:
-            for u in range(min(2, len(units))):
+            for u in range(min(AHEAD, len(units))):
                 submit(u)
             for u, members in enumerate(units):
-                if u + 2 < len(units):
-                    submit(u + 2)
+                if u + AHEAD < len(units):
+                    submit(u + AHEAD)
                 blocks, futures = pending.popleft()
                 for future in futures:
                     future.result()

@@ -773,9 +773,10 @@ class HttpTransport(Transport):
         except BaseException:
             self._drop(key, conn)
             raise
-        offsets = part_offsets(_view(scratch, length).tobytes(), boundary, spans, file.size)
+        body = np.frombuffer(_view(scratch, length), np.uint8)
+        offsets = part_offsets(body.tobytes(), boundary, spans, file.size)
         self.count(int((ranges.stops - ranges.starts).sum()) - length)  # the file's bytes, not the parts' framing
-        ranges.scatter(scratch, np.array(offsets, np.int64))
+        ranges.scatter(body, np.array(offsets, np.int64))
 
     def _check_range(self, response: Any, file: RemoteFile, start: int, stop: int) -> None:
         """The answer is bytes [start, stop) of the same file, announced so."""
@@ -1103,19 +1104,26 @@ class _Ranges:
     def pieces_of(self, i: int) -> np.ndarray:
         return self.pieces[self.firsts[i] : self.firsts[i + 1]]
 
-    def scatter(self, source: int, offsets: np.ndarray) -> None:
-        """Copy each range's bytes, found at `source + offsets[i]`, to its pieces."""
+    def scatter(self, body: np.ndarray, offsets: np.ndarray) -> None:
+        """Copy each range's bytes, found in `body` (bytes as uint8) from `offsets[i]` on, to its pieces.
+
+        Equal pieces (one process's rows of its column blocks, one or a few a range) are
+        gathered into one contiguous array first (a row a copy, inside numpy), then copied
+        out as `_scatter` copies (strided where the rows interleave); others one by one.
+        """
         counts = np.diff(self.firsts)
-        if len(self) and counts.max() > 2:  # column blocks' rows: strided copies, range by range
-            for i, at in enumerate(offsets.tolist()):
-                _scatter(source + at, self.pieces_of(i))
-            return
         pieces = self.pieces[self.firsts[0] : self.firsts[-1]]
-        ends = np.cumsum(pieces[:, 1].astype(np.int64))  # each piece's place in its range's bytes
-        begins = ends - pieces[:, 1].astype(np.int64)
+        lengths = pieces[:, 1].astype(np.int64)
+        begins = np.cumsum(lengths) - lengths  # each piece's place in its range's bytes
         begins -= np.repeat(begins[self.firsts[:-1] - self.firsts[0]], counts)
-        sources = (source + np.repeat(offsets, counts) + begins).tolist()
-        for (address, size), at in zip(pieces.tolist(), sources):
+        sources = np.repeat(offsets, counts) + begins
+        if len(pieces) > 2 and (lengths == lengths[0]).all():
+            width = int(lengths[0])
+            rows = np.lib.stride_tricks.as_strided(body, (len(body) - width + 1, width), (1, 1), writeable=False)
+            gathered = rows[sources]
+            _scatter(gathered.ctypes.data, pieces)
+            return
+        for (address, size), at in zip(pieces.tolist(), (sources + body.ctypes.data).tolist()):
             ctypes.memmove(address, at, size)
 
 
