@@ -50,7 +50,7 @@ from _measure import peak_memory
 
 HERE = Path(__file__).resolve().parent
 METHODS = ("port", "port-convert", "port-restore", "recipe", "floor", "floor-streamed",
-           "floor-rw", "floor-rw+fsync", "floor-restore", "flax")
+           "floor-rw", "floor-rw+fsync", "floor-restore", "read+put", "put", "flax")
 RESTORE_METHODS = ("port-restore", "floor-restore")
 BOUND = 1.5
 
@@ -224,6 +224,43 @@ def _floor_streamed(directory: Path, mesh):
     return None, total
 
 
+def _read_put(directory: Path, mesh):
+    """The plain load onto a device: each tensor read (pread) and `jax.device_put` on the mesh's
+    first device, in turn (no sharding, no renaming: the least a loader does)."""
+    import jax
+    from safetensors import safe_open
+
+    device, arrays, total = mesh.devices.flat[0], [], 0
+    with safe_open(directory / "model.safetensors", "np", backend="pread") as f:
+        for key in f.keys():
+            tensor = f.get_tensor(key)
+            total += tensor.nbytes
+            arrays.append(jax.device_put(tensor, device))
+    jax.block_until_ready(arrays)
+    return arrays, total
+
+
+def _put(tensors: dict, mesh):
+    """The transfers alone: the tensors, already in host memory (read before the clock), put on
+    the mesh's first device with `jax.device_put`."""
+    import jax
+
+    device = mesh.devices.flat[0]
+    arrays = [jax.device_put(tensor, device) for tensor in tensors.values()]
+    jax.block_until_ready(arrays)
+    return arrays, 0
+
+
+def _read_for_put(directory: Path):
+    from safetensors.numpy import load_file
+
+    return load_file(directory / "model.safetensors", backend="pread")
+
+
+# What a method's function takes instead of the directory, made before the clock.
+_BEFORE: dict[str, Callable[[Path], object]] = {"put": _read_for_put}
+
+
 def _flax(directory: Path, mesh):
     import jax
     from transformers import FlaxGPT2LMHeadModel  # transformers 4.x only
@@ -241,7 +278,8 @@ def measure(method: str, directory: Path, mesh_spec: str) -> dict:
     fn = {"port": _port, "port-convert": _port_convert, "port-restore": _port_restore,
           "recipe": _recipe, "floor": _floor, "floor-streamed": _floor_streamed,
           "floor-rw": _floor_rw, "floor-rw+fsync": _floor_rw_fsync,
-          "floor-restore": _floor_restore, "flax": _flax}[method]
+          "floor-restore": _floor_restore, "read+put": _read_put, "put": _put, "flax": _flax}[method]
+    given = _BEFORE[method](directory) if method in _BEFORE else directory
     if method == "flax":
         from transformers import FlaxGPT2LMHeadModel  # noqa: F401  (transformers 4.x only)
     _measure.back_memory(2 * (directory / "model.safetensors").stat().st_size)
@@ -251,7 +289,7 @@ def measure(method: str, directory: Path, mesh_spec: str) -> dict:
     stop = peak_memory(0.002)  # RssAnon sampled by another process every 2 ms
     try:
         start = time.perf_counter()
-        result, bytes_read, *report = fn(directory, mesh)
+        result, bytes_read, *report = fn(given, mesh)
         seconds = time.perf_counter() - start
         peak = stop()
     finally:
@@ -338,7 +376,7 @@ def table(size: str, dtype: str, results: dict, largest: int) -> str:
         per_device = _mb(r["device_bytes"]) if r["device_bytes"] else "-"
         rows.append(f"| {method} | {r['seconds']:.3f} | {_mb(r['peak_above_start'])} | {_mb(r['bytes_read'])} | "
                     f"{per_device} | {vs_recipe} | {vs_floor} | {vs_streamed} | {mem} |")
-    rows += _convert_line(results, largest) + _restore_line(results, largest)
+    rows += _convert_line(results, largest) + _restore_line(results, largest) + _overlap_line(results)
     p = results.get("port")
     if isinstance(p, dict) and isinstance(floor, dict):
         overhead = p["peak_above_start"] - p["total_device_bytes"]
@@ -376,6 +414,18 @@ def _convert_line(results: dict, largest: int) -> list[str]:
     return ["", f"port-convert: {r['seconds']:.3f} s; {_vs(r, results.get('floor-rw'), 'floor-rw')}; "
             f"{_vs(r, results.get('floor-rw+fsync'), 'floor-rw+fsync')} (the like-for-like floor: "
             f"port fsyncs its output); {_memory(r, largest)}."]
+
+
+def _overlap_line(results: dict) -> list[str]:
+    """How much of the reading and the transfers port does at once: floor (reading alone) plus
+    put (the transfers alone) against port."""
+    p, floor, put = results.get("port"), results.get("floor"), results.get("put")
+    if not all(isinstance(r, dict) for r in (p, floor, put)):
+        return []
+    both = floor["seconds"] + put["seconds"]
+    return ["", f"overlap: reading alone (floor) {floor['seconds']:.3f} s + the transfers alone (put) "
+            f"{put['seconds']:.3f} s = {both:.3f} s, against port {p['seconds']:.3f} s: "
+            f"{max(0.0, both - p['seconds']):.3f} s done at once."]
 
 
 def _restore_line(results: dict, largest: int) -> list[str]:

@@ -32,5 +32,5 @@ step parity-2026-highest ${HIGHEST_LIMIT:-60} env JAX_DEFAULT_MATMUL_PRECISION=h
 step parity-2026-bfloat16 ${BF16_LIMIT:-60} $PY bench/parity.py --cases 2026 --meshes 1x1 --dtype bfloat16
 step train ${TRAIN_LIMIT:-75} $PY bench/train.py --models gpt2,llama --remat off,true --steps 3
 step decode ${DECODE_LIMIT:-50} $PY bench/decode.py --models llama,gpt2 --batches 1,8 --prompt 64 --new 32 --repeats 1
-step load ${LOAD_LIMIT:-110} $PY bench/bench.py --sizes medium --dtypes float32,bfloat16 --mesh 1x1 --repeats 2 --methods port,recipe --workdir /tmp/port-bench
+step load ${LOAD_LIMIT:-110} $PY bench/bench.py --sizes medium --dtypes float32,bfloat16 --mesh 1x1 --repeats 2 --methods port,recipe,floor,read+put,put --workdir /tmp/port-bench
 cat "$summary"

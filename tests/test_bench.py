@@ -17,7 +17,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 SMOKE = {
     "bench.py": ["--sizes", "tiny", "--dtypes", "float32", "--repeats", "1", "--mesh", "2x2",
-                 "--methods", "port,port-convert,port-restore,recipe,floor,floor-restore", "--workdir", "{tmp}"],
+                 "--methods", "port,port-convert,port-restore,recipe,floor,floor-restore,read+put,put", "--workdir", "{tmp}"],
     "export.py": ["--sizes", "tiny", "--dtypes", "float32", "--repeats", "1", "--mesh", "2x2", "--workdir", "{tmp}"],
     "train.py": ["--models", "gpt2", "--remat", "off", "--layers", "1", "--batch", "1", "--seq", "16", "--steps", "1"],
     "decode.py": ["--models", "gpt2", "--batches", "1", "--prompt", "4", "--new", "2", "--repeats", "1",
