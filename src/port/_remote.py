@@ -45,7 +45,7 @@ import select
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -105,6 +105,10 @@ PART_HEADERS = 256
 """Bytes of a multipart answer's delimiter and headers allowed for each part (nginx: about 100)."""
 MAX_RANGE_HEADER = 4000
 """Characters of a `Range` header at most (servers take about 8 KB of request headers)."""
+NEIGHBOUR = 256 * 2**10
+"""A tensor read whole and smaller than this may share a request with its neighbours in the file."""
+NEIGHBOURS = 4 * 2**20
+"""Bytes of neighbouring small tensors one request asks for at most."""
 SCRATCH_CHUNK = 8 * 2**20
 """Bytes one fsspec request asks for at most (its answer is copied into the destination)."""
 MIN_SCRATCH = 4 * 2**20
@@ -1239,6 +1243,7 @@ class RemoteCheckpoint(Checkpoint):
     transport: Transport | None = field(default=None, repr=False)
     requests: int = REQUESTS
     _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _together: dict[str, _Neighbours] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._pool = ThreadPoolExecutor(self.requests, thread_name_prefix="port-remote")
@@ -1267,12 +1272,36 @@ class RemoteCheckpoint(Checkpoint):
                 raise future.exception()
         return [future.result() for future in futures]
 
+    def expect(self, whole: Collection[str]) -> None:
+        """Group the small tensors of `whole` that lie end to end in a file (a layer's norms and
+        biases), up to `NEIGHBOURS` bytes: the first read of one of them fetches the group in
+        one request, and the others are copied from it (each byte still fetched once)."""
+        self._together = {}
+        small = sorted((self.tensors[k] for k in whole if 0 < self.tensors[k].nbytes < NEIGHBOUR),
+                       key=lambda info: (info.file.name, info.offset))
+        group: list[TensorInfo] = []
+        for info in [*small, None]:
+            last = group[-1] if group else None
+            if (info is None or last is None or info.file is not last.file or info.offset != last.offset + last.nbytes
+                    or info.offset + info.nbytes - group[0].offset > NEIGHBOURS):
+                if len(group) > 1:
+                    together = _Neighbours(group[0].file, group[0].offset, last.offset + last.nbytes,
+                                           {i.key for i in group})
+                    self._together.update(dict.fromkeys(together.keys, together))
+                group = []
+            if info is not None:
+                group.append(info)
+
     def read_into(self, key: str, requests: Sequence[tuple[Region, np.ndarray]]) -> None:
         """Read regions of tensor `key` into their buffers (see `Checkpoint.read_into`): one
-        request per stretch of runs lying end to end in the file, in parallel."""
+        request per stretch of runs lying end to end in the file, in parallel; a small tensor
+        `expect`ed whole, with its neighbours (`expect`)."""
         info = self.tensors[key]
         for region, out in requests:
             _check_out(info, region, out)
+        together = self._together.get(key)
+        if together is not None and together.copy(self, info, requests):
+            return
         for offsets, lengths, addresses in _batches(info, requests):
             ranges = plan_ranges(offsets, lengths, addresses, self.transport.chunk)
             if self.transport.multipart:
@@ -1303,6 +1332,49 @@ class RemoteCheckpoint(Checkpoint):
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
         self.transport.close()
+
+
+@dataclass(eq=False)
+class _Neighbours:
+    """Small tensors lying end to end in `file`, bytes [start, stop): fetched together by the first
+    read of one of them, kept until each has been read once."""
+
+    file: RemoteFile
+    start: int
+    stop: int
+    keys: set[str]
+    waiting: set[str] = field(default_factory=set)
+    data: np.ndarray | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.waiting = set(self.keys)
+
+    def copy(self, ckpt: RemoteCheckpoint, info: TensorInfo, requests: Sequence[tuple[Region, np.ndarray]]) -> bool:
+        """Fill `requests` from the group's bytes (fetched now if not yet); False once `info`
+        was read from them before (a later read asks for its own bytes)."""
+        with self.lock:
+            if info.key not in self.waiting:
+                return False
+            if self.data is None:
+                data = np.empty(self.stop - self.start, np.uint8)
+                what = (f"{self.file}: bytes {self.start}-{self.stop - 1} (tensor {quoted(info.key, 200)} "
+                        f"and {len(self.keys) - 1} small ones beside it)")
+                retried(what, lambda: ckpt.transport.read(self.file, self.start, iovecs([data.ctypes.data], [data.size])))
+                self.data = data
+            for region, out in requests:
+                offsets, lengths, addresses = runs(info, region, out)
+                _scatter_from(self.data.ctypes.data - self.start, offsets, lengths, addresses)
+            self.waiting.discard(info.key)
+            if not self.waiting:
+                self.data = None
+        return True
+
+
+def _scatter_from(base: int, offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray) -> None:
+    """Copy runs (file offset, length, destination) out of a file's bytes held at `base + offset`."""
+    for offset, length, address in zip(offsets.tolist(), lengths.tolist(), addresses.tolist()):
+        ctypes.memmove(address, base + offset, length)
 
 
 def _small(transport: Transport, name: str, limit: int, what: str) -> bytes | None:

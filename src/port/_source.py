@@ -28,7 +28,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -921,6 +921,16 @@ class Checkpoint:
             out = np.empty(_region_shape(info, region), info.dtype)
         self.read_into(key, [(region, out)])
         return out
+
+    def expect(self, whole: Collection[str]) -> None:
+        """Be told, before a load reads anything, which tensors it will read whole (every
+        region of them it asks for is the entire tensor). A local file has no use for it; a
+        remote checkpoint fetches neighbouring small ones of these in one request.
+
+        ```python
+        ckpt.expect({"h.0.ln_1.weight", "h.0.ln_1.bias"})
+        ```
+        """
 
     def read_into(self, key: str, requests: Sequence[tuple[Region, np.ndarray]]) -> None:
         """Read regions of tensor `key`, each into its buffer of the region's shape and the
