@@ -622,8 +622,15 @@ def test_small_tensors_read_whole_share_a_request(server, served, gpt2_checkpoin
     directory = gpt2_checkpoints[0]["lm"]
     with port.open_checkpoint(f"{server.base}/lm") as ckpt, port.open_checkpoint(directory) as local:
         infos = sorted(ckpt.tensors.values(), key=lambda i: i.offset)
-        small = [i.key for i in infos if i.nbytes < remote.NEIGHBOUR]
-        ckpt.expect(set(small))
+        small = [i.key for i in infos if i.nbytes < remote.NEIGHBOUR and i.shape and i.shape[0] > 1]
+        whole = {k: {tuple((0, n) for n in ckpt.tensors[k].shape)} for k in small}
+        first_row = {k: {((0, 1),) + r[1:] for r in whole[k]} for k in small}
+        partial, small = small[:3], small[3:]
+        ckpt.expect({**whole, **{k: first_row[k] for k in partial}})  # 3 read in part: never grouped
+        assert not set(partial) & set(ckpt._together)
+        rest = {k: {((1, ckpt.tensors[k].shape[0]),) + r[1:] for r in whole[k]} for k in small}
+        ckpt.expect({k: first_row[k] | rest[k] for k in small})  # whole, in two regions: grouped
+        assert set(ckpt._together) <= set(small) and len(ckpt._together) > len(small) // 2
         groups = {id(g): g for g in ckpt._together.values()}.values()
         assert len(groups) >= 2 and all(len(g.keys) > 1 and g.stop - g.start <= remote.NEIGHBOURS for g in groups)
         for g in groups:  # end to end in the file, and nothing else

@@ -169,18 +169,16 @@ def _units(leaves: tuple[LeafPlan, ...]) -> list[list[int]]:
     return units
 
 
-def whole_keys(plan: Plan, shardings: list[NamedSharding], checkpoint: Checkpoint) -> set[str]:
-    """The source tensors this process's blocks read whole (no block needs only a part of them)."""
-    whole: set[str] = set()
-    part: set[str] = set()
+def planned_reads(plan: Plan, shardings: list[NamedSharding]) -> dict[str, set[Region]]:
+    """The regions of each source tensor this process's blocks read (several for one tensor when
+    its blocks, or the leaves cut from it, each need a part)."""
+    reads: dict[str, set[Region]] = {}
     for leaf, sharding in zip(plan.leaves, shardings):
         for box in boxes(leaf.shape, sharding):
             region, keys = leaf.source_region(box)
             for key in keys:
-                shape = checkpoint.tensors[key].shape
-                full = len(region) == len(shape) and all(a == 0 and b == n for (a, b), n in zip(region, shape))
-                (whole if full else part).add(key)
-    return whole - part
+                reads.setdefault(key, set()).add(region)
+    return reads
 
 
 def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Region:
@@ -247,7 +245,7 @@ def place(
     arrays: dict[str, jax.Array | None] = dict.fromkeys(plan.empty)
     shardings = [NamedSharding(mesh, leaf.spec) for leaf in plan.leaves]
     units = _units(plan.leaves)
-    checkpoint.expect(whole_keys(plan, shardings, checkpoint))
+    checkpoint.expect(planned_reads(plan, shardings))
     with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:
         pending: deque[tuple[list[dict[Region, np.ndarray]], list[Future]]] = deque()
 

@@ -45,7 +45,7 @@ import select
 import ssl
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -1272,12 +1272,14 @@ class RemoteCheckpoint(Checkpoint):
                 raise future.exception()
         return [future.result() for future in futures]
 
-    def expect(self, whole: Collection[str]) -> None:
-        """Group the small tensors of `whole` that lie end to end in a file (a layer's norms and
-        biases), up to `NEIGHBOURS` bytes: the first read of one of them fetches the group in
-        one request, and the others are copied from it (each byte still fetched once)."""
+    def expect(self, reads: Mapping[str, Collection[Region]]) -> None:
+        """Group the small tensors the load reads whole (its regions of each cover it) that lie
+        end to end in a file (a layer's norms and biases), up to `NEIGHBOURS` bytes: the first
+        read of one of them fetches the group in one request, and the others are copied from
+        it (each byte still fetched once)."""
         self._together = {}
-        small = sorted((self.tensors[k] for k in whole if 0 < self.tensors[k].nbytes < NEIGHBOUR),
+        small = sorted((self.tensors[k] for k, regions in reads.items()
+                        if 0 < self.tensors[k].nbytes < NEIGHBOUR and _covers(self.tensors[k].shape, regions)),
                        key=lambda info: (info.file.name, info.offset))
         group: list[TensorInfo] = []
         for info in [*small, None]:
@@ -1369,6 +1371,14 @@ class _Neighbours:
             if not self.waiting:
                 self.data = None
         return True
+
+
+def _covers(shape: tuple[int, ...], regions: Collection[Region]) -> bool:
+    """Whether `regions` together cover every element of a (small) tensor of `shape`."""
+    covered = np.zeros(shape, bool)
+    for region in regions:
+        covered[tuple(slice(a, b) for a, b in region)] = True
+    return bool(covered.all())
 
 
 def _scatter_from(base: int, offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray) -> None:

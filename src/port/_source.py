@@ -28,7 +28,7 @@ import os
 import re
 import stat
 import threading
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -922,13 +922,13 @@ class Checkpoint:
         self.read_into(key, [(region, out)])
         return out
 
-    def expect(self, whole: Collection[str]) -> None:
-        """Be told, before a load reads anything, which tensors it will read whole (every
-        region of them it asks for is the entire tensor). A local file has no use for it; a
-        remote checkpoint fetches neighbouring small ones of these in one request.
+    def expect(self, reads: Mapping[str, Collection[Region]]) -> None:
+        """Be told, before a load reads anything, the regions of each tensor it will read. A
+        local file has no use for it; a remote checkpoint fetches the small tensors read whole
+        that lie together in a file in one request.
 
         ```python
-        ckpt.expect({"h.0.ln_1.weight", "h.0.ln_1.bias"})
+        ckpt.expect({"h.0.ln_1.weight": {((0, 768),)}, "h.0.ln_1.bias": {((0, 384),), ((384, 768),)}})
         ```
         """
 
