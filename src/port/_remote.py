@@ -1274,7 +1274,8 @@ class RemoteCheckpoint(Checkpoint):
 
     def expect(self, reads: Mapping[str, Collection[Region]]) -> None:
         """Group the small tensors the load reads whole (its regions of each cover it) that lie
-        end to end in a file (a layer's norms and biases), up to `NEIGHBOURS` bytes: the first
+        end to end in a file (a layer's norms and biases), up to `NEIGHBOURS` bytes (and the
+        transport's `chunk`, which bounds fsspec's scratch memory): the first
         read of one of them fetches the group in one request, and the others are copied from
         it (each byte still fetched once)."""
         self._together = {}
@@ -1285,7 +1286,7 @@ class RemoteCheckpoint(Checkpoint):
         for info in [*small, None]:
             last = group[-1] if group else None
             if (info is None or last is None or info.file is not last.file or info.offset != last.offset + last.nbytes
-                    or info.offset + info.nbytes - group[0].offset > NEIGHBOURS):
+                    or info.offset + info.nbytes - group[0].offset > min(NEIGHBOURS, self.transport.chunk)):
                 if len(group) > 1:
                     together = _Neighbours(group[0].file, group[0].offset, last.offset + last.nbytes,
                                            {i.key for i in group})
