@@ -149,6 +149,33 @@ def test_interrupt_while_starting(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_interrupt_while_port_itself_loads(tmp_path):
+    """Issue 23 row 8: a Ctrl-C that lands while the command line's own modules load (here: sent by
+    the process to itself as `port._cli` is first imported, before any of port's code has run)
+    still ends in one line and 130, never a KeyboardInterrupt traceback or death by signal."""
+    marker = tmp_path / "interrupted"
+    hook = (
+        "import importlib.abc, os, signal, sys\n"
+        "class Interrupt(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        f"        if name == 'port._cli' and not os.path.exists({str(marker)!r}):\n"
+        f"            open({str(marker)!r}, 'w').close()\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+    )
+    example = REPO / "examples" / "tiny-gpt2"
+    for command in (["port"], [sys.executable, "-m", "port"]):
+        marker.unlink(missing_ok=True)
+        env = port_env(hooked(tmp_path / "hook", hook))
+        result = subprocess.run([*command, "convert", example, "--out", tmp_path / "out"], capture_output=True,
+                                text=True, env=env, timeout=120)
+        assert marker.exists()
+        assert result.returncode == 130, (result.returncode, result.stderr)
+        assert (result.stdout + result.stderr).strip().splitlines() == ["port: interrupted"]
+        assert not (tmp_path / "out").exists()
+
+
 def test_signals_after_the_worker_ended_change_nothing(tmp_path):
     """Ctrl-C repeated while the supervisor exits (after its worker finished) never kills it.
 
