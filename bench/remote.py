@@ -116,12 +116,12 @@ def measure(spec: dict) -> dict:
     with port.open_checkpoint(spec["url"]) as ckpt:
         model = port.load(ckpt, mesh=mesh)
         jax.block_until_ready(jax.tree.leaves(model))
-        read = ckpt.bytes_read
+        read, sent = ckpt.bytes_read, getattr(getattr(ckpt, "transport", None), "sent", 0)
         largest = max(info.nbytes for info in ckpt.tensors.values())
     seconds = time.perf_counter() - began
     arrays = sum(shard.data.nbytes for leaf in jax.tree.leaves(model) for shard in leaf.addressable_shards)
     return {"seconds": seconds, "cpu": time.process_time() - cpu, "peak": stop(), "bytes_read": read,
-            "arrays": arrays, "largest": largest}
+            "arrays": arrays, "largest": largest, "requests": sent}
 
 
 def measure_process(spec: dict) -> dict:
@@ -140,8 +140,9 @@ def measure_process(spec: dict) -> dict:
     with port.open_checkpoint(spec["url"]) as ckpt:
         model = port.load(ckpt, mesh=mesh)
         jax.block_until_ready(jax.tree.leaves(model))
-        read = ckpt.bytes_read
-    return {"seconds": time.perf_counter() - began, "cpu": time.process_time() - cpu, "bytes_read": read}
+        read, sent = ckpt.bytes_read, getattr(getattr(ckpt, "transport", None), "sent", 0)
+    return {"seconds": time.perf_counter() - began, "cpu": time.process_time() - cpu, "bytes_read": read,
+            "requests": sent}
 
 
 def two_processes(url: str, mesh: str, nbytes: int) -> dict | str:
@@ -155,7 +156,7 @@ def two_processes(url: str, mesh: str, nbytes: int) -> dict | str:
         return next(err.strip().splitlines()[-1] for (_, err), r in zip(outs, runs) if r.returncode)[:160]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     return {"seconds": max(r["seconds"] for r in results), "cpu": sum(r["cpu"] for r in results),
-            "bytes_read": [r["bytes_read"] for r in results]}
+            "bytes_read": [r["bytes_read"] for r in results], "requests": [r["requests"] for r in results]}
 
 
 def fetch_s3(spec: dict) -> dict:
@@ -220,7 +221,7 @@ class Table:
 
     HEADER = ["checkpoint", "file bytes", "baseline s", "port.load s", "x baseline", "port.load of the local file s",
               "port CPU s", "server CPU s", "port peak anon memory above the arrays (x largest tensor)",
-              "port bytes read"]
+              "port bytes read", "port requests"]
 
     def __init__(self) -> None:
         self.rows: list[list[str]] = []
@@ -238,6 +239,8 @@ class Table:
             f"{best['seconds'] / baseline:.2f}", "" if local is None else f"{local:.3f}", f"{best['cpu']:.2f}",
             "" if server is None else f"{server:.2f}", _above(best),
             " + ".join(map(_measure.mb, read)) if isinstance(read, list) else _measure.mb(read),
+            " + ".join(map(str, best["requests"])) if isinstance(best.get("requests"), list)
+            else str(best.get("requests", "")),
         ])
         print(f"{what}: {how} {baseline:.3f} s, port.load {best['seconds']:.3f} s", file=sys.stderr, flush=True)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from ._console import count_text, printable, quiet_libraries, quoted, say, show, shortened, size_text, stream
+from ._console import count_text, described, printable, quiet_libraries, quoted, say, show, shortened, size_text, stream
 from ._errors import PortError
 from ._interrupt import attach, final, hold_signals, removing, supervise
 from ._leftovers import claimed, recover
@@ -677,8 +677,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the command line promises no traceback
         if os.environ.get("PORT_DEBUG"):
             raise
-        message = str(e).splitlines()[0] if str(e) else ""
-        say(f"internal error: {type(e).__name__}: {message} (PORT_DEBUG=1 shows the traceback)")
+        say(f"internal error: {described(e)} (PORT_DEBUG=1 shows the traceback)")
         return 1
 
 

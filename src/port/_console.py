@@ -57,6 +57,24 @@ def quoted(value: object, limit: int = 80) -> str:
     return shown + ("..." if len(text) > limit else "")
 
 
+def first_line(error: BaseException) -> str:
+    """An exception's message as its first line, or its type's name when it has none.
+
+    ```python
+    first_line(ValueError("bad value\nmore"))   # 'bad value'
+    first_line(KeyError())                       # 'KeyError'
+    ```
+    """
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def described(error: BaseException) -> str:
+    """An exception as its type and first line: `KeyError: 'n_embd'`, or `KeyError` alone."""
+    text = first_line(error)
+    return type(error).__name__ if text == type(error).__name__ else f"{type(error).__name__}: {text}"
+
+
 def one_line(text: str, limit: int = 500) -> str:
     """`text` (which may quote untrusted input) as one line of printable characters, at most `limit` of them."""
     text = printable(" ".join(text.split()))

@@ -53,7 +53,7 @@ from urllib.parse import quote, unquote, urljoin, urlsplit, urlunsplit
 
 import numpy as np
 
-from ._console import one_line, quoted
+from ._console import described, one_line, quoted
 from ._errors import CheckpointError
 from ._source import (
     _INDEX,
@@ -177,8 +177,7 @@ def _scrub(text: str) -> str:
 
 def _reason(error: BaseException) -> str:
     """An exception as a few words: its type, and its scrubbed first line."""
-    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return f"{type(error).__name__}: {_scrub(text)}" if text else type(error).__name__
+    return _scrub(described(error))
 
 
 # ---------------------------------------------------------------------------- failures
@@ -283,6 +282,8 @@ class Transport:
 
     display: str
     count: Callable[[int], None] = staticmethod(lambda n: None)
+    sent = 0
+    """Requests sent so far (retries and redirects included)."""
 
     @property
     def chunk(self) -> int:
@@ -548,6 +549,8 @@ class HttpTransport(Transport):
         for fresh in (False, True):
             conn, reused = self._connection(key, fresh)
             try:
+                with self._lock:
+                    self.sent += 1
                 conn.request("GET", target, headers=headers)
                 return conn.getresponse(), conn
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError) as e:
@@ -907,6 +910,7 @@ class FsspecTransport(Transport):
             raise CheckpointError(f"{self.display}: not a URL port can read ({_reason(e)})") from None
         self._root = root.rstrip("/")
         self._budget = _Budget(MIN_SCRATCH)
+        self._lock = threading.Lock()
 
     def _path(self, name: str) -> str:
         return f"{self._root}/{name}"
@@ -936,6 +940,8 @@ class FsspecTransport(Transport):
 
     def _cat(self, name: str, start: int, stop: int) -> bytes:
         """Bytes [start, stop) of file `name`, exactly, counted."""
+        with self._lock:
+            self.sent += 1
         data = self._call(self._fetch, self._path(name), start, stop)
         self.count(len(data))
         if len(data) != stop - start:

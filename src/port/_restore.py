@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from ._console import one_line, quoted
+from ._console import first_line, one_line, quoted
 from ._dtypes import NAMES, dtype as dtype_named, floating
 from ._errors import OutputError, PortError
 from ._fill import fill
@@ -223,7 +223,7 @@ def _read_json(directory: Path, path: Path, what: str) -> Any:
     try:
         return json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        reason = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0][:200]
+        reason = "nested too deeply" if isinstance(e, RecursionError) else first_line(e)[:200]
         raise OutputError(f"{path}: not valid JSON ({reason})") from None
 
 

@@ -36,7 +36,7 @@ from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
-from ._console import quoted
+from ._console import first_line, quoted
 from ._dtypes import SAFETENSORS
 from ._errors import CheckpointError, OutputError
 
@@ -260,8 +260,7 @@ def _load_json(text: str | bytes, where: str, **hooks: Any) -> Any:
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{where}: not valid UTF-8 (at byte {e.start})") from None
     except ValueError as e:  # JSONDecodeError, too-long integers, and the hooks' refusals
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"{where}: not valid JSON ({message})") from None
+        raise CheckpointError(f"{where}: not valid JSON ({first_line(e)})") from None
 
 
 # ---------------------------------------------------------------------------- headers
@@ -589,8 +588,7 @@ def resolve(model: str | os.PathLike) -> Path:
             f"{model}: no such directory, and not in the Hugging Face cache (offline or no network)"
         ) from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise CheckpointError(f"{model}: no such directory, and the Hugging Face Hub said: {reason}") from None
+        raise CheckpointError(f"{model}: no such directory, and the Hugging Face Hub said: {first_line(e)}") from None
     return Path(snapshot)
 
 
