@@ -51,6 +51,15 @@ def test_usage_errors_exit_2_with_the_usage(args, expected, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_plan_with_several_problems_lists_them_all():
+    """Issue 24 row 11: every problem on stdout, one error line naming the first and the count."""
+    result = run_port("plan", EXAMPLE, "--mesh", "data=2,foo=2")
+    line = one_line(result, "names mesh axis 'model'", "(and 2 more problems: all 3 listed above)")
+    listed = result.stdout.strip().splitlines()
+    assert len(listed) == 3 and line.removeprefix("port: error: ").startswith(listed[0])
+    assert [("rules." + p.split("rules.")[1].split()[0]) for p in listed] == ["rules.vocab", "rules.heads", "rules.mlp"]
+
+
 def test_version():
     result = run_port("--version")
     assert result.returncode == 0, result.stderr

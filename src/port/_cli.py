@@ -26,8 +26,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from ._console import count_text, described, printable, quiet_libraries, quoted, say, show, shortened, size_text, stream
-from ._errors import PortError
+from ._console import (
+    count_text, described, plural, printable, quiet_libraries, quoted, say, show, shortened, size_text, stream
+)
+from ._errors import PlanError, PortError
 from ._interrupt import attach, final, hold_signals, removing, supervise
 from ._leftovers import claimed, recover
 
@@ -426,18 +428,16 @@ def plan_command(args: argparse.Namespace) -> int:
 
 def check(args: argparse.Namespace) -> int:
     """Check a mapping against a checkpoint and its model, reading no tensor data."""
-    from ._errors import PlanError
     from .authoring import check as run_check
 
     try:
         result = run_check(_mapping_named(args, args.mapping), args.model, args.mesh)
     except PlanError as e:
         show("".join(f"{shortened(printable(problem))}\n" for problem in e.problems))
-        n = len(e.problems)
-        raise PortError(f"{args.mapping}: {n} problem{'s' if n > 1 else ''} with {_shown(args.model)}") from None
+        raise PortError(f"{args.mapping}: {plural(len(e.problems), 'problem')} with {_shown(args.model)}") from None
     show(
         f"{args.mapping}: ok: {len(result.leaves)} leaves from {_shown(args.model)} ({count_text(result.params)} params), "
-        f"{len(result.ignored)} keys ignored, {len(result.tied)} tied, {len(result.empty)} optional absent\n"
+        f"{plural(len(result.ignored), 'key')} ignored, {len(result.tied)} tied, {len(result.empty)} optional absent\n"
     )
     return 0
 
@@ -671,6 +671,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `port plan ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except PlanError as e:  # every problem on stdout, as `port check` lists them; the error line names the first
+        n = len(e.problems)
+        if n > 1:
+            show("".join(f"{shortened(printable(problem))}\n" for problem in e.problems))
+            say(f"error: {e.problems[0]} (and {plural(n - 1, 'more problem')}: all {n} listed above)")
+        else:
+            say("error: " + str(e))
+        return 1
     except PortError as e:
         say("error: " + str(e))
         return 1

@@ -106,6 +106,11 @@ def size_text(n: float) -> str:
     return f"{n}"
 
 
+def plural(n: int, noun: str) -> str:
+    """`n` and the noun, plural unless one: `plural(1, "key")` is `1 key`, `plural(2, "key")` `2 keys`."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def count_text(n: int) -> str:
     """A parameter count as people read it: `169.5K`, `124.4M`, `7.24B`."""
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.1f}K"
