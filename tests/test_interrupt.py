@@ -10,7 +10,6 @@ output was made final leaves that complete output.
 
 import json
 import random
-import shutil
 import signal
 import subprocess
 import sys

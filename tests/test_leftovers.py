@@ -9,13 +9,11 @@ of the partial output (before or after it), it SIGKILLs the supervisor and then 
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from helpers import hooked, run_port, snapshot
 

@@ -6,7 +6,6 @@ leaves nothing behind. (Checkpoint files and restore have their own test files.)
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 from pathlib import Path

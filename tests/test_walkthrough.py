@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 from string import Template
 
-import pytest
 
 import port
 
