@@ -9,7 +9,9 @@ output was made final leaves that complete output.
 """
 
 import json
+import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -173,6 +175,36 @@ def test_interrupt_while_port_itself_loads(tmp_path):
         assert result.returncode == 130, (result.returncode, result.stderr)
         assert (result.stdout + result.stderr).strip().splitlines() == ["port: interrupted"]
         assert not (tmp_path / "out").exists()
+
+
+def test_ctrl_c_in_a_terminal_clears_the_progress_bar(gpt2_small, tmp_path):
+    """Issue 24 row 10: in a terminal, Ctrl-C while the bar is drawn leaves `port: interrupted` on a
+    line of its own, the bar's line cleared and the cursor shown again, and 130."""
+    import pty
+
+    master, terminal = pty.openpty()
+    process = subprocess.Popen([*port_command(), "convert", gpt2_small, "--mesh", "4x2", "--out", tmp_path / "out"],
+                               stdin=terminal, stdout=terminal, stderr=terminal, env=port_env())
+    os.close(terminal)
+    seen, began = b"", time.monotonic()
+    while b"tensors" not in seen and time.monotonic() - began < 120:  # the bar is drawn: placing
+        if select.select([master], [], [], 1)[0]:
+            seen += os.read(master, 1 << 16)
+    process.send_signal(signal.SIGINT)
+    while select.select([master], [], [], 10)[0]:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # the terminal's other end closed with the last process
+            break
+        if not chunk:
+            break
+        seen += chunk
+    os.close(master)
+    assert process.wait(timeout=60) == 130, seen[-2000:]
+    assert b"tensors" in seen and b"\x1b[2K" in seen, seen[-2000:]
+    after = seen.rsplit(b"\x1b[2K", 1)[1]  # what follows the last line cleared
+    assert after.replace(b"\x1b[?25h", b"").strip() == b"port: interrupted", seen[-2000:]
+    assert not (tmp_path / "out").exists()
 
 
 def test_signals_after_the_worker_ended_change_nothing(tmp_path):

@@ -172,6 +172,7 @@ def test_convert_reports_the_write_as_it_goes(gpt2_checkpoints, tmp_path):
     assert {e.total for e in writes} == {total} and writes[-1].done == total
     assert all(a.done <= b.done for a, b in zip(writes, writes[1:]))
     assert writes[-1].leaves_done == writes[-1].leaves == len(run.plan.leaves)
+    assert all(a.leaves_done <= b.leaves_done for a, b in zip(writes, writes[1:]))  # leaves as they are written
 
     saved = []
     with port.open_checkpoint(directories["sharded"]) as ckpt:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from ._console import (
-    count_text, described, plural, printable, quiet_libraries, quoted, say, show, shortened, size_text, stream
+    clear_line, count_text, described, plural, printable, quiet_libraries, quoted, say, show, shortened, size_text, stream
 )
 from ._errors import PlanError, PortError
 from ._interrupt import attach, final, hold_signals, removing, supervise
@@ -246,7 +246,7 @@ def convert(args: argparse.Namespace) -> int:
             if bar:
                 bar.start()
         if bar:
-            what = "writing" if at.phase == "write" else f"{at.leaves_done}/{at.leaves} tensors"
+            what = f"{at.leaves_done}/{at.leaves} {'written' if at.phase == 'write' else 'tensors'}"
             bar.update(0, completed=at.done, total=at.total, description=what)
 
     try:
@@ -733,4 +733,11 @@ def main() -> NoReturn:
         sys.exit(2)
     os.environ[_ARGV] = json.dumps(sys.argv[1:])
     worker = [sys.executable, "-P", "-c", "from port._cli import main; main()"]
-    sys.exit(supervise(worker, say, deadline=getattr(args, "deadline", None)))
+    sys.exit(supervise(worker, _over_the_bar, deadline=getattr(args, "deadline", None)))
+
+
+def _over_the_bar(message: str) -> None:
+    """The supervisor's words (interrupted, terminated, the deadline), said where the worker's
+    progress bar may still be drawn: the line cleared first."""
+    clear_line()
+    say(message)

@@ -142,6 +142,16 @@ def say(message: str) -> None:
     os.write(_fd, line.encode("utf-8", errors="backslashreplace"))
 
 
+def clear_line() -> None:
+    """On a terminal, clear the line the cursor is on and show the cursor: what a worker's
+    progress bar left there when the worker was stopped mid-draw."""
+    try:
+        if os.isatty(_fd):
+            os.write(_fd, b"\r\x1b[2K\x1b[?25h")
+    except OSError:
+        pass
+
+
 def show(text: str) -> None:
     """Print `text` (lines of port's own output) on stdout, literally."""
     sys.stdout.write("\n".join(printable(line) for line in text.split("\n")))

@@ -200,7 +200,7 @@ def convert(
 
             def wrote(done: int, total: int) -> None:  # reported once placing is over: the write's tail
                 if progress is not None and writing is not None:
-                    progress(Progress("write", done, total, count if done == total else 0, count))
+                    progress(Progress("write", done, total, saving.leaves_written, count))
 
             saving = stack.enter_context(Saving(out, force, wrote)) if out is not None else None
 
@@ -220,6 +220,7 @@ def convert(
             for path, array in extra.items() if saving is not None else ():
                 saving.add(path, array)
             arrays |= extra
+            count += len(extra)  # kept values are written too
             model = fill(skeleton, arrays | dict.fromkeys(recipe.excluded))
             jax.block_until_ready(arrays)
             writing = time.perf_counter()

@@ -442,7 +442,7 @@ class Saving:
     - `directory`: the output, as `check_out` returned it.
     - `force`: at `finish`, replace an earlier port output there (see `replacing`).
     - `progress`: called with (bytes written, bytes to write so far) as each chunk file is
-      written, on the thread that adds or finishes.
+      written, on the thread that adds or finishes; `leaves_written` counts the leaves done.
     - `workers`: threads writing chunk files.
     """
 
@@ -457,9 +457,11 @@ class Saving:
         self.partial = directory.parent / f".{directory.name}.port-partial-{run_token()}"
         self.started = time.time_ns()
         self.written = self.total = self._held = 0
+        self.leaves_written = 0  # leaves whose every file this process writes is written
+        self._left: dict[str, int] = {}  # files still being written, per leaf
         self._budget = 0  # host bytes of accelerator blocks in flight: the largest array added
         self._chunks: dict[str, tuple[int, ...]] = {}
-        self._pending: deque[tuple[Future, int]] = deque()
+        self._pending: deque[tuple[Future, int, str]] = deque()
         self._pool: ThreadPoolExecutor | None = None
         self._cleanup = contextlib.ExitStack()
         self._finished = False
@@ -499,11 +501,13 @@ class Saving:
         folder = self.partial / "params" / path
         nbytes = math.prod(chunks) * array.dtype.itemsize
         self._budget = max(self._budget, array.nbytes)
+        self._left[path] = 0
         with self._failing():
             os.makedirs(folder, exist_ok=True)  # by whichever process comes first
             if self.me == 0:  # written (and flushed) by the pool too: this thread goes on placing
                 text = json.dumps(zarray(array.shape, chunks, array.dtype)).encode()
-                self._pending.append((self._pool.submit(_write_small, folder / ZARRAY, text), 0))
+                self._left[path] += 1
+                self._pending.append((self._pool.submit(_write_small, folder / ZARRAY, text), 0, path))
             for shard in array.addressable_shards if array.size else ():
                 if shard.replica_id != 0:
                     continue
@@ -515,12 +519,18 @@ class Saving:
                     self._finish_oldest()
                 self.total += nbytes
                 self._held += host
-                self._pending.append((self._pool.submit(_write_chunk, file, shard, chunks), host))
+                self._left[path] += 1
+                self._pending.append((self._pool.submit(_write_chunk, file, shard, chunks), host, path))
+        if not self._left[path]:  # nothing of it is this process's to write
+            self.leaves_written += 1
 
     def _finish_oldest(self) -> None:
-        future, host = self._pending.popleft()
+        future, host, path = self._pending.popleft()
         self.written += future.result()
         self._held -= host
+        self._left[path] -= 1
+        if not self._left[path]:
+            self.leaves_written += 1
         if self.progress is not None:
             self.progress(self.written, self.total)
 
