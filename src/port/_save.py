@@ -459,6 +459,7 @@ class Saving:
         self.written = self.total = self._held = 0
         self.leaves_written = 0  # leaves whose every file this process writes is written
         self._left: dict[str, int] = {}  # files still being written, per leaf
+        self._adding: str | None = None  # the leaf `add` is queueing files of (not done before that ends)
         self._budget = 0  # host bytes of accelerator blocks in flight: the largest array added
         self._chunks: dict[str, tuple[int, ...]] = {}
         self._pending: deque[tuple[Future, int, str]] = deque()
@@ -501,7 +502,7 @@ class Saving:
         folder = self.partial / "params" / path
         nbytes = math.prod(chunks) * array.dtype.itemsize
         self._budget = max(self._budget, array.nbytes)
-        self._left[path] = 0
+        self._left[path], self._adding = 0, path
         with self._failing():
             os.makedirs(folder, exist_ok=True)  # by whichever process comes first
             if self.me == 0:  # written (and flushed) by the pool too: this thread goes on placing
@@ -521,7 +522,8 @@ class Saving:
                 self._held += host
                 self._left[path] += 1
                 self._pending.append((self._pool.submit(_write_chunk, file, shard, chunks), host, path))
-        if not self._left[path]:  # nothing of it is this process's to write
+        self._adding = None
+        if not self._left[path]:  # all written already, or nothing of it is this process's to write
             self.leaves_written += 1
 
     def _finish_oldest(self) -> None:
@@ -529,7 +531,7 @@ class Saving:
         self.written += future.result()
         self._held -= host
         self._left[path] -= 1
-        if not self._left[path]:
+        if not self._left[path] and path != self._adding:
             self.leaves_written += 1
         if self.progress is not None:
             self.progress(self.written, self.total)
