@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_port, snapshot
+from helpers import one_line, run_port, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
@@ -210,3 +210,31 @@ def test_an_output_another_run_wrote_meanwhile_is_kept(tiny, tmp_path, monkeypat
         port.save(model, tmp_path / "out", mapping, config)
     assert sorted(snapshot(tmp_path)) == ["out", "out/theirs.txt"]
     assert (tmp_path / "out" / "theirs.txt").read_text() == "theirs"
+
+
+def test_missing_parents_of_out_are_made_and_removed_again_on_failure(tmp_path):
+    """Issue 24 row 12: `--out a/b/out` makes `a/b` as `mkdir -p` would, only once writing starts;
+    a run that fails leaves none of them; a file where a parent should be is one line."""
+    done = run_port("convert", EXAMPLE, "--out", tmp_path / "a" / "b" / "out")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "a" / "b" / "out" / "port" / "metadata").is_file()
+
+    failed = run_port("convert", EXAMPLE, "--mesh", "data=2,foo=2", "--out", tmp_path / "x" / "y" / "out")
+    assert failed.returncode == 1 and not (tmp_path / "x").exists()
+
+    import port
+
+    made = []
+
+    def stop(progress):  # fails once the output's directory (and its parents) exist
+        made.append((tmp_path / "p" / "q").is_dir())
+        raise RuntimeError("stopped by the test")
+
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        port.convert(EXAMPLE, out=tmp_path / "p" / "q" / "out", progress=stop)
+    assert made == [True] and sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # p/q made, then removed
+
+    (tmp_path / "file").write_text("not a directory")
+    blocked = run_port("convert", EXAMPLE, "--out", tmp_path / "file" / "sub" / "out")
+    one_line(blocked, f"--out {tmp_path / 'file' / 'sub' / 'out'}: {tmp_path / 'file'} is a file, not a directory")
+    assert (tmp_path / "file").read_text() == "not a directory"

@@ -186,7 +186,8 @@ def check_out(
     `is_output`; `port export` passes its own), and nothing else: not a file, a
     symlink, a directory holding anything port did not write, the root, the home or
     working directory or one containing it, nor a directory that is or contains one
-    of `inputs` (the checkpoint being read).
+    of `inputs` (the checkpoint being read). Missing parent directories are fine: they
+    are made when writing starts (`make_partial`), and removed again if the run fails.
 
     ```python
     check_out("out/gpt2", force=True, inputs=("ckpt/gpt2",))   # Path('/abs/out/gpt2')
@@ -216,11 +217,43 @@ def check_out(
             raise OutputError(f"{flag} {out}: already exists (use --force to replace an earlier port output)")
         if not ours(out):
             raise OutputError(f"{flag} {out}: not {what}; --force replaces only a directory port wrote")
-    elif not out.parent.is_dir():
-        raise OutputError(f"{flag} {out}: parent directory does not exist")
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise OutputError(f"{flag} {out}: cannot write in {out.parent} (read-only or not permitted)")
+    base = existing_ancestor(out)  # missing parents are made when writing starts, as `mkdir -p` would
+    if not base.is_dir():
+        raise OutputError(f"{flag} {out}: {base} is a file, not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise OutputError(f"{flag} {out}: cannot write in {base} (read-only or not permitted)")
     return out
+
+
+def existing_ancestor(path: Path) -> Path:
+    """The nearest ancestor of `path` that exists (its parent, when that exists)."""
+    parent = path.parent
+    while not os.path.lexists(parent) and parent != parent.parent:
+        parent = parent.parent
+    return parent
+
+
+def make_parents(directory: Path, cleanup: contextlib.ExitStack) -> None:
+    """Make `directory` and its missing ancestors, as `mkdir -p` does; when `cleanup` closes, each
+    one made here is removed again if it is empty (the run failed before its output was in
+    place), deepest first. Never through a symbolic link made meanwhile: one `mkdir` per level."""
+    missing = []
+    while not os.path.lexists(directory) and directory != directory.parent:
+        missing.append(directory)
+        directory = directory.parent
+    for made in reversed(missing):
+        try:
+            os.mkdir(made)
+        except FileExistsError:  # another process of the run, or another run, made it meanwhile
+            if not made.is_dir() or made.is_symlink():
+                raise OutputError(f"{made}: appeared meanwhile and is not a directory") from None
+            continue
+        cleanup.callback(_remove_if_empty, made)
+
+
+def _remove_if_empty(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
 
 
 def _reason(error: BaseException) -> str:
@@ -235,8 +268,8 @@ def _reason(error: BaseException) -> str:
 
 
 def free_bytes(directory: str | os.PathLike) -> int:
-    """Bytes free for an unprivileged writer on the file system holding `directory`."""
-    return shutil.disk_usage(Path(directory).absolute().parent).free
+    """Bytes free for an unprivileged writer on the file system that will hold `directory`."""
+    return shutil.disk_usage(existing_ancestor(Path(directory).absolute())).free
 
 
 def _remove_if_made(path: Path, made: os.stat_result) -> None:
@@ -262,6 +295,7 @@ def make_partial(partial: Path, cleanup: contextlib.ExitStack) -> None:
         make_partial(out.parent / f".{out.name}.port-partial-{token}", cleanup)
     ```
     """
+    make_parents(partial.parent, cleanup)
     try:
         cleanup.enter_context(claimed(partial))  # the owner file first: removed after the directory
         cleanup.enter_context(removing(partial, create=os.mkdir))
