@@ -221,3 +221,26 @@ def test_export_of_your_own_model_names_its_class(beside):
     ours = load_file(beside / "hf" / "model.safetensors")
     theirs = load_file(EXAMPLE / "model.safetensors")
     assert set(ours) <= set(theirs) and all((ours[k] == theirs[k]).all() for k in ours)
+
+
+BROKEN = """
+from port.models.gpt2 import GPT2
+
+
+class MyGPT2(GPT2):
+    @classmethod
+    def from_config(cls, config, key=None):
+        width = config["n_embd_typo"]
+        return super().from_config(config, key=key)
+"""
+
+
+def test_an_error_in_your_own_module_names_its_file_and_line(beside):
+    """Issue 24 row 4: a bug in the author's module is one line at the author's frame (file, line,
+    function), not `internal error` without a place; the line says how to see the traceback."""
+    (beside / "mymodel.py").write_text(BROKEN)
+    line_of = next(i for i, line in enumerate(BROKEN.splitlines(), 1) if "n_embd_typo" in line)
+    result = run_port("convert", EXAMPLE, "--mapping", "mine.toml", "--module", "mymodel:MyGPT2", "--out", "out",
+                      cwd=beside)
+    one_line(result, f"mymodel.py:{line_of} in from_config: KeyError: 'n_embd_typo' (PORT_DEBUG=1 shows the traceback)")
+    assert not (beside / "out").exists()

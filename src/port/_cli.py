@@ -685,8 +685,36 @@ def run(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the command line promises no traceback
         if os.environ.get("PORT_DEBUG"):
             raise
-        say(f"internal error: {described(e)} (PORT_DEBUG=1 shows the traceback)")
+        where = _authors_frame(e)
+        if where is not None:  # the author's module failed (a --module class, a mapping's model): where in it
+            say(f"error: {where}: {described(e)} (PORT_DEBUG=1 shows the traceback)")
+        else:
+            say(f"internal error: {described(e)} (PORT_DEBUG=1 shows the traceback)")
         return 1
+
+
+def _authors_frame(error: BaseException) -> str | None:
+    """`file:line in function` of the innermost frame of `error`'s traceback in code that is
+    neither port's nor an installed package's nor Python's own: the user's module, shown
+    relative to the working directory where it lies below it; None when there is none."""
+    import sysconfig
+    import traceback
+
+    package = Path(__file__).resolve().parent
+    installed = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                 if (p := sysconfig.get_paths().get(key))}
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
+        if frame.filename.startswith("<"):
+            continue
+        path = Path(frame.filename).resolve()
+        if package in path.parents or any(root in path.parents for root in installed):
+            continue
+        try:
+            shown_path = path.relative_to(Path.cwd().resolve())
+        except ValueError:
+            shown_path = path
+        return f"{printable(str(shown_path))}:{frame.lineno} in {printable(frame.name)}"
+    return None
 
 
 _ARGV = "PORT_WORKER_ARGV"  # the command line, for the worker (JSON)
