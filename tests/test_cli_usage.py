@@ -244,3 +244,37 @@ def test_an_error_in_your_own_module_names_its_file_and_line(beside):
                       cwd=beside)
     one_line(result, f"mymodel.py:{line_of} in from_config: KeyError: 'n_embd_typo' (PORT_DEBUG=1 shows the traceback)")
     assert not (beside / "out").exists()
+
+
+NO_FINAL_NORM = """
+import equinox as eqx
+from port.models.gpt2 import GPT2
+
+
+class NoNorm(GPT2):  # a model whose final norm is a submodule that may be None
+    @classmethod
+    def from_config(cls, config, key=None):
+        return eqx.tree_at(lambda m: m.ln_f, super().from_config(config, key=key), None, is_leaf=lambda x: x is None)
+"""
+
+
+def test_optional_covers_a_leaf_whose_parent_module_is_none(tmp_path):
+    """Issue 24 row 3: `optional = "model"` applies when a parent module is None (`ln_f` here),
+    and without it the message says which parent is None and how to mark the entry."""
+    (tmp_path / "nonorm.py").write_text(NO_FINAL_NORM)
+    mapping = (REPO / "mappings" / "gpt2.toml").read_text().replace('model = "port.models.gpt2:GPT2"',
+                                                                   'model = "nonorm:NoNorm"')
+    (tmp_path / "strict.toml").write_text(mapping)
+    for name in ("weight", "bias"):
+        entry = f'path = "ln_f.{name}"\naxes = ["embed"]\n'
+        assert entry in mapping
+        mapping = mapping.replace(entry, entry + 'optional = "model"\n')
+    mapping = mapping.replace("ignore = [", 'ignore = ["ln_f.weight", "ln_f.bias", ', 1)
+    assert mapping.count('optional = "model"') >= 2 and '"ln_f.weight", "ln_f.bias"' in mapping
+    (tmp_path / "optional.toml").write_text(mapping)
+    done = run_port("check", "optional.toml", EXAMPLE, "--module", "nonorm:NoNorm", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    refused = run_port("check", "strict.toml", EXAMPLE, "--module", "nonorm:NoNorm", cwd=tmp_path)
+    assert refused.returncode == 1
+    assert ("entry 'ln_f.weight': 'ln_f.weight' lies under 'ln_f', which is None in nonorm:NoNorm built from this "
+            'config.json (mark the entry optional = "model" if the model may lack it)') in refused.stdout

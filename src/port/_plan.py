@@ -326,8 +326,10 @@ def plan_problems(
             elif param.key_optional and not any(param.pattern().match(name) for name in stripped):
                 pass  # a model restored from a checkpoint that lacked the key (a BERT without pooler)
             elif not param.leaf_optional:
+                at = _none_at(skeleton, param.path)
+                what = f"'{param.path}' is None" if at == param.path else f"'{param.path}' lies under '{at}', which is None"
                 problems.append(
-                    f"{where}: '{param.path}' is None in {mapping.model} built from this config.json "
+                    f"{where}: {what} in {mapping.model} built from this config.json "
                     '(mark the entry optional = "model" if the model may lack it)'
                 )
             continue  # an optional leaf the model lacks: its keys must be tied or ignored
@@ -470,19 +472,25 @@ def config_names(skeleton: Any, config: AnyMapping[str, Any]) -> dict[str, Any]:
 def _is_none(module: Any, path: str) -> bool:
     """Whether `path` names an attribute of `module` that is None, or lies under one that is
     (an absent optional leaf, or a leaf of an absent submodule)."""
-    node = module
-    for part in path.split("."):
+    return _none_at(module, path) is not None
+
+
+def _none_at(module: Any, path: str) -> str | None:
+    """The prefix of `path` (`path` itself, or a submodule's path) that is None in `module`; None
+    where none is (the path exists, or names no attribute)."""
+    node, parts = module, path.split(".")
+    for i, part in enumerate(parts):
         if node is None:
-            return True
+            return ".".join(parts[:i])
         if part.isdigit() and isinstance(node, (list, tuple)):
             if int(part) >= len(node):
-                return False
+                return None
             node = node[int(part)]
         elif hasattr(node, part):
             node = getattr(node, part)
         else:
-            return False
-    return node is None
+            return None
+    return path if node is None else None
 
 
 def _strip(mapping: Mapping, tensors: AnyMapping[str, TensorInfo], problems: list[str]) -> dict[str, str]:
