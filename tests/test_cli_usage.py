@@ -278,3 +278,20 @@ def test_optional_covers_a_leaf_whose_parent_module_is_none(tmp_path):
     assert refused.returncode == 1
     assert ("entry 'ln_f.weight': 'ln_f.weight' lies under 'ln_f', which is None in nonorm:NoNorm built from this "
             'config.json (mark the entry optional = "model" if the model may lack it)') in refused.stdout
+
+
+def test_info_describes_an_output(tmp_path):
+    """Issue 24 row 8: `port info DIR` says what a `port convert` output holds, from its metadata
+    alone; anything else is one line."""
+    made = run_port("convert", EXAMPLE, "--mesh", "2x2", "--out", tmp_path / "out")
+    assert made.returncode == 0, made.stderr
+    result = run_port("info", tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"{tmp_path / 'out'}: a port output (format 3), 169.5K params in 20 leaves, 678.1 KB"
+    assert lines[1] == "model: port.models.gpt2:GPT2 (model_type 'gpt2')"
+    assert lines[2] == f"mapping: {REPO / 'mappings' / 'gpt2.toml'} (its text is kept in the output)"
+    assert lines[3] == "written on mesh: data=2,model=2"
+    assert "wte                 float32[1021,64]    vocab, embed" in result.stdout
+    assert sum(1 for line in lines if line.startswith(("wte", "wpe", "blocks.", "ln_f."))) == 20
+    one_line(run_port("info", EXAMPLE), f"{EXAMPLE}: not a port output (no port/metadata)")

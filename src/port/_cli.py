@@ -17,6 +17,7 @@ import importlib.abc
 import importlib.machinery
 import json
 import logging
+import math
 import os
 import secrets
 import shutil
@@ -301,6 +302,39 @@ def _patterns(text: str | None) -> list[str] | None:
     if not patterns:
         raise PortError(f"--include {quoted(text, 200)}: expected module paths or patterns, such as wte,blocks")
     return patterns
+
+
+def info_command(args: argparse.Namespace) -> int:
+    """Describe a port output: its model, mapping, source, the mesh it was written on, its leaves."""
+    from ._restore import describe, read_output, written_mesh
+    from ._save import FORMAT
+
+    output = read_output(args.dir)
+    mesh = written_mesh(output)
+    total = sum(leaf.size * leaf.dtype.itemsize for leaf in output.leaves.values())
+    params = sum(leaf.size for leaf in output.leaves.values())
+    heading = [
+        f"{printable(str(args.dir))}: a port output (format {FORMAT}), {count_text(params)} params in "
+        f"{len(output.leaves)} {'leaf' if len(output.leaves) == 1 else 'leaves'}, {size_text(total)}",
+        f"model: {printable(output.mapping.model)}"
+        + (f" (model_type {quoted(output.config['model_type'])})" if "model_type" in output.config else ""),
+        f"mapping: {printable(output.mapping_source)} (its text is kept in the output)",
+        f"written on mesh: {mesh or 'not recorded'}",
+    ]
+    if output.sources is not None:
+        heading.append(f"source: {plural(len(output.sources), 'tensor')}, "
+                       f"{size_text(sum(math.prod(s) * d.itemsize for s, d in output.sources.values()))}")
+    if output.include is not None:
+        heading.append(f"partial: only the leaves matching {', '.join(map(quoted, output.include))}")
+    rows = [(printable(path), describe(leaf.shape, leaf.dtype), ", ".join(a or "-" for a in leaf.axes) or "-",
+             size_text(leaf.size * leaf.dtype.itemsize)) for path, leaf in output.leaves.items()]
+    head = ("leaf", "shape", "axes", "bytes")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
+    lines = [*heading, ""] + [
+        "  ".join([*(c.ljust(w) for c, w in zip(r[:3], widths)), r[3].rjust(widths[3])]).rstrip() for r in [head, *rows]
+    ]
+    show("\n".join(lines) + "\n")
+    return 0
 
 
 def export_command(args: argparse.Namespace) -> int:
@@ -608,6 +642,10 @@ def parser() -> argparse.ArgumentParser:
         help="progress bar (default: on a terminal)",
     )
     run_flags(sub)
+
+    sub = command("info", info_command, "Describe a port convert output DIR: model, mapping, mesh, leaves.",
+                  "Reads only DIR's metadata (bounded, checked, importing nothing), no array.")
+    sub.add_argument("dir", type=Path, metavar="DIR", help="a port convert output")
 
     sub = command("plan", plan_command, "Print how MODEL maps onto the mesh, reading no tensor data.")
     model(sub)

@@ -94,6 +94,7 @@ class Output:
     leaves: dict[str, Leaf]
     sources: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None  # key -> (shape, dtype), in file order
     include: list[str] | None = None  # the patterns of a partial output (its other leaves None)
+    mapping_source: str = ""  # where the mapping was read from when the output was written
 
     @property
     def where(self) -> str:
@@ -227,6 +228,22 @@ def _read_json(directory: Path, path: Path, what: str) -> Any:
         raise OutputError(f"{path}: not valid JSON ({reason})") from None
 
 
+def written_mesh(output: Output) -> str | None:
+    """The mesh the output's arrays were sharded over when written (`data=2,model=2`), as
+    `params/_sharding` records it; None where it does not, or not in the expected form."""
+    try:
+        shardings = _read_json(output.directory, output.params / "_sharding", "the arrays' shardings")
+        first = json.loads(next(iter(shardings.values()))) if isinstance(shardings, dict) and shardings else None
+    except (OutputError, ValueError, TypeError, RecursionError):
+        return None
+    names, sizes = (first or {}).get("axis_names"), (first or {}).get("shape") if isinstance(first, dict) else None
+    if not (isinstance(names, list) and isinstance(sizes, list) and len(names) == len(sizes)
+            and all(isinstance(n, str) and n.isidentifier() for n in names)
+            and all(type(k) is int and k > 0 for k in sizes)):
+        return None
+    return ",".join(f"{n}={k}" for n, k in zip(names, sizes))
+
+
 def read_output(directory: str | os.PathLike) -> Output:
     """Read and check `port/metadata` of the output at `directory`; reads no array.
 
@@ -294,7 +311,7 @@ def read_output(directory: str | os.PathLike) -> Output:
         raise OutputError(f"{where}: 'leaves' is empty")
     sources = _sources(meta["sources"], where) if "sources" in meta else None
     include = _include(meta["include"], where) if "include" in meta else None
-    return Output(directory, mapping, meta["config"], declared, sources, include)
+    return Output(directory, mapping, meta["config"], declared, sources, include, meta["mapping_source"])
 
 
 def _include(value: Any, where: str) -> list[str]:
