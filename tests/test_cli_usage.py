@@ -81,6 +81,14 @@ def test_verify_beyond_the_tolerance_exits_1():
     assert failed.returncode == 1, failed.stdout + failed.stderr
     assert "FAILED (tolerance 1e-12)" in failed.stdout
     assert "Traceback" not in failed.stdout + failed.stderr
+    import json
+
+    as_json = run_port("verify", EXAMPLE, "--tolerance", "1e-12", "--json")  # the same verdict, as docs/cli.md says
+    assert as_json.returncode == 1, as_json.stderr
+    document = json.loads(as_json.stdout)
+    assert list(document) == documented_fields("port.verify/1")
+    assert document["ok"] is False and document["tolerance"] == 1e-12 and 0 < document["max_abs_difference"] < 1e-3
+    assert document["shape"] == [2, 16, 1021] and document["reference"].endswith(".logits")
 
 
 def test_scaffold_module_needs_a_class(tmp_path):
@@ -295,3 +303,57 @@ def test_info_describes_an_output(tmp_path):
     assert "wte                 float32[1021,64]    vocab, embed" in result.stdout
     assert sum(1 for line in lines if line.startswith(("wte", "wpe", "blocks.", "ln_f."))) == 20
     one_line(run_port("info", EXAMPLE), f"{EXAMPLE}: not a port output (no port/metadata)")
+
+
+def documented_fields(schema: str) -> list[str]:
+    """The fields docs/cli.md lists for `schema`, in order (backticked names in its table's first column)."""
+    import re
+
+    text = (REPO / "docs" / "cli.md").read_text()
+    section = text.split(f"`{schema}`", 1)[1].split("\n## ", 1)[0]
+    return [name for row in section.splitlines() if row.startswith("| `")
+            for name in re.findall(r"`(\w+)`", row.split("|")[1])]
+
+
+def test_json_output_is_what_docs_cli_md_says(tmp_path, beside):
+    """Issue 24 row 9: `--json` prints one object whose fields are docs/cli.md's, in its order;
+    errors stay one line on stderr with the same exit status."""
+    import json
+
+    plan = run_port("plan", EXAMPLE, "--mesh", "2x2", "--json")
+    assert plan.returncode == 0, plan.stderr
+    document = json.loads(plan.stdout)
+    assert list(document) == documented_fields("port.plan/1")
+    assert document["mesh"] == {"data": 2, "model": 2} and len(document["leaves"]) == 20
+    assert document["leaves"][0] == {
+        "path": "wte", "shape": [1021, 64], "dtype": "float32", "spec": [None, "data"],
+        "bytes_per_device": 1021 * 64 * 4 // 2, "source": "wte.weight", "stack": [], "transforms": "-",
+        "notes": ["vocab 1021 not divisible by model=2: replicated on model"]}
+    assert document["leaves"][4] == {
+        "path": "blocks.attn.wq", "shape": [2, 64, 4, 16], "dtype": "float32", "spec": [None, "data", "model", None],
+        "bytes_per_device": 8192, "source": "h.{layer}.attn.c_attn.weight", "stack": [2],
+        "transforms": "split(axis=1, parts=3, index=0) > reshape[64, 4, -1]", "notes": []}
+    assert document["params"] == 169536 and document["read_bytes"] == 678144
+
+    check = run_port("check", REPO / "mappings" / "gpt2.toml", EXAMPLE, "--json")
+    assert check.returncode == 0, check.stderr
+    document = json.loads(check.stdout)
+    assert list(document) == documented_fields("port.check/1") and document["ok"] is True
+
+    (beside / "nonorm.py").write_text(NO_FINAL_NORM)
+    (beside / "strict.toml").write_text((REPO / "mappings" / "gpt2.toml").read_text().replace(
+        'model = "port.models.gpt2:GPT2"', 'model = "nonorm:NoNorm"'))
+    failed = run_port("check", "strict.toml", EXAMPLE, "--module", "nonorm:NoNorm", "--json", cwd=beside)
+    one_line(failed, "strict.toml: 4 problems with")
+    document = json.loads(failed.stdout)
+    assert list(document) == documented_fields("port.check/1")[:5] and document["ok"] is False
+    assert len(document["problems"]) == 4 and "lies under 'ln_f', which is None" in document["problems"][0]
+
+    made = run_port("convert", EXAMPLE, "--mesh", "2x2", "--out", tmp_path / "out")
+    assert made.returncode == 0, made.stderr
+    info = run_port("info", tmp_path / "out", "--json")
+    document = json.loads(info.stdout)
+    assert list(document) == documented_fields("port.info/1")
+    assert document["mesh"] == {"data": 2, "model": 2} and document["params"] == 169536
+    assert document["leaves"][0] == {"path": "wte", "shape": [1021, 64], "dtype": "float32", "axes": ["vocab", "embed"],
+                                     "bytes": 1021 * 64 * 4}

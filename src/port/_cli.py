@@ -313,17 +313,27 @@ def info_command(args: argparse.Namespace) -> int:
     mesh = written_mesh(output)
     total = sum(leaf.size * leaf.dtype.itemsize for leaf in output.leaves.values())
     params = sum(leaf.size for leaf in output.leaves.values())
+    sources = None if output.sources is None else {
+        "tensors": len(output.sources), "bytes": sum(math.prod(s) * d.itemsize for s, d in output.sources.values())
+    }
+    if args.json:
+        return _json({
+            "schema": "port.info/1", "directory": str(output.directory), "format": FORMAT, "class": output.mapping.model,
+            "model_type": output.config.get("model_type"), "mapping": output.mapping_source, "mesh": mesh,
+            "params": params, "bytes": total, "source": sources, "include": output.include,
+            "leaves": [{"path": path, "shape": list(leaf.shape), "dtype": leaf.dtype.name, "axes": list(leaf.axes),
+                        "bytes": leaf.size * leaf.dtype.itemsize} for path, leaf in output.leaves.items()],
+        })
     heading = [
         f"{printable(str(args.dir))}: a port output (format {FORMAT}), {count_text(params)} params in "
         f"{len(output.leaves)} {'leaf' if len(output.leaves) == 1 else 'leaves'}, {size_text(total)}",
         f"model: {printable(output.mapping.model)}"
         + (f" (model_type {quoted(output.config['model_type'])})" if "model_type" in output.config else ""),
         f"mapping: {printable(output.mapping_source)} (its text is kept in the output)",
-        f"written on mesh: {mesh or 'not recorded'}",
+        f"written on mesh: {','.join(f'{n}={k}' for n, k in mesh.items()) if mesh else 'not recorded'}",
     ]
-    if output.sources is not None:
-        heading.append(f"source: {plural(len(output.sources), 'tensor')}, "
-                       f"{size_text(sum(math.prod(s) * d.itemsize for s, d in output.sources.values()))}")
+    if sources is not None:
+        heading.append(f"source: {plural(sources['tensors'], 'tensor')}, {size_text(sources['bytes'])}")
     if output.include is not None:
         heading.append(f"partial: only the leaves matching {', '.join(map(quoted, output.include))}")
     rows = [(printable(path), describe(leaf.shape, leaf.dtype), ", ".join(a or "-" for a in leaf.axes) or "-",
@@ -455,8 +465,26 @@ def plan_command(args: argparse.Namespace) -> int:
     with open_checkpoint(args.model) as ckpt:
         mapping = mapping_for(ckpt.config, _mapping_named(args, args.mapping))
         recipe = run_check(mapping, ckpt, args.mesh, args.dtype)
+    if args.json:
+        return _json({
+            "schema": "port.plan/1", "model": _shown(args.model), "class": mapping.model, "mapping": str(mapping.source),
+            "mesh": dict(recipe.mesh_shape), "params": recipe.params, "read_bytes": recipe.read_bytes,
+            "bytes_per_device": recipe.device_bytes, "absent": list(recipe.empty), "excluded": list(recipe.excluded),
+            "ignored": list(recipe.ignored), "tied": [list(pair) for pair in recipe.tied],
+            "leaves": [{
+                "path": leaf.path, "shape": list(leaf.shape), "dtype": leaf.dtype.name,
+                "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec], "bytes_per_device": leaf.device_bytes,
+                "source": leaf.pattern, "stack": list(leaf.stack), "transforms": str(leaf.chain), "notes": list(leaf.notes),
+            } for leaf in recipe.leaves],
+        })
     heading = [f"{_shown(args.model)} -> {mapping.model} on mesh {args.mesh}", f"mapping: {mapping.source}"]
     show(plan_text(recipe, heading, shutil.get_terminal_size((80, 24)).columns))
+    return 0
+
+
+def _json(document: dict) -> int:
+    """Print `document` as port's JSON output (one object, indented, keys in the documented order)."""
+    sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=True) + "\n")
     return 0
 
 
@@ -464,11 +492,20 @@ def check(args: argparse.Namespace) -> int:
     """Check a mapping against a checkpoint and its model, reading no tensor data."""
     from .authoring import check as run_check
 
+    document = {"schema": "port.check/1", "mapping": str(args.mapping), "model": _shown(args.model)}
     try:
         result = run_check(_mapping_named(args, args.mapping), args.model, args.mesh)
     except PlanError as e:
-        show("".join(f"{shortened(printable(problem))}\n" for problem in e.problems))
+        if args.json:
+            _json(document | {"ok": False, "problems": list(e.problems)})
+        else:
+            show("".join(f"{shortened(printable(problem))}\n" for problem in e.problems))
         raise PortError(f"{args.mapping}: {plural(len(e.problems), 'problem')} with {_shown(args.model)}") from None
+    if args.json:
+        return _json(document | {
+            "ok": True, "problems": [], "leaves": len(result.leaves), "params": result.params,
+            "ignored": list(result.ignored), "tied": [list(pair) for pair in result.tied], "absent": list(result.empty),
+        })
     show(
         f"{args.mapping}: ok: {len(result.leaves)} leaves from {_shown(args.model)} ({count_text(result.params)} params), "
         f"{plural(len(result.ignored), 'key')} ignored, {len(result.tied)} tied, {len(result.empty)} optional absent\n"
@@ -485,6 +522,14 @@ def verify(args: argparse.Namespace) -> int:
     result = run_verify(args.model, args.mesh, _mapping_named(args, args.mapping), args.dtype)
     bound = result.tolerance if args.tolerance is None else args.tolerance
     verdict = "ok" if result.max_abs_diff <= bound else "FAILED"
+    if args.json:
+        _json({
+            "schema": "port.verify/1", "model": _shown(args.model), "reference": result.reference, "mesh": args.mesh,
+            "dtype": result.dtype, "shape": list(result.shape), "max_abs_difference": result.max_abs_diff,
+            "max_abs_reference": result.max_abs_reference, "reference_error": result.reference_error,
+            "tolerance": bound, "ok": verdict == "ok",
+        })
+        return 0 if verdict == "ok" else 1
     show(
         f"{_shown(args.model)}: max abs difference {result.max_abs_diff:.3g} vs {result.reference} "
         f"({result.dtype} {list(result.shape)}, max |reference| {result.max_abs_reference:.3g}"
@@ -561,6 +606,10 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("model", metavar="MODEL", help="checkpoint directory or Hugging Face repo id (e.g. gpt2)")
 
     from ._dtypes import CASTS
+
+    def json_flag(sub) -> None:
+        sub.add_argument("--json", action="store_true",
+                         help="print one JSON object instead of text (schemas: docs/cli.md)")
 
     def deadline_flag(sub) -> None:
         sub.add_argument(
@@ -646,16 +695,19 @@ def parser() -> argparse.ArgumentParser:
     sub = command("info", info_command, "Describe a port convert output DIR: model, mapping, mesh, leaves.",
                   "Reads only DIR's metadata (bounded, checked, importing nothing), no array.")
     sub.add_argument("dir", type=Path, metavar="DIR", help="a port convert output")
+    json_flag(sub)
 
     sub = command("plan", plan_command, "Print how MODEL maps onto the mesh, reading no tensor data.")
     model(sub)
     options(sub)
+    json_flag(sub)
 
     sub = command("check", check, "Check a mapping against a checkpoint and its model, reading no tensor data.")
     sub.add_argument("mapping", type=Path, metavar="MAPPING", help="the mapping file to check")
     model(sub)
     sub.add_argument("--mesh", default="1x1", metavar="SPEC", help=MESH_HELP)
     module_flag(sub)
+    json_flag(sub)
 
     sub = command(
         "verify", verify,
@@ -668,6 +720,7 @@ def parser() -> argparse.ArgumentParser:
         "--tolerance", type=float, metavar="X",
         help="largest allowed difference (default: 1e-4, or 2e-2 for 16-bit, x max(1, max |reference|))",
     )
+    json_flag(sub)
 
     sub = command("scaffold", scaffold, "Write a draft mapping pairing MODEL's keys with your module's leaves.")
     model(sub)

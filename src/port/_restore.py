@@ -228,9 +228,9 @@ def _read_json(directory: Path, path: Path, what: str) -> Any:
         raise OutputError(f"{path}: not valid JSON ({reason})") from None
 
 
-def written_mesh(output: Output) -> str | None:
-    """The mesh the output's arrays were sharded over when written (`data=2,model=2`), as
-    `params/_sharding` records it; None where it does not, or not in the expected form."""
+def written_mesh(output: Output) -> dict[str, int] | None:
+    """The mesh the output's arrays were sharded over when written (`{"data": 2, "model": 2}`),
+    as `params/_sharding` records it; None where it does not, or not in the expected form."""
     try:
         shardings = _read_json(output.directory, output.params / "_sharding", "the arrays' shardings")
         first = json.loads(next(iter(shardings.values()))) if isinstance(shardings, dict) and shardings else None
@@ -241,7 +241,7 @@ def written_mesh(output: Output) -> str | None:
             and all(isinstance(n, str) and n.isidentifier() for n in names)
             and all(type(k) is int and k > 0 for k in sizes)):
         return None
-    return ",".join(f"{n}={k}" for n, k in zip(names, sizes))
+    return dict(zip(names, sizes))
 
 
 def read_output(directory: str | os.PathLike) -> Output:
