@@ -155,3 +155,22 @@ def test_check_names_the_entry_that_cannot_be_walked_back(tmp_path):
         "without part [2] it cannot be written back"
     ]
     assert result.stderr.strip() == "port: error: qk.toml: 1 problem with ckpt"
+
+
+def test_a_round_trip_names_the_tensors_that_differ(tmp_path):
+    """`verify(roundtrip=True)`'s comparison: a model whose leaf was changed after converting
+    exports that tensor otherwise, and the round trip names it (and only it, for each layer)."""
+    import equinox as eqx
+
+    from port.authoring._verify import _roundtrip
+
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
+    with port.open_checkpoint(example) as ckpt:
+        mapping = port.mapping_for(ckpt.config)
+        model = port.load(ckpt, mesh="1x1")
+        exact = _roundtrip(model, ckpt, mapping)
+        changed = _roundtrip(eqx.tree_at(lambda m: m.ln_f.weight, model, model.ln_f.weight + 1), ckpt, mapping)
+    assert exact.exact and exact.same == len(ckpt.tensors) and exact.not_written == ()
+    assert not changed.exact and changed.differing == ("transformer.ln_f.weight",) and changed.same == exact.same - 1

@@ -89,6 +89,31 @@ def test_verify_beyond_the_tolerance_exits_1():
     assert list(document) == documented_fields("port.verify/1")
     assert document["ok"] is False and document["tolerance"] == 1e-12 and 0 < document["max_abs_difference"] < 1e-3
     assert document["shape"] == [2, 16, 1021] and document["reference"].endswith(".logits")
+    assert document["padding"] is None and document["roundtrip"] is None
+
+
+def test_verify_pads_sizes_and_round_trips():
+    """Issue 24 row 7: --batch, --length, --padding (the mask to both models, padded positions not
+    compared) and --roundtrip (exported back, every tensor bit for bit) through the command line."""
+    import json
+
+    transformers_or_skip()
+    result = run_port("verify", EXAMPLE, "--batch", "3", "--length", "12", "--padding", "left", "--roundtrip",
+                      "--mesh", "2x2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    first, second = result.stdout.strip().splitlines()
+    assert "(float32 [3, 12, 1021], left-padded, max |reference|" in first and first.endswith("(tolerance 0.0001)")
+    assert ": ok (" in first
+    assert second == f"{EXAMPLE}: round trip: 28 tensors exported back bit for bit: ok"
+    as_json = run_port("verify", EXAMPLE, "--padding", "right", "--roundtrip", "--json")
+    document = json.loads(as_json.stdout)
+    assert as_json.returncode == 0 and list(document) == documented_fields("port.verify/1")
+    assert document["padding"] == "right" and document["roundtrip"] == {"same": 28, "differing": [], "not_written": []}
+    one_line(run_port("verify", EXAMPLE, "--roundtrip", "--dtype", "bfloat16"),
+             "--roundtrip compares bit for bit: drop --dtype bfloat16")
+    for bad in (["--batch", "0"], ["--length", "x"], ["--padding", "middle"]):
+        refused = run_port("verify", EXAMPLE, *bad)
+        assert refused.returncode == 2 and "usage: port verify" in refused.stderr, refused.stderr
 
 
 def test_scaffold_module_needs_a_class(tmp_path):

@@ -519,26 +519,44 @@ def verify(args: argparse.Namespace) -> int:
 
     if args.tolerance is not None and not args.tolerance >= 0:
         raise PortError(f"--tolerance {args.tolerance}: expected a number >= 0")
-    result = run_verify(args.model, args.mesh, _mapping_named(args, args.mapping), args.dtype)
+    if args.roundtrip and args.dtype is not None:
+        raise PortError(f"--roundtrip compares bit for bit: drop --dtype {args.dtype}")
+    result = run_verify(args.model, args.mesh, _mapping_named(args, args.mapping), args.dtype, batch=args.batch,
+                        length=args.length, padding=args.padding, roundtrip=args.roundtrip)
     bound = result.tolerance if args.tolerance is None else args.tolerance
+    trip = result.roundtrip
+    ok = result.max_abs_diff <= bound and (trip is None or trip.exact)
     verdict = "ok" if result.max_abs_diff <= bound else "FAILED"
     if args.json:
         _json({
             "schema": "port.verify/1", "model": _shown(args.model), "reference": result.reference, "mesh": args.mesh,
-            "dtype": result.dtype, "shape": list(result.shape), "max_abs_difference": result.max_abs_diff,
-            "max_abs_reference": result.max_abs_reference, "reference_error": result.reference_error,
-            "tolerance": bound, "ok": verdict == "ok",
+            "dtype": result.dtype, "shape": list(result.shape), "padding": args.padding,
+            "max_abs_difference": result.max_abs_diff, "max_abs_reference": result.max_abs_reference,
+            "reference_error": result.reference_error, "tolerance": bound,
+            "roundtrip": None if trip is None else {
+                "same": trip.same, "differing": list(trip.differing), "not_written": list(trip.not_written)
+            },
+            "ok": ok,
         })
-        return 0 if verdict == "ok" else 1
-    show(
+        return 0 if ok else 1
+    padded = "" if args.padding is None else f", {args.padding}-padded"
+    lines = [
         f"{_shown(args.model)}: max abs difference {result.max_abs_diff:.3g} vs {result.reference} "
-        f"({result.dtype} {list(result.shape)}, max |reference| {result.max_abs_reference:.3g}"
+        f"({result.dtype} {list(result.shape)}{padded}, max |reference| {result.max_abs_reference:.3g}"
         + ("" if result.reference_error is None else
            f", the reference's own {result.dtype} error {result.reference_error:.3g}")
         + ") "
-        f"on mesh {args.mesh}: {verdict} (tolerance {bound:.3g})\n"
-    )
-    return 0 if verdict == "ok" else 1
+        f"on mesh {args.mesh}: {verdict} (tolerance {bound:.3g})"
+    ]
+    if trip is not None:
+        kept = "" if not trip.not_written else f"; {plural(len(trip.not_written), 'key')} not written back (ignored or tied)"
+        if trip.exact:
+            lines.append(f"{_shown(args.model)}: round trip: {plural(trip.same, 'tensor')} exported back bit for bit{kept}: ok")
+        else:
+            lines.append(f"{_shown(args.model)}: round trip: {plural(len(trip.differing), 'tensor')} differ, first "
+                         f"{quoted(trip.differing[0])} ({trip.same} the same){kept}: FAILED")
+    show("\n".join(lines) + "\n")
+    return 0 if ok else 1
 
 
 def _is_draft(path: Path) -> bool:
@@ -720,6 +738,12 @@ def parser() -> argparse.ArgumentParser:
         "--tolerance", type=float, metavar="X",
         help="largest allowed difference (default: 1e-4, or 2e-2 for 16-bit, x max(1, max |reference|))",
     )
+    sub.add_argument("--batch", type=_positive, default=2, metavar="N", help="sequences (or images) compared (default: 2)")
+    sub.add_argument("--length", type=_positive, default=16, metavar="N", help="tokens per sequence (default: 16)")
+    sub.add_argument("--padding", choices=("left", "right"),
+                     help="pad each sequence after the first by more positions, with the attention mask")
+    sub.add_argument("--roundtrip", action="store_true",
+                     help="also export the converted model back and compare every tensor bit for bit")
     json_flag(sub)
 
     sub = command("scaffold", scaffold, "Write a draft mapping pairing MODEL's keys with your module's leaves.")
@@ -739,6 +763,13 @@ def _seconds(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, not {quoted(text, 40)}")
     return value
+
+
+def _positive(text: str) -> int:
+    """A positive integer (argparse's type for --batch, --length)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, not {quoted(text, 40)}")
+    return int(text)
 
 
 def _parse(cli: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:

@@ -18,6 +18,7 @@ class MyViT(eqx.Module):
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +61,7 @@ class Verification:
     dtype: str
     reference: str
     reference_error: float | None = None
+    roundtrip: Roundtrip | None = None
 
     @property
     def tolerance(self) -> float:
@@ -67,6 +69,25 @@ class Verification:
         at least twice `reference_error` (port's run and the reference's each round about that much)."""
         relative = (1e-4 if self.dtype == "float32" else 2e-2) * max(1.0, self.max_abs_reference)
         return max(relative, 2 * self.reference_error) if self.reference_error is not None else relative
+
+
+@dataclass(frozen=True)
+class Roundtrip:
+    """`verify(roundtrip=True)`: the converted model exported back (`port.export`) and compared,
+    tensor by tensor, bit for bit, with the checkpoint it came from.
+
+    - `same`: tensors written back with the checkpoint's exact bytes, name, dtype and shape.
+    - `differing`: the keys written back otherwise (empty when the round trip is exact).
+    - `not_written`: checkpoint keys the export does not write (ignored or tied by the mapping).
+    """
+
+    same: int
+    differing: tuple[str, ...]
+    not_written: tuple[str, ...]
+
+    @property
+    def exact(self) -> bool:
+        return not self.differing
 
 
 def _torch():
@@ -140,6 +161,11 @@ def verify(
     mesh: Mesh | str | dict[str, int] | None = None,
     mapping: str | os.PathLike | Mapping | None = None,
     dtype: str | None = None,
+    *,
+    batch: int = 2,
+    length: int = 16,
+    padding: str | None = None,
+    roundtrip: bool = False,
 ) -> Verification:
     """Convert a checkpoint onto a mesh, run it and the PyTorch reference on the same inputs, compare.
 
@@ -154,6 +180,13 @@ def verify(
     - `mapping`: a `Mapping` or a mapping file naming a `reference`; default: the
       shipped one for `model_type`.
     - `dtype`: cast floating parameters (`"bfloat16"`, ...), and run the reference in it.
+    - `batch`, `length`: the inputs' batch size and sequence length (token inputs).
+    - `padding`: `"left"` or `"right"`: each sequence after the first padded by more
+      positions, given to both models as `attention_mask` (and to a decoder's reference
+      the positions `generate` would give, as port's decoders number them); only
+      positions that are not padding are compared.
+    - `roundtrip`: also export the converted model back (`port.export`, to a temporary
+      directory) and compare every tensor with the checkpoint's, bit for bit (`.roundtrip`).
 
     Returns a `Verification`: `.max_abs_diff`, and its default bound `.tolerance`.
 
@@ -172,6 +205,13 @@ def verify(
 
     if isinstance(mesh, str):
         mesh_shape(mesh)  # a bad spec is told before PyTorch loads
+    for name, value in (("batch", batch), ("length", length)):
+        if type(value) is not int or value < 1:
+            raise PortError(f"{name}={value!r}: expected a positive integer")
+    if padding not in (None, "left", "right"):
+        raise PortError(f"padding={padding!r}: expected 'left' or 'right'")
+    if roundtrip and dtype is not None:
+        raise PortError(f"roundtrip compares bit for bit: it cannot with dtype={dtype!r} (a cast)")
     torch = _torch()
     mesh = as_mesh(mesh)  # before JAX starts: it simulates the CPU devices the mesh needs
     directory = resolve(model)
@@ -181,13 +221,29 @@ def verify(
         if not mapping.reference:
             raise MappingError(f"{mapping.source}: no 'reference' (the PyTorch class to compare with)")
         kind = input_kind(mapping.model_class())
-        inputs = INPUTS[kind](config)  # a bad config is told before converting
+        if kind == "input_ids":  # a bad config is told before converting
+            inputs = input_ids(config, batch, length)
+        else:
+            if padding is not None:
+                raise PortError(f"padding={padding!r}: {mapping.model} takes {kind}, not token ids")
+            inputs = INPUTS[kind](config, batch)
+        mask = None if padding is None else padding_mask(inputs.shape, padding)
+        takes = inspect.signature(mapping.model_class().__call__).parameters
+        if mask is not None and "attention_mask" not in takes:
+            raise PortError(f"padding={padding!r}: {mapping.model} takes no attention_mask")
+        # A decoder numbers a padded batch's positions as transformers' `generate` does (the mask's
+        # cumulative sum, less one); its reference is given the same, which its forward alone would not.
+        positions = None if mask is None or "positions" not in takes else np.where(mask, np.cumsum(mask, -1) - 1, 0)
         converted = convert(ckpt, skeleton(mapping, config), mapping, mesh, dtype=dtype).model
+        written = _roundtrip(converted, ckpt, mapping) if roundtrip else None
     # Full float32 matrix products: an accelerator's default (TF32 on NVIDIA GPUs since Ampere,
     # bfloat16 passes on TPU) differs from PyTorch's CPU float32 by about 1e-2 of the logits,
     # which would hide a wrong mapping at the tolerance verify applies.
     with jax.default_matmul_precision("highest"):
-        ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, inputs))
+        if mask is None:
+            ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, inputs))
+        else:
+            ours = np.asarray(eqx.filter_jit(lambda m, x, a: m(x, attention_mask=a))(converted, inputs, mask))
     reference_cls = import_object(mapping.reference["class"], f"{mapping.source}: reference")
     torch_dtype = getattr(torch, str(ours.dtype)) if str(ours.dtype) in CASTS else torch.float32
     # Eager attention and experts: the reference code as written, in any dtype (torch's grouped
@@ -198,7 +254,9 @@ def verify(
 
     def run() -> np.ndarray:
         with torch.no_grad():
-            return getattr(reference(**{kind: torch.tensor(inputs)}), mapping.reference["output"]).float().numpy()
+            given = {kind: torch.tensor(inputs)} | ({} if mask is None else {"attention_mask": torch.tensor(mask)})
+            given |= {} if positions is None else {"position_ids": torch.tensor(positions)}
+            return getattr(reference(**given), mapping.reference["output"]).float().numpy()
 
     theirs, reference_error = run(), None
     if torch_dtype != torch.float32:  # the reference rounded as port's run is, and how far that is from float32
@@ -208,11 +266,59 @@ def verify(
         reference_error = float(np.abs(theirs - exact).max())
     if theirs.shape != ours.shape:
         raise PortError(f"output shapes differ: port {list(ours.shape)}, {reference_cls.__name__} {list(theirs.shape)}")
+    shape, dtype_name = ours.shape, str(ours.dtype)
+    if mask is not None:  # padding's positions carry no meaning: compared are the others
+        kept = mask.astype(bool)
+        ours, theirs = ours[kept], theirs[kept]
     return Verification(
         float(np.abs(ours.astype(np.float32) - theirs).max()),
         float(np.abs(theirs).max()),
-        ours.shape,
-        str(ours.dtype),
+        shape,
+        dtype_name,
         f"{reference_cls.__name__}.{mapping.reference['output']}",
         reference_error,
+        written,
     )
+
+
+def padding_mask(shape: tuple[int, ...], side: str) -> np.ndarray:
+    """An `attention_mask` for token inputs of `shape` (batch, length): sequence `i` padded by
+    `i * length // (2 * batch)` positions on `side` (the first not at all, none padded whole).
+
+    ```python
+    padding_mask((2, 8), "left")   # [[1 1 1 1 1 1 1 1], [0 0 0 1 1 1 1 1]]
+    ```
+    """
+    batch, length = shape
+    mask = np.ones(shape, np.int64)
+    for i in range(batch):
+        pad = min(length - 1, i * length // (2 * batch) + (1 if i else 0))
+        if pad:
+            mask[i, :pad] = 0 if side == "left" else 1
+            if side == "right":
+                mask[i, length - pad :] = 0
+    return mask
+
+
+def _roundtrip(model, ckpt, mapping: Mapping) -> Roundtrip:
+    """Export `model` to a temporary directory and compare each tensor written with `ckpt`'s."""
+    import tempfile
+    from pathlib import Path
+
+    from .._export import export
+    from .._source import open_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="port-roundtrip-") as temporary:
+        out = export(model, Path(temporary) / "export", ckpt, mapping=mapping)
+        with open_checkpoint(out) as back:
+            same, differing = 0, []
+            for key, info in back.tensors.items():
+                original = ckpt.tensors.get(key)
+                whole = tuple((0, n) for n in info.shape)
+                if (original is None or original.dtype != info.dtype or original.shape != info.shape
+                        or ckpt.read(key, whole).tobytes() != back.read(key, whole).tobytes()):
+                    differing.append(key)
+                else:
+                    same += 1
+            not_written = tuple(sorted(set(ckpt.tensors) - set(back.tensors)))
+    return Roundtrip(same, tuple(differing), not_written)
