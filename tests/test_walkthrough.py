@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "adding-an-architecture.md"
 WALKTHROUGH = REPO / "examples" / "walkthrough"
 SHIPPED = WALKTHROUGH / "tinylm.toml"
-STEPS = ["setup", "scaffold", "check the unedited draft", "edit", "check", "verify", "convert"]
+STEPS = ["setup", "scaffold", "check the unedited draft", "edit", "check", "verify", "convert", "export"]
 
 _script = Path(sys.executable).parent / "port"
 PORT = [str(_script)] if _script.exists() else [sys.executable, "-m", "port"]
