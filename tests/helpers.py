@@ -306,3 +306,30 @@ def write_sparse_checkpoint(directory: Path, config: dict, shapes: dict) -> int:
     size = 8 + len(text) + offset
     os.truncate(path, size)
     return size
+
+
+
+def confirm_checks(path: Path, checkpoint, **kwargs) -> list[str]:
+    """What an author does once each of `port scaffold`'s guesses in the draft at `path` is
+    confirmed: `port.check` first names each `# CHECK` comment left (one problem each, and,
+    as the draft is otherwise right, nothing else); then the comments are deleted. Returns
+    those problems."""
+    import pytest
+
+    import port
+
+    text = path.read_text()
+    marked = [line for line in text.splitlines() if "# CHECK" in line]
+    with pytest.raises(port.PlanError) as caught:
+        port.check(path, checkpoint, **kwargs)
+    problems = list(caught.value.problems)
+    assert len(problems) == len(marked) and all("a CHECK of port scaffold's is still there" in p for p in problems)
+    lines = []
+    for line in text.splitlines():
+        at = line.find("# CHECK")
+        if at < 0:
+            lines.append(line)
+        elif line[:at].strip():
+            lines.append(line[:at].rstrip())
+    path.write_text("\n".join(lines) + "\n")
+    return problems

@@ -143,12 +143,15 @@ def test_the_plan_names_a_missing_expert_and_one_beyond_the_model(workspace):
 
 def test_the_plan_table_shows_the_stack(workspace):
     root, _ = workspace
-    result = run_port("plan", root / "ckpt", "--mapping", root / "experts.toml", "--mesh", "data=2,expert=4", "--json",
-                      "--module", "expertmodel:Experts", cwd=root)
-    if result.returncode == 2:  # no --json: read the table
-        result = run_port("plan", root / "ckpt", "--mapping", root / "experts.toml", "--mesh", "data=2,expert=4,model=1",
-                          "--module", "expertmodel:Experts", cwd=root)
+    args = ("plan", root / "ckpt", "--mapping", root / "experts.toml", "--mesh", "data=2,expert=4,model=1",
+            "--module", "expertmodel:Experts")
+    result = run_port(*args, cwd=root)
     assert "layers.{layer}.experts.{expert}.w1.weight x2 x4" in result.stdout, result.stdout + result.stderr
+    import json
+
+    leaves = json.loads(run_port(*args, "--json", cwd=root).stdout)["leaves"]
+    assert {"source": "layers.{layer}.experts.{expert}.w1.weight", "stack": [2, 4]}.items() <= next(
+        leaf for leaf in leaves if leaf["source"].endswith("w1.weight")).items()
 
 
 def test_a_placeholder_twice_is_refused():

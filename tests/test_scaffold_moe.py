@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import write_checkpoint
+from helpers import confirm_checks, write_checkpoint
 from port._transforms import Reshape, Split
 from port.authoring import check, scaffold
 
@@ -322,6 +322,7 @@ def test_phi3_fused_qkv_of_unequal_parts_is_split_per_head_by_config_names(works
     for index, name in enumerate(["gate", "up"]):
         assert by_path[f"blocks.mlp.{name}"].transforms == (Split(0, index, parts=2),)
 
+    confirm_checks(workspace / "draft.toml", ckpt, mesh="4x2")
     recipe = check(workspace / "draft.toml", ckpt, mesh="4x2")
     assert {leaf.path for leaf in recipe.leaves} == set(phi3_expected(source))
     model = port.load(ckpt, mesh="4x2", mapping=workspace / "draft.toml")
@@ -337,6 +338,7 @@ def test_unequal_parts_without_a_heads_axis_split_by_plain_sizes(workspace):
         "attn.wo": (),
         **{f"attn.{name}": (Split(0, index, sizes=(q, k, k)),) for index, name in enumerate(["wq", "wk", "wv"])},
     }
+    confirm_checks(workspace / "draft.toml", ckpt, mesh="4x2")
     check(workspace / "draft.toml", ckpt, mesh="4x2")
     model = port.load(ckpt, mesh="4x2", mapping=workspace / "draft.toml")
     assert_loads_exactly(model, phi3_expected(source, per_head=False))
