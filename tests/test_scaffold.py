@@ -187,6 +187,8 @@ def test_scaffold_of_gpt2_pairs_all_but_the_fused_attention(gpt2_draft):
     mapping = port.parse_mapping(text, "draft.toml")
     assert mapping.prefixes == ("transformer.",)
     assert mapping.model_types == ("gpt2",)
+    # Issue 24 row 5: the reference comes from config.json's architectures, as the shipped mapping's.
+    assert mapping.reference == port.mapping_for({"model_type": "gpt2"}).reference
     shipped = entries(port.mapping_for({"model_type": "gpt2"}))
     by_path = entries(mapping)
     for path in [

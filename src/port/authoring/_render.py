@@ -15,6 +15,8 @@ port.parse_mapping(text)           # it parses as it is
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping as AnyMapping
+from typing import Any
 
 import numpy as np
 
@@ -66,6 +68,14 @@ def _describe(group: Group) -> str:
     return f"{printable(group.pattern)}{where}  {of}{shape_text(group.shape)} {np.dtype(group.dtype).name}"
 
 
+def _reference(config: AnyMapping[str, Any]) -> str | None:
+    """The `transformers` class that wrote the checkpoint (config.json's first `architectures`), if named plainly."""
+    names = config.get("architectures")
+    if isinstance(names, list) and names and isinstance(names[0], str) and names[0].isidentifier():
+        return names[0]
+    return None
+
+
 def _header(d: Draft) -> list[str]:
     n_unpaired = sum(len(g.keys) for g in d.unpaired)
     lines = [
@@ -83,6 +93,11 @@ def _header(d: Draft) -> list[str]:
         lines.append(f"model_types = {_toml([model_type])}")
     else:
         lines += ["# TODO: config.json has no model_type", "model_types = []"]
+    reference = _reference(d.config)
+    if reference is not None:
+        output = "logits" if "For" in reference or "Head" in reference else "last_hidden_state"  # a task head, or the base
+        lines.append(f'reference = {{ class = {_toml("transformers:" + reference)}, output = {_toml(output)} }}'
+                     "   # config.json's architectures: what `port verify` compares with")
     if d.prefix:
         lines.append(f"prefixes = {_toml([d.prefix])}")
     lines += d.notes
