@@ -4,6 +4,7 @@ Every refusal is one line, exit 1, and leaves every file of a decoy tree (checkp
 the user's own files) exactly as it was.
 """
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -234,7 +235,16 @@ def test_missing_parents_of_out_are_made_and_removed_again_on_failure(tmp_path):
         port.convert(EXAMPLE, out=tmp_path / "p" / "q" / "out", progress=stop)
     assert made == [True] and sorted(p.name for p in tmp_path.iterdir()) == ["a"]  # p/q made, then removed
 
+    report = tmp_path / "r" / "s" / "run.json"  # --report's parents too
+    done = run_port("convert", EXAMPLE, "--out", tmp_path / "a" / "b" / "out2", "--report", report)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(report.read_text())["bytes_read"] > 0
+    draft = run_port("scaffold", EXAMPLE, "--module", "port.models.gpt2:GPT2", "--out", tmp_path / "d" / "e" / "draft.toml")
+    assert draft.returncode == 0 and (tmp_path / "d" / "e" / "draft.toml").is_file(), draft.stderr
     (tmp_path / "file").write_text("not a directory")
     blocked = run_port("convert", EXAMPLE, "--out", tmp_path / "file" / "sub" / "out")
     one_line(blocked, f"--out {tmp_path / 'file' / 'sub' / 'out'}: {tmp_path / 'file'} is a file, not a directory")
+    blocked = run_port("convert", EXAMPLE, "--out", tmp_path / "out3", "--report", tmp_path / "file" / "run.json")
+    one_line(blocked, f"--report {tmp_path / 'file' / 'run.json'}: {tmp_path / 'file'} is a file, not a directory")
+    assert not (tmp_path / "out3").exists()
     assert (tmp_path / "file").read_text() == "not a directory"

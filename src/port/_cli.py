@@ -94,20 +94,30 @@ def _check_file_out(path: Path, force: bool, flag: str, ours: Callable[[Path], b
             raise PortError(f"{flag} {path}: already exists (use --force to replace an earlier {what})")
         if not ours(path):
             raise PortError(f"{flag} {path}: not {what} port wrote; --force replaces only those")
-    if not path.parent.is_dir():
-        raise PortError(f"{flag} {path}: parent directory does not exist")
+    from ._save import existing_ancestor
+
+    base = existing_ancestor(path)  # missing parents are made when the file is written, as `mkdir -p` would
+    if not base.is_dir():
+        raise PortError(f"{flag} {path}: {base} is a file, not a directory")
     return path
 
 
 def _write_file(path: Path, text: str) -> None:
-    """Write `path` whole or not at all: a hidden sibling renamed into place."""
+    """Write `path` whole or not at all: a hidden sibling renamed into place (its missing parents
+    made first, and removed again if the write fails)."""
+    import contextlib
+
+    from ._save import make_parents
+
     partial = path.parent / f".{path.name}.port-partial-{secrets.token_hex(8)}"
-    with claimed(partial), removing(
-        partial, create=lambda p: os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
-    ):
-        partial.write_text(text)
-        with final():
-            os.replace(partial, path)
+    with contextlib.ExitStack() as parents:
+        make_parents(path.parent, parents)
+        with claimed(partial), removing(
+            partial, create=lambda p: os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        ):
+            partial.write_text(text)
+            with final():
+                os.replace(partial, path)
 
 
 class _Beside(importlib.abc.MetaPathFinder):
@@ -217,8 +227,6 @@ def convert(args: argparse.Namespace) -> int:
     _processes(args)  # flags checked before the output's
     layers = _layers(args.layers)
     check_out(args.out, args.force, inputs=(args.model,) if Path(args.model).exists() else ())
-    if args.report is not None and not args.report.absolute().parent.is_dir():
-        raise PortError(f"--report {args.report}: parent directory does not exist")
     if args.report is not None and args.out.absolute() in args.report.absolute().parents:
         raise PortError(f"--report {args.report}: inside --out {args.out}, which port replaces")
     if args.report is not None and args.report.absolute() == args.out.absolute():
