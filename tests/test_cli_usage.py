@@ -328,6 +328,10 @@ def test_info_describes_an_output(tmp_path):
     assert "wte                 float32[1021,64]    vocab, embed" in result.stdout
     assert sum(1 for line in lines if line.startswith(("wte", "wpe", "blocks.", "ln_f."))) == 20
     one_line(run_port("info", EXAMPLE), f"{EXAMPLE}: not a port output (no port/metadata)")
+    for sharding in ('{"d3Rl": "[2, 2]"}', '{"d3Rl": 7}', "[]", '{"d3Rl": "{\\"shape\\": [2], \\"axis_names\\": [1]}"}'):
+        (tmp_path / "out" / "params" / "_sharding").write_text(sharding)  # untrusted: the mesh is then not shown
+        odd = run_port("info", tmp_path / "out")
+        assert odd.returncode == 0 and "written on mesh: not recorded" in odd.stdout, odd.stdout + odd.stderr
 
 
 def documented_fields(schema: str) -> list[str]:

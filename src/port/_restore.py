@@ -236,7 +236,9 @@ def written_mesh(output: Output) -> dict[str, int] | None:
         first = json.loads(next(iter(shardings.values()))) if isinstance(shardings, dict) and shardings else None
     except (OutputError, ValueError, TypeError, RecursionError):
         return None
-    names, sizes = (first or {}).get("axis_names"), (first or {}).get("shape") if isinstance(first, dict) else None
+    if not isinstance(first, dict):
+        return None
+    names, sizes = first.get("axis_names"), first.get("shape")
     if not (isinstance(names, list) and isinstance(sizes, list) and len(names) == len(sizes)
             and all(isinstance(n, str) and n.isidentifier() for n in names)
             and all(type(k) is int and k > 0 for k in sizes)):
