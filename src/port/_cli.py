@@ -347,11 +347,8 @@ def info_command(args: argparse.Namespace) -> int:
     rows = [(printable(path), describe(leaf.shape, leaf.dtype), ", ".join(a or "-" for a in leaf.axes) or "-",
              size_text(leaf.size * leaf.dtype.itemsize)) for path, leaf in output.leaves.items()]
     head = ("leaf", "shape", "axes", "bytes")
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
-    lines = [*heading, ""] + [
-        "  ".join([*(c.ljust(w) for c, w in zip(r[:3], widths)), r[3].rjust(widths[3])]).rstrip() for r in [head, *rows]
-    ]
-    show("\n".join(lines) + "\n")
+    line = _columns([head, *rows])
+    show("\n".join([*heading, "", *map(line, [head, *rows])]) + "\n")
     return 0
 
 
@@ -407,6 +404,16 @@ def _dtype_short(name: str) -> str:
     return name.replace("bfloat", "bf").replace("float", "f").replace("uint", "u").replace("int", "i")
 
 
+def _columns(rows: Sequence[Sequence[str]]) -> Callable[[Sequence[str]], str]:
+    """A row of `rows` as one aligned line: columns two spaces apart, the last (a size) to the right."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join([*(c.ljust(w) for c, w in zip(cells[:-1], widths)), cells[-1].rjust(widths[-1])]).rstrip()
+
+    return line
+
+
 def plan_text(recipe, heading: Sequence[str], width: int) -> str:
     """`port plan`'s output: a row per leaf, its source and notes indented below, within `width` columns."""
     rows = [
@@ -419,12 +426,7 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
         for leaf, row in zip(recipe.leaves, recipe.table())
     ]
     head = ("target", "shape", "spec", "per device")
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(
-            [*(c.ljust(w) for c, w in zip(cells[:3], widths)), cells[3].rjust(widths[3])]
-        ).rstrip()
+    line = _columns([head, *rows])
 
     def wrapped(text: str) -> list[str]:
         return textwrap.wrap(

@@ -169,12 +169,12 @@ def _units(leaves: tuple[LeafPlan, ...]) -> list[list[int]]:
     return units
 
 
-def planned_reads(plan: Plan, shardings: list[NamedSharding]) -> dict[str, set[Region]]:
-    """The regions of each source tensor this process's blocks read (several for one tensor when
-    its blocks, or the leaves cut from it, each need a part)."""
+def planned_reads(plan: Plan, leaf_boxes: list[list[Region]]) -> dict[str, set[Region]]:
+    """The regions of each source tensor this process's blocks (`leaf_boxes`, per leaf) read:
+    several for one tensor when its blocks, or the leaves cut from it, each need a part."""
     reads: dict[str, set[Region]] = {}
-    for leaf, sharding in zip(plan.leaves, shardings):
-        for box in boxes(leaf.shape, sharding):
+    for leaf, found in zip(plan.leaves, leaf_boxes):
+        for box in found:
             region, keys = leaf.source_region(box)
             for key in keys:
                 reads.setdefault(key, set()).add(region)
@@ -245,12 +245,13 @@ def place(
     arrays: dict[str, jax.Array | None] = dict.fromkeys(plan.empty)
     shardings = [NamedSharding(mesh, leaf.spec) for leaf in plan.leaves]
     units = _units(plan.leaves)
-    checkpoint.expect(planned_reads(plan, shardings))
+    leaf_boxes = [boxes(leaf.shape, sharding) for leaf, sharding in zip(plan.leaves, shardings)]
+    checkpoint.expect(planned_reads(plan, leaf_boxes))
     with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:
         pending: deque[tuple[list[dict[Region, np.ndarray]], list[Future]]] = deque()
 
         def submit(u: int) -> None:
-            blocks, reads = plan_reads([(plan.leaves[i], boxes(plan.leaves[i].shape, shardings[i])) for i in units[u]])
+            blocks, reads = plan_reads([(plan.leaves[i], leaf_boxes[i]) for i in units[u]])
             jobs = [band for parts in reads for band in _bands(parts)]
             pending.append((blocks, [pool.submit(read_key, checkpoint, parts) for parts in jobs]))
 

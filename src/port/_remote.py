@@ -94,9 +94,10 @@ REQUESTS = 16
 HTTP_CHUNK = 16 * 2**20
 """Bytes one HTTP request asks for at most."""
 DIRECT = 256 * 2**10
-"""An HTTP answer's piece this large is read straight into its destination; smaller ones through `SCRATCH`."""
+"""Over TLS, an answer's piece this large is read straight into its destination; smaller ones through `SCRATCH`
+(plain HTTP reads every piece straight into its destination, with `readv`)."""
 SCRATCH = 2**20
-"""Bytes of each request thread's buffer for an HTTP answer's small pieces."""
+"""Bytes of each request thread's buffer: a TLS answer's small pieces, a whole multipart answer."""
 MAX_PARTS = 128
 """Byte ranges one HTTP request asks for at most (`Range: bytes=a-b,c-d,...`, answered part by part)."""
 PART = 64 * 2**10
@@ -463,14 +464,13 @@ def _held(response: Any, iov: np.ndarray, body: _Body) -> int:
     held = len(response.fp.peek(1)[: body.wanted])
     data = response.fp.read(held) if held else b""
     body.got(len(data))
-    source = np.frombuffer(data, np.uint8).ctypes.data
-    done = np.cumsum(iov[:, 1])
-    full = int(np.searchsorted(done, len(data), side="right"))
-    _scatter(source, iov[:full])
-    used = len(data) - (int(done[full - 1]) if full else 0)
-    if used:
-        ctypes.memmove(int(iov[full, 0]), source + len(data) - used, used)
-    return _advance(iov, 0, len(iov), len(data))
+    reached = iov[: len(data) + 1].copy()  # the pieces these bytes reach, as they were
+    first = _advance(iov, 0, len(reached), len(data))
+    if first < len(iov):  # the piece not yet full: only its part these bytes fill (maybe none)
+        reached[first, 1] -= iov[first, 1]
+    filled = reached[: first + 1]
+    _scatter(np.frombuffer(data, np.uint8).ctypes.data, filled[filled[:, 1] > 0])
+    return first
 
 
 def _interleave(addresses: np.ndarray) -> int | None:
