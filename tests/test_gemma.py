@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import port
 from helpers import recorded_reads, run_port, transformers_or_skip
-from port._console import size_text
+from port._text import size_text
 from port._errors import ConfigError
 from port.models.gemma import GemmaConfig
 

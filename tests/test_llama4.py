@@ -33,7 +33,7 @@ from helpers import write_sparse_checkpoint
 from test_moe import recipe_for
 
 import port
-from port._console import size_text
+from port._text import size_text
 from port._errors import ConfigError
 from port.models.llama4 import Llama4Config, chunk_mask, rotate_pairs
 from port.nn import next_token_loss, prepare

@@ -30,7 +30,7 @@ from helpers import (
     write_sparse_checkpoint,
     VOCAB, assert_blocks_read_exactly, place_on, run_port_measured, torch_logits, transformers_or_skip,
 )
-from port._console import size_text
+from port._text import size_text
 from port._errors import ConfigError
 from port.models.moe import Moe, MoeConfig
 from port.nn import MoE, next_token_loss, route

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import port
 from helpers import LLAMA_CONFIG, VOCAB, element_bytes, place_on, run_port, torch_llama, torch_logits, transformers_or_skip
-from port._console import count_text, size_text
+from port._text import count_text, size_text
 from port._errors import PortError
 from port.models.llama import Llama, LlamaConfig
 

@@ -27,9 +27,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from ._console import (
-    clear_line, count_text, described, plural, printable, quiet_libraries, quoted, say, show, shortened, size_text, stream
-)
+from ._console import clear_line, quiet_libraries, say, show, stream
+from ._text import count_text, described, plural, printable, quoted, shortened, size_text
 from ._errors import PlanError, PortError
 from ._interrupt import attach, final, hold_signals, removing, supervise
 from ._leftovers import claimed, recover

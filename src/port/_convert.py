@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._console import size_text
+from ._text import size_text
 from ._dtypes import floating
 from ._errors import OutputError, PortError
 from ._fill import fill

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._console import quoted, size_text
+from ._text import quoted, size_text
 from ._convert import Progress
 from ._dtypes import dtype as dtype_named, floating
 from ._errors import CheckpointError, OutputError, PlanError, PortError, RunError

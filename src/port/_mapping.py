@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._console import one_line, quoted
+from ._text import one_line, quoted
 from ._errors import ConfigError, MappingError, PortError
 from ._source import _kind
 from ._transforms import Transform, parse_transform

@@ -51,7 +51,7 @@ def check_host_memory(device_bytes: int, mesh: Any, flag: str) -> None:
     """
     import jax
 
-    from ._console import size_text
+    from ._text import size_text
     from ._errors import PlanError
 
     me = jax.process_index()

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._console import quoted
+from ._text import quoted
 from ._errors import PlanError, PortError
 from ._dtypes import dtype as dtype_named, floating
 from ._mapping import LAYER, Mapping, Param

@@ -53,7 +53,7 @@ from urllib.parse import quote, unquote, urljoin, urlsplit, urlunsplit
 
 import numpy as np
 
-from ._console import described, one_line, quoted
+from ._text import described, one_line, quoted
 from ._errors import CheckpointError
 from ._source import (
     _INDEX,

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from ._console import first_line, one_line, quoted
+from ._text import first_line, one_line, quoted
 from ._dtypes import NAMES, dtype as dtype_named, floating
 from ._errors import OutputError, PortError
 from ._fill import fill

@@ -60,7 +60,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ._console import quoted, say
+from ._console import say
+from ._text import quoted
 from ._errors import PortError, RunError
 from ._store import ENDED as _ENDED, Store, bind_addresses, serve
 

@@ -65,7 +65,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._console import one_line, quoted, size_text
+from ._text import one_line, quoted, size_text
 from ._errors import OutputError, PortError, RunError
 from ._interrupt import final, removing
 from ._leftovers import claimed, recover

@@ -36,7 +36,7 @@ from urllib.parse import unquote, urlsplit
 
 import numpy as np
 
-from ._console import first_line, quoted
+from ._text import first_line, quoted
 from ._dtypes import SAFETENSORS
 from ._errors import CheckpointError, OutputError
 

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._console import one_line, quoted
+from ._text import one_line, quoted
 from ._dtypes import NAMES
 from ._errors import CheckpointError
 from ._source import _CONTROL, _MAX_NBYTES, _MAX_RANK, TensorInfo, _nbytes, _pread_exact, open_regular

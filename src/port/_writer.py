@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from ._console import printable, quoted
+from ._text import printable, quoted
 from ._dtypes import SAFETENSORS
 from ._errors import OutputError, PortError
 from ._source import MAX_HEADER, libc_function

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._console import printable
+from .._text import printable
 from .._mapping import EXPERT, LAYER
 from .._transforms import toml_inline as _toml
 from ._axes import rule_for

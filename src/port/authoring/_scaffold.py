@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .._console import printable, quoted
+from .._text import printable, quoted
 from .._errors import MappingError, PlanError
 from .._mapping import import_object
 from .._plan import layer_groups

@@ -19,7 +19,7 @@ from typing import Any
 import jax
 from jaxtyping import Array
 
-from port._console import quoted
+from port._text import quoted
 from port._errors import ConfigError
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from port._console import quoted
+from port._text import quoted
 from port._errors import ConfigError
 from port.models._config import MAX_LAYERS, check_model_type, get
 from port.models.llama import LlamaConfig, block

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from port._console import quoted
+from port._text import quoted
 from port._errors import ConfigError
 from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, check, get
 from port.nn import MLP, Attention, LayerNorm, Pooler, cast, normal, scan, stacked

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from port._console import quoted
+from port._text import quoted
 from port._errors import ConfigError
 from port.models._config import check
 
