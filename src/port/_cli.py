@@ -30,7 +30,8 @@ from typing import NoReturn
 from ._console import clear_line, quiet_libraries, say, show, stream
 from ._text import count_text, described, plural, printable, quoted, shortened, size_text
 from ._errors import PlanError, PortError
-from ._interrupt import attach, final, hold_signals, removing, supervise
+from ._cleanup import attach, final, removing
+from ._interrupt import hold_signals, supervise
 from ._leftovers import claimed, recover
 
 SCAFFOLD_MARK = "# Draft mapping made by port scaffold"

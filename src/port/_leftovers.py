@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ._interrupt import removing
+from ._cleanup import removing
 
 OWNER = ".owner"  # the claim's suffix: `.OUT.port-partial-TOKEN.owner`
 MAX_OWNER_BYTES = 4096  # an owner file is about 150 bytes

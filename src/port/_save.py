@@ -67,7 +67,7 @@ import numpy as np
 
 from ._text import one_line, quoted, size_text
 from ._errors import OutputError, PortError, RunError
-from ._interrupt import final, removing
+from ._cleanup import final, removing
 from ._leftovers import claimed, recover
 from ._mapping import Mapping
 from ._runtime import exchange, num_processes, run_token
