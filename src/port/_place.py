@@ -22,17 +22,16 @@ arrays["wte"].sharding                  # NamedSharding(mesh, P(None, 'data'))
 
 from __future__ import annotations
 
+import functools
 import math
-import os
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from ._pipeline import ReadAhead
 from ._plan import LeafPlan, Plan
 from ._source import Checkpoint, Region
 
@@ -244,32 +243,20 @@ def place(
     """
     arrays: dict[str, jax.Array | None] = dict.fromkeys(plan.empty)
     shardings = [NamedSharding(mesh, leaf.spec) for leaf in plan.leaves]
-    units = _units(plan.leaves)
     leaf_boxes = [boxes(leaf.shape, sharding) for leaf, sharding in zip(plan.leaves, shardings)]
     checkpoint.expect(planned_reads(plan, leaf_boxes))
-    with ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1)) as pool:
-        pending: deque[tuple[list[dict[Region, np.ndarray]], list[Future]]] = deque()
 
-        def submit(u: int) -> None:
-            blocks, reads = plan_reads([(plan.leaves[i], leaf_boxes[i]) for i in units[u]])
-            jobs = [band for parts in reads for band in _bands(parts)]
-            pending.append((blocks, [pool.submit(read_key, checkpoint, parts) for parts in jobs]))
+    def unit(members: list[int]) -> tuple[tuple[list[int], list[dict[Region, np.ndarray]]], list, int]:
+        """One unit's blocks (allocated now) and its reads, one job per band of a source tensor."""
+        blocks, reads = plan_reads([(plan.leaves[i], leaf_boxes[i]) for i in members])
+        jobs = [functools.partial(read_key, checkpoint, band) for parts in reads for band in _bands(parts)]
+        return (members, blocks), jobs, 0
 
-        try:
-            for u in range(min(AHEAD, len(units))):
-                submit(u)
-            for u, members in enumerate(units):
-                if u + AHEAD < len(units):
-                    submit(u + AHEAD)
-                blocks, futures = pending.popleft()
-                for future in futures:
-                    future.result()
-                for i, leaf_blocks in zip(members, blocks):
-                    array = arrays[plan.leaves[i].path] = assemble(plan.leaves[i].shape, shardings[i], leaf_blocks)
-                    if placed is not None:
-                        placed(plan.leaves[i], array)
-                del blocks, futures
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
+    with ReadAhead(ahead=AHEAD, workers=workers) as ahead:
+        for members, blocks in ahead.run(unit(members) for members in _units(plan.leaves)):
+            for i, leaf_blocks in zip(members, blocks):
+                array = arrays[plan.leaves[i].path] = assemble(plan.leaves[i].shape, shardings[i], leaf_blocks)
+                if placed is not None:
+                    placed(plan.leaves[i], array)
+            del blocks
     return arrays
