@@ -95,24 +95,17 @@ def test_force_refuses_an_output_with_a_link_in_params(decoys, where):
     assert snapshot(decoys) == before and (decoys / "notes" / "todo.txt").read_text() == "mine"
 
 
-def format_1_output(directory: Path, meta: str = '{"format": 1, "leaves": {}}') -> None:
-    """What an earlier port wrote: port.json and params/."""
+def format_1_output(directory: Path, meta: str) -> None:
+    """What port wrote before format 3: port.json and params/."""
     (directory / "params" / "d").mkdir(parents=True)
     (directory / "params" / "_METADATA").write_text("{}")
     (directory / "port.json").write_text(meta)
 
 
-def test_force_replaces_an_output_of_an_earlier_port(tmp_path):
-    format_1_output(tmp_path / "old")
-    result = run_port("convert", EXAMPLE, "--out", tmp_path / "old", "--force")
-    assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == [
-        "_CHECKPOINT_METADATA", "commit_success.txt", "params", "port"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
-
-
-@pytest.mark.parametrize("meta, extra", [('{"format": 1}', "notes.txt"), ('{"format": 2}', None), ("[1]", None)])
+@pytest.mark.parametrize("meta, extra", [('{"format": 1, "leaves": {}}', None), ('{"format": 1}', "notes.txt"),
+                                         ('{"format": 2}', None), ("[1]", None)])
 def test_force_refuses_what_only_looks_like_an_earlier_output(tmp_path, meta, extra):
+    """Port 0.1.0 writes and replaces format 3 only: an output of another format is not one `--force` replaces."""
     format_1_output(tmp_path / "old", meta)
     if extra:
         (tmp_path / "old" / extra).write_text("keep me")
@@ -171,7 +164,7 @@ def tiny():
 def test_a_failed_finalisation_keeps_the_earlier_output(tiny, tmp_path, monkeypatch):
     """The final rename fails (an I/O error) after `--force` moved the earlier output aside: it is put back."""
     import port
-    import port._save
+    import port._output._save
     from port._errors import OutputError
 
     model, mapping, config = tiny
@@ -185,7 +178,7 @@ def test_a_failed_finalisation_keeps_the_earlier_output(tiny, tmp_path, monkeypa
             raise OSError(5, "Input/output error")
         rename(source, target)
 
-    monkeypatch.setattr(port._save.os, "rename", failing)
+    monkeypatch.setattr(port._output._save.os, "rename", failing)
     with pytest.raises(OutputError, match=r"^--out .*: writing the checkpoint failed: Input/output error$"):
         port.save(model, out, mapping, config, force=True)
     assert snapshot(tmp_path) == before
@@ -194,10 +187,10 @@ def test_a_failed_finalisation_keeps_the_earlier_output(tiny, tmp_path, monkeypa
 def test_an_output_another_run_wrote_meanwhile_is_kept(tiny, tmp_path, monkeypatch):
     """Without `--force`, a directory that appears while port writes is never replaced."""
     import port
-    import port._save
+    import port._output._save
     from port._errors import OutputError
 
-    checked = port._save.check_out
+    checked = port._output._save.check_out
 
     def racing(directory, force=False, **kwargs):
         out = checked(directory, force, **kwargs)
@@ -206,7 +199,7 @@ def test_an_output_another_run_wrote_meanwhile_is_kept(tiny, tmp_path, monkeypat
         return out
 
     model, mapping, config = tiny
-    monkeypatch.setattr(port._save, "check_out", racing)
+    monkeypatch.setattr(port._output._save, "check_out", racing)
     with pytest.raises(OutputError, match="another run wrote it meanwhile"):
         port.save(model, tmp_path / "out", mapping, config)
     assert sorted(snapshot(tmp_path)) == ["out", "out/theirs.txt"]

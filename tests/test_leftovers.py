@@ -175,7 +175,7 @@ def test_a_moved_aside_output_is_not_put_back_unless_it_is_a_port_output(tmp_pat
 
 def test_recover_as_a_library_logs_what_it_did(tmp_path, caplog):
     from port._leftovers import recover
-    from port._save import is_output
+    from port._output import is_output
 
     partial = tmp_path / ".gpt2.port-partial-0123456789abcdef"
     partial.mkdir()

@@ -115,7 +115,7 @@ def test_an_output_naming_another_module_is_refused_without_importing_it(out, ev
 
 
 @pytest.mark.parametrize("spec", [
-    "os:system", "port._restore:restore", "port.models._config:MISSING", "port.models.gpt2.evil:Model",
+    "os:system", "port._output:restore", "port.models._config:MISSING", "port.models.gpt2.evil:Model",
     "port.models.evil:Model", "port.models.gpt2:_normal", "port.models.gpt2:jax", "port.models.gpt2:GPT2Config",
     "port.models.gpt2:GPT2\\nport: done",
 ])
@@ -503,8 +503,8 @@ NOT_C = "not stored in C order with '.'-separated chunk names, as port stores ar
 def test_a_damaged_output_is_one_line(out, capfd, monkeypatch, damage, expected):
     """Each refused by one line starting with the file at fault, before the model is built or an array read."""
     calls = []
-    monkeypatch.setattr(port._restore, "_build", lambda *args: calls.append("_build"))
-    monkeypatch.setattr(port._restore, "_read_arrays", lambda *args: calls.append("_read_arrays"))
+    monkeypatch.setattr(port._output._restore, "_build", lambda *args: calls.append("_build"))
+    monkeypatch.setattr(port._output._restore, "_read_arrays", lambda *args: calls.append("_read_arrays"))
     damage(out)
     message = refused(out, capfd, expected)
     assert message.startswith(f"{out}/{expected}"), message
@@ -530,7 +530,7 @@ def test_every_chunk_file_deleted_cut_grown_or_replaced_is_one_line_naming_it(go
     out = Path(shutil.copytree(good[0], tmp_path / "out"))
     expected_logits = logits(port.restore(out, "1x1"))
     reads = []
-    monkeypatch.setattr(port._restore, "_read_arrays", lambda *args: reads.append(args))
+    monkeypatch.setattr(port._output._restore, "_read_arrays", lambda *args: reads.append(args))
     chunks = data_files(out)
     assert len(chunks) == 96 and len({f.parent for f in chunks}) == 20
     for victim in chunks:
@@ -593,8 +593,8 @@ def test_a_chunk_damaged_after_the_checks_is_one_line(out, capfd, monkeypatch, r
     """A chunk cut short, removed or replaced between the checks and the reads: the file that
     is read is the very file checked, or the leaf cannot be read."""
     if read_ahead is not None:
-        monkeypatch.setattr(port._restore, "READ_AHEAD_BYTES", read_ahead)
-    real, opened = port._restore._open_arrays, []
+        monkeypatch.setattr(port._output._restore, "READ_AHEAD_BYTES", read_ahead)
+    real, opened = port._output._restore._open_arrays, []
 
     def open_then_damage(output):
         result = real(output)
@@ -602,7 +602,7 @@ def test_a_chunk_damaged_after_the_checks_is_one_line(out, capfd, monkeypatch, r
         damage(out / "params" / chunk)
         return result
 
-    monkeypatch.setattr(port._restore, "_open_arrays", open_then_damage)
+    monkeypatch.setattr(port._output._restore, "_open_arrays", open_then_damage)
     leaf, name = chunk.split("/")
     message = refused(out, capfd, mesh="1x1")
     assert message.startswith(f"{out}/params: leaf '{leaf}': cannot be read ({name}: {reason}"), message
@@ -646,7 +646,7 @@ def test_a_directory_of_the_output_linked_in_is_refused(out, tmp_path, capfd, na
 def test_a_directory_linked_in_after_the_checks_is_not_followed(out, tmp_path, capfd, monkeypatch, name):
     """Between the checks and the reads, a directory is moved aside and linked back: the very
     files checked, yet not read through the link (each read opens every step with O_NOFOLLOW)."""
-    real = port._restore._open_arrays
+    real = port._output._restore._open_arrays
 
     def open_then_link(output):
         result = real(output)
@@ -654,7 +654,7 @@ def test_a_directory_linked_in_after_the_checks_is_not_followed(out, tmp_path, c
         (out / name).symlink_to(tmp_path / "aside", target_is_directory=True)
         return result
 
-    monkeypatch.setattr(port._restore, "_open_arrays", open_then_link)
+    monkeypatch.setattr(port._output._restore, "_open_arrays", open_then_link)
     message = refused(out, capfd, mesh="1x1")
     assert message == (
         f"{out}/params: leaf 'wte': cannot be read ({out}/{name}: a symbolic link, not a directory of the output: "
@@ -741,20 +741,20 @@ def test_something_else_is_not_a_port_output(good, tmp_path, capfd, what):
     refused(out, capfd, expected)
 
 
-def test_an_output_of_an_earlier_port_is_refused_with_what_to_do(good, tmp_path, capfd):
-    """Format 1 (`port.json` beside `params/`): one line saying to convert again, nothing read."""
+def test_an_output_of_an_earlier_port_is_refused(good, tmp_path, capfd):
+    """Format 1 (`port.json` beside `params/`): not a port output this port reads, one line, nothing read."""
     out = tmp_path / "old"
     out.mkdir()
     shutil.copytree(good[0] / "params", out / "params")
     meta = json.loads((good[0] / "port" / "metadata").read_text())
     (out / "port.json").write_text(json.dumps(meta | {"format": 1}))
-    message = refused(out, capfd, "written by an earlier port (format 1, port.json)")
-    assert message.endswith("this port reads format 3: convert the checkpoint again"), message
+    message = refused(out, capfd)
+    assert message == f"{out}: not a port output (no port/metadata)", message
 
 
 @pytest.mark.parametrize("params", ["port's", "ocdbt", "none"])
-def test_an_output_of_format_2_is_refused_with_what_to_do(good, tmp_path, capfd, params):
-    """Format 2 (the arrays in an OCDBT database): one line saying to convert again, before params/ is looked at."""
+def test_an_output_of_another_format_is_refused_in_one_line(good, tmp_path, capfd, params):
+    """Format 2 (the arrays in an OCDBT database), or any format but 3: one line, before params/ is looked at."""
     import orbax.checkpoint as ocp
 
     out = tmp_path / "old"
@@ -766,12 +766,9 @@ def test_an_output_of_format_2_is_refused_with_what_to_do(good, tmp_path, capfd,
             checkpointer.save(out / "params", args=ocp.args.PyTreeSave({"wte": jnp.ones((101, 64))}))
     edit(out, lambda m: m.update(format=2))
     message = refused(out, capfd)
-    assert message == (
-        f"{out}: written by an earlier port (format 2, arrays in an OCDBT database); this port reads format 3: "
-        "convert the checkpoint again"
-    )
+    assert message == f"{out}/port/metadata: format 2 is not 3, the one this port reads", message
     if params == "port's":  # the command line reading it (`port export`): the same line, exit 1, nothing written
-        one_line(run_port("export", out, "--out", tmp_path / "hf"), "written by an earlier port (format 2")
+        one_line(run_port("export", out, "--out", tmp_path / "hf"), "format 2 is not 3, the one this port reads")
         assert not (tmp_path / "hf").exists()
 
 
@@ -787,16 +784,16 @@ def test_a_bad_output_leaves_stderr_clean_to_the_end(good, tmp_path):
         damage(out)
         outs.append(str(out))
     code = textwrap.dedent(f"""
-        import os, time, port, port._restore
-        real = port._restore._open_arrays
+        import os, time, port, port._output._restore
+        real = port._output._restore._open_arrays
         def open_then_cut(output):  # a chunk cut short after the checks, as another process might
             result = real(output)
             if output.directory.name.startswith("late"):
                 os.truncate(output.directory / "params" / "wte" / "0.1", 100)
             return result
-        port._restore._open_arrays = open_then_cut
+        port._output._restore._open_arrays = open_then_cut
         for out in {outs!r}:
-            port._restore.READ_AHEAD_BYTES = 0 if out.endswith("1") else 1 << 30
+            port._output._restore.READ_AHEAD_BYTES = 0 if out.endswith("1") else 1 << 30
             try:
                 port.restore(out, "1x1")
             except port.PortError as e:
@@ -869,7 +866,7 @@ def test_restore_reads_what_orbax_restores_bit_for_bit(good, monkeypatch, read_a
     import orbax.checkpoint as ocp
 
     if read_ahead is not None:
-        monkeypatch.setattr(port._restore, "READ_AHEAD_BYTES", read_ahead)
+        monkeypatch.setattr(port._output._restore, "READ_AHEAD_BYTES", read_ahead)
     ours = port.restore(good[0], "2x4")
     theirs = ocp.StandardCheckpointer().restore(good[0] / "params")
     flat = {".".join(str(getattr(k, "key", k)) for k in path): a

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from port._staging import Staging
+from port._export._staging import Staging
 
 
 def test_every_write_sees_its_own_bytes_though_the_ring_wraps():

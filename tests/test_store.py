@@ -189,7 +189,7 @@ def test_an_output_missing_a_chunk_is_never_made_final(tmp_path, monkeypatch):
     output's directory (written elsewhere, as the finding's process 1 was made to) stops the
     save with one line, and nothing is left."""
     import port
-    import port._save as save
+    import port._output._save as save
 
     real = save._write_chunk
 

@@ -175,15 +175,15 @@ def test_many_ignored_tensors_convert_to_an_output_that_reads_back(tmp_path, mon
     from safetensors.numpy import load_file
 
     import port
-    import port._restore
-    import port._save
+    import port._output._restore
+    import port._output._save
 
     model = variant(tmp_path / "model", add={
         f"transformer.h.{i}.attn.bias": np.zeros((0,), np.float32) for i in range(2, 20_002)  # ignored by the mapping
     })
     limit = 200_000  # the names of the ignored tensors alone take over 1.3 MB
-    monkeypatch.setattr(port._save, "MAX_METADATA_BYTES", limit)  # one bound, the writer's and the reader's
-    monkeypatch.setattr(port._restore, "MAX_METADATA_BYTES", limit)
+    monkeypatch.setattr(port._output._save, "MAX_METADATA_BYTES", limit)  # one bound, the writer's and the reader's
+    monkeypatch.setattr(port._output._restore, "MAX_METADATA_BYTES", limit)
     out = tmp_path / "out"
     port.convert(model, mesh="1x1", out=out)
     assert (out / "port" / "metadata").stat().st_size < limit
@@ -208,9 +208,9 @@ def test_metadata_restore_would_refuse_is_never_written(tmp_path, monkeypatch, b
     import re
 
     import port
-    import port._save
+    import port._output._save
 
-    monkeypatch.setattr(port._save, bound, value)
+    monkeypatch.setattr(port._output._save, bound, value)
     out = tmp_path / "out"
     with pytest.raises(port.OutputError) as caught:
         port.convert(EXAMPLE, mesh="2x2", out=out)

@@ -167,7 +167,7 @@ def test_walkthrough(tmp_path, monkeypatch):
     tokens, code, output, before = step["verify"]
     assert tokens[:2] == ["port", "verify"] and tokens[tokens.index("--mapping") + 1] == "draft.toml"
     assert before == edited and code == 0 and re.search(r"TinyLM\.logits .*: ok \(tolerance", output), output
-    assert port._save.is_output(work / "tinylm-jax")
+    assert port._output.is_output(work / "tinylm-jax")
     assert not list(tmp_path.rglob("tinylm.toml"))  # the shipped mapping was never needed
 
     # The edited draft is the shipped mapping, comments aside.

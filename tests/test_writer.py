@@ -1,4 +1,4 @@
-"""The safetensors writer of `port export` (`port._writer`): exact bytes, layout, sharding, errors."""
+"""The safetensors writer of `port export` (`port._export._safetensors`): exact bytes, layout, sharding, errors."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from port._dtypes import SAFETENSORS
 from port._errors import OutputError, PortError
 from port._memory import PeakMemory
 from port._source import open_checkpoint
-from port._writer import _LIBRARY_ORDER, INDEX, OutTensor, Writer, file_names, parse_size, shard_files
+from port._export._safetensors import _LIBRARY_ORDER, INDEX, OutTensor, Writer, file_names, parse_size, shard_files
 
 from helpers import GPT2_CONFIG, torch_gpt2
 
@@ -403,7 +403,7 @@ _FULL_DISK = textwrap.dedent(
     from pathlib import Path
     import numpy as np
     from port._errors import OutputError
-    from port._writer import OutTensor, Writer
+    from port._export._safetensors import OutTensor, Writer
 
     directory, when = Path(sys.argv[1]), sys.argv[2]
     tensor = np.arange(1 << 18, dtype=np.float32)  # 1 MiB
@@ -459,8 +459,8 @@ def test_parse_size_refuses(text):
     assert "expected a size" in message
 
 
-def test_parse_size_names_its_flag():
-    one_line_error(lambda: parse_size("x", flag="--chunk"), r"^--chunk x: expected a size", kind=PortError)
+def test_parse_size_names_its_parameter():
+    one_line_error(lambda: parse_size("x", name="chunk"), r"^chunk=x: expected a size", kind=PortError)
 
 
 # ---------------------------------------------------------------------------- memory
@@ -545,7 +545,7 @@ def test_boxes_from_two_writers_make_one_file(tmp_path):
 def test_writeback_starts_as_each_unit_is_written(tmp_path, monkeypatch):
     """Each `_CHUNK` written (and each box's span of the file) is handed to the kernel to write to disk
     at once, not left for the final flush; the bytes are the same as ever."""
-    import port._writer as writer_module
+    import port._disk as writer_module
 
     started = []
     monkeypatch.setattr(writer_module, "_CHUNK", 1000)
@@ -571,7 +571,7 @@ def test_writeback_starts_as_each_unit_is_written(tmp_path, monkeypatch):
 
 
 def test_writeback_is_the_kernels_where_it_has_one():
-    import port._writer as writer_module
+    import port._disk as writer_module
 
     if sys.platform.startswith("linux"):
         assert writer_module._SYNC_FILE_RANGE is not None

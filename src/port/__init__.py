@@ -32,8 +32,8 @@ _EXPORTS = {
     "LeafPlan": "._plan",
     "place": "._place",
     "fill": "._fill",
-    "save": "._save",
-    "restore": "._restore",
+    "save": "._output",
+    "restore": "._output",
     "export": "._export",
     # the whole pipeline, meshes, runs
     "convert": "._convert",

@@ -94,7 +94,7 @@ def _check_file_out(path: Path, force: bool, flag: str, ours: Callable[[Path], b
             raise PortError(f"{flag} {path}: already exists (use --force to replace an earlier {what})")
         if not ours(path):
             raise PortError(f"{flag} {path}: not {what} port wrote; --force replaces only those")
-    from ._save import existing_ancestor
+    from ._destination import existing_ancestor
 
     base = existing_ancestor(path)  # missing parents are made when the file is written, as `mkdir -p` would
     if not base.is_dir():
@@ -107,7 +107,7 @@ def _write_file(path: Path, text: str) -> None:
     made first, and removed again if the write fails)."""
     import contextlib
 
-    from ._save import make_parents
+    from ._destination import make_parents
 
     partial = path.parent / f".{path.name}.port-partial-{secrets.token_hex(8)}"
     with contextlib.ExitStack() as parents:
@@ -222,7 +222,7 @@ def _join(args: argparse.Namespace) -> tuple[int, int, bool]:
 
 def convert(args: argparse.Namespace) -> int:
     """Convert MODEL into a sharded Equinox model and save it with Orbax to --out."""
-    from ._save import check_out
+    from ._output import check_out
 
     _processes(args)  # flags checked before the output's
     layers = _layers(args.layers)
@@ -314,8 +314,7 @@ def _patterns(text: str | None) -> list[str] | None:
 
 def info_command(args: argparse.Namespace) -> int:
     """Describe a port output: its model, mapping, source, the mesh it was written on, its leaves."""
-    from ._restore import describe, read_output, written_mesh
-    from ._save import FORMAT
+    from ._output import FORMAT, describe, read_output, written_mesh
 
     output = read_output(args.dir)
     mesh = written_mesh(output)
@@ -354,9 +353,8 @@ def info_command(args: argparse.Namespace) -> int:
 
 def export_command(args: argparse.Namespace) -> int:
     """Write a `port convert` output back as a Hugging Face checkpoint directory."""
-    from ._export import export
-    from ._restore import read_output, restore
-    from ._writer import parse_size
+    from ._export import export, parse_size
+    from ._output import read_output, restore
 
     parse_size(args.max_shard_size)  # a bad size is told before anything is read
     _processes(args)

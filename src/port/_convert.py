@@ -43,7 +43,8 @@ from ._memory import PeakMemory, check_host_memory
 from ._place import place
 from ._plan import LeafPlan, Plan, partition, plan
 from ._runtime import agree, as_mesh, mesh_spec
-from ._save import Saving, check_out, free_bytes
+from ._destination import free_bytes
+from ._output import Saving, check_out
 from ._skeleton import leaves, skeleton as make_skeleton
 from ._source import Checkpoint, open_checkpoint
 

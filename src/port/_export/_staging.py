@@ -21,12 +21,13 @@ with Staging(capacity=3 * 2**20) as staging:
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+
+from .._pipeline import InFlight
 
 _ALIGN = 64  # bytes: where each buffer starts, a cache line (and any dtype's alignment)
 
@@ -45,7 +46,7 @@ class Staging:
         self.capacity = int(capacity)
         self._ring: np.ndarray | None = None  # allocated on the first take: nothing to hold for no writes
         self._head = 0
-        self._flight: deque[tuple[int, int, Future]] = deque()  # (start, stop, write) in submission order
+        self._flight: InFlight[tuple[int, int]] = InFlight()  # each write, by the bytes (start, stop) it holds
         self._taken: tuple[int, int] | None = None
         self._done = done
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="port-write")
@@ -71,8 +72,9 @@ class Staging:
         start = start if start + nbytes <= self.capacity else 0
         stop = start + nbytes
         while self._flight and self._overlaps(start, stop):
-            self._finish_oldest()
-        self._raise_failed()
+            self._flight.finish_oldest()
+        if (error := self._flight.failed()) is not None:
+            raise error
         self._taken = (start, stop)
         self._head = stop
         return self._ring[start:stop]
@@ -85,12 +87,12 @@ class Staging:
         if buffer.size != stop - start:
             raise ValueError("Staging.submit: not the buffer last taken")
         self._taken = None
-        self._flight.append((start, stop, self._thread.submit(self._run, write, args)))
+        self._flight.add((start, stop), self._thread.submit(self._run, write, args))
 
     def drain(self) -> None:
         """Wait for every write submitted; raises the first that failed."""
         while self._flight:
-            self._finish_oldest()
+            self._flight.finish_oldest()  # re-raises the write's error here, on the caller's thread
 
     def close(self) -> None:
         """Wait for the writes and stop the thread (what `with` does); raises the first write that failed."""
@@ -104,10 +106,8 @@ class Staging:
     def _stop(self) -> None:
         """Cancel what has not started, wait for what has: no write outlives this (the files it writes may close)."""
         self._closed.set()
-        for _, _, write in self._flight:
-            write.cancel()
+        self._flight.cancel()
         self._thread.shutdown(wait=True)
-        self._flight.clear()
         self._ring = None
 
     def _run(self, write: Callable[..., Any], args: tuple) -> Any:
@@ -117,16 +117,7 @@ class Staging:
         return result
 
     def _overlaps(self, start: int, stop: int) -> bool:
-        return any(a < stop and start < b for a, b, _ in self._flight)
-
-    def _finish_oldest(self) -> None:
-        _, _, write = self._flight.popleft()
-        write.result()  # re-raises the write's error here, on the caller's thread
-
-    def _raise_failed(self) -> None:
-        for _, _, write in self._flight:
-            if write.done() and write.exception() is not None:
-                raise write.exception()
+        return any(a < stop and start < b for a, b in self._flight.tags())
 
     def __enter__(self) -> Staging:
         return self

@@ -1,20 +1,8 @@
 """Save: one Orbax checkpoint of the sharded parameters and port's metadata, restorable onto any mesh.
 
-The output is an ordinary Orbax composite checkpoint (port's format 3):
-
-```
-OUT/
-  _CHECKPOINT_METADATA      Orbax: the items and their handlers, timestamps
-  commit_success.txt        Orbax: the checkpoint was finalised
-  params/                   the arrays, as Orbax's PyTree handler stores them without OCDBT:
-    _METADATA                 the tree (each array's path; None leaves), `use_ocdbt: false`
-    _sharding                 each array's NamedSharding, for a restore that names none
-    blocks.attn.wq/           one zarr array per leaf (see `_zarr`): `.zarray` and a chunk
-      .zarray  0.0.0.0 ...    file per block of the mesh it was saved from
-  port/metadata             port's metadata, JSON: the format number (3), the mapping's text and where it
-  port/commit_success.txt   came from, config.json, and each leaf's shape, dtype and logical axes
-```
-
+The output is an ordinary Orbax composite checkpoint, laid out as `_layout` says (port's
+format 3): `params/` (a zarr array per leaf, a chunk file per device block) and `port/`
+(port's metadata: the mapping, config.json, each leaf's shape, dtype and logical axes).
 Stock Orbax restores it without port (`ocp.StandardCheckpointer().restore(OUT / "params")`
 gives the arrays as a nested dict, `ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(OUT)`
 both items); `restore` rebuilds the module from `port/metadata` and shards it for any mesh.
@@ -27,13 +15,13 @@ copied every array to fresh host memory, then wrote through an OCDBT database at
 fraction of the disk's speed: `docs/benchmarks.md`.)
 
 Everything is written into `.OUT.port-partial-TOKEN` beside the target, registered
-with the supervisor as it is created, and renamed into place when complete, so a
-failed or interrupted save leaves nothing behind; with `force`, an earlier output is
-moved aside only at that rename, so until then it stays complete. In a multi-process
-run (joined by `port.initialize`) every process calls `save` with the same directory
-(on a file system they share): process 0 creates it, each process writes the chunks of
-the blocks its devices hold (replica 0 of each), and process 0 writes the metadata
-and renames it into place once all have written.
+with the supervisor as it is created, and renamed into place when complete
+(`_destination`), so a failed or interrupted save leaves nothing behind; with `force`,
+an earlier output is moved aside only at that rename, so until then it stays complete.
+In a multi-process run (joined by `port.initialize`) every process calls `save` with
+the same directory (on a file system they share): process 0 creates it, each process
+writes the chunks of the blocks its devices hold (replica 0 of each), and process 0
+writes the metadata and renames it into place once all have written.
 
 ```python
 save(model, "out/gpt2", mapping, config)
@@ -44,20 +32,14 @@ model = restore("out/gpt2", make_mesh("2x4"))
 from __future__ import annotations
 
 import base64
-import errno
 import contextlib
 import json
 import math
 import os
-import re
-import secrets
-import shutil
-import stat
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from collections.abc import Mapping as AnyMapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -65,281 +47,41 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from ._text import one_line, quoted, size_text
-from ._errors import OutputError, PortError, RunError
-from ._cleanup import final, removing
-from ._leftovers import claimed, recover
-from ._mapping import Mapping
-from ._runtime import exchange, num_processes, run_token
-from ._skeleton import leaves, path_str
-from ._writer import pwrite_all
-from ._zarr import ZARRAY, chunk_count, chunk_name, chunk_shape, grid, zarray
+from .._destination import check_destination, make_partial, partial_path, put_in_place, writing
+from .._disk import sync_directory, write_new
+from .._errors import OutputError, RunError
+from .._mapping import Mapping
+from .._pipeline import InFlight
+from .._runtime import exchange, num_processes
+from .._skeleton import leaves, path_str
+from .._text import quoted, size_text
+from ._layout import (
+    COMMIT_FILE, FORMAT, LEAF_PATH, MAX_METADATA_BYTES, MAX_SOURCES, METADATA, PARAMS, PORT, SHARDING,
+    STEP_METADATA, TREE_METADATA, ZARRAY, chunk_count, chunk_name, chunk_shape, grid, is_output, zarray,
+)
 
-FORMAT = 3
-LEAF_PATH = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*")  # a leaf's name, and its directory in params/
-MAX_METADATA_BYTES = 32 << 20  # port/metadata, params/_METADATA: a few hundred KB for real models
-MAX_SOURCES = 1_000_000  # source tensors port/metadata records: written and read back under the same bounds
-STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's names in a checkpoint it finalised
-COMMIT_FILE = "commit_success.txt"
-PARTS = frozenset({STEP_METADATA, COMMIT_FILE, "params", "port"})  # what `save` writes into an output
-PORT_PARTS = frozenset({"metadata", COMMIT_FILE})  # the JSON item `port/` (Orbax's JsonCheckpointHandler)
-FORMAT_1_PARTS = frozenset({"port.json", "params"})  # what an earlier port wrote
-
-
-def _metadata(path: Path) -> Any:
-    """The JSON object in `path` if it is a regular file of port's metadata size, else None."""
-    try:
-        info = path.lstat()
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_METADATA_BYTES:  # never a FIFO, nor huge
-            return None
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return meta if isinstance(meta, dict) and "format" in meta else None
-
-
-def is_output(directory: str | os.PathLike) -> bool:
-    """Whether `directory` is a port output: exactly the files and directories `save` writes.
-
-    Orbax's `_CHECKPOINT_METADATA` and `commit_success.txt`, the `params/` item, and the
-    `port/` item holding `metadata` (a JSON object with a `format`) and `commit_success.txt`;
-    or what an earlier port wrote (format 1: `port.json` and `params/`), which `--force`
-    may replace too.
-
-    ```python
-    is_output("out/gpt2")      # True once `port convert --out out/gpt2` has finished
-    ```
-    """
-    directory = Path(directory)
-    params = directory / "params"
-    if directory.is_symlink() or not directory.is_dir() or params.is_symlink() or not params.is_dir():
-        return False
-    try:
-        names = {p.name for p in directory.iterdir()}
-    except OSError:
-        return False
-    if names == FORMAT_1_PARTS:
-        meta = _metadata(directory / "port.json")
-        return meta is not None and meta["format"] == 1
-    port = directory / "port"
-    if names != PARTS or port.is_symlink() or not port.is_dir():
-        return False
-    try:
-        items = {p.name for p in port.iterdir()}
-    except OSError:
-        return False
-    meta = _metadata(port / "metadata") if items == PORT_PARTS else None
-    return meta is not None and (meta["format"] != FORMAT or _params_are_ours(params))
-
-
-_PARAMS_FILES = frozenset({"_METADATA", "_sharding", COMMIT_FILE})
-_CHUNK = re.compile(r"[0-9]+(?:\.[0-9]+)*")
-MAX_OUTPUT_ENTRIES = 2_000_000  # files `is_output` looks at before it calls a tree not port's
-
-
-def _params_are_ours(params: Path) -> bool:
-    """Whether `params/` holds only what `save` writes there: Orbax's `_METADATA`, `_sharding` and
-    commit file, and per leaf a directory named by its dotted path holding its `.zarray` and chunk
-    files; every one a regular file or a directory, none a link. (What `--force` would delete.)"""
-    budget = MAX_OUTPUT_ENTRIES
-    try:
-        with os.scandir(params) as top:
-            entries = list(top)
-        for entry in entries:
-            budget -= 1
-            if entry.name in _PARAMS_FILES:
-                if not entry.is_file(follow_symlinks=False):
-                    return False
-                continue
-            if not LEAF_PATH.fullmatch(entry.name) or not entry.is_dir(follow_symlinks=False):
-                return False
-            with os.scandir(entry.path) as leaf:
-                for item in leaf:
-                    budget -= 1
-                    if budget < 0 or not item.is_file(follow_symlinks=False) or not (
-                        item.name == ZARRAY or _CHUNK.fullmatch(item.name)
-                    ):
-                        return False
-    except OSError:
-        return False
-    return budget >= 0
-
-
-_OUTPUT = "a port output (Orbax's checkpoint of params/ and port/ only)"
-
-
-def _inside(path: Path, directory: Path) -> bool:
-    return path == directory or directory in path.parents
+OUTPUT = "a port output (Orbax's checkpoint of params/ and port/ only)"
+"""What `force` may replace at `save`'s directory, as messages say it (see `is_output`)."""
 
 
 def check_out(
-    directory: str | os.PathLike,
-    force: bool = False,
-    inputs: tuple[str | os.PathLike, ...] = (),
-    flag: str = "--out",
-    ours: Callable[[Path], bool] = is_output,
-    what: str = _OUTPUT,
+    directory: str | os.PathLike, force: bool = False, inputs: tuple[str | os.PathLike, ...] = (), name: str = "out"
 ) -> Path:
     """The absolute output path, refusing any target that writing or replacing would harm.
 
-    `force` allows replacing an earlier output of the same kind (`ours`: see
-    `is_output`; `port export` passes its own), and nothing else: not a file, a
-    symlink, a directory holding anything port did not write, the root, the home or
-    working directory or one containing it, nor a directory that is or contains one
-    of `inputs` (the checkpoint being read). Missing parent directories are fine: they
-    are made when writing starts (`make_partial`), and removed again if the run fails.
+    `check_destination` for port's output: `force` replaces only an earlier port output
+    (`is_output`), and never a directory that is or contains one of `inputs`.
 
     ```python
     check_out("out/gpt2", force=True, inputs=("ckpt/gpt2",))   # Path('/abs/out/gpt2')
     ```
     """
-    out = Path(directory).absolute()
-    real = out.resolve()
-    here, home = Path.cwd().resolve(), Path.home().resolve()
-    if real == Path(real.anchor) or real == home or _inside(here, real):
-        what = "the root directory" if real == Path(real.anchor) else "your home directory" if real == home else (
-            "the working directory" if real == here else "a directory containing the working directory"
-        )
-        raise OutputError(f"{flag} {out}: is {what}; port writes its output into a new directory")
-    for name in inputs:
-        source = Path(name).resolve()
-        if _inside(source, real):
-            what = "is" if source == real else "contains"
-            raise OutputError(f"{flag} {out}: {what} the input {name}; choose another directory")
-    if out.parent.is_dir():
-        recover(out, ours)  # what a killed run left beside it: removed, or the earlier output put back
-    if out.is_symlink():
-        raise OutputError(f"{flag} {out}: is a symbolic link; give the directory itself")
-    if out.exists():
-        if not out.is_dir():
-            raise OutputError(f"{flag} {out}: is a file, not a directory; port will not replace it")
-        if not force:
-            raise OutputError(f"{flag} {out}: already exists (use --force to replace an earlier port output)")
-        if not ours(out):
-            raise OutputError(f"{flag} {out}: not {what}; --force replaces only a directory port wrote")
-    base = existing_ancestor(out)  # missing parents are made when writing starts, as `mkdir -p` would
-    if not base.is_dir():
-        raise OutputError(f"{flag} {out}: {base} is a file, not a directory")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise OutputError(f"{flag} {out}: cannot write in {base} (read-only or not permitted)")
-    return out
-
-
-def existing_ancestor(path: Path) -> Path:
-    """The nearest ancestor of `path` that exists (its parent, when that exists)."""
-    parent = path.parent
-    while not os.path.lexists(parent) and parent != parent.parent:
-        parent = parent.parent
-    return parent
-
-
-def make_parents(directory: Path, cleanup: contextlib.ExitStack) -> None:
-    """Make `directory` and its missing ancestors, as `mkdir -p` does; when `cleanup` closes, each
-    one made here is removed again if it is empty (the run failed before its output was in
-    place), deepest first. Never through a symbolic link made meanwhile: one `mkdir` per level."""
-    missing = []
-    while not os.path.lexists(directory) and directory != directory.parent:
-        missing.append(directory)
-        directory = directory.parent
-    for made in reversed(missing):
-        try:
-            os.mkdir(made)
-        except FileExistsError:  # another process of the run, or another run, made it meanwhile
-            if not made.is_dir() or made.is_symlink():
-                raise OutputError(f"{made}: appeared meanwhile and is not a directory") from None
-            continue
-        cleanup.callback(_remove_if_empty, made)
-
-
-def _remove_if_empty(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        os.rmdir(directory)
-
-
-def _reason(error: BaseException) -> str:
-    """What went wrong, briefly: the operating system's words when the error carries its code."""
-    text = str(error)
-    code = re.search(r"os_error_code='?(\d+)", text)
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    if code:
-        return os.strerror(int(code.group(1)))
-    return one_line((text.strip().splitlines() or [type(error).__name__])[0], 200)
-
-
-def free_bytes(directory: str | os.PathLike) -> int:
-    """Bytes free for an unprivileged writer on the file system that will hold `directory`."""
-    return shutil.disk_usage(existing_ancestor(Path(directory).absolute())).free
-
-
-def _remove_if_made(path: Path, made: os.stat_result) -> None:
-    """Remove the directory `path` if it is still the one made here (not one put there since it was renamed)."""
-    try:
-        now = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if (now.st_dev, now.st_ino) == (made.st_dev, made.st_ino):
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def make_partial(partial: Path, cleanup: contextlib.ExitStack) -> None:
-    """Create `partial`, the directory a run writes its output into, registered with the supervisor.
-
-    Never an existing directory nor through a symlink (a one-line `OutputError` if
-    something is there). When `cleanup` closes, it is removed unless it was renamed into
-    place meanwhile: only the directory made here, never one found at that name later.
-    An interrupt removes it through the supervisor (`removing`).
-
-    ```python
-    with contextlib.ExitStack() as cleanup:
-        make_partial(out.parent / f".{out.name}.port-partial-{token}", cleanup)
-    ```
-    """
-    make_parents(partial.parent, cleanup)
-    try:
-        cleanup.enter_context(claimed(partial))  # the owner file first: removed after the directory
-        cleanup.enter_context(removing(partial, create=os.mkdir))
-    except FileExistsError:
-        raise OutputError(f"{partial}: exists; port writes only into a directory it creates") from None
-    cleanup.callback(_remove_if_made, partial, os.lstat(partial))
-
-
-@contextlib.contextmanager
-def replacing(
-    directory: Path, force: bool, ours: Callable[[Path], bool] = is_output, what: str = _OUTPUT
-) -> Iterator[None]:
-    """Around the caller's rename of its finished output to `directory`: the earlier output makes way.
-
-    With `force`, an earlier output there (`check_out` again, with `ours`: still one
-    port wrote, as when the run began) is moved aside first, put back if the block
-    fails, and removed once the new one is in place. No interrupt is acted on until
-    the block is done.
-
-    ```python
-    with replacing(out, force):
-        os.rename(partial, out)
-    ```
-    """
-    aside = directory.parent / f".{directory.name}.port-old-{secrets.token_hex(4)}"
-    with contextlib.ExitStack() as claim, removing(aside):
-        with final():
-            if force and os.path.lexists(directory):
-                check_out(directory, force, ours=ours, what=what)
-                claim.enter_context(claimed(aside))  # its owner file: made first, removed last
-                os.rename(directory, aside)
-            try:
-                yield
-            finally:
-                if os.path.lexists(aside) and not os.path.lexists(directory):
-                    os.rename(aside, directory)
-        if os.path.lexists(aside):
-            shutil.rmtree(aside)
+    return check_destination(directory, force, inputs, ours=is_output, what=OUTPUT, name=name)
 
 
 _PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
 _JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
 WORKERS = 4  # threads writing chunk files: enough to keep a disk and the page cache busy
-_OPEN_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 def _key(entry: Any) -> dict[str, Any]:
@@ -387,41 +129,10 @@ def _tree_metadata(arrays: list, nones: list[list[dict[str, Any]]], chunks: dict
     }
 
 
-def _write_new(path: Path, data: bytes | memoryview) -> None:
-    """Create `path` (never an existing file, nor through a link) holding `data`, flushed to disk.
-
-    The kernel is asked to start writing each 64 MB to disk as soon as it is written
-    (`pwrite_all`), so the final flush finds little left. An `OSError` names `path`.
-    """
-    try:
-        fd = os.open(path, _OPEN_NEW, 0o644)
-        try:
-            pwrite_all(fd, memoryview(data).cast("B"), 0)
-            getattr(os, "fdatasync", os.fsync)(fd)
-        finally:
-            os.close(fd)
-    except OSError as e:
-        raise OSError(e.errno, e.strerror or str(e), str(path)) from None
-
-
 def _write_small(path: Path, data: bytes) -> int:
-    """`_write_new` of a metadata file: no array bytes written (0, for the count)."""
-    _write_new(path, data)
+    """`write_new` of a metadata file: no array bytes written (0, for the count)."""
+    write_new(path, data)
     return 0
-
-
-def _sync_directory(path: Path) -> None:
-    """Flush `path`'s entries to disk, where the file system can."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot sync a directory; the files themselves are flushed
-    finally:
-        os.close(fd)
 
 
 def _write_chunk(path: Path, shard: Any, chunks: tuple[int, ...]) -> int:
@@ -436,7 +147,7 @@ def _write_chunk(path: Path, shard: Any, chunks: tuple[int, ...]) -> int:
         padded = np.zeros(chunks, data.dtype)
         padded[tuple(slice(0, n) for n in data.shape)] = data
         data = padded
-    _write_new(path, np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+    write_new(path, np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
     return data.nbytes
 
 
@@ -444,7 +155,7 @@ def _checkpoint_metadata(started: int) -> bytes:
     """`_CHECKPOINT_METADATA`: Orbax's record of a composite checkpoint's items, their handlers and its times."""
     return json.dumps({
         "init_timestamp_nsecs": started,
-        "item_handlers": {"params": _PYTREE_HANDLER, "port": _JSON_HANDLER},
+        "item_handlers": {PARAMS: _PYTREE_HANDLER, PORT: _JSON_HANDLER},
         "custom_metadata": {},
         "commit_timestamp_nsecs": time.time_ns(),
     }).encode()
@@ -474,21 +185,22 @@ class Saving:
     **Arguments:**
 
     - `directory`: the output, as `check_out` returned it.
-    - `force`: at `finish`, replace an earlier port output there (see `replacing`).
+    - `force`: at `finish`, replace an earlier port output there (see `put_in_place`).
     - `progress`: called with (bytes written, bytes to write so far) as each chunk file is
       written, on the thread that adds or finishes; `leaves_written` counts the leaves done.
     - `workers`: threads writing chunk files.
+    - `name`: the caller's parameter naming the output, as messages name it (`out=...: ...`).
     """
 
     def __init__(
         self, directory: Path, force: bool = False, progress: Callable[[int, int], None] | None = None,
-        workers: int = WORKERS,
+        workers: int = WORKERS, name: str = "out",
     ):
-        self.directory, self.force, self.progress = directory, force, progress
+        self.directory, self.force, self.progress, self.name = directory, force, progress, name
         self.me, self.processes = jax.process_index(), jax.process_count()
         if self.processes > 1 and num_processes() is None:
             raise RunError("port save in several processes needs the run joined by port.initialize (or port's flags)")
-        self.partial = directory.parent / f".{directory.name}.port-partial-{run_token()}"
+        self.partial = partial_path(directory)
         self.started = time.time_ns()
         self.written = self.total = self._held = 0
         self.leaves_written = 0  # leaves whose every file this process writes is written
@@ -496,7 +208,7 @@ class Saving:
         self._adding: str | None = None  # the leaf `add` is queueing files of (not done before that ends)
         self._budget = 0  # host bytes of accelerator blocks in flight: the largest array added
         self._chunks: dict[str, tuple[int, ...]] = {}
-        self._pending: deque[tuple[Future, int, str]] = deque()
+        self._pending: InFlight[tuple[int, str]] = InFlight()  # per file: (host bytes it holds, its leaf)
         self._pool: ThreadPoolExecutor | None = None
         self._cleanup = contextlib.ExitStack()
         self._finished = False
@@ -504,36 +216,28 @@ class Saving:
             with self._failing():
                 if self.me == 0:
                     make_partial(self.partial, self._cleanup)
-                    os.mkdir(self.partial / "params")
-                    os.mkdir(self.partial / "port")
+                    os.mkdir(self.partial / PARAMS)
+                    os.mkdir(self.partial / PORT)
                 exchange("save-created", "", "word that the output's directory exists")
         except BaseException:
             self._cleanup.close()
             raise
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="port-save")
 
-    @contextlib.contextmanager
-    def _failing(self) -> Iterator[None]:
+    def _failing(self) -> contextlib.AbstractContextManager[None]:
         """An `OSError` within becomes one `OutputError` line naming the output (and the file, inside it)."""
-        try:
-            yield
-        except PortError:
-            raise
-        except OSError as e:
-            inside = e.filename and self.partial in Path(e.filename).parents
-            where = f" ({Path(e.filename).relative_to(self.partial)})" if inside else ""
-            raise OutputError(f"--out {self.directory}: writing the checkpoint failed: {_reason(e)}{where}") from None
+        return writing(self.directory, self.partial, "the checkpoint", self.name)
 
     def add(self, path: str, array: jax.Array) -> None:
         """Start writing `array`, the leaf at dotted module path `path`: its `.zarray` (process 0)
         and a chunk file per block this process holds (replica 0), chunked as the array is sharded.
         Raises the error of an earlier write that failed."""
         if not LEAF_PATH.fullmatch(path):
-            raise OutputError(f"--out {self.directory}: leaf {quoted(path)} is not named by a dotted module path")
+            raise OutputError(f"{self.name}={self.directory}: leaf {quoted(path)} is not named by a dotted module path")
         if path in self._chunks:
             raise ValueError(f"leaf '{path}' added twice")
         chunks = self._chunks[path] = chunk_shape(array.shape, array.sharding.shard_shape(array.shape))
-        folder = self.partial / "params" / path
+        folder = self.partial / PARAMS / path
         nbytes = math.prod(chunks) * array.dtype.itemsize
         self._budget = max(self._budget, array.nbytes)
         self._left[path], self._adding = 0, path
@@ -542,27 +246,27 @@ class Saving:
             if self.me == 0:  # written (and flushed) by the pool too: this thread goes on placing
                 text = json.dumps(zarray(array.shape, chunks, array.dtype)).encode()
                 self._left[path] += 1
-                self._pending.append((self._pool.submit(_write_small, folder / ZARRAY, text), 0, path))
+                self._pending.add((0, path), self._pool.submit(_write_small, folder / ZARRAY, text))
             for shard in array.addressable_shards if array.size else ():
                 if shard.replica_id != 0:
                     continue
                 start = tuple(s.indices(n)[0] for s, n in zip(shard.index, array.shape))
                 file = folder / chunk_name(tuple(a // c for a, c in zip(start, chunks)))
                 host = nbytes if shard.device.platform != "cpu" else 0  # CPU blocks are written without a copy
-                while self._pending and (self._pending[0][0].done() or len(self._pending) >= 64
+                while self._pending and (self._pending.oldest_done() or len(self._pending) >= 64
                                          or host and self._held + host > self._budget):
                     self._finish_oldest()
                 self.total += nbytes
                 self._held += host
                 self._left[path] += 1
-                self._pending.append((self._pool.submit(_write_chunk, file, shard, chunks), host, path))
+                self._pending.add((host, path), self._pool.submit(_write_chunk, file, shard, chunks))
         self._adding = None
         if not self._left[path]:  # all written already, or nothing of it is this process's to write
             self.leaves_written += 1
 
     def _finish_oldest(self) -> None:
-        future, host, path = self._pending.popleft()
-        self.written += future.result()
+        (host, path), (wrote,) = self._pending.finish_oldest()
+        self.written += wrote
         self._held -= host
         self._left[path] -= 1
         if not self._left[path] and path != self._adding:
@@ -597,7 +301,7 @@ class Saving:
                 )
                 if sum(int(n) for n in counts.values()) != expected:
                     raise OutputError(
-                        f"--out {self.directory}: the processes wrote {counts}, not the {expected} bytes laid out"
+                        f"{self.name}={self.directory}: the processes wrote {counts}, not the {expected} bytes laid out"
                     )
                 self._check_written(arrays)
                 self._commit(arrays, nones, _metadata_of(arrays, mapping, config, sources, include))
@@ -615,7 +319,7 @@ class Saving:
             chunks = self._chunks[path]
             size = math.prod(chunks) * array.dtype.itemsize
             names = {chunk_name(index) for index in grid(array.shape, chunks)}
-            with os.scandir(self.partial / "params" / path) as entries:
+            with os.scandir(self.partial / PARAMS / path) as entries:
                 found = {e.name: e for e in entries if e.name != ZARRAY}
             missing = sorted(names - set(found))
             wrong = sorted(n for n in names & set(found)
@@ -624,7 +328,9 @@ class Saving:
                 what = (f"{len(missing)} of its {len(names)} chunk files are missing (first {missing[0]})" if missing
                         else f"chunk file {wrong[0]} is not a regular file of {size} bytes" if wrong
                         else "it holds files that are not its chunks")
-                raise OutputError(f"--out {self.directory}: leaf {quoted(path)}: {what}; the output is not complete")
+                raise OutputError(
+                    f"{self.name}={self.directory}: leaf {quoted(path)}: {what}; the output is not complete"
+                )
 
     def _commit(self, arrays: list, nones: list, meta: dict[str, Any]) -> None:
         """Process 0: the metadata files, every directory flushed, and the rename into place."""
@@ -632,27 +338,20 @@ class Saving:
         sharding = {base64.b64encode(p.encode()).decode(): text
                     for p, _, a in arrays if (text := _sharding_text(a)) is not None}
         files = {
-            "params/_METADATA": json.dumps(_tree_metadata(arrays, nones, self._chunks)).encode(),
-            "params/_sharding": json.dumps(sharding).encode(),
-            "params/" + COMMIT_FILE: _commit_text(partial / "params"),
-            "port/metadata": json.dumps(meta).encode(),
-            "port/" + COMMIT_FILE: _commit_text(partial / "port"),
+            TREE_METADATA: json.dumps(_tree_metadata(arrays, nones, self._chunks)).encode(),
+            SHARDING: json.dumps(sharding).encode(),
+            f"{PARAMS}/{COMMIT_FILE}": _commit_text(partial / PARAMS),
+            METADATA: json.dumps(meta).encode(),
+            f"{PORT}/{COMMIT_FILE}": _commit_text(partial / PORT),
             STEP_METADATA: _checkpoint_metadata(self.started),
             COMMIT_FILE: _commit_text(self.directory),
         }
-        _check_readable(self.directory, meta, files["port/metadata"], files["params/_METADATA"], len(nones))
-        list(self._pool.map(lambda item: _write_new(partial / item[0], item[1]), files.items()))
-        list(self._pool.map(_sync_directory, [partial / "params" / p for p in self._chunks]))
-        for name in ("params", "port", ""):
-            _sync_directory(partial / name)
-        with replacing(self.directory, self.force):
-            try:
-                os.rename(partial, self.directory)
-            except OSError as e:
-                if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise OutputError(f"--out {self.directory}: another run wrote it meanwhile") from None
-                raise
-        _sync_directory(self.directory.parent)
+        _check_readable(f"{self.name}={self.directory}", meta, files[METADATA], files[TREE_METADATA], len(nones))
+        list(self._pool.map(lambda item: write_new(partial / item[0], item[1]), files.items()))
+        list(self._pool.map(sync_directory, [partial / PARAMS / p for p in self._chunks]))
+        for name in (PARAMS, PORT, ""):
+            sync_directory(partial / name)
+        put_in_place(partial, self.directory, self.force, ours=is_output, what=OUTPUT, name=self.name)
 
     def __enter__(self) -> Saving:
         return self
@@ -665,26 +364,26 @@ class Saving:
             self._cleanup.close()
 
 
-def _check_readable(directory: Path, meta: dict[str, Any], port_meta: bytes, tree_meta: bytes, nones: int) -> None:
+def _check_readable(output: str, meta: dict[str, Any], port_meta: bytes, tree_meta: bytes, nones: int) -> None:
     """Refuse, before any metadata file is written (the partial output then removed), metadata
     that `restore` would refuse to read back under its bounds, which are these: `port/metadata`
     or `params/_METADATA` over `MAX_METADATA_BYTES`, more than `MAX_SOURCES` source tensors.
-    The one line says which file, how large, and what in it is large."""
+    The one line names the `output` (`out=DIR`) and says which file, how large, and what in it is large."""
     sources = meta.get("sources") or {}
     if len(sources) > MAX_SOURCES:
         raise OutputError(
-            f"--out {directory}: port/metadata would record {len(sources)} source tensors, more than restore "
+            f"{output}: port/metadata would record {len(sources)} source tensors, more than restore "
             f"reads back ({MAX_SOURCES} at most); the output is not written"
         )
     counts = {"leaves": f"{len(meta['leaves'])} leaves", "sources": f"{len(sources)} tensors",
               "include": f"{len(meta.get('include') or ())} patterns"}
     for name, data, why in [
-        ("port/metadata", port_meta, lambda: _largest_field(meta, counts)),
-        ("params/_METADATA", tree_meta, lambda: f"{len(meta['leaves'])} arrays and {nones} None leaves"),
+        (METADATA, port_meta, lambda: _largest_field(meta, counts)),
+        (TREE_METADATA, tree_meta, lambda: f"{len(meta['leaves'])} arrays and {nones} None leaves"),
     ]:
         if len(data) > MAX_METADATA_BYTES:
             raise OutputError(
-                f"--out {directory}: {name} would be {len(data)} bytes ({size_text(len(data))}), more than restore "
+                f"{output}: {name} would be {len(data)} bytes ({size_text(len(data))}), more than restore "
                 f"reads back ({MAX_METADATA_BYTES} at most; {why()}); the output is not written"
             )
 
@@ -777,8 +476,8 @@ def save(
         save(model, "gpt2-jax", port.mapping_for(ckpt.config), ckpt.config)
     ```
     """
-    directory = check_out(directory, force)
-    with Saving(directory, force, progress) as saving:
+    directory = check_out(directory, force, name="directory")
+    with Saving(directory, force, progress, name="directory") as saving:
         for path, array in leaves(eqx.filter(model, lambda leaf: isinstance(leaf, jax.Array))).items():
             saving.add(path, array)
         return saving.finish(model, mapping, config, sources, include)

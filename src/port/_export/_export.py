@@ -1,13 +1,11 @@
 """Export: the way back, a sharded model -> a Hugging Face directory, by the same mapping.
 
-The forward plan says, for every leaf, which source tensors, which transforms and which
-layer made it; `invert` walks it backwards. Every source tensor becomes one output
-tensor (a fused `c_attn` or `qkv_proj` from all of its parts, a stacked leaf one tensor
-per layer), with the source's name, shape and dtype; ignored buffers and tied
-duplicates are not written, as `save_pretrained` leaves them out. Each tensor is
-assembled on the host from the device shards that hold it (a replicated block once),
-inverted, and written at its offset in its file by a background thread while the next
-is assembled, in a fixed ring of host memory (`Staging`, 1.25x the largest tensor).
+The plan is walked backwards (`_invert`): every source tensor becomes one output tensor,
+with the source's name, shape and dtype. Each is assembled on the host from the device
+shards that hold it (a replicated block once, `_blocks`), inverted, and written at its
+offset in its safetensors file (`_safetensors`) by a background thread while the next
+is assembled, in a fixed ring of host memory (`_staging`, 1.25x the largest tensor).
+In a multi-process run each process writes the blocks its devices hold.
 
 ```python
 model = port.load("gpt2", mesh="4x2")
@@ -17,7 +15,8 @@ port.export(port.restore("gpt2-jax"), "gpt2-hf", "gpt2-jax", force=True)
 ```
 
 The output directory is written under a hidden temporary name and renamed into place
-when complete, as `port convert`'s is: a failed or interrupted export leaves nothing.
+when complete (`_destination`), as `port convert`'s is: a failed or interrupted export
+leaves nothing.
 """
 
 from __future__ import annotations
@@ -28,219 +27,31 @@ import math
 import os
 import threading
 from collections.abc import Callable, Mapping as AnyMapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from ._text import quoted, size_text
-from ._convert import Progress
-from ._dtypes import dtype as dtype_named, floating
-from ._errors import CheckpointError, OutputError, PlanError, PortError, RunError
-from ._mapping import Mapping, mapping_for
-from ._plan import LeafPlan, Plan, _is_none, plan
-from ._runtime import exchange, num_processes, run_token
-from ._save import check_out, free_bytes, make_partial, replacing
-from ._skeleton import leaves, skeleton
+from .._convert import Progress
+from .._destination import check_destination, check_free, make_partial, partial_path, put_in_place, writing
+from .._dtypes import dtype as dtype_named
+from .._errors import CheckpointError, OutputError, PlanError, PortError, RunError
+from .._mapping import Mapping, mapping_for
+from .._output import read_output
+from .._plan import _is_none, plan
+from .._runtime import exchange, num_processes
+from .._skeleton import leaves, skeleton
+from .._source import Checkpoint, TensorInfo, open_checkpoint, raw_header
+from .._text import quoted
+from ._blocks import Block, block_data, blocks, extent, gather, local_shards
+from ._invert import Inverse, invert
+from ._safetensors import INDEX, SINGLE, Writer, parse_size
 from ._staging import Staging
-from ._source import Checkpoint, TensorInfo, open_checkpoint, raw_header
-from ._writer import OutTensor, Writer, parse_size
 
-PRODUCER = "port"  # safetensors metadata `producer`: how `--force` knows an export is port's
-
-
-@dataclass(frozen=True)
-class Part:
-    """One leaf, or one layer (expert) of a stacked leaf, that an output tensor is rebuilt from."""
-
-    leaf: LeafPlan
-    index: tuple[int, ...] = ()  # its place in the leaf's stack dimensions: (layer,), (layer, expert), ()
-
-
-@dataclass(frozen=True)
-class Inverse:
-    """The plan walked backwards: the output tensors, in the source's order, and their parts."""
-
-    tensors: tuple[OutTensor, ...]
-    parts: dict[str, tuple[Part, ...]]
-    source_dtypes: dict[str, np.dtype]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-
-# ---------------------------------------------------------------------------- the inverse plan
-
-
-def _fused_at(chain: Any) -> int | None:
-    fused = [i for i, t in enumerate(chain.transforms) if t.fused]
-    return fused[0] if fused else None
-
-
-def _invertible(key: str, parts: list[Part], source: str) -> str | None:
-    """Why the parts of `key` cannot rebuild it, or None (the checks `Chain.inverse` makes, without data)."""
-    chains = [p.leaf.chain for p in parts]
-    entries = ", ".join(f"'{p.leaf.pattern}' -> '{p.leaf.path}'" for p in parts[:3])
-    k = _fused_at(chains[0])
-    if k is None:
-        if len(parts) > 1:
-            return f"{source}: tensor '{key}' fills {len(parts)} leaves ({entries}) without a split"
-        return None
-    split = chains[0].transforms[k]
-    family = split.siblings(chains[0].shapes[k])
-    kept = set()
-    for chain in chains:
-        if _fused_at(chain) != k or chain.transforms[:k] != chains[0].transforms[:k]:
-            return f"{source}: tensor '{key}' is cut differently by its entries ({entries})"
-        if chain.transforms[k] not in family or any(t.fused for t in chain.transforms[k + 1 :]):
-            return f"{source}: tensor '{key}': the entries ({entries}) split it twice or in two ways"
-        kept.add(family.index(chain.transforms[k]))
-    missing = [i for i in range(len(family)) if i not in kept]
-    if missing:
-        return (
-            f"{source}: entry '{parts[0].leaf.pattern}': the fused tensor '{key}' has {len(family)} parts but the "
-            f"entries keep only {sorted(kept)}; without part{'s' if len(missing) > 1 else ''} {missing} it cannot "
-            "be written back"
-        )
-    return None
-
-
-def invert(recipe: Plan, sources: AnyMapping[str, tuple[tuple[int, ...], np.dtype]], source: str = "mapping",
-           dtype: str | np.dtype | None = None) -> Inverse:
-    """The output tensors of `recipe` walked backwards; `PlanError` naming every entry that cannot be.
-
-    **Arguments:**
-
-    - `recipe`: the forward `Plan` (for the source's headers).
-    - `sources`: the source tensors' shapes and dtypes by name, in the order to write them.
-    - `source`: how messages name the mapping.
-    - `dtype`: write floating tensors in this dtype; default: each source tensor's own.
-
-    ```python
-    inverse = invert(port.plan(skel, mapping, ckpt.tensors, ckpt.config, {"data": 1, "model": 1}), headers)
-    [t.key for t in inverse.tensors]      # the checkpoint's keys but ignored and tied ones
-    ```
-    """
-    target = None if dtype is None else dtype_named(dtype)
-    grouped: dict[str, list[Part]] = {}
-    for leaf in recipe.leaves:
-        for i, key in enumerate(leaf.keys):
-            index = tuple(int(i) for i in np.unravel_index(i, leaf.stack)) if leaf.stacked else ()
-            grouped.setdefault(key, []).append(Part(leaf, index))
-    problems = [why for key, parts in grouped.items() if (why := _invertible(key, parts, source))]
-    if problems:
-        raise PlanError(problems)
-    tensors, parts, source_dtypes = [], {}, {}
-    for key, (shape, source_dtype) in sources.items():
-        if key not in grouped:
-            continue  # ignored or tied: `save_pretrained` leaves them out too
-        out = target if target is not None and floating(source_dtype) else np.dtype(source_dtype)
-        tensors.append(OutTensor(key, tuple(shape), out))
-        parts[key] = tuple(grouped[key])
-        source_dtypes[key] = np.dtype(source_dtype)
-    return Inverse(tuple(tensors), parts, source_dtypes)
-
-
-# ---------------------------------------------------------------------------- gathering
-
-
-def gather(array: jax.Array, index: tuple[int, ...] = ()) -> np.ndarray:
-    """The whole of `array` (or of its entry `index` along the leading dimensions) on the host,
-    each distinct block copied once.
-
-    ```python
-    gather(model.blocks.attn.wq, (3,))    # numpy, (embd, heads, head_dim): layer 3, from every device's block
-    ```
-    """
-    k = len(index)
-    out = np.empty(array.shape[k:], array.dtype)
-    filled = 0
-    for bounds, block in _local_shards(array).items():
-        outer, bounds = bounds[:k], bounds[k:]
-        if not all(a <= i < b for i, (a, b) in zip(index, outer)):
-            continue
-        part = np.asarray(block[tuple(i - a for i, (a, _) in zip(index, outer))])
-        out[tuple(slice(a, b) for a, b in bounds)] = part
-        filled += part.size
-    if filled != out.size:  # blocks on another process's devices: only `blocks` writes those
-        raise PortError("port export: part of an array lives on another process's devices")
-    return out
-
-
-@dataclass(frozen=True)
-class Block:
-    """One distinct block of a leaf (of one layer or expert of it), as one box of an output tensor."""
-
-    key: str
-    part: Part
-    bounds: tuple[tuple[int, int], ...]  # the block in the whole leaf array (every dimension)
-    regions: tuple[tuple[tuple[int, int], ...], ...]  # the box at each stage of the chain, source first
-    owner: int  # the process that writes it: the first holding it
-
-
-def _extent(region: tuple[tuple[int, int], ...]) -> int:
-    return math.prod(b - a for a, b in region)
-
-
-def blocks(inverse: Inverse, arrays: AnyMapping[str, Any]) -> list[Block] | None:
-    """Every distinct device block of every part, as the box of its output tensor it fills, in tensor order.
-
-    None when some block is not exactly one box of its tensor (a reshape that cuts a
-    dimension the block divides): such tensors are assembled whole (`gather`) instead.
-    """
-    distinct: dict[str, dict[tuple, list]] = {}
-    found = []
-    for tensor in inverse.tensors:
-        for part in inverse.parts[tensor.key]:
-            leaf, array = part.leaf, arrays[part.leaf.path]
-            if leaf.path not in distinct:
-                held: dict[tuple, list] = {}
-                for device, index in array.sharding.devices_indices_map(array.shape).items():
-                    bounds = tuple(sl.indices(n)[:2] for sl, n in zip(index, array.shape))
-                    held.setdefault(bounds, []).append(device)
-                distinct[leaf.path] = held
-            k = len(part.index)
-            for bounds, devices in distinct[leaf.path].items():
-                if not all(a <= i < b for i, (a, b) in zip(part.index, bounds)):
-                    continue
-                box = bounds[k:]
-                regions = tuple(leaf.chain.regions(box))
-                if _extent(regions[0]) != _extent(box):
-                    return None
-                owner = min(d.process_index for d in devices)
-                found.append(Block(tensor.key, part, bounds, regions, owner))
-    return found
-
-
-def _block_data(block: Block, shards: AnyMapping[Any, Any], source_dtype: np.dtype) -> np.ndarray:
-    """The block's data turned back into its box of the source tensor (still in the chain's source dtype)."""
-    leaf = block.part.leaf
-    data = shards[block.bounds]
-    data = np.asarray(data[tuple(i - a for i, (a, _) in zip(block.part.index, block.bounds))])
-    dtypes = leaf.chain.dtypes(source_dtype)
-    for i in reversed(range(len(leaf.chain.transforms))):
-        step = leaf.chain.transforms[i]
-        if not step.fused:  # a part's block is already its own box of the fused tensor
-            data = step.inverse(data, tuple(b - a for a, b in block.regions[i]), dtypes[i])
-    return data
-
-
-def _local_shards(array: jax.Array) -> dict[tuple, Any]:
-    """This process's blocks of `array` by their bounds (one device's, for a replicated block).
-
-    On the host CPU a block is viewed as NumPy without a copy (a layer of it is then a
-    slice, not a compiled JAX op); on an accelerator it stays there until its layer is
-    taken, so only that layer is copied to the host.
-    """
-    found = {}
-    for shard in array.addressable_shards:
-        bounds = tuple(sl.indices(n)[:2] for sl, n in zip(shard.index, array.shape))
-        if bounds not in found:
-            found[bounds] = np.asarray(shard.data) if shard.device.platform == "cpu" else shard.data
-    return found
+PRODUCER = "port"  # safetensors metadata `producer`: how `force` knows an export is port's
+EXPORT = "a port export (config.json and port's safetensors files only)"
+"""What `force` may replace at `export`'s `out`, as messages say it (see `is_export`)."""
 
 
 class _Written:
@@ -285,9 +96,9 @@ def _write_blocks(mine: list[Block], inverse: Inverse, arrays: AnyMapping[str, A
     by_key: dict[str, list[Block]] = {}
     for block in mine:
         by_key.setdefault(block.key, []).append(block)
-    whole = {key: sum(_extent(b.regions[0]) for b in own) == math.prod(specs[key].shape) for key, own in by_key.items()}
+    whole = {key: sum(extent(b.regions[0]) for b in own) == math.prod(specs[key].shape) for key, own in by_key.items()}
     largest = max(
-        (specs[key].nbytes if whole[key] else max(_extent(b.regions[0]) for b in own) * specs[key].dtype.itemsize
+        (specs[key].nbytes if whole[key] else max(extent(b.regions[0]) for b in own) * specs[key].dtype.itemsize
          for key, own in by_key.items()),
         default=0,
     )
@@ -297,33 +108,31 @@ def _write_blocks(mine: list[Block], inverse: Inverse, arrays: AnyMapping[str, A
             spec, source_dtype = specs[key], inverse.source_dtypes[key]
             for block in own:
                 if block.part.leaf.path not in shards:
-                    shards[block.part.leaf.path] = _local_shards(arrays[block.part.leaf.path])
+                    shards[block.part.leaf.path] = local_shards(arrays[block.part.leaf.path])
             if whole[key]:
                 buffer = staging.take(spec.nbytes)
                 out = buffer.view(spec.dtype).reshape(spec.shape)
                 for block in own:
-                    data = _block_data(block, shards[block.part.leaf.path], source_dtype)
+                    data = block_data(block, shards[block.part.leaf.path], source_dtype)
                     out[tuple(slice(a, b) for a, b in block.regions[0])] = data
                 staging.submit(buffer, _write_whole, writer, key, out, len(own))
             else:
                 for block in own:
                     region = block.regions[0]
-                    buffer = staging.take(_extent(region) * spec.dtype.itemsize)
+                    buffer = staging.take(extent(region) * spec.dtype.itemsize)
                     out = buffer.view(spec.dtype).reshape(tuple(b - a for a, b in region))
-                    out[...] = _block_data(block, shards[block.part.leaf.path], source_dtype)
+                    out[...] = block_data(block, shards[block.part.leaf.path], source_dtype)
                     staging.submit(buffer, _write_box, writer, key, region, out)
             written.report()
     written.report()
 
 
-# ---------------------------------------------------------------------------- the output directory
-
-
 def is_export(directory: str | os.PathLike) -> bool:
-    """Whether `directory` is what `export` writes: `config.json`, the safetensors files (port's), the index.
+    """Whether `directory` is what `export` writes: `config.json` and port's safetensors files,
+    `model.safetensors` alone or numbered shards with their index. (What `force` may replace.)
 
     ```python
-    is_export("gpt2-hf")    # True once `port export ... --out gpt2-hf` has finished
+    is_export("gpt2-hf")    # True once `port.export(model, "gpt2-hf", ...)` has finished
     ```
     """
     directory = Path(directory)
@@ -337,11 +146,9 @@ def is_export(directory: str | os.PathLike) -> bool:
         return False
     names = {p.name for p in entries}
     tensors = {n for n in names if n.endswith(".safetensors")}
-    if not tensors or "config.json" not in names:
-        return False
-    if len(tensors) == 1 and names == {"config.json", "model.safetensors"}:
-        pass
-    elif names != {"config.json", "model.safetensors.index.json", *tensors} or "model.safetensors" in tensors:
+    single = names == {"config.json", SINGLE}
+    sharded = bool(tensors) and SINGLE not in tensors and names == {"config.json", INDEX, *tensors}
+    if not (single or sharded):
         return False
     for name in tensors:
         try:
@@ -353,20 +160,12 @@ def is_export(directory: str | os.PathLike) -> bool:
     return True
 
 
-_WHAT = "a port export (config.json and port's safetensors files only)"
-
-
-# ---------------------------------------------------------------------------- export
-
-
 def _headers(source: Any) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], dict, Mapping | None]:
     """The source tensors' shapes and dtypes, its config and (for a port output) its mapping."""
     if isinstance(source, Checkpoint):
         return {k: (t.shape, t.dtype) for k, t in source.tensors.items()}, source.config, None
     path = Path(source) if isinstance(source, (str, os.PathLike)) else None
     if path is not None and (path / "port").is_dir() and not (path / "config.json").exists():
-        from ._restore import read_output
-
         output = read_output(path)
         if output.sources is None:
             raise OutputError(
@@ -394,7 +193,7 @@ def _check_fits(model: Any, mapping: Mapping, config: AnyMapping[str, Any], sour
             problems.append(f"model has no leaf '{path}', which {where} has")
         elif path not in optional:  # an optional leaf the model lacks (a BERT without pooler) is fine
             problems.append(
-                f"model leaf '{path}' is None (a partial load, include= or --include?): an export writes "
+                f"model leaf '{path}' is None (a partial load, include=PATTERNS?): an export writes "
                 "every tensor of the checkpoint, so it needs every leaf"
             )
     for path in actual.keys() & expected.keys():
@@ -460,8 +259,8 @@ def export(
     headers, source_config, source_mapping = _headers(source)
     config = dict(source_config if config is None else config)
     mapping = mapping_for(config, mapping if mapping is not None else source_mapping)
-    out = check_out(out, force, inputs=(source,) if isinstance(source, (str, os.PathLike)) and
-                    Path(source).exists() else (), ours=is_export, what=_WHAT)
+    inputs = (source,) if isinstance(source, (str, os.PathLike)) and Path(source).exists() else ()
+    out = check_destination(out, force, inputs, ours=is_export, what=EXPORT)
     _check_fits(model, mapping, config, source)
     tensors = {k: TensorInfo(k, Path("<source>"), np.dtype(d), tuple(s), 0) for k, (s, d) in headers.items()}
     recipe = plan(model, mapping, tensors, config, _mesh_axes(mapping))
@@ -489,15 +288,13 @@ def export(
     mine = None if found is None else [block for block in found if block.owner == me]
     specs = {t.key: t for t in inverse.tensors}
     total = inverse.nbytes if mine is None else sum(
-        _extent(block.regions[0]) * specs[block.key].dtype.itemsize for block in mine
+        extent(block.regions[0]) * specs[block.key].dtype.itemsize for block in mine
     )
-    if me == 0 and inverse.nbytes > (free := free_bytes(out)):
-        raise OutputError(
-            f"--out {out}: needs {size_text(inverse.nbytes)}, only {size_text(free)} free on its file system"
-        )
-    partial = out.parent / f".{out.name}.port-partial-{run_token()}"
+    if me == 0:
+        check_free(out, inverse.nbytes)
+    partial = partial_path(out)
     layout = dict(metadata={"format": "pt", "producer": PRODUCER})
-    with contextlib.ExitStack() as cleanup:
+    with contextlib.ExitStack() as cleanup, writing(out, partial, "the export"):
         if me == 0:
             make_partial(partial, cleanup)
             (partial / "config.json").write_text(json.dumps(written_config, indent=2, sort_keys=True) + "\n")
@@ -525,12 +322,8 @@ def export(
         wrote = exchange("export-written", str(done), "what it wrote")
         if me == 0:
             if sum(int(n) for n in wrote.values()) != inverse.nbytes:
-                raise OutputError(f"--out {out}: the processes wrote {wrote}, not the {inverse.nbytes} bytes laid out")
-            with replacing(out, force, ours=is_export, what=_WHAT):
-                try:
-                    os.rename(partial, out)
-                except OSError as e:
-                    raise OutputError(f"--out {out}: another run wrote it meanwhile ({e.strerror})") from None
+                raise OutputError(f"out={out}: the processes wrote {wrote}, not the {inverse.nbytes} bytes laid out")
+            put_in_place(partial, out, force, ours=is_export, what=EXPORT)
         exchange("export-done", "", "word that the export is in place")
     return out
 

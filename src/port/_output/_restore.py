@@ -1,7 +1,7 @@
 """Restore: a `port convert` output onto any mesh, each device reading its region.
 
-An output (see `_save` for its layout: Orbax's composite checkpoint of `params/`, the
-arrays as zarr chunk files, and `port/metadata`, port's JSON) is untrusted: it may come
+An output (see `_layout`: Orbax's composite checkpoint of `params/`, the arrays as
+zarr chunk files, and `port/metadata`, port's JSON) is untrusted: it may come
 from anywhere. `restore` makes no Orbax call and imports no module an output names
 except port's own models (`port.models.*`), unless the caller passes the class; it
 checks everything before reading an array: `port/metadata` field by field, the arrays
@@ -25,14 +25,13 @@ model = restore("out/mine", "2x4", model=MyModel)   # a module of your own
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import pkgutil
 import stat
-from collections import deque
 from collections.abc import Iterator, Mapping as AnyMapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,30 +39,26 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from ._text import first_line, one_line, quoted
-from ._dtypes import NAMES, dtype as dtype_named, floating
-from ._errors import OutputError, PortError
-from ._fill import fill
-from ._mapping import Mapping, import_object, parse_mapping
-from ._place import aligned_empty, assemble, boxes as _boxes
-from ._plan import check_include, partition, selects
-from ._memory import check_host_memory
-from ._runtime import as_mesh, mesh_spec
-from ._save import FORMAT, LEAF_PATH, MAX_METADATA_BYTES, MAX_SOURCES
-from ._skeleton import leaves, skeleton
-from ._source import Checkpoint, Region, TensorInfo, hub_blob, open_regular
-from ._zarr import ZARR_DTYPES, ZARRAY, chunk_count, chunk_name, grid, overlapping
+from .._dtypes import NAMES, dtype as dtype_named, floating
+from .._errors import OutputError, PortError
+from .._fill import fill
+from .._mapping import Mapping, import_object, parse_mapping
+from .._memory import check_host_memory
+from .._pipeline import ReadAhead
+from .._place import aligned_empty, assemble, boxes as _boxes
+from .._plan import check_include, partition, selects
+from .._runtime import as_mesh, mesh_spec
+from .._skeleton import leaves, skeleton
+from .._source import Checkpoint, Region, TensorInfo, hub_blob, open_regular
+from .._text import first_line, one_line, quoted
+from ._layout import (
+    FIELDS, FORMAT, LEAF_FIELDS, LEAF_PATH, MAX_INCLUDE, MAX_KEY_CHARS, MAX_METADATA_BYTES, MAX_PARAMS_FILES,
+    MAX_RANK, MAX_SOURCES, METADATA, OPTIONAL_FIELDS, PARAMS, PORT, SHARDING, SOURCE_FIELDS, TREE_METADATA,
+    ZARR_DTYPES, ZARRAY, chunk_count, chunk_name, grid, overlapping,
+)
 
-MAX_PARAMS_FILES = 1_000_000  # chunk files: one per block of the saving mesh, per leaf
 CONFIG_INT_FLOOR = 1 << 20  # config integers up to this are always accepted
 READ_AHEAD_BYTES = 1 << 30  # host bytes of blocks read but not yet on their devices
-
-_FIELDS = ("format", "mapping_source", "mapping", "config", "leaves")
-_OPTIONAL_FIELDS = ("sources", "include")  # the checkpoint's tensor headers, for `port export`; a partial load's patterns
-MAX_INCLUDE = 1000
-MAX_KEY_CHARS = 1000
-MAX_RANK = 16
-_LEAF_FIELDS = ("shape", "dtype", "axes")
 _SHIPPED = "port.models"
 
 
@@ -98,11 +93,11 @@ class Output:
 
     @property
     def where(self) -> str:
-        return f"{self.directory}/port/metadata"
+        return f"{self.directory}/{METADATA}"
 
     @property
     def params(self) -> Path:
-        return self.directory / "params"
+        return self.directory / PARAMS
 
 
 def restore(
@@ -117,9 +112,8 @@ def restore(
     **Arguments:**
 
     - `directory`: the output, as `port convert` or `save` wrote it (format 3: Orbax's
-      checkpoint of `params/`, zarr chunk files, and `port/`). An output of an earlier
-      port (format 1, `port.json` beside `params/`; format 2, arrays in an OCDBT
-      database) is refused: convert the checkpoint again.
+      checkpoint of `params/`, zarr chunk files, and `port/`). An output of any other
+      format is refused.
     - `mesh`: a `Mesh` or a spec such as `"2x4"`, as for `load` (default: one device).
     - `model`: the module class to build, with `from_config(config, *, key)`. Without
       it, the class the output names is imported only if it is one of port's models
@@ -232,7 +226,7 @@ def written_mesh(output: Output) -> dict[str, int] | None:
     """The mesh the output's arrays were sharded over when written (`{"data": 2, "model": 2}`),
     as `params/_sharding` records it; None where it does not, or not in the expected form."""
     try:
-        shardings = _read_json(output.directory, output.params / "_sharding", "the arrays' shardings")
+        shardings = _read_json(output.directory, output.directory / SHARDING, "the arrays' shardings")
         first = json.loads(next(iter(shardings.values()))) if isinstance(shardings, dict) and shardings else None
     except (OutputError, ValueError, TypeError, RecursionError):
         return None
@@ -266,32 +260,24 @@ def read_output(directory: str | os.PathLike) -> Output:
         raise OutputError(f"{directory}: does not exist")
     if not directory.is_dir():
         raise OutputError(f"{directory}: not a port output (a file, not a directory)")
-    if not os.path.lexists(directory / "port" / "metadata"):
-        if os.path.lexists(directory / "port.json") and not os.path.lexists(directory / "port"):
-            raise OutputError(
-                f"{directory}: written by an earlier port (format 1, port.json); this port reads format "
-                f"{FORMAT}: convert the checkpoint again"
-            )
-        raise OutputError(f"{directory}: not a port output (no port/metadata)")
-    where = f"{directory}/port/metadata"
-    _directory(directory / "port", "port's item of the output")
-    meta = _read_json(directory, directory / "port" / "metadata", "port's metadata")
+    if not os.path.lexists(directory / METADATA):
+        raise OutputError(f"{directory}: not a port output (no {METADATA})")
+    where = f"{directory}/{METADATA}"
+    _directory(directory / PORT, "port's item of the output")
+    meta = _read_json(directory, directory / METADATA, "port's metadata")
     if not isinstance(meta, dict):
         raise OutputError(f"{where}: expected a JSON object, got {type(meta).__name__}")
+    if "format" not in meta:
+        raise OutputError(f"{where}: missing field 'format'")
+    if type(meta["format"]) is not int or meta["format"] != FORMAT:  # another format's fields may differ: first
+        raise OutputError(f"{where}: format {quoted(meta['format'])} is not {FORMAT}, the one this port reads")
     for name in meta:
-        if name not in _FIELDS + _OPTIONAL_FIELDS:
-            expected = ", ".join(_FIELDS + _OPTIONAL_FIELDS)
+        if name not in FIELDS + OPTIONAL_FIELDS:
+            expected = ", ".join(FIELDS + OPTIONAL_FIELDS)
             raise OutputError(f"{where}: unknown field {quoted(name)} (expected {expected})")
-    for name in _FIELDS:
+    for name in FIELDS:
         if name not in meta:
             raise OutputError(f"{where}: missing field '{name}'")
-    if meta["format"] == 2 and type(meta["format"]) is int:
-        raise OutputError(
-            f"{directory}: written by an earlier port (format 2, arrays in an OCDBT database); this port reads "
-            f"format {FORMAT}: convert the checkpoint again"
-        )
-    if type(meta["format"]) is not int or meta["format"] != FORMAT:
-        raise OutputError(f"{where}: format {quoted(meta['format'])} is not {FORMAT}, the one this port reads")
     for name, kind in (("mapping_source", str), ("mapping", str), ("config", dict), ("leaves", dict)):
         if not isinstance(meta[name], kind):
             raise OutputError(f"{where}: '{name}' must be a JSON {'string' if kind is str else 'object'}")
@@ -334,8 +320,8 @@ def _sources(value: Any, where: str) -> dict[str, tuple[tuple[int, ...], np.dtyp
     for key, info in value.items():
         if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS or not key.isprintable():
             raise OutputError(f"{where}: source tensor name {quoted(key)} is not a plain name")
-        if not isinstance(info, dict) or set(info) != {"shape", "dtype"}:
-            raise OutputError(f"{where}: source {quoted(key)} must be an object with exactly shape, dtype")
+        if not isinstance(info, dict) or set(info) != set(SOURCE_FIELDS):
+            raise OutputError(f"{where}: source {quoted(key)} must be an object with exactly {', '.join(SOURCE_FIELDS)}")
         shape, dtype = info["shape"], info["dtype"]
         if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(n) is int and n >= 0 for n in shape):
             raise OutputError(f"{where}: source {quoted(key)}: 'shape' must be a list of non-negative integers")
@@ -359,8 +345,8 @@ def _leaf(path: Any, info: Any, where: str) -> Leaf:
     """One entry of `port/metadata`'s `leaves`, every field checked."""
     if not isinstance(path, str) or not LEAF_PATH.fullmatch(path):
         raise OutputError(f"{where}: leaf name {quoted(path)} is not a dotted module path")
-    if not isinstance(info, dict) or set(info) != set(_LEAF_FIELDS):
-        raise OutputError(f"{where}: leaf '{path}' must be an object with exactly {', '.join(_LEAF_FIELDS)}")
+    if not isinstance(info, dict) or set(info) != set(LEAF_FIELDS):
+        raise OutputError(f"{where}: leaf '{path}' must be an object with exactly {', '.join(LEAF_FIELDS)}")
     shape, dtype, axes = info["shape"], info["dtype"], info["axes"]
     if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
         raise OutputError(f"{where}: leaf '{path}': 'shape' must be a list of non-negative integers")
@@ -485,8 +471,8 @@ def _check_stored(output: Output) -> None:
     """The arrays `params/_METADATA` declares, which must be exactly `port/metadata`'s leaves."""
     params = output.params
     _directory(params, "an incomplete port output")
-    where = f"{params}/_METADATA"
-    meta = _read_json(output.directory, params / "_METADATA", "Orbax's metadata")
+    where = f"{output.directory}/{TREE_METADATA}"
+    meta = _read_json(output.directory, output.directory / TREE_METADATA, "Orbax's metadata")
     tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
     if not isinstance(tree, dict):
         raise OutputError(f"{where}: not Orbax's PyTree metadata (no 'tree_metadata')")
@@ -591,35 +577,26 @@ def _read_arrays(
     Reads run ahead of placement by up to `READ_AHEAD_BYTES` of host memory; a failed
     read cancels those not yet started.
     """
-    pending: deque[tuple[Leaf, NamedSharding, dict, list[Future], int]] = deque()
-    in_flight = 0
-    with ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="port-restore") as pool:
-        try:
-            for path, leaf in output.leaves.items():
-                spec, _ = partition(leaf.shape, leaf.axes, output.mapping.rules, mesh.shape)
-                sharding = NamedSharding(mesh, spec)
-                blocks, reads = _plan_reads(path, leaf, chunks[path], _boxes(leaf.shape, sharding))
-                nbytes = sum(block.nbytes for block in blocks.values())
-                futures = [pool.submit(checkpoint.read_into, key, requests) for key, requests in reads.items()]
-                pending.append((leaf, sharding, blocks, futures, nbytes))
-                in_flight += nbytes
-                while in_flight > READ_AHEAD_BYTES and pending:
-                    in_flight -= pending[0][4]
-                    yield _placed(output, *pending.popleft()[:4])
-            while pending:
-                yield _placed(output, *pending.popleft()[:4])
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
+
+    def unit(leaf: Leaf) -> tuple[tuple[Leaf, NamedSharding, dict], list, int]:
+        """One leaf's blocks (allocated now) and its reads, one per chunk file."""
+        spec, _ = partition(leaf.shape, leaf.axes, output.mapping.rules, mesh.shape)
+        sharding = NamedSharding(mesh, spec)
+        blocks, reads = _plan_reads(leaf.path, leaf, chunks[leaf.path], _boxes(leaf.shape, sharding))
+        jobs = [functools.partial(_read_chunk, output, leaf, checkpoint, key, requests) for key, requests in reads.items()]
+        return (leaf, sharding, blocks), jobs, sum(block.nbytes for block in blocks.values())
+
+    with ReadAhead(ahead_bytes=READ_AHEAD_BYTES, name="port-restore") as ahead:
+        for leaf, sharding, blocks in ahead.run(unit(leaf) for leaf in output.leaves.values()):
+            yield leaf.path, assemble(leaf.shape, sharding, blocks)
+            del blocks
 
 
-def _placed(output: Output, leaf: Leaf, sharding: NamedSharding, blocks: dict, reads: list[Future]) -> tuple[str, jax.Array]:
-    """The leaf's `jax.Array` once its blocks are read: each device adopts its block."""
+def _read_chunk(
+    output: Output, leaf: Leaf, checkpoint: Checkpoint, key: str, requests: list[tuple[Region, np.ndarray]]
+) -> None:
+    """Read the pieces of one chunk file into the blocks of `leaf` they fill; one `OutputError` line naming the leaf."""
     try:
-        for future in reads:
-            future.result()
+        checkpoint.read_into(key, requests)
     except PortError as e:
-        for future in reads:
-            future.cancel()
         raise OutputError(f"{output.params}: leaf '{leaf.path}': cannot be read ({one_line(str(e), 300)})") from None
-    return leaf.path, assemble(leaf.shape, sharding, blocks)

@@ -1,4 +1,4 @@
-"""Writer: safetensors files written tensor by tensor, straight to their offsets.
+"""Safetensors: the files `port export` writes, tensor by tensor, straight to their offsets.
 
 `port export` writes a Hugging Face model directory: `model.safetensors`, or shards
 `model-00001-of-00003.safetensors` with their `model.safetensors.index.json`
@@ -26,8 +26,6 @@ A multi-process export divides the keys: process 0 creates the files
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import itertools
 import json
 import math
@@ -44,10 +42,11 @@ from typing import Any
 
 import numpy as np
 
-from ._text import printable, quoted
-from ._dtypes import SAFETENSORS
-from ._errors import OutputError, PortError
-from ._source import MAX_HEADER, libc_function
+from .._disk import pwrite_all, pwrite_rows
+from .._dtypes import SAFETENSORS
+from .._errors import OutputError, PortError
+from .._source import MAX_HEADER
+from .._text import printable, quoted
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -67,27 +66,6 @@ _UNITS = {
     "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
 }
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)")
-_CHUNK = 64 << 20
-"""Bytes one pwrite is asked for: far below every platform's limit on one call, and the
-unit after which writing to disk is started (`_start_writeback`)."""
-
-
-_SYNC_FILE_RANGE = libc_function(  # Linux's; None elsewhere (macOS)
-    "sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint], ctypes.c_int
-)
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writing the range's dirty pages, without waiting
-
-
-def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Have the kernel start writing `nbytes` at `offset` to disk now, and return at once.
-
-    Without it the pages wait in the page cache until the final `fdatasync`, which then
-    writes the whole file while nothing else happens (about a third of an export's time
-    on the development machine). Advisory: where it is not available, or fails, the
-    final flush does the work.
-    """
-    if _SYNC_FILE_RANGE is not None and nbytes > 0:
-        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 @dataclass(frozen=True)
@@ -112,7 +90,7 @@ class OutTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
+def parse_size(text: str | int, name: str = "max_shard_size") -> int:
     """A size in bytes from a command-line value: `"5GB"`, `"1.5GB"`, `"2GiB"`, `"1000"` or an int.
 
     Units as `transformers` reads them: KB, MB, GB, TB are powers of 1000; KiB, MiB,
@@ -122,7 +100,7 @@ def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
     **Arguments:**
 
     - `text`: the value.
-    - `flag`: the flag it came from, named in the error.
+    - `name`: the parameter it came from, named in the error (`max_shard_size=5XB: ...`).
 
     Returns the size, at least 1; anything else is a one-line `PortError`.
 
@@ -138,11 +116,11 @@ def parse_size(text: str | int, flag: str = "--max-shard-size") -> int:
         unit = found and _UNITS.get(found[2].upper())
         if not unit:
             raise PortError(
-                f"{flag} {printable(str(text))}: expected a size such as 5GB, 500MB, 2GiB or a number of bytes"
+                f"{name}={printable(str(text))}: expected a size such as 5GB, 500MB, 2GiB or a number of bytes"
             )
         size = math.floor(Fraction(found[1]) * unit)
     if size <= 0:
-        raise PortError(f"{flag} {printable(str(text))}: expected a size of at least 1 byte")
+        raise PortError(f"{name}={printable(str(text))}: expected a size of at least 1 byte")
     return size
 
 
@@ -459,19 +437,10 @@ class Writer:
             rows = rows.reshape(-1, run * spec.dtype.itemsize)
             grid = itertools.product(*(range(a, b) for a, b in region[:d]))
             name, offset = self.offsets[key]
-            fd, size, base = self._fds[name], spec.dtype.itemsize, region[d][0] * strides[d] if region else 0
-            first, last = math.inf, 0  # the span of the file written since writeback was last started
+            size, base = spec.dtype.itemsize, region[d][0] * strides[d] if region else 0
+            at = (offset + (sum(i * stride for i, stride in zip(index, strides)) + base) * size for index in grid)
             try:
-                for row, index in zip(rows, grid):
-                    at = offset + (sum(i * stride for i, stride in zip(index, strides)) + base) * size
-                    if os.pwrite(fd, row, at) != len(row):  # short: finish it the careful way
-                        _pwrite_all(fd, memoryview(row), at, self.directory / name, f"tensor {quoted(key, 200)}")
-                    first, last = min(first, at), max(last, at + len(row))
-                    if last - first >= _CHUNK:
-                        _start_writeback(fd, first, last - first)
-                        first, last = math.inf, 0
-                if last > first:
-                    _start_writeback(fd, first, last - first)
+                pwrite_rows(self._fds[name], zip(at, rows))
             except OSError as e:
                 raise OutputError(f"{self.directory / name}: cannot write tensor {quoted(key, 200)}: {e.strerror or e}") from None
         with self._lock:
@@ -525,18 +494,6 @@ class Writer:
             self.close()
         else:
             self._release()
-
-
-def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    """All of `data` at `offset`, however many writes it takes, each 64 MB's writeback
-    started as it is written (`_start_writeback`); raises `OSError`."""
-    done = 0
-    while done < len(data):
-        wrote = os.pwrite(fd, data[done : done + _CHUNK], offset + done)
-        if wrote <= 0:
-            raise OSError(errno.EIO, "the file system wrote nothing")
-        _start_writeback(fd, offset + done, wrote)
-        done += wrote
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int, path: Path, what: str) -> None:

@@ -1,0 +1,24 @@
+"""Port's output: the directory `port convert` writes, restorable onto any mesh.
+
+`_layout` defines the format once (its files, port's metadata fields, the zarr chunk
+files, the bounds it is read back under, `is_output`); `_save` writes it (`save`, and
+`Saving` for `convert`, which writes each leaf while the next is placed); `_restore`
+reads it back, untrusted (`read_output`, `restore`).
+
+```python
+port.save(model, "gpt2-jax", mapping, config)
+model = port.restore("gpt2-jax", "2x4")
+```
+"""
+
+from ._layout import FORMAT as FORMAT, is_output as is_output
+from ._restore import (
+    Leaf as Leaf,
+    Output as Output,
+    describe as describe,
+    model_class as model_class,
+    read_output as read_output,
+    restore as restore,
+    written_mesh as written_mesh,
+)
+from ._save import OUTPUT as OUTPUT, Saving as Saving, check_out as check_out, save as save
