@@ -96,9 +96,9 @@ def check_destination(
         if not out.is_dir():
             raise OutputError(f"{name}={out}: is a file, not a directory; port will not replace it")
         if not force:
-            raise OutputError(f"{name}={out}: already exists (use force=True to replace an earlier port output)")
+            raise OutputError(f"{name}={out}: already exists (use force= to replace an earlier port output)")
         if not ours(out):
-            raise OutputError(f"{name}={out}: not {what}; force=True replaces only a directory port wrote")
+            raise OutputError(f"{name}={out}: not {what}; force= replaces only a directory port wrote")
     base = existing_ancestor(out)  # missing parents are made when writing starts, as `mkdir -p` would
     if not base.is_dir():
         raise OutputError(f"{name}={out}: {base} is a file, not a directory")
