@@ -68,7 +68,7 @@ def test_a_mesh_whose_blocks_outgrow_host_memory_is_refused_before_reading(tmp_p
         else:
             raise AssertionError("converted")
         assert ckpt.bytes_read == 0
-    assert message.startswith("--mesh data=4,model=2: its blocks take ") and "(8 CPU devices x " in message
+    assert message.startswith("mesh=data=4,model=2: its blocks take ") and "(8 CPU devices x " in message
     assert message.endswith("available; use fewer devices, or shard what is replicated") and "\n" not in message
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setattr(port._memory, "available_host_bytes", lambda: 8 * device_bytes)

@@ -402,7 +402,7 @@ def mapping_for(config: AnyMapping[str, Any], mapping: str | os.PathLike | Mappi
         return load_mapping(mapping)
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
-        raise MappingError("config.json: no 'model_type'; give a mapping with --mapping")
+        raise MappingError("config.json: no 'model_type'; give a mapping with mapping=")
     known = []
     for path in shipped_mappings():
         mapping = load_mapping(path)
@@ -411,5 +411,5 @@ def mapping_for(config: AnyMapping[str, Any], mapping: str | os.PathLike | Mappi
         known.extend(mapping.model_types)
     raise MappingError(
         f"config.json: model_type '{model_type}' has no mapping (known: {', '.join(sorted(known)) or 'none'}); "
-        "give one with --mapping"
+        "give one with mapping="
     )
