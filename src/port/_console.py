@@ -46,7 +46,7 @@ failed = False  # whether this process has said an error: it says at most one
 
 
 def say(message: str) -> None:
-    """Print `port: MESSAGE` on the user's stderr, on one line, literally, at most `MAX_LINE` characters."""
+    """Print `port: MESSAGE` on the user's stderr, on one line, literally, at most `_text.MAX_LINE` characters."""
     global failed
     failed = failed or message.startswith(("error:", "internal error:"))
     line = shortened("port: " + printable(message.replace("\n", "\\n"))) + "\n"
