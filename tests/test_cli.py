@@ -150,13 +150,13 @@ def test_repo_id_not_cached_offline(tmp_path):
 def test_plan_never_reads_a_tensor(gpt2_checkpoints, monkeypatch, capsys):
     """Tensor bytes are only ever read through Checkpoint.read_into (preadv); `port plan` must never call it."""
     import port._cli
-    import port._source
+    import port._sources._local
 
     def no_reads(*args):
         raise AssertionError("port plan read tensor data")
 
-    monkeypatch.setattr(port._source.Checkpoint, "read_into", no_reads)
-    monkeypatch.setattr(port._source, "_preadv", no_reads)
+    monkeypatch.setattr(port._sources._local.LocalCheckpoint, "read_into", no_reads)
+    monkeypatch.setattr(port._sources._local, "_preadv", no_reads)
     directories, _ = gpt2_checkpoints
     assert port._cli.run(["plan", str(directories["sharded"]), "--mesh", "4x2"]) == 0
     printed = capsys.readouterr().out

@@ -40,10 +40,10 @@ SCAFFOLD_MARK = "# Draft mapping made by port scaffold"
 
 
 def _shown(model: str) -> str:
-    """`model` as messages show it: a URL without its credentials. `_remote` (and NumPy with
+    """`model` as messages show it: a URL without its credentials. `_sources` (and NumPy with
     it) is imported here, when first needed, not when `port` starts: the command line holds
     Ctrl-C before anything slow is imported."""
-    from ._remote import shown
+    from ._sources import shown
 
     return shown(model)
 
@@ -525,7 +525,7 @@ def _grouped(keys: tuple[str, ...]) -> dict[str, int]:
 def plan_command(args: argparse.Namespace) -> int:
     """Print how MODEL maps onto the mesh, reading no tensor data."""
     from ._mapping import mapping_for
-    from ._source import open_checkpoint
+    from ._sources import open_checkpoint
     from .authoring import check as run_check
 
     with open_checkpoint(args.model) as ckpt:

@@ -45,7 +45,7 @@ from ._plan import LeafPlan, Plan, partition, plan
 from ._runtime import agree, as_mesh, mesh_spec
 from ._save import Saving, check_out, free_bytes
 from ._skeleton import leaves, skeleton as make_skeleton
-from ._source import Checkpoint, open_checkpoint
+from ._sources import Checkpoint, open_checkpoint
 
 
 @dataclass(frozen=True)

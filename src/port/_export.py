@@ -45,7 +45,7 @@ from ._runtime import exchange, num_processes, run_token
 from ._save import check_out, free_bytes, make_partial, replacing
 from ._skeleton import leaves, skeleton
 from ._staging import Staging
-from ._source import Checkpoint, TensorInfo, open_checkpoint, raw_header
+from ._sources import Checkpoint, TensorInfo, open_checkpoint, raw_header
 from ._writer import OutTensor, Writer, parse_size
 
 PRODUCER = "port"  # safetensors metadata `producer`: how `--force` knows an export is port's

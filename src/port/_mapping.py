@@ -52,7 +52,7 @@ from typing import Any
 
 from ._text import one_line, quoted
 from ._errors import ConfigError, MappingError, PortError
-from ._source import _kind
+from ._files import file_kind
 from ._transforms import Transform, parse_transform
 
 LAYER = "{layer}"
@@ -347,7 +347,7 @@ def _read(path: Path) -> str:
     try:
         before = os.stat(path)
         if not stat.S_ISREG(before.st_mode):
-            raise MappingError(f"{path}: not a regular file ({_kind(before.st_mode)}); a mapping is a TOML file")
+            raise MappingError(f"{path}: not a regular file ({file_kind(before.st_mode)}); a mapping is a TOML file")
         fd = os.open(path, flags)
         try:
             after = os.fstat(fd)

@@ -52,7 +52,6 @@ import os
 import re
 import secrets
 import shutil
-import stat
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -67,6 +66,7 @@ import numpy as np
 
 from ._text import one_line, quoted, size_text
 from ._errors import OutputError, PortError, RunError
+from ._files import read_small
 from ._cleanup import final, removing
 from ._leftovers import claimed, recover
 from ._mapping import Mapping
@@ -88,12 +88,9 @@ FORMAT_1_PARTS = frozenset({"port.json", "params"})  # what an earlier port wrot
 
 def _metadata(path: Path) -> Any:
     """The JSON object in `path` if it is a regular file of port's metadata size, else None."""
-    try:
-        info = path.lstat()
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_METADATA_BYTES:  # never a FIFO, nor huge
-            return None
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError):
+    try:  # never a FIFO, nor huge, nor a link (but into the Hugging Face cache's blobs)
+        meta = json.loads(read_small(path, MAX_METADATA_BYTES, "port's metadata", output=path.parent))
+    except (PortError, ValueError):
         return None
     return meta if isinstance(meta, dict) and "format" in meta else None
 

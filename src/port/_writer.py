@@ -47,7 +47,8 @@ import numpy as np
 from ._text import printable, quoted
 from ._dtypes import SAFETENSORS
 from ._errors import OutputError, PortError
-from ._source import MAX_HEADER, libc_function
+from ._files import libc_function
+from ._sources import MAX_HEADER
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
