@@ -134,8 +134,8 @@ def started(mesh: str, devices: int | None = 8):
     for name in ("open_checkpoint", "mapping_for", "skeleton", "plan", "place", "fill", "load", "restore",
                  "convert", "export"):
         getattr(port, name)
-    for module in ("port._remote", "port._torchfile", *(f"port.models.{m.name}" for m in
-                                                       pkgutil.iter_modules(port.models.__path__))):
+    for module in ("port._sources._remote", "port._sources._pytorch", *(f"port.models.{m.name}" for m in
+                                                                        pkgutil.iter_modules(port.models.__path__))):
         importlib.import_module(module)
     return port.make_mesh(mesh)
 

@@ -14,7 +14,7 @@ import threading  # noqa: E402
 import numpy as np  # noqa: E402
 
 import port._place  # noqa: E402
-import port._source  # noqa: E402
+import port._sources._local  # noqa: E402
 from helpers import read_offsets, torch_gpt2, torch_logits  # noqa: E402
 
 
@@ -72,7 +72,7 @@ def reads(monkeypatch):
     `read_key` call, while its buffers are alive (later ones may reuse the memory).
     """
     blocks, landed, lock, local = [], [], threading.Lock(), threading.local()
-    real_plan_reads, real_read_key, real_preadv = port._place.plan_reads, port._place.read_key, port._source._preadv
+    real_plan_reads, real_read_key, real_preadv = port._place.plan_reads, port._place.read_key, port._sources._local._preadv
 
     def plan_reads(wanted):
         planned, parts = real_plan_reads(wanted)
@@ -102,7 +102,7 @@ def reads(monkeypatch):
 
     monkeypatch.setattr(port._place, "plan_reads", plan_reads)
     monkeypatch.setattr(port._place, "read_key", read_key)
-    monkeypatch.setattr(port._source, "_preadv", preadv)
+    monkeypatch.setattr(port._sources._local, "_preadv", preadv)
 
     def attribute():
         per_block = {id(out): (leaf, box, []) for leaf, box, out in blocks}

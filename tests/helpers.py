@@ -127,6 +127,14 @@ def write_checkpoint(directory: Path, tensors: dict, config: dict) -> Path:
     return directory
 
 
+def read_header(path: Path) -> dict:
+    """The tensors of one safetensors file, its header read and checked as port reads it
+    (`read_safetensors`, with the whole header budget); no tensor data read."""
+    from port._sources import _directory, _safetensors
+
+    return _directory.read_safetensors(Path(path), _safetensors.MAX_HEADER)[0]
+
+
 def snapshot(root: Path) -> dict[str, str]:
     """Every entry under `root`: a file's digest, a link's target, or 'dir'."""
     found = {}
@@ -229,13 +237,13 @@ def cli(*args):
 def recorded_reads():
     """Every positioned read of tensor bytes made within the block, as (file offset, iovec, bytes read).
 
-    `port._source._preadv` is the one place tensor bytes come from a file: each call
+    `port._sources._local._preadv` is the one place tensor bytes come from a file: each call
     reads the file from its offset on, end to end, into the buffers its iovec rows
     (address, length) name. `read_offsets` turns the records into bytes.
     """
-    import port._source
+    import port._sources._local
 
-    calls, real = [], port._source._preadv
+    calls, real = [], port._sources._local._preadv
 
     def preadv(fd, iov, offset):
         rows = np.array(iov, copy=True)
@@ -244,7 +252,7 @@ def recorded_reads():
         return got
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(port._source, "_preadv", preadv)
+        patch.setattr(port._sources._local, "_preadv", preadv)
         yield calls
 
 

@@ -68,7 +68,7 @@ def test_a_mesh_whose_blocks_outgrow_host_memory_is_refused_before_reading(tmp_p
         else:
             raise AssertionError("converted")
         assert ckpt.bytes_read == 0
-    assert message.startswith("--mesh data=4,model=2: its blocks take ") and "(8 CPU devices x " in message
+    assert message.startswith("mesh=data=4,model=2: its blocks take ") and "(8 CPU devices x " in message
     assert message.endswith("available; use fewer devices, or shard what is replicated") and "\n" not in message
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setattr(port._memory, "available_host_bytes", lambda: 8 * device_bytes)
@@ -78,13 +78,13 @@ def test_a_mesh_whose_blocks_outgrow_host_memory_is_refused_before_reading(tmp_p
 def test_restoring_onto_a_mesh_whose_blocks_outgrow_host_memory_is_refused_before_reading(tmp_path, monkeypatch):
     """The same check in `port.restore`: what the output's leaves take on this mesh's devices."""
     import port._memory
-    import port._source
+    import port._sources._local
 
     port.convert(EXAMPLE, mesh="2x2", out=tmp_path / "out")
     monkeypatch.setattr(port._memory, "available_host_bytes", lambda: 1000)
     read = []
-    real = port._source.Checkpoint.read_into
-    monkeypatch.setattr(port._source.Checkpoint, "read_into", lambda *a, **k: read.append(a) or real(*a, **k))
+    real = port._sources._local.LocalCheckpoint.read_into
+    monkeypatch.setattr(port._sources._local.LocalCheckpoint, "read_into", lambda *a, **k: read.append(a) or real(*a, **k))
     try:
         port.restore(tmp_path / "out", "4x2")
     except port.PlanError as e:

@@ -77,3 +77,54 @@ def test_every_import_is_declared_with_a_range_that_holds_the_installed_version(
 def test_the_torch_extra_names_what_verify_imports():
     extra = _declared(PROJECT["optional-dependencies"]["torch"])
     assert {"torch", "transformers"} <= set(extra)
+
+
+COMMAND_LINE = {"port._cli", "port._interrupt", "port._console", "port.__main__"}
+"""The command line's modules: only they print, exit, or handle signals; the library raises."""
+
+
+def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The module an `import from` names, its relative form resolved against `module`."""
+    if node.level == 0:
+        return node.module or ""
+    parts = module.split(".")
+    base = parts if is_package else parts[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _imported(path: Path, module: str) -> set[str]:
+    """Every module `path` (the module named `module`) imports, at any level of its code,
+    as absolute names; `from . import x` counts as importing `PACKAGE.x`."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(node, module, path.name == "__init__.py")
+            found.add(source)
+            found.update(f"{source}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_no_library_module_imports_the_command_line():
+    """Issue 23 row 3: the library never imports `_cli`, `_interrupt`, `_console` or `__main__`;
+    it raises, and the command line prints and exits."""
+    package = ROOT / "src" / "port"
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        if module in COMMAND_LINE:
+            continue
+        offenders += [f"{module} imports {name}" for name in sorted(_imported(path, module) & COMMAND_LINE)]
+    assert not offenders, offenders
+
+
+def test_the_import_check_resolves_relative_imports(tmp_path):
+    module = tmp_path / "_check.py"
+    module.write_text("from .. import _console\nfrom .._cli import main\nfrom . import _cli\nimport port._interrupt\n")
+    found = _imported(module, "port.authoring._check")
+    assert {"port._console", "port._cli", "port._interrupt"} <= found and "port.authoring._cli" in found
+    module.write_text("from ._console import say\n")
+    assert "port._console" in _imported(module, "port._runtime")

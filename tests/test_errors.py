@@ -79,3 +79,17 @@ def test_agreement_outside_a_run_is_a_no_op_and_the_store_needs_one():
 
     with pytest.raises(port.RunError, match="port.initialize"):
         _store()
+
+
+@pytest.mark.parametrize("call, python", [
+    (lambda: port.mesh_shape("2x3x"), "mesh='2x3x': expected DATAxMODEL"),
+    (lambda: port.initialize("nohost", 2, 0), "coordinator='nohost': expected HOST:PORT"),
+    (lambda: port.initialize("h:1", 2, 5), "process_id=5: expected 0 <= I < num_processes=2"),
+    (lambda: port.initialize("h:1", 2, 0, timeout=-1), "timeout=-1: expected a positive number of seconds"),
+    (lambda: port.initialize("h:1", 2), "a multi-process run needs all of coordinator=HOST:PORT, num_processes=N"),
+])
+def test_python_callers_read_parameter_names(call, python):
+    """Issue 23 row 3: the library's messages name its parameters (the command line shows flags)."""
+    with pytest.raises(port.PortError) as caught:
+        call()
+    assert str(caught.value).startswith(python) and "--" not in str(caught.value), str(caught.value)

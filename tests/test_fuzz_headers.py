@@ -33,7 +33,9 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from port._errors import PortError
-from port._source import Checkpoint, read_header
+from port._sources import LocalCheckpoint
+
+from helpers import read_header
 
 MUTANTS = 1000
 STRICTER = ("appears twice", "__metadata__ must map strings to strings", "control characters",
@@ -187,7 +189,7 @@ def reference(path: Path) -> dict[str, tuple[np.dtype, tuple, bytes]] | None:
 def port_reads(path: Path) -> dict[str, tuple[np.dtype, tuple, bytes]]:
     """Every tensor of the file, read whole through port's Checkpoint."""
     tensors = read_header(path)
-    with Checkpoint(path.parent, {}, tensors) as ckpt:
+    with LocalCheckpoint(path.parent, {}, tensors) as ckpt:
         return {
             key: (info.dtype, info.shape, ckpt.read(key, tuple((0, n) for n in info.shape)).tobytes())
             for key, info in tensors.items()

@@ -284,7 +284,7 @@ PYTHIA_1_4B = {  # EleutherAI/pythia-1.4b config.json
     "use_parallel_residual": True, "vocab_size": 50304,
 }
 
-# Put on PYTHONPATH of the `port` processes: records every read of tensor bytes (port._source._preadv,
+# Put on PYTHONPATH of the `port` processes: records every read of tensor bytes (port._sources._local._preadv,
 # the one place they come from) into a file per process.
 READ_RECORDER = '''
 import importlib.abc, importlib.util, json, os, sys
@@ -293,7 +293,7 @@ class _Recorder(importlib.abc.MetaPathFinder):
     reads, wrapped = [], False
 
     def find_spec(self, name, path, target=None):
-        if name != "port._source":
+        if name != "port._sources._local":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
@@ -388,7 +388,7 @@ def test_plan_full_size_pythia_1_4b(tmp_path):
     assert output.count("ignored: ") == 3  # 24 layers of each buffer, one line per pattern
     assert "ignored: gpt_neox.layers.*.attention.rotary_emb.inv_freq (24 tensors)" in output
     processes = [json.loads(p.read_text()) for p in (tmp_path / "reads").iterdir()]
-    assert any(p["wrapped"] for p in processes)  # the recorder saw port._source load...
+    assert any(p["wrapped"] for p in processes)  # the recorder saw port._sources._local load...
     assert all(p["reads"] == [] for p in processes)  # ...and no tensor byte was read
 
 

@@ -187,19 +187,19 @@ RESTORE_SCRIPT = textwrap.dedent("""
     import json, sys
     import equinox as eqx
     import numpy as np
-    import port, port._source
+    import port, port._sources._local
 
     out, address, process, mesh, logits_out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
     assert port.initialize(address, num_processes=2, process_id=process, local_devices=4)
     import jax
     from jax.experimental import multihost_utils
 
-    read, real = [0], port._source._preadv
+    read, real = [0], port._sources._local._preadv
     def counted(fd, iov, offset):
         got = real(fd, iov, offset)
         read[0] += got
         return got
-    port._source._preadv = counted
+    port._sources._local._preadv = counted
     model = port.restore(out, mesh)
     # Its share: the distinct blocks its own devices hold, each once.
     share = sum(

@@ -136,11 +136,22 @@ def test_a_process_alone_stops_after_the_timeout(wired, tmp_path, process):
 # ---------------------------------------------------------------- the functions, in a small driver
 
 DRIVER = textwrap.dedent("""
-    import json, os, sys, time
-    from port._runtime import agree, initialize
+    import json, logging, os, sys, time
+    from port import _console
+    from port._runtime import agree, initialize, on_stuck
     from port._console import say
     from port._errors import PortError
 
+    def stuck(error):  # a program that owns its process ends it, as the command line does
+        if not _console.failed:
+            say(f"error: {error}")
+        os._exit(1)
+
+    on_stuck(stuck)
+    shown = logging.StreamHandler()  # the library's progress, as the command line shows it
+    shown.setFormatter(logging.Formatter("port: %(message)s"))
+    logging.getLogger("port").addHandler(shown)
+    logging.getLogger("port").setLevel(logging.INFO)
     address, process, timeout, settings, then = sys.argv[1:6]
     try:
         initialize(address, 2, int(process), timeout=float(timeout))
@@ -180,11 +191,11 @@ def test_agree_passes_and_process_1_may_start_first(driver):
 
 
 def test_agree_names_the_first_difference_on_every_process(driver):
-    first = {"--mesh": "4x2", "--dtype": "float32", "--out": "/a", "--force": True}
-    second = {"--mesh": "4x2", "--dtype": "bfloat16", "--out": "/b", "--force": False}
+    first = {"mesh": "4x2", "dtype": "float32", "out": "/a", "force": True}
+    second = {"mesh": "4x2", "dtype": "bfloat16", "out": "/b", "force": False}
     for code, err, _ in run_all([driver(0, first), driver(1, second)]):
         assert the_error(code, err) == (
-            "port: error: processes disagree on --dtype: process 0 has float32, process 1 has bfloat16"
+            "port: error: processes disagree on dtype=: process 0 has float32, process 1 has bfloat16"
         )
 
 
@@ -205,14 +216,14 @@ def test_a_process_waits_at_exit_for_a_slower_one(driver):
     results = run_all([driver(0, then="sleep3"), driver(1)])
     for code, err, _ in results:
         assert code == 0 and "Check failure" not in err, err
-    assert "port: process 1/2: waiting up to 5 s (--timeout) for process 0 to end" in results[1][1]
+    assert "port: process 1/2: waiting up to 5 s (timeout=) for process 0 to end" in results[1][1]
 
 
 def test_a_process_alone_stops_after_the_timeout_from_python(driver):
     [(code, err, seconds)] = run_all([driver(1, timeout=3)])
     assert the_error(code, err) == (
-        f"port: error: --coordinator {driver.address}: no coordinator answered within 3 s (--timeout 3); "
-        "start process 0 (--process-id 0) on that host, or check HOST:PORT"
+        f"port: error: coordinator={driver.address}: no coordinator answered within 3 s (timeout=3); "
+        "start process 0 (process_id=0) on that host, or check HOST:PORT"
     )
     assert seconds < 30
 
@@ -226,7 +237,7 @@ def test_the_coordinators_port_in_use(driver):
         taken.listen()
         [(code, err, _)] = run_all([driver(0)])
     assert the_error(code, err) == (
-        f"port: error: --coordinator {driver.address}: port {port} is already in use on this host "
+        f"port: error: coordinator={driver.address}: port {port} is already in use on this host "
         "(another run's coordinator?); choose a free port"
     )
 
@@ -240,8 +251,8 @@ def test_the_stores_port_in_use(driver):
         taken.listen()
         [(code, err, _)] = run_all([driver(0)])
     assert the_error(code, err) == (
-        f"port: error: --coordinator {driver.address}: port {int(port) + 1} (the coordinator's port + 1, where "
-        "port's processes exchange settings) is already in use on this host; choose another --coordinator port"
+        f"port: error: coordinator={driver.address}: port {int(port) + 1} (the coordinator's port + 1, where "
+        "port's processes exchange settings) is already in use on this host; choose another coordinator= port"
     )
 
 
@@ -254,11 +265,43 @@ def test_one_process_agrees_with_itself():
 def test_disagreements_read_as_settings():
     from port._runtime import _MISSING, _disagreement
 
-    assert _disagreement("--dtype", {0: None, 1: "bfloat16"}) == (
-        "processes disagree on --dtype: process 0 has no --dtype, process 1 has bfloat16")
-    assert _disagreement("--force", {0: True, 1: False, 2: True}) == (
-        "processes disagree on --force: processes 0, 2 have --force, process 1 has no --force")
-    assert _disagreement("--mapping", {0: "gpt2.toml", 1: _MISSING}) == (
-        "processes disagree on --mapping: process 0 has gpt2.toml, process 1 has no --mapping")
+    assert _disagreement("dtype", {0: None, 1: "bfloat16"}) == (
+        "processes disagree on dtype=: process 0 has no dtype=, process 1 has bfloat16")
+    assert _disagreement("force", {0: True, 1: False, 2: True}) == (
+        "processes disagree on force=: processes 0, 2 have force=, process 1 has no force=")
+    assert _disagreement("mapping", {0: "gpt2.toml", 1: _MISSING}) == (
+        "processes disagree on mapping=: process 0 has gpt2.toml, process 1 has no mapping=")
     long = _disagreement("mapping text", {0: "a = 1\n" * 20, 1: "a = 2\n" * 20})
     assert "\n" not in long and "process 0 has 120 characters with sha256 " in long
+
+
+def test_a_wait_past_its_timeout_goes_to_the_on_stuck_handler_then_raises():
+    """A wait port cannot abandon (inside JAX's C++) never prints or exits from the library: past its
+    timeout the handler gets the RunError (the command line's ends the process), and once the wait
+    returns the caller gets it too."""
+    from port._errors import RunError
+    from port._runtime import _within, on_stuck
+
+    seen = []
+    previous = on_stuck(seen.append)
+    try:
+        with pytest.raises(RunError, match="^coordinator=h:1: late$"):
+            _within(0.2, lambda: "coordinator=h:1: late", lambda: time.sleep(1.0))
+        assert [str(e) for e in seen] == ["coordinator=h:1: late"]
+        _within(5.0, lambda: "never", lambda: None)  # in time: nothing
+        assert len(seen) == 1
+    finally:
+        on_stuck(previous)
+
+
+def test_the_default_on_stuck_handler_logs_on_the_port_logger(caplog):
+    from port._errors import RunError
+    from port._runtime import _within, on_stuck
+
+    previous = on_stuck(None)
+    try:
+        with caplog.at_level("ERROR", logger="port"), pytest.raises(RunError, match="^late$"):
+            _within(0.2, lambda: "late", lambda: time.sleep(1.0))
+    finally:
+        on_stuck(previous)
+    assert [(r.name, r.levelname, r.getMessage()) for r in caplog.records] == [("port", "ERROR", "late")]

@@ -207,13 +207,13 @@ PHI3_MINI = {
 }
 NO_READS = '''
 import pathlib, os
-import port._source
+import port._sources._local
 
 def refuse(*args, **kwargs):
     raise RuntimeError("port plan read tensor data")
 
-port._source._preadv = refuse
-port._source.Checkpoint.read_into = refuse
+port._sources._local._preadv = refuse
+port._sources._local.LocalCheckpoint.read_into = refuse
 pathlib.Path(os.environ["PORT_TEST_NO_READS"]).touch()
 '''
 

@@ -9,7 +9,7 @@ from safetensors.numpy import load_file
 
 import port
 import port._place
-import port._source
+import port._files
 from helpers import assert_blocks_read_exactly, element_bytes, place_on, recorded_reads
 
 # The tiny GPT-2 example: save_pretrained's layout (tied, no lm_head) written with NumPy; vocab 1021,
@@ -66,7 +66,7 @@ def test_fused_tensor_is_read_end_to_end():
     # Each row of c_attn is 3 parts x 2 model blocks = 6 runs, end to end: 2 layers x rows x 6
     # runs, IOV_MAX (1024 on Linux) per call.
     assert sum(len(iov) for _, iov, _ in calls) == 2 * rows * 6
-    assert len(calls) == 2 * math.ceil(rows * 6 / port._source._IOV_MAX)
+    assert len(calls) == 2 * math.ceil(rows * 6 / port._files.IOV_MAX)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import port
-import port._remote as remote
+from port._sources import _fsspec, _http, _hub, _ranges, _remote, _transport, _urls
 from helpers import run_port
 from test_multiprocess import expected_reads, free_port, run_processes
 
@@ -245,7 +245,7 @@ def start_server(root: Path, state: Served | None = None) -> Server:
 def served(server, monkeypatch):
     """The server's state, fresh for each test; retries without waiting."""
     server.state = Served(server.root)
-    monkeypatch.setattr(remote, "BACKOFF", 0.001)
+    monkeypatch.setattr(_transport, "BACKOFF", 0.001)
     return server.state
 
 
@@ -285,7 +285,7 @@ def test_http_load_matches_local_and_moves_the_file_once(server, served, gpt2_ch
 
 
 def test_http_faults_are_retried_and_a_short_body_is_never_data(server, served, gpt2_checkpoints, monkeypatch):
-    monkeypatch.setattr(remote, "TIMEOUT", 0.3)  # "stall" waits 1 s mid-body
+    monkeypatch.setattr(_http, "TIMEOUT", 0.3)  # "stall" waits 1 s mid-body
     served.faults = [None, "503", "drop", "short", "shifted", "stall"]
     run = port.convert(f"{server.base}/sharded", mesh="4x2")
     assert_same(run.model, port.load(gpt2_checkpoints[0]["sharded"], mesh="4x2"))
@@ -297,8 +297,8 @@ def test_a_server_slower_than_the_minimum_rate_is_retried_then_refused(server, s
     """A body that trickles in (3.2 KB/s here) is given up once the request has run GRACE seconds
     below MIN_RATE: retried (a fault on one request costs nothing), and where every answer
     trickles, one line after ATTEMPTS tries instead of a run that never ends."""
-    monkeypatch.setattr(remote, "GRACE", 0.3)
-    monkeypatch.setattr(remote, "MIN_RATE", 1 << 20)
+    monkeypatch.setattr(_http, "GRACE", 0.3)
+    monkeypatch.setattr(_http, "MIN_RATE", 1 << 20)
     served.faults = [None, "trickle"]
     run = port.convert(f"{server.base}/sharded", mesh="2x2")
     assert_same(run.model, port.load(gpt2_checkpoints[0]["sharded"], mesh="2x2"))
@@ -310,13 +310,13 @@ def test_a_server_slower_than_the_minimum_rate_is_retried_then_refused(server, s
     message = str(caught.value)
     assert re.search(r"model\.safetensors: bytes \d+-\d+ \(tensor '[\w.]+'( and \d+ small ones beside it)?\): \d+ of \d+ bytes in [\d.]+ s, "
                      r"slower than 1024 KiB/s "
-                     rf"\(gave up after {remote.ATTEMPTS} attempts\)$", message), message
+                     rf"\(gave up after {_transport.ATTEMPTS} attempts\)$", message), message
     assert "\n" not in message and time.monotonic() - began < 60
 
 
 def test_requests_in_flight_are_bounded(server, served, monkeypatch):
-    monkeypatch.setattr(remote, "HTTP_CHUNK", 4096)  # many requests for one tensor
-    with remote.open_remote(f"{server.base}/tiny", requests=3) as ckpt:
+    monkeypatch.setattr(_http, "HTTP_CHUNK", 4096)  # many requests for one tensor
+    with _remote.open_remote(f"{server.base}/tiny", requests=3) as ckpt:
         served.most_active, served.delay = 0, 0.01
         info = ckpt.tensors["transformer.wte.weight"]
         block = ckpt.read(info.key, tuple((0, n) for n in info.shape))
@@ -333,7 +333,7 @@ def test_a_permanent_failure_is_one_line_naming_the_url_and_range(server, served
     assert "\n" not in message
     assert re.match(
         rf"{re.escape(server.base)}/lm/model\.safetensors: bytes \d+-\d+ \(tensor '[\w.]+'( and \d+ small ones beside it)?\): "
-        rf"HTTP 503 Service Unavailable \(gave up after {remote.ATTEMPTS} attempts\)$", message
+        rf"HTTP 503 Service Unavailable \(gave up after {_transport.ATTEMPTS} attempts\)$", message
     ), message
 
     result = run_port("convert", f"{server.base}/lm", "--out", tmp_path / "out")
@@ -450,24 +450,24 @@ def test_redirects_are_followed_and_credentials_stay_with_the_first_host(server,
 
 
 def test_urls_are_parsed_and_shown_without_credentials():
-    assert remote.hf_location("hf://org/name") == ("org/name", "main", "")
-    assert remote.hf_location("hf://org/name@refs%2Fpr%2F1/sub") == ("org/name", "refs/pr/1", "sub")
-    assert remote.hf_location("hf://gpt2@abc") == ("gpt2", "abc", "")
+    assert _hub.hf_location("hf://org/name") == ("org/name", "main", "")
+    assert _hub.hf_location("hf://org/name@refs%2Fpr%2F1/sub") == ("org/name", "refs/pr/1", "sub")
+    assert _hub.hf_location("hf://gpt2@abc") == ("gpt2", "abc", "")
     with pytest.raises(port.CheckpointError, match="not a Hugging Face repo URL"):
-        remote.hf_location("hf://org/name/../x")
-    assert remote.redact("https://u:p@h:8/a/b/?q=1#f") == "https://h:8/a/b"
-    assert remote.redact("s3://key:secret@bucket/p") == "s3://bucket/p"
-    assert remote.is_url("gs://b/x") and not remote.is_url("org/name") and not remote.is_url(Path("a"))
-    assert remote.shown("https://u:p@h/x?t=1") == "https://h/x" and remote.shown("org/name") == "org/name"
+        _hub.hf_location("hf://org/name/../x")
+    assert _urls.redact("https://u:p@h:8/a/b/?q=1#f") == "https://h:8/a/b"
+    assert _urls.redact("s3://key:secret@bucket/p") == "s3://bucket/p"
+    assert _urls.is_url("gs://b/x") and not _urls.is_url("org/name") and not _urls.is_url(Path("a"))
+    assert _urls.shown("https://u:p@h/x?t=1") == "https://h/x" and _urls.shown("org/name") == "org/name"
     with pytest.raises(port.CheckpointError, match=r"^https://h/x: a remote checkpoint; this needs a local"):
-        port._source.resolve("https://u:p@h/x")
+        port._sources.resolve("https://u:p@h/x")
     with pytest.raises(port.CheckpointError, match=r"needs another package|not a URL port can read"):
         port.open_checkpoint("nosuchscheme://bucket/x")
 
 
 def test_hub_urls_with_user_info_and_broken_urls_are_refused_without_their_secret():
-    assert remote.redact("hf://me:SECRET@org/name") == "hf://org/name"
-    assert remote.redact("hf://org/name@v1") == "hf://org/name@v1"  # a revision stays
+    assert _urls.redact("hf://me:SECRET@org/name") == "hf://org/name"
+    assert _urls.redact("hf://org/name@v1") == "hf://org/name@v1"  # a revision stays
     for url, words in [("hf://me:SECRET@org/name", "not a Hugging Face repo URL"),
                        ("http://u:SECRET@[::1/x", "not a URL port can read (Invalid IPv6 URL)")]:
         result = run_port("plan", url, "--mesh", "1x1")
@@ -519,7 +519,7 @@ def test_separate_ranges_share_a_request_or_go_one_by_one(server, served, gpt2_c
         np.testing.assert_array_equal(ckpt.read(key, region), local.read(key, region))
         asked = served.requests - before
         assert ckpt.transport.multipart is not one_range
-        groups = -(-rows // remote.MAX_PARTS)  # asked at once, on the request threads
+        groups = -(-rows // _http.MAX_PARTS)  # asked at once, on the request threads
         assert 1 <= served.multipart_requests <= groups, served.multipart_requests
         # One server answered with one range: each range then has a request of its own.
         assert asked == (served.multipart_requests + rows if one_range else groups), (asked, rows)
@@ -534,7 +534,7 @@ def test_a_multipart_answer_must_hold_the_ranges_asked():
         return b"\r\n" + delimiter + f"\r\nContent-Type: x\r\nContent-Range: bytes {first}-{last}/{size}\r\n\r\n".encode() + data
 
     good = part(10, 13, b"abcd") + part(30, 31, b"ef") + b"\r\n--B--\r\n"
-    offsets = remote.part_offsets(good, b"B", ranges, 100)
+    offsets = _http.part_offsets(good, b"B", ranges, 100)
     assert [good[o : o + stop - start] for o, (start, stop) in zip(offsets, ranges)] == [b"abcd", b"ef"]
     for body, message in [
         (part(30, 31, b"ef") + part(10, 13, b"abcd") + b"\r\n--B--\r\n", "answered bytes 30-31 for 10-13"),
@@ -546,21 +546,21 @@ def test_a_multipart_answer_must_hold_the_ranges_asked():
         (b"\r\n--B\r\nContent-Type: x\r\n\r\nabcd" + part(30, 31, b"ef"), "without a valid Content-Range"),
         (b"\r\n--B\r\nContent-Range: bytes 10-13/100" + b" " * 5000, "without the end of its headers"),
     ]:
-        with pytest.raises((remote._Transient, remote._Permanent), match=message):
-            remote.part_offsets(body, b"B", ranges, 100)
+        with pytest.raises((_transport.Transient, _transport.Permanent), match=message):
+            _http.part_offsets(body, b"B", ranges, 100)
 
 
 def test_ranges_merge_when_adjacent_and_stop_at_the_chunk():
     offsets, lengths = np.array([40, 0, 8, 16, 100]), np.array([8, 8, 8, 8, 30])
     addresses = np.array([1000, 0, 8, 16, 2000], np.uint64)
-    ranges = remote.plan_ranges(offsets, lengths, addresses, chunk=20)
+    ranges = _ranges.plan_ranges(offsets, lengths, addresses, chunk=20)
     assert list(zip(ranges.starts.tolist(), ranges.stops.tolist())) == [(0, 20), (20, 24), (40, 48), (100, 120), (120, 130)]
     pieces = [ranges.pieces_of(i).tolist() for i in range(len(ranges))]
     assert pieces == [[[0, 8], [8, 8], [16, 4]], [[20, 4]], [[1000, 8]], [[2000, 20]], [[2020, 10]]]
     # A run across several chunk boundaries is cut at each; an empty plan has no ranges.
-    ranges = remote.plan_ranges(np.array([5]), np.array([50]), np.array([0], np.uint64), chunk=20)
+    ranges = _ranges.plan_ranges(np.array([5]), np.array([50]), np.array([0], np.uint64), chunk=20)
     assert ranges.pieces.tolist() == [[0, 20], [20, 20], [40, 10]] and ranges.stops.tolist() == [25, 45, 55]
-    assert len(remote.plan_ranges(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64), 20)) == 0
+    assert len(_ranges.plan_ranges(np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.uint64), 20)) == 0
 
 
 def test_a_body_in_odd_bits_lands_where_its_pieces_say(server, served, gpt2_checkpoints):
@@ -599,8 +599,8 @@ def test_parts_are_copied_to_their_pieces():
         firsts = np.concatenate(([0], np.cumsum(counts)))
         offsets = np.array([37 + 300 * i + (i % 3) for i in range(len(counts))])  # part heads of varying length
         starts = np.arange(len(counts)) * 1000
-        ranges = remote._Ranges(starts, starts + np.add.reduceat(lengths, firsts[:-1]), firsts,
-                                remote.iovecs([d.ctypes.data for d in dests], lengths))
+        ranges = _ranges.Ranges(starts, starts + np.add.reduceat(lengths, firsts[:-1]), firsts,
+                                _ranges.iovecs([d.ctypes.data for d in dests], lengths))
         want_a, want_b = a.copy(), b.copy()
         for r in range(len(counts)):
             at = offsets[r]
@@ -618,11 +618,11 @@ def test_small_tensors_read_whole_share_a_request(server, served, gpt2_checkpoin
     and biases) are fetched in one request by the first read of one of them; each byte is still
     fetched once, a later read of one asks for its own bytes, and tensors not expected whole, or
     large, are read as before."""
-    monkeypatch.setattr(remote, "NEIGHBOURS", 60_000)  # the test model is small: several groups
+    monkeypatch.setattr(_remote, "NEIGHBOURS", 60_000)  # the test model is small: several groups
     directory = gpt2_checkpoints[0]["lm"]
     with port.open_checkpoint(f"{server.base}/lm") as ckpt, port.open_checkpoint(directory) as local:
         infos = sorted(ckpt.tensors.values(), key=lambda i: i.offset)
-        small = [i.key for i in infos if i.nbytes < remote.NEIGHBOUR and i.shape and i.shape[0] > 1]
+        small = [i.key for i in infos if i.nbytes < _remote.NEIGHBOUR and i.shape and i.shape[0] > 1]
         whole = {k: {tuple((0, n) for n in ckpt.tensors[k].shape)} for k in small}
         first_row = {k: {((0, 1),) + r[1:] for r in whole[k]} for k in small}
         partial, small = small[:3], small[3:]
@@ -632,7 +632,7 @@ def test_small_tensors_read_whole_share_a_request(server, served, gpt2_checkpoin
         ckpt.expect({k: first_row[k] | rest[k] for k in small})  # whole, in two regions: grouped
         assert set(ckpt._together) <= set(small) and len(ckpt._together) > len(small) // 2
         groups = {id(g): g for g in ckpt._together.values()}.values()
-        assert len(groups) >= 2 and all(len(g.keys) > 1 and g.stop - g.start <= remote.NEIGHBOURS for g in groups)
+        assert len(groups) >= 2 and all(len(g.keys) > 1 and g.stop - g.start <= _remote.NEIGHBOURS for g in groups)
         for g in groups:  # end to end in the file, and nothing else
             members = sorted((ckpt.tensors[k] for k in g.keys), key=lambda i: i.offset)
             assert members[0].offset == g.start and members[-1].offset + members[-1].nbytes == g.stop
@@ -654,15 +654,15 @@ def test_groups_keep_every_limit():
     """`_grouped`: small ranges share a request up to MAX_PARTS, the scratch and the header's
     length; a large range and a range continuing the one before start groups of their own."""
     starts = np.arange(0, 1000 * 100, 100)
-    ranges = remote._Ranges(starts, starts + 10, np.arange(len(starts) + 1), remote.iovecs(starts, starts * 0 + 10))
-    groups = remote._grouped(ranges)
-    assert groups[0] == (0, remote.MAX_PARTS) and groups[-1][1] == 1000
-    assert all(b - a <= remote.MAX_PARTS for a, b in groups) and all(b == c for (_, b), (c, _) in zip(groups, groups[1:]))
+    ranges = _ranges.Ranges(starts, starts + 10, np.arange(len(starts) + 1), _ranges.iovecs(starts, starts * 0 + 10))
+    groups = _http.grouped(ranges)
+    assert groups[0] == (0, _http.MAX_PARTS) and groups[-1][1] == 1000
+    assert all(b - a <= _http.MAX_PARTS for a, b in groups) and all(b == c for (_, b), (c, _) in zip(groups, groups[1:]))
     for a, b in groups:
-        assert len(",".join(f"{s}-{s + 9}" for s in starts[a:b].tolist())) <= remote.MAX_RANGE_HEADER
-    starts, stops = np.array([0, 100, 200, 210, 1000]), np.array([10, 110, 210, 220, 1000 + remote.PART])
-    ranges = remote._Ranges(starts, stops, np.arange(6), remote.iovecs(starts, stops - starts))
-    assert remote._grouped(ranges) == [(0, 3), (3, 4), (4, 5)]
+        assert len(",".join(f"{s}-{s + 9}" for s in starts[a:b].tolist())) <= _http.MAX_RANGE_HEADER
+    starts, stops = np.array([0, 100, 200, 210, 1000]), np.array([10, 110, 210, 220, 1000 + _http.PART])
+    ranges = _ranges.Ranges(starts, stops, np.arange(6), _ranges.iovecs(starts, stops - starts))
+    assert _http.grouped(ranges) == [(0, 3), (3, 4), (4, 5)]
 
 
 @pytest.mark.parametrize("blocks, rows, width, shuffle", [
@@ -685,7 +685,7 @@ def test_scatter_puts_every_byte_where_its_piece_says(blocks, rows, width, shuff
     for i, (address, n) in enumerate(pieces):
         b, r = next((b, r) for b in range(blocks) for r in range(rows) if outs[b][r].ctypes.data == address)
         expected[b][r, :n] = source[i * width : (i + 1) * width]
-    remote._scatter(source.ctypes.data, remote.iovecs([a for a, _ in pieces], [n for _, n in pieces]))
+    _ranges.scatter(source.ctypes.data, _ranges.iovecs([a for a, _ in pieces], [n for _, n in pieces]))
     for out, want in zip(outs, expected):
         np.testing.assert_array_equal(out, want)
 
@@ -726,14 +726,14 @@ def s3(gpt2_checkpoints):
 def test_s3_load_matches_local_moves_the_file_once_and_retries(s3, gpt2_checkpoints, monkeypatch):
     counter, fs = s3
     directory = gpt2_checkpoints[0]["sharded"]
-    monkeypatch.setattr(remote, "BACKOFF", 0.001)
-    monkeypatch.setattr(remote, "MIN_SCRATCH", 4096)  # scratch bounded by half the largest tensor
+    monkeypatch.setattr(_transport, "BACKOFF", 0.001)
+    monkeypatch.setattr(_fsspec, "MIN_SCRATCH", 4096)  # scratch bounded by half the largest tensor
     counter["sent"] = 0
     run = port.convert("s3://models/sharded", mesh="4x2")
     assert_same(run.model, port.load(directory, mesh="4x2"))
     assert counter["sent"] <= 1.05 * files_size(directory), (counter["sent"], files_size(directory))
 
-    real, seen, held = remote.FsspecTransport._fetch, set(), {"now": 0, "most": 0}
+    real, seen, held = _fsspec.FsspecTransport._fetch, set(), {"now": 0, "most": 0}
     lock = threading.Lock()
 
     def flaky(self, path, start, stop):  # the first try of each range fails, one way or another
@@ -751,7 +751,7 @@ def test_s3_load_matches_local_moves_the_file_once_and_retries(s3, gpt2_checkpoi
             with lock:
                 held["now"] -= stop - start
 
-    monkeypatch.setattr(remote.FsspecTransport, "_fetch", flaky)
+    monkeypatch.setattr(_fsspec.FsspecTransport, "_fetch", flaky)
     run = port.convert("s3://models/lm", mesh="4x2")
     assert_same(run.model, port.load(gpt2_checkpoints[0]["lm"], mesh="4x2"))
     assert len(seen) > 20  # about a third of the ranges failed once each way
@@ -762,7 +762,7 @@ def test_s3_load_matches_local_moves_the_file_once_and_retries(s3, gpt2_checkpoi
 
 def test_s3_failures_name_the_url(s3, monkeypatch):
     counter, fs = s3
-    monkeypatch.setattr(remote, "BACKOFF", 0.001)
+    monkeypatch.setattr(_transport, "BACKOFF", 0.001)
     with pytest.raises(port.CheckpointError, match=r"^s3://models/nothing: no config.json$"):
         port.open_checkpoint("s3://models/nothing")
     fs.copy("models/lm/", "models/gone/", recursive=True)

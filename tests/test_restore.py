@@ -114,10 +114,10 @@ def _chunk_files(out: Path, leaves=None) -> dict[str, int]:
 
 @contextlib.contextmanager
 def _bytes_read():
-    """Per file, how many times each of its bytes was read by `port._source._preadv` within the block."""
-    import port._source
+    """Per file, how many times each of its bytes was read by `port._sources._local._preadv` within the block."""
+    import port._sources._local
 
-    counts, real = {}, port._source._preadv
+    counts, real = {}, port._sources._local._preadv
 
     def preadv(fd, iov, offset):
         got = real(fd, iov, offset)
@@ -127,7 +127,7 @@ def _bytes_read():
         return got
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(port._source, "_preadv", preadv)
+        patch.setattr(port._sources._local, "_preadv", preadv)
         yield counts
 
 

@@ -687,7 +687,7 @@ def test_an_output_in_the_hub_cache_restores_and_links_elsewhere_are_refused(goo
 
 def test_open_regular_follows_no_link_below_an_output(out, tmp_path):
     """The helper itself: a file reached through no link opens; a link at any step is one OutputError."""
-    from port._source import open_regular
+    from port._files import open_regular
 
     fd, st = open_regular(out / WTE, output=out)
     os.close(fd)

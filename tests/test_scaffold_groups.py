@@ -63,7 +63,7 @@ def applicable(name, d):
 
 
 def _keys(d):
-    from port._source import open_checkpoint
+    from port._sources import open_checkpoint
 
     with open_checkpoint(d.source) as ckpt:
         return list(ckpt.tensors)
@@ -91,7 +91,7 @@ def test_draft_pairs_each_group_as_the_shipped_mapping(checkpoints, name):
     from port._mapping import import_object
     from port._plan import layer_groups
     from port._skeleton import skeleton
-    from port._source import open_checkpoint
+    from port._sources import open_checkpoint
 
     with open_checkpoint(checkpoints[name]) as ckpt:
         groups = layer_groups(skeleton(import_object(model, "model"), ckpt.config))

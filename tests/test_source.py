@@ -1,4 +1,4 @@
-"""safetensors headers and counted, positioned region reads of `port._source`."""
+"""safetensors headers and counted, positioned region reads of `port._sources`."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from port._errors import PortError
-from port._source import Checkpoint, read_header
+from port._sources import LocalCheckpoint
 
-from helpers import element_bytes, read_offsets, recorded_reads
+from helpers import element_bytes, read_header, read_offsets, recorded_reads
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -98,7 +98,7 @@ def test_read_equals_array_box(checkpoint_dir, headers, data):
     key = data.draw(st.sampled_from(sorted(ARRAYS)), label="key")
     array = ARRAYS[key]
     region = data.draw(regions(array.shape, allow_empty=data.draw(st.booleans())), label="region")
-    with Checkpoint(checkpoint_dir, {}, headers) as ckpt:
+    with LocalCheckpoint(checkpoint_dir, {}, headers) as ckpt:
         got = ckpt.read(key, region)
         want = array[_slices(region)]
         assert got.dtype == want.dtype  # bfloat16 stays bfloat16
@@ -108,7 +108,7 @@ def test_read_equals_array_box(checkpoint_dir, headers, data):
 
 
 def test_read_whole_bfloat16_and_scalar(checkpoint_dir, headers):
-    with Checkpoint(checkpoint_dir, {}, headers) as ckpt:
+    with LocalCheckpoint(checkpoint_dir, {}, headers) as ckpt:
         got = ckpt.read("bf16.3d", ((0, 4), (0, 3), (0, 8)))
         assert got.dtype == BF16
         np.testing.assert_array_equal(got, ARRAYS["bf16.3d"])
@@ -118,7 +118,7 @@ def test_read_whole_bfloat16_and_scalar(checkpoint_dir, headers):
 
 
 def test_bytes_read_accumulates(checkpoint_dir, headers):
-    ckpt = Checkpoint(checkpoint_dir, {}, headers)
+    ckpt = LocalCheckpoint(checkpoint_dir, {}, headers)
     with ckpt, recorded_reads() as calls:
         ckpt.read("f32.3d", ((1, 3), (0, 6), (2, 5)))
         ckpt.read("i64.1d", ((4, 9),))
@@ -128,7 +128,7 @@ def test_bytes_read_accumulates(checkpoint_dir, headers):
 
 
 def test_read_into_given_buffer(checkpoint_dir, headers):
-    with Checkpoint(checkpoint_dir, {}, headers) as ckpt:
+    with LocalCheckpoint(checkpoint_dir, {}, headers) as ckpt:
         out = np.full((2, 4), 7, np.float16)
         assert ckpt.read("f16.2d", ((3, 5), (0, 4)), out=out) is out
         np.testing.assert_array_equal(out, ARRAYS["f16.2d"][3:5])
@@ -144,26 +144,26 @@ def test_read_of_file_cut_since_its_header_raises(tmp_path):
     save_file({"w": np.arange(100, dtype=np.float32)}, str(path))
     tensors = read_header(path)
     path.write_bytes(path.read_bytes()[:-40])  # cut after the header was read
-    with Checkpoint(tmp_path, {}, tensors) as ckpt, pytest.raises(PortError, match="truncated since") as e:
+    with LocalCheckpoint(tmp_path, {}, tensors) as ckpt, pytest.raises(PortError, match="truncated since") as e:
         ckpt.read("w", ((0, 10),))
     assert "cut.safetensors" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_read_of_file_cut_while_reading_raises(tmp_path, monkeypatch):
     """What a memory map would turn into SIGBUS is a short read, and one PortError line."""
-    import port._source
+    import port._sources._local
 
     path = tmp_path / "cut.safetensors"
     save_file({"w": np.arange(1000, dtype=np.float32)}, str(path))
     tensors = read_header(path)
-    real = port._source._preadv
+    real = port._sources._local._preadv
 
     def cut_first(fd, iov, offset):
         os.truncate(path, tensors["w"].offset + 100)
         return real(fd, iov, offset)
 
-    monkeypatch.setattr(port._source, "_preadv", cut_first)
-    with Checkpoint(tmp_path, {}, tensors) as ckpt, pytest.raises(PortError) as e:
+    monkeypatch.setattr(port._sources._local, "_preadv", cut_first)
+    with LocalCheckpoint(tmp_path, {}, tensors) as ckpt, pytest.raises(PortError) as e:
         ckpt.read("w", ((0, 1000),))
     message = str(e.value)
     assert message.startswith("cut.safetensors: truncated while reading: tensor 'w'"), message
@@ -174,9 +174,9 @@ def test_read_of_file_cut_while_reading_raises(tmp_path, monkeypatch):
 @given(data=st.data())
 def test_short_reads_are_resumed(checkpoint_dir, headers, data):
     """A preadv may read less than asked (signals, 2 GB per call): the rest is read after."""
-    import port._source
+    import port._sources._local
 
-    real = port._source._preadv
+    real = port._sources._local._preadv
     cuts = data.draw(st.lists(st.integers(1, 64), min_size=1, max_size=20), label="cuts")
 
     def short(fd, iov, offset):
@@ -190,8 +190,8 @@ def test_short_reads_are_resumed(checkpoint_dir, headers, data):
 
     key = data.draw(st.sampled_from(["f32.3d", "bf16.3d", "i64.1d"]), label="key")
     region = data.draw(regions(ARRAYS[key].shape), label="region")
-    with Checkpoint(checkpoint_dir, {}, headers) as ckpt, pytest.MonkeyPatch.context() as patch:
-        patch.setattr(port._source, "_preadv", short)
+    with LocalCheckpoint(checkpoint_dir, {}, headers) as ckpt, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(port._sources._local, "_preadv", short)
         got = ckpt.read(key, region)
     assert got.tobytes() == np.ascontiguousarray(ARRAYS[key][_slices(region)]).tobytes()
 
@@ -199,12 +199,12 @@ def test_short_reads_are_resumed(checkpoint_dir, headers, data):
 @pytest.mark.parametrize("max_runs", [1, 3, 7])
 def test_many_runs_are_read_in_bounded_batches(checkpoint_dir, headers, monkeypatch, max_runs):
     """A region of very many runs is cut along its first axis; every batch still reads only its bytes."""
-    import port._source
+    import port._sources._runs
 
-    monkeypatch.setattr(port._source, "_MAX_RUNS", max_runs)
+    monkeypatch.setattr(port._sources._runs, "MAX_RUNS", max_runs)
     region = ((1, 5), (0, 6), (2, 5))  # 24 runs
     outs = [np.empty((4, 6, 3), np.float32), np.empty((4, 6, 4), np.float32)]
-    with Checkpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
+    with LocalCheckpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
         ckpt.read_into("f32.3d", [(region, outs[0]), (((1, 5), (0, 6), (3, 7)), outs[1])])
     np.testing.assert_array_equal(outs[0], ARRAYS["f32.3d"][1:5, :, 2:5])
     np.testing.assert_array_equal(outs[1], ARRAYS["f32.3d"][1:5, :, 3:7])
@@ -215,10 +215,10 @@ def test_many_runs_are_read_in_bounded_batches(checkpoint_dir, headers, monkeypa
 
 def test_reads_without_libc_preadv(checkpoint_dir, headers, monkeypatch):
     """Where libc has no preadv, os.preadv fills the same buffers."""
-    import port._source
+    import port._sources._local
 
-    monkeypatch.setattr(port._source, "_LIBC_PREADV", None)
-    with Checkpoint(checkpoint_dir, {}, headers) as ckpt:
+    monkeypatch.setattr(port._sources._local, "_LIBC_PREADV", None)
+    with LocalCheckpoint(checkpoint_dir, {}, headers) as ckpt:
         got = ckpt.read("bf16.3d", ((1, 4), (0, 3), (2, 6)))
     assert got.tobytes() == np.ascontiguousarray(ARRAYS["bf16.3d"][1:4, :, 2:6]).tobytes()
 
@@ -240,7 +240,7 @@ def test_read_touches_only_region_bytes(checkpoint_dir, headers, data):
     key = data.draw(st.sampled_from(["f32.3d", "bf16.3d", "f32.4d", "f16.2d", "i64.1d"]), label="key")
     array = ARRAYS[key]
     region = data.draw(regions(array.shape, allow_empty=data.draw(st.booleans())), label="region")
-    with Checkpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
+    with LocalCheckpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
         info = ckpt.tensors[key]
         out = ckpt.read(key, region)
         files, addresses = read_offsets(calls)
@@ -266,7 +266,7 @@ def test_read_into_a_view_of_a_larger_array(checkpoint_dir, headers, data):
     starts = [data.draw(st.integers(0, pad), label="start") for pad in pads]
     outer = np.zeros([n + pad for n, pad in zip(shape, pads)], array.dtype)
     place = outer[tuple(slice(s, s + n) for s, n in zip(starts, shape))]
-    with Checkpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
+    with LocalCheckpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
         ckpt.read_into(key, [(region, place)])
         files, addresses = read_offsets(calls)
     info = ckpt.tensors[key]
@@ -286,14 +286,14 @@ def test_regions_that_tile_rows_are_read_by_one_call(checkpoint_dir, headers):
     array = ARRAYS["f32.3d"]  # (5, 6, 7)
     blocks = [((0, 5), (0, 6), (0, 3)), ((0, 5), (0, 6), (3, 7))]
     outs = [np.empty((5, 6, b - a), np.float32) for _, _, (a, b) in blocks]
-    with Checkpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
+    with LocalCheckpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
         ckpt.read_into("f32.3d", list(zip(blocks, outs)))
     assert len(calls) == 1 and len(calls[0][1]) == 2 * 5 * 6
     np.testing.assert_array_equal(np.concatenate(outs, axis=2), array)
     files, _ = read_offsets(calls)
     assert sorted(files.tolist()) == list(range(ckpt.tensors["f32.3d"].offset, ckpt.tensors["f32.3d"].offset + array.nbytes))
     # Only one of them: 30 runs with gaps between them, one preadv each.
-    with Checkpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
+    with LocalCheckpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
         ckpt.read("f32.3d", blocks[0])
     assert len(calls) == 30
 

@@ -52,7 +52,7 @@ def test_a_stranger_that_claims_a_process_first_stops_the_real_one(service):
     stranger = raw(service.address)
     assert ask(stranger, {"op": "hello", "process": 1, "num_processes": 2}) == {"ok": True}
     with pytest.raises(RunError, match=r"process 1 is already connected to this run \(two processes with the "
-                                       r"same --process-id, or a process that is not the run's\)"):
+                                       r"same process_id=, or a process that is not the run's\)"):
         Store.connect(service.address, 1, 2, timeout=5)
     stranger.close()
     time.sleep(0.2)

@@ -1,4 +1,4 @@
-"""PyTorch's own format (`pytorch_model.bin`, a `torch.save` zip), read in place by `port._torchfile`.
+"""PyTorch's own format (`pytorch_model.bin`, a `torch.save` zip), read in place by `port._sources._pytorch`.
 
 Checkpoints are written by `torch.save` and by Hugging Face (`huggingface_hub.save_torch_state_dict(...,
 safe_serialization=False)`: the `pytorch_model-0000k-of-0000n.bin` shards and their index that
@@ -26,8 +26,9 @@ import numpy as np
 import pytest
 
 import port
-import port._source
-import port._torchfile
+import port._sources._directory
+import port._sources._pytorch
+from port._sources import LocalCheckpoint
 from helpers import (
     INPUT_IDS, assert_blocks_read_exactly, one_line, place_on, run_port, torch_gpt2, torch_llama, torch_logits, transformers_or_skip,
 )
@@ -174,8 +175,8 @@ def test_pytorch_is_not_needed(tmp_path):
     torch_save(tmp_path / "ckpt", {"w": torch.arange(4.0)})
     code = (
         "import sys; sys.modules['torch'] = None  # import torch now raises ImportError\n"
-        "import port._source\n"
-        "ckpt = port._source.open_checkpoint(sys.argv[1])\n"
+        "import port._sources\n"
+        "ckpt = port._sources.open_checkpoint(sys.argv[1])\n"
         "print(ckpt.read('w', ((1, 3),)).tolist(), sys.modules['torch'])\n"
     )
     result = subprocess.run([sys.executable, "-c", code, tmp_path / "ckpt"], capture_output=True, text=True, timeout=120)
@@ -430,7 +431,7 @@ def test_every_cut_and_mutant_is_refused_or_read(tmp_path):
     for size in range(len(raw)):
         path.write_bytes(raw[:size])
         with pytest.raises(CheckpointError, match="^pytorch_model.bin: "):
-            port._torchfile.read_tensors(path, 10**8)
+            port._sources._pytorch.read_tensors(path, 10**8)
     rng = random.Random(0)
     structure = [i for i in range(len(raw)) if not any(a <= i < b for a, b in data)]
     outcomes = set()
@@ -440,13 +441,13 @@ def test_every_cut_and_mutant_is_refused_or_read(tmp_path):
             mutant[at] = rng.choice([0, 0xFF, mutant[at] ^ (1 << rng.randrange(8)), rng.randrange(256)])
         path.write_bytes(bytes(mutant))
         try:
-            tensors, _ = port._torchfile.read_tensors(path, 10**8)
+            tensors, _ = port._sources._pytorch.read_tensors(path, 10**8)
         except CheckpointError as e:
             assert str(e).startswith("pytorch_model.bin: ") and "\n" not in str(e)
             outcomes.add("refused")
             continue
         outcomes.add("read")
-        checkpoint = port._source.Checkpoint(tmp_path, {}, tensors)
+        checkpoint = LocalCheckpoint(tmp_path, {}, tensors)
         for key, info in tensors.items():
             assert info.offset + info.nbytes <= len(mutant)
             checkpoint.read(key, tuple((0, n) for n in info.shape))
@@ -457,18 +458,18 @@ def test_pickle_and_directory_sizes_are_bounded_before_reading(tmp_path, monkeyp
     path = torch_save(tmp_path / "ckpt", {"w": torch.zeros(4), "v": torch.ones(3)})
     with zipfile.ZipFile(path) as z:
         pickle_size = next(i.file_size for i in z.infolist() if i.filename.endswith("data.pkl"))
-    monkeypatch.setattr(port._torchfile, "MAX_PICKLE", pickle_size - 1)
-    monkeypatch.setattr(port._torchfile, "_unpickle", lambda *a: pytest.fail("the pickle was read"))
+    monkeypatch.setattr(port._sources._pytorch, "MAX_PICKLE", pickle_size - 1)
+    monkeypatch.setattr(port._sources._pytorch, "_unpickle", lambda *a: pytest.fail("the pickle was read"))
     refused(path, f"its data.pkl takes {pickle_size} bytes, more than port reads ({pickle_size - 1})")
     monkeypatch.undo()
 
-    monkeypatch.setattr(port._torchfile, "MAX_OPCODES", 10)
+    monkeypatch.setattr(port._sources._pytorch, "MAX_OPCODES", 10)
     refused(path, "data.pkl builds more than 10 objects")
     monkeypatch.undo()
 
-    directory = port._torchfile.directory_length(path)
-    monkeypatch.setattr(port._source, "MAX_HEADERS", directory - 1)
-    monkeypatch.setattr(port._torchfile, "read_tensors", lambda *a: pytest.fail("a directory was read"))
+    directory = port._sources._pytorch.directory_length(path)
+    monkeypatch.setattr(port._sources._directory, "MAX_HEADERS", directory - 1)
+    monkeypatch.setattr(port._sources._directory, "read_tensors", lambda *a: pytest.fail("a directory was read"))
     refused(path, f"the zip directories of its 1 files take {directory} bytes, more than {directory - 1} in all")
 
 
@@ -507,7 +508,7 @@ def test_a_deep_key_crashes_plain_pickle(tmp_path):
 @pytest.mark.parametrize("how", NESTED)
 def test_objects_nested_a_million_deep_are_refused(tmp_path, how):
     path = nested_bin(tmp_path / "ckpt", NESTED[how])
-    refused(path, f"pytorch_model.bin: data.pkl nests objects more than {port._torchfile.MAX_DEPTH} deep: refused "
+    refused(path, f"pytorch_model.bin: data.pkl nests objects more than {port._sources._pytorch.MAX_DEPTH} deep: refused "
                   "(nothing was run)")
     with pytest.raises(CheckpointError, match="nests objects more than"):  # port.load, in this process
         port.load(tmp_path / "ckpt", mapping=Path(__file__).resolve().parents[1] / "mappings" / "gpt2.toml")
@@ -522,7 +523,7 @@ def test_objects_nested_a_million_deep_are_one_line_through_the_command(tmp_path
 def test_nesting_is_counted_exactly_up_to_the_bound(tmp_path):
     """A dict whose key is a tuple nested `levels` deep nests `levels + 1` deep: MAX_DEPTH is read (and
     refused as holding no tensor), one level more is refused unread."""
-    depth = port._torchfile.MAX_DEPTH
+    depth = port._sources._pytorch.MAX_DEPTH
     for levels, expected in [(depth - 1, "data.pkl has a key that is not a string (a tuple)"),
                              (depth, f"data.pkl nests objects more than {depth} deep")]:
         path = nested_bin(tmp_path / f"ckpt{levels}", b"\x80\x02})" + b"\x85" * (levels - 1) + b"K\x01s.")

@@ -242,12 +242,13 @@ def test_a_5000_character_include_is_shortened_in_the_error_line(tmp_path, inclu
 def test_no_line_port_says_is_longer_than_its_bound(monkeypatch, capfd):
     """Whatever a message quotes unshortened, the line keeps its beginning and end, and says how much was cut."""
     import port._console as console
+    from port._text import MAX_LINE
 
     monkeypatch.setattr(console, "failed", False)
     console.say("error: x.bin: " + "\x1b" * 100_000 + " is wrong")
     line = capfd.readouterr().err
     assert line.endswith("\n") and "\n" not in line[:-1] and "\x1b" not in line
-    assert len(line[:-1]) <= console.MAX_LINE
+    assert len(line[:-1]) <= MAX_LINE
     assert line.startswith("port: error: x.bin: \\x1b\\x1b") and line.endswith("\\x1b\\x1b is wrong\n")
     whole = len("port: error: x.bin: ") + 4 * 100_000 + len(" is wrong")  # each \x1b written as its 4-character escape
     head, cut, tail = re.fullmatch(r"(.*) \.\.\. \((\d+) characters cut\) \.\.\. (.*)\n", line).groups()

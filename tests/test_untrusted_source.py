@@ -23,11 +23,12 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import port
-import port._source
+import port._files
+import port._sources._directory
 from port._errors import PortError
-from port._source import open_checkpoint, read_header
+from port._sources import LocalCheckpoint, open_checkpoint
 
-from helpers import one_line, port_command, port_env, run_port
+from helpers import one_line, port_command, port_env, read_header, run_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
@@ -74,13 +75,13 @@ def test_index_pointing_outside_the_directory_is_refused(tmp_path):
 def test_index_naming_system_files_opens_nothing(tmp_path, target, monkeypatch):
     keys = list(load_file(EXAMPLE / "model.safetensors"))
     model = sharded(tmp_path / "model", dict.fromkeys(keys, target))
-    opened, real = [], port._source.open_regular
+    opened, real = [], port._files.open_regular
 
-    def open_regular(path, name=None):
+    def open_regular(path, name=None, **options):
         opened.append(Path(path).name)
-        return real(path, name)
+        return real(path, name, **options)
 
-    monkeypatch.setattr(port._source, "open_regular", open_regular)
+    monkeypatch.setattr(port._files, "open_regular", open_regular)
     with pytest.raises(PortError, match="not a plain file name") as e:
         open_checkpoint(model)
     assert opened == ["config.json", "model.safetensors.index.json"] and "\n" not in str(e.value)
@@ -183,7 +184,7 @@ def test_headers_are_bounded_across_shards_before_any_is_read(tmp_path, monkeypa
     weight_map = {f"t{i}": name for i, name in enumerate(names)}
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     one_line(convert(tmp_path, model), str(model), "360000000 bytes, more than 100000000 in all")
-    monkeypatch.setattr(port._source, "parse_header", lambda *a: pytest.fail("a header was read"))
+    monkeypatch.setattr(port._sources._directory, "parse_header", lambda *a: pytest.fail("a header was read"))
     with pytest.raises(PortError, match="in all"):
         open_checkpoint(model)
 
@@ -193,10 +194,10 @@ def test_header_budget_is_shared_by_the_shards(tmp_path, monkeypatch):
     for i in range(3):
         save_file({f"w{i}": np.zeros(4, np.float32)}, tmp_path / f"s{i}.safetensors")
     (tmp_path / "config.json").write_text("{}")
-    lengths = [port._source.header_length(tmp_path / f"s{i}.safetensors") for i in range(3)]
-    monkeypatch.setattr(port._source, "MAX_HEADERS", sum(lengths))
+    lengths = [port._sources._directory.header_length(tmp_path / f"s{i}.safetensors") for i in range(3)]
+    monkeypatch.setattr(port._sources._directory, "MAX_HEADERS", sum(lengths))
     assert set(open_checkpoint(tmp_path).tensors) == {"w0", "w1", "w2"}
-    monkeypatch.setattr(port._source, "MAX_HEADERS", sum(lengths) - 1)
+    monkeypatch.setattr(port._sources._directory, "MAX_HEADERS", sum(lengths) - 1)
     with pytest.raises(PortError, match=f"take {sum(lengths)} bytes, more than {sum(lengths) - 1} in all"):
         open_checkpoint(tmp_path)
 
@@ -205,10 +206,10 @@ def test_too_many_shards_are_refused_before_opening_any(tmp_path, monkeypatch):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    count = port._source.MAX_SHARDS + 1
+    count = port._sources._directory.MAX_SHARDS + 1
     weight_map = {f"t{i}": f"s{i}.safetensors" for i in range(count)}
     (model / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    monkeypatch.setattr(port._source, "header_length", lambda *a: pytest.fail("a shard was opened"))
+    monkeypatch.setattr(port._sources._directory, "header_length", lambda *a: pytest.fail("a shard was opened"))
     with pytest.raises(PortError, match=f"lists {count} shard files, more than"):
         open_checkpoint(model)
 
@@ -216,7 +217,7 @@ def test_too_many_shards_are_refused_before_opening_any(tmp_path, monkeypatch):
 def test_a_header_past_the_format_limit_is_refused_unread(tmp_path, monkeypatch):
     path = tmp_path / "big.safetensors"
     _sparse_shard(path, 100_000_001)  # the reference's MAX_HEADER_SIZE is 100_000_000
-    monkeypatch.setattr(port._source, "parse_header", lambda *a: pytest.fail("the header was read"))
+    monkeypatch.setattr(port._sources._directory, "parse_header", lambda *a: pytest.fail("the header was read"))
     with pytest.raises(PortError, match="exceeds the format's limit of 100000000 bytes"):
         read_header(path)
 
@@ -341,7 +342,7 @@ def test_port_accepts_what_the_reference_accepts(tmp_path, case):
     reference = load_file(path)
     tensors = read_header(path)
     assert set(tensors) == set(reference)
-    with port._source.Checkpoint(tmp_path, {}, tensors) as ckpt:
+    with LocalCheckpoint(tmp_path, {}, tensors) as ckpt:
         for key, array in reference.items():
             got = ckpt.read(key, tuple((0, n) for n in array.shape))
             assert got.dtype == array.dtype and got.shape == array.shape and got.tobytes() == array.tobytes()

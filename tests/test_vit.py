@@ -253,10 +253,10 @@ VIT_B16 = {  # google/vit-base-patch16-224-in21k config.json
 }
 
 # On the `port` process's PYTHONPATH: records the offset of every read of tensor bytes
-# (port._source._preadv, the one place they come from) into $READS_FILE at exit.
+# (port._sources._local._preadv, the one place they come from) into $READS_FILE at exit.
 READ_RECORDER = """
 import atexit, json, os
-import port._source as source
+import port._sources._local as source
 
 reads, real = [], source._preadv
 

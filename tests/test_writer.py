@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save
 from port._dtypes import SAFETENSORS
 from port._errors import OutputError, PortError
 from port._memory import PeakMemory
-from port._source import open_checkpoint
+from port._sources import open_checkpoint
 from port._export._safetensors import _LIBRARY_ORDER, INDEX, OutTensor, Writer, file_names, parse_size, shard_files
 
 from helpers import GPT2_CONFIG, torch_gpt2

@@ -19,8 +19,8 @@ from typing import Any
 
 _EXPORTS = {
     # source -> mapping -> skeleton -> plan -> place -> fill -> save
-    "open_checkpoint": "._source",
-    "Checkpoint": "._source",
+    "open_checkpoint": "._sources",
+    "Checkpoint": "._sources",
     "load_mapping": "._mapping",
     "mapping_for": "._mapping",
     "parse_mapping": "._mapping",

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -27,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from . import _console
 from ._console import clear_line, quiet_libraries, say, show, stream
 from ._text import count_text, described, plural, printable, quoted, shortened, size_text
 from ._errors import PlanError, PortError
@@ -38,17 +40,70 @@ SCAFFOLD_MARK = "# Draft mapping made by port scaffold"
 
 
 def _shown(model: str) -> str:
-    """`model` as messages show it: a URL without its credentials. `_remote` (and NumPy with
+    """`model` as messages show it: a URL without its credentials. `_sources` (and NumPy with
     it) is imported here, when first needed, not when `port` starts: the command line holds
     Ctrl-C before anything slow is imported."""
-    from ._remote import shown
+    from ._sources import shown
 
     return shown(model)
 
 DEFAULT_TIMEOUT = 300.0
 MESH_HELP = "device mesh: 4x2 (data x model) or named axes, data=2,expert=2,model=2 (default: 1x1)"
 
+FLAGS = {
+    "mesh": "--mesh",
+    "dtype": "--dtype",
+    "out": "--out",
+    "force": "--force",
+    "mapping": "--mapping",
+    "include": "--include",
+    "layers": "--layers",
+    "max_shard_size": "--max-shard-size",
+    "coordinator": "--coordinator",
+    "num_processes": "--num-processes",
+    "process_id": "--process-id",
+    "timeout": "--timeout",
+    "checkpoint": "MODEL",
+}
+"""The library's parameter names, as its messages write them (`mesh=`), and what the command line
+calls them. Where the two differ in more than spelling:
 
+- `checkpoint` (`port.convert`'s first argument) is the positional MODEL.
+- `layers=range(0, 12)` is `--layers 0:12`: `convert` rewrites a message that starts with the
+  range in the flag's form; `include=['wte', 'blocks']` is `--include wte,blocks`.
+- `strict`, `skeleton`, `local_devices`, `progress` have no flag (the command line is always
+  strict, builds the mapping's model or `--module`'s class, and simulates the devices `--mesh`
+  needs), so they stay as they are; nor does `model` (a word in mesh specs, `model=2`).
+- `--report`, `--deadline`, `--progress`, `--module` are the command line's own.
+"""
+
+_TO_FLAG = re.compile(
+    r"""(?<!\w)('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")"""  # a quoted segment (port quotes names with repr): kept
+    r"|(?<![^\s(\[`])(" + "|".join(FLAGS) + r")="  # a known parameter at a word start
+)
+_NO_VALUE = ("", " ", "\t", ",", ";", ":", ")", "]", "`")
+
+
+def with_flags(message: str) -> str:
+    """A library message as the command line says it: each known parameter `name=` (at a word
+    start, outside quoted text) becomes its flag, followed by a space when a value follows.
+
+    ```python
+    with_flags("mesh='2x3': expected DATAxMODEL")           # "--mesh '2x3': expected DATAxMODEL"
+    with_flags("start every process with the same coordinator= and num_processes=2")
+    # 'start every process with the same --coordinator and --num-processes 2'
+    with_flags("tensor 'mesh=1' is not used")                # unchanged: inside quotes
+    ```
+    """
+
+    def flag(match: re.Match) -> str:
+        if match.group(1) is not None:
+            return match.group(1)
+        after = message[match.end() : match.end() + 2]  # a value follows unless a space, the end or punctuation
+        follows = after[:1] not in _NO_VALUE and after not in (".", ". ")
+        return FLAGS[match.group(2)] + (" " if follows else "")
+
+    return _TO_FLAG.sub(flag, message)
 
 
 def _progress(enabled: bool | None, total_leaves: int, total_bytes: int):
@@ -196,10 +251,10 @@ def _mapping_named(args: argparse.Namespace, path: Path | None):
 
 def _processes(args: argparse.Namespace) -> tuple[int, int]:
     """The run's process count and each process's share of --mesh's devices, the flags checked."""
-    from ._runtime import _env_int, devices_per_process, mesh_shape
+    from ._runtime import env_int, devices_per_process, mesh_shape
 
     shape = mesh_shape(args.mesh)
-    processes = args.num_processes if args.num_processes is not None else _env_int("JAX_NUM_PROCESSES") or 1
+    processes = args.num_processes if args.num_processes is not None else env_int("JAX_NUM_PROCESSES") or 1
     count = devices_per_process(shape, processes, args.mesh)
     if args.timeout <= 0:
         raise PortError(f"--timeout {args.timeout:g}: expected a positive number of seconds")
@@ -208,7 +263,7 @@ def _processes(args: argparse.Namespace) -> tuple[int, int]:
 
 def _join(args: argparse.Namespace) -> tuple[int, int, bool]:
     """Simulate this process's devices and join the run the flags name: (processes, devices each, simulated)."""
-    from ._runtime import initialize, simulate_devices
+    from ._runtime import initialize, on_stuck, simulate_devices
 
     processes, count = _processes(args)
     simulated = simulate_devices(count)
@@ -216,12 +271,13 @@ def _join(args: argparse.Namespace) -> tuple[int, int, bool]:
     if processes > 1 and coordinator:
         who = args.process_id if args.process_id is not None else os.environ.get("JAX_PROCESS_ID", "?")
         say(f"process {who}: waiting for {processes} processes at {coordinator} (--timeout {args.timeout:g} s)")
+    on_stuck(_stuck)  # this process is the command line's: a run that cannot go on ends it
     initialize(args.coordinator, args.num_processes, args.process_id, timeout=args.timeout)
     return processes, count, simulated
 
 
 def convert(args: argparse.Namespace) -> int:
-    """Convert MODEL into a sharded Equinox model and save it with Orbax to --out."""
+    """Convert MODEL into a sharded Equinox model and save it to --out, an Orbax checkpoint."""
     from ._output import check_out
 
     _processes(args)  # flags checked before the output's
@@ -467,7 +523,7 @@ def _grouped(keys: tuple[str, ...]) -> dict[str, int]:
 def plan_command(args: argparse.Namespace) -> int:
     """Print how MODEL maps onto the mesh, reading no tensor data."""
     from ._mapping import mapping_for
-    from ._source import open_checkpoint
+    from ._sources import open_checkpoint
     from .authoring import check as run_check
 
     with open_checkpoint(args.model) as ckpt:
@@ -504,10 +560,11 @@ def check(args: argparse.Namespace) -> int:
     try:
         result = run_check(_mapping_named(args, args.mapping), args.model, args.mesh)
     except PlanError as e:
+        problems = [with_flags(problem) for problem in e.problems]
         if args.json:
-            _json(document | {"ok": False, "problems": list(e.problems)})
+            _json(document | {"ok": False, "problems": problems})
         else:
-            show("".join(f"{shortened(printable(problem))}\n" for problem in e.problems))
+            show("".join(f"{shortened(printable(problem))}\n" for problem in problems))
         raise PortError(f"{args.mapping}: {plural(len(e.problems), 'problem')} with {_shown(args.model)}") from None
     if args.json:
         return _json(document | {
@@ -672,7 +729,7 @@ def parser() -> argparse.ArgumentParser:
             module_flag(sub)
 
     sub = command(
-        "convert", convert, "Convert MODEL into a sharded Equinox model and save it with Orbax to --out.",
+        "convert", convert, "Convert MODEL into a sharded Equinox model and save it to --out, an Orbax checkpoint.",
         "For a multi-process run, start the same command in every process, adding --coordinator,\n"
         "--num-processes and --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,\n"
         "JAX_PROCESS_ID): each process reads only what its devices hold.",
@@ -802,15 +859,16 @@ def run(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except PlanError as e:  # every problem on stdout, as `port check` lists them; the error line names the first
-        n = len(e.problems)
+        problems = [with_flags(problem) for problem in e.problems]
+        n = len(problems)
         if n > 1:
-            show("".join(f"{shortened(printable(problem))}\n" for problem in e.problems))
-            say(f"error: {e.problems[0]} (and {plural(n - 1, 'more problem')}: all {n} listed above)")
+            show("".join(f"{shortened(printable(problem))}\n" for problem in problems))
+            say(f"error: {problems[0]} (and {plural(n - 1, 'more problem')}: all {n} listed above)")
         else:
-            say("error: " + str(e))
+            say("error: " + with_flags(str(e)))
         return 1
     except PortError as e:
-        say("error: " + str(e))
+        say("error: " + with_flags(str(e)))
         return 1
     except Exception as e:  # noqa: BLE001 - the command line promises no traceback
         if os.environ.get("PORT_DEBUG"):
@@ -851,16 +909,27 @@ _ARGV = "PORT_WORKER_ARGV"  # the command line, for the worker (JSON)
 
 
 class _Said(logging.Handler):
-    """The library's warnings (the `port` logger), said on the user's stderr as `port: ...` lines."""
+    """The library's warnings and progress (the `port` logger, INFO and above), said on the user's
+    stderr as `port: ...` lines, its parameters as flags."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        say(record.getMessage())
+        say(with_flags(record.getMessage()))
 
 
 def _tell_what_port_logs() -> None:
     logger = logging.getLogger("port")
-    logger.addHandler(_Said(logging.WARNING))
+    logger.addHandler(_Said(logging.INFO))
+    logger.setLevel(logging.INFO)
     logger.propagate = False
+
+
+def _stuck(error: PortError) -> NoReturn:
+    """The worker's `on_stuck` handler: a run that cannot go on (a wait inside JAX's C++ past
+    --timeout, or a process that will not come at exit) ends the process at once, from any
+    thread, with one `port: error: ...` line (none if this process has said an error) and 1."""
+    if not _console.failed:
+        say("error: " + with_flags(str(error)))
+    os._exit(1)
 
 
 def main() -> NoReturn:

@@ -7,9 +7,9 @@ is written as its escape, `\\x1b`, never acted on by the terminal.
 
 The command line calls `quiet_libraries` first: from then on file descriptor 2
 goes to /dev/null, and port's own messages (and its progress bar, through
-`stream()`) to a duplicate of the user's stderr. JAX, Orbax and tensorstore print
-from C++ threads and from callbacks (absl logs, "Event loop is closed"
-tracebacks) that no Python setting reaches; a failure then reads as one line.
+`stream()`) to a duplicate of the user's stderr. JAX and the libraries it loads
+print from C++ threads and from callbacks (absl logs) that no Python setting
+reaches; a failure then reads as one line.
 `PORT_DEBUG=1` leaves stderr as it is.
 
 Untrusted text is escaped by `_text`'s pure functions, which the library uses too.
@@ -46,7 +46,7 @@ failed = False  # whether this process has said an error: it says at most one
 
 
 def say(message: str) -> None:
-    """Print `port: MESSAGE` on the user's stderr, on one line, literally, at most `MAX_LINE` characters."""
+    """Print `port: MESSAGE` on the user's stderr, on one line, literally, at most `_text.MAX_LINE` characters."""
     global failed
     failed = failed or message.startswith(("error:", "internal error:"))
     line = shortened("port: " + printable(message.replace("\n", "\\n"))) + "\n"

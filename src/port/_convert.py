@@ -46,7 +46,7 @@ from ._runtime import agree, as_mesh, mesh_spec
 from ._destination import free_bytes
 from ._output import Saving, check_out
 from ._skeleton import leaves, skeleton as make_skeleton
-from ._source import Checkpoint, open_checkpoint
+from ._sources import Checkpoint, open_checkpoint
 
 
 @dataclass(frozen=True)
@@ -178,23 +178,23 @@ def convert(
                 skeleton, mapping, ckpt.tensors, config, mesh.shape, dtype, include=include, layers=layers, strict=strict
             )
             kept = kept_values(skeleton, recipe)
-            check_host_memory(recipe.device_bytes, mesh, f"--mesh {mesh_spec(dict(mesh.shape))}")
+            check_host_memory(recipe.device_bytes, mesh, f"mesh={mesh_spec(dict(mesh.shape))}")
             if out is not None:
                 if recipe.nbytes > (free := free_bytes(out)):
                     raise OutputError(
-                        f"--out {out}: needs {size_text(recipe.nbytes)}, only {size_text(free)} free on its file system"
+                        f"out={out}: needs {size_text(recipe.nbytes)}, only {size_text(free)} free on its file system"
                     )
             agree(
                 {
-                    "--mesh": mesh_spec(dict(mesh.shape)),
-                    "--dtype": None if dtype is None else str(dtype),
-                    "--out": None if out is None else str(out),
-                    "--force": force,
-                    "--mapping": mapping.text,  # its text: the file may sit at another path on each host
-                    "--include": include,
-                    "--layers": None if layers is None else [layers.start, layers.stop],
-                    "--strict": strict,
-                    "MODEL": fingerprint(ckpt),
+                    "mesh": mesh_spec(dict(mesh.shape)),
+                    "dtype": None if dtype is None else str(dtype),
+                    "out": None if out is None else str(out),
+                    "force": force,
+                    "mapping": mapping.text,  # its text: the file may sit at another path on each host
+                    "include": include,
+                    "layers": None if layers is None else [layers.start, layers.stop],
+                    "strict": strict,
+                    "checkpoint": fingerprint(ckpt),
                 }
             )
             count, placed, writing = len(recipe.leaves), 0, None

@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from ._source import libc_function
+from ._files import libc_function
 
 _CHUNK = 64 << 20
 """Bytes one pwrite is asked for: far below every platform's limit on one call, and the

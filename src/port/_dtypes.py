@@ -1,6 +1,6 @@
 """Dtypes: the one table of the dtypes port knows, by each name they go by.
 
-A safetensors header says `BF16`; a mapping's `cast`, an output's metadata and `--dtype` say
+A safetensors header says `BF16`; a mapping's `cast`, an output's metadata and `dtype=` say
 `bfloat16`; NumPy needs `ml_dtypes` for it. Every module asks here, and "floating"
 means one thing everywhere: `jnp.issubdtype(d, jnp.floating)`, which covers bfloat16
 and the float8 types.
@@ -43,7 +43,7 @@ NAMES: dict[str, np.dtype] = {d.name: d for d in SAFETENSORS.values()}
 """The same dtypes by their NumPy names (`bfloat16`, `float8_e4m3fn`, `int8`, ...)."""
 
 CASTS = ("float32", "bfloat16", "float16")
-"""What parameters may be cast to (`--dtype`): the floating dtypes JAX holds without x64."""
+"""What parameters may be cast to (`dtype=`, `--dtype`): the floating dtypes JAX holds without x64."""
 
 
 def dtype(name: str | Any) -> np.dtype:

@@ -1,7 +1,9 @@
 """The errors port raises for bad input, one base class and a subclass per kind.
 
-Every one is a `PortError`: its message is one line naming the file, key or flag
-and what is wrong, which the command line prints as `port: error: ...` (exit 1).
+Every one is a `PortError`: its message is one line naming the file, key or parameter
+and what is wrong, which the command line prints as `port: error: ...` (exit 1). A
+parameter is named in Python's keyword form, `mesh='2x3': ...` or mid-sentence
+`num_processes=2`; the command line shows it as its flag (`--mesh '2x3': ...`).
 Callers that need to tell them apart catch a subclass:
 
 ```python
@@ -21,7 +23,7 @@ from collections.abc import Sequence
 
 
 class PortError(Exception):
-    """A problem with the user's input: one line naming the file, key or flag and what is wrong."""
+    """A problem with the user's input: one line naming the file, key or parameter and what is wrong."""
 
 
 class CheckpointError(PortError):
@@ -50,7 +52,7 @@ class PlanError(PortError):
 
 
 class OutputError(PortError):
-    """An output directory cannot be written, replaced or restored (`--out`, `port.restore`)."""
+    """An output directory cannot be written, replaced or restored (`out=`, `port.restore`)."""
 
 
 class RunError(PortError):

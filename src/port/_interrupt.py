@@ -3,8 +3,8 @@
 The `port` command runs in two processes. The one the user started is a small
 supervisor that never imports JAX: it starts the worker (the same command), passes
 its exit status through, and handles SIGINT and SIGTERM. On a signal it kills the
-worker outright (every thread with it: JAX and Orbax keep C++ threads that write
-files, which no exception would stop), removes every path the worker registered
+worker outright (every thread with it: the threads writing the output's files, and
+JAX's C++ threads, which no exception would stop), removes every path the worker registered
 with `removing`, says `port: interrupted`, and exits with 128 + the signal number
 (130 for Ctrl-C, 143 for SIGTERM). A worker that fails or dies any other way (an
 error, a crash, the kernel's OOM killer) is cleaned up after the same way. The worker

@@ -52,7 +52,7 @@ from typing import Any
 
 from ._text import one_line, quoted
 from ._errors import ConfigError, MappingError, PortError
-from ._source import _kind
+from ._files import file_kind
 from ._transforms import Transform, parse_transform
 
 LAYER = "{layer}"
@@ -347,7 +347,7 @@ def _read(path: Path) -> str:
     try:
         before = os.stat(path)
         if not stat.S_ISREG(before.st_mode):
-            raise MappingError(f"{path}: not a regular file ({_kind(before.st_mode)}); a mapping is a TOML file")
+            raise MappingError(f"{path}: not a regular file ({file_kind(before.st_mode)}); a mapping is a TOML file")
         fd = os.open(path, flags)
         try:
             after = os.fstat(fd)
@@ -402,7 +402,7 @@ def mapping_for(config: AnyMapping[str, Any], mapping: str | os.PathLike | Mappi
         return load_mapping(mapping)
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
-        raise MappingError("config.json: no 'model_type'; give a mapping with --mapping")
+        raise MappingError("config.json: no 'model_type'; give a mapping with mapping=")
     known = []
     for path in shipped_mappings():
         mapping = load_mapping(path)
@@ -411,5 +411,5 @@ def mapping_for(config: AnyMapping[str, Any], mapping: str | os.PathLike | Mappi
         known.extend(mapping.model_types)
     raise MappingError(
         f"config.json: model_type '{model_type}' has no mapping (known: {', '.join(sorted(known)) or 'none'}); "
-        "give one with --mapping"
+        "give one with mapping="
     )

@@ -40,13 +40,13 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_host_memory(device_bytes: int, mesh: Any, flag: str) -> None:
+def check_host_memory(device_bytes: int, mesh: Any, label: str) -> None:
     """Refuse, before anything is allocated, blocks of `device_bytes` on each of this process's
     CPU devices of `mesh` (their memory is the host's) that take more than the host has
-    available; `flag` names the mesh in the message (`--mesh data=4,model=2`).
+    available; `label` names the mesh in the message (`mesh=data=4,model=2`).
 
     A replicated dimension costs a copy per device (`port plan` shows bytes per device), so a
-    mesh of many simulated devices multiplies a model: `--mesh 16x32` is 512 copies of what
+    mesh of many simulated devices multiplies a model: `mesh="16x32"` is 512 copies of what
     each block replicates.
     """
     import jax
@@ -60,7 +60,7 @@ def check_host_memory(device_bytes: int, mesh: Any, flag: str) -> None:
     available = available_host_bytes()
     if cpus and available is not None and need > available:
         raise PlanError([
-            f"{flag}: its blocks take {size_text(need)} of host memory ({cpus} CPU device{'s' if cpus > 1 else ''} x "
+            f"{label}: its blocks take {size_text(need)} of host memory ({cpus} CPU device{'s' if cpus > 1 else ''} x "
             f"{size_text(device_bytes)} each), more than the {size_text(available)} available; "
             "use fewer devices, or shard what is replicated"
         ])

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from ._pipeline import ReadAhead
 from ._plan import LeafPlan, Plan
-from ._source import Checkpoint, Region
+from ._sources import Checkpoint, Region
 
 ALIGN = 64  # XLA's CPU client adopts host buffers aligned like this without a copy
 BAND_BYTES = 16 * 2**20  # a source tensor larger than this is read by several jobs

@@ -32,7 +32,7 @@ from ._errors import PlanError, PortError
 from ._dtypes import dtype as dtype_named, floating
 from ._mapping import LAYER, Mapping, Param
 from ._skeleton import leaves as skeleton_leaves
-from ._source import Region, TensorInfo
+from ._sources import Region, TensorInfo
 from ._transforms import Cast, Chain
 
 

@@ -16,7 +16,8 @@ mesh_shape("data=2,expert=2,model=2")      # {"data": 2, "expert": 2, "model": 2
 **Multi-process runs** are JAX's own (`jax.distributed`). Every process runs the
 same conversion; the mesh spans all their devices, and `jax.make_array_from_callback`
 asks each process only for the blocks of its own devices, so each reads only what its
-devices hold. Orbax writes the output collectively.
+devices hold, and each writes the chunk files of those blocks into the one output
+(`port._save`: process 0 writes the metadata and renames it into place once all have).
 
 ```python
 port.initialize("10.0.0.1:1234", num_processes=2, process_id=0)   # before any JAX work
@@ -29,13 +30,37 @@ The same from the environment: `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
 
 `agree` checks, before any tensor is read, that every process was given the same
 settings, through the run's own key-value store (`port._store`, served by process 0
-on the coordinator's port + 1). Joining, agreeing and, at exit, waiting for the others to end each take
-at most `timeout` seconds; past it, the process says why in one line (`port:
-error: ...`) and exits with status 1. JAX's own deadlines for the same waits end
+on the coordinator's port + 1). Joining, agreeing and, at exit, waiting for the others
+to end each take at most `timeout` seconds. JAX's own deadlines for the same waits end
 in a C++ abort (`Check failure`, exit 134), so port sets them later than its own.
 (A process killed before it agreed is noticed at once, by the store; one killed later,
 mid-run, only by JAX's heartbeat, after 100 s, and that still aborts the others: JAX
 offers no hook for it.)
+
+**When a wait cannot be abandoned.** Agreeing and exchanging are port's own waits: past
+`timeout` they raise a `RunError`. Two kinds of wait are not: joining (a thread blocked
+in JAX's C++, which no Python exception or signal interrupts) and, at exit, waiting for
+the other processes to end (an `atexit` hook, where an exception is only printed, and
+after which JAX's own exit would wait again and abort). There port calls a handler with
+the `RunError` that says why (`on_stuck`), from a watchdog thread or the exit hook. The
+library itself never prints and never ends the process: by default the handler logs the
+error on the `port` logger, and `initialize` raises it once JAX's wait returns (if JAX
+does not abort first). A program that owns its process installs a handler that ends it;
+the command line's says `port: error: ...` and exits with status 1 at once, so a run
+that cannot go on never hangs. The progress line of the exit wait ("waiting up to N s
+for process K to end") is logged on the `port` logger at level INFO.
+
+```python
+def stuck(error: port.RunError) -> None:
+    print(f"error: {error}", file=sys.stderr)
+    os._exit(1)
+
+port._runtime.on_stuck(stuck)
+port.initialize("10.0.0.1:1234", num_processes=2, process_id=1, timeout=60)
+```
+
+Messages name the Python parameters (`mesh='2x3': ...`, `coordinator=HOST:PORT: ...`,
+`timeout=60`); the command line shows them as its flags.
 """
 
 from __future__ import annotations
@@ -44,6 +69,7 @@ import atexit
 import errno
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -54,16 +80,17 @@ import time
 from collections.abc import Callable
 from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ._console import say
 from ._text import quoted
 from ._errors import PortError, RunError
 from ._store import ENDED as _ENDED, Store, bind_addresses, serve
+
+log = logging.getLogger("port")
 
 AXES = ("data", "model")
 MAX_DEVICES = 65536  # a mesh larger than any machine's: refused before anything is built
@@ -76,7 +103,7 @@ _EXPECTED = "expected DATAxMODEL such as 4x2, a device count such as 8, or named
 
 
 def mesh_shape(spec: str) -> dict[str, int]:
-    """The axis sizes a mesh spec names, in order; a one-line `PortError` naming `--mesh` if malformed.
+    """The axis sizes a mesh spec names, in order; a one-line `PortError` naming `mesh=` if malformed.
 
     **Arguments:**
 
@@ -94,19 +121,19 @@ def mesh_shape(spec: str) -> dict[str, int]:
     else:
         parts = [_NAMED.fullmatch(part) for part in spec.split(",")]
         if not all(parts):
-            raise PortError(f"--mesh '{spec}': {_EXPECTED}")
+            raise PortError(f"mesh='{spec}': {_EXPECTED}")
         pairs = [(m.group(1), m.group(2)) for m in parts]
         names = [name for name, _ in pairs]
         if len(set(names)) != len(names):
-            raise PortError(f"--mesh '{spec}': axis '{next(n for n in names if names.count(n) > 1)}' named twice")
+            raise PortError(f"mesh='{spec}': axis '{next(n for n in names if names.count(n) > 1)}' named twice")
     if any(len(size.strip()) > 6 for _, size in pairs):
-        raise PortError(f"--mesh '{spec}': at most {MAX_DEVICES} devices")
+        raise PortError(f"mesh='{spec}': at most {MAX_DEVICES} devices")
     shape = {name: int(size) for name, size in pairs}
     if min(shape.values()) < 1:
-        raise PortError(f"--mesh '{spec}': every axis needs at least one device")
+        raise PortError(f"mesh='{spec}': every axis needs at least one device")
     if math.prod(shape.values()) > MAX_DEVICES:
         raise PortError(
-            f"--mesh '{spec}': {math.prod(shape.values())} devices, more than the {MAX_DEVICES} port accepts"
+            f"mesh='{spec}': {math.prod(shape.values())} devices, more than the {MAX_DEVICES} port accepts"
         )
     return shape
 
@@ -135,7 +162,7 @@ def simulate_devices(count: int) -> bool:
         return False
     if count > MAX_SIMULATED:
         raise PortError(
-            f"--mesh needs {count} devices in this process; port simulates at most {MAX_SIMULATED} CPU "
+            f"mesh= needs {count} devices in this process; port simulates at most {MAX_SIMULATED} CPU "
             "devices (on accelerators, JAX's own devices are used)"
         )
     if jax.config.jax_num_cpu_devices >= count:
@@ -152,7 +179,7 @@ def devices_per_process(shape: AnyMapping[str, int], processes: int, label: str 
     total = math.prod(shape.values())
     if processes < 1 or total % processes:
         label = label or mesh_spec(dict(shape))
-        raise PortError(f"--mesh {label} ({total} devices) does not split evenly over {processes} processes")
+        raise PortError(f"mesh={label} ({total} devices) does not split evenly over {processes} processes")
     return total // processes
 
 
@@ -194,7 +221,7 @@ def make_mesh(spec: str | dict[str, int], devices: list | None = None) -> Mesh:
                 " (JAX started before port could add CPU devices: call port.make_mesh first, or set "
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={needed})"
             )
-        raise PortError(f"--mesh {label} needs {needed} devices but JAX has {len(devices)} {platform}{hint}")
+        raise PortError(f"mesh={label} needs {needed} devices but JAX has {len(devices)} {platform}{hint}")
     grid = np.array(devices[:needed]).reshape(tuple(shape.values()))
     return Mesh(grid, tuple(shape))
 
@@ -232,7 +259,7 @@ def as_mesh(mesh: Mesh | str | AnyMapping[str, int] | None) -> Mesh:
 DEFAULT_TIMEOUT = 300.0
 # JAX's own deadlines, set past port's so that port's always run out first.
 _JAX_JOIN_MARGIN = 30  # jax aborts about 5 s after its initialization_timeout
-_JAX_SHUTDOWN_TIMEOUT = 300  # jax's default; raised to stay past a longer --timeout
+_JAX_SHUTDOWN_TIMEOUT = 300  # jax's default; raised to stay past a longer timeout
 
 
 @dataclass
@@ -249,7 +276,8 @@ _run: _Run | None = None
 _service = None  # process 0's store service (port._store)
 
 
-def _env_int(name: str) -> int | None:
+def env_int(name: str) -> int | None:
+    """The integer in environment variable `name` (`JAX_NUM_PROCESSES`); None when unset or empty."""
     value = os.environ.get(name)
     if value is None or value == "":
         return None
@@ -266,39 +294,83 @@ def _store() -> Store:
     return _run.store
 
 
-def _stop(message: str) -> NoReturn:
-    """Say `port: error: MESSAGE` and end the process with status 1, from any thread.
+Stuck = Callable[[RunError], object]
+"""What `on_stuck` takes: called with the `RunError` that says why a run cannot go on."""
 
-    For waits that JAX cannot abandon: a thread blocked in JAX's C++ cannot be
-    interrupted, and JAX's own timeout there aborts the process. A process that has
-    already said an error ends without a second one.
+
+def _logged(error: RunError) -> None:
+    """The default `on_stuck` handler: the error on the `port` logger; the process is the caller's."""
+    log.error("%s", error)
+
+
+_on_stuck: Stuck = _logged
+
+
+def on_stuck(handler: Stuck | None) -> Stuck:
+    """Set what port does when a wait of a multi-process run that it cannot abandon runs past
+    its `timeout`; returns the handler it replaces. None restores the default.
+
+    Such waits are joining the run (inside JAX's C++, which no exception interrupts) and,
+    at exit, waiting for the other processes to end (an `atexit` hook). `handler` is
+    called with the `RunError` that says why, from a watchdog thread or the exit hook. A
+    program that owns its process ends it there (the command line says `port: error:
+    ...` and exits with status 1); if the handler returns, port goes on as it can:
+    `initialize` raises the error once JAX's wait returns (JAX's own timeout, later than
+    port's, may abort the process first), and the exit hook stops waiting. The default
+    logs the error on the `port` logger.
+
+    **Arguments:**
+
+    - `handler`: a function of one `RunError`, or None for the default.
+
+    ```python
+    def stuck(error):
+        print(f"error: {error}", file=sys.stderr)
+        os._exit(1)
+
+    on_stuck(stuck)
+    ```
     """
-    from . import _console
+    global _on_stuck
+    previous, _on_stuck = _on_stuck, handler or _logged
+    return previous
 
-    if not _console.failed:
-        say("error: " + message)
-    os._exit(1)
+
+def _stuck(error: RunError) -> None:
+    """Hand `error` to the `on_stuck` handler; what it raises is logged, never lost in a thread."""
+    try:
+        _on_stuck(error)
+    except Exception:  # noqa: BLE001 - a watchdog thread or an exit hook has no caller to raise to
+        log.exception("the on_stuck handler failed on: %s", error)
 
 
 def _within(seconds: float, message: Callable[[], str], step: Callable[[], Any]) -> None:
-    """Run `step`, or end the process with `message` (`_stop`) if it has not returned after
-    `seconds`: for waits inside JAX's C++, which no Python exception can interrupt."""
+    """Run `step`; if it has not returned after `seconds`, hand `RunError(message())` to the
+    `on_stuck` handler (from a watchdog thread: `step` waits inside JAX's C++, which no
+    Python exception can interrupt), and raise it here once `step` returns."""
     done, lock = threading.Event(), threading.Lock()
+    late: list[RunError] = []
 
     def watch() -> None:
         if done.wait(seconds):
             return
-        text = message()
-        with lock:  # never once `step` has returned
+        error = RunError(message())
+        with lock:  # never once `step` has returned: the handler may end the process
             if not done.is_set():
-                _stop(text)
+                late.append(error)
+                _stuck(error)
 
     threading.Thread(target=watch, name="port-timeout", daemon=True).start()
     try:
         step()
+    except Exception:
+        if not late:
+            raise
     finally:
         with lock:
             done.set()
+    if late:
+        raise late[0]
 
 
 def _listening(coordinator: str) -> bool:
@@ -334,16 +406,16 @@ def _port_taken(coordinator: str) -> bool:
 
 
 def _not_joined(coordinator: str, num_processes: int, process_id: int, timeout: float) -> str:
-    limit = f"within {timeout:g} s (--timeout {timeout:g})"
+    limit = f"within {timeout:g} s (timeout={timeout:g})"
     if process_id != 0 and not _listening(coordinator):
         return (
-            f"--coordinator {coordinator}: no coordinator answered {limit}; start process 0 "
-            "(--process-id 0) on that host, or check HOST:PORT"
+            f"coordinator={coordinator}: no coordinator answered {limit}; start process 0 "
+            "(process_id=0) on that host, or check HOST:PORT"
         )
     where = "" if process_id == 0 else "reached the coordinator, but "
     return (
-        f"--coordinator {coordinator}: {where}not all {num_processes} processes joined {limit}; start every "
-        f"process with the same --coordinator and --num-processes {num_processes}, --process-id 0 to "
+        f"coordinator={coordinator}: {where}not all {num_processes} processes joined {limit}; start every "
+        f"process with the same coordinator= and num_processes={num_processes}, process_id=0 to "
         f"{num_processes - 1}"
     )
 
@@ -366,10 +438,11 @@ def initialize(
     - `coordinator`: `HOST:PORT` of process 0, where it serves the run's coordinator.
     - `num_processes`, `process_id`: the run's size, and this process, 0 to N-1.
     - `local_devices`: CPU devices this process simulates (no accelerator only).
-    - `timeout`: seconds to wait for all processes to join. Past it, this process
-      says `port: error: --coordinator HOST:PORT: ...` on stderr and exits with
-      status 1 (JAX cannot abandon a half-made connection; its own timeout, set
-      later than this one, would abort the process). The same bound applies to
+    - `timeout`: seconds to wait for all processes to join. Past it, port hands a
+      `RunError` (`coordinator=HOST:PORT: ...`) to the `on_stuck` handler, since JAX
+      cannot abandon a half-made connection (its own timeout, set later than this one,
+      would abort the process), and raises it once JAX's wait returns; the command
+      line's handler says it and exits with status 1. The same bound applies to
       `agree` and, at exit, to waiting for the other processes to end.
 
     ```python
@@ -378,27 +451,27 @@ def initialize(
     """
     global _run
     coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    num_processes = num_processes if num_processes is not None else _env_int("JAX_NUM_PROCESSES")
-    process_id = process_id if process_id is not None else _env_int("JAX_PROCESS_ID")
+    num_processes = num_processes if num_processes is not None else env_int("JAX_NUM_PROCESSES")
+    process_id = process_id if process_id is not None else env_int("JAX_PROCESS_ID")
     given = (coordinator, num_processes, process_id)
     if all(v is None for v in given):
         return False
     if any(v is None for v in given):
         raise RunError(
-            "a multi-process run needs all of --coordinator HOST:PORT, --num-processes N and "
-            "--process-id I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)"
+            "a multi-process run needs all of coordinator=HOST:PORT, num_processes=N and "
+            "process_id=I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)"
         )
     if ":" not in coordinator:
-        raise RunError(f"--coordinator {coordinator!r}: expected HOST:PORT")
+        raise RunError(f"coordinator={coordinator!r}: expected HOST:PORT")
     if num_processes < 1 or not 0 <= process_id < num_processes:
-        raise RunError(f"--process-id {process_id}: expected 0 <= I < --num-processes {num_processes}")
+        raise RunError(f"process_id={process_id}: expected 0 <= I < num_processes={num_processes}")
     if not timeout > 0 or math.isinf(timeout):
-        raise RunError(f"--timeout {timeout:g}: expected a positive number of seconds")
+        raise RunError(f"timeout={timeout:g}: expected a positive number of seconds")
     if local_devices:
         simulate_devices(local_devices)
     if process_id == 0 and _port_taken(coordinator):
         raise RunError(
-            f"--coordinator {coordinator}: port {coordinator.rpartition(':')[2]} is already in use on this "
+            f"coordinator={coordinator}: port {coordinator.rpartition(':')[2]} is already in use on this "
             "host (another run's coordinator?); choose a free port"
         )
     global _service
@@ -416,7 +489,7 @@ def initialize(
                 shutdown_timeout_seconds=max(_JAX_SHUTDOWN_TIMEOUT, math.ceil(timeout) + 2 * _JAX_JOIN_MARGIN),
             )
         except (RuntimeError, ValueError) as e:
-            raise RunError(f"--coordinator {coordinator}: could not join the run ({_first(e)})") from None
+            raise RunError(f"coordinator={coordinator}: could not join the run ({_first(e)})") from None
 
     _within(timeout, lambda: _not_joined(coordinator, num_processes, process_id, timeout), join)
     _run = _Run(coordinator, num_processes, process_id, float(timeout))
@@ -424,13 +497,14 @@ def initialize(
         # Every process starts its devices here, together (JAX exchanges their list), so that one
         # that stops from here on leaves the others a wait this bounds, not one inside JAX's C++.
         _within(timeout, lambda: (
-            f"--coordinator {coordinator}: the other processes did not start their devices within {timeout:g} s "
-            f"(--timeout {timeout:g}): see their output"
+            f"coordinator={coordinator}: the other processes did not start their devices within {timeout:g} s "
+            f"(timeout={timeout:g}): see their output"
         ), jax.devices)
         try:
             _run.store = Store.connect(coordinator, process_id, num_processes, timeout)
         except RunError as e:  # joined JAX already: its exit would wait for the others, then abort
-            _stop(str(e))
+            _stuck(e)
+            raise
         atexit.register(_leave)  # after JAX's own exit hook was registered: runs before it
     return True
 
@@ -483,7 +557,7 @@ def exchange(name: str, value: str, what: str = "its part", timeout: float | Non
             if time.monotonic() >= deadline:
                 raise RunError(
                     f"process {process} did not send {what} within {timeout:g} s "
-                    f"(--timeout {timeout:g}): see its output"
+                    f"(timeout={timeout:g}): see its output"
                 )
         texts[process] = text
     return dict(sorted(texts.items()))
@@ -514,11 +588,11 @@ _MISSING = object()  # a key one process's settings lack
 
 
 def _shown(key: str, value: object) -> str:
-    """A setting as a user reads it: `bfloat16`, `no --dtype`, `--force`, a digest for long text."""
+    """A setting as a user reads it: `bfloat16`, `no dtype=`, `force=` (True), a digest for long text."""
     if value is _MISSING or value is None or value is False:
-        return f"no {key}"
+        return f"no {key}="
     if value is True:
-        return key
+        return f"{key}="
     if isinstance(value, str):
         if len(value) <= 80 and "\n" not in value:
             return value
@@ -528,7 +602,7 @@ def _shown(key: str, value: object) -> str:
 
 
 def _disagreement(key: str, values: dict[int, object]) -> str:
-    """`processes disagree on KEY: process 0 has A, process 1 has B` (equal values grouped)."""
+    """`processes disagree on KEY=: process 0 has A, process 1 has B` (equal values grouped)."""
     groups: dict[str, list[int]] = {}
     for process, value in values.items():
         same = "\0" if value is _MISSING else json.dumps(value, sort_keys=True)
@@ -540,7 +614,7 @@ def _disagreement(key: str, values: dict[int, object]) -> str:
             parts.append(f"process {processes[0]} has {shown}")
         else:
             parts.append(f"processes {', '.join(map(str, processes))} have {shown}")
-    return f"processes disagree on {key}: {', '.join(parts)}"
+    return f"processes disagree on {key}=: {', '.join(parts)}"
 
 
 def agree(settings: dict[str, str | int | float | bool | None], timeout: float | None = None) -> None:
@@ -550,17 +624,17 @@ def agree(settings: dict[str, str | int | float | bool | None], timeout: float |
     (`port._store`: no device collective, so it works even when the processes disagree
     on the mesh) and reads everyone else's. A run joined with `jax.distributed`
     alone, not `initialize`, has no such store: there this is a no-op. On every process, the first key whose values differ
-    raises `PortError("processes disagree on KEY: process 0 has A, process 1 has B")`.
+    raises `RunError("processes disagree on KEY=: process 0 has A, process 1 has B")`.
     Call it before reading any tensor data, the same number of times in every process.
 
     **Arguments:**
 
-    - `settings`: names (as the user knows them, e.g. `"--dtype"`) to JSON values.
+    - `settings`: parameter names (`"dtype"`, as messages name them: `dtype=`) to JSON values.
     - `timeout`: seconds to wait for the other processes' settings (default: the
       `timeout` given to `initialize`); past it, a `PortError` names the missing process.
 
     ```python
-    agree({"--mesh": "4x2", "--dtype": "bfloat16", "--out": "/shared/gpt2-jax"})
+    agree({"mesh": "4x2", "dtype": "bfloat16", "out": "/shared/gpt2-jax"})
     ```
     """
     mine = json.dumps(settings, default=str)
@@ -583,9 +657,11 @@ def _leave() -> None:
     """At exit: wait up to the run's timeout for the other processes to end too, then leave.
 
     JAX's own exit waits for every process as well, and ends in a C++ abort of every
-    process when one never comes. This wait comes first and ends in one line instead;
-    a process that leaves this way says so in the store, so that the others do not
-    wait in JAX's exit for it. Process 0, which serves the store, leaves last.
+    process when one never comes. This wait comes first: when a process will not come,
+    it hands a `RunError` saying why to the `on_stuck` handler (the command line's ends
+    the process with one line) and stops waiting. A process that leaves this way says so
+    in the store, so that the others do not wait in JAX's exit for it. Process 0, which
+    serves the store, leaves last.
     """
     run = _run
     if run is None or run.store is None or not jax.distributed.is_initialized():
@@ -596,17 +672,29 @@ def _leave() -> None:
     except PortError:  # no store left: nothing to wait for
         return
     deadline = time.monotonic() + run.timeout
+    error = _others_ended(run, store, deadline)
+    if error is not None:
+        _stuck(error)
+        return
+    store.close()
+    if _service is not None:  # the others read their last answers before the store goes
+        _service.wait_disconnected(max(0.0, deadline - time.monotonic()))
+
+
+def _others_ended(run: _Run, store: Store, deadline: float) -> RunError | None:
+    """Wait until every other process has said it ended, or `deadline`; the `RunError` saying
+    which will not come, if one will not. The wait is logged once on the `port` logger (INFO)."""
     said = False
     for process in range(run.num_processes):
         while process != run.process_id:
             try:
                 state = store.get(_ENDED + str(process), min(1.0, deadline - time.monotonic()))
             except PortError as e:
-                _stop(f"{e} while waiting for process {process} to end")
+                return RunError(f"{e} while waiting for process {process} to end")
             if state == "gone":
-                _stop(f"process {process} ended without waiting for process {run.process_id}: see its output")
+                return RunError(f"process {process} ended without waiting for process {run.process_id}: see its output")
             if state == "lost":
-                _stop(f"process {process} stopped before the end of the run: see its output")
+                return RunError(f"process {process} stopped before the end of the run: see its output")
             if state is not None:
                 break
             if time.monotonic() >= deadline:
@@ -614,16 +702,14 @@ def _leave() -> None:
                     store.set(_ENDED + str(run.process_id), "gone", overwrite=True)
                 except PortError:  # leaving anyway
                     pass
-                _stop(
-                    f"process {process} did not end within {run.timeout:g} s (--timeout {run.timeout:g}) of "
+                return RunError(
+                    f"process {process} did not end within {run.timeout:g} s (timeout={run.timeout:g}) of "
                     f"process {run.process_id}: see its output"
                 )
             if not said:
                 said = True
-                say(
-                    f"process {run.process_id}/{run.num_processes}: waiting up to {run.timeout:g} s "
-                    f"(--timeout) for process {process} to end"
+                log.info(
+                    "process %d/%d: waiting up to %g s (timeout=) for process %d to end",
+                    run.process_id, run.num_processes, run.timeout, process,
                 )
-    store.close()
-    if _service is not None:  # the others read their last answers before the store goes
-        _service.wait_disconnected(max(0.0, deadline - time.monotonic()))
+    return None

@@ -1,6 +1,6 @@
 """The run's key-value store: small strings the processes of a run exchange.
 
-Process 0 serves it on the port after the coordinator's (`--coordinator
+Process 0 serves it on the port after the coordinator's (`coordinator=
 HOST:1234` -> HOST:1235); every process, process 0 included, connects as a client.
 It carries what JAX's collectives cannot: each process's settings before anything is
 read (when processes may disagree even on the mesh, so no collective would match),
@@ -15,7 +15,7 @@ Messages are lines of JSON, each at most `MAX_LINE` bytes (a connection's first,
 `hello`, at most `MAX_HELLO`). What the service trusts, and what it does not:
 
 - It listens where JAX's coordinator does, and only on the loopback interface when the
-  coordinator's host is a loopback address (`--coordinator 127.0.0.1:P`).
+  coordinator's host is a loopback address (`coordinator=127.0.0.1:P`).
 - Each process id may connect once: a second `hello` as a process that is, or was,
   connected is refused (so a stranger that connects first as process 1 makes the real
   process 1 stop with one line, never the other way round unnoticed).
@@ -32,7 +32,7 @@ it cannot make a process write outside its output or pass a check it should fail
 
 ```python
 store = Store.connect("10.0.0.1:1234", process_id=1, num_processes=2, timeout=60)
-store.set("port/agree/1/1", '{"--mesh": "4x2"}')
+store.set("port/agree/1/1", '{"mesh": "4x2"}')
 store.get("port/agree/1/0", seconds=5.0)        # the value, or None after 5 s
 ```
 """
@@ -186,7 +186,7 @@ class _Connection(socketserver.StreamRequestHandler):
             return {"error": f"this run has {self.server.num_processes} processes"}
         if not self.server.claim(who):
             return {"error": f"process {who} is already connected to this run (two processes with the same "
-                             "--process-id, or a process that is not the run's)"}
+                             "process_id=, or a process that is not the run's)"}
         return {"ok": True}
 
     def _answer(self, request: dict, process: int, stored: int) -> tuple[dict, int]:
@@ -264,8 +264,8 @@ def serve(coordinator: str, num_processes: int) -> _Service:
         in_use = error is not None and error.errno == errno.EADDRINUSE
         reason = "already in use on this host" if in_use else f"cannot listen ({error})"
         raise RunError(
-            f"--coordinator {coordinator}: port {port} (the coordinator's port + 1, where port's processes "
-            f"exchange settings) is {reason}; choose another --coordinator port"
+            f"coordinator={coordinator}: port {port} (the coordinator's port + 1, where port's processes "
+            f"exchange settings) is {reason}; choose another coordinator= port"
         )
     threading.Thread(target=service.serve_forever, name="port-store", daemon=True).start()
     return service
@@ -296,7 +296,7 @@ class Store:
             except OSError as e:
                 if time.monotonic() >= deadline:
                     raise RunError(
-                        f"--coordinator {coordinator}: process 0's settings exchange at {where} did not answer "
+                        f"coordinator={coordinator}: process 0's settings exchange at {where} did not answer "
                         f"within {timeout:g} s ({e.strerror or e})"
                     ) from None
                 time.sleep(0.1)
@@ -308,8 +308,8 @@ class Store:
             store.close()
             error = str(reply["error"])[:300]
             if error.startswith("this run has"):
-                error += f", not --num-processes {num_processes}"
-            raise RunError(f"--coordinator {coordinator}: {error}")
+                error += f", not num_processes={num_processes}"
+            raise RunError(f"coordinator={coordinator}: {error}")
         return store
 
     def _ask(self, request: dict, seconds: float | None = None) -> dict:

@@ -52,7 +52,7 @@ import numpy as np
 
 from ._dtypes import NAMES, dtype
 from ._errors import ConfigError
-from ._source import Region
+from ._sources import Region
 
 Shape = tuple[int, ...]
 Size = int | str  # a size, or the name of an integer in config.json

@@ -42,7 +42,7 @@ from .._output import read_output
 from .._plan import _is_none, plan
 from .._runtime import exchange, num_processes
 from .._skeleton import leaves, skeleton
-from .._source import Checkpoint, TensorInfo, open_checkpoint, raw_header
+from .._sources import Checkpoint, TensorInfo, open_checkpoint, raw_header
 from .._text import quoted
 from ._blocks import Block, block_data, blocks, extent, gather, local_shards
 from ._invert import Inverse, invert

@@ -45,7 +45,7 @@ import numpy as np
 from .._disk import pwrite_all, pwrite_rows
 from .._dtypes import SAFETENSORS
 from .._errors import OutputError, PortError
-from .._source import MAX_HEADER
+from .._sources import MAX_HEADER
 from .._text import printable, quoted
 
 SINGLE = "model.safetensors"

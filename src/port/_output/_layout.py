@@ -44,7 +44,6 @@ import json
 import math
 import os
 import re
-import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +51,8 @@ from typing import Any
 import numpy as np
 
 from .._dtypes import NAMES
+from .._errors import PortError
+from .._files import read_small
 
 FORMAT = 3  # the one format this port writes and reads
 
@@ -153,12 +154,9 @@ def overlapping(
 
 def _metadata(path: Path) -> Any:
     """The JSON object in `path` if it is a regular file of port's metadata size, else None."""
-    try:
-        info = path.lstat()
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_METADATA_BYTES:  # never a FIFO, nor huge
-            return None
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError):
+    try:  # never a FIFO, nor huge, nor a link (but into the Hugging Face cache's blobs)
+        meta = json.loads(read_small(path, MAX_METADATA_BYTES, "port's metadata", output=path.parent))
+    except (PortError, ValueError):
         return None
     return meta if isinstance(meta, dict) else None
 

@@ -49,7 +49,8 @@ from .._place import aligned_empty, assemble, boxes as _boxes
 from .._plan import check_include, partition, selects
 from .._runtime import as_mesh, mesh_spec
 from .._skeleton import leaves, skeleton
-from .._source import Checkpoint, Region, TensorInfo, hub_blob, open_regular
+from .._files import hub_blob, read_small
+from .._sources import Checkpoint, LocalCheckpoint, Region, TensorInfo
 from .._text import first_line, one_line, quoted
 from ._layout import (
     FIELDS, FORMAT, LEAF_FIELDS, LEAF_PATH, MAX_INCLUDE, MAX_KEY_CHARS, MAX_METADATA_BYTES, MAX_PARAMS_FILES,
@@ -207,14 +208,7 @@ def _read_json(directory: Path, path: Path, what: str) -> Any:
     info = _regular_file(path, what, directory)
     if info.st_size > MAX_METADATA_BYTES:
         raise OutputError(f"{path}: {info.st_size} bytes, more than {what} ever holds ({MAX_METADATA_BYTES} at most)")
-    fd, _ = open_regular(path, str(path), output=directory)
-    try:
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(MAX_METADATA_BYTES + 1)
-    except OSError as e:
-        raise OutputError(f"{path}: cannot be read ({e.strerror})") from None
-    if len(data) > MAX_METADATA_BYTES:
-        raise OutputError(f"{path}: more than {MAX_METADATA_BYTES} bytes ({what} holds far less)")
+    data = read_small(path, MAX_METADATA_BYTES, what, output=directory)
     try:
         return json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -547,7 +541,7 @@ def _open_arrays(output: Output) -> tuple[dict[str, tuple[int, ...]], Checkpoint
                 )
             key = f"{path}/{chunk_name(index)}"
             tensors[key] = TensorInfo(key, file, leaf.dtype, chunks, 0, (info.st_dev, info.st_ino, info.st_size))
-    return shapes, Checkpoint(output.params, {}, tensors, output=output.directory)
+    return shapes, LocalCheckpoint(output.params, {}, tensors, output=output.directory)
 
 
 def _plan_reads(

@@ -27,7 +27,7 @@ from .._runtime import as_shape
 from .._export import invert
 from .._plan import Plan, plan_problems
 from .._skeleton import skeleton
-from .._source import Checkpoint, open_checkpoint
+from .._sources import Checkpoint, open_checkpoint
 
 
 def check(

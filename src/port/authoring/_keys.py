@@ -24,7 +24,7 @@ import numpy as np
 
 from .._dtypes import floating
 from .._mapping import EXPERT, LAYER, STACKS
-from .._source import TensorInfo
+from .._sources import TensorInfo
 
 Shape = tuple[int, ...]
 

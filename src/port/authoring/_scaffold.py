@@ -37,7 +37,7 @@ from .._mapping import import_object
 from .._plan import layer_groups
 from .._skeleton import leaves as skeleton_leaves
 from .._skeleton import skeleton as make_skeleton
-from .._source import Checkpoint, TensorInfo, open_checkpoint
+from .._sources import Checkpoint, TensorInfo, open_checkpoint
 from ._axes import Dims, config_dims, named, propose_axes
 from ._draft import Draft, Entry, ops_text, shape_text
 from ._fused import fused_hint, tied_to

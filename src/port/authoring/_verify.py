@@ -201,7 +201,7 @@ def verify(
     from .._convert import convert
     from .._runtime import as_mesh, mesh_shape
     from .._skeleton import skeleton
-    from .._source import open_checkpoint, resolve
+    from .._sources import open_checkpoint, resolve
 
     if isinstance(mesh, str):
         mesh_shape(mesh)  # a bad spec is told before PyTorch loads
@@ -306,7 +306,7 @@ def _roundtrip(model, ckpt, mapping: Mapping) -> Roundtrip:
     from pathlib import Path
 
     from .._export import export
-    from .._source import open_checkpoint
+    from .._sources import open_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="port-roundtrip-") as temporary:
         out = export(model, Path(temporary) / "export", ckpt, mapping=mapping)

@@ -35,10 +35,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ._text import one_line, quoted
-from ._dtypes import NAMES
-from ._errors import CheckpointError
-from ._source import _CONTROL, _MAX_NBYTES, _MAX_RANK, TensorInfo, _nbytes, _pread_exact, open_regular
+from .._dtypes import NAMES
+from .._errors import CheckpointError
+from .._files import open_regular, pread_exact
+from .._text import one_line, quoted
+from ._checkpoint import CONTROL_CHARACTERS, MAX_NBYTES, MAX_RANK, TensorInfo, tensor_bytes
 
 MAX_PICKLE = 64 * 2**20
 """Bytes one `data.pkl` may have (a state dict of 100,000 tensors takes about 10 MB)."""
@@ -425,7 +426,7 @@ def _unpickle(data: bytes, name: str, storage: Callable[[Any], _Storage]) -> Any
 
 def _is_zip_start(fd: int, size: int, name: str) -> None:
     """The file starts as a zip does, or one line saying what it is instead."""
-    head = _pread_exact(fd, min(size, 32), 0, name)
+    head = pread_exact(fd, min(size, 32), 0, name)
     if head.startswith(b"PK\x03\x04"):
         return
     if not head:
@@ -443,12 +444,12 @@ def _zip64_end(fd: int, at: int, name: str) -> tuple[int, tuple[int, ...]] | Non
     """The zip64 end record (its offset and fields) whose locator ends at `at`, if there is one."""
     if at < _LOCATOR.size + _END64.size:
         return None
-    signature, disk, offset, disks = _LOCATOR.unpack(_pread_exact(fd, _LOCATOR.size, at - _LOCATOR.size, name))
+    signature, disk, offset, disks = _LOCATOR.unpack(pread_exact(fd, _LOCATOR.size, at - _LOCATOR.size, name))
     if signature != b"PK\x06\x07":
         return None
     if disk != 0 or disks != 1 or offset > at - _LOCATOR.size - _END64.size:
         raise CheckpointError(f"{name}: corrupt zip: bad zip64 end-of-directory locator")
-    fields = _END64.unpack(_pread_exact(fd, _END64.size, offset, name))
+    fields = _END64.unpack(pread_exact(fd, _END64.size, offset, name))
     if fields[0] != b"PK\x06\x06" or offset + 12 + fields[1] != at - _LOCATOR.size:
         raise CheckpointError(f"{name}: corrupt zip: bad zip64 end-of-directory record")
     return offset, fields[4:]
@@ -462,7 +463,7 @@ def _end_records(fd: int, size: int, name: str) -> tuple[int, int, int]:
     and the directory end where the end records begin.
     """
     start = max(0, size - _TAIL)
-    tail = _pread_exact(fd, size - start, start, name)
+    tail = pread_exact(fd, size - start, start, name)
     at = tail.rfind(b"PK\x05\x06")
     while at >= 0 and (at + _END.size > len(tail) or at + _END.size + _END.unpack_from(tail, at)[-1] != len(tail)):
         at = tail.rfind(b"PK\x05\x06", 0, at)
@@ -587,7 +588,7 @@ class _Zip:
             )
         if entry.disk != 0 or entry.local + _LOCAL.size > self.limit:
             raise CheckpointError(f"{self.name}: corrupt zip: record {shown} starts outside the archive")
-        fields = _LOCAL.unpack(_pread_exact(self.fd, _LOCAL.size, entry.local, self.name))
+        fields = _LOCAL.unpack(pread_exact(self.fd, _LOCAL.size, entry.local, self.name))
         signature, _, flags, method, _, _, _, compressed, size, name_length, extra_length = fields
         start = entry.local + _LOCAL.size + name_length + extra_length
         sized = flags & _FOLLOWS or (compressed, size) in ((entry.compressed, entry.size), (_U32, _U32))
@@ -598,7 +599,7 @@ class _Zip:
                 f"{self.name}: truncated or corrupt zip: record {shown} ({entry.size} bytes at {start}) runs "
                 f"past the archive's data ({self.limit} bytes)"
             )
-        if _pread_exact(self.fd, name_length, entry.local + _LOCAL.size, self.name) != entry.raw_name:
+        if pread_exact(self.fd, name_length, entry.local + _LOCAL.size, self.name) != entry.raw_name:
             raise CheckpointError(f"{self.name}: corrupt zip: the local header of record {shown} names another")
         self.spans[record] = (entry.local, start + entry.size)
         return start, entry.size
@@ -608,7 +609,7 @@ class _Zip:
         start, size = self.data(record)
         if size > limit:
             raise CheckpointError(f"{self.name}: its {what} takes {size} bytes, more than port reads ({limit})")
-        return _pread_exact(self.fd, size, start, self.name)
+        return pread_exact(self.fd, size, start, self.name)
 
     def check_apart(self) -> None:
         """The records used share no byte: a storage's data is nobody else's."""
@@ -659,7 +660,7 @@ def _storages(archive: _Zip, folder: str) -> Callable[[Any], _Storage]:
         if not (isinstance(kind, _StorageType) and type(key) is str and type(location) is str
                 and type(numel) is int and numel >= 0):
             raise CheckpointError(f"{archive.name}: corrupt data.pkl: a malformed storage id")
-        if numel > _MAX_NBYTES // kind.dtype.itemsize:  # refused unprinted: Python will not print 5000 digits
+        if numel > MAX_NBYTES // kind.dtype.itemsize:  # refused unprinted: Python will not print 5000 digits
             raise CheckpointError(
                 f"{archive.name}: corrupt data.pkl: storage {quoted(key, 60)} claims more than 2**63 - 1 bytes"
             )
@@ -714,12 +715,12 @@ def _tensor_info(key: str, tensor: _Tensor, path: Path, file_id: tuple[int, int,
         and all(type(s) is int for s in stride)
     ):
         raise CheckpointError(f"{name}: corrupt data.pkl: tensor {shown} has a malformed offset, shape or stride")
-    if offset > _MAX_NBYTES or any(d > _MAX_NBYTES for d in shape) or any(abs(s) > _MAX_NBYTES for s in stride):
+    if offset > MAX_NBYTES or any(d > MAX_NBYTES for d in shape) or any(abs(s) > MAX_NBYTES for s in stride):
         raise CheckpointError(  # before any arithmetic or printing: Python will not print 5000 digits
             f"{name}: corrupt data.pkl: tensor {shown} has an offset, size or stride past 2**63 - 1"
         )
-    if len(shape) > _MAX_RANK:
-        raise CheckpointError(f"{name}: tensor {shown} has {len(shape)} dimensions (at most {_MAX_RANK})")
+    if len(shape) > MAX_RANK:
+        raise CheckpointError(f"{name}: tensor {shown} has {len(shape)} dimensions (at most {MAX_RANK})")
     if metadata:  # torch._utils.get_tensor_metadata: flags (such as a conjugate bit) that change the values
         raise CheckpointError(f"{name}: tensor {shown} carries metadata port does not read (a {type(metadata).__name__})")
     if not _row_major(shape, stride):
@@ -727,7 +728,7 @@ def _tensor_info(key: str, tensor: _Tensor, path: Path, file_id: tuple[int, int,
             f"{name}: tensor {shown} is not stored row-major (shape {list(shape)}, strides {list(stride)}): "
             "port reads contiguous tensors only; save tensor.contiguous()"
         )
-    nbytes = _nbytes(shape, dtype.itemsize)
+    nbytes = tensor_bytes(shape, dtype.itemsize)
     begin = offset * dtype.itemsize
     if nbytes is None or begin + nbytes > storage.nbytes:
         raise CheckpointError(
@@ -746,7 +747,7 @@ def _state_dict(result: Any, path: Path, file_id: tuple[int, int, int]) -> dict[
     for key, value in result.items():
         if type(key) is not str:
             raise CheckpointError(f"{name}: data.pkl has a key that is not a string (a {type(key).__name__})")
-        if _CONTROL.search(key):
+        if CONTROL_CHARACTERS.search(key):
             raise CheckpointError(f"{name}: tensor name {quoted(key, 200)} has control characters")
         if not isinstance(value, _Tensor):
             kind = "dict" if isinstance(value, dict) else type(value).__name__
@@ -777,7 +778,7 @@ def read_tensors(path: Path, limit: int) -> tuple[dict[str, TensorInfo], int]:
             raise CheckpointError(f"{name}: its zip directory would take the checkpoint's headers past their limit")
         if count > MAX_RECORDS:
             raise CheckpointError(f"{name}: its zip lists {count} records, more than {MAX_RECORDS}")
-        entries = _directory(_pread_exact(fd, directory_size, directory_offset, name), count, name)
+        entries = _directory(pread_exact(fd, directory_size, directory_offset, name), count, name)
         archive = _Zip(fd, name, entries, directory_offset)
         folder = _archive_folder(entries, name)
         _check_byteorder(archive, folder)
@@ -787,4 +788,3 @@ def read_tensors(path: Path, limit: int) -> tuple[dict[str, TensorInfo], int]:
         return _state_dict(result, path, (st.st_dev, st.st_ino, st.st_size)), directory_size + len(data)
     finally:
         os.close(fd)
-
