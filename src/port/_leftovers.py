@@ -2,7 +2,7 @@
 
 Port writes an output into a hidden sibling, `.OUT.port-partial-TOKEN`, and `--force`
 moves the earlier output aside to `.OUT.port-old-TOKEN` for the moment of the rename
-(`_save.make_partial`, `_save.replacing`). An interrupt or an error removes them; a
+(`_destination.make_partial`, `_destination.put_in_place`). An interrupt or an error removes them; a
 SIGKILL to the whole process group cannot. So each is *claimed* first: a small file
 `.OUT.port-partial-TOKEN.owner` beside it says which process made it (host, pid, the
 machine's boot and the process's start time, so a reused pid is not mistaken for it),
@@ -194,7 +194,7 @@ def recover(out: Path, ours: Callable[[Path], bool]) -> list[str]:
     """Undo what a run at `out` killed outright left (see the module's text); what was done or left, as lines.
 
     `ours(path)` says whether a directory is a finished output of the kind written at
-    `out` (`_save.is_output`, or export's own): a `port-old` is put back or removed
+    `out` (`_output.is_output`, or export's own): a `port-old` is put back or removed
     only if it is one. Each line is also logged (the `port` logger, level WARNING).
     Never raises for what it finds: a leftover it cannot undo is left and said.
 

@@ -17,7 +17,7 @@ mesh_shape("data=2,expert=2,model=2")      # {"data": 2, "expert": 2, "model": 2
 same conversion; the mesh spans all their devices, and `jax.make_array_from_callback`
 asks each process only for the blocks of its own devices, so each reads only what its
 devices hold, and each writes the chunk files of those blocks into the one output
-(`port._save`: process 0 writes the metadata and renames it into place once all have).
+(`port._output`: process 0 writes the metadata and renames it into place once all have).
 
 ```python
 port.initialize("10.0.0.1:1234", num_processes=2, process_id=0)   # before any JAX work
