@@ -10,7 +10,6 @@ port.export(model, "gpt2-hf", "gpt2")
 ```
 """
 
-from ._export import EXPORT as EXPORT, export as export, is_export as is_export
-from ._invert import Inverse as Inverse, Part as Part, invert as invert
-from ._safetensors import OutTensor as OutTensor, Writer as Writer, parse_size as parse_size
-from ._staging import Staging as Staging
+from ._export import export as export, is_export as is_export
+from ._invert import Inverse as Inverse, invert as invert
+from ._safetensors import parse_size as parse_size

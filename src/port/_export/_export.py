@@ -50,7 +50,7 @@ from ._safetensors import INDEX, SINGLE, Writer, parse_size
 from ._staging import Staging
 
 PRODUCER = "port"  # safetensors metadata `producer`: how `force` knows an export is port's
-EXPORT = "a port export (config.json and port's safetensors files only)"
+_EXPORT = "a port export (config.json and port's safetensors files only)"
 """What `force` may replace at `export`'s `out`, as messages say it (see `is_export`)."""
 
 
@@ -260,7 +260,7 @@ def export(
     config = dict(source_config if config is None else config)
     mapping = mapping_for(config, mapping if mapping is not None else source_mapping)
     inputs = (source,) if isinstance(source, (str, os.PathLike)) and Path(source).exists() else ()
-    out = check_destination(out, force, inputs, ours=is_export, what=EXPORT)
+    out = check_destination(out, force, inputs, ours=is_export, what=_EXPORT)
     _check_fits(model, mapping, config, source)
     tensors = {k: TensorInfo(k, Path("<source>"), np.dtype(d), tuple(s), 0) for k, (s, d) in headers.items()}
     recipe = plan(model, mapping, tensors, config, _mesh_axes(mapping))
@@ -323,7 +323,7 @@ def export(
         if me == 0:
             if sum(int(n) for n in wrote.values()) != inverse.nbytes:
                 raise OutputError(f"out={out}: the processes wrote {wrote}, not the {inverse.nbytes} bytes laid out")
-            put_in_place(partial, out, force, ours=is_export, what=EXPORT)
+            put_in_place(partial, out, force, ours=is_export, what=_EXPORT)
         exchange("export-done", "", "word that the export is in place")
     return out
 

@@ -13,12 +13,10 @@ model = port.restore("gpt2-jax", "2x4")
 
 from ._layout import FORMAT as FORMAT, is_output as is_output
 from ._restore import (
-    Leaf as Leaf,
     Output as Output,
     describe as describe,
-    model_class as model_class,
     read_output as read_output,
     restore as restore,
     written_mesh as written_mesh,
 )
-from ._save import OUTPUT as OUTPUT, Saving as Saving, check_out as check_out, save as save
+from ._save import Saving as Saving, check_out as check_out, save as save

@@ -60,7 +60,7 @@ from ._layout import (
     STEP_METADATA, TREE_METADATA, ZARRAY, chunk_count, chunk_name, chunk_shape, grid, is_output, zarray,
 )
 
-OUTPUT = "a port output (Orbax's checkpoint of params/ and port/ only)"
+_OUTPUT = "a port output (Orbax's checkpoint of params/ and port/ only)"
 """What `force` may replace at `save`'s directory, as messages say it (see `is_output`)."""
 
 
@@ -76,7 +76,7 @@ def check_out(
     check_out("out/gpt2", force=True, inputs=("ckpt/gpt2",))   # Path('/abs/out/gpt2')
     ```
     """
-    return check_destination(directory, force, inputs, ours=is_output, what=OUTPUT, name=name)
+    return check_destination(directory, force, inputs, ours=is_output, what=_OUTPUT, name=name)
 
 
 _PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
@@ -351,7 +351,7 @@ class Saving:
         list(self._pool.map(sync_directory, [partial / PARAMS / p for p in self._chunks]))
         for name in (PARAMS, PORT, ""):
             sync_directory(partial / name)
-        put_in_place(partial, self.directory, self.force, ours=is_output, what=OUTPUT, name=self.name)
+        put_in_place(partial, self.directory, self.force, ours=is_output, what=_OUTPUT, name=self.name)
 
     def __enter__(self) -> Saving:
         return self
