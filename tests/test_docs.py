@@ -280,6 +280,16 @@ def test_the_synopsis_names_every_command():
     assert sorted(check_synopsis(synopsis)) == sorted(parsers())
 
 
+def test_every_option_is_described():
+    """Each option of each command appears in docs/cli.md's text, beyond its synopsis."""
+    text = FENCE.sub("", (REPO / "docs" / "cli.md").read_text())
+    for command, parser in parsers().items():
+        for action in parser._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and option != "--help":
+                    assert re.search(rf"(?<![\w-]){option}(?![\w-])", text), f"port {command} {option}"
+
+
 def test_the_runner_compares_what_it_should(tmp_path):
     """The checks themselves: a synopsis missing a flag, a console block showing another format,
     and an unnamed block are caught."""
