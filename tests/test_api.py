@@ -1,7 +1,7 @@
 """The public API: every name `port` exports resolves, and documents itself.
 
 Functions name each argument under `**Arguments:**` and show a short example; classes
-say what they hold. (The README's Python snippet runs in test_readme.py.)
+say what they hold. (The Python blocks of the README and docs/ run in test_docs.py.)
 """
 
 import inspect

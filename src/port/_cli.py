@@ -686,7 +686,10 @@ def parser() -> argparse.ArgumentParser:
         return sub
 
     def model(sub) -> None:
-        sub.add_argument("model", metavar="MODEL", help="checkpoint directory or Hugging Face repo id (e.g. gpt2)")
+        sub.add_argument(
+            "model", metavar="MODEL",
+            help="checkpoint directory, Hugging Face repo id (e.g. gpt2) or URL (http(s)://, hf://, s3://, gs://)",
+        )
 
     from ._dtypes import CASTS
 
