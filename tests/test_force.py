@@ -179,7 +179,7 @@ def test_a_failed_finalisation_keeps_the_earlier_output(tiny, tmp_path, monkeypa
         rename(source, target)
 
     monkeypatch.setattr(port._output._save.os, "rename", failing)
-    with pytest.raises(OutputError, match=r"^--out .*: writing the checkpoint failed: Input/output error$"):
+    with pytest.raises(OutputError, match=r"^directory=.*: writing the checkpoint failed: Input/output error$"):
         port.save(model, out, mapping, config, force=True)
     assert snapshot(tmp_path) == before
 

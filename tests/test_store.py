@@ -200,7 +200,7 @@ def test_an_output_missing_a_chunk_is_never_made_final(tmp_path, monkeypatch):
     monkeypatch.setattr(save, "_write_chunk", astray)
     work = tmp_path / "work"
     work.mkdir()
-    with pytest.raises(port.OutputError, match=r"^--out .*/out: leaf 'wte': 1 of its 2 chunk files are missing "
+    with pytest.raises(port.OutputError, match=r"^out=.*/out: leaf 'wte': 1 of its 2 chunk files are missing "
                                                r"\(first 0\.0\); the output is not complete$"):
         port.convert(TINY, mesh="2x2", out=work / "out")
     assert list(work.iterdir()) == []

@@ -214,7 +214,7 @@ def test_metadata_restore_would_refuse_is_never_written(tmp_path, monkeypatch, b
     out = tmp_path / "out"
     with pytest.raises(port.OutputError) as caught:
         port.convert(EXAMPLE, mesh="2x2", out=out)
-    assert re.fullmatch(f"--out {re.escape(str(out))}: {expected}", str(caught.value)), str(caught.value)
+    assert re.fullmatch(f"out={re.escape(str(out))}: {expected}", str(caught.value)), str(caught.value)
     nothing_left(tmp_path)
 
 
