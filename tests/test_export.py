@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import port
-from helpers import port_command, port_env, run_port, snapshot, torch_bert, torch_gpt2, torch_llama, transformers_or_skip
+from helpers import one_line, port_command, port_env, run_port, snapshot, torch_bert, torch_gpt2, torch_llama, transformers_or_skip, usage_error
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
@@ -147,15 +147,11 @@ def succeeded(result):
     return result
 
 
-def refused(result, *substrings):
-    """Exit 1, exactly one `port: error:` line naming `substrings`, no traceback."""
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output
-    assert "Traceback" not in output, output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("port: error:"), output
-    for s in substrings:
-        assert re.search(s, lines[0]), f"{s!r} not in {lines[0]!r}"
+def refused(result, *patterns):
+    """`one_line`'s failure (exit 1, one `port: error:` line), the line matching each regular expression of `patterns`."""
+    line = one_line(result)
+    for pattern in patterns:
+        assert re.search(pattern, line), f"{pattern!r} not in {line!r}"
 
 
 def export_cli(directory, out, *args):
@@ -507,8 +503,7 @@ def test_refuses_a_mapping_it_cannot_invert(workspace):
 
 
 def test_unknown_dtype_is_a_usage_error(workspace):
-    result = export_cli(workspace / "jax", workspace / "hf", "--dtype", "int8")
-    assert result.returncode == 2 and "usage:" in result.stderr and "Traceback" not in result.stderr
+    usage_error(export_cli(workspace / "jax", workspace / "hf", "--dtype", "int8"), "--dtype")
     assert not (workspace / "hf").exists()
 
 

@@ -32,16 +32,6 @@ def decoys(tmp_path):
     return tmp_path
 
 
-def refused(result, *substrings):
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output
-    assert "Traceback" not in output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("port: error:"), output
-    for s in substrings:
-        assert s in lines[0], f"{s!r} not in {lines[0]!r}"
-
-
 @pytest.mark.parametrize(
     "model, out, cwd, home, expected",
     [
@@ -64,7 +54,7 @@ def test_force_refuses_what_port_did_not_write(decoys, model, out, cwd, home, ex
     result = run_port(
         "convert", decoys / model, "--mesh", "2x2", "--out", target, "--force", cwd=decoys / cwd, env=env
     )
-    refused(result, expected, "--out")
+    one_line(result, expected, "--out")
     assert snapshot(decoys) == before
 
 
@@ -75,7 +65,7 @@ def test_force_refuses_a_port_output_holding_other_files(decoys, extra):
     (decoys / "earlier" / extra).write_text("keep me")
     before = snapshot(decoys)
     result = run_port("convert", decoys / "ck" / "victim", "--out", decoys / "earlier", "--force")
-    refused(result, "not a port output", "--force replaces only")
+    one_line(result, "not a port output", "--force replaces only")
     assert snapshot(decoys) == before
 
 
@@ -91,7 +81,7 @@ def test_force_refuses_an_output_with_a_link_in_params(decoys, where):
         target.symlink_to(decoys / "notes" / "todo.txt")
     before = snapshot(decoys)
     result = run_port("convert", decoys / "ck" / "victim", "--out", decoys / "earlier", "--force")
-    refused(result, "not a port output", "--force replaces only")
+    one_line(result, "not a port output", "--force replaces only")
     assert snapshot(decoys) == before and (decoys / "notes" / "todo.txt").read_text() == "mine"
 
 
@@ -118,7 +108,7 @@ def test_force_refuses_what_only_looks_like_an_earlier_output(tmp_path, meta, ex
         (tmp_path / "old" / extra).write_text("keep me")
     before = snapshot(tmp_path)
     result = run_port("convert", EXAMPLE, "--out", tmp_path / "old", "--force")
-    refused(result, "not a port output", "--force replaces only")
+    one_line(result, "not a port output", "--force replaces only")
     assert snapshot(tmp_path) == before
 
 
@@ -138,7 +128,7 @@ def test_force_replaces_an_earlier_output(decoys):
 
 def test_without_force_nothing_is_replaced(decoys):
     before = snapshot(decoys)
-    refused(run_port("convert", decoys / "ck" / "victim", "--out", decoys / "earlier"), "already exists", "--force")
+    one_line(run_port("convert", decoys / "ck" / "victim", "--out", decoys / "earlier"), "already exists", "--force")
     assert snapshot(decoys) == before
 
 
@@ -146,7 +136,7 @@ def test_report_is_replaced_only_if_port_wrote_it(decoys):
     report = decoys / "notes" / "todo.txt"
     before = snapshot(decoys)
     result = run_port("convert", decoys / "ck" / "victim", "--out", decoys / "new", "--report", report, "--force")
-    refused(result, "--report", "not a run report port wrote")
+    one_line(result, "--report", "not a run report port wrote")
     assert snapshot(decoys) == before
     result = run_port("convert", decoys / "ck" / "victim", "--out", decoys / "new", "--report", decoys / "run.json")
     assert result.returncode == 0, result.stderr
@@ -160,7 +150,7 @@ def test_report_is_replaced_only_if_port_wrote_it(decoys):
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def loaded_tiny():
     """The tiny GPT-2 loaded on a 2x2 mesh, its mapping and config, for `port.save`."""
     import port
 
@@ -168,13 +158,13 @@ def tiny():
         return port.load(EXAMPLE, mesh="2x2"), port.mapping_for(ckpt.config), ckpt.config
 
 
-def test_a_failed_finalisation_keeps_the_earlier_output(tiny, tmp_path, monkeypatch):
+def test_a_failed_finalisation_keeps_the_earlier_output(loaded_tiny, tmp_path, monkeypatch):
     """The final rename fails (an I/O error) after `--force` moved the earlier output aside: it is put back."""
     import port
     import port._save
     from port._errors import OutputError
 
-    model, mapping, config = tiny
+    model, mapping, config = loaded_tiny
     out = tmp_path / "out"
     port.save(model, out, mapping, config)
     before = snapshot(tmp_path)
@@ -191,7 +181,7 @@ def test_a_failed_finalisation_keeps_the_earlier_output(tiny, tmp_path, monkeypa
     assert snapshot(tmp_path) == before
 
 
-def test_an_output_another_run_wrote_meanwhile_is_kept(tiny, tmp_path, monkeypatch):
+def test_an_output_another_run_wrote_meanwhile_is_kept(loaded_tiny, tmp_path, monkeypatch):
     """Without `--force`, a directory that appears while port writes is never replaced."""
     import port
     import port._save
@@ -205,7 +195,7 @@ def test_an_output_another_run_wrote_meanwhile_is_kept(tiny, tmp_path, monkeypat
         (out / "theirs.txt").write_text("theirs")
         return out
 
-    model, mapping, config = tiny
+    model, mapping, config = loaded_tiny
     monkeypatch.setattr(port._save, "check_out", racing)
     with pytest.raises(OutputError, match="another run wrote it meanwhile"):
         port.save(model, tmp_path / "out", mapping, config)

@@ -28,6 +28,7 @@ import pytest
 from helpers import (
     VOCAB,
     element_bytes,
+    logits,
     one_line,
     perturbed,
     place_on,
@@ -73,11 +74,6 @@ def torch_gpt_oss(dtype=None):
     model = transformers.GptOssForCausalLM(config)
     model = perturbed(model, lambda n: "norm" in n or n.endswith(("bias", "sinks")), 0.2)
     return model if dtype is None else model.to(getattr(torch, dtype))
-
-
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
 
 
 def placed_reading_exactly(directory, mesh, mapping=None):

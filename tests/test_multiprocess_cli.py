@@ -17,21 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import port_command, port_env
 from test_multiprocess import free_port
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
 LIMIT = 60  # seconds any one process may take
-
-
-def port_command() -> list[str]:
-    """The installed `port` console script, or `python -m port`."""
-    script = Path(sys.executable).parent / "port"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "port"]
-
-
-def environment() -> dict:
-    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PORT_DEBUG")}
-    return base | {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
 
 
 def run_all(commands: list[list[str]], delays: list[float] | None = None) -> list[tuple[int, str, float]]:
@@ -42,7 +32,7 @@ def run_all(commands: list[list[str]], delays: list[float] | None = None) -> lis
         for command, delay in sorted(zip(commands, delays), key=lambda c: c[1]):
             time.sleep(max(0.0, started + delay - time.monotonic()))
             procs.append((command, time.monotonic(), subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())))
+                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=port_env())))
         results = {}
         for command, start, p in procs:
             _, err = p.communicate(timeout=max(1.0, start + LIMIT - time.monotonic()))
@@ -71,7 +61,7 @@ def the_error(code: int, err: str) -> str:
 def wired():
     """Skip until `port convert` takes --timeout (and so joins, agrees and times out)."""
     result = subprocess.run([*port_command(), "convert", "--help"], capture_output=True, text=True,
-                            env=environment(), timeout=LIMIT)
+                            env=port_env(), timeout=LIMIT)
     if "--timeout" not in result.stdout:
         pytest.skip("port convert has no --timeout yet")
 

@@ -3,19 +3,13 @@
 import json
 import math
 
-import equinox as eqx
 import jax
 import numpy as np
 import pytest
 
 import port
 from port._skeleton import leaves
-from helpers import INPUT_IDS, read_offsets, recorded_reads, run_port, torch_llama, torch_logits, write_checkpoint
-
-
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
+from helpers import INPUT_IDS, logits, read_offsets, recorded_reads, run_port, torch_llama, torch_logits, write_checkpoint
 
 
 def nbytes(info):

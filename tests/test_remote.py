@@ -816,11 +816,11 @@ def test_a_whole_run_deadline_stops_a_slow_remote_convert(server, served, tmp_pa
 
 
 def test_deadline_must_be_a_positive_number(tmp_path):
-    from helpers import run_port
+    from helpers import run_port, usage_error
 
     for value in ("0", "-3", "nan", "inf", "soon"):
         result = run_port("convert", EXAMPLE, "--out", tmp_path / "out", "--deadline", value)
-        assert result.returncode == 2 and "argument --deadline: expected a number of seconds > 0" in result.stderr
+        usage_error(result, "argument --deadline: expected a number of seconds > 0")
 
 
 def test_a_server_claiming_a_huge_checkpoint_is_refused_before_its_data(tmp_path):

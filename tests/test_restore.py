@@ -4,19 +4,13 @@ import contextlib
 import os
 from pathlib import Path
 
-import equinox as eqx
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import INPUT_IDS
-
-
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
+from helpers import INPUT_IDS, logits
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ import port
 import port._source
 import port._torchfile
 from helpers import (
-    INPUT_IDS, assert_blocks_read_exactly, one_line, place_on, run_port, torch_gpt2, torch_llama, torch_logits, transformers_or_skip,
+    INPUT_IDS, assert_blocks_read_exactly, logits, one_line, place_on, run_port, torch_gpt2, torch_llama, torch_logits, transformers_or_skip,
 )
 from port._errors import CheckpointError
 
@@ -234,7 +234,7 @@ def test_safetensors_are_preferred_and_bin_index_names_are_checked(tmp_path, mod
 def test_logits_match_transformers(models, arch, layout, mesh):
     single, sharded, _, expected = models(arch)
     model = port.load(single if layout == "single" else sharded, mesh=port.make_mesh(mesh))
-    ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(model, INPUT_IDS))
+    ours = np.asarray(logits(model, INPUT_IDS))
     np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
 
 
