@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from helpers import one_line, run_port, script_module
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,11 +35,13 @@ def convert_fails(model, tmp_path, *substrings, extra=(), env=None):
 # ---------------------------------------------------------------- bad input
 
 
+@pytest.mark.slow
 def test_missing_tensor(tiny, tmp_path):
     model = tiny(drop={"transformer.h.1.mlp.c_fc.weight"})
     convert_fails(model, tmp_path, "h.1.mlp.c_fc.weight", "missing")
 
 
+@pytest.mark.slow
 def test_extra_tensor(tiny, tmp_path):
     import numpy as np
 
@@ -45,6 +49,7 @@ def test_extra_tensor(tiny, tmp_path):
     convert_fails(model, tmp_path, "transformer.h.0.attn.extra.weight", "not used")
 
 
+@pytest.mark.slow
 def test_shape_mismatch(tiny, tmp_path):
     import numpy as np
 
@@ -53,6 +58,7 @@ def test_shape_mismatch(tiny, tmp_path):
     convert_fails(model, tmp_path, "shape mismatch", "transformer.wpe.weight", "[65, 64]")
 
 
+@pytest.mark.slow
 def test_truncated_safetensors(tiny, tmp_path):
     model = tiny()
     path = model / "model.safetensors"
@@ -60,6 +66,7 @@ def test_truncated_safetensors(tiny, tmp_path):
     convert_fails(model, tmp_path, "model.safetensors", "truncated")
 
 
+@pytest.mark.slow
 def test_corrupt_header(tiny, tmp_path):
     model = tiny()
     with open(model / "model.safetensors", "r+b") as f:
@@ -68,17 +75,20 @@ def test_corrupt_header(tiny, tmp_path):
     convert_fails(model, tmp_path, "model.safetensors", "corrupt header")
 
 
+@pytest.mark.slow
 def test_unknown_model_type(tiny, tmp_path):
     model = tiny(config={"model_type": "not-a-model"})
     convert_fails(model, tmp_path, "model_type", "not-a-model")
 
 
+@pytest.mark.slow
 def test_invalid_toml_mapping(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('model = "port.models.gpt2:GPT2"\n[[params]\nkey = \n')
     convert_fails(EXAMPLE, tmp_path, "bad.toml", "invalid TOML", extra=("--mapping", bad))
 
 
+@pytest.mark.slow
 def test_unknown_transform_in_mapping(tmp_path):
     text = GPT2_MAPPING.read_text()
     old = '{ reshape = ["n_head", -1, "n_embd"] }'
@@ -88,21 +98,25 @@ def test_unknown_transform_in_mapping(tmp_path):
     convert_fails(EXAMPLE, tmp_path, "rotating.toml", "rotate", "unknown transform", extra=("--mapping", bad))
 
 
+@pytest.mark.slow
 def test_mesh_needs_more_devices(tmp_path):
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     convert_fails(EXAMPLE, tmp_path, "--mesh 4x2", "needs 8 devices", env=env)
 
 
+@pytest.mark.slow
 def test_malformed_mesh(tmp_path):
     out = tmp_path / "out"
     result = run_cli("convert", EXAMPLE, "--mesh", "4xq", "--out", out)
     one_line(result, "--mesh", "4xq", out=out)
 
 
+@pytest.mark.slow
 def test_no_such_directory(tmp_path):
     convert_fails("/nonexistent/dir", tmp_path, "/nonexistent/dir", "no such directory")
 
 
+@pytest.mark.slow
 def test_repo_id_not_cached_offline(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
     convert_fails("nobody/no-such-model", tmp_path, "nobody/no-such-model", "Hugging Face cache", env=env)

@@ -290,6 +290,7 @@ def with_mtp_layer(source: Path, directory: Path) -> Path:
     return directory, len(extra)
 
 
+@pytest.mark.slow
 def test_the_mtp_layer_is_ignored_by_the_mappings_rule(checkpoints, tmp_path):
     source, _, _ = checkpoints("lora")
     directory, n = with_mtp_layer(source, tmp_path / "mtp")
@@ -367,6 +368,7 @@ def deepseek_shapes(c):
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_deepseek_v3_671b_reads_no_tensor(tmp_path):
     """`port plan --mesh 32x16` on DeepSeek-V3's real sizes (671B bfloat16 params with the MTP
     layer, a 1.3 TB sparse file): exit 0 in seconds, well under 1 GB of memory, no tensor byte

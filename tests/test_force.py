@@ -32,6 +32,7 @@ def decoys(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "model, out, cwd, home, expected",
     [
@@ -58,6 +59,7 @@ def test_force_refuses_what_port_did_not_write(decoys, model, out, cwd, home, ex
     assert snapshot(decoys) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", ["my-notes.txt", "port/my-notes.txt", "port.json", "params/my-notes.txt",
                                    "params/wte/my-notes.txt", "params/wte/0.0.bak", "params/my dir/x"])
 def test_force_refuses_a_port_output_holding_other_files(decoys, extra):
@@ -69,6 +71,7 @@ def test_force_refuses_a_port_output_holding_other_files(decoys, extra):
     assert snapshot(decoys) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["params/wte/0.0", "params/_sharding", "params/wte"])
 def test_force_refuses_an_output_with_a_link_in_params(decoys, where):
     """A link inside params/ (to the user's file, or directory) is not what port writes: refused."""
@@ -92,6 +95,7 @@ def format_1_output(directory: Path, meta: str = '{"format": 1, "leaves": {}}') 
     (directory / "port.json").write_text(meta)
 
 
+@pytest.mark.slow
 def test_force_replaces_an_output_of_an_earlier_port(tmp_path):
     format_1_output(tmp_path / "old")
     result = run_port("convert", EXAMPLE, "--out", tmp_path / "old", "--force")
@@ -101,6 +105,7 @@ def test_force_replaces_an_output_of_an_earlier_port(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("meta, extra", [('{"format": 1}', "notes.txt"), ('{"format": 2}', None), ("[1]", None)])
 def test_force_refuses_what_only_looks_like_an_earlier_output(tmp_path, meta, extra):
     format_1_output(tmp_path / "old", meta)
@@ -112,6 +117,7 @@ def test_force_refuses_what_only_looks_like_an_earlier_output(tmp_path, meta, ex
     assert snapshot(tmp_path) == before
 
 
+@pytest.mark.slow
 def test_force_replaces_an_earlier_output(decoys):
     before = snapshot(decoys)
     result = run_port("convert", decoys / "ck" / "victim", "--mesh", "2x2", "--out", decoys / "earlier", "--force")
@@ -126,12 +132,14 @@ def test_force_replaces_an_earlier_output(decoys):
     assert not [p for p in decoys.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.slow
 def test_without_force_nothing_is_replaced(decoys):
     before = snapshot(decoys)
     one_line(run_port("convert", decoys / "ck" / "victim", "--out", decoys / "earlier"), "already exists", "--force")
     assert snapshot(decoys) == before
 
 
+@pytest.mark.slow
 def test_report_is_replaced_only_if_port_wrote_it(decoys):
     report = decoys / "notes" / "todo.txt"
     before = snapshot(decoys)
@@ -203,6 +211,7 @@ def test_an_output_another_run_wrote_meanwhile_is_kept(loaded_tiny, tmp_path, mo
     assert (tmp_path / "out" / "theirs.txt").read_text() == "theirs"
 
 
+@pytest.mark.slow
 def test_missing_parents_of_out_are_made_and_removed_again_on_failure(tmp_path):
     """Issue 24 row 12: `--out a/b/out` makes `a/b` as `mkdir -p` would, only once writing starts;
     a run that fails leaves none of them; a file where a parent should be is one line."""

@@ -267,6 +267,7 @@ def gemma2_9b_tensors(config: dict) -> dict[str, list[int]]:
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_of_the_full_size_gemma2_9b_reads_no_tensor(tmp_path):
     """`port plan` on Gemma-2-9B's real shapes (18.5 GB of bfloat16, a sparse file): every leaf
     sharded 8 ways on 4x2 but the norms (4 ways, on data), no tensor byte read."""

@@ -314,6 +314,7 @@ def pythia_checkpoint(directory):
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_full_size_pythia_1_4b(tmp_path):
     """`port plan --mesh 4x2` on Pythia-1.4B's real sizes: exit 0, every weight sharded 8 ways (norms and
     biases 4 or 2), the bytes per device those shardings give, buffers ignored, no tensor byte read."""

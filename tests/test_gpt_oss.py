@@ -371,6 +371,7 @@ def gpt_oss_shapes(config):
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_gpt_oss_120b_reads_no_tensor(tmp_path):
     """`port plan` on gpt-oss-120b's real sizes (a ~234 GB sparse bfloat16 file): exit 0, the expert
     leaves on `model` x `data`, the bytes per device port's plan computes, and the process reads
@@ -395,6 +396,7 @@ def test_plan_gpt_oss_120b_reads_no_tensor(tmp_path):
 # ---------------------------------------------------------------- errors
 
 
+@pytest.mark.slow
 def test_a_config_that_contradicts_the_tensors_fails_in_one_line(checkpoint, tmp_path):
     _, directory, _, _ = checkpoint
     broken = tmp_path / "broken"

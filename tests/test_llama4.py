@@ -343,6 +343,7 @@ def test_export_round_trip(checkpoint, tmp_path):
         assert torch.equal(value, theirs[key]), key
 
 
+@pytest.mark.slow
 def test_multimodal_checkpoint_loads_its_language_model(tmp_path):
     """A `Llama4ForConditionalGeneration` checkpoint (model_type llama4, `text_config`, keys under
     `language_model.`): port loads the language model, the vision tower and projector are
@@ -405,6 +406,7 @@ def scout_shapes(c):
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_llama4_scout_reads_no_tensor(tmp_path):
     """`port plan` on Llama-4-Scout's text sizes (a ~215 GB sparse file): exit 0 in seconds, the
     experts on `model` x `data`, the dense group absent, under 1 GB read and peak resident."""

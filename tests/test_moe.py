@@ -397,6 +397,7 @@ def mixtral_shapes(config):
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_mixtral_8x7b_reads_no_tensor(tmp_path):
     """`port plan` on Mixtral-8x7B's real sizes (46.7B bfloat16 params, a 93 GB sparse file):
     exit 0, every expert leaf sharded on `model` x `data`, the bytes per device port's own

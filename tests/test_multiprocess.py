@@ -21,6 +21,9 @@ import port
 from helpers import INPUT_IDS, logits
 
 
+pytestmark = pytest.mark.slow  # every test runs two processes
+
+
 def free_port() -> int:
     """A free port P for a run's coordinator, with P + 1 (where process 0 serves port's store) free too."""
     while True:

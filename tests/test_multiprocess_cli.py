@@ -71,6 +71,7 @@ def convert(out: Path, address: str, process: int, *extra: str) -> list[str]:
             "--coordinator", address, "--num-processes", "2", "--process-id", str(process), *extra]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, first, second, expected", [
     ("--dtype", [], ["--dtype", "bfloat16"], ["process 0 has", "process 1 has bfloat16"]),
     ("--dtype", ["--dtype", "float32"], ["--dtype", "bfloat16"],
@@ -92,6 +93,7 @@ def test_processes_that_disagree_stop_before_reading(wired, tmp_path, flag, firs
     assert sorted(os.listdir(tmp_path)) == [], "no output, no hidden partial output"
 
 
+@pytest.mark.slow
 def test_the_stores_port_in_use_stops_port_convert(wired, tmp_path):
     import socket
 
@@ -108,6 +110,7 @@ def test_the_stores_port_in_use_stops_port_convert(wired, tmp_path):
     assert sorted(os.listdir(tmp_path)) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("process", [0, 1])
 def test_a_process_alone_stops_after_the_timeout(wired, tmp_path, process):
     out, address = tmp_path / "out", f"127.0.0.1:{free_port()}"
@@ -162,6 +165,7 @@ def driver(tmp_path):
     return command
 
 
+@pytest.mark.slow
 def test_agree_passes_and_process_1_may_start_first(driver):
     settings = {"--mesh": "4x2", "--dtype": None, "--force": False}
     results = run_all([driver(0, settings), driver(1, settings)], delays=[2.0, 0.0])
@@ -169,6 +173,7 @@ def test_agree_passes_and_process_1_may_start_first(driver):
         assert code == 0 and "agreed" in err and "port:" not in err, err
 
 
+@pytest.mark.slow
 def test_agree_names_the_first_difference_on_every_process(driver):
     first = {"--mesh": "4x2", "--dtype": "float32", "--out": "/a", "--force": True}
     second = {"--mesh": "4x2", "--dtype": "bfloat16", "--out": "/b", "--force": False}
@@ -178,6 +183,7 @@ def test_agree_names_the_first_difference_on_every_process(driver):
         )
 
 
+@pytest.mark.slow
 def test_agree_stops_when_the_other_process_ended_without_agreeing(driver):
     (code0, err0, seconds), (code1, err1, _) = run_all([driver(0, timeout=30), driver(1, timeout=30, then="leave")])
     assert the_error(code0, err0) == "port: error: process 1 ended before sending its settings: see its output"
@@ -185,12 +191,14 @@ def test_agree_stops_when_the_other_process_ended_without_agreeing(driver):
     assert code1 == 0 and "Check failure" not in err1, err1
 
 
+@pytest.mark.slow
 def test_agree_stops_at_once_when_the_other_process_vanished(driver):
     (code0, err0, seconds), (code1, _, _) = run_all([driver(0, timeout=30), driver(1, timeout=30, then="crash")])
     assert the_error(code0, err0) == "port: error: process 1 ended before sending its settings: see its output"
     assert seconds < 25 and code1 == 3  # its connection to the store closed: not after --timeout
 
 
+@pytest.mark.slow
 def test_a_process_waits_at_exit_for_a_slower_one(driver):
     results = run_all([driver(0, then="sleep3"), driver(1)])
     for code, err, _ in results:
@@ -198,6 +206,7 @@ def test_a_process_waits_at_exit_for_a_slower_one(driver):
     assert "port: process 1/2: waiting up to 5 s (--timeout) for process 0 to end" in results[1][1]
 
 
+@pytest.mark.slow
 def test_a_process_alone_stops_after_the_timeout_from_python(driver):
     [(code, err, seconds)] = run_all([driver(1, timeout=3)])
     assert the_error(code, err) == (
@@ -207,6 +216,7 @@ def test_a_process_alone_stops_after_the_timeout_from_python(driver):
     assert seconds < 30
 
 
+@pytest.mark.slow
 def test_the_coordinators_port_in_use(driver):
     import socket
 
@@ -221,6 +231,7 @@ def test_the_coordinators_port_in_use(driver):
     )
 
 
+@pytest.mark.slow
 def test_the_stores_port_in_use(driver):
     import socket
 

@@ -64,6 +64,7 @@ def test_restore_include(llama_dir, tmp_path):
         port.restore(tmp_path / "out", include=["head"])
 
 
+@pytest.mark.slow
 def test_cli_convert_include_restores_with_the_rest_none(gpt2_checkpoints, tmp_path):
     directories, _ = gpt2_checkpoints
     out = tmp_path / "out"
@@ -90,6 +91,7 @@ def test_cli_convert_include_restores_with_the_rest_none(gpt2_checkpoints, tmp_p
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
 def test_cli_convert_layers_writes_a_model_of_those_layers(gpt2_checkpoints, tmp_path):
     """`port convert --layers 1:2`: the output holds layer 1 as layer 0, its config says 1 layer;
     a bad range is one line naming the flag, nothing written."""

@@ -203,6 +203,7 @@ pathlib.Path(os.environ["PORT_TEST_NO_READS"]).touch()
 '''
 
 
+@pytest.mark.slow
 def test_plan_of_phi3_mini_at_full_size(tmp_path):
     """`port plan --mesh 4x2` on Phi-3-mini's config.json and a header for every tensor (the shapes
     transformers builds, on the meta device): exit 0, bytes per device as the mesh divides each

@@ -279,6 +279,7 @@ def qwen3_next_shapes(c):
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_qwen3_next_80b_reads_no_tensor(tmp_path):
     """`port plan` on Qwen3-Next-80B-A3B's real sizes (~160 GB sparse file, 73k expert tensors):
     exit 0, the expert and DeltaNet leaves sharded, well under 1 GB read and well under 1 GB of

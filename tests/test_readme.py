@@ -5,10 +5,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import port_env, run_port
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+
+
+pytestmark = pytest.mark.slow  # every test runs the README's examples or `port` in a subprocess
 
 
 def section(heading: str) -> str:

@@ -80,6 +80,7 @@ def test_force_in_python_replaces_only_a_port_output(saved, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "mine"]
 
 
+@pytest.mark.slow
 def test_named_mesh_of_any_rank(tmp_path):
     """`--mesh data=2,expert=2,model=2` converts and restores; an axis no rule names replicates."""
     from helpers import run_port

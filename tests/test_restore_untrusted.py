@@ -604,6 +604,7 @@ def test_a_chunk_damaged_after_the_checks_is_one_line(out, capfd, monkeypatch, r
 # output cannot make restore, or `port export` after it, read a file from elsewhere (issue 21).
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["outside", "another chunk"])
 def test_a_chunk_linked_to_a_file_of_its_size_is_refused_and_never_exported(out, tmp_path, capfd, target):
     """The link's target has exactly the chunk's size, so every size check would pass: restore
@@ -621,6 +622,7 @@ def test_a_chunk_linked_to_a_file_of_its_size_is_refused_and_never_exported(out,
         assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "secret"]  # no hf, no hidden partial
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["port", "params", "params/wte", "params/blocks.attn.wq"])
 def test_a_directory_of_the_output_linked_in_is_refused(out, tmp_path, capfd, name):
     """The output's own files, moved aside and linked back in by their directory: refused, naming the link."""
@@ -743,6 +745,7 @@ def test_an_output_of_an_earlier_port_is_refused_with_what_to_do(good, tmp_path,
     assert message.endswith("this port reads format 3: convert the checkpoint again"), message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", ["port's", "ocdbt", "none"])
 def test_an_output_of_format_2_is_refused_with_what_to_do(good, tmp_path, capfd, params):
     """Format 2 (the arrays in an OCDBT database): one line saying to convert again, before params/ is looked at."""
@@ -766,6 +769,7 @@ def test_an_output_of_format_2_is_refused_with_what_to_do(good, tmp_path, capfd,
         assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
 def test_a_bad_output_leaves_stderr_clean_to_the_end(good, tmp_path):
     """In a fresh process, failed checks and failed reads print nothing, not even after restore has returned."""
     outs = []
@@ -872,6 +876,7 @@ def test_restore_reads_what_orbax_restores_bit_for_bit(good, monkeypatch, read_a
         np.testing.assert_array_equal(np.asarray(array), np.asarray(flat[path]), err_msg=path)
 
 
+@pytest.mark.slow
 def test_stock_orbax_restores_the_output_without_port(good, tmp_path):
     """An ordinary Orbax checkpoint: a process that never imports port restores both items with
     Orbax's own CompositeCheckpointHandler; the arrays equal port's, the metadata is plain JSON."""

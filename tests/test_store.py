@@ -158,6 +158,7 @@ time.sleep(40)
 """
 
 
+@pytest.mark.slow
 def test_a_third_process_cannot_make_the_run_write_outside_or_succeed(tmp_path):
     """The finding's attack with real processes: a third process connects to process 0's store
     first, as process 1, and tries to set process 0's run name to a path and its end. Process 1

@@ -169,6 +169,7 @@ def test_no_byteorder_record_reads_little_endian(tmp_path):
         np.testing.assert_array_equal(ckpt.read("w", ((0, 2), (0, 3))), np.arange(6.0, dtype=np.float32).reshape(2, 3))
 
 
+@pytest.mark.slow
 def test_pytorch_is_not_needed(tmp_path):
     """Reading a .bin imports no torch: a process where `import torch` fails reads it."""
     torch_save(tmp_path / "ckpt", {"w": torch.arange(4.0)})
@@ -291,6 +292,7 @@ def payloads(marker: Path) -> dict[str, bytes]:
     }
 
 
+@pytest.mark.slow
 def test_payloads_are_live(tmp_path):
     """The payloads do run under plain pickle: refusing them below means something."""
     for name, payload in payloads(tmp_path / "ran").items():
@@ -301,6 +303,7 @@ def test_payloads_are_live(tmp_path):
         (tmp_path / "ran").unlink()
 
 
+@pytest.mark.slow
 def test_a_pickle_naming_os_system_is_refused_by_the_command(tmp_path):
     marker = tmp_path / "marker"
     path = torch_save(tmp_path / "ckpt", {"w": torch.zeros(3)})
@@ -409,6 +412,7 @@ def test_bad_files_are_one_line(tmp_path, case):
     refused(path, "pytorch_model.bin: ", expected)
 
 
+@pytest.mark.slow
 def test_a_truncated_file_is_one_line_through_the_command(tmp_path):
     path = torch_save(tmp_path / "ckpt", {"w": torch.zeros(64)})
     _truncated(path)
@@ -492,6 +496,7 @@ def nested_bin(directory: Path, data: bytes) -> Path:
     return rezip(torch_save(directory, {"w": torch.zeros(3)}), {"data.pkl": data})
 
 
+@pytest.mark.slow
 def test_a_deep_key_crashes_plain_pickle(tmp_path):
     """The first payload is live: `pickle.loads` of it dies by SIGSEGV (C stack overflow, hashing the key)."""
     (tmp_path / "deep.pkl").write_bytes(NESTED["TUPLE1 chain as a key"])
@@ -513,6 +518,7 @@ def test_objects_nested_a_million_deep_are_refused(tmp_path, how):
         port.load(tmp_path / "ckpt", mapping=Path(__file__).resolve().parents[1] / "mappings" / "gpt2.toml")
 
 
+@pytest.mark.slow
 def test_objects_nested_a_million_deep_are_one_line_through_the_command(tmp_path):
     nested_bin(tmp_path / "ckpt", NESTED["TUPLE1 chain as a key"])
     one_line(run_port("plan", tmp_path / "ckpt", "--mesh", "1x1", timeout=120),

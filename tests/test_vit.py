@@ -170,6 +170,7 @@ def test_plan_of_a_classifier_checkpoint(twins):
 # ---------------------------------------------------------------- port verify and port export
 
 
+@pytest.mark.slow
 def test_verify_draws_pixel_values(twins):
     """Through the command line: the model class says it takes pixel values, verify draws 4 x 16 x 18."""
     directory, _, _ = twins("four-channel")
@@ -192,6 +193,7 @@ def test_verify_in_bfloat16_allows_for_the_references_own_rounding(twins, case):
     assert port.verify(directory, "1x1").reference_error is None  # float32: the reference is exact
 
 
+@pytest.mark.slow
 def test_verify_in_bfloat16_through_the_command_line(twins):
     """The installed `port verify --dtype bfloat16` exits 0 and shows the reference's own rounding."""
     directory, _, _ = twins("grey-classifier")
@@ -287,6 +289,7 @@ def vit_b16_shapes() -> dict[str, list[int]]:
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_full_size_vit_b16(tmp_path):
     """`port plan --mesh 4x2` on ViT-B/16's real sizes: exit 0, the bytes per device the shardings give
     (matrices 8 ways, q/k/v and MLP biases on model, the rest on data, the pooler bias whole), no read."""

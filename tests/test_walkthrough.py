@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from string import Template
 
+import pytest
 
 import port
 from helpers import logits, port_command, port_env
@@ -112,6 +113,7 @@ def test_shipped_mapping_is_clean():
     assert lines[lines.index('reference = { class = "torch_tinylm:TinyLM", output = "logits" }') - 1].startswith("# ")
 
 
+@pytest.mark.slow
 def test_walkthrough(tmp_path, monkeypatch):
     untracked_before, files_before = repo_state()
     cwd, results, snapshots, expected_text = tmp_path, [], {}, []
