@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 
 import port._place  # noqa: E402
 import port._sources._local  # noqa: E402
-from helpers import read_offsets, torch_gpt2, torch_logits  # noqa: E402
+from helpers import read_offsets, tiny_gpt2, torch_gpt2, torch_logits  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +33,13 @@ def gpt2_checkpoints(tmp_path_factory):
     model.save_pretrained(root / "sharded", max_shard_size="20KB")
     assert (root / "sharded" / "model.safetensors.index.json").exists()
     return {name: root / name for name in ("lm", "base", "sharded")}, torch_logits(model)
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """make(drop=(), add=None, config=None): the tiny GPT-2 of `examples/tiny-gpt2` written afresh
+    at tmp_path/model, changed as asked (`helpers.tiny_gpt2`); returns its directory."""
+    return lambda **changes: tiny_gpt2(tmp_path / "model", **changes)
 
 
 # Each executable XLA compiles for the CPU keeps a few memory maps while JAX's caches hold it

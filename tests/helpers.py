@@ -6,6 +6,7 @@ Imported as `from helpers import ...`: `tests/` is on `sys.path` because
 
 import contextlib
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -13,9 +14,13 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, NamedTuple
 
+import equinox as eqx
 import numpy as np
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 VOCAB = 101  # not divisible by the model axis: exercises replication
 
@@ -106,6 +111,53 @@ def torch_logits(model, ids=INPUT_IDS):
         return model(torch.tensor(ids)).logits.float().numpy()
 
 
+@eqx.filter_jit
+def logits(model, ids):
+    """`model(ids)` compiled by `eqx.filter_jit`: a port model's logits for the token ids `ids`.
+
+    `np.asarray(logits(port.load(directory), INPUT_IDS))` is what `torch_logits` gives for the
+    PyTorch model saved at `directory`.
+    """
+    return model(ids)
+
+
+class Saved(NamedTuple):
+    """A PyTorch model written by `save_pretrained`, and its logits (float32 NumPy)."""
+
+    directory: Path
+    model: Any
+    logits: np.ndarray
+
+
+def saved_once(tmp_path_factory, build, ids=INPUT_IDS, written=None):
+    """get(name): a `Saved` of the PyTorch model `build(name)`, made on the first call for each name.
+
+    The model is written by `save_pretrained` into a fresh directory; its logits are for `ids`
+    (an array, or a function of the name giving one). `written(name, directory)`, if given, runs
+    once the directory is written (to change what `save_pretrained` wrote). For a module's lazy
+    fixture, each case built only if a test asks for it:
+
+        @pytest.fixture(scope="module")
+        def checkpoints(tmp_path_factory):
+            return saved_once(tmp_path_factory, torch_moe)
+
+        directory, model, expected = checkpoints("mixtral")
+    """
+    made = {}
+
+    def get(name):
+        if name not in made:
+            model = build(name)
+            directory = tmp_path_factory.mktemp(name)
+            model.save_pretrained(directory)
+            if written is not None:
+                written(name, directory)
+            made[name] = Saved(directory, model, torch_logits(model, ids(name) if callable(ids) else ids))
+        return made[name]
+
+    return get
+
+
 def converted(model, directory: Path, mesh="1x1", **load):
     """`model` saved by `save_pretrained` to `directory` and loaded back by `port.load`.
 
@@ -133,6 +185,23 @@ def read_header(path: Path) -> dict:
     from port._sources import _directory, _safetensors
 
     return _directory.read_safetensors(Path(path), _safetensors.MAX_HEADER)[0]
+
+
+def script_module(path: Path):
+    """The Python file at `path`, a script of the repository's (not on `sys.path`), imported as a module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def tiny_gpt2(directory: Path, drop=(), add=None, config=None) -> Path:
+    """The tiny GPT-2 of `examples/tiny-gpt2`, made afresh by `examples/make_tiny_gpt2.py` at
+    `directory`: without the tensors `drop` names, with those of `add` (added or replacing), and
+    `config` merged into its config. `tiny_gpt2(tmp_path / "m", config={"model_type": "x"})`."""
+    make = script_module(REPO / "examples" / "make_tiny_gpt2.py")
+    tensors = {k: v for k, v in make.tensors(make.CONFIG).items() if k not in drop} | (add or {})
+    return write_checkpoint(directory, tensors, make.CONFIG | (config or {}))
 
 
 def snapshot(root: Path) -> dict[str, str]:
@@ -203,8 +272,10 @@ def run_port_measured(tmp_path: Path, *args) -> tuple[subprocess.CompletedProces
     return result, read, peak
 
 
-def one_line(result, *substrings: str) -> str:
-    """The run failed (exit 1) with exactly one `port: error:` line holding `substrings`, and no traceback."""
+def one_line(result, *substrings: str, out: Path | None = None) -> str:
+    """The run failed on bad input or a failed check: exit 1, exactly one `port: error:` line holding
+    `substrings`, no traceback; given `out`, nothing left there nor beside it (the hidden sibling,
+    `.{name}...`, a run writes first). Returns the line. A usage error (exit 2) is `usage_error`'s."""
     output = result.stdout + result.stderr
     assert result.returncode == 1, output
     assert "Traceback" not in output and "internal error" not in output, output
@@ -212,7 +283,20 @@ def one_line(result, *substrings: str) -> str:
     assert len(lines) == 1 and lines[0].startswith("port: error: "), output
     for s in substrings:
         assert s in lines[0], f"{s!r} not in {lines[0]!r}"
+    if out is not None:
+        assert not out.exists(), out
+        assert not [p.name for p in out.parent.iterdir() if p.name.startswith("." + out.name)], out
     return lines[0]
+
+
+def usage_error(result, *substrings: str) -> None:
+    """The command line was used wrongly: exit 2, the usage on stderr holding `substrings`, no traceback."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output and "internal error" not in output, output
+    assert result.stderr.startswith("usage: port"), output
+    for s in substrings:
+        assert s in result.stderr, f"{s!r} not in {result.stderr!r}"
 
 
 def place_on(directory, mesh, mapping=None):
@@ -297,15 +381,23 @@ def assert_blocks_read_exactly(per_block, recipe, tensors, mesh_shape) -> None:
         assert len(boxes) == len(set(boxes)) == len(leaf.shards(mesh_shape)), leaf.path
 
 
-def write_sparse_checkpoint(directory: Path, config: dict, shapes: dict) -> int:
-    """config.json and a bfloat16 model.safetensors: a real header, and data that is a hole
-    (os.truncate: no byte allocated). Returns the file's size."""
+ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "BOOL": 1}  # bytes per element of a safetensors dtype
+
+
+def write_sparse_checkpoint(directory: Path, config: dict, shapes: dict, dtype: str = "BF16") -> int:
+    """config.json and a model.safetensors in the new `directory`: a real header, each key's tensor
+    of its shape in `shapes` (of `dtype`), or of (dtype, shape); the data a hole (os.truncate: no
+    byte allocated), so a full-size model's plan costs no disk. Returns the file's size.
+
+    `write_sparse_checkpoint(tmp_path / "m", config, {"w": [4096, 4096], "mask": ("BOOL", [8])})`
+    """
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(config))
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for key, shape in shapes.items():
-        n = 2 * int(np.prod(shape))
-        header[key] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + n]}
+    for key, entry in shapes.items():
+        kind, shape = entry if entry and isinstance(entry[0], str) else (dtype, entry)
+        n = ITEMSIZE[kind] * int(math.prod(shape))
+        header[key] = {"dtype": kind, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     text = json.dumps(header).encode()
     text += b" " * (-len(text) % 8)
@@ -314,7 +406,6 @@ def write_sparse_checkpoint(directory: Path, config: dict, shapes: dict) -> int:
     size = 8 + len(text) + offset
     os.truncate(path, size)
     return size
-
 
 
 def confirm_checks(path: Path, checkpoint, **kwargs) -> list[str]:

@@ -40,6 +40,7 @@ def run(script: str, *args, env=None) -> subprocess.CompletedProcess:
                           timeout=600, env=port_env(env), cwd=BENCH)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", sorted(SMOKE))
 def test_a_benchmark_runs_in_its_smoke_form(script, tmp_path):
     result = run(script, *(a.replace("{tmp}", str(tmp_path)) for a in SMOKE[script]))
@@ -50,6 +51,7 @@ def test_a_benchmark_runs_in_its_smoke_form(script, tmp_path):
     assert "Traceback" not in output and "failed" not in result.stdout.lower(), output[-3000:]
 
 
+@pytest.mark.slow
 def test_the_remote_benchmark_needs_nginx_and_says_so(tmp_path):
     """With nginx (and curl) it measures every layout (one file, 4 files, BERT's many small tensors,
     the Hub's URLs); without, one line and exit 2: no stand-in server."""

@@ -103,6 +103,7 @@ def test_masked_lm_checkpoint_without_pooler(tmp_path):
         ours.pooled(ours_hidden)
 
 
+@pytest.mark.slow
 def test_convert_and_restore_a_checkpoint_without_pooler(tmp_path):
     model = torch_bert(pooler=False)
     model.save_pretrained(tmp_path / "bert")

@@ -89,6 +89,7 @@ def test_verify_reports_the_difference(gpt2_checkpoints):
     assert difference < 1e-4
 
 
+@pytest.mark.slow
 def test_verify_without_pytorch_says_how_to_install(gpt2_checkpoints, tmp_path):
     directories, _ = gpt2_checkpoints
     hidden = tmp_path / "no-torch"
@@ -140,6 +141,7 @@ transforms = [{ split = { axis = 1, parts = 3, index = 1 } }]
 '''
 
 
+@pytest.mark.slow
 def test_check_names_the_entry_that_cannot_be_walked_back(tmp_path):
     import numpy as np
 

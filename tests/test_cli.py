@@ -1,31 +1,23 @@
 """The `port` command line, run as a user runs it: the `port` entry point in a subprocess.
 
 Bad input must end with one line on stderr (`port: error: ...`) naming the file,
-key or flag and the problem, a non-zero status, no traceback, and no output
+key or flag and the problem, exit status 1, no traceback, and no output
 directory (nor the hidden temporary sibling the converter writes first).
 """
 
-import importlib.util
 import json
 import os
 from pathlib import Path
 
 import pytest
 
-from helpers import run_port, write_checkpoint
+from helpers import one_line, run_port, script_module
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
 GPT2_MAPPING = REPO / "mappings" / "gpt2.toml"
 
-def _make_tiny():
-    spec = importlib.util.spec_from_file_location("make_tiny_gpt2", REPO / "examples" / "make_tiny_gpt2.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-TINY = _make_tiny()
+TINY = script_module(REPO / "examples" / "make_tiny_gpt2.py")
 
 
 def run_cli(*args, env=None, cwd=None):
@@ -33,47 +25,23 @@ def run_cli(*args, env=None, cwd=None):
     return run_port(*args, env=env, cwd=cwd, timeout=120)
 
 
-def assert_one_line_error(result, *substrings, out=None):
-    """Failed, one `port: error:` line naming `substrings`, no traceback, nothing left at `out`."""
-    output = result.stdout + result.stderr
-    assert result.returncode != 0, output
-    assert "Traceback" not in output, output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, output
-    assert lines[0].startswith("port: error:"), output
-    for s in substrings:
-        assert s in lines[0], f"{s!r} not in {lines[0]!r}"
-    if out is not None:
-        assert not out.exists()
-        assert not [p.name for p in out.parent.iterdir() if p.name.startswith("." + out.name)]
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    """make(**changes): a valid tiny GPT-2 checkpoint, with tensors/config changed as asked."""
-
-    def make(drop=(), add=None, config=None):
-        tensors = {k: v for k, v in TINY.tensors(TINY.CONFIG).items() if k not in drop} | (add or {})
-        return write_checkpoint(tmp_path / "model", tensors, TINY.CONFIG | (config or {}))
-
-    return make
-
-
 def convert_fails(model, tmp_path, *substrings, extra=(), env=None):
     out = tmp_path / "out"
     result = run_cli("convert", model, "--mesh", "4x2", "--out", out, *extra, env=env)
-    assert_one_line_error(result, *substrings, out=out)
+    one_line(result, *substrings, out=out)
     return result
 
 
 # ---------------------------------------------------------------- bad input
 
 
+@pytest.mark.slow
 def test_missing_tensor(tiny, tmp_path):
     model = tiny(drop={"transformer.h.1.mlp.c_fc.weight"})
     convert_fails(model, tmp_path, "h.1.mlp.c_fc.weight", "missing")
 
 
+@pytest.mark.slow
 def test_extra_tensor(tiny, tmp_path):
     import numpy as np
 
@@ -81,6 +49,7 @@ def test_extra_tensor(tiny, tmp_path):
     convert_fails(model, tmp_path, "transformer.h.0.attn.extra.weight", "not used")
 
 
+@pytest.mark.slow
 def test_shape_mismatch(tiny, tmp_path):
     import numpy as np
 
@@ -89,6 +58,7 @@ def test_shape_mismatch(tiny, tmp_path):
     convert_fails(model, tmp_path, "shape mismatch", "transformer.wpe.weight", "[65, 64]")
 
 
+@pytest.mark.slow
 def test_truncated_safetensors(tiny, tmp_path):
     model = tiny()
     path = model / "model.safetensors"
@@ -96,6 +66,7 @@ def test_truncated_safetensors(tiny, tmp_path):
     convert_fails(model, tmp_path, "model.safetensors", "truncated")
 
 
+@pytest.mark.slow
 def test_corrupt_header(tiny, tmp_path):
     model = tiny()
     with open(model / "model.safetensors", "r+b") as f:
@@ -104,17 +75,20 @@ def test_corrupt_header(tiny, tmp_path):
     convert_fails(model, tmp_path, "model.safetensors", "corrupt header")
 
 
+@pytest.mark.slow
 def test_unknown_model_type(tiny, tmp_path):
     model = tiny(config={"model_type": "not-a-model"})
     convert_fails(model, tmp_path, "model_type", "not-a-model")
 
 
+@pytest.mark.slow
 def test_invalid_toml_mapping(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text('model = "port.models.gpt2:GPT2"\n[[params]\nkey = \n')
     convert_fails(EXAMPLE, tmp_path, "bad.toml", "invalid TOML", extra=("--mapping", bad))
 
 
+@pytest.mark.slow
 def test_unknown_transform_in_mapping(tmp_path):
     text = GPT2_MAPPING.read_text()
     old = '{ reshape = ["n_head", -1, "n_embd"] }'
@@ -124,21 +98,25 @@ def test_unknown_transform_in_mapping(tmp_path):
     convert_fails(EXAMPLE, tmp_path, "rotating.toml", "rotate", "unknown transform", extra=("--mapping", bad))
 
 
+@pytest.mark.slow
 def test_mesh_needs_more_devices(tmp_path):
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     convert_fails(EXAMPLE, tmp_path, "--mesh 4x2", "needs 8 devices", env=env)
 
 
+@pytest.mark.slow
 def test_malformed_mesh(tmp_path):
     out = tmp_path / "out"
     result = run_cli("convert", EXAMPLE, "--mesh", "4xq", "--out", out)
-    assert_one_line_error(result, "--mesh", "4xq", out=out)
+    one_line(result, "--mesh", "4xq", out=out)
 
 
+@pytest.mark.slow
 def test_no_such_directory(tmp_path):
     convert_fails("/nonexistent/dir", tmp_path, "/nonexistent/dir", "no such directory")
 
 
+@pytest.mark.slow
 def test_repo_id_not_cached_offline(tmp_path):
     env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")}
     convert_fails("nobody/no-such-model", tmp_path, "nobody/no-such-model", "Hugging Face cache", env=env)

@@ -9,21 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import one_line, run_port, transformers_or_skip
+from helpers import one_line, run_port, transformers_or_skip, usage_error
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
 
 
-def assert_usage_error(result, *substrings):
-    output = result.stdout + result.stderr
-    assert result.returncode == 2, output
-    assert "Traceback" not in output and "internal error" not in output, output
-    assert result.stderr.startswith("usage: port"), output
-    for s in substrings:
-        assert s in result.stderr, f"{s!r} not in {result.stderr!r}"
-
-
+@pytest.mark.slow
 def test_bare_port_shows_help_and_exits_2():
     result = run_port()
     assert result.returncode == 2
@@ -33,6 +25,7 @@ def test_bare_port_shows_help_and_exits_2():
     assert "internal error" not in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, expected",
     [
@@ -47,10 +40,11 @@ def test_bare_port_shows_help_and_exits_2():
 )
 def test_usage_errors_exit_2_with_the_usage(args, expected, tmp_path):
     result = run_port(*args, cwd=tmp_path)
-    assert_usage_error(result, *expected)
+    usage_error(result, *expected)
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_plan_with_several_problems_lists_them_all():
     """Issue 24 row 11: every problem on stdout, one error line naming the first and the count."""
     result = run_port("plan", EXAMPLE, "--mesh", "data=2,foo=2")
@@ -60,12 +54,14 @@ def test_a_plan_with_several_problems_lists_them_all():
     assert [("rules." + p.split("rules.")[1].split()[0]) for p in listed] == ["rules.vocab", "rules.heads", "rules.mlp"]
 
 
+@pytest.mark.slow
 def test_version():
     result = run_port("--version")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"port {version('port')}"
 
 
+@pytest.mark.slow
 def test_help_shows_flags_plainly():
     result = run_port("convert", "--help")
     assert result.returncode == 0
@@ -74,6 +70,7 @@ def test_help_shows_flags_plainly():
     assert all(len(line) <= 100 for line in result.stdout.splitlines())
 
 
+@pytest.mark.slow
 def test_verify_beyond_the_tolerance_exits_1():
     """(Within it, 0: test_check_verify.py.)"""
     transformers_or_skip()
@@ -92,6 +89,7 @@ def test_verify_beyond_the_tolerance_exits_1():
     assert document["padding"] is None and document["roundtrip"] is None
 
 
+@pytest.mark.slow
 def test_verify_pads_sizes_and_round_trips():
     """Issue 24 row 7: --batch, --length, --padding (the mask to both models, padded positions not
     compared) and --roundtrip (exported back, every tensor bit for bit) through the command line."""
@@ -112,10 +110,10 @@ def test_verify_pads_sizes_and_round_trips():
     one_line(run_port("verify", EXAMPLE, "--roundtrip", "--dtype", "bfloat16"),
              "--roundtrip compares bit for bit: drop --dtype bfloat16")
     for bad in (["--batch", "0"], ["--length", "x"], ["--padding", "middle"]):
-        refused = run_port("verify", EXAMPLE, *bad)
-        assert refused.returncode == 2 and "usage: port verify" in refused.stderr, refused.stderr
+        usage_error(run_port("verify", EXAMPLE, *bad), "usage: port verify")
 
 
+@pytest.mark.slow
 def test_scaffold_module_needs_a_class(tmp_path):
     result = run_port("scaffold", EXAMPLE, "--module", "port.models.gpt2")
     assert result.returncode == 1
@@ -124,6 +122,7 @@ def test_scaffold_module_needs_a_class(tmp_path):
     ]
 
 
+@pytest.mark.slow
 def test_scaffold_force_replaces_only_its_own_draft(tmp_path):
     mine = tmp_path / "notes.toml"
     mine.write_text("# my own notes\n")
@@ -143,6 +142,7 @@ def test_scaffold_force_replaces_only_its_own_draft(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["draft.toml", "notes.toml"]
 
 
+@pytest.mark.slow
 def test_one_device_is_not_simulated(tmp_path):
     result = run_port("convert", EXAMPLE, "--out", tmp_path / "out")
     assert result.returncode == 0, result.stderr
@@ -150,6 +150,7 @@ def test_one_device_is_not_simulated(tmp_path):
     assert "converted" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("width", [80, 100])
 def test_plan_fits_the_terminal(width):
     result = run_port("plan", EXAMPLE, "--mesh", "4x2", env={"COLUMNS": str(width)})
@@ -178,6 +179,7 @@ def test_the_library_leaves_sys_path_alone(tmp_path, monkeypatch):
     assert sys.path == before
 
 
+@pytest.mark.slow
 def test_a_directory_named_like_a_module_does_not_shadow_it(tmp_path):
     """The command line appends the working directory: installed modules come first."""
     for name in ("port", "equinox"):
@@ -207,6 +209,7 @@ def beside(tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 def test_a_module_beside_the_user_is_found_when_named(beside):
     result = run_port("check", "mine.toml", EXAMPLE, "--module", "mymodel:MyGPT2", cwd=beside)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -214,6 +217,7 @@ def test_a_module_beside_the_user_is_found_when_named(beside):
     assert (beside / "imported").read_text() == "mymodel ran"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [
     ["check", "mine.toml", EXAMPLE], ["plan", EXAMPLE, "--mapping", "mine.toml"],
     ["convert", EXAMPLE, "--mapping", "mine.toml", "--out", "out"],
@@ -227,6 +231,7 @@ def test_a_mapping_alone_imports_nothing_from_the_working_directory(beside, comm
     assert not (beside / "imported").exists() and not (beside / "out").exists()
 
 
+@pytest.mark.slow
 def test_module_must_be_a_class_the_mapping_names(beside):
     (beside / "other.py").write_text(MYMODEL)
     result = run_port("check", "mine.toml", EXAMPLE, "--module", "other:MyGPT2", cwd=beside)
@@ -239,6 +244,7 @@ def test_module_must_be_a_class_the_mapping_names(beside):
     assert not (beside / "imported").exists()
 
 
+@pytest.mark.slow
 def test_export_of_your_own_model_names_its_class(beside):
     """Issue 24 row 1: an output of your own module exports with `--module` (the output's word imports nothing)."""
     made = run_port("convert", EXAMPLE, "--mapping", "mine.toml", "--module", "mymodel:MyGPT2", "--out", "out", cwd=beside)
@@ -268,6 +274,7 @@ class MyGPT2(GPT2):
 """
 
 
+@pytest.mark.slow
 def test_an_error_in_your_own_module_names_its_file_and_line(beside):
     """Issue 24 row 4: a bug in the author's module is one line at the author's frame (file, line,
     function), not `internal error` without a place; the line says how to see the traceback."""
@@ -291,6 +298,7 @@ class NoNorm(GPT2):  # a model whose final norm is a submodule that may be None
 """
 
 
+@pytest.mark.slow
 def test_optional_covers_a_leaf_whose_parent_module_is_none(tmp_path):
     """Issue 24 row 3: `optional = "model"` applies when a parent module is None (`ln_f` here),
     and without it the message says which parent is None and how to mark the entry."""
@@ -313,6 +321,7 @@ def test_optional_covers_a_leaf_whose_parent_module_is_none(tmp_path):
             'config.json (mark the entry optional = "model" if the model may lack it)') in refused.stdout
 
 
+@pytest.mark.slow
 def test_info_describes_an_output(tmp_path):
     """Issue 24 row 8: `port info DIR` says what a `port convert` output holds, from its metadata
     alone; anything else is one line."""
@@ -344,6 +353,7 @@ def documented_fields(schema: str) -> list[str]:
             for name in re.findall(r"`(\w+)`", row.split("|")[1])]
 
 
+@pytest.mark.slow
 def test_json_output_is_what_docs_cli_md_says(tmp_path, beside):
     """Issue 24 row 9: `--json` prints one object whose fields are docs/cli.md's, in its order;
     errors stay one line on stderr with the same exit status."""

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 import port
 from helpers import run_port
@@ -34,6 +35,7 @@ def test_convert_returns_the_model_the_plan_and_the_report(tmp_path):
     np.testing.assert_array_equal(np.asarray(restored.wte), np.asarray(run.model.wte))
 
 
+@pytest.mark.slow
 def test_the_cli_report_is_the_library_report(tmp_path):
     result = run_port("convert", EXAMPLE, "--mesh", "2x2", "--out", tmp_path / "out", "--report", tmp_path / "r.json")
     assert result.returncode == 0, result.stderr

@@ -25,7 +25,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import VOCAB, perturbed, run_port, run_port_measured, torch_logits, transformers_or_skip
+from helpers import VOCAB, logits, perturbed, run_port, run_port_measured, saved_once, torch_logits, transformers_or_skip
 from jax.sharding import PartitionSpec as P
 from helpers import write_sparse_checkpoint
 
@@ -67,25 +67,10 @@ def torch_deepseek(name, dtype=None):
     return model if dtype is None else model.to(getattr(torch, dtype))
 
 
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """get(name): (the PyTorch model, its save_pretrained directory, its logits), one build per case."""
-    made = {}
-
-    def get(name):
-        if name not in made:
-            model = torch_deepseek(name)
-            directory = tmp_path_factory.mktemp(name)
-            model.save_pretrained(directory)
-            made[name] = model, directory, torch_logits(model, IDS)
-        return made[name]
-
-    return get
+    """get(name): (its save_pretrained directory, the PyTorch model, its logits), one build per case."""
+    return saved_once(tmp_path_factory, torch_deepseek, IDS)
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +80,7 @@ def loaded(checkpoints):
 
     def get(name, mesh="1x1"):
         if (name, mesh) not in made:
-            made[name, mesh] = port.load(checkpoints(name)[1], mesh=mesh)
+            made[name, mesh] = port.load(checkpoints(name).directory, mesh=mesh)
         return made[name, mesh]
 
     return get
@@ -117,7 +102,7 @@ def recipe_for(directory, mesh_shape, mapping=None):
 def test_save_pretrained_writes_one_tensor_per_expert_and_the_selection_bias(checkpoints):
     from safetensors import safe_open
 
-    _, directory, _ = checkpoints("lora")
+    directory, _, _ = checkpoints("lora")
     with safe_open(directory / "model.safetensors", "np") as f:
         keys = set(f.keys())
         assert f.get_slice("model.layers.1.mlp.experts.7.gate_proj.weight").get_shape() == [20, 48]
@@ -168,7 +153,7 @@ def test_logits_match_transformers_with_experts_on_an_expert_axis(checkpoints):
     """The shipped mapping with `experts = "expert"` on a `data=2,expert=2,model=2` mesh."""
     from jax.sharding import NamedSharding
 
-    _, directory, expected = checkpoints("lora")
+    directory, _, expected = checkpoints("lora")
     shipped = port.load_mapping(MAPPINGS / "deepseek_v3.toml")
     mapping = dataclasses.replace(shipped, rules={**shipped.rules, "experts": ("expert",)})
     mesh = port.make_mesh("data=2,expert=2,model=2")
@@ -204,7 +189,7 @@ def test_bfloat16_end_to_end(tmp_path):
 def test_verify_in_bfloat16_runs_the_reference_experts_eagerly(checkpoints):
     """`port.verify(dtype="bfloat16")` on experts of 20 (40-byte rows: torch's grouped matmul
     refuses them in bfloat16) compares with the reference's eager experts and passes its bound."""
-    result = port.verify(checkpoints("lora")[1], "1x1", dtype="bfloat16")
+    result = port.verify(checkpoints("lora").directory, "1x1", dtype="bfloat16")
     assert result.dtype == "bfloat16" and result.reference_error is not None
     assert result.max_abs_diff <= result.tolerance, (result.max_abs_diff, result.tolerance)
 
@@ -218,7 +203,7 @@ def test_gradients_match_pytorch(checkpoints, loaded, tmp_path):
     transformers = transformers_or_skip()
     import torch
 
-    torch_lm, directory, _ = checkpoints("lora")
+    directory, torch_lm, _ = checkpoints("lora")
     mask = np.ones_like(IDS)
     mask[1, 11:] = 0
     labels = torch.tensor(np.where(mask == 1, IDS, -100)).long()
@@ -243,7 +228,7 @@ def test_greedy_generation_matches_transformers(checkpoints, loaded):
     latent cache (per layer kind: the latent and the rotated shared key)."""
     import torch
 
-    torch_lm, _, _ = checkpoints("lora")
+    _, torch_lm, _ = checkpoints("lora")
     model = loaded("lora")
     cache = model.init_cache(batch=2, length=8)
     assert cache.keys["dense"].shape == (1, 2, 8, 1, 16) and cache.values["moe"].shape == (2, 2, 8, 1, 6)
@@ -271,7 +256,7 @@ def test_export_round_trip(checkpoints, loaded, tmp_path):
     transformers = transformers_or_skip()
     import torch
 
-    torch_lm, directory, _ = checkpoints("lora")
+    directory, torch_lm, _ = checkpoints("lora")
     out = port.export(loaded("lora", "4x2"), tmp_path / "hf", directory)
     source, written = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert written.keys() == source.keys()
@@ -305,8 +290,9 @@ def with_mtp_layer(source: Path, directory: Path) -> Path:
     return directory, len(extra)
 
 
+@pytest.mark.slow
 def test_the_mtp_layer_is_ignored_by_the_mappings_rule(checkpoints, tmp_path):
-    _, source, _ = checkpoints("lora")
+    source, _, _ = checkpoints("lora")
     directory, n = with_mtp_layer(source, tmp_path / "mtp")
     recipe = recipe_for(directory, {"data": 4, "model": 2})
     [(rule, resolved, keys)] = recipe.ignored_by_rule
@@ -382,6 +368,7 @@ def deepseek_shapes(c):
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_deepseek_v3_671b_reads_no_tensor(tmp_path):
     """`port plan --mesh 32x16` on DeepSeek-V3's real sizes (671B bfloat16 params with the MTP
     layer, a 1.3 TB sparse file): exit 0 in seconds, well under 1 GB of memory, no tensor byte
@@ -416,7 +403,7 @@ def test_plan_deepseek_v3_671b_reads_no_tensor(tmp_path):
 ])
 def test_config_contradicting_the_tensors_fails_before_reading(checkpoints, tmp_path, change, pattern):
     """Planned from headers only (no byte read), one line naming the tensor."""
-    _, source, _ = checkpoints("lora")
+    source, _, _ = checkpoints("lora")
     shutil.copytree(source, tmp_path / "bad")
     config = json.loads((source / "config.json").read_text()) | change
     (tmp_path / "bad" / "config.json").write_text(json.dumps(config))

@@ -1,26 +1,17 @@
 """Each kind of bad input raises its own `PortError` subclass, so callers can tell them apart.
 
 The CLI's one-line contract is the base class's; these check the kinds from Python,
-on the tiny GPT-2 shipped in `examples/`, changed one way at a time.
+on the tiny GPT-2 of `examples/` (the `tiny` fixture), changed one way at a time.
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 import port
 
-TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
 GPT2 = Path(__file__).resolve().parents[1] / "mappings" / "gpt2.toml"
-
-
-@pytest.fixture
-def tiny(tmp_path):
-    copy = tmp_path / "tiny"
-    shutil.copytree(TINY, copy)
-    return copy
 
 
 def test_every_kind_is_a_port_error():
@@ -31,34 +22,38 @@ def test_every_kind_is_a_port_error():
 
 
 def test_a_corrupt_header_is_a_checkpoint_error(tiny):
-    data = bytearray((tiny / "model.safetensors").read_bytes())
+    model = tiny()
+    data = bytearray((model / "model.safetensors").read_bytes())
     data[8:9] = b"["  # the header's JSON no longer parses
-    (tiny / "model.safetensors").write_bytes(bytes(data))
+    (model / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(port.CheckpointError, match="model.safetensors"):
-        port.load(tiny)
+        port.load(model)
 
 
 def test_a_broken_mapping_is_a_mapping_error(tiny, tmp_path):
+    model = tiny()
     bad = tmp_path / "bad.toml"
     bad.write_text(GPT2.read_text().replace("[params]", "[params", 1))
     with pytest.raises(port.MappingError, match="bad.toml: invalid TOML"):
-        port.load(tiny, mapping=bad)
+        port.load(model, mapping=bad)
 
 
 def test_a_config_the_model_cannot_build_is_a_config_error(tiny):
-    config = json.loads((tiny / "config.json").read_text())
-    (tiny / "config.json").write_text(json.dumps(config | {"n_head": "four"}))
+    model = tiny()
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"n_head": "four"}))
     with pytest.raises(port.ConfigError, match="n_head"):
-        port.load(tiny)
+        port.load(model)
 
 
 def test_a_plan_error_lists_every_problem(tiny, tmp_path):
+    model = tiny()
     text = GPT2.read_text()
     # two entries that name keys the checkpoint does not have
     bad = tmp_path / "renamed.toml"
     bad.write_text(text.replace('"wte.weight"', '"wte.weights"').replace('"wpe.weight"', '"wpe.weights"'))
     with pytest.raises(port.PlanError) as caught:
-        port.load(tiny, mapping=bad)
+        port.load(model, mapping=bad)
     problems = caught.value.problems
     assert len(problems) >= 2, problems
     assert any("wte.weights" in p for p in problems) and any("wpe.weights" in p for p in problems), problems
@@ -67,10 +62,11 @@ def test_a_plan_error_lists_every_problem(tiny, tmp_path):
 
 
 def test_an_output_that_exists_is_an_output_error(tiny, tmp_path):
+    model = tiny()
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(port.OutputError, match="already exists"):
-        port.convert(tiny, out=out)
+        port.convert(model, out=out)
 
 
 def test_agreement_outside_a_run_is_a_no_op_and_the_store_needs_one():

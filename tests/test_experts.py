@@ -125,6 +125,7 @@ def test_each_device_block_reads_only_its_experts(workspace, reads):
     assert total == recipe.read_bytes == sum(i.nbytes for i in infos.values()) and len(elsewhere) == 0
 
 
+@pytest.mark.slow
 def test_the_plan_names_a_missing_expert_and_one_beyond_the_model(workspace):
     root, source = workspace
     del source["model.layers.1.experts.3.w1.weight"]
@@ -141,6 +142,7 @@ def test_the_plan_names_a_missing_expert_and_one_beyond_the_model(workspace):
         port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, {"data": 1, "expert": 1, "model": 1})
 
 
+@pytest.mark.slow
 def test_the_plan_table_shows_the_stack(workspace):
     root, _ = workspace
     args = ("plan", root / "ckpt", "--mapping", root / "experts.toml", "--mesh", "data=2,expert=4,model=1",

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import port
-from helpers import port_command, port_env, run_port, snapshot, torch_bert, torch_gpt2, torch_llama, transformers_or_skip
+from helpers import one_line, port_command, port_env, run_port, snapshot, torch_bert, torch_gpt2, torch_llama, transformers_or_skip, usage_error
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
@@ -147,15 +147,11 @@ def succeeded(result):
     return result
 
 
-def refused(result, *substrings):
-    """Exit 1, exactly one `port: error:` line naming `substrings`, no traceback."""
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output
-    assert "Traceback" not in output, output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("port: error:"), output
-    for s in substrings:
-        assert re.search(s, lines[0]), f"{s!r} not in {lines[0]!r}"
+def refused(result, *patterns):
+    """`one_line`'s failure (exit 1, one `port: error:` line), the line matching each regular expression of `patterns`."""
+    line = one_line(result)
+    for pattern in patterns:
+        assert re.search(pattern, line), f"{pattern!r} not in {line!r}"
 
 
 def export_cli(directory, out, *args):
@@ -193,6 +189,7 @@ def ported(tmp_path_factory):
 # ---------------------------------------------------------------- round trips through the command line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, mesh, via", ROUND_TRIPS)
 def test_transformers_loads_the_export_bit_for_bit(ported, name, mesh, via):
     """checkpoint -> port convert -> port export -> from_pretrained: no missing or unexpected key,
@@ -205,6 +202,7 @@ def test_transformers_loads_the_export_bit_for_bit(ported, name, mesh, via):
     assert_state_equal(exported, original)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_exported_files_hold_the_source_keys_dtypes_and_bytes(ported, name):
     """Keys exactly the source's (prefix kept) minus ignored buffers and tied duplicates; the source's
@@ -230,6 +228,7 @@ def _split(path: Path) -> tuple[dict, bytes]:
     return json.loads(raw[8 : 8 + n]), raw[8 + n :]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_exported_file_is_what_save_file_writes(ported, name, tmp_path):
     """The layout and bytes `safetensors` writes for the same tensors (as save_pretrained does): the same
@@ -248,6 +247,7 @@ def test_exported_file_is_what_save_file_writes(ported, name, tmp_path):
     assert data == expected_data
 
 
+@pytest.mark.slow
 def test_sharded_output(ported, tmp_path):
     """--max-shard-size below the model: numbered shards and an index, as save_pretrained writes them."""
     import torch
@@ -291,6 +291,7 @@ def bfloat16_llama(tmp_path_factory):
     return root / "source", root / "jax"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, expected", [(None, "bfloat16"), ("float16", "float16"), ("float32", "float32")])
 def test_dtype(bfloat16_llama, tmp_path, flag, expected):
     """A bfloat16 checkpoint exports bfloat16 (no round trip through float32); --dtype casts every tensor."""
@@ -309,6 +310,7 @@ def test_dtype(bfloat16_llama, tmp_path, flag, expected):
     assert_loads_clean(info)
 
 
+@pytest.mark.slow
 def test_force_replaces_an_earlier_export(ported, tmp_path):
     """An earlier export (float16 here) is replaced whole, nothing of it kept beside the new one."""
     run = ported("gpt2", "1x1")
@@ -322,6 +324,7 @@ def test_force_replaces_an_earlier_export(ported, tmp_path):
 # ---------------------------------------------------------------- from Python
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "qwen2", "bert"])
 def test_a_model_changed_in_jax_exports_the_change(ported, name, tmp_path):
     """Every floating leaf doubled in JAX: transformers sees exactly 2x the original weights."""
@@ -342,6 +345,7 @@ def test_a_model_changed_in_jax_exports_the_change(ported, name, tmp_path):
         np.testing.assert_array_equal(np.asarray(again[path]), np.asarray(leaf), err_msg=path)
 
 
+@pytest.mark.slow
 def test_source_may_be_a_checkpoint_an_open_checkpoint_or_a_convert_output(ported, tmp_path):
     """Names, shapes and dtypes from any of the three: the same files; `config` replaces config.json."""
     run = ported("gpt2")
@@ -421,6 +425,7 @@ def test_ignored_buffers_and_tied_duplicates_are_not_written(name, tmp_path):
     assert_state_equal(exported, model)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("other", ["gpt2-3-layers", "llama"])
 def test_a_model_that_does_not_fit_the_mapping_is_refused(ported, other, tmp_path):
     """A model of another shape (or another family) than the source: one PortError naming a leaf, nothing written."""
@@ -468,6 +473,7 @@ def workspace(tiny_converted, tmp_path):
     return tmp_path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("directory", ["plain", "ckpt", "missing", "afile"])
 def test_refuses_a_directory_that_is_not_a_port_output(workspace, directory):
     before = snapshot(workspace)
@@ -475,6 +481,7 @@ def test_refuses_a_directory_that_is_not_a_port_output(workspace, directory):
     assert snapshot(workspace) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("out, force", [("earlier", False), ("plain", False), ("plain", True), ("jax2", True),
                                         ("ckpt", True), ("afile", True), ("afile", False)])
 def test_refuses_an_out_it_may_not_write(workspace, out, force):
@@ -486,6 +493,7 @@ def test_refuses_an_out_it_may_not_write(workspace, out, force):
     assert snapshot(workspace) == before
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", ["5XB", "0", "-1", "GB", "1.5.5MB"])
 def test_refuses_a_bad_max_shard_size(workspace, size):
     before = snapshot(workspace)
@@ -493,6 +501,7 @@ def test_refuses_a_bad_max_shard_size(workspace, size):
     assert snapshot(workspace) == before
 
 
+@pytest.mark.slow
 def test_refuses_a_mapping_it_cannot_invert(workspace):
     """A mapping that takes q twice from c_attn and never its k part converts, but cannot go back:
     one line naming the entry."""
@@ -506,12 +515,13 @@ def test_refuses_a_mapping_it_cannot_invert(workspace):
     assert snapshot(workspace) == before
 
 
+@pytest.mark.slow
 def test_unknown_dtype_is_a_usage_error(workspace):
-    result = export_cli(workspace / "jax", workspace / "hf", "--dtype", "int8")
-    assert result.returncode == 2 and "usage:" in result.stderr and "Traceback" not in result.stderr
+    usage_error(export_cli(workspace / "jax", workspace / "hf", "--dtype", "int8"), "--dtype")
     assert not (workspace / "hf").exists()
 
 
+@pytest.mark.slow
 def test_a_failing_write_is_one_line_and_leaves_nothing(workspace):
     """Files past 100 KB cannot be written (`ulimit -f`, RLIMIT_FSIZE, as a full disk): one line, nothing left."""
     before = snapshot(workspace)

@@ -11,10 +11,7 @@ tensor, and one-line errors for bad config values. The tests that build a
 `transformers` model skip without PyTorch.
 """
 
-import json
 import math
-import os
-from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -24,7 +21,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import recorded_reads, run_port, transformers_or_skip
+from helpers import logits, perturbed, recorded_reads, run_port, saved_once, torch_logits, transformers_or_skip, write_sparse_checkpoint
 from port._text import size_text
 from port._errors import ConfigError
 from port.models.gemma import GemmaConfig
@@ -81,25 +78,8 @@ def torch_gemma(family: str, dtype: str | None = None, **overrides):
     hf_config = getattr(transformers, f"{arch}Config")(**{**config, **overrides})
     hf_config._attn_implementation = "eager"
     model = getattr(transformers, f"{arch}ForCausalLM")(hf_config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.add_(0.2 * torch.randn_like(param))
-    model = model.eval()
+    model = perturbed(model, lambda name: "norm" in name or name.endswith("bias"), 0.2)
     return model if dtype is None else model.to(getattr(torch, dtype))
-
-
-def torch_logits(model, ids: np.ndarray = IDS) -> np.ndarray:
-    """The PyTorch model's logits for `ids`, as float32 NumPy."""
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor(ids)).logits.float().numpy()
-
-
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
 
 
 def max_diff(model, expected: np.ndarray) -> float:
@@ -116,14 +96,8 @@ def expected_spec(mesh: str, *dims: tuple[int, str | None]) -> P:
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """family -> (directory written by save_pretrained, its PyTorch float32 logits, the model)."""
-    made = {}
-    for family in FAMILIES:
-        model = torch_gemma(family)
-        directory = tmp_path_factory.mktemp(family)
-        model.save_pretrained(directory)
-        made[family] = directory, torch_logits(model), model
-    return made
+    """get(family): (directory written by save_pretrained, the model, its PyTorch float32 logits)."""
+    return saved_once(tmp_path_factory, torch_gemma, IDS)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +107,7 @@ def loaded(checkpoints):
 
     def get(family, mesh):
         if (family, mesh) not in made:
-            made[family, mesh] = port.load(checkpoints[family][0], mesh=mesh)
+            made[family, mesh] = port.load(checkpoints(family).directory, mesh=mesh)
         return made[family, mesh]
 
     return get
@@ -146,7 +120,7 @@ def loaded(checkpoints):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_transformers(checkpoints, loaded, family, mesh):
     """float32 logits within 1e-4 of transformers', sharded as the rules say where the mesh divides."""
-    expected = checkpoints[family][1]
+    expected = checkpoints(family).logits
     config = FAMILIES[family][1]
     model = loaded(family, mesh)
     out = logits(model, IDS)
@@ -168,7 +142,7 @@ def test_logits_match_transformers(checkpoints, loaded, family, mesh):
 
 def test_the_plan_replicates_what_the_mesh_does_not_divide(checkpoints):
     """Gemma's 3 heads, 1 kv head and 101-token vocab on model=2: replicated, with a note each."""
-    with port.open_checkpoint(checkpoints["gemma"][0]) as ckpt:
+    with port.open_checkpoint(checkpoints("gemma").directory) as ckpt:
         mapping = port.mapping_for(ckpt.config)
         recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config,
                            {"data": 4, "model": 2})
@@ -207,8 +181,8 @@ def torch_variant(family: str, model, **changes):
 def test_the_gemma2_case_is_sensitive_to_each_feature(checkpoints, change):
     """Each cap clips, and the window, its layers and the scale matter: transformers' logits move by
     > 1e-2 without them, 100 times the parity tolerance, so port's (within 1e-4) must implement them."""
-    model, expected = checkpoints["gemma2"][2], checkpoints["gemma2"][1]
-    assert np.abs(torch_logits(torch_variant("gemma2", model, **change)) - expected).max() > 1e-2
+    _, model, expected = checkpoints("gemma2")
+    assert np.abs(torch_logits(torch_variant("gemma2", model, **change), IDS) - expected).max() > 1e-2
 
 
 def test_final_soft_cap_bounds_the_logits(checkpoints, loaded):
@@ -234,10 +208,10 @@ def test_gemma2_bfloat16_end_to_end(tmp_path):
     import torch
 
     model = torch_gemma("gemma2", tie_word_embeddings=False)  # an untied head: lm_head in the file
-    reference = torch_logits(model)
+    reference = torch_logits(model, IDS)
     model = model.to(torch.bfloat16)
     model.save_pretrained(tmp_path)
-    expected = torch_logits(model)
+    expected = torch_logits(model, IDS)
     rounding = np.abs(expected - reference).max()
 
     ours = port.load(tmp_path, mesh="4x2")
@@ -260,7 +234,7 @@ def test_export_round_trip_is_bit_identical(checkpoints, loaded, family, tmp_pat
     import torch
 
     transformers = transformers_or_skip()
-    source = checkpoints[family][0]
+    source = checkpoints(family).directory
     out = port.export(loaded(family, "4x2"), tmp_path / "hf", source)
     cls = getattr(transformers, f"{FAMILIES[family][0]}ForCausalLM")
     exported, info = cls.from_pretrained(out, output_loading_info=True)
@@ -293,33 +267,15 @@ def gemma2_9b_tensors(config: dict) -> dict[str, list[int]]:
     return shapes
 
 
-def write_sparse_checkpoint(directory: Path, config: dict, shapes: dict[str, list[int]]) -> int:
-    """config.json and a bfloat16 model.safetensors: a real header over a sparse hole; returns the data bytes.
-
-    No tensor data is allocated or written: `os.truncate` extends the file to its full size.
-    """
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for key, shape in shapes.items():
-        size = 2 * math.prod(shape)
-        header[key] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    path = directory / "model.safetensors"
-    path.write_bytes(len(text).to_bytes(8, "little") + text)
-    os.truncate(path, 8 + len(text) + offset)
-    return offset
-
-
+@pytest.mark.slow
 def test_plan_of_the_full_size_gemma2_9b_reads_no_tensor(tmp_path):
     """`port plan` on Gemma-2-9B's real shapes (18.5 GB of bfloat16, a sparse file): every leaf
     sharded 8 ways on 4x2 but the norms (4 ways, on data), no tensor byte read."""
     shapes = gemma2_9b_tensors(GEMMA2_9B)
     directory = tmp_path / "gemma-2-9b"
-    data = write_sparse_checkpoint(directory, GEMMA2_9B, shapes)
+    write_sparse_checkpoint(directory, GEMMA2_9B, shapes)
     params = sum(math.prod(s) for s in shapes.values())
+    data = 2 * params  # the tensors' bytes: bfloat16
     per_device = sum(2 * math.prod(s) // (4 if len(s) == 1 else 8) for s in shapes.values())
     assert round(params / 1e9, 2) == 9.24
 

@@ -12,14 +12,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import port
-from helpers import GPT2_CONFIG, INPUT_IDS, VOCAB, converted, torch_gpt2, torch_logits, transformers_or_skip
+from helpers import GPT2_CONFIG, INPUT_IDS, VOCAB, converted, logits, torch_gpt2, torch_logits, transformers_or_skip
 from port._errors import PortError
 from port.models.gpt2 import GPT2, GPT2Config
-
-
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
 
 
 def convert(directory, mesh, dtype=None):

@@ -11,9 +11,7 @@ The tests that build a `transformers` model skip without PyTorch.
 import dataclasses
 import json
 import math
-import os
 import re
-import struct
 
 import equinox as eqx
 import jax
@@ -23,7 +21,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import VOCAB, assert_blocks_read_exactly, place_on, run_port, transformers_or_skip
+from helpers import VOCAB, assert_blocks_read_exactly, hooked, logits, perturbed, place_on, run_port, saved_once, transformers_or_skip, write_sparse_checkpoint
 from port._errors import PortError
 from port.models.gpt_neox import GPTNeoX, GPTNeoXConfig
 from port.nn import Rope
@@ -61,40 +59,13 @@ def torch_neox(**overrides):
     torch.manual_seed(0)
     config = transformers.GPTNeoXConfig(**{**BASE, **overrides})
     config._attn_implementation = "eager"
-    model = transformers.GPTNeoXForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                param.add_(0.2 * torch.randn_like(param))
-    return model.eval()
-
-
-def torch_logits(model, ids=IDS):
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor(ids)).logits.float().numpy()
-
-
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
+    return perturbed(transformers.GPTNeoXForCausalLM(config), lambda name: name.endswith("bias") or "norm" in name, 0.2)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """get(name): the case saved by save_pretrained, its PyTorch logits and torch model (one build per case)."""
-    made = {}
-
-    def get(name):
-        if name not in made:
-            model = torch_neox(**CASES[name])
-            directory = tmp_path_factory.mktemp(name)
-            model.save_pretrained(directory)
-            made[name] = directory, torch_logits(model), model
-        return made[name]
-
-    return get
+    """get(name): the case saved by save_pretrained, its torch model and PyTorch logits (one build per case)."""
+    return saved_once(tmp_path_factory, lambda name: torch_neox(**CASES[name]), IDS)
 
 
 # ---------------------------------------------------------------- parity
@@ -102,7 +73,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("name, mesh_spec", PARITY)
 def test_logits_match_transformers(checkpoints, name, mesh_spec):
-    directory, expected, _ = checkpoints(name)
+    directory, _, expected = checkpoints(name)
     model = port.load(directory, mesh=port.make_mesh(mesh_spec))
     ours = logits(model, IDS)
     assert ours.shape == (*IDS.shape, VOCAB) and ours.dtype == np.float32
@@ -141,7 +112,7 @@ LOADED_ROPE = {"parallel-pct25-5heads": Rope(theta=10000.0, rotary_dim=3),
 def test_ignoring_a_feature_breaks_parity(checkpoints, name, change):
     """The parity cases above are sensitive to the rotary dims (and to odd ones rounded up only after
     inv_freq is computed over them), the residual layout, theta and the eps."""
-    directory, expected, _ = checkpoints(name)
+    directory, _, expected = checkpoints(name)
     loaded = port.load(directory)
     assert loaded.config.rope == LOADED_ROPE[name]
     model = with_config(loaded, **change)
@@ -230,7 +201,7 @@ def test_export_round_trip(checkpoints, name, tmp_path):
     from safetensors.numpy import load_file
 
     transformers = transformers_or_skip()
-    directory, _, original = checkpoints(name)
+    directory, original, _ = checkpoints(name)
     out = port.export(port.load(directory, mesh="4x2"), tmp_path / "hf", directory)
     exported, info = transformers.GPTNeoXForCausalLM.from_pretrained(out, output_loading_info=True)
     for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
@@ -250,7 +221,7 @@ def test_legacy_checkpoint_with_buffers_and_lm_head_key(checkpoints, tmp_path):
     import torch
     from safetensors.torch import save_file
 
-    directory, expected, model = checkpoints("parallel-pct25-5heads")
+    directory, model, expected = checkpoints("parallel-pct25-5heads")
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     assert "lm_head.weight" in tensors
     for layer in range(2):
@@ -339,30 +310,17 @@ def pythia_checkpoint(directory):
             p + "attention.bias": ("BOOL", [1, 1, n, n]), p + "attention.masked_bias": ("F32", []),
             p + "attention.rotary_emb.inv_freq": ("F32", [16]),
         }
-    itemsize = {"F16": 2, "F32": 4, "BOOL": 1}
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for key, (dtype, shape) in sorted(shapes.items()):
-        nbytes = itemsize[dtype] * math.prod(shape)
-        header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(PYTHIA_1_4B))
-    path = directory / "model.safetensors"
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
-    os.truncate(path, 8 + len(raw) + offset)  # sparse: no tensor data allocated
+    write_sparse_checkpoint(directory, PYTHIA_1_4B, dict(sorted(shapes.items())))
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_full_size_pythia_1_4b(tmp_path):
     """`port plan --mesh 4x2` on Pythia-1.4B's real sizes: exit 0, every weight sharded 8 ways (norms and
     biases 4 or 2), the bytes per device those shardings give, buffers ignored, no tensor byte read."""
     shapes = pythia_checkpoint(tmp_path / "pythia-1.4b")
-    (tmp_path / "recorder").mkdir()
-    (tmp_path / "recorder" / "sitecustomize.py").write_text(READ_RECORDER)
     (tmp_path / "reads").mkdir()
-    env = {"PYTHONPATH": str(tmp_path / "recorder"), "READS_DIR": str(tmp_path / "reads")}
+    env = hooked(tmp_path / "recorder", READ_RECORDER) | {"READS_DIR": str(tmp_path / "reads")}
     result = run_port("plan", tmp_path / "pythia-1.4b", "--mesh", "4x2", env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output

@@ -28,6 +28,7 @@ import pytest
 from helpers import (
     VOCAB,
     element_bytes,
+    logits,
     one_line,
     perturbed,
     place_on,
@@ -73,11 +74,6 @@ def torch_gpt_oss(dtype=None):
     model = transformers.GptOssForCausalLM(config)
     model = perturbed(model, lambda n: "norm" in n or n.endswith(("bias", "sinks")), 0.2)
     return model if dtype is None else model.to(getattr(torch, dtype))
-
-
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
 
 
 def placed_reading_exactly(directory, mesh, mapping=None):
@@ -375,6 +371,7 @@ def gpt_oss_shapes(config):
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_gpt_oss_120b_reads_no_tensor(tmp_path):
     """`port plan` on gpt-oss-120b's real sizes (a ~234 GB sparse bfloat16 file): exit 0, the expert
     leaves on `model` x `data`, the bytes per device port's plan computes, and the process reads
@@ -399,6 +396,7 @@ def test_plan_gpt_oss_120b_reads_no_tensor(tmp_path):
 # ---------------------------------------------------------------- errors
 
 
+@pytest.mark.slow
 def test_a_config_that_contradicts_the_tensors_fails_in_one_line(checkpoint, tmp_path):
     _, directory, _, _ = checkpoint
     broken = tmp_path / "broken"

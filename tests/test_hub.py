@@ -3,10 +3,15 @@
 import shutil
 from pathlib import Path
 
+import pytest
+
 import port
 from helpers import run_port
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny-gpt2"
+
+
+pytestmark = pytest.mark.slow  # every test runs `port convert` in a subprocess
 
 
 def cache_with(tmp_path: Path, repo: str) -> Path:

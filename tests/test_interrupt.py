@@ -25,6 +25,9 @@ from helpers import hooked, port_command, port_env
 REPO = Path(__file__).resolve().parents[1]
 
 
+pytestmark = pytest.mark.slow  # every test interrupts `port` subprocesses
+
+
 @pytest.fixture(scope="module")
 def gpt2_small(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gpt2-small") / "ckpt"

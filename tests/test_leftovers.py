@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from helpers import hooked, run_port, snapshot
 
@@ -52,6 +53,7 @@ def params(out: Path) -> dict[str, str]:
     return {k: v for k, v in snapshot(out / "params").items() if not k.endswith("commit_success.txt")}
 
 
+@pytest.mark.slow
 def test_a_killed_convert_leaves_a_partial_the_next_run_removes(tmp_path):
     root = tmp_path / "work"
     root.mkdir()
@@ -66,6 +68,7 @@ def test_a_killed_convert_leaves_a_partial_the_next_run_removes(tmp_path):
     assert hidden(root) == []
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_replacement_gets_the_earlier_output_back(tmp_path):
     root = tmp_path / "work"
     root.mkdir()
@@ -82,6 +85,7 @@ def test_a_run_killed_mid_replacement_gets_the_earlier_output_back(tmp_path):
     assert hidden(root) == []
 
 
+@pytest.mark.slow
 def test_a_run_killed_after_its_rename_leaves_the_old_output_the_next_run_removes(tmp_path):
     root = tmp_path / "work"
     root.mkdir()
@@ -97,6 +101,7 @@ def test_a_run_killed_after_its_rename_leaves_the_old_output_the_next_run_remove
     assert hidden(root) == [] and params(root / "gpt2") == new
 
 
+@pytest.mark.slow
 def test_a_killed_export_is_cleaned_up_by_the_next_export(tmp_path):
     out = tmp_path / "jax"
     assert run_port("convert", EXAMPLE, "--out", out).returncode == 0
@@ -113,6 +118,7 @@ def claim(path: Path, **fields) -> None:
     Path(str(path) + ".owner").write_text(json.dumps(owner))
 
 
+@pytest.mark.slow
 def test_only_a_dead_runs_own_leftovers_are_touched(tmp_path):
     """Live owner, another host, no owner file, a link, a file of the user's named like one: all left."""
     root = tmp_path / "work"
@@ -160,6 +166,7 @@ def test_only_a_dead_runs_own_leftovers_are_touched(tmp_path):
         sleeper.wait()
 
 
+@pytest.mark.slow
 def test_a_moved_aside_output_is_not_put_back_unless_it_is_a_port_output(tmp_path):
     root = tmp_path / "work"
     root.mkdir()

@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import LLAMA_CONFIG, VOCAB, torch_llama, torch_logits, transformers_or_skip
+from helpers import LLAMA_CONFIG, VOCAB, logits, saved_once, torch_llama, torch_logits, transformers_or_skip
 from port._errors import PortError
 from port.models.llama import Llama, LlamaConfig
 
@@ -44,26 +44,10 @@ def ids(name):
     return np.random.default_rng(0).integers(0, VOCAB, (2, 12 if "sliding" in name else 16))
 
 
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """get(name): the case saved by save_pretrained, and its PyTorch logits (one build per case)."""
-    made = {}
-
-    def get(name):
-        if name not in made:
-            arch, overrides = CASES[name]
-            model = torch_llama(arch, **overrides)
-            directory = tmp_path_factory.mktemp(name)
-            model.save_pretrained(directory)
-            made[name] = directory, torch_logits(model, ids(name))
-        return made[name]
-
-    return get
+    """get(name): the case saved by save_pretrained, its torch model and PyTorch logits (one build per case)."""
+    return saved_once(tmp_path_factory, lambda name: torch_llama(CASES[name][0], **CASES[name][1]), ids)
 
 
 # ---------------------------------------------------------------- parity
@@ -72,7 +56,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("name, mesh_spec", [(name, "4x2") for name in CASES] + [("llama-gqa", "1x1")])
 def test_logits_match_transformers(checkpoints, name, mesh_spec):
     """Every case sharded on 4x2 (what a case changes is numerics, not layout); one on one device."""
-    directory, expected = checkpoints(name)
+    directory, _, expected = checkpoints(name)
     model = port.load(directory, mesh=port.make_mesh(mesh_spec))
     ours = logits(model, ids(name))
     assert ours.shape == (*ids(name).shape, VOCAB) and ours.dtype == np.float32
@@ -108,7 +92,7 @@ def with_config(model: Llama, **changes) -> Llama:
 )
 def test_ignoring_a_feature_breaks_parity(checkpoints, name, change):
     """The parity cases above are sensitive to RoPE scaling, the window and the eps."""
-    directory, expected = checkpoints(name)
+    directory, _, expected = checkpoints(name)
     model = with_config(port.load(directory), **change)
     assert np.abs(np.asarray(logits(model, ids(name))) - expected).max() > 1e-2
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import perturbed, run_port, run_port_measured, transformers_or_skip
+from helpers import logits, perturbed, run_port, run_port_measured, torch_logits, transformers_or_skip
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from helpers import write_sparse_checkpoint
@@ -64,25 +64,13 @@ def torch_llama4(dtype=None):
     return model if dtype is None else model.to(getattr(torch, dtype))
 
 
-def torch_logits(model, ids=IDS):
-    import torch
-
-    with torch.no_grad():
-        return model(torch.tensor(ids)).logits.float().numpy()
-
-
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(the PyTorch model, its save_pretrained directory, its logits for IDS, port's model on 1x1)."""
     model = torch_llama4()
     directory = tmp_path_factory.mktemp("llama4")
     model.save_pretrained(directory)
-    return model, directory, torch_logits(model), port.load(directory)
+    return model, directory, torch_logits(model, IDS), port.load(directory)
 
 
 # ---------------------------------------------------------------- layout and config
@@ -207,7 +195,7 @@ def test_every_feature_matters(checkpoint, change):
     config = transformers.Llama4TextConfig(**{**CONFIG, **change})
     config._attn_implementation = "eager"
     other = perturbed(transformers.Llama4ForCausalLM(config), lambda name: "norm" in name, 0.2)
-    assert np.abs(torch_logits(other) - expected).max() > 1e-2
+    assert np.abs(torch_logits(other, IDS) - expected).max() > 1e-2
 
 
 def test_logits_match_transformers_with_experts_on_an_expert_axis(checkpoint):
@@ -258,8 +246,8 @@ def bfloat16(tmp_path_factory):
     model = torch_llama4(dtype="bfloat16")
     directory = tmp_path_factory.mktemp("llama4-bf16")
     model.save_pretrained(directory)
-    expected, decided = torch_logits(model), decided_tokens(model)
-    return directory, expected, torch_logits(model.float()), decided  # .float(): in place, last
+    expected, decided = torch_logits(model, IDS), decided_tokens(model)
+    return directory, expected, torch_logits(model.float(), IDS), decided  # .float(): in place, last
 
 
 @pytest.mark.parametrize("mesh", ["1x1", "4x2"])
@@ -355,6 +343,7 @@ def test_export_round_trip(checkpoint, tmp_path):
         assert torch.equal(value, theirs[key]), key
 
 
+@pytest.mark.slow
 def test_multimodal_checkpoint_loads_its_language_model(tmp_path):
     """A `Llama4ForConditionalGeneration` checkpoint (model_type llama4, `text_config`, keys under
     `language_model.`): port loads the language model, the vision tower and projector are
@@ -370,7 +359,7 @@ def test_multimodal_checkpoint_loads_its_language_model(tmp_path):
     model = perturbed(transformers.Llama4ForConditionalGeneration(config), lambda name: "norm" in name, 0.2)
     model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "llama4"
-    expected = torch_logits(model.language_model)
+    expected = torch_logits(model.language_model, IDS)
     recipe = recipe_for(tmp_path, {"data": 1, "model": 1})
     assert recipe.ignored and all(k.startswith(("vision_model.", "multi_modal_projector.")) for k in recipe.ignored)
     assert any(k.startswith("vision_model.") for k in recipe.ignored)
@@ -417,6 +406,7 @@ def scout_shapes(c):
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_llama4_scout_reads_no_tensor(tmp_path):
     """`port plan` on Llama-4-Scout's text sizes (a ~215 GB sparse file): exit 0 in seconds, the
     experts on `model` x `data`, the dense group absent, under 1 GB read and peak resident."""

@@ -257,6 +257,7 @@ def test_a_model_that_is_not_a_class_is_one_line(tmp_path, model, expected):
         port.load(EXAMPLE, mapping=path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["plan", "check"])
 def test_a_fifo_as_the_mapping_is_refused_through_the_command(tmp_path, command):
     fifo = tmp_path / "mapping.toml"
@@ -265,6 +266,7 @@ def test_a_fifo_as_the_mapping_is_refused_through_the_command(tmp_path, command)
     one_line(run_port(*args, timeout=120), f"{fifo}: not a regular file (a FIFO); a mapping is a TOML file")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("write, expected", [
     (lambda p: gpt2_with_model(p, "this:s"), "model 'this:s' is a str, not a class"),  # importing `this` prints
     (lambda p: gpt2_with_model(p, ".gpt2:GPT2"), "model '.gpt2:GPT2': expected module:Class"),

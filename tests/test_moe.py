@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 import port
 from helpers import (
     write_sparse_checkpoint,
-    VOCAB, assert_blocks_read_exactly, place_on, run_port_measured, torch_logits, transformers_or_skip,
+    VOCAB, assert_blocks_read_exactly, logits, perturbed, place_on, run_port_measured, saved_once, torch_logits, transformers_or_skip,
 )
 from port._text import size_text
 from port._errors import ConfigError
@@ -92,37 +92,21 @@ def torch_moe(name, dtype=None):
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"  # torch's grouped_mm needs 16-byte strides
     model = getattr(transformers, f"{arch}ForCausalLM")(config)
-    with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            if "norm" in param_name or param_name.endswith("bias"):
-                param.add_(0.2 * torch.randn_like(param))
-    model = model.eval()
+    model = perturbed(model, lambda param_name: "norm" in param_name or param_name.endswith("bias"), 0.2)
     return model if dtype is None else model.to(getattr(torch, dtype))
-
-
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """get(name): the case saved by save_pretrained, and its PyTorch logits (one build per case)."""
-    made = {}
+    """get(name): the case saved by save_pretrained, its torch model and PyTorch logits (one build per case)."""
 
-    def get(name):
-        if name not in made:
-            model = torch_moe(name)
-            directory = tmp_path_factory.mktemp(name)
-            model.save_pretrained(directory)
-            if name == "qwen2-moe-sliding":
-                config = json.loads((directory / "config.json").read_text())
-                del config["layer_types"]
-                (directory / "config.json").write_text(json.dumps(config))
-            made[name] = directory, torch_logits(model, ids(name))
-        return made[name]
+    def written(name, directory):
+        if name == "qwen2-moe-sliding":
+            config = json.loads((directory / "config.json").read_text())
+            del config["layer_types"]
+            (directory / "config.json").write_text(json.dumps(config))
 
-    return get
+    return saved_once(tmp_path_factory, torch_moe, ids, written)
 
 
 def recipe_for(directory, mesh_shape, dtype=None):
@@ -144,7 +128,7 @@ def test_save_pretrained_writes_one_tensor_per_expert(checkpoints, name, expert_
     as the Hub's checkpoints hold them: the mappings read `{expert}` keys."""
     from safetensors import safe_open
 
-    directory, _ = checkpoints(name)
+    directory, _, _ = checkpoints(name)
     with safe_open(directory / "model.safetensors", "np") as f:
         keys = set(f.keys())
         config = json.loads((directory / "config.json").read_text())
@@ -162,7 +146,7 @@ def test_save_pretrained_writes_one_tensor_per_expert(checkpoints, name, expert_
 
 @pytest.mark.parametrize("name, mesh_spec", PARITY)
 def test_logits_match_transformers(checkpoints, name, mesh_spec):
-    directory, expected = checkpoints(name)
+    directory, _, expected = checkpoints(name)
     model = port.load(directory, mesh=port.make_mesh(mesh_spec))
     ours = logits(model, ids(name))
     assert ours.shape == (*ids(name).shape, VOCAB) and ours.dtype == np.float32
@@ -206,7 +190,7 @@ def test_the_cases_differ_only_by_what_they_test(checkpoints, name, other):
     both shows port follows the value (renormalising the top k; the sliding window)."""
     from safetensors.numpy import load_file
 
-    (first, expected), (second, reference) = checkpoints(name), checkpoints(other)
+    (first, _, expected), (second, _, reference) = checkpoints(name), checkpoints(other)
     a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert np.abs(expected - reference[:, : expected.shape[1]]).max() > 1e-2
@@ -214,7 +198,7 @@ def test_the_cases_differ_only_by_what_they_test(checkpoints, name, other):
 
 def test_the_shared_expert_matters(checkpoints):
     """Qwen2-MoE's parity depends on the shared expert and on its sigmoid gate."""
-    directory, expected = checkpoints("qwen2-moe")
+    directory, _, expected = checkpoints("qwen2-moe")
     model = port.load(directory, mesh="4x2")  # as in the parity test: the compiled model is reused
     for where in (lambda m: m.blocks.mlp.shared.down,  # no shared expert
                   lambda m: m.blocks.mlp.shared_gate):  # its gate 0.5 instead of sigmoid(g . x)
@@ -246,7 +230,7 @@ def test_logits_match_transformers_with_experts_on_an_expert_axis(checkpoints, n
     so to experts only other devices hold. The logits are transformers'."""
     from jax.sharding import NamedSharding
 
-    directory, expected = checkpoints(name)
+    directory, _, expected = checkpoints(name)
     shipped = port.load_mapping(MAPPINGS / mapping_file)
     mapping = dataclasses.replace(shipped, rules={**shipped.rules, "experts": ("expert",)})
     mesh = port.make_mesh("data=2,expert=2,model=2")
@@ -273,7 +257,7 @@ def test_gradients_match_pytorch(checkpoints, name, tmp_path):
     transformers = transformers_or_skip()
     import torch
 
-    directory, _ = checkpoints(name)
+    directory, _, _ = checkpoints(name)
     tokens = ids(name)
     torch_lm = torch_moe(name)
     out = torch_lm(torch.tensor(tokens), labels=torch.tensor(tokens))
@@ -297,7 +281,7 @@ def test_each_device_block_reads_exactly_its_experts(checkpoints, name, reads):
     """On 4x2 the 6 experts of each layer go 3 to a `model` column: a block of an expert leaf
     reads those 3 experts' tensors of every layer, each only in its `data` quarter, and
     nothing of the other 3."""
-    directory, _ = checkpoints(name)
+    directory, _, _ = checkpoints(name)
     mesh = port.make_mesh("4x2")
     recipe, total, infos = place_on(directory, mesh)
     per_block, elsewhere = reads()
@@ -361,7 +345,7 @@ def test_export_round_trip(checkpoints, name, mesh, tmp_path):
     transformers = transformers_or_skip()
     import torch
 
-    directory, _ = checkpoints(name)
+    directory, _, _ = checkpoints(name)
     model = port.load(directory, mesh=mesh)
     out = port.export(model, tmp_path / "hf", directory)
     source, written = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
@@ -413,6 +397,7 @@ def mixtral_shapes(config):
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_mixtral_8x7b_reads_no_tensor(tmp_path):
     """`port plan` on Mixtral-8x7B's real sizes (46.7B bfloat16 params, a 93 GB sparse file):
     exit 0, every expert leaf sharded on `model` x `data`, the bytes per device port's own

@@ -14,12 +14,14 @@ import sys
 import textwrap
 from pathlib import Path
 
-import equinox as eqx
 import numpy as np
 import pytest
 
 import port
-from helpers import INPUT_IDS
+from helpers import INPUT_IDS, logits
+
+
+pytestmark = pytest.mark.slow  # every test runs two processes
 
 
 def free_port() -> int:
@@ -117,10 +119,10 @@ def test_two_processes_convert_and_read_only_their_share(gpt2_checkpoints, tmp_p
     assert sorted(os.listdir(out)) == ["_CHECKPOINT_METADATA", "commit_success.txt", "params", "port"]
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".out")]
     model = port.restore(out, port.make_mesh("4x2"))
-    logits = np.asarray(eqx.filter_jit(lambda m, x: m(x))(model, INPUT_IDS))
+    restored = np.asarray(logits(model, INPUT_IDS))
     single = port.load(source, mesh=port.make_mesh(mesh_spec))
-    np.testing.assert_allclose(logits, np.asarray(eqx.filter_jit(lambda m, x: m(x))(single, INPUT_IDS)), atol=1e-5)
-    assert np.abs(logits - expected_logits).max() < 1e-4
+    np.testing.assert_allclose(restored, np.asarray(logits(single, INPUT_IDS)), atol=1e-5)
+    assert np.abs(restored - expected_logits).max() < 1e-4
 
 
 def test_two_processes_export_each_its_share(tmp_path):

@@ -17,21 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import port_command, port_env
 from test_multiprocess import free_port
 
 TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
 LIMIT = 60  # seconds any one process may take
-
-
-def port_command() -> list[str]:
-    """The installed `port` console script, or `python -m port`."""
-    script = Path(sys.executable).parent / "port"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "port"]
-
-
-def environment() -> dict:
-    base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PORT_DEBUG")}
-    return base | {"JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
 
 
 def run_all(commands: list[list[str]], delays: list[float] | None = None) -> list[tuple[int, str, float]]:
@@ -42,7 +32,7 @@ def run_all(commands: list[list[str]], delays: list[float] | None = None) -> lis
         for command, delay in sorted(zip(commands, delays), key=lambda c: c[1]):
             time.sleep(max(0.0, started + delay - time.monotonic()))
             procs.append((command, time.monotonic(), subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment())))
+                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=port_env())))
         results = {}
         for command, start, p in procs:
             _, err = p.communicate(timeout=max(1.0, start + LIMIT - time.monotonic()))
@@ -71,7 +61,7 @@ def the_error(code: int, err: str) -> str:
 def wired():
     """Skip until `port convert` takes --timeout (and so joins, agrees and times out)."""
     result = subprocess.run([*port_command(), "convert", "--help"], capture_output=True, text=True,
-                            env=environment(), timeout=LIMIT)
+                            env=port_env(), timeout=LIMIT)
     if "--timeout" not in result.stdout:
         pytest.skip("port convert has no --timeout yet")
 
@@ -81,6 +71,7 @@ def convert(out: Path, address: str, process: int, *extra: str) -> list[str]:
             "--coordinator", address, "--num-processes", "2", "--process-id", str(process), *extra]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag, first, second, expected", [
     ("--dtype", [], ["--dtype", "bfloat16"], ["process 0 has", "process 1 has bfloat16"]),
     ("--dtype", ["--dtype", "float32"], ["--dtype", "bfloat16"],
@@ -102,6 +93,7 @@ def test_processes_that_disagree_stop_before_reading(wired, tmp_path, flag, firs
     assert sorted(os.listdir(tmp_path)) == [], "no output, no hidden partial output"
 
 
+@pytest.mark.slow
 def test_the_stores_port_in_use_stops_port_convert(wired, tmp_path):
     import socket
 
@@ -118,6 +110,7 @@ def test_the_stores_port_in_use_stops_port_convert(wired, tmp_path):
     assert sorted(os.listdir(tmp_path)) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("process", [0, 1])
 def test_a_process_alone_stops_after_the_timeout(wired, tmp_path, process):
     out, address = tmp_path / "out", f"127.0.0.1:{free_port()}"
@@ -183,6 +176,7 @@ def driver(tmp_path):
     return command
 
 
+@pytest.mark.slow
 def test_agree_passes_and_process_1_may_start_first(driver):
     settings = {"--mesh": "4x2", "--dtype": None, "--force": False}
     results = run_all([driver(0, settings), driver(1, settings)], delays=[2.0, 0.0])
@@ -190,6 +184,7 @@ def test_agree_passes_and_process_1_may_start_first(driver):
         assert code == 0 and "agreed" in err and "port:" not in err, err
 
 
+@pytest.mark.slow
 def test_agree_names_the_first_difference_on_every_process(driver):
     first = {"mesh": "4x2", "dtype": "float32", "out": "/a", "force": True}
     second = {"mesh": "4x2", "dtype": "bfloat16", "out": "/b", "force": False}
@@ -199,6 +194,7 @@ def test_agree_names_the_first_difference_on_every_process(driver):
         )
 
 
+@pytest.mark.slow
 def test_agree_stops_when_the_other_process_ended_without_agreeing(driver):
     (code0, err0, seconds), (code1, err1, _) = run_all([driver(0, timeout=30), driver(1, timeout=30, then="leave")])
     assert the_error(code0, err0) == "port: error: process 1 ended before sending its settings: see its output"
@@ -206,12 +202,14 @@ def test_agree_stops_when_the_other_process_ended_without_agreeing(driver):
     assert code1 == 0 and "Check failure" not in err1, err1
 
 
+@pytest.mark.slow
 def test_agree_stops_at_once_when_the_other_process_vanished(driver):
     (code0, err0, seconds), (code1, _, _) = run_all([driver(0, timeout=30), driver(1, timeout=30, then="crash")])
     assert the_error(code0, err0) == "port: error: process 1 ended before sending its settings: see its output"
     assert seconds < 25 and code1 == 3  # its connection to the store closed: not after --timeout
 
 
+@pytest.mark.slow
 def test_a_process_waits_at_exit_for_a_slower_one(driver):
     results = run_all([driver(0, then="sleep3"), driver(1)])
     for code, err, _ in results:
@@ -219,6 +217,7 @@ def test_a_process_waits_at_exit_for_a_slower_one(driver):
     assert "port: process 1/2: waiting up to 5 s (timeout=) for process 0 to end" in results[1][1]
 
 
+@pytest.mark.slow
 def test_a_process_alone_stops_after_the_timeout_from_python(driver):
     [(code, err, seconds)] = run_all([driver(1, timeout=3)])
     assert the_error(code, err) == (
@@ -228,6 +227,7 @@ def test_a_process_alone_stops_after_the_timeout_from_python(driver):
     assert seconds < 30
 
 
+@pytest.mark.slow
 def test_the_coordinators_port_in_use(driver):
     import socket
 
@@ -242,6 +242,7 @@ def test_the_coordinators_port_in_use(driver):
     )
 
 
+@pytest.mark.slow
 def test_the_stores_port_in_use(driver):
     import socket
 

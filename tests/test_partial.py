@@ -3,19 +3,13 @@
 import json
 import math
 
-import equinox as eqx
 import jax
 import numpy as np
 import pytest
 
 import port
 from port._skeleton import leaves
-from helpers import INPUT_IDS, read_offsets, recorded_reads, run_port, torch_llama, torch_logits, write_checkpoint
-
-
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
+from helpers import INPUT_IDS, logits, read_offsets, recorded_reads, run_port, torch_llama, torch_logits, write_checkpoint
 
 
 def nbytes(info):
@@ -70,6 +64,7 @@ def test_restore_include(llama_dir, tmp_path):
         port.restore(tmp_path / "out", include=["head"])
 
 
+@pytest.mark.slow
 def test_cli_convert_include_restores_with_the_rest_none(gpt2_checkpoints, tmp_path):
     directories, _ = gpt2_checkpoints
     out = tmp_path / "out"
@@ -96,6 +91,7 @@ def test_cli_convert_include_restores_with_the_rest_none(gpt2_checkpoints, tmp_p
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
 def test_cli_convert_layers_writes_a_model_of_those_layers(gpt2_checkpoints, tmp_path):
     """`port convert --layers 1:2`: the output holds layer 1 as layer 0, its config says 1 layer;
     a bad range is one line naming the flag, nothing written."""

@@ -11,8 +11,6 @@ own heads' rows of the fused tensor; the export rebuilds the fused tensors bit f
 """
 
 import dataclasses
-import json
-import os
 
 import equinox as eqx
 import jax
@@ -21,7 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import LLAMA_CONFIG, VOCAB, element_bytes, place_on, run_port, torch_llama, torch_logits, transformers_or_skip
+from helpers import LLAMA_CONFIG, VOCAB, element_bytes, hooked, logits, place_on, run_port, saved_once, torch_llama, torch_logits, transformers_or_skip, write_sparse_checkpoint
 from port._text import count_text, size_text
 from port._errors import PortError
 from port.models.llama import Llama, LlamaConfig
@@ -47,25 +45,10 @@ IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
 SHORT = IDS[:, :6]
 
 
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """get(name): (directory written by save_pretrained, the torch model, its logits for IDS and SHORT)."""
-    made = {}
-
-    def get(name):
-        if name not in made:
-            model = torch_llama("Phi3", **PHI3, **CASES[name])
-            directory = tmp_path_factory.mktemp(name)
-            model.save_pretrained(directory)
-            made[name] = directory, model, {n: torch_logits(model, ids) for n, ids in (("long", IDS), ("short", SHORT))}
-        return made[name]
-
-    return get
+    """get(name): (directory written by save_pretrained, the torch model, its logits for IDS)."""
+    return saved_once(tmp_path_factory, lambda name: torch_llama("Phi3", **PHI3, **CASES[name]), IDS)
 
 
 def max_diff(model, expected, ids=IDS) -> float:
@@ -91,11 +74,11 @@ def with_config(model: Llama, **changes) -> Llama:
     "name, mesh", [("gqa", m) for m in MESHES] + [("longrope", "4x2"), ("partial-tied-sliding", "4x2")]
 )
 def test_logits_match_transformers(checkpoints, name, mesh):
-    directory, _, expected = checkpoints(name)
+    directory, torch_model, expected = checkpoints(name)
     model = port.load(directory, mesh=port.make_mesh(mesh))
-    assert max_diff(model, expected["long"]) <= 1e-4
+    assert max_diff(model, expected) <= 1e-4
     if name == "longrope":  # within the original context: the short factors
-        assert max_diff(model, expected["short"], SHORT) <= 1e-4
+        assert max_diff(model, torch_logits(torch_model, SHORT), SHORT) <= 1e-4
     attn, mlp = model.blocks.attn, model.blocks.mlp
     assert attn.wq.shape == (2, HEADS, HEAD_DIM, HIDDEN) and attn.wk.shape == attn.wv.shape == (2, KV, HEAD_DIM, HIDDEN)
     assert mlp.gate.shape == mlp.up.shape == (2, MLP, HIDDEN)
@@ -126,9 +109,11 @@ def test_logits_match_transformers(checkpoints, name, mesh):
 )
 def test_ignoring_a_feature_breaks_parity(checkpoints, name, ids, change):
     """The cases above are sensitive to each part of longrope, to the partial rotary and the window."""
-    directory, _, expected = checkpoints(name)
+    directory, torch_model, expected = checkpoints(name)
+    if ids == "short":
+        expected = torch_logits(torch_model, SHORT)
     model = with_config(port.load(directory), **change)
-    assert max_diff(model, expected[ids], IDS if ids == "long" else SHORT) > 1e-2
+    assert max_diff(model, expected, IDS if ids == "long" else SHORT) > 1e-2
 
 
 # ---------------------------------------------------------------- each device reads its own heads
@@ -218,24 +203,7 @@ pathlib.Path(os.environ["PORT_TEST_NO_READS"]).touch()
 '''
 
 
-def sparse_checkpoint(directory, config: dict, shapes: dict) -> int:
-    """config.json and a bfloat16 model.safetensors with a valid header for `shapes` over a
-    sparse file of the right size (no tensor data written); returns the data bytes."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for key, shape in shapes.items():
-        size = 2 * int(np.prod(shape))
-        header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(config))
-    path = directory / "model.safetensors"
-    path.write_bytes(len(text).to_bytes(8, "little") + text)
-    os.truncate(path, 8 + len(text) + offset)
-    return offset
-
-
+@pytest.mark.slow
 def test_plan_of_phi3_mini_at_full_size(tmp_path):
     """`port plan --mesh 4x2` on Phi-3-mini's config.json and a header for every tensor (the shapes
     transformers builds, on the meta device): exit 0, bytes per device as the mesh divides each
@@ -246,12 +214,9 @@ def test_plan_of_phi3_mini_at_full_size(tmp_path):
     with torch.device("meta"):
         reference = transformers.Phi3ForCausalLM(transformers.Phi3Config(**PHI3_MINI))
     shapes = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
-    data = sparse_checkpoint(tmp_path / "phi-3-mini", PHI3_MINI, shapes)
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(NO_READS)
+    write_sparse_checkpoint(tmp_path / "phi-3-mini", PHI3_MINI, shapes)
     marker = tmp_path / "no-reads-installed"
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "site"), os.environ.get("PYTHONPATH")])),
-           "PORT_TEST_NO_READS": str(marker)}
+    env = hooked(tmp_path / "site", NO_READS) | {"PORT_TEST_NO_READS": str(marker)}
     result = run_port("plan", tmp_path / "phi-3-mini", "--mesh", "4x2", env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert marker.exists()  # the refusal of reads was in force
@@ -259,6 +224,7 @@ def test_plan_of_phi3_mini_at_full_size(tmp_path):
     # the norms [embed] only on `data`: 1/4.
     per_device = sum(2 * np.prod(s) // (4 if len(s) == 1 else 8) for s in shapes.values())
     params = sum(int(np.prod(s)) for s in shapes.values())
+    data = 2 * params  # the tensors' bytes: bfloat16
     lines = result.stdout.splitlines()
     assert lines[-1] == (
         f"{count_text(params)} params in 12 leaves; {size_text(data)} to read, {size_text(per_device)} per device"

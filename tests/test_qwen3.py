@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import LLAMA_CONFIG, VOCAB, torch_llama, torch_logits, transformers_or_skip
+from helpers import LLAMA_CONFIG, VOCAB, logits, saved_once, torch_llama, transformers_or_skip
 from port._errors import PlanError, PortError
 from port.models.llama import Llama, LlamaConfig
 
@@ -34,25 +34,10 @@ MESHES = ("1x1", "4x2", "8x1")
 IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 12))
 
 
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """get(name): (directory written by save_pretrained, the torch model, its logits); built once."""
-    made = {}
-
-    def get(name):
-        if name not in made:
-            model = torch_llama("Qwen3", **QWEN3, **CASES[name])
-            directory = tmp_path_factory.mktemp(name)
-            model.save_pretrained(directory)
-            made[name] = directory, model, torch_logits(model, IDS)
-        return made[name]
-
-    return get
+    return saved_once(tmp_path_factory, lambda name: torch_llama("Qwen3", **QWEN3, **CASES[name]), IDS)
 
 
 def max_diff(model, expected) -> float:

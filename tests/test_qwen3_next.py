@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import write_sparse_checkpoint, VOCAB, perturbed, run_port_measured, torch_logits, transformers_or_skip
+from helpers import write_sparse_checkpoint, VOCAB, logits, perturbed, run_port_measured, torch_logits, transformers_or_skip
 from jax.sharding import PartitionSpec as P
 
 import port
@@ -57,11 +57,6 @@ def torch_qwen3_next(dtype=None):
     model = transformers.Qwen3NextForCausalLM(config)
     model = perturbed(model, lambda n: "norm" in n or n.endswith(("A_log", "dt_bias")), 0.2)
     return model if dtype is None else model.to(getattr(torch, dtype))
-
-
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
 
 
 @pytest.fixture(scope="module")
@@ -284,6 +279,7 @@ def qwen3_next_shapes(c):
     return shapes
 
 
+@pytest.mark.slow
 def test_plan_qwen3_next_80b_reads_no_tensor(tmp_path):
     """`port plan` on Qwen3-Next-80B-A3B's real sizes (~160 GB sparse file, 73k expert tensors):
     exit 0, the expert and DeltaNet leaves sharded, well under 1 GB read and well under 1 GB of

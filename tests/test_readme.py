@@ -5,6 +5,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from helpers import run_port
 from test_docs import blocks
 
@@ -48,6 +50,7 @@ def test_the_test_block_pins_the_torch_the_suite_runs_against():
     assert tuple(map(int, low.split("."))) <= version < tuple(map(int, high.split(".")))
 
 
+@pytest.mark.slow
 def test_the_run_block_converts_offline(tmp_path):
     """The run block's `port convert` from the repository root, as it says (its output under tmp_path)."""
     (run,) = [b.text for b in blocks(README) if b.marker == "<!-- ci: run -->"]

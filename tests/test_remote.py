@@ -325,6 +325,7 @@ def test_requests_in_flight_are_bounded(server, served, monkeypatch):
         assert np.array_equal(block, local.read(info.key, tuple((0, n) for n in info.shape)))
 
 
+@pytest.mark.slow
 def test_a_permanent_failure_is_one_line_naming_the_url_and_range(server, served, tmp_path):
     served.always = ("model.safetensors", "503")
     with pytest.raises(port.CheckpointError) as caught:
@@ -395,6 +396,7 @@ def test_remote_headers_are_validated_as_local_ones(server, served, tmp_path, ho
     assert str(remote_error.value) == f"{server.base}/bad-{how}/{local.value}"
 
 
+@pytest.mark.slow
 def test_credentials_are_used_and_never_shown(server, served, tmp_path):
     served.credentials = ("Basic " + base64.b64encode(b"me:s3cret-pass").decode(), "t0ken-value")
     url = f"http://me:s3cret-pass@127.0.0.1:{server.server_port}/tiny?token=t0ken-value"
@@ -465,6 +467,7 @@ def test_urls_are_parsed_and_shown_without_credentials():
         port.open_checkpoint("nosuchscheme://bucket/x")
 
 
+@pytest.mark.slow
 def test_hub_urls_with_user_info_and_broken_urls_are_refused_without_their_secret():
     assert _urls.redact("hf://me:SECRET@org/name") == "hf://org/name"
     assert _urls.redact("hf://org/name@v1") == "hf://org/name@v1"  # a revision stays
@@ -476,6 +479,7 @@ def test_hub_urls_with_user_info_and_broken_urls_are_refused_without_their_secre
         assert "internal error" not in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_the_worker_is_not_given_the_url_in_its_argv(server, served, tmp_path):
     """`ps` shows every user a process's argv: port's worker gets the command line through its
     environment (readable by the same user only), so a URL's credentials are not in it."""
@@ -777,6 +781,7 @@ def test_s3_failures_name_the_url(s3, monkeypatch):
 # ---------------------------------------------------------------------------- two processes
 
 
+@pytest.mark.slow
 def test_two_processes_each_transfer_their_share(server, served, gpt2_checkpoints, tmp_path, record_property):
     directory, url = gpt2_checkpoints[0]["sharded"], f"{server.base}/sharded"
     address = f"127.0.0.1:{free_port()}"
@@ -799,6 +804,7 @@ def test_two_processes_each_transfer_their_share(server, served, gpt2_checkpoint
     assert_same(port.restore(tmp_path / "out", port.make_mesh("4x2")), port.load(directory, mesh="4x2"))
 
 
+@pytest.mark.slow
 def test_a_whole_run_deadline_stops_a_slow_remote_convert(server, served, tmp_path):
     """Issue 21 row 7: `--deadline` bounds the whole run, whatever each request does: a server that
     answers every request, slowly (1 s each, within every per-request limit; opening alone takes
@@ -815,14 +821,16 @@ def test_a_whole_run_deadline_stops_a_slow_remote_convert(server, served, tmp_pa
     assert [p.name for p in tmp_path.iterdir()] == []
 
 
+@pytest.mark.slow
 def test_deadline_must_be_a_positive_number(tmp_path):
-    from helpers import run_port
+    from helpers import run_port, usage_error
 
     for value in ("0", "-3", "nan", "inf", "soon"):
         result = run_port("convert", EXAMPLE, "--out", tmp_path / "out", "--deadline", value)
-        assert result.returncode == 2 and "argument --deadline: expected a number of seconds > 0" in result.stderr
+        usage_error(result, "argument --deadline: expected a number of seconds > 0")
 
 
+@pytest.mark.slow
 def test_a_server_claiming_a_huge_checkpoint_is_refused_before_its_data(tmp_path):
     """Issue 21 row 8: a server states a 234 GB file (gpt-oss-120b's real shapes, served from a
     sparse file whose data is a hole): the plan's memory is checked against the host before any

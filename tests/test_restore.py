@@ -4,19 +4,13 @@ import contextlib
 import os
 from pathlib import Path
 
-import equinox as eqx
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import INPUT_IDS
-
-
-@eqx.filter_jit
-def logits(model, ids):
-    return model(ids)
+from helpers import INPUT_IDS, logits
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +80,7 @@ def test_force_in_python_replaces_only_a_port_output(saved, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy", "mine"]
 
 
+@pytest.mark.slow
 def test_named_mesh_of_any_rank(tmp_path):
     """`--mesh data=2,expert=2,model=2` converts and restores; an axis no rule names replicates."""
     from helpers import run_port

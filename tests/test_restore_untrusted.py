@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import port
-from helpers import INPUT_IDS, one_line, port_env, run_port
+from helpers import INPUT_IDS, logits, one_line, port_env, run_port
 from port._errors import OutputError
 from port.models.gpt2 import GPT2
 
@@ -36,7 +36,7 @@ def good(gpt2_checkpoints, tmp_path_factory):
     with port.open_checkpoint(directories["lm"]) as ckpt:
         model = port.load(directories["lm"], mesh="4x2")
         port.save(model, out, port.mapping_for(ckpt.config), ckpt.config)
-    return out, logits(model)
+    return out, np.asarray(logits(model, INPUT_IDS))
 
 
 @pytest.fixture
@@ -65,15 +65,6 @@ def refused(out, capfd, *substrings, mesh="2x4", **kwargs) -> str:
     captured = capfd.readouterr()
     assert captured.err == "" and captured.out == "", captured
     return message
-
-
-@eqx.filter_jit
-def forward(model, ids):
-    return model(ids)
-
-
-def logits(model):
-    return np.asarray(forward(model, INPUT_IDS))
 
 
 # 1. Nothing an output names is imported, but port's own models.
@@ -128,7 +119,7 @@ def test_a_class_passed_is_used_and_nothing_is_imported(out, evil, good, capfd):
     """With `model`, the class the output names is neither imported nor compared: the leaves are."""
     edit(out, lambda m: m.update(mapping=m["mapping"].replace(GPT2_MODEL, 'model = "evil:Model"')))
     model = port.restore(out, "2x4", model=GPT2)
-    assert type(model) is GPT2 and np.abs(logits(model) - good[1]).max() < 1e-5
+    assert type(model) is GPT2 and np.abs(logits(model, INPUT_IDS) - good[1]).max() < 1e-5
     assert not evil.exists() and "evil" not in sys.modules
     expected = r"^`model`: expected a class with from_config\(config, \*, key\), got 'port"
     with pytest.raises(port.PortError, match=expected):
@@ -139,7 +130,7 @@ def test_a_class_passed_is_used_and_nothing_is_imported(out, evil, good, capfd):
 def test_the_mapping_reference_is_never_imported(out, evil, good):
     edit(out, lambda m: m.update(mapping=m["mapping"].replace("transformers:GPT2LMHeadModel", "evil:Ref")))
     model = port.restore(out, "1x1")
-    assert np.abs(logits(model) - good[1]).max() < 1e-5
+    assert np.abs(logits(model, INPUT_IDS) - good[1]).max() < 1e-5
     assert not evil.exists() and "evil" not in sys.modules
     proves_importable(evil)
 
@@ -528,7 +519,7 @@ def test_a_listed_leaf_stored_as_none_is_refused(out, capfd):
 def test_every_chunk_file_deleted_cut_grown_or_replaced_is_one_line_naming_it(good, tmp_path, capfd, monkeypatch):
     """No redundancy in format 3: every chunk file of every leaf is needed, and checked before anything is read."""
     out = Path(shutil.copytree(good[0], tmp_path / "out"))
-    expected_logits = logits(port.restore(out, "1x1"))
+    expected_logits = np.asarray(logits(port.restore(out, "1x1"), INPUT_IDS))
     reads = []
     monkeypatch.setattr(port._output._restore, "_read_arrays", lambda *args: reads.append(args))
     chunks = data_files(out)
@@ -553,7 +544,7 @@ def test_every_chunk_file_deleted_cut_grown_or_replaced_is_one_line_naming_it(go
             victim.write_bytes(data)
     assert reads == []
     monkeypatch.undo()
-    np.testing.assert_array_equal(logits(port.restore(out, "1x1")), expected_logits)  # every file put back as it was
+    np.testing.assert_array_equal(np.asarray(logits(port.restore(out, "1x1"), INPUT_IDS)), expected_logits)  # every file put back as it was
 
 
 def _cut(victim: Path) -> None:
@@ -613,6 +604,7 @@ def test_a_chunk_damaged_after_the_checks_is_one_line(out, capfd, monkeypatch, r
 # output cannot make restore, or `port export` after it, read a file from elsewhere (issue 21).
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["outside", "another chunk"])
 def test_a_chunk_linked_to_a_file_of_its_size_is_refused_and_never_exported(out, tmp_path, capfd, target):
     """The link's target has exactly the chunk's size, so every size check would pass: restore
@@ -630,6 +622,7 @@ def test_a_chunk_linked_to_a_file_of_its_size_is_refused_and_never_exported(out,
         assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "secret"]  # no hf, no hidden partial
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["port", "params", "params/wte", "params/blocks.attn.wq"])
 def test_a_directory_of_the_output_linked_in_is_refused(out, tmp_path, capfd, name):
     """The output's own files, moved aside and linked back in by their directory: refused, naming the link."""
@@ -676,7 +669,7 @@ def test_an_output_in_the_hub_cache_restores_and_links_elsewhere_are_refused(goo
         target.parent.mkdir(parents=True, exist_ok=True)
         target.symlink_to(os.path.relpath(blobs / f"{i:040x}", target.parent))
     model = port.restore(out, "2x4")
-    assert np.abs(logits(model) - good[1]).max() < 1e-5
+    assert np.abs(logits(model, INPUT_IDS) - good[1]).max() < 1e-5
     chunk = out / "params" / "wte" / "0.0"
     elsewhere = tmp_path / "elsewhere"
     shutil.copyfile(chunk, elsewhere)  # a file of the right size, outside the cache repo's blobs
@@ -752,6 +745,7 @@ def test_an_output_of_an_earlier_port_is_refused(good, tmp_path, capfd):
     assert message == f"{out}: not a port output (no port/metadata)", message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", ["port's", "ocdbt", "none"])
 def test_an_output_of_another_format_is_refused_in_one_line(good, tmp_path, capfd, params):
     """Format 2 (the arrays in an OCDBT database), or any format but 3: one line, before params/ is looked at."""
@@ -772,6 +766,7 @@ def test_an_output_of_another_format_is_refused_in_one_line(good, tmp_path, capf
         assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.slow
 def test_a_bad_output_leaves_stderr_clean_to_the_end(good, tmp_path):
     """In a fresh process, failed checks and failed reads print nothing, not even after restore has returned."""
     outs = []
@@ -821,7 +816,7 @@ def test_stray_files_are_never_opened(good, tmp_path):
                  out / "params" / "wpe" / ".zattrs", out / "port" / "fifo"]:
         os.mkfifo(fifo)
     model = port.restore(out, "2x4")
-    assert np.abs(logits(model) - good[1]).max() < 1e-5
+    assert np.abs(logits(model, INPUT_IDS) - good[1]).max() < 1e-5
 
 
 def rechunk(out: Path, name: str, array: np.ndarray, chunks: tuple) -> None:
@@ -878,6 +873,7 @@ def test_restore_reads_what_orbax_restores_bit_for_bit(good, monkeypatch, read_a
         np.testing.assert_array_equal(np.asarray(array), np.asarray(flat[path]), err_msg=path)
 
 
+@pytest.mark.slow
 def test_stock_orbax_restores_the_output_without_port(good, tmp_path):
     """An ordinary Orbax checkpoint: a process that never imports port restores both items with
     Orbax's own CompositeCheckpointHandler; the arrays equal port's, the metadata is plain JSON."""

@@ -18,7 +18,8 @@ import port._store as store_module
 from port._errors import RunError
 from port._store import MAX_HELLO, MAX_STRANGERS, Store, serve
 from test_multiprocess import free_port
-from test_multiprocess_cli import TINY, convert, environment, run_all, the_error
+from helpers import port_env
+from test_multiprocess_cli import TINY, convert, run_all, the_error
 
 
 @pytest.fixture
@@ -157,6 +158,7 @@ time.sleep(40)
 """
 
 
+@pytest.mark.slow
 def test_a_third_process_cannot_make_the_run_write_outside_or_succeed(tmp_path):
     """The finding's attack with real processes: a third process connects to process 0's store
     first, as process 1, and tries to set process 0's run name to a path and its end. Process 1
@@ -166,7 +168,7 @@ def test_a_third_process_cannot_make_the_run_write_outside_or_succeed(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     stranger = subprocess.Popen([sys.executable, "-c", STRANGER, host, str(int(port) + 1)],
-                                stdout=subprocess.PIPE, text=True, env=environment())
+                                stdout=subprocess.PIPE, text=True, env=port_env())
     try:
         out = work / "out"
         results = run_all([convert(out, address, 0, "--timeout", "8"), convert(out, address, 1, "--timeout", "8")],

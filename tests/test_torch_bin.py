@@ -30,7 +30,7 @@ import port._sources._directory
 import port._sources._pytorch
 from port._sources import LocalCheckpoint
 from helpers import (
-    INPUT_IDS, assert_blocks_read_exactly, one_line, place_on, run_port, torch_gpt2, torch_llama, torch_logits, transformers_or_skip,
+    INPUT_IDS, assert_blocks_read_exactly, logits, one_line, place_on, run_port, torch_gpt2, torch_llama, torch_logits, transformers_or_skip,
 )
 from port._errors import CheckpointError
 
@@ -170,6 +170,7 @@ def test_no_byteorder_record_reads_little_endian(tmp_path):
         np.testing.assert_array_equal(ckpt.read("w", ((0, 2), (0, 3))), np.arange(6.0, dtype=np.float32).reshape(2, 3))
 
 
+@pytest.mark.slow
 def test_pytorch_is_not_needed(tmp_path):
     """Reading a .bin imports no torch: a process where `import torch` fails reads it."""
     torch_save(tmp_path / "ckpt", {"w": torch.arange(4.0)})
@@ -235,7 +236,7 @@ def test_safetensors_are_preferred_and_bin_index_names_are_checked(tmp_path, mod
 def test_logits_match_transformers(models, arch, layout, mesh):
     single, sharded, _, expected = models(arch)
     model = port.load(single if layout == "single" else sharded, mesh=port.make_mesh(mesh))
-    ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(model, INPUT_IDS))
+    ours = np.asarray(logits(model, INPUT_IDS))
     np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
 
 
@@ -292,6 +293,7 @@ def payloads(marker: Path) -> dict[str, bytes]:
     }
 
 
+@pytest.mark.slow
 def test_payloads_are_live(tmp_path):
     """The payloads do run under plain pickle: refusing them below means something."""
     for name, payload in payloads(tmp_path / "ran").items():
@@ -302,6 +304,7 @@ def test_payloads_are_live(tmp_path):
         (tmp_path / "ran").unlink()
 
 
+@pytest.mark.slow
 def test_a_pickle_naming_os_system_is_refused_by_the_command(tmp_path):
     marker = tmp_path / "marker"
     path = torch_save(tmp_path / "ckpt", {"w": torch.zeros(3)})
@@ -410,6 +413,7 @@ def test_bad_files_are_one_line(tmp_path, case):
     refused(path, "pytorch_model.bin: ", expected)
 
 
+@pytest.mark.slow
 def test_a_truncated_file_is_one_line_through_the_command(tmp_path):
     path = torch_save(tmp_path / "ckpt", {"w": torch.zeros(64)})
     _truncated(path)
@@ -493,6 +497,7 @@ def nested_bin(directory: Path, data: bytes) -> Path:
     return rezip(torch_save(directory, {"w": torch.zeros(3)}), {"data.pkl": data})
 
 
+@pytest.mark.slow
 def test_a_deep_key_crashes_plain_pickle(tmp_path):
     """The first payload is live: `pickle.loads` of it dies by SIGSEGV (C stack overflow, hashing the key)."""
     (tmp_path / "deep.pkl").write_bytes(NESTED["TUPLE1 chain as a key"])
@@ -514,6 +519,7 @@ def test_objects_nested_a_million_deep_are_refused(tmp_path, how):
         port.load(tmp_path / "ckpt", mapping=Path(__file__).resolve().parents[1] / "mappings" / "gpt2.toml")
 
 
+@pytest.mark.slow
 def test_objects_nested_a_million_deep_are_one_line_through_the_command(tmp_path):
     nested_bin(tmp_path / "ckpt", NESTED["TUPLE1 chain as a key"])
     one_line(run_port("plan", tmp_path / "ckpt", "--mesh", "1x1", timeout=120),

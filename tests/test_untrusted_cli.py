@@ -34,6 +34,7 @@ def nothing_left(parent: Path, *allowed: str):
     assert sorted(p.name for p in parent.iterdir()) == sorted(allowed)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["plan", "convert"])
 def test_names_are_printed_literally(tmp_path, command):
     hostile = "transformer.h.0.\x1b]0;pwned\x07[link=http://x]y[/]\u202e.weight"
@@ -46,6 +47,7 @@ def test_names_are_printed_literally(tmp_path, command):
     nothing_left(tmp_path, "model")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh, expected",
     [
@@ -61,6 +63,7 @@ def test_huge_meshes_are_refused_at_once(tmp_path, mesh, expected):
     nothing_left(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers", [10**9, 10**7])
 def test_a_config_claiming_huge_sizes_is_refused_before_building(tmp_path, layers):
     model = variant(tmp_path / "model", config={"n_layer": layers})
@@ -69,6 +72,7 @@ def test_a_config_claiming_huge_sizes_is_refused_before_building(tmp_path, layer
     assert time.perf_counter() - began < 30
 
 
+@pytest.mark.slow
 def test_a_full_file_system_is_refused_before_reading(tmp_path):
     out = tmp_path / "full" / "out"
     out.parent.mkdir()
@@ -79,6 +83,7 @@ def test_a_full_file_system_is_refused_before_reading(tmp_path):
     one_line(result, "--out", "needs 678.1 KB, only", "free on its file system")
 
 
+@pytest.mark.slow
 def test_a_read_only_parent_is_refused_before_reading(tmp_path):
     out = tmp_path / "ro" / "out"
     out.parent.mkdir()
@@ -92,6 +97,7 @@ def test_a_read_only_parent_is_refused_before_reading(tmp_path):
     one_line(result, "--out", "cannot write in", "read-only or not permitted")
 
 
+@pytest.mark.slow
 def test_a_failing_write_is_one_line_and_leaves_nothing(tmp_path):
     """Files past 20 KB cannot be written (`ulimit -f`, RLIMIT_FSIZE): a chunk fails mid-write, in a writing thread."""
 
@@ -106,6 +112,7 @@ def test_a_failing_write_is_one_line_and_leaves_nothing(tmp_path):
     nothing_left(tmp_path)
 
 
+@pytest.mark.slow
 def test_two_runs_to_one_output_one_wins(tmp_path):
     for attempt in range(3):
         out = tmp_path / f"out{attempt}"
@@ -128,6 +135,7 @@ def test_two_runs_to_one_output_one_wins(tmp_path):
     nothing_left(tmp_path, "out0", "out1", "out2")
 
 
+@pytest.mark.slow
 def test_a_report_that_is_a_directory_is_refused_before_reading(tmp_path):
     (tmp_path / "run.json").mkdir()
     one_line(
@@ -138,6 +146,7 @@ def test_a_report_that_is_a_directory_is_refused_before_reading(tmp_path):
     assert list((tmp_path / "run.json").iterdir()) == []
 
 
+@pytest.mark.slow
 def test_a_report_at_the_outputs_path_is_refused_before_reading(tmp_path):
     out = tmp_path / "out"
     one_line(run_port("convert", EXAMPLE, "--out", out, "--report", out), "--report",
@@ -221,6 +230,7 @@ def test_metadata_restore_would_refuse_is_never_written(tmp_path, monkeypatch, b
 # ---------------------------------------------------------------- long input in error lines (issue 21, row 18)
 
 
+@pytest.mark.slow
 def test_a_100_kb_tensor_name_is_shortened_in_the_error_line(tmp_path):
     name = "transformer.h.0." + "x" * 100_000 + ".weight"
     model = variant(tmp_path / "model", add={name: np.zeros((2,), np.float32)})
@@ -229,6 +239,7 @@ def test_a_100_kb_tensor_name_is_shortened_in_the_error_line(tmp_path):
     assert len(line) < 1000, len(line)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("include, expected", [
     ("x" * 5000, "port: error: include 'xxx"),
     ("," * 5000, "port: error: --include ',,,"),
@@ -268,6 +279,7 @@ os.replace = replace
 """
 
 
+@pytest.mark.slow
 def test_a_report_the_disk_cannot_take_is_one_line_through_the_command(tmp_path):
     """The same, through the installed `port` (exit 1, one line, the output complete, no partial summary)."""
     work = tmp_path / "work"
@@ -289,6 +301,7 @@ builtins.open = small
 """
 
 
+@pytest.mark.slow
 def test_a_mesh_that_outgrows_host_memory_is_one_line_through_the_command(tmp_path):
     result = run_port("convert", EXAMPLE, "--mesh", "4x2", "--out", tmp_path / "out",
                       env=hooked(tmp_path / "hook", SMALL_HOST))

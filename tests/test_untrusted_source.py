@@ -59,6 +59,7 @@ def convert(tmp_path: Path, model: Path) -> subprocess.CompletedProcess:
 # ---------------------------------------------------------------- shards named by the index
 
 
+@pytest.mark.slow
 def test_index_pointing_outside_the_directory_is_refused(tmp_path):
     """A valid checkpoint one level up, or anywhere by absolute path, is not read."""
     shutil.copy(EXAMPLE / "model.safetensors", tmp_path / "outside.safetensors")
@@ -87,6 +88,7 @@ def test_index_naming_system_files_opens_nothing(tmp_path, target, monkeypatch):
     assert opened == ["config.json", "model.safetensors.index.json"] and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_index_naming_etc_passwd_leaks_nothing(tmp_path):
     keys = list(load_file(EXAMPLE / "model.safetensors"))
     line = one_line(convert(tmp_path, sharded(tmp_path / "model", dict.fromkeys(keys, "/etc/passwd"))), "/etc/passwd")
@@ -94,6 +96,7 @@ def test_index_naming_etc_passwd_leaks_nothing(tmp_path):
     assert str(int.from_bytes(first, "little")) not in line and str(Path("/etc/passwd").stat().st_size) not in line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero", "dev-stdin", "dangling"])
 def test_a_shard_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
     model = sharded(tmp_path / "model")
@@ -111,6 +114,7 @@ def test_a_shard_that_is_not_a_regular_file_is_refused_at_once(tmp_path, kind):
     one_line(convert(tmp_path, model), "shard.safetensors", expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["config.json", "model.safetensors.index.json"])
 @pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero"])
 def test_config_or_index_that_is_not_a_regular_file_is_refused_at_once(tmp_path, name, kind):
@@ -122,6 +126,7 @@ def test_config_or_index_that_is_not_a_regular_file_is_refused_at_once(tmp_path,
     one_line(convert(tmp_path, model), name, "not a regular file")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, size", [("config.json", 10 * 2**30), ("model.safetensors.index.json", 2**30)])
 def test_huge_config_or_index_is_refused_unread(tmp_path, name, size):
     """A 10 GB config.json (sparse: no disk) is refused from its size, not read."""
@@ -173,6 +178,7 @@ def _sparse_shard(path: Path, header_length: int) -> None:
         f.truncate(8 + header_length + 16)
 
 
+@pytest.mark.slow
 def test_headers_are_bounded_across_shards_before_any_is_read(tmp_path, monkeypatch):
     """Six shards of (junk) 60 MB headers: refused from their lengths, no header read."""
     model = tmp_path / "model"
@@ -393,6 +399,7 @@ def test_layer_index_must_be_plain_ascii_digits(tmp_path, index):
     assert any("missing tensor 'h.1.ln_1.weight'" in p for p in problems), problems
 
 
+@pytest.mark.slow
 def test_layer_index_with_leading_zero_is_refused_through_the_command(tmp_path):
     model = _gpt2_keys_renamed(tmp_path / "model", "transformer.h.1.ln_1.weight", "transformer.h.01.ln_1.weight")
     one_line(convert(tmp_path, model), "missing tensor 'h.1.ln_1.weight'")
@@ -422,6 +429,7 @@ def _worker_anon_bytes(supervisor: int) -> int | None:
     return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("RssAnon:")), None)
 
 
+@pytest.mark.slow
 def test_truncating_the_checkpoint_while_it_is_read_is_one_line(tmp_path):
     """A checkpoint cut while `port convert` places it: never SIGBUS (exit 135, as reading through
     a memory map ends), but one line and nothing left behind, or success if the reading was done."""

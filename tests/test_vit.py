@@ -13,9 +13,7 @@ tensor byte. The tests that build a `transformers` model skip without PyTorch.
 import json
 import math
 import operator
-import os
 import re
-import struct
 
 import equinox as eqx
 import jax
@@ -25,7 +23,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import run_port, transformers_or_skip
+from helpers import hooked, perturbed, run_port, transformers_or_skip, write_sparse_checkpoint
 from port._errors import ConfigError
 from port.authoring._verify import input_kind, pixel_values
 from port.models.bert import Bert
@@ -60,12 +58,7 @@ def torch_vit(class_name: str, **overrides):
     config = transformers.ViTConfig(**{**CONFIG, **overrides}, initializer_range=0.2)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = getattr(transformers, class_name)(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "layernorm" in name or name.endswith("bias"):
-                param.add_(0.3 * torch.randn_like(param))
-    return model
+    return perturbed(getattr(transformers, class_name)(config), lambda name: "layernorm" in name or name.endswith("bias"), 0.3)
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +170,7 @@ def test_plan_of_a_classifier_checkpoint(twins):
 # ---------------------------------------------------------------- port verify and port export
 
 
+@pytest.mark.slow
 def test_verify_draws_pixel_values(twins):
     """Through the command line: the model class says it takes pixel values, verify draws 4 x 16 x 18."""
     directory, _, _ = twins("four-channel")
@@ -199,6 +193,7 @@ def test_verify_in_bfloat16_allows_for_the_references_own_rounding(twins, case):
     assert port.verify(directory, "1x1").reference_error is None  # float32: the reference is exact
 
 
+@pytest.mark.slow
 def test_verify_in_bfloat16_through_the_command_line(twins):
     """The installed `port verify --dtype bfloat16` exits 0 and shows the reference's own rounding."""
     directory, _, _ = twins("grey-classifier")
@@ -294,30 +289,13 @@ def vit_b16_shapes() -> dict[str, list[int]]:
     return shapes
 
 
-def sparse_checkpoint(directory, config: dict, shapes: dict[str, list[int]]) -> None:
-    """config.json and a float32 model.safetensors: a valid header, the data a sparse hole of its size."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for key, shape in sorted(shapes.items()):
-        nbytes = 4 * math.prod(shape)
-        header[key] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    raw = json.dumps(header).encode()
-    raw += b" " * (-len(raw) % 8)
-    directory.mkdir()
-    (directory / "config.json").write_text(json.dumps(config))
-    path = directory / "model.safetensors"
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
-    os.truncate(path, 8 + len(raw) + offset)  # sparse: no tensor data allocated
-
-
+@pytest.mark.slow
 def test_plan_full_size_vit_b16(tmp_path):
     """`port plan --mesh 4x2` on ViT-B/16's real sizes: exit 0, the bytes per device the shardings give
     (matrices 8 ways, q/k/v and MLP biases on model, the rest on data, the pooler bias whole), no read."""
     shapes = vit_b16_shapes()
-    sparse_checkpoint(tmp_path / "vit-b16", VIT_B16, shapes)
-    (tmp_path / "recorder").mkdir()
-    (tmp_path / "recorder" / "sitecustomize.py").write_text(READ_RECORDER)
-    env = {"PYTHONPATH": str(tmp_path / "recorder"), "READS_FILE": str(tmp_path / "reads.json")}
+    write_sparse_checkpoint(tmp_path / "vit-b16", VIT_B16, dict(sorted(shapes.items())), dtype="F32")
+    env = hooked(tmp_path / "recorder", READ_RECORDER) | {"READS_FILE": str(tmp_path / "reads.json")}
     result = run_port("plan", tmp_path / "vit-b16", "--mesh", "4x2", env=env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output

@@ -8,7 +8,6 @@ may differ). The commands run one by one in subprocesses, from an empty director
 scaffold` wrote it (after the edit step).
 """
 
-import os
 import re
 import shlex
 import subprocess
@@ -16,8 +15,10 @@ import sys
 from pathlib import Path
 from string import Template
 
+import pytest
 
 import port
+from helpers import logits, port_command, port_env
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "adding-an-architecture.md"
@@ -25,10 +26,8 @@ WALKTHROUGH = REPO / "examples" / "walkthrough"
 SHIPPED = WALKTHROUGH / "tinylm.toml"
 STEPS = ["setup", "scaffold", "check the unedited draft", "edit", "check", "verify", "convert", "export"]
 
-_script = Path(sys.executable).parent / "port"
-PORT = [str(_script)] if _script.exists() else [sys.executable, "-m", "port"]
-ENV = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PORT_DEBUG")}
-ENV |= {"HF_HUB_OFFLINE": "1", "JAX_PLATFORMS": "cpu", "PORT_REPO": str(REPO)}
+PORT = port_command()
+ENV = port_env({"PORT_REPO": str(REPO)})
 
 BLOCK = re.compile(r"^<!-- walkthrough: (.+?) -->\n```[a-z]*\n(.*?)^```", re.M | re.S)
 NUMBER = re.compile(r"(\d+\.\d+(?:e[-+]?\d+)?|\d+e[-+]?\d+)")
@@ -114,6 +113,7 @@ def test_shipped_mapping_is_clean():
     assert lines[lines.index('reference = { class = "torch_tinylm:TinyLM", output = "logits" }') - 1].startswith("# ")
 
 
+@pytest.mark.slow
 def test_walkthrough(tmp_path, monkeypatch):
     untracked_before, files_before = repo_state()
     cwd, results, snapshots, expected_text = tmp_path, [], {}, []
@@ -181,7 +181,6 @@ def test_walkthrough(tmp_path, monkeypatch):
     # The shipped mapping passes check too, and loads TinyLM equal to PyTorch's on two meshes.
     code, output = run(["port", "check", str(SHIPPED), "tinylm-checkpoint", "--mesh", "4x2", "--module", "tinylm:TinyLM"], work)
     assert code == 0 and "ok: 20 leaves" in output, output
-    import equinox as eqx
     import numpy as np
     import torch
 
@@ -194,7 +193,7 @@ def test_walkthrough(tmp_path, monkeypatch):
         expected = TinyLM.from_pretrained(work / "tinylm-checkpoint")(torch.tensor(ids)).logits.numpy()
     for mesh in ("1x1", "4x2"):
         model = port.load(work / "tinylm-checkpoint", mesh=port.make_mesh(mesh), mapping=SHIPPED)
-        ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(model, ids))
+        ours = np.asarray(logits(model, ids))
         assert np.abs(ours - expected).max() < 1e-4, mesh
 
     # Nothing was written into the repository.

@@ -422,6 +422,7 @@ _FULL_DISK = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("when", ["create", "write"])
 def test_a_full_disk_is_one_line_error(tmp_path, when):
     """A file size limit (RLIMIT_FSIZE, set in a child process) fails writes with EFBIG, as a full disk does."""
