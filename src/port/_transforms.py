@@ -658,6 +658,7 @@ def _groups(src: Shape, dst: Shape) -> tuple[tuple[tuple[int, ...], tuple[int, .
     return tuple(groups)
 
 
+@final
 @dataclass(frozen=True)
 class Chain:
     """Transforms (resolved) applied in order to a source of a given shape.

@@ -251,10 +251,10 @@ class Llama(Decoder):
     segment_ids=None, cache=None, dtype=None, remat=None)`.
     """
 
-    embed: Float[Array, "vocab embd"]
+    embed: Float[Array, "vocab embed"]
     blocks: PreNormBlock
-    norm: Float[Array, " embd"]
-    lm_head: Float[Array, "vocab embd"] | None
+    norm: Float[Array, " embed"]
+    lm_head: Float[Array, "vocab embed"] | None
     config: LlamaConfig = eqx.field(static=True)
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):

@@ -266,11 +266,11 @@ class Moe(Decoder):
     ```
     """
 
-    embed: Float[Array, "vocab embd"]
+    embed: Float[Array, "vocab embed"]
     blocks: PreNormBlock | None
     dense: PreNormBlock | None
-    norm: Float[Array, " embd"]
-    lm_head: Float[Array, "vocab embd"] | None
+    norm: Float[Array, " embed"]
+    lm_head: Float[Array, "vocab embed"] | None
     config: LlamaConfig = eqx.field(static=True)
     moe: MoeConfig = eqx.field(static=True)
 
