@@ -33,7 +33,7 @@ from port.authoring._verify import INPUTS
 ROOT = Path(__file__).resolve().parents[1]
 MAPPINGS = sorted((ROOT / "mappings").glob("*.toml"))
 SOURCES = sorted((ROOT / "src" / "port" / "nn").glob("*.py")) + sorted((ROOT / "src" / "port" / "models").glob("*.py"))
-ANNOTATION = re.compile(r'\b(?:Float|Int|Bool|Shaped|Num|Real|Inexact|Integer|UInt|Key)\[[\w.]+, *"([^"]*)"\]')
+ANNOTATION = re.compile(r"""\b(?:Float|Int|Bool|Shaped|Num|Real|Inexact|Integer|UInt|Key)\[[\w.]+, *["']([^"']*)["']\]""")
 
 
 def _modules(package):
@@ -140,6 +140,59 @@ def test_every_axis_an_annotation_names_is_in_the_vocabulary():
     unknown = sorted((f, n) for f, n in found if n not in vocabulary)
     assert not unknown, f"annotation axes not in port.nn.AXES / REFINED / SHAPES: {unknown}"
     assert not {n for _, n in found} & {"layers", "embd", "inner", "head", "inter"}
+
+
+def _configs():
+    """A small config.json of every family: the decoders' contract configs, BERT's and ViT-B/16's."""
+    transformers = pytest.importorskip("transformers")
+    from helpers import BERT_CONFIG
+    from test_decoders import FAMILIES
+    from test_vit import VIT_B16
+
+    configs = {name: getattr(transformers, config)(**kwargs).to_dict() for name, (_, config, kwargs) in FAMILIES.items()}
+    return {**configs, "bert": transformers.BertConfig(**BERT_CONFIG).to_dict(), "vit": VIT_B16}
+
+
+def _annotated(module, path):
+    """The axes the annotation of the leaf at `path` names (None when the leaf or its owner is absent)."""
+    *owners, field = path.split(".")
+    for name in owners:
+        module = getattr(module, name)
+        if module is None:
+            return None
+    if getattr(module, field) is None:
+        return None
+    hints = {}
+    for cls in reversed(type(module).__mro__):
+        hints.update(getattr(cls, "__annotations__", {}))
+    match = ANNOTATION.search(str(hints.get(field, "")))
+    assert match, f"{type(module).__qualname__}.{field} ({path}) has no jaxtyping annotation"
+    names = [n.lstrip("*#_") for n in match[1].split()]
+    return [port.nn.REFINED.get(n, n) for n in names]
+
+
+def test_each_leaf_s_annotation_names_the_axes_its_mapping_gives_it():
+    """The annotation of every leaf a shipped mapping fills names, axis for axis, the logical
+    axes the mapping gives it (a refined name standing for its logical axis), after the
+    stacking axes (`layers`, `experts`) the mapping adds in front. A model without
+    grouped-query attention (BERT, ViT) has as many key/value heads as query heads: its
+    mapping may call `port.nn.Attention`'s `kv_heads` `heads`."""
+    checked = set()
+    for name, config in _configs().items():
+        mapping = port.mapping_for(config)
+        skeleton = port.skeleton(mapping, config)
+        for param in mapping.params:
+            annotated = _annotated(skeleton, param.path)
+            if annotated is None:
+                continue
+            axes = list(param.axes)
+            stacking, own = axes[: len(axes) - len(annotated)], axes[len(axes) - len(annotated) :]
+            where = f"{mapping.source}: {param.path}"
+            assert set(stacking) <= {"layers", "experts"}, f"{where}: {axes} against the annotation {annotated}"
+            same = lambda a, b: a is None or a == b or (a, b) == ("heads", "kv_heads")  # noqa: E731
+            assert all(same(a, b) for a, b in zip(own, annotated)), f"{where}: {axes} against {annotated}"
+            checked.add(Path(str(mapping.source)).name)
+    assert len(checked) >= 15, checked
 
 
 def test_the_scaffold_proposes_axes_of_the_vocabulary():

@@ -37,7 +37,7 @@ AXES: dict[str, str] = {
     "embed": "the hidden size (hidden_size, n_embd)",
     "embed_out": "a projection of the hidden size back to it: its output axis (BERT's and ViT's pooler)",
     "heads": "attention (query) heads (num_attention_heads, n_head)",
-    "kv_heads": "key/value heads (num_key_value_heads)",
+    "kv_heads": "key/value heads (num_key_value_heads); `heads` in a mapping of a model without grouped-query attention",
     "head_dim": "the features of one head (head_dim)",
     "qkv": "queries, keys and values fused on one axis of size 3 (GPT-NeoX)",
     "mlp": "an MLP's or an expert's hidden size (intermediate_size, moe_intermediate_size, n_inner)",
