@@ -1,11 +1,21 @@
 """Fixtures: eight simulated CPU devices, and GPT-2 checkpoints written by `transformers`.
 
+Every layer and model runs with its jaxtyping annotations checked (beartype), as
+Equinox's own tests do: the import hook is installed before anything imports `port.nn`
+or `port.models`, so a shape or dtype that disagrees with an annotation fails the test
+(checked while tracing, so a jitted function pays once per compile).
+
 Helpers that are not fixtures live in `helpers.py` (`from helpers import ...`).
 """
 
 import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+import beartype  # noqa: E402, F401  (the checker the hook names)
+import jaxtyping  # noqa: E402
+
+jaxtyping.install_import_hook(["port.nn", "port.models"], "beartype.beartype")
 
 import pytest  # noqa: E402
 

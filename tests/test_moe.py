@@ -32,7 +32,7 @@ from helpers import (
 )
 from port._text import size_text
 from port._errors import ConfigError
-from port.models.moe import Moe, MoeConfig
+from port.models.moe import Moe, read_config
 from port.nn import MoE, next_token_loss, route
 
 # Small and awkward: 6 query heads on 2 kv heads (groups of 3), top 2 of 6 experts,
@@ -164,10 +164,10 @@ def test_logits_match_transformers(checkpoints, name, mesh_spec):
     qwen = name.startswith("qwen2")
     assert (blocks.mlp.shared is not None) == qwen
     assert (blocks.attn.bq is not None) == (qwen or name == "qwen3-moe")
-    dense = [i for i, kind in enumerate(model.config.kinds) if kind == "dense"]
+    dense = [i for i, kind in enumerate(model.moe.kinds) if kind == "dense"]
     assert dense == {"qwen2-moe-dense": [0], "qwen3-moe": [1]}.get(name, [])
     if dense:  # the dense layers' own stack, sharded as a dense model's
-        assert model.dense.mlp.gate.shape[0] == len(dense) and blocks.mlp.router.shape[0] == len(model.config.kinds) - 1
+        assert model.dense.mlp.gate.shape[0] == len(dense) and blocks.mlp.router.shape[0] == len(model.moe.kinds) - 1
         assert model.dense.mlp.gate.sharding.spec == P(None, "model", "data")
         assert model.dense.mlp.down.sharding.spec == P(None, "data", "model")
         assert model.dense.attn.wq.sharding.spec == P(None, "model", None, "data")
@@ -556,17 +556,17 @@ def test_route_group_limited_with_negative_biased_scores():
 def test_config_defaults_follow_transformers():
     """Absent keys take transformers' config class defaults, which differ from Mistral's and Qwen2's."""
     base = {k: v for k, v in MIXTRAL.items() if k not in ("num_local_experts", "num_experts_per_tok")}
-    mixtral = MoeConfig.from_hf({**base, "model_type": "mixtral"})
-    assert (mixtral.num_experts, mixtral.num_experts_per_tok, mixtral.norm_topk_prob) == (8, 2, True)
+    mixtral, experts = read_config({**base, "model_type": "mixtral"})
+    assert (experts.num_experts, experts.num_experts_per_tok, experts.norm_topk_prob) == (8, 2, True)
     assert mixtral.rms_norm_eps == 1e-5 and mixtral.rope.theta == 1e6 and mixtral.sliding_window is None
-    assert not mixtral.qkv_bias and mixtral.shared_intermediate_size is None
-    assert mixtral.moe_intermediate_size == MIXTRAL["intermediate_size"]
-    qwen = MoeConfig.from_hf({"model_type": "qwen2_moe", **{k: QWEN2_MOE[k] for k in (
+    assert not mixtral.qkv_bias and experts.shared_intermediate_size is None
+    assert experts.moe_intermediate_size == MIXTRAL["intermediate_size"] and mixtral.model_type == "mixtral"
+    qwen, experts = read_config({"model_type": "qwen2_moe", **{k: QWEN2_MOE[k] for k in (
         "vocab_size", "intermediate_size", "num_hidden_layers")}, "hidden_size": 64, "num_attention_heads": 16})
-    assert (qwen.num_experts, qwen.num_experts_per_tok, qwen.norm_topk_prob) == (60, 4, False)
-    assert (qwen.moe_intermediate_size, qwen.shared_intermediate_size) == (1408, 5632)
+    assert (experts.num_experts, experts.num_experts_per_tok, experts.norm_topk_prob) == (60, 4, False)
+    assert (experts.moe_intermediate_size, experts.shared_intermediate_size) == (1408, 5632)
     assert qwen.qkv_bias and qwen.num_key_value_heads == 16 and qwen.rms_norm_eps == 1e-6
-    assert not MoeConfig.from_hf({**QWEN2_MOE, "model_type": "qwen2_moe", "qkv_bias": False}).qkv_bias
+    assert not read_config({**QWEN2_MOE, "model_type": "qwen2_moe", "qkv_bias": False})[0].qkv_bias
 
 
 @pytest.mark.parametrize(
@@ -582,14 +582,14 @@ def test_config_defaults_follow_transformers():
 def test_config_refuses_in_one_line(change, message):
     """A config port cannot read is refused in one line naming the key."""
     with pytest.raises(ConfigError) as raised:
-        MoeConfig.from_hf({**QWEN2_MOE, "model_type": "qwen2_moe", **change})
+        read_config({**QWEN2_MOE, "model_type": "qwen2_moe", **change})
     assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
 
 
 def test_mlp_only_layers_beyond_the_model_change_nothing():
     """transformers only consults mlp_only_layers for layers that exist."""
-    config = MoeConfig.from_hf({**QWEN2_MOE, "model_type": "qwen2_moe", "mlp_only_layers": [5]})
-    assert config.num_experts == 6 and config.kinds == ("blocks", "blocks")
+    _, experts = read_config({**QWEN2_MOE, "model_type": "qwen2_moe", "mlp_only_layers": [5]})
+    assert experts.num_experts == 6 and experts.kinds == ("blocks", "blocks")
 
 
 @pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe"])
@@ -597,8 +597,8 @@ def test_dense_layers_as_transformers_places_them(model_type):
     """Layer i is sparse unless listed in mlp_only_layers or (i + 1) % decoder_sparse_step != 0
     (transformers' Qwen2MoeDecoderLayer / Qwen3MoeDecoderLayer); the model stacks each kind apart."""
     base = {**QWEN3_MOE, "model_type": model_type, "num_hidden_layers": 6}
-    config = MoeConfig.from_hf({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
-    assert config.kinds == ("dense", "blocks", "dense", "dense", "dense", "blocks")
+    _, experts = read_config({**base, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    assert experts.kinds == ("dense", "blocks", "dense", "dense", "dense", "blocks")
     model = eqx.filter_eval_shape(Moe.from_config, {**base, "mlp_only_layers": [0, 4]}, key=jax.random.key(0))
     assert model.layer_groups == {"blocks": (1, 2, 3, 5), "dense": (0, 4)}
     assert model.blocks.mlp.router.shape == (4, 6, 48) and model.dense.mlp.gate.shape == (2, 56, 48)
@@ -644,12 +644,12 @@ def test_no_expert_runs_on_every_token(name):
     output with both an experts and a tokens axis but the router's [tokens, experts] logits
     (a dense dispatch would have [experts, tokens, ...])."""
     arch, config = CASES[name]
-    c = MoeConfig.from_hf({**config, "model_type": "mixtral" if arch == "Mixtral" else "qwen2_moe"})
-    moe = c.mlp(jnp.float32, jax.random.key(0))
+    llama, c = read_config({**config, "model_type": "mixtral" if arch == "Mixtral" else "qwen2_moe"})
+    moe = c.mlp(llama, jnp.float32, jax.random.key(0))
     assert isinstance(moe, MoE) and (moe.shared_gate is not None) == (arch == "Qwen2Moe")
-    x = jnp.ones((3, 7, c.hidden_size))
+    x = jnp.ones((3, 7, llama.hidden_size))
     tokens, experts, rows = 21, c.num_experts, 21 * c.num_experts_per_tok
-    sizes = {tokens, experts, rows, c.hidden_size, c.moe_intermediate_size, c.shared_intermediate_size}
+    sizes = {tokens, experts, rows, llama.hidden_size, c.moe_intermediate_size, c.shared_intermediate_size}
     assert len(sizes - {None}) == 5 + (arch == "Qwen2Moe")  # every axis recognisable by its size
     for grad in (False, True):
         eqns = list(equations(jaxpr_of(moe, x, grad)))
@@ -673,9 +673,9 @@ def test_mixtral_top_2_sends_a_quarter_of_the_rows_of_top_8(monkeypatch, capsys)
     a dense matmul per group, so the figures are reported, not compared)."""
     import port.nn._moe
 
-    config = MoeConfig.from_hf(MIXTRAL_8X7B)
+    llama, config = read_config(MIXTRAL_8X7B)
     # Small widths, Mixtral's routing, run eagerly to see the group sizes.
-    small = dataclasses.replace(config, hidden_size=64, moe_intermediate_size=96)
+    small, narrow = dataclasses.replace(config, moe_intermediate_size=96), dataclasses.replace(llama, hidden_size=64)
     x = jax.random.normal(jax.random.key(1), (2, 16, 64))
     seen = {}
     real_grouped = port.nn._moe.grouped
@@ -686,7 +686,7 @@ def test_mixtral_top_2_sends_a_quarter_of_the_rows_of_top_8(monkeypatch, capsys)
 
     monkeypatch.setattr(port.nn._moe, "grouped", grouped)
     for k in (2, 8):
-        moe = dataclasses.replace(small, num_experts_per_tok=k).mlp(jnp.float32, jax.random.key(0))
+        moe = dataclasses.replace(small, num_experts_per_tok=k).mlp(narrow, jnp.float32, jax.random.key(0))
         moe(x)
         assert len(seen[k]) == 3  # gate, up, down
         for rows, sizes in seen[k]:
@@ -696,10 +696,10 @@ def test_mixtral_top_2_sends_a_quarter_of_the_rows_of_top_8(monkeypatch, capsys)
     assert (seen[2][0][1] < 32).all()
     monkeypatch.undo()
 
-    x = jax.ShapeDtypeStruct((2, 256, config.hidden_size), jnp.bfloat16)
+    x = jax.ShapeDtypeStruct((2, 256, llama.hidden_size), jnp.bfloat16)
     rows, flops = {}, {}
     for k in (2, 8):
-        moe = eqx.filter_eval_shape(dataclasses.replace(config, num_experts_per_tok=k).mlp, jnp.bfloat16,
+        moe = eqx.filter_eval_shape(dataclasses.replace(config, num_experts_per_tok=k).mlp, llama, jnp.bfloat16,
                                     jax.random.key(0))
         ragged = [e for e in equations(jaxpr_of(moe, x)) if e.primitive.name == "ragged_dot_general"]
         rows[k] = {e.invars[0].aval.shape[0] for e in ragged}

@@ -691,6 +691,32 @@ def test_a_new_transform_is_one_class():
         del REGISTRY["flip"]
 
 
+
+def test_transform_is_abstract_and_each_transform_final():
+    """Equinox's abstract/final pattern: `Transform` declares what every transform answers
+    (abstract methods), a transform lacking one cannot be made, and a registered transform
+    cannot be subclassed."""
+    with pytest.raises(TypeError, match="abstract"):
+        Transform()
+    assert {"parse", "arg", "shape", "region", "apply", "inverse"} <= Transform.__abstractmethods__
+
+    class Partial(Transform):  # no name: not registered; no inverse: cannot be made
+        def parse(cls, arg): ...
+        def arg(self): ...
+        def shape(self, in_shape): ...
+        def region(self, in_shape, out): ...
+        def apply(self, block, in_shape, out): ...
+
+    with pytest.raises(TypeError, match="inverse"):
+        Partial()
+    assert "partial" not in REGISTRY
+    with pytest.raises(TypeError, match="transform 'transpose' is final"):
+
+        class Reversed(Transpose):  # noqa: F841
+            pass
+
+    assert list(REGISTRY) == ["transpose", "reshape", "split", "cast", "stride"]
+
 # ------------------------------------------------------------ stride (a de-interleave)
 
 

@@ -47,6 +47,8 @@ _EXPORTS = {
     "agree": "._runtime",
     # using a loaded model: generation (the layers themselves are `port.nn`)
     "generate": ".nn",
+    # what a model class answers (`from_config(config, *, key)`, `input_kind`)
+    "Model": "._model",
     # mapping authors
     "scaffold": ".authoring",
     "check": ".authoring",

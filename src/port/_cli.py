@@ -35,6 +35,7 @@ from ._errors import PlanError, PortError
 from ._cleanup import attach, final, removing
 from ._interrupt import hold_signals, supervise
 from ._leftovers import claimed, recover
+from ._model import is_model
 
 SCAFFOLD_MARK = "# Draft mapping made by port scaffold"
 
@@ -210,7 +211,7 @@ def _model_class(spec: str | None) -> type | None:
         return None
     _allow(spec)
     cls = import_object(spec, "--module")
-    if not isinstance(cls, type) or not hasattr(cls, "from_config"):
+    if not is_model(cls):
         raise PortError(f"--module {spec}: not a model class (a class with from_config(config, *, key))")
     return cls
 

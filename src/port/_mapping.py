@@ -53,6 +53,7 @@ from typing import Any
 from ._text import one_line, quoted
 from ._errors import ConfigError, MappingError, PortError
 from ._files import file_kind
+from ._model import is_model
 from ._transforms import Transform, parse_transform
 
 LAYER = "{layer}"
@@ -157,7 +158,7 @@ class Mapping:
                 f"{self.source}: model {quoted(self.model, 200)} is a {type(found).__name__}, not a class "
                 "(expected module:Class, such as port.models.gpt2:GPT2)"
             )
-        if not hasattr(found, "from_config"):
+        if not is_model(found):
             raise MappingError(
                 f"{self.source}: model {quoted(self.model, 200)} is not a model class: it has no "
                 "from_config(config, *, key)"

@@ -16,6 +16,7 @@ import jax
 
 from ._errors import PortError
 from ._mapping import Mapping
+from ._model import is_model
 
 
 def skeleton(model: Mapping | type, config: AnyMapping[str, Any]) -> eqx.Module:
@@ -23,8 +24,8 @@ def skeleton(model: Mapping | type, config: AnyMapping[str, Any]) -> eqx.Module:
 
     **Arguments:**
 
-    - `model`: an Equinox module class with `from_config(config, *, key)`, or a `Mapping`
-      (its `model` class).
+    - `model`: a model class (`port.Model`: an Equinox module class with
+      `from_config(config, *, key)`), or a `Mapping` (its `model` class).
     - `config`: the checkpoint's `config.json` as a dict.
 
     ```python
@@ -35,7 +36,7 @@ def skeleton(model: Mapping | type, config: AnyMapping[str, Any]) -> eqx.Module:
     ```
     """
     cls = model.model_class() if isinstance(model, Mapping) else model
-    if not hasattr(cls, "from_config"):
+    if not is_model(cls):
         raise PortError(f"model '{cls.__module__}:{cls.__qualname__}' has no from_config(config, *, key)")
     return eqx.filter_eval_shape(lambda: cls.from_config(dict(config), key=jax.random.key(0)))
 

@@ -25,9 +25,10 @@ list of one-key tables; the key names a class in `REGISTRY`. Each class
 order; a chain holding a split inverts with its siblings, the chains that keep the
 other parts of the same source tensor (`Chain.inverse(out, dtype, siblings=...)`).
 
-Adding a transform is one class here and its tests: subclass `Transform` with
-`name="..."`, write `parse`, `arg`, `shape`, `region`, `apply` and `inverse` (and
-`resolve` if its argument may name config values).
+Adding a transform is one class here and its tests: subclass the abstract `Transform`
+with `name="..."`, write its abstract methods `parse`, `arg`, `shape`, `region`, `apply`
+and `inverse` (and `resolve` if its argument may name config values). Concrete
+transforms are final (`@final`; subclassing one raises `TypeError`).
 
 ```python
 t = parse_transform({"transpose": [1, 0]})       # Transpose(perm=(1, 0))
@@ -41,12 +42,13 @@ t.inverse(t.apply(x, x.shape, ((0, 2304), (0, 768))), x.shape, x.dtype)  # x aga
 
 from __future__ import annotations
 
+import abc
 import functools
 import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, final
 
 import numpy as np
 
@@ -61,10 +63,19 @@ Size = int | str  # a size, or the name of an integer in config.json
 REGISTRY: dict[str, type[Transform]] = {}
 
 
-class Transform:
-    """One step from a source tensor towards a target leaf; a subclass registers by its name.
+class Transform(abc.ABC):
+    """One step from a source tensor towards a target leaf: the interface every transform answers.
+
+    Abstract (Equinox's abstract/final pattern): a concrete transform subclasses it with
+    `name=` (the key a mapping file gives it), which registers it in `REGISTRY`, and is
+    final: subclassing a registered transform raises `TypeError` (compose, do not extend).
+    It must answer the abstract methods: `parse` and `arg` (its TOML argument, both
+    ways), `shape`, `region` and `apply` (the slice contract) and `inverse`; `resolve`,
+    `out_dtype` and `siblings` have defaults for a transform that names no config
+    value, keeps the dtype and is not `fused`.
 
     ```python
+    @final
     @dataclass(frozen=True)
     class Flip(Transform, name="flip"):          # transforms = [{ flip = 1 }]: reverse axis 1
         axis: int
@@ -84,6 +95,12 @@ class Transform:
 
     def __init_subclass__(cls, *, name: str | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        final_bases = [base.name for base in cls.__mro__[1:] if base in REGISTRY.values()]
+        if final_bases:
+            raise TypeError(
+                f"{cls.__qualname__}: transform '{final_bases[0]}' is final; write a new Transform "
+                "(with its own name=) that uses it rather than subclassing it"
+            )
         if name is not None:
             if name in REGISTRY:
                 raise TypeError(f"transform '{name}' is registered twice")
@@ -91,13 +108,13 @@ class Transform:
             REGISTRY[name] = cls
 
     @classmethod
+    @abc.abstractmethod
     def parse(cls, arg: Any) -> Transform:
         """The transform from its TOML argument; `ValueError` starting with its name if bad."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def arg(self) -> Any:
         """The TOML argument that `parse` reads back into this transform."""
-        raise NotImplementedError
 
     def toml(self) -> dict[str, Any]:
         """The one-key table of a mapping file: `{"transpose": [1, 0]}`."""
@@ -111,25 +128,28 @@ class Transform:
         """This transform with config.json names replaced by their values (`ConfigError` if missing)."""
         return self
 
+    @abc.abstractmethod
     def shape(self, in_shape: Shape) -> Shape:
-        raise NotImplementedError
+        """The shape of the output for an input of `in_shape`; `ValueError` if it does not fit."""
 
+    @abc.abstractmethod
     def region(self, in_shape: Shape, out: Region) -> Region:
-        raise NotImplementedError
+        """The box of the input (of `in_shape`) that the box `out` of the output needs."""
 
+    @abc.abstractmethod
     def apply(self, block: np.ndarray, in_shape: Shape, out: Region) -> np.ndarray:
-        raise NotImplementedError
+        """The box `out` of the output, from `block`, the input's box `region(in_shape, out)`."""
 
     def out_dtype(self, in_dtype: np.dtype) -> np.dtype:
         """The dtype of its output for an input of `in_dtype`."""
         return np.dtype(in_dtype)
 
+    @abc.abstractmethod
     def inverse(self, out: Any, in_shape: Shape, in_dtype: np.dtype) -> np.ndarray:
         """The input (of `in_shape`, `in_dtype`) rebuilt from the whole output.
 
         When `fused`, `out` is the list of every part's output, in `siblings` order.
         """
-        raise NotImplementedError
 
     def siblings(self, in_shape: Shape) -> tuple[Transform, ...]:
         """The transforms whose outputs together rebuild the input (`fused`), in order."""
@@ -187,6 +207,7 @@ def _resolved(sizes: Sequence[Size], what: str) -> None:
         raise ValueError(f"{what} {list(sizes)} names config values: resolve(config) it first")
 
 
+@final
 @dataclass(frozen=True)
 class Transpose(Transform, name="transpose"):
     """Permute axes: output axis `j` is input axis `perm[j]` (GPT-2 `Conv1D` -> `Linear`).
@@ -230,6 +251,7 @@ class Transpose(Transform, name="transpose"):
         return f"transpose{list(self.perm)}"
 
 
+@final
 @dataclass(frozen=True)
 class Reshape(Transform, name="reshape"):
     """Reshape by splitting axes (E -> H x D), merging them (H x D -> E), or adding/removing 1s.
@@ -333,6 +355,7 @@ class Reshape(Transform, name="reshape"):
         return f"reshape{list(self.target)}"
 
 
+@final
 @dataclass(frozen=True)
 class Split(Transform, name="split"):
     """Take part `index` of `axis` cut into `parts` equal pieces or into `sizes` (fused q/k/v).
@@ -432,6 +455,7 @@ class Split(Transform, name="split"):
         return f"split(axis={self.axis}, {parts}, index={self.index})"
 
 
+@final
 @dataclass(frozen=True)
 class Cast(Transform, name="cast"):
     """Change the dtype (a bfloat16 source never passes through float32 unless asked).
@@ -476,6 +500,7 @@ class Cast(Transform, name="cast"):
         return f"cast({self.dtype.name})"
 
 
+@final
 @dataclass(frozen=True)
 class Stride(Transform, name="stride"):
     """Take every `step`-th element of `axis` from `offset` on: `x[..., offset::step]` (de-interleave).
@@ -633,6 +658,7 @@ def _groups(src: Shape, dst: Shape) -> tuple[tuple[tuple[int, ...], tuple[int, .
     return tuple(groups)
 
 
+@final
 @dataclass(frozen=True)
 class Chain:
     """Transforms (resolved) applied in order to a source of a given shape.

@@ -44,6 +44,7 @@ from .._errors import OutputError, PortError
 from .._fill import fill
 from .._mapping import Mapping, import_object, parse_mapping
 from .._memory import check_host_memory
+from .._model import is_model
 from .._pipeline import ReadAhead
 from .._place import aligned_empty, assemble, boxes as _boxes
 from .._plan import check_include, partition, selects
@@ -140,7 +141,7 @@ def restore(
     ```
     """
     mesh = as_mesh(mesh)
-    if model is not None and (not isinstance(model, type) or not hasattr(model, "from_config")):
+    if model is not None and not is_model(model):
         raise PortError(f"`model`: expected a class with from_config(config, *, key), got {quoted(model)}")
     output = read_output(directory)
     cls = model_class(output, model)
@@ -380,7 +381,7 @@ def model_class(output: Output, model: type | None = None) -> type:
             "on the command line, port.restore(directory, mesh, model=YourModel) in Python"
         )
     cls = import_object(spec, f"{output.where}: model")
-    if not isinstance(cls, type) or not hasattr(cls, "from_config"):
+    if not is_model(cls):
         raise OutputError(f"{output.where}: model {quoted(spec)} is not a model class")
     return cls
 

@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 from .._dtypes import CASTS
 from .._errors import ConfigError, MappingError, PortError
 from .._mapping import Mapping, import_object, mapping_for
+from .._model import input_kind as declared_input_kind
 
 
 INSTALL_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install transformers"
@@ -146,8 +147,9 @@ INPUTS: dict[str, Callable[[dict], np.ndarray]] = {"input_ids": input_ids, "pixe
 
 
 def input_kind(model_class: type) -> str:
-    """The input a model class takes first: its `input_kind`, by default `"input_ids"`."""
-    kind = getattr(model_class, "input_kind", "input_ids")
+    """The input a model class takes first (`port.Model`'s `input_kind`, by default `"input_ids"`),
+    one of `INPUTS`."""
+    kind = declared_input_kind(model_class)
     if kind not in INPUTS:
         raise PortError(
             f"{model_class.__module__}:{model_class.__qualname__}.input_kind is {kind!r}; "

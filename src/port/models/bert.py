@@ -35,12 +35,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jax.typing import ArrayLike
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port.models._config import MAX_LAYERS, activation, get
@@ -58,6 +59,7 @@ from port.nn import (
 from port.nn._inputs import batch_first, check_like
 
 
+@final
 @dataclasses.dataclass(frozen=True)
 class BertConfig:
     """The hyperparameters of a BERT encoder, as read from a Hugging Face config.json."""
@@ -111,6 +113,7 @@ class BertConfig:
         )
 
 
+@final
 class Layer(eqx.Module):
     """One post-LayerNorm encoder layer: `norm(x + attn(x))`, then `norm(x + mlp(x))`."""
 
@@ -131,19 +134,20 @@ class Layer(eqx.Module):
         self.mlp_norm = LayerNorm(e, eps=c.layer_norm_eps, dtype=dtype)
 
     def __call__(
-        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"]
-    ) -> Float[Array, "batch seq embd"]:
+        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"]
+    ) -> Float[Array, "batch seq embed"]:
         h, _ = self.attn(x, mask)
         x = self.attn_norm(x + h)
         return self.mlp_norm(x + self.mlp(x))
 
 
+@final
 class Bert(eqx.Module):
     """The BERT encoder; `__call__` returns the last hidden state. `layers` is stacked."""
 
-    word_embeddings: Float[Array, "vocab embd"]
-    position_embeddings: Float[Array, "positions embd"]
-    token_type_embeddings: Float[Array, "types embd"]
+    word_embeddings: Float[Array, "vocab embed"]
+    position_embeddings: Float[Array, "positions embed"]
+    token_type_embeddings: Float[Array, "token_types embed"]
     embed_norm: LayerNorm
     layers: Layer
     pooler: Pooler
@@ -167,13 +171,13 @@ class Bert(eqx.Module):
 
     def __call__(
         self,
-        input_ids: Int[Array, "*batch seq"],
+        input_ids: ArrayLike,  # integer (batch, seq) or (seq,); checked here, one line naming it
         attention_mask: Any = None,
-        token_type_ids: Int[Array, "*batch seq"] | None = None,
+        token_type_ids: ArrayLike | None = None,
         *,
         dtype: Any = None,
         remat: Any = None,
-    ) -> Float[Array, "*batch seq embd"]:
+    ) -> Float[Array, "*batch seq embed"]:
         """The last hidden state, for `input_ids` of shape (batch, seq) or (seq,).
 
         **Arguments:**
@@ -210,7 +214,7 @@ class Bert(eqx.Module):
         x, _ = scan(lambda layer, x: (layer(x, tokens.mask), None), x, model.layers, remat=remat)
         return tokens.output(x)
 
-    def pooled(self, hidden: Float[Array, "*batch seq embd"]) -> Float[Array, "*batch embd"]:
+    def pooled(self, hidden: Float[Array, "... embed"]) -> Float[Array, "... embed_out"]:
         """BERT's pooler output, `tanh(dense(hidden[..., 0, :]))`, from `__call__`'s result.
 
         `hidden` is (batch, seq, embd), giving (batch, embd), or unbatched (seq, embd),

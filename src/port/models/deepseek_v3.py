@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -90,6 +90,7 @@ _DEFAULTS: dict[str, Any] = {
 }
 
 
+@final
 @dataclasses.dataclass(frozen=True)
 class DeepseekV3Config:
     """The hyperparameters of a DeepSeek-V3 model, as read from a config.json (transformers' names).
@@ -270,6 +271,7 @@ def block(c: DeepseekV3Config, kind: str, dtype: Any, *, key: PRNGKeyArray) -> P
                         eps=c.rms_norm_eps, dtype=dtype)
 
 
+@final
 class DeepseekV3(Decoder):
     """DeepSeek-V3 causal LM: `dense` and `moe` stacks of blocks (None where a kind has no layer).
 
@@ -283,11 +285,11 @@ class DeepseekV3(Decoder):
     ```
     """
 
-    embed: Float[Array, "vocab embd"]
+    embed: Float[Array, "vocab embed"]
     dense: PreNormBlock | None
     moe: PreNormBlock | None
-    norm: Float[Array, " embd"]
-    lm_head: Float[Array, "vocab embd"] | None
+    norm: Float[Array, " embed"]
+    lm_head: Float[Array, "vocab embed"] | None
     config: DeepseekV3Config = eqx.field(static=True)
 
     def __init__(self, config: DeepseekV3Config, *, key: PRNGKeyArray, dtype: Any = jnp.float32):

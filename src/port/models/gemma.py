@@ -48,7 +48,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -87,7 +87,7 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # transformers' GemmaConfig / Gemma2Config defaults, used where config.json lacks the key.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma": {"num_key_value_heads": 16},
-    "gemma2": {"num_key_value_heads": 4, "query_pre_attn_scalar": 256,
+    "gemma2": {"num_key_value_heads": 4, "query_pre_attn_scalar": 256.0,
                "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                "sliding_window": 4096},
 }
@@ -161,6 +161,7 @@ def _hidden_act(config: dict, model_type: str) -> str:
     return "gelu_pytorch_tanh" if name == "gelu" else name
 
 
+@final
 @dataclasses.dataclass(frozen=True)
 class GemmaConfig:
     """The hyperparameters of a Gemma or Gemma 2 model, as read from a config.json.
@@ -254,6 +255,7 @@ class GemmaConfig:
         )
 
 
+@final
 class Block(eqx.Module):
     """One pre-RMSNorm decoder block; Gemma 2 also norms the attention and MLP outputs.
 
@@ -261,12 +263,12 @@ class Block(eqx.Module):
     None for Gemma.
     """
 
-    attn_norm: Float[Array, " embd"]
+    attn_norm: Float[Array, " embed"]
     attn: Attention
-    post_attn_norm: Float[Array, " embd"] | None  # Gemma 2
-    mlp_norm: Float[Array, " embd"]
+    post_attn_norm: Float[Array, " embed"] | None  # Gemma 2
+    mlp_norm: Float[Array, " embed"]
     mlp: GatedMLP
-    post_mlp_norm: Float[Array, " embd"] | None  # Gemma 2
+    post_mlp_norm: Float[Array, " embed"] | None  # Gemma 2
     eps: float = eqx.field(static=True)
 
     def __init__(self, config: GemmaConfig, dtype: Any, *, key: PRNGKeyArray):
@@ -286,15 +288,16 @@ class Block(eqx.Module):
         return x if weight is None else rms_norm(x, weight, self.eps, plus_one=True)
 
     def __call__(
-        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
+        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
         sin: Array, kv: KV | None, index: Array | None, layer: Array,
-    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         h, kv = self.attn(self._norm(x, self.attn_norm), mask, cos=cos, sin=sin, kv=kv, index=index)
         x = x + self._norm(h, self.post_attn_norm)
         h = self.mlp(self._norm(x, self.mlp_norm))
         return x + self._norm(h, self.post_mlp_norm), kv
 
 
+@final
 class Gemma(Decoder):
     """Gemma / Gemma 2 causal LM. Arrays in `blocks` are stacked over layers.
 
@@ -302,10 +305,10 @@ class Gemma(Decoder):
     segment_ids=None, cache=None, dtype=None, remat=None)`.
     """
 
-    embed: Float[Array, "vocab embd"]
+    embed: Float[Array, "vocab embed"]
     blocks: Block
-    norm: Float[Array, " embd"]
-    lm_head: Float[Array, "vocab embd"] | None  # None: tied to `embed` (the default)
+    norm: Float[Array, " embed"]
+    lm_head: Float[Array, "vocab embed"] | None  # None: tied to `embed` (the default)
     config: GemmaConfig = eqx.field(static=True)
 
     def __init__(self, config: GemmaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):

@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -53,6 +53,7 @@ from port.nn import (
 from port.nn._attention import KV
 
 
+@final
 @dataclasses.dataclass(frozen=True)
 class GPT2Config:
     """The hyperparameters of a GPT-2 model, as read from a Hugging Face config.json.
@@ -114,6 +115,7 @@ class GPT2Config:
         )
 
 
+@final
 class Attention(eqx.Module):
     """Causal multi-head self-attention, projections in `Conv1D` orientation split per head.
 
@@ -130,14 +132,14 @@ class Attention(eqx.Module):
     ```
     """
 
-    wq: Float[Array, "embd head head_dim"]
-    wk: Float[Array, "embd head head_dim"]
-    wv: Float[Array, "embd head head_dim"]
-    bq: Float[Array, "head head_dim"]
-    bk: Float[Array, "head head_dim"]
-    bv: Float[Array, "head head_dim"]
-    wo: Float[Array, "head head_dim embd"]
-    bo: Float[Array, " embd"]
+    wq: Float[Array, "embed heads head_dim"]
+    wk: Float[Array, "embed heads head_dim"]
+    wv: Float[Array, "embed heads head_dim"]
+    bq: Float[Array, "heads head_dim"]
+    bk: Float[Array, "heads head_dim"]
+    bv: Float[Array, "heads head_dim"]
+    wo: Float[Array, "heads head_dim embed"]
+    bo: Float[Array, " embed"]
     scale_attn_weights: bool = eqx.field(static=True)
     scale_attn_by_inverse_layer_idx: bool = eqx.field(static=True)
 
@@ -154,13 +156,13 @@ class Attention(eqx.Module):
 
     def __call__(
         self,
-        x: Float[Array, "batch seq embd"],
+        x: Float[Array, "batch seq embed"],
         mask: Bool[Array, "batch seq keys"],
         *,
         kv: KV | None = None,
         index: Array | None = None,
         layer: Int[Array, ""] | int = 0,
-    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         q = jnp.einsum("bte,ehd->bthd", x, self.wq) + self.bq
         k = jnp.einsum("bte,ehd->bthd", x, self.wk) + self.bk
         v = jnp.einsum("bte,ehd->bthd", x, self.wv) + self.bv
@@ -171,6 +173,7 @@ class Attention(eqx.Module):
         return jnp.einsum("bthd,hde->bte", out, self.wo) + self.bo, kv
 
 
+@final
 class MLP(eqx.Module):
     """The position-wise feed-forward network, weights in `Conv1D` orientation (in, out).
 
@@ -182,10 +185,10 @@ class MLP(eqx.Module):
     ```
     """
 
-    w_fc: Float[Array, "embd inner"]
-    b_fc: Float[Array, " inner"]
-    w_proj: Float[Array, "inner embd"]
-    b_proj: Float[Array, " embd"]
+    w_fc: Float[Array, "embed mlp"]
+    b_fc: Float[Array, " mlp"]
+    w_proj: Float[Array, "mlp embed"]
+    b_proj: Float[Array, " embed"]
     activation: str = eqx.field(static=True)
 
     def __init__(self, config: GPT2Config, dtype: Any, *, key: PRNGKeyArray):
@@ -196,11 +199,12 @@ class MLP(eqx.Module):
         self.b_proj = jnp.zeros((config.n_embd,), dtype)
         self.activation = config.activation_function
 
-    def __call__(self, x: Float[Array, "... embd"]) -> Float[Array, "... embd"]:
+    def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
         x = ACTIVATIONS[self.activation](x @ self.w_fc + self.b_fc)
         return x @ self.w_proj + self.b_proj
 
 
+@final
 class Block(eqx.Module):
     """One pre-LayerNorm transformer block. **Arguments:** `config`, `dtype`, `key`.
 
@@ -221,14 +225,15 @@ class Block(eqx.Module):
         self.mlp = MLP(config, dtype, key=kmlp)
 
     def __call__(
-        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: None = None,
+        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"], *, cos: None = None,
         sin: None = None, kv: KV | None = None, index: Array | None = None, layer: Int[Array, ""] | int = 0,
-    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         h, kv = self.attn(self.ln_1(x), mask, kv=kv, index=index, layer=layer)
         x = x + h
         return x + self.mlp(self.ln_2(x)), kv
 
 
+@final
 class GPT2(Decoder):
     """GPT-2 language model with a tied LM head. Arrays in `blocks` are stacked over layers.
 
@@ -240,8 +245,8 @@ class GPT2(Decoder):
     `key`, `dtype` (the parameters').
     """
 
-    wte: Float[Array, "vocab embd"]
-    wpe: Float[Array, "n_positions embd"]
+    wte: Float[Array, "vocab embed"]
+    wpe: Float[Array, "positions embed"]
     blocks: Block
     ln_f: LayerNorm
     config: GPT2Config = eqx.field(static=True)

@@ -40,7 +40,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -102,6 +102,7 @@ def _rope(config: dict) -> tuple[str, float, float]:
     return key, theta, float(factor)
 
 
+@final
 @dataclasses.dataclass(frozen=True)
 class GPTNeoXConfig:
     """The hyperparameters of a GPT-NeoX model, as read from a Hugging Face config.json.
@@ -166,6 +167,7 @@ class GPTNeoXConfig:
         )
 
 
+@final
 class Attention(eqx.Module):
     """Causal multi-head self-attention, q, k and v fused per head as in the checkpoint.
 
@@ -181,10 +183,10 @@ class Attention(eqx.Module):
     ```
     """
 
-    wqkv: Float[Array, "head 3 head_dim embd"]
-    bqkv: Float[Array, "head 3 head_dim"] | None
-    wo: Float[Array, "embd head head_dim"]
-    bo: Float[Array, " embd"] | None
+    wqkv: Float[Array, "heads qkv head_dim embed"]
+    bqkv: Float[Array, "heads qkv head_dim"] | None
+    wo: Float[Array, "embed heads head_dim"]
+    bo: Float[Array, " embed"] | None
 
     def __init__(self, config: GPTNeoXConfig, dtype: Any, *, key: PRNGKeyArray):
         h, d, e = config.num_attention_heads, config.head_dim, config.hidden_size
@@ -196,14 +198,14 @@ class Attention(eqx.Module):
 
     def __call__(
         self,
-        x: Float[Array, "batch seq embd"],
+        x: Float[Array, "batch seq embed"],
         mask: Bool[Array, "batch seq keys"],
         *,
         cos: Array,
         sin: Array,
         kv: KV | None = None,
         index: Array | None = None,
-    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         qkv = jnp.einsum("bte,hcde->bthcd", x, self.wqkv)
         if self.bqkv is not None:
             qkv = qkv + self.bqkv
@@ -215,6 +217,7 @@ class Attention(eqx.Module):
         return (y if self.bo is None else y + self.bo), kv
 
 
+@final
 class Block(eqx.Module):
     """One GPT-NeoX layer: pre-LayerNorm attention and MLP, in parallel or in sequence.
 
@@ -237,9 +240,9 @@ class Block(eqx.Module):
         self.parallel = config.use_parallel_residual
 
     def __call__(
-        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
+        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
         sin: Array, kv: KV | None, index: Array | None, layer: Array,
-    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         attn, kv = self.attn(self.attn_norm(x), mask, cos=cos, sin=sin, kv=kv, index=index)
         if self.parallel:  # x + attn(ln1(x)) + mlp(ln2(x)), summed in transformers' order
             return self.mlp(self.mlp_norm(x)) + attn + x, kv
@@ -247,6 +250,7 @@ class Block(eqx.Module):
         return self.mlp(self.mlp_norm(h)) + h, kv
 
 
+@final
 class GPTNeoX(Decoder):
     """GPT-NeoX / Pythia causal LM. Arrays in `blocks` are stacked over layers.
 
@@ -257,10 +261,10 @@ class GPTNeoX(Decoder):
     `key`, `dtype` (the parameters').
     """
 
-    embed: Float[Array, "vocab embd"]
+    embed: Float[Array, "vocab embed"]
     blocks: Block
     norm: LayerNorm
-    lm_head: Float[Array, "vocab embd"] | None
+    lm_head: Float[Array, "vocab embed"] | None
     config: GPTNeoXConfig = eqx.field(static=True)
 
     def __init__(self, config: GPTNeoXConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):

@@ -42,7 +42,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -82,6 +82,7 @@ _ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.
          "original_max_position_embeddings": 4096}  # GptOssConfig's rope_parameters when none are given
 
 
+@final
 @dataclasses.dataclass(frozen=True)
 class GptOssConfig:
     """The hyperparameters of a gpt-oss model, as read from a config.json.
@@ -213,6 +214,7 @@ def block(c: GptOssConfig, dtype: Any, *, key: PRNGKeyArray) -> PreNormBlock:
     return PreNormBlock(attn, c.mlp(dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
 
 
+@final
 class GptOss(Decoder):
     """gpt-oss causal LM. Arrays in `blocks` are stacked over layers.
 
@@ -225,10 +227,10 @@ class GptOss(Decoder):
     ```
     """
 
-    embed: Float[Array, "vocab embd"]
+    embed: Float[Array, "vocab embed"]
     blocks: PreNormBlock
-    norm: Float[Array, " embd"]
-    lm_head: Float[Array, "vocab embd"] | None
+    norm: Float[Array, " embed"]
+    lm_head: Float[Array, "vocab embed"] | None
     config: GptOssConfig = eqx.field(static=True)
 
     def __init__(self, config: GptOssConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -92,6 +92,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+@final
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
     """The hyperparameters of a Llama/Mistral/Qwen2/Qwen3/Phi-3 model, as read from a config.json.
@@ -168,7 +169,8 @@ class LlamaConfig:
         )
 
     def mlp(self, dtype: Any, key: PRNGKeyArray) -> GatedMLP | MoE:
-        """The feed-forward of one block: SwiGLU (mixture-of-experts families override this)."""
+        """The feed-forward of one block: SwiGLU of `intermediate_size` (a mixture-of-experts
+        family's sparse blocks take theirs from `block`'s `mlp`: `port.models.moe`)."""
         return GatedMLP(embd=self.hidden_size, inner=self.intermediate_size, activation="silu",
                         dtype=dtype, key=key, bias=self.mlp_bias)
 
@@ -229,7 +231,8 @@ def block(
     c: LlamaConfig, dtype: Any, *, key: PRNGKeyArray,
     mlp: Callable[[Any, PRNGKeyArray], GatedMLP | MoE] | None = None,
 ) -> PreNormBlock:
-    """One decoder layer: `c`'s attention and `c.mlp` (or `mlp`: another feed-forward, a dense layer)."""
+    """One decoder layer: `c`'s attention and `c.mlp` (or `mlp(dtype, key)`: another feed-forward,
+    such as a mixture of experts)."""
     kattn, kmlp = jax.random.split(key)
     attn = Attention(
         heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
@@ -240,6 +243,7 @@ def block(
                         eps=c.rms_norm_eps, dtype=dtype)
 
 
+@final
 class Llama(Decoder):
     """Llama / Mistral / Qwen2 / Qwen3 / Phi-3 causal LM. Arrays in `blocks` are stacked over layers.
 
@@ -247,10 +251,10 @@ class Llama(Decoder):
     segment_ids=None, cache=None, dtype=None, remat=None)`.
     """
 
-    embed: Float[Array, "vocab embd"]
+    embed: Float[Array, "vocab embed"]
     blocks: PreNormBlock
-    norm: Float[Array, " embd"]
-    lm_head: Float[Array, "vocab embd"] | None
+    norm: Float[Array, " embed"]
+    lm_head: Float[Array, "vocab embed"] | None
     config: LlamaConfig = eqx.field(static=True)
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):

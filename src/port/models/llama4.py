@@ -46,11 +46,12 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._text import quoted
@@ -99,6 +100,7 @@ _DEFAULTS: dict[str, Any] = {
 _THETA = 500000.0  # Llama4TextConfig.default_theta
 
 
+@final
 @dataclasses.dataclass(frozen=True)
 class Llama4Config:
     """Llama 4's text hyperparameters, as read from a config.json (`llama4_text`, or `llama4`'s `text_config`).
@@ -249,7 +251,7 @@ def _chunked_layers(config: dict, rope_layers: tuple[bool, ...], chunk: int | No
     return tuple(t == "chunked_attention" for t in types)
 
 
-def rotate_pairs(x: Float[Array, "batch seq heads head_dim"], cos: Array, sin: Array) -> Array:
+def rotate_pairs(x: Float[ArrayLike, "batch seq heads head_dim"], cos: ArrayLike, sin: ArrayLike) -> Array:
     """RoPE on adjacent pairs `(x[2i], x[2i+1])` by frequency i, in float32, as Llama 4's complex form.
 
     `cos`, `sin`: `[batch, seq, head_dim]` from `Rope.angles` (each frequency twice: the
@@ -311,12 +313,13 @@ def temperature(seq: int, index: Array | None, floor_scale: float, attn_scale: f
     return jnp.log1p(jnp.floor((slots.astype(jnp.float32) + 1.0) / floor_scale)) * attn_scale + 1.0
 
 
+@final
 class Block(eqx.Module):
     """One Llama 4 layer: attention (RoPE or NoPE, by the layer), then a dense MLP or the MoE."""
 
-    attn_norm: Float[Array, " embd"]
+    attn_norm: Float[Array, " embed"]
     attn: Attention
-    mlp_norm: Float[Array, " embd"]
+    mlp_norm: Float[Array, " embed"]
     mlp: GatedMLP | MoE
     config: Llama4Config = eqx.field(static=True)
 
@@ -340,9 +343,9 @@ class Block(eqx.Module):
         self.config = config
 
     def __call__(
-        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
+        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
         sin: Array, kv: KV | None, index: Array | None, layer: Array,
-    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         h, kv = self._attend(rms_norm(x, self.attn_norm, self.config.rms_norm_eps), mask, cos, sin, kv, index, layer)
         x = x + h
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.config.rms_norm_eps)), kv
@@ -367,6 +370,7 @@ class Block(eqx.Module):
         return (y if attn.bo is None else y + attn.bo), kv
 
 
+@final
 class Llama4(Decoder):
     """Llama 4 text causal LM: dense and MoE layers in two stacks (`dense`, `moe`; None where no
     layer has that kind), run in checkpoint order.
@@ -381,11 +385,11 @@ class Llama4(Decoder):
     ```
     """
 
-    embed: Float[Array, "vocab embd"]
+    embed: Float[Array, "vocab embed"]
     dense: Block | None
     moe: Block | None
-    norm: Float[Array, " embd"]
-    lm_head: Float[Array, "vocab embd"] | None
+    norm: Float[Array, " embed"]
+    lm_head: Float[Array, "vocab embed"] | None
     config: Llama4Config = eqx.field(static=True)
 
     def __init__(self, config: Llama4Config, *, key: PRNGKeyArray, dtype: Any = jnp.float32):

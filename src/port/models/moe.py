@@ -1,8 +1,10 @@
 """Mixtral, Qwen2-MoE and Qwen3-MoE: port's Llama blocks with a routed mixture of experts.
 
-Only what is new in these families lives here: reading their config.json into a
-`MoeConfig` (a `LlamaConfig`, attention, norms and RoPE, plus the experts) whose `mlp`
-builds each block's feed-forward as a `port.nn.MoE`. Its router picks the top
+Only what is new in these families lives here: reading their config.json (`read_config`)
+into a `LlamaConfig` (attention, norms, RoPE and the dense layers' MLP, as Llama's) and a
+`MoeConfig` (the experts) beside it, composed, not subclassed; `MoeConfig.mlp` builds each
+sparse block's feed-forward as a `port.nn.MoE`, and `port.models.llama.block` the block
+around it. Its router picks the top
 `num_experts_per_tok` experts of each token and only those run, as grouped matmuls over
 the (token, expert) pairs sorted by expert: the cost follows top-k, not the expert
 count. The experts are stacked on an axis after the layers' (`blocks.mlp.experts.gate`
@@ -36,6 +38,7 @@ Example:
     # Shapes only, no memory allocated (e.g. before loading a checkpoint):
     abstract = eqx.filter_eval_shape(Moe.from_config, config, key=jax.random.key(0))
     # abstract.blocks.mlp.experts.gate.shape == (32, 8, 14336, 4096)
+    llama, moe = read_config(config)   # LlamaConfig (attention, norms, RoPE) and MoeConfig (experts)
 
     small = {**config, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
@@ -47,7 +50,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import functools
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -58,7 +62,7 @@ from port._text import quoted
 from port._errors import ConfigError
 from port.models._config import MAX_LAYERS, check_model_type, get
 from port.models.llama import LlamaConfig, block
-from port.nn import Decoder, GatedMLP, MoE, PreNormBlock, Tokens, embeddings, head, rms_norm, run_groups, stacked
+from port.nn import Decoder, MoE, PreNormBlock, Tokens, embeddings, head, rms_norm, run_groups, stacked
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -80,76 +84,85 @@ _QWEN2_MOE_DEFAULTS: dict[str, Any] = {
 }
 
 
+@final
 @dataclasses.dataclass(frozen=True)
-class MoeConfig(LlamaConfig):
-    """A `LlamaConfig` (attention, norms, RoPE) plus the mixture of experts.
+class MoeConfig:
+    """The mixture of experts of a Mixtral / Qwen2-MoE / Qwen3-MoE model: what its
+    `LlamaConfig` (attention, norms, RoPE, the dense layers' MLP) does not hold.
 
     `moe_intermediate_size` is each routed expert's hidden size; `shared_intermediate_size`
     the shared expert's, or None without one. `weights_in_input_dtype`: the top-k weights
     are cast to the activations' dtype before weighting (Qwen2-MoE) rather than kept
     float32 (Mixtral); the same in float32. `sparse_layers`: per layer, whether its MLP
-    is the mixture of experts (True) or a dense SwiGLU of `intermediate_size`; () means
-    every layer is sparse.
+    is the mixture of experts (True) or the `LlamaConfig`'s dense SwiGLU.
+
+    ```python
+    llama, moe = read_config({"model_type": "qwen2_moe", "vocab_size": 101, "hidden_size": 48,
+                              "intermediate_size": 56, "num_hidden_layers": 2,
+                              "num_attention_heads": 6, "num_key_value_heads": 2, "num_experts": 6})
+    moe.num_experts, moe.num_experts_per_tok, moe.shared_intermediate_size   # (6, 4, 5632)
+    moe.kinds                                                                 # ("blocks", "blocks")
+    ```
     """
 
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-    moe_intermediate_size: int = 14336
-    norm_topk_prob: bool = True
-    shared_intermediate_size: int | None = None
-    weights_in_input_dtype: bool = False
-    sparse_layers: tuple[bool, ...] = ()
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int | None
+    weights_in_input_dtype: bool
+    sparse_layers: tuple[bool, ...]
 
     @property
     def kinds(self) -> tuple[str, ...]:
         """Each layer's stack in `Moe`: "blocks" (mixture of experts) or "dense"."""
-        sparse = self.sparse_layers or (True,) * self.num_hidden_layers
-        return tuple("blocks" if s else "dense" for s in sparse)
+        return tuple("blocks" if s else "dense" for s in self.sparse_layers)
 
-    @classmethod
-    def from_hf(cls, config: dict) -> MoeConfig:
-        """Build from a Hugging Face `config.json` dict; raises `ConfigError` if unsupported.
+    def mlp(self, llama: LlamaConfig, dtype: Any, key: PRNGKeyArray) -> MoE:
+        """The feed-forward of one sparse block: a `port.nn.MoE` routed as transformers routes it.
 
-        ```python
-        c = MoeConfig.from_hf({"model_type": "qwen2_moe", "vocab_size": 101, "hidden_size": 48,
-                               "intermediate_size": 56, "num_hidden_layers": 2,
-                               "num_attention_heads": 6, "num_key_value_heads": 2, "num_experts": 6})
-        c.num_experts, c.num_experts_per_tok, c.shared_intermediate_size   # (6, 4, 5632)
-        ```
-        """
-        model_type = check_model_type(config, MODEL_TYPES, "port.models.moe")
-        read = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}[model_type]
-        attention, moe = read(config)
-        if moe["num_experts_per_tok"] > moe["num_experts"]:
-            key = "num_local_experts" if model_type == "mixtral" else "num_experts"
-            raise ConfigError(
-                f"config.json: 'num_experts_per_tok' ({moe['num_experts_per_tok']}) is more than "
-                f"{key!r} ({moe['num_experts']})"
-            )
-        base = {f.name: getattr(attention, f.name) for f in dataclasses.fields(LlamaConfig)}
-        return cls(**{**base, "model_type": model_type, **moe})
-
-    def mlp(self, dtype: Any, key: PRNGKeyArray) -> MoE:
-        """The feed-forward of one block: a `port.nn.MoE` routed as transformers routes it.
-
-        **Arguments:** `dtype` (of the parameters), `key` (their initialisation).
+        **Arguments:** `llama` (the model's `LlamaConfig`: the hidden size and activation),
+        `dtype` (of the parameters), `key` (their initialisation).
 
         ```python
-        moe = MoeConfig.from_hf(config).mlp(jnp.float32, jax.random.key(0))
-        y = moe(x)   # x: [..., hidden_size]
+        llama, moe = read_config(config)
+        y = moe.mlp(llama, jnp.float32, jax.random.key(0))(x)   # x: [..., hidden_size]
         ```
         """
         return MoE(
-            embd=self.hidden_size, inner=self.moe_intermediate_size, experts=self.num_experts,
-            top_k=self.num_experts_per_tok, activation=self.hidden_act, dtype=dtype, key=key,
+            embd=llama.hidden_size, inner=self.moe_intermediate_size, experts=self.num_experts,
+            top_k=self.num_experts_per_tok, activation=llama.hidden_act, dtype=dtype, key=key,
             scoring="softmax", renormalise=self.norm_topk_prob,
             shared_inner=self.shared_intermediate_size, shared_gate=self.shared_intermediate_size is not None,
             weights_in_input_dtype=self.weights_in_input_dtype,
         )
 
-    def dense_mlp(self, dtype: Any, key: PRNGKeyArray) -> GatedMLP:
-        """The feed-forward of a dense layer (`mlp_only_layers`): SwiGLU of `intermediate_size`."""
-        return LlamaConfig.mlp(self, dtype, key)
+
+def read_config(config: dict) -> tuple[LlamaConfig, MoeConfig]:
+    """A Hugging Face `config.json` dict (model_type mixtral, qwen2_moe or qwen3_moe) read into
+    its attention side and its experts; raises `ConfigError` if unsupported.
+
+    **Arguments:** `config`, the config.json dict.
+
+    **Returns:** `(llama, moe)`: the `LlamaConfig` of the attention, norms, RoPE and dense
+    MLPs (transformers' defaults of the MoE family's config class where keys are absent),
+    and the `MoeConfig`.
+
+    ```python
+    llama, moe = read_config({**mixtral_config, "num_local_experts": 8})
+    llama.rms_norm_eps, moe.num_experts      # (1e-05, 8)
+    ```
+    """
+    model_type = check_model_type(config, MODEL_TYPES, "port.models.moe")
+    read = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}[model_type]
+    llama, moe = read(config)
+    if moe.num_experts_per_tok > moe.num_experts:
+        key = "num_local_experts" if model_type == "mixtral" else "num_experts"
+        raise ConfigError(
+            f"config.json: 'num_experts_per_tok' ({moe.num_experts_per_tok}) is more than "
+            f"{key!r} ({moe.num_experts})"
+        )
+    return dataclasses.replace(llama, model_type=model_type), moe
 
 
 def _with_defaults(config: dict, defaults: dict[str, Any]) -> dict:
@@ -157,22 +170,23 @@ def _with_defaults(config: dict, defaults: dict[str, Any]) -> dict:
     return {**defaults, **config}
 
 
-def _mixtral(config: dict) -> tuple[LlamaConfig, dict[str, Any]]:
+def _mixtral(config: dict) -> tuple[LlamaConfig, MoeConfig]:
     """Mixtral's attention is Mistral's (no biases, an optional sliding window on every layer)."""
     filled = _with_defaults(config, _MIXTRAL_DEFAULTS)  # no window unless given (Mistral: 4096)
     attention = LlamaConfig.from_hf({**filled, "model_type": "mistral"})
-    moe = dict(
+    moe = MoeConfig(
         num_experts=get(filled, "num_local_experts", int),
         num_experts_per_tok=get(filled, "num_experts_per_tok", int),
         moe_intermediate_size=attention.intermediate_size,
         norm_topk_prob=True,
         shared_intermediate_size=None,
         weights_in_input_dtype=False,
+        sparse_layers=(True,) * attention.num_hidden_layers,
     )
     return attention, moe
 
 
-def _qwen2_moe(config: dict) -> tuple[LlamaConfig, dict[str, Any]]:
+def _qwen2_moe(config: dict) -> tuple[LlamaConfig, MoeConfig]:
     """Qwen2-MoE's attention is Qwen2's, with q/k/v biases as `qkv_bias` says."""
     filled = _with_defaults(config, _QWEN2_MOE_DEFAULTS)
     layers = get(filled, "num_hidden_layers", int, maximum=MAX_LAYERS)
@@ -188,7 +202,7 @@ def _qwen2_moe(config: dict) -> tuple[LlamaConfig, dict[str, Any]]:
         ]
     attention = LlamaConfig.from_hf({**filled, "model_type": "qwen2"})
     attention = dataclasses.replace(attention, qkv_bias=get(filled, "qkv_bias", bool))
-    moe = dict(
+    moe = MoeConfig(
         sparse_layers=_sparse_layers(filled, layers),
         num_experts=get(filled, "num_experts", int),
         num_experts_per_tok=get(filled, "num_experts_per_tok", int),
@@ -200,7 +214,7 @@ def _qwen2_moe(config: dict) -> tuple[LlamaConfig, dict[str, Any]]:
     return attention, moe
 
 
-def _qwen3_moe(config: dict) -> tuple[LlamaConfig, dict[str, Any]]:
+def _qwen3_moe(config: dict) -> tuple[LlamaConfig, MoeConfig]:
     """Qwen3-MoE's attention is Qwen3's; its window, when `use_sliding_window`, covers every layer."""
     filled = _with_defaults(config, _QWEN3_MOE_DEFAULTS)
     if "num_local_experts" in config:  # transformers 5 saves `num_experts` under this name
@@ -212,7 +226,7 @@ def _qwen3_moe(config: dict) -> tuple[LlamaConfig, dict[str, Any]]:
     if get(filled, "use_sliding_window", bool) and filled.get("sliding_window") is not None:
         window = get(filled, "sliding_window", int)
         attention = dataclasses.replace(attention, sliding_window=window, sliding_layers=(True,) * layers)
-    moe = dict(
+    moe = MoeConfig(
         sparse_layers=_sparse_layers(filled, layers),
         num_experts=get(filled, "num_experts", int),
         num_experts_per_tok=get(filled, "num_experts_per_tok", int),
@@ -234,13 +248,15 @@ def _sparse_layers(config: dict, layers: int) -> tuple[bool, ...]:
     return tuple(i not in only and (i + 1) % step == 0 for i in range(layers))
 
 
+@final
 class Moe(Decoder):
     """Mixtral / Qwen2-MoE / Qwen3-MoE causal LM: Llama blocks whose `mlp` is a `port.nn.MoE`.
 
     Called as every `port.nn.Decoder` (masks, positions, segments, the cache, `dtype`,
     `remat`). `blocks` holds the sparse layers, stacked; `dense` the layers with a dense
     MLP (None when every layer is sparse, as in Mixtral); `layer_groups` says which
-    checkpoint layers each holds.
+    checkpoint layers each holds. `config` is the `LlamaConfig` (what every decoder
+    reads: layers, heads, the window), `moe` the `MoeConfig` beside it.
 
     ```python
     model = Moe.from_config(config, key=jax.random.key(0))
@@ -250,24 +266,24 @@ class Moe(Decoder):
     ```
     """
 
-    embed: Float[Array, "vocab embd"]
+    embed: Float[Array, "vocab embed"]
     blocks: PreNormBlock | None
     dense: PreNormBlock | None
-    norm: Float[Array, " embd"]
-    lm_head: Float[Array, "vocab embd"] | None
-    config: MoeConfig = eqx.field(static=True)
+    norm: Float[Array, " embed"]
+    lm_head: Float[Array, "vocab embed"] | None
+    config: LlamaConfig = eqx.field(static=True)
+    moe: MoeConfig = eqx.field(static=True)
 
-    def __init__(self, config: MoeConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
+    def __init__(self, config: LlamaConfig, moe: MoeConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kembed, kblocks, kdense = jax.random.split(key, 3)
         self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
                                               dtype=dtype, tied=config.tie_word_embeddings)
-        sparse, dense = config.kinds.count("blocks"), config.kinds.count("dense")
-        self.blocks = stacked(lambda k: block(config, dtype, key=k), kblocks, sparse) if sparse else None
-        self.dense = stacked(
-            lambda k: block(config, dtype, key=k, mlp=config.dense_mlp), kdense, dense
-        ) if dense else None
+        sparse, dense = moe.kinds.count("blocks"), moe.kinds.count("dense")
+        routed = functools.partial(moe.mlp, config)
+        self.blocks = stacked(lambda k: block(config, dtype, key=k, mlp=routed), kblocks, sparse) if sparse else None
+        self.dense = stacked(lambda k: block(config, dtype, key=k), kdense, dense) if dense else None
         self.norm = jnp.ones((config.hidden_size,), dtype)
-        self.config = config
+        self.config, self.moe = config, moe
 
     @classmethod
     def from_config(cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32) -> Moe:
@@ -276,12 +292,12 @@ class Moe(Decoder):
 
         **Arguments:** `config` (the config.json dict), `key`, `dtype` (of the parameters).
         """
-        return cls(MoeConfig.from_hf(config), key=key, dtype=dtype)
+        return cls(*read_config(config), key=key, dtype=dtype)
 
     @property
     def layer_groups(self) -> dict[str, tuple[int, ...]]:
         """The checkpoint layers `blocks` and `dense` hold; {} when every layer is sparse."""
-        kinds = self.config.kinds
+        kinds = self.moe.kinds
         if "dense" not in kinds:
             return {}
         return {kind: tuple(i for i, k in enumerate(kinds) if k == kind) for kind in ("blocks", "dense")}
@@ -292,5 +308,6 @@ class Moe(Decoder):
         x = self.embed[tokens.ids]
         cos, sin = c.rope.angles(tokens.positions, x.dtype)
         groups = {"blocks": self.blocks, "dense": self.dense}
-        x, cache = run_groups(groups, c.kinds, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, remat=remat)
+        x, cache = run_groups(groups, self.moe.kinds, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers,
+                              remat=remat)
         return head(rms_norm(x, self.norm, c.rms_norm_eps), self.embed, self.lm_head), cache

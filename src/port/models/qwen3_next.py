@@ -41,7 +41,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -89,6 +89,7 @@ _DEFAULTS: dict[str, Any] = {
 _EXPERTS = {"qwen3_next": (512, 10), "qwen3_5_moe": (256, 8)}  # num_experts, num_experts_per_tok
 
 
+@final
 @dataclasses.dataclass(frozen=True)
 class Qwen3NextConfig:
     """The hyperparameters of a Qwen3-Next / Qwen3.5 language model, read from config.json.
@@ -243,12 +244,13 @@ def _valid(mask: Bool[Array, "batch seq keys"], index: Array | None) -> Bool[Arr
     return jnp.diagonal(own, axis1=1, axis2=2)
 
 
+@final
 class LinearBlock(eqx.Module):
     """A Gated DeltaNet layer, then the feed-forward; `(1 + w)` RMSNorms before each."""
 
-    attn_norm: Float[Array, " embd"]
+    attn_norm: Float[Array, " embed"]
     attn: GatedDeltaNet
-    mlp_norm: Float[Array, " embd"]
+    mlp_norm: Float[Array, " embed"]
     mlp: MoE | GatedMLP
     eps: float = eqx.field(static=True)
 
@@ -265,9 +267,9 @@ class LinearBlock(eqx.Module):
         self.eps = c.rms_norm_eps
 
     def __call__(
-        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: Array, sin: Array,
+        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"], *, cos: Array, sin: Array,
         kv: State | None, index: Array | None, layer: Array,
-    ) -> tuple[Float[Array, "batch seq embd"], State | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], State | None]:
         h, kv = self.attn(rms_norm(x, self.attn_norm, self.eps, plus_one=True), _valid(mask, index), state=kv)
         x = x + h
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps, plus_one=True)), kv
@@ -285,6 +287,7 @@ def full_block(c: Qwen3NextConfig, dtype: Any, *, key: PRNGKeyArray) -> PreNormB
                         plus_one=True)
 
 
+@final
 class Qwen3Next(Decoder):
     """Qwen3-Next / Qwen3.5 causal LM: linear and full attention layers stacked apart.
 
@@ -298,11 +301,11 @@ class Qwen3Next(Decoder):
     ```
     """
 
-    embed: Float[Array, "vocab embd"]
+    embed: Float[Array, "vocab embed"]
     linear: LinearBlock | None
     full: PreNormBlock | None
-    norm: Float[Array, " embd"]
-    lm_head: Float[Array, "vocab embd"] | None
+    norm: Float[Array, " embed"]
+    lm_head: Float[Array, "vocab embed"] | None
     config: Qwen3NextConfig = eqx.field(static=True)
 
     def __init__(self, config: Qwen3NextConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):

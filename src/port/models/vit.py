@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._text import quoted
@@ -66,6 +67,7 @@ def _pair(config: dict, key: str, default: int) -> tuple[int, int]:
     return size, size
 
 
+@final
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
     """The hyperparameters of a ViT encoder, as read from a Hugging Face config.json."""
@@ -130,6 +132,7 @@ class ViTConfig:
         )
 
 
+@final
 class Layer(eqx.Module):
     """One pre-LayerNorm encoder layer: `x + attn(layernorm_before(x))`, then `x + mlp(layernorm_after(x))`."""
 
@@ -150,13 +153,14 @@ class Layer(eqx.Module):
         self.mlp = MLP(embd=e, inner=c.intermediate_size, activation=c.hidden_act, dtype=dtype, key=kmlp)
 
     def __call__(
-        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"]
-    ) -> Float[Array, "batch seq embd"]:
+        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"]
+    ) -> Float[Array, "batch seq embed"]:
         h, _ = self.attn(self.attn_norm(x), mask)
         x = x + h
         return x + self.mlp(self.mlp_norm(x))
 
 
+@final
 class ViT(eqx.Module):
     """The ViT encoder; `__call__` returns the last hidden state (final LayerNorm applied).
 
@@ -166,10 +170,10 @@ class ViT(eqx.Module):
 
     input_kind: ClassVar[str] = "pixel_values"  # what `port verify` feeds it
 
-    patch_weight: Float[Array, "embd channels patch_h patch_w"]
-    patch_bias: Float[Array, " embd"]
-    cls_token: Float[Array, " embd"]
-    position_embeddings: Float[Array, "positions embd"]
+    patch_weight: Float[Array, "embed channels patch_height patch_width"]
+    patch_bias: Float[Array, " embed"]
+    cls_token: Float[Array, " embed"]
+    position_embeddings: Float[Array, "positions embed"]
     layers: Layer
     norm: LayerNorm
     pooler: Pooler
@@ -194,11 +198,11 @@ class ViT(eqx.Module):
 
     def __call__(
         self,
-        pixel_values: Float[Array, "*batch channels height width"],
+        pixel_values: ArrayLike,  # floating (batch, channels, height, width) or unbatched; checked here
         *,
         dtype: Any = None,
         remat: Any = None,
-    ) -> Float[Array, "*batch seq embd"]:
+    ) -> Float[Array, "*batch seq embed"]:
         """The last hidden state, (batch, 1 + patches, embd), for (batch, channels, height, width) pixels.
 
         **Arguments:**
@@ -233,7 +237,7 @@ class ViT(eqx.Module):
         x = model.norm(x)
         return x if batched else x[0]
 
-    def _patches(self, pixels: Float[Array, "batch channels height width"]) -> Float[Array, "batch patches embd"]:
+    def _patches(self, pixels: Float[Array, "batch channels height width"]) -> Float[Array, "batch patches embed"]:
         """The Conv2d of kernel = stride = patch size, as patches times the flattened kernel.
 
         Patches go row by row (torch's `flatten(2)` of the (embd, rows, columns) output).
@@ -244,7 +248,7 @@ class ViT(eqx.Module):
         out = jnp.einsum("bcipjq,ecpq->bije", grid, self.patch_weight)
         return out.reshape(b, gh * gw, -1) + self.patch_bias
 
-    def pooled(self, hidden: Float[Array, "*batch seq embd"]) -> Float[Array, "*batch pooled"]:
+    def pooled(self, hidden: Float[Array, "... embed"]) -> Float[Array, "... embed_out"]:
         """ViT's pooler output, `pooler_act(dense(hidden[..., 0, :]))`, from `__call__`'s result.
 
         `hidden` is (batch, seq, embd), giving (batch, pooled), or unbatched (seq, embd),

@@ -4,7 +4,13 @@ A family file holds only what is new in it; norms, rotary embeddings, attention,
 the pre-norm decoder layer, the routed mixture of experts, multi-head latent attention (DeepSeek-V3), Gated
 DeltaNet linear attention (Qwen3-Next), the layer scan and layers of several kinds,
 inputs and masks, the key/value cache, greedy generation and the loss live here. Every layer works on batch-first arrays
-(`[batch, seq, embd]`); models accept `(batch, seq)` ids or one `(seq,)` sequence.
+(`[batch, seq, embed]`); models accept `(batch, seq)` ids or one `(seq,)` sequence.
+
+Axis names are one vocabulary (`AXES`, `REFINED`, `SHAPES`, written down in
+`port/nn/_axes.py`): a field annotated `Float[Array, "heads head_dim embed"]` is filled by
+a mapping entry whose `axes` are `["layers", "heads", "head_dim", "embed"]`. The test
+suite runs every layer and model with jaxtyping's run-time checks (beartype), so the
+annotations are checked contracts.
 
 ```python
 import port.nn as pnn
@@ -17,6 +23,9 @@ y, _ = attn(x, tokens.mask, cos=cos, sin=sin)
 from port.nn._attention import Attention as Attention
 from port.nn._attention import attend as attend
 from port.nn._attention import with_cache as with_cache
+from port.nn._axes import AXES as AXES
+from port.nn._axes import REFINED as REFINED
+from port.nn._axes import SHAPES as SHAPES
 from port.nn._block import PreNormBlock as PreNormBlock
 from port.nn._cache import Cache as Cache
 from port.nn._decoder import Decoder as Decoder

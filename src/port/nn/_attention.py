@@ -20,11 +20,12 @@ y, _ = attn(x, tokens.mask, cos=cos, sin=sin)           # x: [batch, seq, 512]
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port.nn._cache import write
@@ -37,14 +38,14 @@ KV = tuple[Array, Array]
 
 
 def attend(
-    q: Float[Array, "batch seq heads head_dim"],
-    k: Float[Array, "batch keys kv_heads head_dim"],
-    v: Float[Array, "batch keys kv_heads head_dim"],
-    mask: Bool[Array, "batch seq keys"],
+    q: Float[ArrayLike, "batch seq heads head_dim"],
+    k: Float[ArrayLike, "batch keys kv_heads head_dim"],
+    v: Float[ArrayLike, "batch keys kv_heads head_dim"],
+    mask: Bool[ArrayLike, "batch seq keys"],
     *,
     scale: float,
     softcap: float | None = None,
-    sinks: Float[Array, " heads"] | None = None,
+    sinks: Float[ArrayLike, " heads"] | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Softmax attention of `q` over `k`/`v` where `mask` allows; query head h uses kv head
     h // (heads / kv_heads).
@@ -97,7 +98,7 @@ def attend(
 
 def with_cache(
     k: Float[Array, "batch seq kv_heads head_dim"],
-    v: Float[Array, "batch seq kv_heads head_dim"],
+    v: Float[Array, "batch seq kv_heads v_dim"],
     kv: KV | None,
     index: Array | None,
 ) -> tuple[Array, Array, KV | None]:
@@ -128,6 +129,7 @@ def with_cache(
     return keys, values, (keys, values)
 
 
+@final
 class Attention(eqx.Module):
     """Self-attention with per-head torch-`Linear` weights (see the module's docstring).
 
@@ -158,18 +160,18 @@ class Attention(eqx.Module):
     ```
     """
 
-    wq: Float[Array, "heads head_dim embd"]
-    wk: Float[Array, "kv_heads head_dim embd"]
-    wv: Float[Array, "kv_heads head_dim embd"]
-    wo: Float[Array, "embd heads head_dim"]
+    wq: Float[Array, "heads head_dim embed"]
+    wk: Float[Array, "kv_heads head_dim embed"]
+    wv: Float[Array, "kv_heads head_dim embed"]
+    wo: Float[Array, "embed heads head_dim"]
     bq: Float[Array, "heads head_dim"] | None
     bk: Float[Array, "kv_heads head_dim"] | None
     bv: Float[Array, "kv_heads head_dim"] | None
-    bo: Float[Array, " embd"] | None
+    bo: Float[Array, " embed"] | None
     q_norm: Float[Array, " head_dim"] | None
     k_norm: Float[Array, " head_dim"] | None
     sinks: Float[Array, " heads"] | None
-    wg: Float[Array, "heads head_dim embd"] | None
+    wg: Float[Array, "heads head_dim embed"] | None
     bg: Float[Array, "heads head_dim"] | None
     scale: float = eqx.field(static=True)
     softcap: float | None = eqx.field(static=True)
@@ -212,7 +214,7 @@ class Attention(eqx.Module):
         self.plus_one = plus_one
 
     def project(
-        self, x: Float[Array, "batch seq embd"], cos: Array | None, sin: Array | None
+        self, x: Float[Array, "batch seq embed"], cos: Array | None, sin: Array | None
     ) -> tuple[Array, Array, Array]:
         """Queries, keys and values `[batch, seq, heads or kv_heads, head_dim]`, normed and rotated."""
 
@@ -230,14 +232,14 @@ class Attention(eqx.Module):
 
     def __call__(
         self,
-        x: Float[Array, "batch seq embd"],
+        x: Float[Array, "batch seq embed"],
         mask: Bool[Array, "batch seq keys"],
         *,
         cos: Array | None = None,
         sin: Array | None = None,
         kv: KV | None = None,
         index: Array | None = None,
-    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         q, k, v = self.project(x, cos, sin)
         k, v, kv = with_cache(k, v, kv, index)
         out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap, sinks=self.sinks)

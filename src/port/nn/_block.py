@@ -14,7 +14,7 @@ y, kv = block(x, tokens.mask, cos=cos, sin=sin, kv=None, index=None, layer=0)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -23,6 +23,7 @@ from jaxtyping import Array, Bool, Float
 from port.nn._norm import rms_norm
 
 
+@final
 class PreNormBlock(eqx.Module):
     """One decoder layer with an RMSNorm before its attention and before its feed-forward.
 
@@ -51,9 +52,9 @@ class PreNormBlock(eqx.Module):
     ```
     """
 
-    attn_norm: Float[Array, " embd"]
+    attn_norm: Float[Array, " embed"]
     attn: Any
-    mlp_norm: Float[Array, " embd"]
+    mlp_norm: Float[Array, " embed"]
     mlp: Any
     eps: float = eqx.field(static=True)
     plus_one: bool = eqx.field(static=True)
@@ -65,9 +66,9 @@ class PreNormBlock(eqx.Module):
         self.eps, self.plus_one = eps, plus_one
 
     def __call__(
-        self, x: Float[Array, "batch seq embd"], mask: Bool[Array, "batch seq keys"], *, cos: Array | None,
+        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"], *, cos: Array | None,
         sin: Array | None, kv: Any, index: Array | None, layer: Array | None = None,
-    ) -> tuple[Float[Array, "batch seq embd"], Any]:
+    ) -> tuple[Float[Array, "batch seq embed"], Any]:
         h, kv = self.attn(rms_norm(x, self.attn_norm, self.eps, plus_one=self.plus_one), mask,
                           cos=cos, sin=sin, kv=kv, index=index)
         x = x + h

@@ -16,7 +16,7 @@ logits, cache = model(next_ids[:, None], cache=cache)                         # 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 
+@final
 class Cache(eqx.Module):
     """Keys and values of every layer, `[layers, batch, length, kv_heads, head_dim]`.
 

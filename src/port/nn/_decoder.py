@@ -28,7 +28,8 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jax.typing import ArrayLike
+from jaxtyping import Array, Float
 
 from port.nn._cache import Cache
 from port.nn._precision import cast
@@ -122,7 +123,7 @@ class Decoder(eqx.Module):
 
     def __call__(
         self,
-        input_ids: Int[Array, "*batch seq"],
+        input_ids: ArrayLike,  # integer (batch, seq) or (seq,): checked by `prepare`, which names it
         *,
         attention_mask: Any = None,
         positions: Any = None,

@@ -23,7 +23,7 @@ y, state = net(x, state=net.empty_state(batch))   # prefill, then one token at a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -61,15 +61,15 @@ def _prepare(q: Array, k: Array, v: Array, g: Array, beta: Array, normalize: boo
 
 
 def recurrent_gated_delta_rule(
-    q: Float[Array, "batch seq key_heads key_dim"],
-    k: Float[Array, "batch seq key_heads key_dim"],
-    v: Float[Array, "batch seq heads value_dim"],
-    g: Float[Array, "batch seq heads"],
-    beta: Float[Array, "batch seq heads"],
+    q: Float[Array, "batch seq linear_heads key_dim"],
+    k: Float[Array, "batch seq linear_heads key_dim"],
+    v: Float[Array, "batch seq linear_v_heads value_dim"],
+    g: Float[Array, "batch seq linear_v_heads"],
+    beta: Float[Array, "batch seq linear_v_heads"],
     *,
-    initial_state: Float[Array, "batch heads key_dim value_dim"] | None = None,
+    initial_state: Float[Array, "batch linear_v_heads key_dim value_dim"] | None = None,
     normalize: bool = True,
-) -> tuple[Float[Array, "batch seq heads value_dim"], Float[Array, "batch heads key_dim value_dim"]]:
+) -> tuple[Float[Array, "batch seq linear_v_heads value_dim"], Float[Array, "batch linear_v_heads key_dim value_dim"]]:
     """The gated delta rule one token at a time (decoding; any length).
 
     **Arguments:**
@@ -124,16 +124,16 @@ def _unit_lower_inverse(lower: Float[Array, "... n n"]) -> Float[Array, "... n n
 
 
 def chunk_gated_delta_rule(
-    q: Float[Array, "batch seq key_heads key_dim"],
-    k: Float[Array, "batch seq key_heads key_dim"],
-    v: Float[Array, "batch seq heads value_dim"],
-    g: Float[Array, "batch seq heads"],
-    beta: Float[Array, "batch seq heads"],
+    q: Float[Array, "batch seq linear_heads key_dim"],
+    k: Float[Array, "batch seq linear_heads key_dim"],
+    v: Float[Array, "batch seq linear_v_heads value_dim"],
+    g: Float[Array, "batch seq linear_v_heads"],
+    beta: Float[Array, "batch seq linear_v_heads"],
     *,
     chunk_size: int = 64,
-    initial_state: Float[Array, "batch heads key_dim value_dim"] | None = None,
+    initial_state: Float[Array, "batch linear_v_heads key_dim value_dim"] | None = None,
     normalize: bool = True,
-) -> tuple[Float[Array, "batch seq heads value_dim"], Float[Array, "batch heads key_dim value_dim"]]:
+) -> tuple[Float[Array, "batch seq linear_v_heads value_dim"], Float[Array, "batch linear_v_heads key_dim value_dim"]]:
     """The gated delta rule `chunk_size` tokens at a time: matmuls within a chunk (the UT
     transform: a unit lower-triangular system, inverted by matmuls), a scan over chunks. Equal to
     `recurrent_gated_delta_rule`, differentiable, and what prefill and training use.
@@ -187,8 +187,8 @@ def chunk_gated_delta_rule(
 
 
 def causal_conv(
-    x: Float[Array, "batch seq heads dim"], weight: Float[Array, "heads dim kernel"], state: Array | None
-) -> tuple[Float[Array, "batch seq heads dim"], Array]:
+    x: Float[Array, "batch seq groups dim"], weight: Float[Array, "groups dim kernel"], state: Array | None
+) -> tuple[Float[Array, "batch seq groups dim"], Array]:
     """Depthwise causal conv1d then SiLU, after the `kernel - 1` inputs of `state` (None: zeros).
 
     **Arguments:** `x` `[batch, seq, heads, dim]`; `weight` `[heads, dim, kernel]` (the
@@ -230,6 +230,7 @@ def gated_rms_norm(
     return (h.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
+@final
 class GatedDeltaNet(eqx.Module):
     """Gated DeltaNet linear attention (see the module's docstring).
 
@@ -252,19 +253,19 @@ class GatedDeltaNet(eqx.Module):
     ```
     """
 
-    wq: Float[Array, "key_heads key_dim embd"]
-    wk: Float[Array, "key_heads key_dim embd"]
-    wv: Float[Array, "heads value_dim embd"]
-    wz: Float[Array, "heads value_dim embd"]
-    wb: Float[Array, "heads embd"]
-    wa: Float[Array, "heads embd"]
-    conv_q: Float[Array, "key_heads key_dim kernel"]
-    conv_k: Float[Array, "key_heads key_dim kernel"]
-    conv_v: Float[Array, "heads value_dim kernel"]
-    dt_bias: Float[Array, " heads"]
-    a_log: Float[Array, " heads"]
+    wq: Float[Array, "linear_heads key_dim embed"]
+    wk: Float[Array, "linear_heads key_dim embed"]
+    wv: Float[Array, "linear_v_heads value_dim embed"]
+    wz: Float[Array, "linear_v_heads value_dim embed"]
+    wb: Float[Array, "linear_v_heads embed"]
+    wa: Float[Array, "linear_v_heads embed"]
+    conv_q: Float[Array, "linear_heads key_dim kernel"]
+    conv_k: Float[Array, "linear_heads key_dim kernel"]
+    conv_v: Float[Array, "linear_v_heads value_dim kernel"]
+    dt_bias: Float[Array, " linear_v_heads"]
+    a_log: Float[Array, " linear_v_heads"]
     norm: Float[Array, " value_dim"]
-    wo: Float[Array, "embd heads value_dim"]
+    wo: Float[Array, "embed linear_v_heads value_dim"]
     eps: float = eqx.field(static=True)
     chunk_size: int = eqx.field(static=True)
 
@@ -296,9 +297,9 @@ class GatedDeltaNet(eqx.Module):
         return conv, jnp.zeros((batch, heads, self.wq.shape[1], value_dim), jnp.float32)
 
     def __call__(
-        self, x: Float[Array, "batch seq embd"], valid: Bool[Array, "batch seq"] | None = None, *,
+        self, x: Float[Array, "batch seq embed"], valid: Bool[Array, "batch seq"] | None = None, *,
         state: State | None = None,
-    ) -> tuple[Float[Array, "batch seq embd"], State | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], State | None]:
         if valid is not None:
             x = x * valid[..., None].astype(x.dtype)
         proj = lambda w: jnp.einsum("bte,hde->bthd", x, w)

@@ -19,7 +19,7 @@ from port.nn._init import normal
 
 def embeddings(
     key: PRNGKeyArray, *, vocab: int, embd: int, dtype: Any, tied: bool
-) -> tuple[Float[Array, "vocab embd"], Float[Array, "vocab embd"] | None]:
+) -> tuple[Float[Array, "vocab embed"], Float[Array, "vocab embed"] | None]:
     """A token embedding table and an output head of the same shape, or None when tied.
 
     **Arguments:**
@@ -42,7 +42,7 @@ def embeddings(
 
 
 def head(
-    x: Float[Array, "*batch seq embd"], embed: Float[Array, "vocab embd"], lm_head: Float[Array, "vocab embd"] | None
+    x: Float[Array, "*batch seq embed"], embed: Float[Array, "vocab embed"], lm_head: Float[Array, "vocab embed"] | None
 ) -> Float[Array, "*batch seq vocab"]:
     """The logits of hidden states `x`: `x @ lm_head.T`, or `x @ embed.T` when the head is tied.
 

@@ -84,7 +84,7 @@ def generate(
     model: Any,
     input_ids: Any,
     *,
-    max_new_tokens: int,
+    max_new_tokens: Any,  # a positive integer: checked here, one line naming it
     attention_mask: Any = None,
     eos_token_id: int | None = None,
     pad_token_id: int = 0,

@@ -29,7 +29,7 @@ from port.nn._tokens import Tokens
 
 def run_layers(
     blocks: Any,
-    x: Float[Array, "batch seq embd"],
+    x: Float[Array, "batch seq embed"],
     tokens: Tokens,
     *,
     cos: Array | None = None,
@@ -37,7 +37,7 @@ def run_layers(
     sliding: Sequence[bool] | None = None,
     sliding_rope: tuple[Array, Array] | None = None,
     remat: bool | str | Callable[..., bool] | None = None,
-) -> tuple[Float[Array, "batch seq embd"], tuple[Array | None, Array | None]]:
+) -> tuple[Float[Array, "batch seq embed"], tuple[Array | None, Array | None]]:
     """Run stacked `blocks` over `x`.
 
     **Arguments:**
@@ -87,14 +87,14 @@ def _first_leaf(tree: Any) -> Array:
 def run_groups(
     groups: Mapping[str, Any],
     kinds: Sequence[str],
-    x: Float[Array, "batch seq embd"],
+    x: Float[Array, "batch seq embed"],
     tokens: Tokens,
     *,
     cos: Array | None = None,
     sin: Array | None = None,
     sliding: Sequence[bool] | None = None,
     remat: bool | str | Callable[..., bool] | None = None,
-) -> tuple[Float[Array, "batch seq embd"], tuple[Any, Any, Any]]:
+) -> tuple[Float[Array, "batch seq embed"], tuple[Any, Any, Any]]:
     """Run layers of several kinds, each kind's blocks stacked apart, in the checkpoint's order.
 
     A model whose layers differ (dense MLPs among mixture-of-experts layers, linear and

@@ -12,11 +12,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int
 
 
 def next_token_loss(
-    logits: Float[Array, "batch seq vocab"], input_ids: Int[Array, "batch seq"], attention_mask: Any = None
+    logits: Float[Array, "*batch seq vocab"], input_ids: Int[ArrayLike, "*batch seq"], attention_mask: Any = None
 ) -> Float[Array, ""]:
     """Mean cross-entropy of predicting each token from those before it, over real tokens.
 

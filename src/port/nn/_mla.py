@@ -24,7 +24,7 @@ y, _ = attn(x, tokens.mask, cos=cos, sin=sin)       # x: [batch, seq, 256] -> y:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -37,6 +37,7 @@ from port.nn._norm import rms_norm
 from port.nn._rope import apply_rope
 
 
+@final
 class LatentAttention(eqx.Module):
     """Multi-head latent attention with torch-`Linear` weights split per head (see the module's docstring).
 
@@ -77,20 +78,20 @@ class LatentAttention(eqx.Module):
     ```
     """
 
-    wq: Float[Array, "heads qk embd"] | None
-    wq_a: Float[Array, "q_rank embd"] | None
+    wq: Float[Array, "heads qk_dim embed"] | None
+    wq_a: Float[Array, "q_rank embed"] | None
     bq_a: Float[Array, " q_rank"] | None
     q_norm: Float[Array, " q_rank"] | None
-    wq_b: Float[Array, "heads qk q_rank"] | None
-    wkv_a: Float[Array, "kv_rank embd"]
+    wq_b: Float[Array, "heads qk_dim q_rank"] | None
+    wkv_a: Float[Array, "kv_rank embed"]
     bkv_a: Float[Array, " kv_rank"] | None
-    wk_rope: Float[Array, "rope embd"]
-    bk_rope: Float[Array, " rope"] | None
+    wk_rope: Float[Array, "rope_dim embed"]
+    bk_rope: Float[Array, " rope_dim"] | None
     kv_norm: Float[Array, " kv_rank"]
-    wk_b: Float[Array, "heads nope kv_rank"]
-    wv_b: Float[Array, "heads v kv_rank"]
-    wo: Float[Array, "embd heads v"]
-    bo: Float[Array, " embd"] | None
+    wk_b: Float[Array, "heads nope_dim kv_rank"]
+    wv_b: Float[Array, "heads v_dim kv_rank"]
+    wo: Float[Array, "embed heads v_dim"]
+    bo: Float[Array, " embed"] | None
     nope_dim: int = eqx.field(static=True)
     rope_dim: int = eqx.field(static=True)
     scale: float = eqx.field(static=True)
@@ -119,7 +120,7 @@ class LatentAttention(eqx.Module):
         low_rank = q_rank is not None
         self.wq = None if low_rank else normal(keys[0], (heads, qk, embd), dtype)
         self.wq_a = normal(keys[1], (q_rank, embd), dtype) if low_rank else None
-        self.bq_a = zeros_if(low_rank and bias, (q_rank,), dtype)
+        self.bq_a = zeros_if(bias, (q_rank,), dtype) if low_rank else None
         self.q_norm = jnp.ones((q_rank,), dtype) if low_rank else None
         self.wq_b = normal(keys[2], (heads, qk, q_rank), dtype) if low_rank else None
         self.wkv_a = normal(keys[3], (kv_rank, embd), dtype)
@@ -150,7 +151,7 @@ class LatentAttention(eqx.Module):
             x = jnp.concatenate((x[..., 0::2], x[..., 1::2]), axis=-1)
         return apply_rope(x, cos, sin)
 
-    def queries(self, x: Float[Array, "batch seq embd"], cos: Array | None, sin: Array | None) -> Array:
+    def queries(self, x: Float[Array, "batch seq embed"], cos: Array | None, sin: Array | None) -> Array:
         """Queries `[batch, seq, heads, nope_dim + rope_dim]`, their rotary part rotated."""
         if self.wq is not None:
             q = jnp.einsum("bte,hde->bthd", x, self.wq)
@@ -160,7 +161,7 @@ class LatentAttention(eqx.Module):
             q = jnp.einsum("btr,hdr->bthd", rms_norm(a, self.q_norm, self.norm_eps), self.wq_b)
         return jnp.concatenate((q[..., : self.nope_dim], self._rotate(q[..., self.nope_dim :], cos, sin)), axis=-1)
 
-    def latents(self, x: Float[Array, "batch seq embd"], cos: Array | None, sin: Array | None) -> KV:
+    def latents(self, x: Float[Array, "batch seq embed"], cos: Array | None, sin: Array | None) -> KV:
         """What the cache holds for `x`: the normed latent `[batch, seq, 1, kv_rank]` and the
         rotated shared key `[batch, seq, 1, rope_dim]`."""
         latent = jnp.einsum("bte,re->btr", x, self.wkv_a)
@@ -171,14 +172,14 @@ class LatentAttention(eqx.Module):
 
     def __call__(
         self,
-        x: Float[Array, "batch seq embd"],
+        x: Float[Array, "batch seq embed"],
         mask: Bool[Array, "batch seq keys"],
         *,
         cos: Array | None = None,
         sin: Array | None = None,
         kv: KV | None = None,
         index: Array | None = None,
-    ) -> tuple[Float[Array, "batch seq embd"], KV | None]:
+    ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         q = self.queries(x, cos, sin)
         latent, rope = self.latents(x, cos, sin)
         latent, rope, kv = with_cache(latent, rope, kv, index)

@@ -12,7 +12,7 @@ y = mlp(x)                                  # down(gelu(up x + b) ) + b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -63,6 +63,7 @@ def clamped_swiglu(gate: Array, up: Array, *, alpha: float, limit: float) -> Arr
     return (up + jnp.asarray(1, up.dtype)) * glu
 
 
+@final
 class GatedMLP(eqx.Module):
     """`down(act(gate x) * up x)`: SwiGLU (Llama), GeGLU (Gemma); optional biases; gpt-oss's clamped SwiGLU.
 
@@ -86,12 +87,12 @@ class GatedMLP(eqx.Module):
     ```
     """
 
-    gate: Float[Array, "inner embd"]
-    up: Float[Array, "inner embd"]
-    down: Float[Array, "embd inner"]
-    bgate: Float[Array, " inner"] | None
-    bup: Float[Array, " inner"] | None
-    bdown: Float[Array, " embd"] | None
+    gate: Float[Array, "mlp embed"]
+    up: Float[Array, "mlp embed"]
+    down: Float[Array, "embed mlp"]
+    bgate: Float[Array, " mlp"] | None
+    bup: Float[Array, " mlp"] | None
+    bdown: Float[Array, " embed"] | None
     activation: str = eqx.field(static=True)
     limit: float | None = eqx.field(static=True)
     alpha: float = eqx.field(static=True)
@@ -119,11 +120,12 @@ class GatedMLP(eqx.Module):
             return clamped_swiglu(gate, up, alpha=self.alpha, limit=self.limit)
         return ACTIVATIONS[self.activation](gate) * up
 
-    def __call__(self, x: Float[Array, "... embd"]) -> Float[Array, "... embd"]:
+    def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
         h = self.glu(linear(x, self.gate, self.bgate), linear(x, self.up, self.bup))
         return linear(h, self.down, self.bdown)
 
 
+@final
 class MLP(eqx.Module):
     """`down(act(up x + bup)) + bdown`: the feed-forward of GPT-NeoX, BERT and ViT.
 
@@ -144,10 +146,10 @@ class MLP(eqx.Module):
     ```
     """
 
-    up: Float[Array, "inner embd"]
-    bup: Float[Array, " inner"]
-    down: Float[Array, "embd inner"]
-    bdown: Float[Array, " embd"]
+    up: Float[Array, "mlp embed"]
+    bup: Float[Array, " mlp"]
+    down: Float[Array, "embed mlp"]
+    bdown: Float[Array, " embed"]
     activation: str = eqx.field(static=True)
 
     def __init__(self, *, embd: int, inner: int, activation: str, dtype: Any, key: PRNGKeyArray):
@@ -156,5 +158,5 @@ class MLP(eqx.Module):
         self.down, self.bdown = normal(kd, (embd, inner), dtype), jnp.zeros((embd,), dtype)
         self.activation = activation
 
-    def __call__(self, x: Float[Array, "... embd"]) -> Float[Array, "... embd"]:
+    def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
         return linear(ACTIVATIONS[self.activation](linear(x, self.up, self.bup)), self.down, self.bdown)

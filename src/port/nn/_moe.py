@@ -17,11 +17,12 @@ y = moe(x)                       # x: [..., 512]
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from port.nn._init import normal, stacked, zeros_if
@@ -39,16 +40,16 @@ def grouped(x: Float[Array, "rows in"], weights: Float[Array, "experts out in"],
 
 
 def route(
-    logits: Float[Array, "tokens experts"],
+    logits: Float[ArrayLike, "tokens experts"],
     top_k: int,
     *,
     scoring: str = "softmax",
     renormalise: bool = True,
-    selection_bias: Float[Array, " experts"] | None = None,
+    selection_bias: Float[ArrayLike, " experts"] | None = None,
     groups: int = 1,
     top_groups: int = 1,
     scale: float = 1.0,
-) -> tuple[Float[Array, "tokens k"], Int[Array, "tokens k"]]:
+) -> tuple[Float[Array, "tokens top_k"], Int[Array, "tokens top_k"]]:
     """Each token's `top_k` experts and their weights (float32), as transformers' routers choose them.
 
     **Arguments:**
@@ -90,6 +91,7 @@ def route(
     return weights * scale, index
 
 
+@final
 class MoE(eqx.Module):
     """Routed gated-MLP experts (`experts`, arrays `[experts, ...]`), an optional shared expert.
 
@@ -125,12 +127,12 @@ class MoE(eqx.Module):
     ```
     """
 
-    router: Float[Array, "experts embd"]
+    router: Float[Array, "experts embed"]
     router_bias: Float[Array, " experts"] | None
     selection_bias: Float[Array, " experts"] | None
     experts: GatedMLP
     shared: GatedMLP | None
-    shared_gate: Float[Array, " embd"] | None
+    shared_gate: Float[Array, " embed"] | None
     top_k: int = eqx.field(static=True)
     scoring: str = eqx.field(static=True)
     renormalise: bool = eqx.field(static=True)
@@ -181,7 +183,7 @@ class MoE(eqx.Module):
         self.weights_in_input_dtype = weights_in_input_dtype
         self.weight_inputs = weight_inputs
 
-    def __call__(self, x: Float[Array, "... embd"]) -> Float[Array, "... embd"]:
+    def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, index = route(

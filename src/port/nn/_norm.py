@@ -13,7 +13,7 @@ y = norm(x)                                     # any leading axes; normalises t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -22,8 +22,8 @@ from jaxtyping import Array, Float
 
 
 def rms_norm(
-    x: Float[Array, "*rest embd"], weight: Float[Array, " embd"], eps: float, *, plus_one: bool = False
-) -> Float[Array, "*rest embd"]:
+    x: Float[Array, "*rest embed"], weight: Float[Array, " embed"], eps: float, *, plus_one: bool = False
+) -> Float[Array, "*rest embed"]:
     """Root-mean-square normalisation over the last axis, scaled by `weight`.
 
     **Arguments:**
@@ -47,6 +47,7 @@ def rms_norm(
     return weight * h.astype(x.dtype)
 
 
+@final
 class LayerNorm(eqx.Module):
     """Layer normalisation over the last axis, with an optional bias.
 
@@ -67,8 +68,8 @@ class LayerNorm(eqx.Module):
     ```
     """
 
-    weight: Float[Array, " embd"]
-    bias: Float[Array, " embd"] | None
+    weight: Float[Array, " embed"]
+    bias: Float[Array, " embed"] | None
     eps: float = eqx.field(static=True)
 
     def __init__(self, size: int, *, eps: float, dtype: Any, bias: bool = True):
@@ -76,7 +77,7 @@ class LayerNorm(eqx.Module):
         self.bias = jnp.zeros((size,), dtype) if bias else None
         self.eps = eps
 
-    def __call__(self, x: Float[Array, "*rest embd"]) -> Float[Array, "*rest embd"]:
+    def __call__(self, x: Float[Array, "*rest embed"]) -> Float[Array, "*rest embed"]:
         h = x.astype(jnp.float32)
         mean = jnp.mean(h, axis=-1, keepdims=True)
         var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)

@@ -9,7 +9,7 @@ pooled = pooler(hidden, jnp.tanh, "BERT")      # hidden: (batch, seq, 64) -> (ba
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -19,6 +19,7 @@ from port.nn._init import normal
 from port.nn._mlp import linear
 
 
+@final
 class Pooler(eqx.Module):
     """An encoder's pooler: `activation(dense(hidden[..., 0, :]))`, the first token's state.
 
@@ -42,16 +43,16 @@ class Pooler(eqx.Module):
     ```
     """
 
-    weight: Float[Array, "out embd"] | None
-    bias: Float[Array, " out"] | None
+    weight: Float[Array, "embed_out embed"] | None
+    bias: Float[Array, " embed_out"] | None
 
     def __init__(self, embd: int, out: int, dtype: Any, *, key: PRNGKeyArray):
         self.weight = normal(key, (out, embd), dtype)
         self.bias = jnp.zeros((out,), dtype)
 
     def __call__(
-        self, hidden: Float[Array, "*batch seq embd"], activation: Callable[[Array], Array], name: str
-    ) -> Float[Array, "*batch out"]:
+        self, hidden: Float[Array, "... embed"], activation: Callable[[Array], Array], name: str
+    ) -> Float[Array, "... embed_out"]:  # hidden (batch, seq, embed) or (seq, embed): checked here
         if self.weight is None:  # port leaves absent leaves None
             raise ValueError(
                 f"this {name} checkpoint has no pooler weights ('pooler.dense.weight'); "

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, final
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +33,7 @@ KINDS = ("default", "linear", "llama3", "yarn", "longrope")
 """The `rope_type`s port computes, as transformers' `ROPE_INIT_FUNCTIONS` does."""
 
 
+@final
 @dataclasses.dataclass(frozen=True)
 class Rope:
     """RoPE settings; `inv_freq` and `angles` compute what transformers computes from them.

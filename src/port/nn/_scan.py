@@ -30,7 +30,7 @@ def scan(
     carry: Any,
     blocks: Any,
     *per_layer: Any,
-    remat: bool | str | Callable[..., bool] | None = None,
+    remat: Any = None,  # bool, a policy's name, a policy or None: checked here, one line naming it
 ) -> tuple[Any, Any]:
     """Run `layer(block_i, carry, *per_layer_i) -> (carry, out_i)` over stacked `blocks`.
 
@@ -69,7 +69,7 @@ def scan(
     return jax.lax.scan(checkpointed(step, remat), carry, (params, *per_layer))
 
 
-def checkpointed(step: Callable[..., Any], remat: bool | str | Callable[..., bool] | None) -> Callable[..., Any]:
+def checkpointed(step: Callable[..., Any], remat: Any) -> Callable[..., Any]:
     """`step` under `jax.checkpoint` as `remat` asks (see `scan`); `step` itself for None or False."""
     if remat is None or remat is False:
         return step

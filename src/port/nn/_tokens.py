@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -35,6 +35,7 @@ from port.nn._cache import Cache
 from port.nn._inputs import batch_first, check_ids, check_like
 
 
+@final
 class Tokens(eqx.Module):
     """A decoder call's tokens, batch-first, with their positions and masks (see `prepare`).
 

@@ -1,0 +1,89 @@
+"""The axis vocabulary: one name per axis, in jaxtyping annotations and in mappings alike.
+
+A parameter's axis has one name wherever it is written: the annotation of the layer's
+field (`wq: Float[Array, "heads head_dim embed"]`), checked at run time in the test
+suite, and the logical axes of the mapping entry that fills it (`axes = ["layers",
+"heads", "head_dim", "embed"]`), which the mapping's `[rules]` place on mesh axes.
+
+- `AXES`: the logical axes of parameters, the names mappings use (`axes`, `[rules]`);
+  annotations use them too. `layers` (and `experts`, for stacked experts) is the
+  leading axis `port.nn.stacked` adds: an annotation describes one layer, so only
+  mappings write `layers`.
+- `REFINED`: where one layer holds two sizes that a mapping gives one logical axis
+  (DeepSeek-V3's query and key/value ranks are both `lora`), the annotation tells them
+  apart by a name of its own; each maps to its logical axis.
+- `SHAPES`: axes of activations and of generic helpers, never of a parameter
+  (`batch`, `seq`, ...); only annotations use them.
+
+| name | what it is | in |
+|---|---|---|
+| `layers` | stacked layers of one kind | mappings |
+| `vocab`, `embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `experts`, ... | see `AXES` | both |
+| `q_rank`, `kv_rank`, `qk_dim`, `nope_dim`, `rope_dim`, `v_dim`, `key_dim`, `value_dim` | see `REFINED` | annotations |
+| `batch`, `seq`, `keys`, `length`, ... | see `SHAPES` | annotations |
+
+```python
+AXES["embed"]          # "the hidden size (hidden_size, n_embd)"
+REFINED["kv_rank"]     # "lora": mappings call DeepSeek-V3's latent rank `lora`
+"batch" in SHAPES      # True: an activation's axis, never a parameter's
+```
+"""
+
+from __future__ import annotations
+
+AXES: dict[str, str] = {
+    "layers": "stacked layers of one kind (the leading axis `stacked` adds; mappings only)",
+    "vocab": "the token vocabulary (vocab_size)",
+    "embed": "the hidden size (hidden_size, n_embd)",
+    "embed_out": "a projection of the hidden size back to it: its output axis (BERT's and ViT's pooler)",
+    "heads": "attention (query) heads (num_attention_heads, n_head)",
+    "kv_heads": "key/value heads (num_key_value_heads); `heads` in a mapping of a model without grouped-query attention",
+    "head_dim": "the features of one head (head_dim)",
+    "qkv": "queries, keys and values fused on one axis of size 3 (GPT-NeoX)",
+    "mlp": "an MLP's or an expert's hidden size (intermediate_size, moe_intermediate_size, n_inner)",
+    "experts": "routed experts (num_experts, num_local_experts, n_routed_experts)",
+    "lora": "a low-rank bottleneck (DeepSeek-V3's q_lora_rank, kv_lora_rank)",
+    "linear_heads": "Gated DeltaNet's key heads (linear_num_key_heads)",
+    "linear_v_heads": "Gated DeltaNet's value heads (linear_num_value_heads)",
+    "kernel": "a causal convolution's taps (linear_conv_kernel_dim)",
+    "positions": "a learned position table (max_position_embeddings, n_positions)",
+    "token_types": "BERT's token types (type_vocab_size)",
+    "channels": "an image's channels (num_channels)",
+    "patch_height": "a ViT patch's rows (patch_size)",
+    "patch_width": "a ViT patch's columns (patch_size)",
+}
+"""The logical axes of parameters, by name: what mappings write, and annotations too."""
+
+REFINED: dict[str, str] = {
+    "q_rank": "lora",  # DeepSeek-V3: the queries' bottleneck (q_lora_rank)
+    "kv_rank": "lora",  # DeepSeek-V3: the latent (kv_lora_rank)
+    "qk_dim": "head_dim",  # DeepSeek-V3: a query/key head, nope_dim + rope_dim (qk_head_dim)
+    "nope_dim": "head_dim",  # DeepSeek-V3: its part without rotation (qk_nope_head_dim)
+    "rope_dim": "head_dim",  # DeepSeek-V3: its rotated part (qk_rope_head_dim)
+    "v_dim": "head_dim",  # a value head where its size is not the key's (DeepSeek-V3's v_head_dim; with_cache)
+    "key_dim": "head_dim",  # Gated DeltaNet: a key head (linear_key_head_dim)
+    "value_dim": "head_dim",  # Gated DeltaNet: a value head (linear_value_head_dim)
+}
+"""Annotation names for one of two sizes a mapping gives one logical axis: name -> that axis."""
+
+SHAPES: dict[str, str] = {
+    "batch": "sequences in a batch",
+    "seq": "positions of this call's tokens",
+    "keys": "positions attended to: the sequence's, or the cache's slots",
+    "length": "a key/value cache's slots",
+    "total": "a generated sequence: the prompt and the new tokens",
+    "tokens": "batch x seq tokens, flattened (routing)",
+    "top_k": "the experts each token is routed to",
+    "rows": "(token, expert) pairs sorted by expert (grouped matmuls)",
+    "rotary": "the rotated features of a head (RoPE's cos and sin)",
+    "height": "an image's rows of pixels",
+    "width": "an image's columns of pixels",
+    "patches": "an image's patches, flattened",
+    "groups": "one axis per head of a per-head helper, whichever heads it is given (causal_conv)",
+    "in": "a generic helper's input features (linear, grouped)",
+    "out": "a generic helper's output features (linear, grouped)",
+    "dim": "a generic helper's last axis (l2norm, gated_rms_norm, causal_conv)",
+    "rest": "a generic helper's leading axes (`*rest`)",
+    "n": "a generic helper's square matrices (`... n n`)",
+}
+"""Axes of activations and generic helpers, never of a parameter: annotations only."""
