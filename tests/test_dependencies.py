@@ -128,3 +128,97 @@ def test_the_import_check_resolves_relative_imports(tmp_path):
     assert {"port._console", "port._cli", "port._interrupt"} <= found and "port.authoring._cli" in found
     module.write_text("from ._console import say\n")
     assert "port._console" in _imported(module, "port._runtime")
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of port by its dotted name (a package by its `__init__.py`)."""
+    package = ROOT / "src" / "port"
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _edges(path: Path, module: str, modules: dict[str, Path]) -> dict[str, set[str]]:
+    """The port modules `module` imports (at any level of its code), each with the names it takes
+    from it: `from .pkg import sub` imports `pkg.sub` when that is a module, else `pkg`."""
+    edges: dict[str, set[str]] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules:
+                    edges.setdefault(alias.name, set())
+        elif isinstance(node, ast.ImportFrom):
+            source = _absolute(node, module, path.name == "__init__.py")
+            for alias in node.names:
+                if f"{source}.{alias.name}" in modules:
+                    edges.setdefault(f"{source}.{alias.name}", set())
+                elif source in modules:
+                    edges.setdefault(source, set()).add(alias.name)
+    return edges
+
+
+def test_no_import_circle_and_no_private_name_crossing_modules():
+    """Issue 23 rows 1 and 3: port's modules import one another without a circle (a function-level
+    import counts: none dodges one), and no module takes a private `_name` from another."""
+    modules = _modules()
+    graph = {m: _edges(path, m, modules) for m, path in modules.items()}
+    private = [f"{m} takes {name} from {source}" for m, edges in graph.items() for source, names in edges.items()
+               for name in sorted(names) if name.startswith("_") and not name.startswith("__")]
+    assert not private, private
+
+    # Tarjan's strongly connected components: a component of more than one module is a circle.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for n in graph[m]:
+            if n == m or n not in graph:
+                continue
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            component = []
+            while True:
+                n = stack.pop()
+                component.append(n)
+                if n == m:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for m in graph:
+        if m not in index:
+            visit(m)
+    assert not circles, circles
+
+
+def test_the_architecture_page_names_every_module():
+    """docs/architecture.md's tree has one line for each module of the library's top level and of
+    `_sources/`, `_output/`, `_export/` (and nothing that is not there)."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    tree = re.search(r"```\nsrc/port/\n(.*?)```", text, re.S).group(1)
+    listed, package = set(), ""
+    for line in tree.splitlines():
+        name = line.strip().split(" ")[0] if line.strip() else ""
+        indent = len(line) - len(line.lstrip())
+        if indent == 2 and name.endswith("/"):
+            package = name
+        elif indent == 2 and name.endswith(".py"):
+            package = ""
+            listed.add(name)
+        elif indent == 4 and name.endswith(".py"):
+            listed.add(package + name)
+    package = ROOT / "src" / "port"
+    present = {p.relative_to(package).as_posix() for p in package.glob("*.py")}
+    present |= {p.relative_to(package).as_posix() for d in ("_sources", "_output", "_export")
+                for p in (package / d).glob("*.py") if p.name != "__init__.py" or d == "_sources"}
+    assert listed == present, (sorted(present - listed), sorted(listed - present))

@@ -321,7 +321,7 @@ def plan_problems(
             claimed.update(key for name, key in stripped.items() if pattern.match(name))
             continue
         if param.path not in targets:
-            if not _is_none(skeleton, param.path):
+            if not is_none(skeleton, param.path):
                 problems.append(f"{where}: path '{param.path}' is not a leaf of {mapping.model}")
             elif param.key_optional and not any(param.pattern().match(name) for name in stripped):
                 pass  # a model restored from a checkpoint that lacked the key (a BERT without pooler)
@@ -469,7 +469,7 @@ def config_names(skeleton: Any, config: AnyMapping[str, Any]) -> dict[str, Any]:
     return names
 
 
-def _is_none(module: Any, path: str) -> bool:
+def is_none(module: Any, path: str) -> bool:
     """Whether `path` names an attribute of `module` that is None, or lies under one that is
     (an absent optional leaf, or a leaf of an absent submodule)."""
     return _none_at(module, path) is not None

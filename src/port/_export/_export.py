@@ -39,7 +39,7 @@ from .._dtypes import dtype as dtype_named
 from .._errors import CheckpointError, OutputError, PlanError, PortError, RunError
 from .._mapping import Mapping, mapping_for
 from .._output import read_output
-from .._plan import _is_none, plan
+from .._plan import is_none, plan
 from .._runtime import exchange, num_processes
 from .._skeleton import leaves, skeleton
 from .._sources import Checkpoint, TensorInfo, open_checkpoint, raw_header
@@ -189,7 +189,7 @@ def _check_fits(model: Any, mapping: Mapping, config: AnyMapping[str, Any], sour
         problems.append(f"model leaf '{path}' is not in {where}")
     optional = {p.path for p in mapping.params if p.optional}
     for path in expected.keys() - actual.keys():
-        if not _is_none(model, path):
+        if not is_none(model, path):
             problems.append(f"model has no leaf '{path}', which {where} has")
         elif path not in optional:  # an optional leaf the model lacks (a BERT without pooler) is fine
             problems.append(
