@@ -26,6 +26,7 @@ def test_every_export_is_documented(name):
 
 def test_the_exports_are_the_listed_names():
     assert sorted(port.__all__) == sorted(set(port.__all__))
+    assert port.__all__ == sorted(port._EXPORTS)  # the literal list and the lazy table agree
     assert {"convert", "load", "restore", "save", "make_mesh", "PortError"} <= set(port.__all__)
     with pytest.raises(AttributeError):
         port.no_such_name

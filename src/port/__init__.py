@@ -15,7 +15,7 @@ without starting JAX, and the command line catches Ctrl-C before JAX starts thre
 """
 
 from importlib import import_module
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     # source -> mapping -> skeleton -> plan -> place -> fill -> save
@@ -64,7 +64,29 @@ _EXPORTS = {
     "RunError": "._errors",
 }
 
-__all__ = sorted(_EXPORTS)
+if TYPE_CHECKING:  # what the names are, for type checkers and IDEs; at run time they are imported when first used
+    from ._convert import Conversion, Progress, Report, convert, load
+    from ._errors import CheckpointError, ConfigError, MappingError, OutputError, PlanError, PortError, RunError
+    from ._export import export
+    from ._fill import fill
+    from ._mapping import Mapping, Param, load_mapping, mapping_for, parse_mapping
+    from ._output import restore, save
+    from ._place import place
+    from ._plan import LeafPlan, Plan, plan
+    from ._runtime import agree, initialize, make_mesh, mesh_shape
+    from ._skeleton import skeleton
+    from ._sources import Checkpoint, open_checkpoint
+    from .authoring import Verification, check, scaffold, verify
+    from .nn import generate
+
+__all__ = [  # the names of _EXPORTS, sorted: a literal list, so type checkers and IDEs read it
+    "Checkpoint", "CheckpointError", "ConfigError", "Conversion", "LeafPlan", "Mapping",
+    "MappingError", "OutputError", "Param", "Plan", "PlanError", "PortError", "Progress", "Report",
+    "RunError", "Verification", "agree", "check", "convert", "export", "fill", "generate",
+    "initialize", "load", "load_mapping", "make_mesh", "mapping_for", "mesh_shape",
+    "open_checkpoint", "parse_mapping", "place", "plan", "restore", "save", "scaffold", "skeleton",
+    "verify",
+]
 
 
 def __getattr__(name: str) -> Any:

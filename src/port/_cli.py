@@ -26,7 +26,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, Literal, NoReturn
 
 from . import _console
 from ._console import clear_line, quiet_libraries, say, show, stream
@@ -36,6 +36,9 @@ from ._cleanup import attach, final, removing
 from ._interrupt import hold_signals, supervise
 from ._leftovers import claimed, recover
 from ._model import is_model
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
 
 SCAFFOLD_MARK = "# Draft mapping made by port scaffold"
 
@@ -107,7 +110,7 @@ def with_flags(message: str) -> str:
     return _TO_FLAG.sub(flag, message)
 
 
-def _progress(enabled: bool | None, total_leaves: int, total_bytes: int):
+def _progress(enabled: bool | None, total_leaves: int, total_bytes: int) -> Progress | None:
     """A rich progress bar over tensors and bytes, or None when not wanted."""
     if enabled is None:
         enabled = stream().isatty()
@@ -300,7 +303,7 @@ def convert(args: argparse.Namespace) -> int:
         report = report.with_name(f"{report.stem}.{jax.process_index()}{report.suffix}")
     if report is not None:
         report = _check_file_out(report, args.force, "--report", _is_report, "a run report")
-    bar = None
+    bar: Progress | Literal[False] | None = None  # False: asked for once, not wanted
 
     def progress(at) -> None:
         nonlocal bar
@@ -313,7 +316,7 @@ def convert(args: argparse.Namespace) -> int:
                 bar.start()
         if bar:
             what = f"{at.leaves_done}/{at.leaves} {'written' if at.phase == 'write' else 'tensors'}"
-            bar.update(0, completed=at.done, total=at.total, description=what)
+            bar.update(bar.task_ids[0], completed=at.done, total=at.total, description=what)
 
     try:
         result = run_convert(
@@ -417,7 +420,7 @@ def export_command(args: argparse.Namespace) -> int:
     _processes(args)
     read_output(args.dir)  # not a port output: told before a model is built
     _join(args)
-    bar = None
+    bar: Progress | Literal[False] | None = None  # False: asked for once, not wanted
 
     last = None
 
@@ -429,7 +432,7 @@ def export_command(args: argparse.Namespace) -> int:
             if bar:
                 bar.start()
         if bar:
-            bar.update(0, completed=at.done, total=at.total, description="writing")
+            bar.update(bar.task_ids[0], completed=at.done, total=at.total, description="writing")
 
     model = restore(args.dir, args.mesh, model=_model_class(args.module))
     try:

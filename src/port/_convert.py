@@ -201,6 +201,7 @@ def convert(
 
             def wrote(done: int, total: int) -> None:  # reported once placing is over: the write's tail
                 if progress is not None and writing is not None:
+                    assert saving is not None  # this is its callback: called once it writes
                     progress(Progress("write", done, total, saving.leaves_written, count))
 
             saving = stack.enter_context(Saving(out, force, wrote)) if out is not None else None
@@ -218,8 +219,9 @@ def convert(
             placing = time.perf_counter()
             arrays = place(recipe, ckpt, mesh, advance)
             extra = place_kept(kept, mapping, mesh, dtype)
-            for path, array in extra.items() if saving is not None else ():
-                saving.add(path, array)
+            if saving is not None:
+                for path, array in extra.items():
+                    saving.add(path, array)
             arrays |= extra
             count += len(extra)  # kept values are written too
             model = fill(skeleton, arrays | dict.fromkeys(recipe.excluded))

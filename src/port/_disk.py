@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -63,15 +62,16 @@ def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 def pwrite_rows(fd: int, rows: Iterable[tuple[int, memoryview]]) -> None:
     """Each `(offset, row)` written at its offset (a box of a tensor: one run of bytes per row),
     writeback started for each 64 MB span of the file written; raises `OSError`."""
-    first, last = math.inf, 0  # the span of the file written since writeback was last started
+    first: int | None = None  # the span of the file written since writeback was last started
+    last = 0
     for at, row in rows:
         if os.pwrite(fd, row, at) != len(row):  # short: finish it the careful way
             pwrite_all(fd, memoryview(row), at)
-        first, last = min(first, at), max(last, at + len(row))
+        first, last = at if first is None else min(first, at), max(last, at + len(row))
         if last - first >= _CHUNK:
             _start_writeback(fd, first, last - first)
-            first, last = math.inf, 0
-    if last > first:
+            first, last = None, 0
+    if first is not None and last > first:
         _start_writeback(fd, first, last - first)
 
 

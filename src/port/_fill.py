@@ -16,14 +16,15 @@ import jax
 from ._skeleton import leaves
 
 
-def fill(skeleton: Any, arrays: Mapping[str, jax.Array]) -> Any:
+def fill(skeleton: Any, arrays: Mapping[str, jax.Array | None]) -> Any:
     """The module `skeleton` with the leaves at the paths of `arrays` replaced, in one `eqx.tree_at` call.
 
     **Arguments:**
 
     - `skeleton`: the module to fill, usually the `eqx.filter_eval_shape` skeleton from
       `port.skeleton` (a concrete module works too).
-    - `arrays`: dotted module paths (`"blocks.attn.wq"`) to arrays, as `place` returns them.
+    - `arrays`: dotted module paths (`"blocks.attn.wq"`) to arrays, as `place` returns them;
+      None for a leaf left out (a partial load's excluded leaves are None in the model).
 
     Returns a new module; `skeleton` is unchanged.
 

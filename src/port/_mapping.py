@@ -305,7 +305,8 @@ def _param(entry: Any, i: int, fail) -> Param:
     optional = entry.get("optional", False)
     if optional not in (True, False, "model", "checkpoint"):
         raise fail(f"{where}: 'optional' must be \"model\", \"checkpoint\", true (either) or false")
-    optional = {True: "either", False: ""}.get(optional, optional)
+    if optional in (True, False):
+        optional = "either" if optional else ""
     transforms = []
     steps = entry.get("transforms", [])
     if not isinstance(steps, list):

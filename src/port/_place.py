@@ -148,6 +148,7 @@ def _bands(parts: list[Part]) -> list[list[Part]]:
             (a, b), rest = part.region[0], part.region[1:]
             x, y = max(a, start), min(b, stop)
             if x < y:
+                assert part.source is not None  # direct: staged parts were returned whole above
                 source = part.source[x - a : y - a]
                 band.append(Part(part.leaf, part.key, ((x, y), *rest), part.regions, part.target, source))
         jobs.append(band)
@@ -189,6 +190,7 @@ def boxes(shape: tuple[int, ...], sharding: NamedSharding) -> list[Region]:
     """The distinct blocks of an array of `shape` this process's devices hold, in device order."""
     found = []
     for index in sharding.addressable_devices_indices_map(shape).values():
+        assert index is not None  # each addressable device holds a block (JAX's type allows None)
         box = _box(index, shape)
         if box not in found:
             found.append(box)
@@ -200,7 +202,8 @@ def assemble(shape: tuple[int, ...], sharding: NamedSharding, blocks: dict[Regio
     the first device holding a block adopts it (on CPU, without a copy), the others get copies."""
     handed: set[Region] = set()
 
-    def callback(index: tuple[slice, ...]) -> np.ndarray:
+    def callback(index: tuple[slice, ...] | None) -> np.ndarray:
+        assert index is not None  # JAX passes each device's index (and asserts so itself)
         box = _box(index, shape)
         if box not in handed:  # the first device adopts the block itself
             handed.add(box)

@@ -341,7 +341,7 @@ def plan_problems(
             if m := pattern.match(name):
                 claimed.add(key)
                 index = _in_layers(param, param.index(m), layers)
-                if index is not None and group is not None:
+                if index is not None and rows is not None:  # rows: the layer group's, when the leaf has one
                     if index[0] not in groups_union:
                         beyond[key] = index[0]
                     index = (rows[index[0]], *index[1:]) if index[0] in rows else None
@@ -614,7 +614,7 @@ def check_target_dtype(dtype: np.dtype) -> None:
 
     if not floating(dtype):
         raise PortError(f"dtype {dtype.name}: parameters are cast only to a floating dtype (float32, bfloat16, float16)")
-    if dtype.itemsize > 4 and not jax.config.jax_enable_x64:
+    if dtype.itemsize > 4 and not jax.config.jax_enable_x64:  # pyright: ignore[reportAttributeAccessIssue]  # jax's Config stub lacks its options
         raise PortError(f"dtype {dtype.name}: JAX stores it as float32 unless jax_enable_x64 is set")
 
 

@@ -77,10 +77,10 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 import jax
 import numpy as np
@@ -119,8 +119,9 @@ def mesh_shape(spec: str) -> dict[str, int]:
     if _SHORT.fullmatch(spec):
         pairs = list(zip(AXES, [*spec.split("x"), "1"][:2]))
     else:
-        parts = [_NAMED.fullmatch(part) for part in spec.split(",")]
-        if not all(parts):
+        matches = [_NAMED.fullmatch(part) for part in spec.split(",")]
+        parts = [m for m in matches if m is not None]
+        if len(parts) != len(matches):
             raise PortError(f"mesh='{spec}': {_EXPECTED}")
         pairs = [(m.group(1), m.group(2)) for m in parts]
         names = [name for name, _ in pairs]
@@ -165,7 +166,7 @@ def simulate_devices(count: int) -> bool:
             f"mesh= needs {count} devices in this process; port simulates at most {MAX_SIMULATED} CPU "
             "devices (on accelerators, JAX's own devices are used)"
         )
-    if jax.config.jax_num_cpu_devices >= count:
+    if jax.config.jax_num_cpu_devices >= count:  # pyright: ignore[reportAttributeAccessIssue]  # jax's Config stub lacks its options
         return False
     try:
         jax.config.update("jax_num_cpu_devices", count)
@@ -453,10 +454,9 @@ def initialize(
     coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
     num_processes = num_processes if num_processes is not None else env_int("JAX_NUM_PROCESSES")
     process_id = process_id if process_id is not None else env_int("JAX_PROCESS_ID")
-    given = (coordinator, num_processes, process_id)
-    if all(v is None for v in given):
-        return False
-    if any(v is None for v in given):
+    if coordinator is None or num_processes is None or process_id is None:
+        if coordinator is None and num_processes is None and process_id is None:
+            return False
         raise RunError(
             "a multi-process run needs all of coordinator=HOST:PORT, num_processes=N and "
             "process_id=I (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)"
@@ -617,7 +617,11 @@ def _disagreement(key: str, values: dict[int, object]) -> str:
     return f"processes disagree on {key}=: {', '.join(parts)}"
 
 
-def agree(settings: dict[str, str | int | float | bool | None], timeout: float | None = None) -> None:
+JsonValue: TypeAlias = "str | int | float | bool | None | Sequence[JsonValue] | AnyMapping[str, JsonValue]"
+"""A value `json.dumps` writes: a setting `agree` compares."""
+
+
+def agree(settings: dict[str, JsonValue], timeout: float | None = None) -> None:
     """Check that every process of the run was given the same settings; a no-op in one process.
 
     Each process publishes its `settings` through the run's key-value store

@@ -145,7 +145,11 @@ class _Service(socketserver.ThreadingTCPServer):
 
 
 class _Connection(socketserver.StreamRequestHandler):
-    server: _Service
+    @property
+    def service(self) -> _Service:
+        """The store this connection talks to (`self.server`, typed as the base class has it)."""
+        assert isinstance(self.server, _Service)  # _Service makes a _Connection per client
+        return self.server
 
     def handle(self) -> None:
         process, stored = None, 0
@@ -169,22 +173,22 @@ class _Connection(socketserver.StreamRequestHandler):
         finally:
             if process is not None:
                 try:
-                    self.server.put(ENDED + str(process), "lost", overwrite=False)
+                    self.service.put(ENDED + str(process), "lost", overwrite=False)
                 except ValueError:  # it had said how it ended
                     pass
-                with self.server.changed:
-                    self.server.connected.discard(process)
-                    self.server.changed.notify_all()
+                with self.service.changed:
+                    self.service.connected.discard(process)
+                    self.service.changed.notify_all()
 
     def _hello(self, request: dict) -> dict:
         if request.get("op") != "hello":
             raise ValueError("hello first")
         who = request.get("process")
-        if type(who) is not int or not 0 <= who < self.server.num_processes:
+        if type(who) is not int or not 0 <= who < self.service.num_processes:
             raise ValueError("bad hello")
-        if request.get("num_processes") != self.server.num_processes:
-            return {"error": f"this run has {self.server.num_processes} processes"}
-        if not self.server.claim(who):
+        if request.get("num_processes") != self.service.num_processes:
+            return {"error": f"this run has {self.service.num_processes} processes"}
+        if not self.service.claim(who):
             return {"error": f"process {who} is already connected to this run (two processes with the same "
                              "process_id=, or a process that is not the run's)"}
         return {"ok": True}
@@ -206,7 +210,7 @@ class _Connection(socketserver.StreamRequestHandler):
             if stored > MAX_CONNECTION_BYTES:
                 return {"error": f"process {process} stored more than {MAX_CONNECTION_BYTES} bytes"}, stored
             try:
-                self.server.put(key, value, request.get("overwrite", False) is True)
+                self.service.put(key, value, request.get("overwrite", False) is True)
             except ValueError as e:
                 return {"error": str(e)}, stored
             return {"ok": True}, stored
@@ -214,7 +218,7 @@ class _Connection(socketserver.StreamRequestHandler):
             seconds = request["seconds"]
             if not isinstance(seconds, (int, float)) or not 0 <= seconds <= 86400:
                 raise ValueError("bad wait")
-            return {"value": self.server.wait(key, float(seconds))}, stored
+            return {"value": self.service.wait(key, float(seconds))}, stored
         raise ValueError("bad op")
 
 

@@ -293,15 +293,16 @@ def export(
     if me == 0:
         check_free(out, inverse.nbytes)
     partial = partial_path(out)
-    layout = dict(metadata={"format": "pt", "producer": PRODUCER})
+    metadata = {"format": "pt", "producer": PRODUCER}
     with contextlib.ExitStack() as cleanup, writing(out, partial, "the export"):
+        writer = None
         if me == 0:
             make_partial(partial, cleanup)
             (partial / "config.json").write_text(json.dumps(written_config, indent=2, sort_keys=True) + "\n")
-            writer = cleanup.enter_context(Writer(partial, inverse.tensors, limit, **layout))
+            writer = cleanup.enter_context(Writer(partial, inverse.tensors, limit, metadata=metadata))
         exchange("export-created", "", "word that the files exist")
-        if me != 0:
-            writer = cleanup.enter_context(Writer(partial, inverse.tensors, limit, **layout, create=False))
+        if writer is None:  # the other processes: open the files process 0 made
+            writer = cleanup.enter_context(Writer(partial, inverse.tensors, limit, metadata=metadata, create=False))
         steps = len(inverse.tensors) if mine is None else len(mine)
         written = _Written(total, steps, progress)
         if mine is None:  # one process; some tensor is assembled whole, then written

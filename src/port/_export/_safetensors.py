@@ -113,8 +113,8 @@ def parse_size(text: str | int, name: str = "max_shard_size") -> int:
         size = int(text)
     else:
         found = _SIZE.fullmatch(text.strip()) if isinstance(text, str) else None
-        unit = found and _UNITS.get(found[2].upper())
-        if not unit:
+        unit = _UNITS.get(found[2].upper()) if found is not None else None
+        if found is None or not unit:
             raise PortError(
                 f"{name}={printable(str(text))}: expected a size such as 5GB, 500MB, 2GiB or a number of bytes"
             )
@@ -389,7 +389,7 @@ class Writer:
             if spec.nbytes:
                 flat = (data if data.flags.c_contiguous else np.ascontiguousarray(data)).reshape(-1).view(np.uint8)
                 what = f"tensor {quoted(key, 200)}"
-                _pwrite_all(self._fds[name], memoryview(flat), offset, self.directory / name, what)
+                _pwrite_all(self._fds[name], memoryview(flat), offset, self.directory / name, what)  # pyright: ignore[reportArgumentType]  # an ndarray is a buffer: numpy's stubs say so only for Python >= 3.12
         finally:
             with self._lock:
                 self._busy.discard(key)
@@ -440,7 +440,7 @@ class Writer:
             size, base = spec.dtype.itemsize, region[d][0] * strides[d] if region else 0
             at = (offset + (sum(i * stride for i, stride in zip(index, strides)) + base) * size for index in grid)
             try:
-                pwrite_rows(self._fds[name], zip(at, rows))
+                pwrite_rows(self._fds[name], zip(at, rows))  # pyright: ignore[reportArgumentType]  # rows of bytes: an ndarray's are buffers, which numpy's stubs say only for Python >= 3.12
             except OSError as e:
                 raise OutputError(f"{self.directory / name}: cannot write tensor {quoted(key, 200)}: {e.strerror or e}") from None
         with self._lock:

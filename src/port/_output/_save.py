@@ -100,6 +100,7 @@ def _sharding_text(array: jax.Array) -> str | None:
     if not isinstance(sharding, jax.sharding.NamedSharding):
         return None
     mesh = sharding.mesh
+    assert isinstance(mesh, jax.sharding.Mesh)  # a placed array's mesh has its devices, not an AbstractMesh
     spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
     return json.dumps({
         "sharding_type": "NamedSharding",
@@ -111,7 +112,10 @@ def _sharding_text(array: jax.Array) -> str | None:
     })
 
 
-def _tree_metadata(arrays: list, nones: list[list[dict[str, Any]]], chunks: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+_Arrays = list[tuple[str, list[dict[str, Any]], jax.Array]]  # (dotted path, Orbax's key metadata, array) per leaf
+
+
+def _tree_metadata(arrays: _Arrays, nones: list[list[dict[str, Any]]], chunks: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     """`params/_METADATA`: Orbax's PyTree metadata of arrays stored as zarr without OCDBT."""
     tree = {}
     for path, keys, _ in arrays:
@@ -209,7 +213,6 @@ class Saving:
         self._budget = 0  # host bytes of accelerator blocks in flight: the largest array added
         self._chunks: dict[str, tuple[int, ...]] = {}
         self._pending: InFlight[tuple[int, str]] = InFlight()  # per file: (host bytes it holds, its leaf)
-        self._pool: ThreadPoolExecutor | None = None
         self._cleanup = contextlib.ExitStack()
         self._finished = False
         try:
@@ -222,7 +225,7 @@ class Saving:
         except BaseException:
             self._cleanup.close()
             raise
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="port-save")
+        self._pool: ThreadPoolExecutor = ThreadPoolExecutor(workers, thread_name_prefix="port-save")  # last: __exit__ shuts it
 
     def _failing(self) -> contextlib.AbstractContextManager[None]:
         """An `OSError` within becomes one `OutputError` line naming the output (and the file, inside it)."""
@@ -309,7 +312,7 @@ class Saving:
         self._finished = True
         return self.directory
 
-    def _check_written(self, arrays: list) -> None:
+    def _check_written(self, arrays: _Arrays) -> None:
         """Process 0, before the metadata: every chunk file of every leaf is in this output's
         directory, a regular file of its chunk's size. What the processes said they wrote is
         not proof: this is what restore will find."""
@@ -332,7 +335,7 @@ class Saving:
                     f"{self.name}={self.directory}: leaf {quoted(path)}: {what}; the output is not complete"
                 )
 
-    def _commit(self, arrays: list, nones: list, meta: dict[str, Any]) -> None:
+    def _commit(self, arrays: _Arrays, nones: list, meta: dict[str, Any]) -> None:
         """Process 0: the metadata files, every directory flushed, and the rename into place."""
         partial = self.partial
         sharding = {base64.b64encode(p.encode()).decode(): text
@@ -358,8 +361,7 @@ class Saving:
 
     def __exit__(self, kind, value, traceback) -> None:
         try:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True, cancel_futures=not self._finished)
+            self._pool.shutdown(wait=True, cancel_futures=not self._finished)
         finally:
             self._cleanup.close()
 
@@ -396,7 +398,7 @@ def _largest_field(meta: dict[str, Any], counts: dict[str, str]) -> str:
     return f"its '{name}' takes {size_text(sizes[name])}{held}"
 
 
-def _tree(model: Any) -> tuple[list[tuple[str, list[dict[str, Any]], jax.Array]], list[list[dict[str, Any]]]]:
+def _tree(model: Any) -> tuple[_Arrays, list[list[dict[str, Any]]]]:
     """The arrays of `model` in tree order (dotted path, Orbax's key metadata, array), and the key
     metadata of its other leaves (stored as None)."""
     arrays, nones = [], []
@@ -411,7 +413,7 @@ def _tree(model: Any) -> tuple[list[tuple[str, list[dict[str, Any]], jax.Array]]
 
 
 def _metadata_of(
-    arrays: list, mapping: Mapping, config: AnyMapping[str, Any], sources: AnyMapping[str, Any] | None,
+    arrays: _Arrays, mapping: Mapping, config: AnyMapping[str, Any], sources: AnyMapping[str, Any] | None,
     include: Sequence[str] | None,
 ) -> dict[str, Any]:
     """`port/metadata`: the format, the mapping, the config, each leaf's shape, dtype and logical axes."""

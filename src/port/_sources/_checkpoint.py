@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from ._transport import RemoteFile
+
 Region = tuple[tuple[int, int], ...]
 """A box in a tensor: one `(start, stop)` per dimension."""
 
@@ -51,7 +53,7 @@ class TensorInfo:
     """
 
     key: str
-    file: Path
+    file: Path | RemoteFile  # RemoteFile: a checkpoint read from a URL
     dtype: np.dtype
     shape: tuple[int, ...]
     offset: int

@@ -83,10 +83,10 @@ def resolve(model: str | os.PathLike) -> Path:
     text = str(model)
     if not _REPO_ID.match(text):
         raise CheckpointError(f"{model}: no such directory, and not a Hugging Face repo id")
-    try:
-        import huggingface_hub
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
+    try:
         snapshot = huggingface_hub.snapshot_download(
             text, allow_patterns=["config.json", "*.safetensors", INDEX]
         )

@@ -142,6 +142,7 @@ def _readv(sock: Any, iov: np.ndarray, body: _Body) -> None:
     """Receive from the plain socket `sock` straight into the pieces of `iov` (advanced in
     place), `IOV_MAX` pieces a `readv`, the socket's timeout kept while waiting for bytes:
     the kernel copies each byte once, into its destination."""
+    assert _READV is not None  # called only where libc has readv (`_fill` checks)
     fd, timeout = sock.fileno(), sock.gettimeout()
     waiting = select.poll()
     waiting.register(fd, select.POLLIN)
@@ -428,17 +429,17 @@ class HttpTransport(Transport):
             self._drop(key, conn)
             raise
 
-    def _answered(self, response: Any) -> tuple[int, int | None, int]:
-        """(first, last, file size) of the answer to `Range: bytes=0-7`."""
+    def _answered(self, response: Any) -> tuple[int | None, int | None, int]:
+        """(first, last, file size) of the answer to `Range: bytes=0-7`; first and last None for `bytes */SIZE`."""
         length = response.getheader("Content-Length")
         if response.status == 200:  # the whole file: fine only when it is that small
             if length is None or not length.strip().isdigit() or int(length) > 8:
                 raise Permanent(_NO_RANGES)
             return 0, int(length) - 1, int(length)
-        found = _content_range(response.getheader("Content-Range"))
-        if found is None or found[2] is None:
+        first, last, size = _content_range(response.getheader("Content-Range")) or (None, None, None)
+        if size is None:
             raise Permanent("the server does not give the file's size (Content-Range bytes A-B/SIZE)")
-        return found
+        return first, last, size
 
     def read(self, file: RemoteFile, start: int, pieces: np.ndarray) -> None:
         stop = start + int(pieces[:, 1].sum())

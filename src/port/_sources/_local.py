@@ -141,6 +141,7 @@ class LocalCheckpoint(Checkpoint):
 def _open(info: TensorInfo, output: Path | None = None) -> int:
     """A descriptor of the file `info` lives in: the very file whose header was read (with
     `output`, reached with no link followed below that directory: see `open_regular`)."""
+    assert isinstance(info.file, Path)  # a local checkpoint's tensors live in local files
     fd, st = open_regular(info.file, output=output)
     if info.file_id is not None and (st.st_dev, st.st_ino, st.st_size) != info.file_id:
         os.close(fd)

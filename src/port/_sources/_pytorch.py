@@ -389,6 +389,7 @@ def _scan(data: bytes, name: str) -> None:
     nesting = _Nesting(name)
     try:
         for opcode, arg, position in pickletools.genops(data):
+            assert position is not None  # genops reads bytes through a BytesIO, which tells where it is
             count += 1
             if count > MAX_OPCODES:
                 raise CheckpointError(f"{name}: data.pkl builds more than {MAX_OPCODES} objects")
@@ -708,7 +709,7 @@ def _tensor_info(key: str, tensor: _Tensor, path: Path, file_id: tuple[int, int,
     dtype = tensor.args[6] if tensor.v3 else None
     if not isinstance(storage, _Storage) or (tensor.v3 and not (storage.untyped and isinstance(dtype, _DType))):
         raise CheckpointError(f"{name}: corrupt data.pkl: tensor {shown} has no valid storage")
-    dtype = dtype.dtype if tensor.v3 else storage.dtype
+    dtype = dtype.dtype if isinstance(dtype, _DType) else storage.dtype  # v3's, checked above
     if not (
         type(offset) is int and offset >= 0 and type(shape) is tuple and type(stride) is tuple
         and len(shape) == len(stride) and all(type(d) is int and d >= 0 for d in shape)

@@ -118,7 +118,7 @@ class RemoteCheckpoint(Checkpoint):
     requests: int = REQUESTS
     bytes_read: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _pool: ThreadPoolExecutor | None = field(default=None, repr=False)
+    _pool: ThreadPoolExecutor = field(init=False, repr=False)
     _together: dict[str, _Neighbours] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -144,8 +144,8 @@ class RemoteCheckpoint(Checkpoint):
         if interrupted is not None:
             raise interrupted
         for future in futures:
-            if not future.cancelled() and future.exception() is not None:
-                raise future.exception()
+            if not future.cancelled() and (error := future.exception()) is not None:
+                raise error
         return [future.result() for future in futures]
 
     def expect(self, reads: Mapping[str, Collection[Region]]) -> None:
@@ -164,7 +164,7 @@ class RemoteCheckpoint(Checkpoint):
             if (info is None or last is None or info.file is not last.file or info.offset != last.offset + last.nbytes
                     or info.offset + info.nbytes - group[0].offset > min(NEIGHBOURS, self.transport.chunk)):
                 if len(group) > 1:
-                    together = _Neighbours(group[0].file, group[0].offset, last.offset + last.nbytes,
+                    together = _Neighbours(_file(group[0]), group[0].offset, group[-1].offset + group[-1].nbytes,
                                            {i.key for i in group})
                     self._together.update(dict.fromkeys(together.keys, together))
                 group = []
@@ -192,7 +192,7 @@ class RemoteCheckpoint(Checkpoint):
     def _fetch(self, info: TensorInfo, ranges: Ranges, i: int) -> None:
         start, stop = int(ranges.starts[i]), int(ranges.stops[i])
         what = f"{info.file}: bytes {start}-{stop - 1} (tensor {quoted(info.key, 200)})"
-        retried(what, lambda: self.transport.read(info.file, start, ranges.pieces_of(i)))
+        retried(what, lambda: self.transport.read(_file(info), start, ranges.pieces_of(i)))
 
     def _fetch_parts(self, info: TensorInfo, group: Ranges) -> None:
         """Ranges in one request where the server answers several ranges, else one by one."""
@@ -200,7 +200,7 @@ class RemoteCheckpoint(Checkpoint):
             what = (f"{info.file}: {len(group)} ranges in bytes {int(group.starts[0])}-{int(group.stops[-1]) - 1} "
                     f"(tensor {quoted(info.key, 200)})")
             try:
-                return retried(what, lambda: self.transport.read_parts(info.file, group))
+                return retried(what, lambda: self.transport.read_parts(_file(info), group))
             except OneRangeOnly:
                 pass
         for i in range(len(group)):
@@ -208,9 +208,14 @@ class RemoteCheckpoint(Checkpoint):
 
     def close(self) -> None:
         """Stop the request threads and close the connections."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
         self.transport.close()
+
+
+def _file(info: TensorInfo) -> RemoteFile:
+    """The remote file a tensor of a `RemoteCheckpoint` lives in."""
+    assert isinstance(info.file, RemoteFile)  # open_remote makes every TensorInfo.file a RemoteFile
+    return info.file
 
 
 @dataclass(eq=False)

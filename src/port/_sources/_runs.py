@@ -115,7 +115,7 @@ def runs(info: TensorInfo, region: Region, out: np.ndarray) -> tuple[np.ndarray,
     if out.size == 0:
         empty = np.zeros(0, np.int64)
         return empty, empty, empty.astype(np.uint64)
-    region = tuple(map(tuple, region))
+    region = tuple((a, b) for a, b in region)
     axis = _runs_axis(info, region, out)
     count = math.prod(b - a for a, b in region[:axis])
     layout = _cached_run_layout if count <= _CACHED_RUNS else _run_layout

@@ -64,6 +64,7 @@ def retried(what: str, attempt: Callable[[], _T]) -> _T:
     retried("https://host/m.safetensors: bytes 0-7", lambda: transport.start("m.safetensors"))
     ```
     """
+    last: Transient | None = None  # set: ATTEMPTS > 0
     for i in range(ATTEMPTS):
         try:
             return attempt()

@@ -82,4 +82,6 @@ def scheme_of(url: str) -> str:
     scheme_of("HTTPS://host/gpt2")   # 'https'
     ```
     """
-    return _SCHEME.match(url).group(1).lower()
+    match = _SCHEME.match(url)
+    assert match is not None  # `url` is one `is_url` accepts
+    return match.group(1).lower()

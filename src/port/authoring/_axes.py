@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._mapping import EXPERT, LAYER
-from .._transforms import Reshape
+from .._transforms import Reshape, Size
 from ._draft import shape_text
 from ._keys import Shape
 from ._names import tokens
@@ -131,7 +131,7 @@ def config_name(size: int, axis: str, config: AnyMapping[str, Any]) -> str | Non
 
 def named(ops: Ops, source: Shape, target: Shape, config: AnyMapping[str, Any]) -> Ops:
     """`ops` with reshape sizes written as config.json names where one name fits unambiguously."""
-    names: dict[int, list[str]] = {}
+    names: dict[Size, list[str]] = {}  # a size (config.json's value) to the names that give it
     for axis_names in config_dims(config).values():
         for axis, key in axis_names:
             if key is not None and axis != "experts":  # an expert count: a stack, never reshaped

@@ -215,9 +215,11 @@ def draft_parts(
     leaf_axes = [propose_axes(p.leaf, group.stack, dims)[0] for p in parts]
     axes = [a[len(group.stack) :] for a in leaf_axes]  # of the per-key target
     shared, tails = _per_head(group, axis, parts, axes, config) or _on_axis(group, axis, parts, axes, config)
+    split = shared[-1]
+    assert isinstance(split, Split)  # both builders end the shared chain with the split
     entries = []
     for index, (part, tail, all_axes) in enumerate(zip(parts, tails, leaf_axes)):
-        ops = (*shared[:-1], replace(shared[-1], index=index), *tail)
+        ops = (*shared[:-1], replace(split, index=index), *tail)
         if not builds(ops, group.shape, part.target, config):
             return None
         entries.append(Entry(group.pattern, part.leaf.path, ops, all_axes))
