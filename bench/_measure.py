@@ -58,8 +58,12 @@ def peak_memory(interval: float = 0.005) -> Callable[[], int]:
 
     A separate process, not a thread: a thread stalls while a library holds the GIL.
     """
-    sampler = subprocess.Popen([sys.executable, "-c", _SAMPLER, str(os.getpid()), str(interval)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    sampler = subprocess.Popen(
+        [sys.executable, "-c", _SAMPLER, str(os.getpid()), str(interval)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert sampler.stdout.readline().strip() == "ready"
 
     def stop() -> int:
@@ -71,12 +75,25 @@ def peak_memory(interval: float = 0.005) -> Callable[[], int]:
 
 CONFIGS = {
     # GPT-2 small (124M parameters, tied head).
-    "gpt2": {"model_type": "gpt2", "n_embd": 768, "n_layer": 12, "n_head": 12, "vocab_size": 50257,
-             "n_positions": 1024},
+    "gpt2": {
+        "model_type": "gpt2",
+        "n_embd": 768,
+        "n_layer": 12,
+        "n_head": 12,
+        "vocab_size": 50257,
+        "n_positions": 1024,
+    },
     # A Llama of about the same size (125M: untied head, GQA 12/4, SwiGLU 2048).
-    "llama": {"model_type": "llama", "hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12,
-              "num_key_value_heads": 4, "intermediate_size": 2048, "vocab_size": 32000,
-              "max_position_embeddings": 2048},
+    "llama": {
+        "model_type": "llama",
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "intermediate_size": 2048,
+        "vocab_size": 32000,
+        "max_position_embeddings": 2048,
+    },
 }
 _LAYERS = {"gpt2": "n_layer", "llama": "num_hidden_layers"}
 
@@ -131,11 +148,24 @@ def started(mesh: str, devices: int | None = 8):
     import port
     import port.models
 
-    for name in ("open_checkpoint", "mapping_for", "skeleton", "plan", "place", "fill", "load", "restore",
-                 "convert", "export"):
+    for name in (
+        "open_checkpoint",
+        "mapping_for",
+        "skeleton",
+        "plan",
+        "place",
+        "fill",
+        "load",
+        "restore",
+        "convert",
+        "export",
+    ):
         getattr(port, name)
-    for module in ("port._sources._remote", "port._sources._pytorch", *(f"port.models.{m.name}" for m in
-                                                                        pkgutil.iter_modules(port.models.__path__))):
+    for module in (
+        "port._sources._remote",
+        "port._sources._pytorch",
+        *(f"port.models.{m.name}" for m in pkgutil.iter_modules(port.models.__path__)),
+    ):
         importlib.import_module(module)
     return port.make_mesh(mesh)
 
@@ -191,9 +221,14 @@ def write(path: Path, title: str, script: str, sections: Sequence[str], notes: S
     """The Markdown file for `--out`: the title, the machine, the command, the notes, then the tables."""
     import jax
 
-    header = [f"# {title}", "",
-              f"Machine: {machine()}; JAX {jax.__version__} on {devices()}; Python {platform.python_version()}.", "",
-              f"Command: `python bench/{script} " + " ".join(sys.argv[1:]) + "`", ""]
+    header = [
+        f"# {title}",
+        "",
+        f"Machine: {machine()}; JAX {jax.__version__} on {devices()}; Python {platform.python_version()}.",
+        "",
+        f"Command: `python bench/{script} " + " ".join(sys.argv[1:]) + "`",
+        "",
+    ]
     for note in notes:
         header += [note, ""]
     path.write_text("\n".join(header) + "\n" + "\n\n".join(sections).rstrip() + "\n")

@@ -49,8 +49,20 @@ import _measure  # bench/ is the script's directory, first on sys.path
 from _measure import peak_memory
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("port", "port-convert", "port-restore", "recipe", "floor", "floor-streamed",
-           "floor-rw", "floor-rw+fsync", "floor-restore", "read+put", "put", "flax")
+METHODS = (
+    "port",
+    "port-convert",
+    "port-restore",
+    "recipe",
+    "floor",
+    "floor-streamed",
+    "floor-rw",
+    "floor-rw+fsync",
+    "floor-restore",
+    "read+put",
+    "put",
+    "flax",
+)
 RESTORE_METHODS = ("port-restore", "floor-restore")
 BOUND = 1.5
 
@@ -102,21 +114,25 @@ def _recipe(directory: Path, mesh):
     def stack(name, fn=lambda x: x):
         return np.stack([fn(state[f"h.{i}.{name}"]) for i in range(n)])
 
-    arrays = {"wte": state["wte.weight"], "wpe": state["wpe.weight"],
-              "ln_f.weight": state["ln_f.weight"], "ln_f.bias": state["ln_f.bias"]}
+    arrays = {
+        "wte": state["wte.weight"],
+        "wpe": state["wpe.weight"],
+        "ln_f.weight": state["ln_f.weight"],
+        "ln_f.bias": state["ln_f.bias"],
+    }
     for ln in ("ln_1", "ln_2"):
         arrays[f"blocks.{ln}.weight"] = stack(f"{ln}.weight")
         arrays[f"blocks.{ln}.bias"] = stack(f"{ln}.bias")
     for i, x in enumerate("qkv"):
-        arrays[f"blocks.attn.w{x}"] = stack("attn.c_attn.weight", lambda w: w[:, i * e:(i + 1) * e].reshape(e, h, -1))
-        arrays[f"blocks.attn.b{x}"] = stack("attn.c_attn.bias", lambda b: b[i * e:(i + 1) * e].reshape(h, -1))
+        arrays[f"blocks.attn.w{x}"] = stack("attn.c_attn.weight", lambda w: w[:, i * e : (i + 1) * e].reshape(e, h, -1))
+        arrays[f"blocks.attn.b{x}"] = stack("attn.c_attn.bias", lambda b: b[i * e : (i + 1) * e].reshape(h, -1))
     arrays["blocks.attn.wo"] = stack("attn.c_proj.weight", lambda w: w.reshape(h, -1, e))
     arrays["blocks.attn.bo"] = stack("attn.c_proj.bias")
     arrays["blocks.mlp.w_fc"] = stack("mlp.c_fc.weight")
     arrays["blocks.mlp.b_fc"] = stack("mlp.c_fc.bias")
     arrays["blocks.mlp.w_proj"] = stack("mlp.c_proj.weight")
     arrays["blocks.mlp.b_proj"] = stack("mlp.c_proj.bias")
-    del state
+    state.clear()  # the whole state dict freed, as the recipe does
     # The shardings port would use: the recipe gets them for free.
     mapping = port.mapping_for(config)
     axes = {p.path: p.axes for p in mapping.params}
@@ -137,8 +153,9 @@ def _port_convert(directory: Path, mesh):
     report = out.parent / "report.json"
     mesh_spec = "x".join(str(n) for n in mesh.shape.values())
     # `run`, not `main`: the command in this (measured) process, without the supervisor.
-    code = port._cli.run(["convert", str(directory), "--mesh", mesh_spec, "--out", str(out),
-                          "--report", str(report), "--no-progress"])
+    code = port._cli.run(
+        ["convert", str(directory), "--mesh", mesh_spec, "--out", str(out), "--report", str(report), "--no-progress"]
+    )
     if code:
         raise RuntimeError(f"port convert exited {code}")
     figures = json.loads(report.read_text())
@@ -153,8 +170,10 @@ def _floor_rw(directory: Path, mesh, fsync: bool = False):
     scratch = Path(tempfile.mkdtemp(prefix="port-bench-rw-"))
     _AFTER.append(lambda: shutil.rmtree(scratch))
     total = 0
-    with safe_open(directory / "model.safetensors", "np", backend="pread") as f, \
-            open(scratch / "tensors.bin", "wb") as out:
+    with (
+        safe_open(directory / "model.safetensors", "np", backend="pread") as f,
+        open(scratch / "tensors.bin", "wb") as out,
+    ):
         for key in f.keys():
             tensor = f.get_tensor(key)
             total += tensor.nbytes
@@ -179,8 +198,11 @@ def chunk_files(out: Path) -> list[Path]:
     """The array chunk files of a port output: regular files under params/, not metadata."""
     params = out / "params"
     return sorted(
-        path for path in params.rglob("*")
-        if path.is_file() and not path.is_symlink() and not path.name.startswith((".", "_"))
+        path
+        for path in params.rglob("*")
+        if path.is_file()
+        and not path.is_symlink()
+        and not path.name.startswith((".", "_"))
         and "array_metadatas" not in path.relative_to(params).parts
     )
 
@@ -275,10 +297,21 @@ def measure(method: str, directory: Path, mesh_spec: str) -> dict:
     # port's modules load lazily: imported here, before the clock, like JAX itself (start-up, not the method).
     mesh = _measure.started(mesh_spec)
     import port._cli  # noqa: F401  (port-convert runs the command)
-    fn = {"port": _port, "port-convert": _port_convert, "port-restore": _port_restore,
-          "recipe": _recipe, "floor": _floor, "floor-streamed": _floor_streamed,
-          "floor-rw": _floor_rw, "floor-rw+fsync": _floor_rw_fsync,
-          "floor-restore": _floor_restore, "read+put": _read_put, "put": _put, "flax": _flax}[method]
+
+    fn = {
+        "port": _port,
+        "port-convert": _port_convert,
+        "port-restore": _port_restore,
+        "recipe": _recipe,
+        "floor": _floor,
+        "floor-streamed": _floor_streamed,
+        "floor-rw": _floor_rw,
+        "floor-rw+fsync": _floor_rw_fsync,
+        "floor-restore": _floor_restore,
+        "read+put": _read_put,
+        "put": _put,
+        "flax": _flax,
+    }[method]
     given = _BEFORE[method](directory) if method in _BEFORE else directory
     if method == "flax":
         from transformers import FlaxGPT2LMHeadModel  # noqa: F401  (transformers 4.x only)
@@ -301,8 +334,13 @@ def measure(method: str, directory: Path, mesh_spec: str) -> dict:
         per_device, total_device = _device_bytes(result)
     else:
         per_device, total_device = 0, 0
-    return {"seconds": seconds, "peak_above_start": peak, "bytes_read": bytes_read,
-            "device_bytes": per_device, "total_device_bytes": total_device}
+    return {
+        "seconds": seconds,
+        "peak_above_start": peak,
+        "bytes_read": bytes_read,
+        "device_bytes": per_device,
+        "total_device_bytes": total_device,
+    }
 
 
 # ---------------------------------------------------------------- driver
@@ -320,7 +358,7 @@ def run_method(method: str, directory: Path, mesh: str) -> dict | str:
 
 def machine() -> str:
     """This machine as the tables name it: `2 CPU cores (AMD EPYC ...), 24 GiB`."""
-    cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{os.cpu_count()} CPU cores ({cpu}), {memory:.0f} GiB"
 
@@ -345,8 +383,19 @@ def warm(*paths: Path) -> None:
 
 def convert_for_restore(directory: Path, mesh: str) -> str | None:
     """Write `port convert`'s output for the restore rows (untimed); an error line if it failed."""
-    command = [sys.executable, "-m", "port", "convert", str(directory), "--out", str(output_of(directory)),
-               "--mesh", mesh, "--force", "--no-progress"]
+    command = [
+        sys.executable,
+        "-m",
+        "port",
+        "convert",
+        str(directory),
+        "--out",
+        str(output_of(directory)),
+        "--mesh",
+        mesh,
+        "--force",
+        "--no-progress",
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["failed"])[-1]
@@ -359,10 +408,13 @@ def _mb(n: float) -> str:
 
 
 def table(size: str, dtype: str, results: dict, largest: int) -> str:
-    rows = [f"### GPT-2 {size}, {dtype}, mesh {MESH}", "",
-            "| method | seconds | peak anon memory above start | bytes read | bytes per device "
-            "| x recipe (time) | x floor (time) | x floor-streamed (time) | x recipe (memory) |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        f"### GPT-2 {size}, {dtype}, mesh {MESH}",
+        "",
+        "| method | seconds | peak anon memory above start | bytes read | bytes per device "
+        "| x recipe (time) | x floor (time) | x floor-streamed (time) | x recipe (memory) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     base, floor, streamed = results.get("recipe"), results.get("floor"), results.get("floor-streamed")
     for method in METHODS:
         r = results.get(method)
@@ -374,17 +426,22 @@ def table(size: str, dtype: str, results: dict, largest: int) -> str:
         vs_streamed = f"{r['seconds'] / streamed['seconds']:.2f}" if isinstance(streamed, dict) else ""
         mem = f"{r['peak_above_start'] / base['peak_above_start']:.2f}" if isinstance(base, dict) else ""
         per_device = _mb(r["device_bytes"]) if r["device_bytes"] else "-"
-        rows.append(f"| {method} | {r['seconds']:.3f} | {_mb(r['peak_above_start'])} | {_mb(r['bytes_read'])} | "
-                    f"{per_device} | {vs_recipe} | {vs_floor} | {vs_streamed} | {mem} |")
+        rows.append(
+            f"| {method} | {r['seconds']:.3f} | {_mb(r['peak_above_start'])} | {_mb(r['bytes_read'])} | "
+            f"{per_device} | {vs_recipe} | {vs_floor} | {vs_streamed} | {mem} |"
+        )
     rows += _convert_line(results, largest) + _restore_line(results, largest) + _overlap_line(results)
     p = results.get("port")
     if isinstance(p, dict) and isinstance(floor, dict):
         overhead = p["peak_above_start"] - p["total_device_bytes"]
-        rows += ["", f"port: peak above start minus the arrays it produced ({_mb(p['total_device_bytes'])} on 8 "
-                 f"devices) = {_mb(overhead)}; the bound is 1.5 x the largest source tensor = {_mb(1.5 * largest)} "
-                 f"({'holds' if overhead <= 1.5 * largest else 'EXCEEDED'}). Time vs floor: "
-                 f"{p['seconds'] / floor['seconds']:.2f} (bound 1.5: "
-                 f"{'holds' if p['seconds'] <= 1.5 * floor['seconds'] else 'EXCEEDED'})."]
+        rows += [
+            "",
+            f"port: peak above start minus the arrays it produced ({_mb(p['total_device_bytes'])} on 8 "
+            f"devices) = {_mb(overhead)}; the bound is 1.5 x the largest source tensor = {_mb(1.5 * largest)} "
+            f"({'holds' if overhead <= 1.5 * largest else 'EXCEEDED'}). Time vs floor: "
+            f"{p['seconds'] / floor['seconds']:.2f} (bound 1.5: "
+            f"{'holds' if p['seconds'] <= 1.5 * floor['seconds'] else 'EXCEEDED'}).",
+        ]
     return "\n".join(rows)
 
 
@@ -402,18 +459,23 @@ def _vs(r: dict, floor: dict | str | None, name: str) -> str:
 
 def _memory(r: dict, largest: int) -> str:
     overhead = r["peak_above_start"] - r["total_device_bytes"]
-    return (f"memory: peak above start minus the arrays ({_mb(r['total_device_bytes'])} on 8 devices) = "
-            f"{_mb(overhead)}, bound {BOUND} x the largest tensor = {_mb(BOUND * largest)} "
-            f"({_holds(overhead, BOUND * largest)})")
+    return (
+        f"memory: peak above start minus the arrays ({_mb(r['total_device_bytes'])} on 8 devices) = "
+        f"{_mb(overhead)}, bound {BOUND} x the largest tensor = {_mb(BOUND * largest)} "
+        f"({_holds(overhead, BOUND * largest)})"
+    )
 
 
 def _convert_line(results: dict, largest: int) -> list[str]:
     r = results.get("port-convert")
     if not isinstance(r, dict):
         return []
-    return ["", f"port-convert: {r['seconds']:.3f} s; {_vs(r, results.get('floor-rw'), 'floor-rw')}; "
-            f"{_vs(r, results.get('floor-rw+fsync'), 'floor-rw+fsync')} (the like-for-like floor: "
-            f"port fsyncs its output); {_memory(r, largest)}."]
+    return [
+        "",
+        f"port-convert: {r['seconds']:.3f} s; {_vs(r, results.get('floor-rw'), 'floor-rw')}; "
+        f"{_vs(r, results.get('floor-rw+fsync'), 'floor-rw+fsync')} (the like-for-like floor: "
+        f"port fsyncs its output); {_memory(r, largest)}.",
+    ]
 
 
 def _overlap_line(results: dict) -> list[str]:
@@ -423,17 +485,23 @@ def _overlap_line(results: dict) -> list[str]:
     if not all(isinstance(r, dict) for r in (p, floor, put)):
         return []
     both = floor["seconds"] + put["seconds"]
-    return ["", f"overlap: reading alone (floor) {floor['seconds']:.3f} s + the transfers alone (put) "
-            f"{put['seconds']:.3f} s = {both:.3f} s, against port {p['seconds']:.3f} s: "
-            f"{max(0.0, both - p['seconds']):.3f} s done at once."]
+    return [
+        "",
+        f"overlap: reading alone (floor) {floor['seconds']:.3f} s + the transfers alone (put) "
+        f"{put['seconds']:.3f} s = {both:.3f} s, against port {p['seconds']:.3f} s: "
+        f"{max(0.0, both - p['seconds']):.3f} s done at once.",
+    ]
 
 
 def _restore_line(results: dict, largest: int) -> list[str]:
     r = results.get("port-restore")
     if not isinstance(r, dict):
         return []
-    return ["", f"port-restore: {r['seconds']:.3f} s; {_vs(r, results.get('floor-restore'), 'floor-restore')}; "
-            f"{_memory(r, largest)}."]
+    return [
+        "",
+        f"port-restore: {r['seconds']:.3f} s; {_vs(r, results.get('floor-restore'), 'floor-restore')}; "
+        f"{_memory(r, largest)}.",
+    ]
 
 
 MESH = "4x2"
@@ -468,8 +536,9 @@ def main() -> None:
                 from safetensors import safe_open
 
                 with safe_open(directory / "model.safetensors", "np") as f:
-                    largest = max(f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1]
-                                  for k in f.keys()) * (2 if dtype == "bfloat16" else 4)
+                    largest = max(
+                        f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1] for k in f.keys()
+                    ) * (2 if dtype == "bfloat16" else 4)
                 methods = args.methods.split(",")
                 failed = None
                 if any(m in RESTORE_METHODS for m in methods):
@@ -494,17 +563,22 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
     if args.out:
         header = [
-            "# Benchmarks", "",
-            f"Machine: {machine()}, no accelerator; 8 simulated CPU devices; Python {platform.python_version()}.", "",
-            "Command: `python bench/bench.py " + " ".join(sys.argv[1:]) + "`", "",
+            "# Benchmarks",
+            "",
+            f"Machine: {machine()}, no accelerator; 8 simulated CPU devices; Python {platform.python_version()}.",
+            "",
+            "Command: `python bench/bench.py " + " ".join(sys.argv[1:]) + "`",
+            "",
             "Each figure is the median of the repeats (peak memory: the largest), each run in a fresh "
             "process after the page cache was warmed, twice the checkpoint's size of memory was touched "
             "and freed (the VM backs fresh guest memory slowly on first touch), and every dirty page was "
             "written (`os.sync`, so no run waits behind an earlier one's writes). Seconds cover the method "
             "alone (not JAX start-up, nor importing port's modules). "
             "Peak memory is anonymous resident memory (`RssAnon`) sampled every 2 ms, above its value "
-            "when the method started; on CPU the produced arrays themselves live in host memory.", "",
-            "Reading the tables:", "",
+            "when the method started; on CPU the produced arrays themselves live in host memory.",
+            "",
+            "Reading the tables:",
+            "",
             "- `port` is the conversion: a sharded model, every parameter on its final `NamedSharding`. "
             "Its peak memory is the arrays it produces (the line under each table gives what is left "
             "over) and it is compared with reading every tensor into NumPy (`floor`). `floor-streamed` "
@@ -525,7 +599,8 @@ def main() -> None:
             "- `recipe` gets the shardings from port for free; in practice users also build a randomly "
             "initialised model first, which costs another copy.",
             "- `flax` (transformers 4.x `FlaxGPT2LMHeadModel.from_pretrained(..., from_pt=True)`) runs "
-            "only where transformers 4.x is installed; transformers 5 removed its Flax models.", "",
+            "only where transformers 4.x is installed; transformers 5 removed its Flax models.",
+            "",
         ]
         args.out.write_text("\n".join(header) + "\n" + "\n\n".join(sections) + "\n")
 

@@ -125,15 +125,34 @@ def main() -> None:
             rows.append([f"GPT-2 {size}", _measure.mb(total), f"{min(dds):.3f}", f"failed: {(loads + warms)[0]}"])
             continue
         best_dd, best, best_warm = min(dds), min(done), min(warm)
-        rows.append([f"GPT-2 {size}", _measure.mb(total), f"{best_dd:.3f}", f"{total / best_dd / 1e9:.2f}",
-                     f"{best:.3f}", f"{best_warm:.3f}", f"{best - best_warm:.3f}", f"{best / best_dd:.2f}",
-                     f"{(best - best_warm) / best_dd:.2f}"])
+        rows.append(
+            [
+                f"GPT-2 {size}",
+                _measure.mb(total),
+                f"{best_dd:.3f}",
+                f"{total / best_dd / 1e9:.2f}",
+                f"{best:.3f}",
+                f"{best_warm:.3f}",
+                f"{best - best_warm:.3f}",
+                f"{best / best_dd:.2f}",
+                f"{(best - best_warm) / best_dd:.2f}",
+            ]
+        )
         print(f"gpt2-{size}: dd {best_dd:.3f} s, port.load {best:.3f} s", file=sys.stderr, flush=True)
     if not cold and not args.warm:
         print("the page cache kept the checkpoint's pages: the table is of warm reads", file=sys.stderr)
     state = "the checkpoint evicted from the page cache before each run" if cold else "page cache WARM"
-    header = ["checkpoint", "file bytes", "dd s", "dd GB/s", f"port.load s (mesh {args.mesh})",
-              "port.load, cache warm s", "the difference: reading s", "x dd", "reading x dd"]
+    header = [
+        "checkpoint",
+        "file bytes",
+        "dd s",
+        "dd GB/s",
+        f"port.load s (mesh {args.mesh})",
+        "port.load, cache warm s",
+        "the difference: reading s",
+        "x dd",
+        "reading x dd",
+    ]
     text = f"### Local reads, {state}, best of {args.repeats}\n\n" + _measure.markdown(header, rows)
     text += f"\n{_measure.machine()}\n"
     print(text)

@@ -55,9 +55,11 @@ def measure(spec: dict) -> dict:
     ids = jax.random.randint(jax.random.key(1), (batch, prompt), 0, vocab, dtype=jnp.int32)
 
     if spec["method"] == "cache":
+
         def run():
             return pnn.generate(model, ids, max_new_tokens=new)
     else:
+
         @eqx.filter_jit
         def step(model, buffer, length):
             logits = model(buffer)  # [batch, prompt + new, vocab]
@@ -80,22 +82,29 @@ def measure(spec: dict) -> dict:
         out = jax.block_until_ready(run())
         seconds.append(time.perf_counter() - clock)
     median = _measure.median(seconds)
-    return {"first_call": first, "seconds": median, "tokens_per_second": batch * new / median,
-            "tokens": np.asarray(out)[:, prompt:].tolist()}
+    return {
+        "first_call": first,
+        "seconds": median,
+        "tokens_per_second": batch * new / median,
+        "tokens": np.asarray(out)[:, prompt:].tolist(),
+    }
 
 
 def compare(a: dict | str, b: dict | str) -> str | None:
     """Where two runs' tokens differ (None: the same, or nothing to compare)."""
     if not (isinstance(a, dict) and isinstance(b, dict)):
         return None
-    rows = [(i, j) for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) for j, (p, q) in enumerate(zip(x, y))
-            if p != q]
+    rows = [
+        (i, j) for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) for j, (p, q) in enumerate(zip(x, y)) if p != q
+    ]
     if not rows:
         return None
     sequence, position = rows[0]
-    return (f"{len(rows)} of {sum(len(x) for x in a['tokens'])} new tokens differ; first in sequence {sequence} "
-            f"at new token {position}: cache {a['tokens'][sequence][position]}, "
-            f"recompute {b['tokens'][sequence][position]}")
+    return (
+        f"{len(rows)} of {sum(len(x) for x in a['tokens'])} new tokens differ; first in sequence {sequence} "
+        f"at new token {position}: cache {a['tokens'][sequence][position]}, "
+        f"recompute {b['tokens'][sequence][position]}"
+    )
 
 
 def table(title: str, results: dict, models: list[str], batches: list[int]) -> tuple[str, list[str]]:
@@ -114,8 +123,18 @@ def table(title: str, results: dict, models: list[str], batches: list[int]) -> t
                     continue
                 speedup = f"{base['seconds'] / r['seconds']:.1f}x" if isinstance(base, dict) else "-"
                 same = "-" if method == "recompute" or not isinstance(base, dict) else ("NO" if problem else "yes")
-                rows.append([model, method, str(batch), f"{r['first_call']:.2f}", f"{r['seconds']:.3f}",
-                             f"{r['tokens_per_second']:,.1f}", speedup, same])
+                rows.append(
+                    [
+                        model,
+                        method,
+                        str(batch),
+                        f"{r['first_call']:.2f}",
+                        f"{r['seconds']:.3f}",
+                        f"{r['tokens_per_second']:,.1f}",
+                        speedup,
+                        same,
+                    ]
+                )
     text = f"### {title}\n\n" + _measure.markdown(header, rows)
     if mismatches:
         text += "\n\n" + "\n\n".join(f"**{m}**" for m in mismatches)
@@ -143,26 +162,39 @@ def main() -> None:
     for model in models:
         for batch in batches:
             for method in METHODS:
-                spec = {"model": model, "method": method, "batch": batch, "prompt": args.prompt, "new": args.new,
-                        "repeats": args.repeats, "layers": args.layers}
+                spec = {
+                    "model": model,
+                    "method": method,
+                    "batch": batch,
+                    "prompt": args.prompt,
+                    "new": args.new,
+                    "repeats": args.repeats,
+                    "layers": args.layers,
+                }
                 r = _measure.isolated(__file__, spec)
-                print(f"{model} {method} batch {batch}: " + (f"{r['seconds']:.3f} s" if isinstance(r, dict) else r),
-                      file=sys.stderr, flush=True)
+                print(
+                    f"{model} {method} batch {batch}: " + (f"{r['seconds']:.3f} s" if isinstance(r, dict) else r),
+                    file=sys.stderr,
+                    flush=True,
+                )
                 results[model, method, batch] = r
     depth = f", {args.layers} layers" if args.layers else ""
-    title = (f"Greedy decoding: prompt {args.prompt}, {args.new} new tokens{depth}, float32, "
-             f"median of {args.repeats}")
+    title = f"Greedy decoding: prompt {args.prompt}, {args.new} new tokens{depth}, float32, median of {args.repeats}"
     section, mismatches = table(title, results, models, batches)
     print(section)
     for m in mismatches:
         print(f"\n*** {m} ***", file=sys.stderr)
     if args.out:
-        notes = [("`cache` is `port.nn.generate` (jitted prefill, then `port.nn.decode_step` compiled once); "
-                 "`recompute` runs the whole zero-padded buffer of the final length through one jitted forward "
-                 "per new token and takes the argmax at the current length (compiled once). Each row is a fresh "
-                 "process; the first call compiles and is not in the median. tokens/s = batch x new tokens / "
-                 "seconds; speedup is recompute's seconds over the row's; \"same tokens\" compares the cache "
-                 "row's new tokens with recompute's.")]
+        notes = [
+            (
+                "`cache` is `port.nn.generate` (jitted prefill, then `port.nn.decode_step` compiled once); "
+                "`recompute` runs the whole zero-padded buffer of the final length through one jitted forward "
+                "per new token and takes the argmax at the current length (compiled once). Each row is a fresh "
+                "process; the first call compiles and is not in the median. tokens/s = batch x new tokens / "
+                "seconds; speedup is recompute's seconds over the row's; \"same tokens\" compares the cache "
+                "row's new tokens with recompute's."
+            )
+        ]
         _measure.write(args.out, "Decoding", "decode.py", [section], notes)
     if mismatches:
         sys.exit(1)

@@ -196,9 +196,11 @@ def main() -> None:
                 p, f = results.get("port"), results.get("floor")
                 if isinstance(p, dict) and isinstance(f, dict):
                     # Same tensors either way: the safetensors files differ only in their headers.
-                    notes.append(f"{size} {dtype}: port wrote {', '.join(p['files'])}: "
-                                 f"{p['bytes_written'] - f['bytes_written']:+,} safetensors bytes vs the floor's "
-                                 f"file ({total:,} bytes of tensors)")
+                    notes.append(
+                        f"{size} {dtype}: port wrote {', '.join(p['files'])}: "
+                        f"{p['bytes_written'] - f['bytes_written']:+,} safetensors bytes vs the floor's "
+                        f"file ({total:,} bytes of tensors)"
+                    )
                 rows.append(row(size, dtype, results, largest))
                 print(rows[-1], flush=True)
     finally:
@@ -208,12 +210,21 @@ def main() -> None:
         print(note)
     if args.out:
         text = [
-            "# port export benchmark", "",
+            "# port export benchmark",
+            "",
             f"Machine: {_bench.machine()}; 8 simulated CPU devices, mesh {args.mesh}; "
-            f"Python {platform.python_version()}.", "",
-            "Command: `python bench/export.py " + " ".join(sys.argv[1:]) + "`", "",
-            f"Median of {args.repeats} runs, each in a fresh process (peak memory: the largest).", "",
-            HEAD, "|" + "---|" * (HEAD.count(" | ") + 1), *rows, "", *notes, "",
+            f"Python {platform.python_version()}.",
+            "",
+            "Command: `python bench/export.py " + " ".join(sys.argv[1:]) + "`",
+            "",
+            f"Median of {args.repeats} runs, each in a fresh process (peak memory: the largest).",
+            "",
+            HEAD,
+            "|" + "---|" * (HEAD.count(" | ") + 1),
+            *rows,
+            "",
+            *notes,
+            "",
         ]
         args.out.write_text("\n".join(text))
 

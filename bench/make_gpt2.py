@@ -31,8 +31,14 @@ _spec.loader.exec_module(_tiny)
 
 
 def config(size: str) -> dict:
-    return {**_tiny.CONFIG, "vocab_size": 50257, "n_positions": 1024, "bos_token_id": 50256,
-            "eos_token_id": 50256, **SIZES[size]}
+    return {
+        **_tiny.CONFIG,
+        "vocab_size": 50257,
+        "n_positions": 1024,
+        "bos_token_id": 50256,
+        "eos_token_id": 50256,
+        **SIZES[size],
+    }
 
 
 def write(size: str, out: Path, dtype: str = "float32", shards: int = 1) -> Path:

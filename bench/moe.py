@@ -81,17 +81,27 @@ def run(args) -> tuple[list[list[str]], str]:
     key = jax.random.key(0)
 
     def layer(top_k):  # same key: the same weights whatever top_k
-        return pnn.MoE(embd=args.hidden, inner=args.inner, experts=args.experts, top_k=top_k, activation="silu",
-                       dtype=dtype, key=key)
+        return pnn.MoE(
+            embd=args.hidden,
+            inner=args.inner,
+            experts=args.experts,
+            top_k=top_k,
+            activation="silu",
+            dtype=dtype,
+            key=key,
+        )
 
     x = jax.random.normal(jax.random.key(1), (args.tokens, args.hidden), dtype)
     routed, every = layer(args.top_k), layer(args.experts)
     methods = [
         (f"grouped top-{args.top_k} (port.nn.MoE)", lambda m, x: m(x), routed, args.tokens * args.top_k),
-        (f"grouped top-{args.experts} (port.nn.MoE, every expert)", lambda m, x: m(x), every,
-         args.tokens * args.experts),
-        (f"dense top-{args.top_k} (before: every expert on every token)", dense, routed,
-         args.tokens * args.experts),
+        (
+            f"grouped top-{args.experts} (port.nn.MoE, every expert)",
+            lambda m, x: m(x),
+            every,
+            args.tokens * args.experts,
+        ),
+        (f"dense top-{args.top_k} (before: every expert on every token)", dense, routed, args.tokens * args.experts),
     ]
     rows, outputs = [], []
     for name, f, module, count in methods:
@@ -106,13 +116,22 @@ def run(args) -> tuple[list[list[str]], str]:
             seconds.append(time.perf_counter() - clock)
         outputs.append(np.asarray(out, np.float32))
         needed = count * 3 * 2 * args.hidden * args.inner
-        rows.append([name, f"{flops / 1e9:,.1f} G" if flops is not None else "-", f"{count:,}",
-                     f"{needed / 1e9:,.1f} G", f"{_measure.median(seconds):.4f}"])
+        rows.append(
+            [
+                name,
+                f"{flops / 1e9:,.1f} G" if flops is not None else "-",
+                f"{count:,}",
+                f"{needed / 1e9:,.1f} G",
+                f"{_measure.median(seconds):.4f}",
+            ]
+        )
         print(f"{name}: {_measure.median(seconds):.4f} s", file=sys.stderr, flush=True)
     difference = float(np.abs(outputs[0] - outputs[2]).max())
     scale = float(np.abs(outputs[2]).max())
-    check = (f"grouped top-{args.top_k} against dense top-{args.top_k}: largest absolute difference "
-             f"{difference:.3g} (outputs up to {scale:.3g})")
+    check = (
+        f"grouped top-{args.top_k} against dense top-{args.top_k}: largest absolute difference "
+        f"{difference:.3g} (outputs up to {scale:.3g})"
+    )
     return rows, check
 
 
@@ -133,20 +152,33 @@ def main() -> None:
 
     rows, check = run(args)
     backend = jax.default_backend()
-    header = ["method", "XLA cost_analysis flops", "rows into the expert matmuls", "flops those rows need",
-              f"seconds per call ({backend})"]
-    title = (f"MoE layer: {args.tokens} tokens, hidden {args.hidden}, expert inner {args.inner}, "
-             f"{args.experts} experts, {args.dtype}, median of {args.repeats}")
-    footnote = (f"{check}. \"Flops those rows need\" is rows x 3 matmuls x 2 x hidden x inner (router "
-                "excluded), what grouped matmuls on a GPU or TPU do. XLA's CPU backend runs and costs "
-                "`ragged_dot` densely, every expert's matmul over all the rows (experts x rows x 6 x hidden x "
-                "inner: top-k times the dense dispatch), so on CPU the flops column and the seconds do not show "
-                "the saving; the rows column and an accelerator run do.")
+    header = [
+        "method",
+        "XLA cost_analysis flops",
+        "rows into the expert matmuls",
+        "flops those rows need",
+        f"seconds per call ({backend})",
+    ]
+    title = (
+        f"MoE layer: {args.tokens} tokens, hidden {args.hidden}, expert inner {args.inner}, "
+        f"{args.experts} experts, {args.dtype}, median of {args.repeats}"
+    )
+    footnote = (
+        f'{check}. "Flops those rows need" is rows x 3 matmuls x 2 x hidden x inner (router '
+        "excluded), what grouped matmuls on a GPU or TPU do. XLA's CPU backend runs and costs "
+        "`ragged_dot` densely, every expert's matmul over all the rows (experts x rows x 6 x hidden x "
+        "inner: top-k times the dense dispatch), so on CPU the flops column and the seconds do not show "
+        "the saving; the rows column and an accelerator run do."
+    )
     section = f"### {title}\n\n" + _measure.markdown(header, rows) + "\n\n" + footnote
     print(section)
     if args.out:
-        notes = [("One process: each method jitted (`jax.jit(f).lower(layer, x).compile()`), its XLA cost analysis "
-                 "read, one untimed call, then the median of the timed calls.")]
+        notes = [
+            (
+                "One process: each method jitted (`jax.jit(f).lower(layer, x).compile()`), its XLA cost analysis "
+                "read, one untimed call, then the median of the timed calls."
+            )
+        ]
         _measure.write(args.out, "Mixture of experts", "moe.py", [section], notes)
 
 

@@ -30,83 +30,267 @@ import transformers  # noqa: E402
 import port  # noqa: E402
 
 SMALL = dict(initializer_range=0.2, bos_token_id=0, eos_token_id=0)
-LLAMA = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **SMALL)
-LLAMA3 = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-              high_freq_factor=4.0, original_max_position_embeddings=8)
-DEEPSEEK = dict(LLAMA, hidden_size=48, intermediate_size=72, moe_intermediate_size=20, num_hidden_layers=3,
-                num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
-                first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6,
-                v_head_dim=10, routed_scaling_factor=1.7, n_shared_experts=2,
-                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                                     original_max_position_embeddings=16, mscale=0.9, mscale_all_dim=1.0))
-NEOX = dict(vocab_size=101, hidden_size=60, intermediate_size=120, num_hidden_layers=2, num_attention_heads=5,
-            max_position_embeddings=64, **SMALL)
+LLAMA = dict(
+    vocab_size=101,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    **SMALL,
+)
+LLAMA3 = dict(
+    rope_type="llama3",
+    rope_theta=10000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8,
+)
+DEEPSEEK = dict(
+    LLAMA,
+    hidden_size=48,
+    intermediate_size=72,
+    moe_intermediate_size=20,
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=6,
+    v_head_dim=10,
+    routed_scaling_factor=1.7,
+    n_shared_experts=2,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=16,
+        mscale=0.9,
+        mscale_all_dim=1.0,
+    ),
+)
+NEOX = dict(
+    vocab_size=101,
+    hidden_size=60,
+    intermediate_size=120,
+    num_hidden_layers=2,
+    num_attention_heads=5,
+    max_position_embeddings=64,
+    **SMALL,
+)
 CASES = {
-    "gpt2": (transformers.GPT2LMHeadModel, transformers.GPT2Config,
-             dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, **SMALL)),
+    "gpt2": (
+        transformers.GPT2LMHeadModel,
+        transformers.GPT2Config,
+        dict(vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, **SMALL),
+    ),
     "gpt2-small-124M": (transformers.GPT2LMHeadModel, transformers.GPT2Config, dict(bos_token_id=0, eos_token_id=0)),
     "llama-gqa-untied": (transformers.LlamaForCausalLM, transformers.LlamaConfig, LLAMA),
-    "llama-tied-llama3-rope": (transformers.LlamaForCausalLM, transformers.LlamaConfig,
-                               dict(LLAMA, tie_word_embeddings=True, rope_parameters=LLAMA3)),
+    "llama-tied-llama3-rope": (
+        transformers.LlamaForCausalLM,
+        transformers.LlamaConfig,
+        dict(LLAMA, tie_word_embeddings=True, rope_parameters=LLAMA3),
+    ),
     "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, dict(LLAMA, sliding_window=4)),
     "qwen2-biases": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, LLAMA),
-    "bert": (transformers.BertModel, transformers.BertConfig,
-             dict(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  intermediate_size=128, max_position_embeddings=32, initializer_range=0.2)),
-    "gemma-gqa3-bias": (transformers.GemmaForCausalLM, transformers.GemmaConfig,
-                        dict(LLAMA, hidden_size=48, intermediate_size=96, num_attention_heads=3,
-                             num_key_value_heads=1, head_dim=32, attention_bias=True)),
-    "gemma2-softcap-window": (transformers.Gemma2ForCausalLM, transformers.Gemma2Config,
-                              dict(LLAMA, hidden_size=48, intermediate_size=96, num_attention_heads=6,
-                                   num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
-                                   sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
-    "qwen3-gqa3-untied": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config,
-                          dict(LLAMA, num_attention_heads=6, num_key_value_heads=2, head_dim=12)),
-    "phi3-gqa3": (transformers.Phi3ForCausalLM, transformers.Phi3Config,
-                  dict(LLAMA, pad_token_id=None, hidden_size=48, num_attention_heads=6, num_key_value_heads=2)),
-    "mixtral-top2-of-6": (transformers.MixtralForCausalLM, transformers.MixtralConfig,
-                          dict(LLAMA, num_local_experts=6, num_experts_per_tok=2)),
-    "qwen2-moe-shared": (transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig,
-                         dict(LLAMA, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-                              shared_expert_intermediate_size=48, norm_topk_prob=False)),
-    "gpt-neox-parallel-rotary0.25": (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig,
-                                     dict(NEOX, rotary_pct=0.25)),
-    "gpt-neox-sequential-rotary0.5-tied": (transformers.GPTNeoXForCausalLM, transformers.GPTNeoXConfig,
-                                           dict(NEOX, rotary_pct=0.5, use_parallel_residual=False,
-                                                tie_word_embeddings=True)),
-    "vit": (transformers.ViTModel, transformers.ViTConfig,
-            dict(hidden_size=48, num_hidden_layers=2, num_attention_heads=3, intermediate_size=80,
-                 image_size=16, patch_size=4, initializer_range=0.2)),
+    "bert": (
+        transformers.BertModel,
+        transformers.BertConfig,
+        dict(
+            vocab_size=101,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=32,
+            initializer_range=0.2,
+        ),
+    ),
+    "gemma-gqa3-bias": (
+        transformers.GemmaForCausalLM,
+        transformers.GemmaConfig,
+        dict(
+            LLAMA,
+            hidden_size=48,
+            intermediate_size=96,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            head_dim=32,
+            attention_bias=True,
+        ),
+    ),
+    "gemma2-softcap-window": (
+        transformers.Gemma2ForCausalLM,
+        transformers.Gemma2Config,
+        dict(
+            LLAMA,
+            hidden_size=48,
+            intermediate_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=4,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+        ),
+    ),
+    "qwen3-gqa3-untied": (
+        transformers.Qwen3ForCausalLM,
+        transformers.Qwen3Config,
+        dict(LLAMA, num_attention_heads=6, num_key_value_heads=2, head_dim=12),
+    ),
+    "phi3-gqa3": (
+        transformers.Phi3ForCausalLM,
+        transformers.Phi3Config,
+        dict(LLAMA, pad_token_id=None, hidden_size=48, num_attention_heads=6, num_key_value_heads=2),
+    ),
+    "mixtral-top2-of-6": (
+        transformers.MixtralForCausalLM,
+        transformers.MixtralConfig,
+        dict(LLAMA, num_local_experts=6, num_experts_per_tok=2),
+    ),
+    "qwen2-moe-shared": (
+        transformers.Qwen2MoeForCausalLM,
+        transformers.Qwen2MoeConfig,
+        dict(
+            LLAMA,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+        ),
+    ),
+    "gpt-neox-parallel-rotary0.25": (
+        transformers.GPTNeoXForCausalLM,
+        transformers.GPTNeoXConfig,
+        dict(NEOX, rotary_pct=0.25),
+    ),
+    "gpt-neox-sequential-rotary0.5-tied": (
+        transformers.GPTNeoXForCausalLM,
+        transformers.GPTNeoXConfig,
+        dict(NEOX, rotary_pct=0.5, use_parallel_residual=False, tie_word_embeddings=True),
+    ),
+    "vit": (
+        transformers.ViTModel,
+        transformers.ViTConfig,
+        dict(
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=3,
+            intermediate_size=80,
+            image_size=16,
+            patch_size=4,
+            initializer_range=0.2,
+        ),
+    ),
     # 2026's families: sizes unlike each other, every feature the family adds switched on.
-    "qwen3-moe-dense-layer": (transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig,
-                              dict(LLAMA, num_hidden_layers=3, num_attention_heads=6, head_dim=12, num_experts=6,
-                                   num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
-                                   mlp_only_layers=[1])),
+    "qwen3-moe-dense-layer": (
+        transformers.Qwen3MoeForCausalLM,
+        transformers.Qwen3MoeConfig,
+        dict(
+            LLAMA,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            head_dim=12,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
     "deepseek-v3-lora-groups": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config, DEEPSEEK),
-    "deepseek-v3-no-lora": (transformers.DeepseekV3ForCausalLM, transformers.DeepseekV3Config,
-                            dict(DEEPSEEK, q_lora_rank=None)),
-    "gpt-oss-sinks-window": (transformers.GptOssForCausalLM, transformers.GptOssConfig, dict(
-        LLAMA, hidden_size=48, intermediate_size=40, num_hidden_layers=3, num_attention_heads=6, head_dim=8,
-        num_local_experts=4, num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.5,
-        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
-                             truncate=False, original_max_position_embeddings=16))),
-    "llama4-nope-chunked": (transformers.Llama4ForCausalLM, transformers.Llama4TextConfig, dict(
-        LLAMA, hidden_size=48, num_hidden_layers=4, num_attention_heads=6, head_dim=8, intermediate_size_mlp=64,
-        num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1],
-        attention_chunk_size=4, floor_scale=2, attn_scale=0.5)),
-    "qwen3-next-hybrid": (transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig, dict(
-        LLAMA, hidden_size=48, num_hidden_layers=4, num_attention_heads=4, head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, num_experts=6,
-        num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)),
+    "deepseek-v3-no-lora": (
+        transformers.DeepseekV3ForCausalLM,
+        transformers.DeepseekV3Config,
+        dict(DEEPSEEK, q_lora_rank=None),
+    ),
+    "gpt-oss-sinks-window": (
+        transformers.GptOssForCausalLM,
+        transformers.GptOssConfig,
+        dict(
+            LLAMA,
+            hidden_size=48,
+            intermediate_size=40,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            swiglu_limit=1.5,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    "llama4-nope-chunked": (
+        transformers.Llama4ForCausalLM,
+        transformers.Llama4TextConfig,
+        dict(
+            LLAMA,
+            hidden_size=48,
+            num_hidden_layers=4,
+            num_attention_heads=6,
+            head_dim=8,
+            intermediate_size_mlp=64,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            no_rope_layers=[1, 1, 0, 1],
+            attention_chunk_size=4,
+            floor_scale=2,
+            attn_scale=0.5,
+        ),
+    ),
+    "qwen3-next-hybrid": (
+        transformers.Qwen3NextForCausalLM,
+        transformers.Qwen3NextConfig,
+        dict(
+            LLAMA,
+            hidden_size=48,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+        ),
+    ),
 }
-NEW_2026 = ["qwen3-moe-dense-layer", "deepseek-v3-lora-groups", "deepseek-v3-no-lora", "gpt-oss-sinks-window",
-            "llama4-nope-chunked", "qwen3-next-hybrid"]
+NEW_2026 = [
+    "qwen3-moe-dense-layer",
+    "deepseek-v3-lora-groups",
+    "deepseek-v3-no-lora",
+    "gpt-oss-sinks-window",
+    "llama4-nope-chunked",
+    "qwen3-next-hybrid",
+]
 DEFAULT = [c for c in CASES if c != "gpt2-small-124M" and c not in NEW_2026]
 
 
 def split_meshes(text: str) -> list[str]:
-    """"1x1,4x2,data=2,expert=2,model=2" -> ["1x1", "4x2", "data=2,expert=2,model=2"]."""
+    """ "1x1,4x2,data=2,expert=2,model=2" -> ["1x1", "4x2", "data=2,expert=2,model=2"]."""
     meshes: list[str] = []
     for part in text.split(","):
         if "=" in part and meshes and "=" in meshes[-1]:
@@ -127,10 +311,16 @@ def mapping_for(directory: str, mesh: str) -> port.Mapping | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(DEFAULT),
-                        help=f"'2026', 'all' (the default cases and 2026's), or from {', '.join(CASES)}")
-    parser.add_argument("--meshes", default="1x1,2x2,4x2,8x1",
-                        help="comma-separated; a named mesh such as data=2,expert=2,model=2 counts as one")
+    parser.add_argument(
+        "--cases",
+        default=",".join(DEFAULT),
+        help=f"'2026', 'all' (the default cases and 2026's), or from {', '.join(CASES)}",
+    )
+    parser.add_argument(
+        "--meshes",
+        default="1x1,2x2,4x2,8x1",
+        help="comma-separated; a named mesh such as data=2,expert=2,model=2 counts as one",
+    )
     parser.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's float32)")
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
@@ -142,7 +332,9 @@ def main() -> None:
         try:
             row(case, meshes, args.dtype)
         except Exception as e:  # one case's failure (a missing class in an older transformers) is its row
-            print(f"| {case} | failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} |", flush=True)
+            print(
+                f"| {case} | failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} |", flush=True
+            )
 
 
 def row(case: str, meshes: list[str], dtype: str | None) -> None:
@@ -153,16 +345,21 @@ def row(case: str, meshes: list[str], dtype: str | None) -> None:
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"  # torch's grouped_mm wants 16-byte strides in bfloat16
     model = cls(config).eval()
-    params = sum(p.numel() for name, p in model.named_parameters() if "lm_head" not in name or
-                 not model.config.tie_word_embeddings)
+    params = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if "lm_head" not in name or not model.config.tie_word_embeddings
+    )
     with tempfile.TemporaryDirectory() as directory:
         model.save_pretrained(directory)
-        results = [port.verify(directory, port.make_mesh(m), mapping=mapping_for(directory, m), dtype=dtype)
-                   for m in meshes]
+        results = [
+            port.verify(directory, port.make_mesh(m), mapping=mapping_for(directory, m), dtype=dtype) for m in meshes
+        ]
     # In 16 bits the bound is port verify's: 2e-2 of the largest |logit|, and at least twice
     # the reference's own distance from its float32 run.
-    cells = " | ".join(f"{r.max_abs_diff:.2e}" + ("" if dtype is None else f" (bound {r.tolerance:.2e})")
-                       for r in results)
+    cells = " | ".join(
+        f"{r.max_abs_diff:.2e}" + ("" if dtype is None else f" (bound {r.tolerance:.2e})") for r in results
+    )
     print(f"| {case} | {params / 1e6:.2f}M | {results[0].max_abs_reference:.3g} | {cells} |", flush=True)
 
 

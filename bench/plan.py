@@ -63,49 +63,129 @@ import _measure
 
 # deepseek-ai/DeepSeek-V3's config.json, its FP8 `quantization_config` left out (a bfloat16 copy).
 DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
-    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-    "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
-    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
-    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
-    "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
-    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-06,
-    "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-                                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                                          "type": "yarn"},
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False, "bos_token_id": 0,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc",
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "hidden_act": "silu",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "attention_bias": False,
+    "bos_token_id": 0,
     "eos_token_id": 1,
 }
 
 # Qwen/Qwen3-235B-A22B's config.json.
 QWEN3_235B = {
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
-    "max_position_embeddings": 40960, "max_window_layers": 94, "mlp_only_layers": [], "model_type": "qwen3_moe",
-    "moe_intermediate_size": 1536, "norm_topk_prob": True, "num_attention_heads": 64, "num_experts": 128,
-    "num_experts_per_tok": 8, "num_hidden_layers": 94, "num_key_value_heads": 4, "output_router_logits": False,
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
-    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 94,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 1536,
+    "norm_topk_prob": True,
+    "num_attention_heads": 64,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 94,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 
 # openai/gpt-oss-120b's config.json, without its MXFP4 `quantization_config` (a bfloat16 copy
 # of the weights, in the same names).
 GPT_OSS_120B = {
-    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
-    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
-    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
     "intermediate_size": 2880,
     "layer_types": ["sliding_attention", "full_attention"] * 18,
-    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
-    "num_experts_per_tok": 4, "num_hidden_layers": 36, "num_key_value_heads": 8,
-    "num_local_experts": 128, "output_router_logits": False, "pad_token_id": 199999,
-    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                                             "original_max_position_embeddings": 4096,
-                                             "rope_type": "yarn", "truncate": False},
-    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
-    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "num_local_experts": 128,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.55.0.dev0",
+    "use_cache": True,
     "vocab_size": 201088,
 }
 
@@ -113,47 +193,121 @@ GPT_OSS_120B = {
 # under `text_config`, a vision tower), reconstructed from the published sizes and
 # transformers' Llama4Config defaults.
 SCOUT = {
-    "architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
-    "boi_token_index": 200080, "eoi_token_index": 200081, "image_token_index": 200092,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.51.0.dev0",
+    "architectures": ["Llama4ForConditionalGeneration"],
+    "model_type": "llama4",
+    "boi_token_index": 200080,
+    "eoi_token_index": 200081,
+    "image_token_index": 200092,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0.dev0",
     "text_config": {
-        "model_type": "llama4_text", "attention_bias": False, "attention_chunk_size": 8192,
-        "attention_dropout": 0.0, "bos_token_id": 200000, "eos_token_id": [200001, 200007, 200008],
-        "pad_token_id": 200018, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
-        "initializer_range": 0.02, "interleave_moe_layer_step": 1, "intermediate_size": 8192,
-        "intermediate_size_mlp": 16384, "max_position_embeddings": 10485760, "moe_layers": list(range(48)),
-        "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(48)], "num_attention_heads": 40,
-        "num_experts_per_tok": 1, "num_hidden_layers": 48, "num_key_value_heads": 8, "num_local_experts": 16,
-        "output_router_logits": False, "rms_norm_eps": 1e-05,
-        "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "rope_theta": 500000.0, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
-        "torch_dtype": "bfloat16", "use_cache": True, "use_qk_norm": True, "vocab_size": 202048,
+        "model_type": "llama4_text",
+        "attention_bias": False,
+        "attention_chunk_size": 8192,
+        "attention_dropout": 0.0,
+        "bos_token_id": 200000,
+        "eos_token_id": [200001, 200007, 200008],
+        "pad_token_id": 200018,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 5120,
+        "initializer_range": 0.02,
+        "interleave_moe_layer_step": 1,
+        "intermediate_size": 8192,
+        "intermediate_size_mlp": 16384,
+        "max_position_embeddings": 10485760,
+        "moe_layers": list(range(48)),
+        "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(48)],
+        "num_attention_heads": 40,
+        "num_experts_per_tok": 1,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 8,
+        "num_local_experts": 16,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "factor": 16.0,
+            "high_freq_factor": 1.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "rope_theta": 500000.0,
+        "router_aux_loss_coef": 0.001,
+        "router_jitter_noise": 0.0,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "use_qk_norm": True,
+        "vocab_size": 202048,
     },
     "vision_config": {
-        "model_type": "llama4_vision_model", "attention_dropout": 0.0, "hidden_act": "gelu", "hidden_size": 1408,
-        "image_size": 336, "initializer_range": 0.02, "intermediate_size": 5632, "multi_modal_projector_bias": False,
-        "norm_eps": 1e-05, "num_attention_heads": 16, "num_channels": 3, "num_hidden_layers": 34, "patch_size": 14,
-        "pixel_shuffle_ratio": 0.5, "projector_dropout": 0.0, "projector_input_dim": 4096,
-        "projector_output_dim": 4096, "rope_theta": 10000, "vision_feature_layer": -1,
-        "vision_feature_select_strategy": "default", "vision_output_dim": 4096,
+        "model_type": "llama4_vision_model",
+        "attention_dropout": 0.0,
+        "hidden_act": "gelu",
+        "hidden_size": 1408,
+        "image_size": 336,
+        "initializer_range": 0.02,
+        "intermediate_size": 5632,
+        "multi_modal_projector_bias": False,
+        "norm_eps": 1e-05,
+        "num_attention_heads": 16,
+        "num_channels": 3,
+        "num_hidden_layers": 34,
+        "patch_size": 14,
+        "pixel_shuffle_ratio": 0.5,
+        "projector_dropout": 0.0,
+        "projector_input_dim": 4096,
+        "projector_output_dim": 4096,
+        "rope_theta": 10000,
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "default",
+        "vision_output_dim": 4096,
     },
 }
 
 # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json.
 QWEN3_NEXT_80B = {
-    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "attention_bias": False,
-    "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "vocab_size": 151936,
-    "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16,
-    "num_key_value_heads": 2, "head_dim": 256, "hidden_act": "silu", "initializer_range": 0.02,
-    "max_position_embeddings": 262144, "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 10000000,
-    "partial_rotary_factor": 0.25, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
-    "linear_num_value_heads": 32, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "output_router_logits": False, "router_aux_loss_coef": 0.001,
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "transformers_version": "4.57.0.dev0",
-    "use_cache": True, "use_sliding_window": False,
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 10000000,
+    "partial_rotary_factor": 0.25,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "output_router_logits": False,
+    "router_aux_loss_coef": 0.001,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.57.0.dev0",
+    "use_cache": True,
+    "use_sliding_window": False,
 }
 
 
@@ -163,8 +317,13 @@ QWEN3_NEXT_80B = {
 def _experts(shapes, prefix, count, inner, hidden):
     """Per-expert SwiGLU keys `{prefix}{e}.gate_proj.weight` ... (Qwen-MoE, DeepSeek layout)."""
     for e in range(count):
-        shapes.update({f"{prefix}{e}.gate_proj.weight": [inner, hidden], f"{prefix}{e}.up_proj.weight": [inner, hidden],
-                       f"{prefix}{e}.down_proj.weight": [hidden, inner]})
+        shapes.update(
+            {
+                f"{prefix}{e}.gate_proj.weight": [inner, hidden],
+                f"{prefix}{e}.up_proj.weight": [inner, hidden],
+                f"{prefix}{e}.down_proj.weight": [hidden, inner],
+            }
+        )
 
 
 def deepseek_v3_shapes(c):
@@ -177,28 +336,46 @@ def deepseek_v3_shapes(c):
     for i in range(layers + c["num_nextn_predict_layers"]):
         p = f"model.layers.{i}."
         if i >= layers:  # the multi-token-prediction layer's own tensors
-            shapes.update({p + "embed_tokens.weight": [v, h], p + "enorm.weight": [h], p + "hnorm.weight": [h],
-                           p + "eh_proj.weight": [h, 2 * h]})
-        shapes.update({
-            p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
-            p + "self_attn.q_a_proj.weight": [c["q_lora_rank"], h],
-            p + "self_attn.q_a_layernorm.weight": [c["q_lora_rank"]],
-            p + "self_attn.q_b_proj.weight": [heads * qk, c["q_lora_rank"]],
-            p + "self_attn.kv_a_proj_with_mqa.weight": [kv + rope, h],
-            p + "self_attn.kv_a_layernorm.weight": [kv],
-            p + "self_attn.kv_b_proj.weight": [heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), kv],
-            p + "self_attn.o_proj.weight": [h, heads * c["v_head_dim"]],
-        })
+            shapes.update(
+                {
+                    p + "embed_tokens.weight": [v, h],
+                    p + "enorm.weight": [h],
+                    p + "hnorm.weight": [h],
+                    p + "eh_proj.weight": [h, 2 * h],
+                }
+            )
+        shapes.update(
+            {
+                p + "input_layernorm.weight": [h],
+                p + "post_attention_layernorm.weight": [h],
+                p + "self_attn.q_a_proj.weight": [c["q_lora_rank"], h],
+                p + "self_attn.q_a_layernorm.weight": [c["q_lora_rank"]],
+                p + "self_attn.q_b_proj.weight": [heads * qk, c["q_lora_rank"]],
+                p + "self_attn.kv_a_proj_with_mqa.weight": [kv + rope, h],
+                p + "self_attn.kv_a_layernorm.weight": [kv],
+                p + "self_attn.kv_b_proj.weight": [heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), kv],
+                p + "self_attn.o_proj.weight": [h, heads * c["v_head_dim"]],
+            }
+        )
         if i < c["first_k_dense_replace"]:
-            shapes.update({p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
-                           p + "mlp.down_proj.weight": [h, inter]})
+            shapes.update(
+                {
+                    p + "mlp.gate_proj.weight": [inter, h],
+                    p + "mlp.up_proj.weight": [inter, h],
+                    p + "mlp.down_proj.weight": [h, inter],
+                }
+            )
         else:
             shapes.update({p + "mlp.gate.weight": [experts, h], p + "mlp.gate.e_score_correction_bias": [experts]})
             _experts(shapes, p + "mlp.experts.", experts, moe, h)
             n = moe * c["n_shared_experts"]
-            shapes.update({p + "mlp.shared_experts.gate_proj.weight": [n, h],
-                           p + "mlp.shared_experts.up_proj.weight": [n, h],
-                           p + "mlp.shared_experts.down_proj.weight": [h, n]})
+            shapes.update(
+                {
+                    p + "mlp.shared_experts.gate_proj.weight": [n, h],
+                    p + "mlp.shared_experts.up_proj.weight": [n, h],
+                    p + "mlp.shared_experts.down_proj.weight": [h, n],
+                }
+            )
         if i >= layers:
             shapes.update({p + "shared_head.norm.weight": [h], p + "shared_head.head.weight": [v, h]})
     shapes.update({"model.norm.weight": [h], "lm_head.weight": [v, h]})
@@ -212,13 +389,19 @@ def qwen3_moe_shapes(c):
     shapes = {"model.embed_tokens.weight": [v, h]}
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
-            p + "self_attn.q_proj.weight": [q, h], p + "self_attn.k_proj.weight": [kv, h],
-            p + "self_attn.v_proj.weight": [kv, h], p + "self_attn.o_proj.weight": [h, q],
-            p + "self_attn.q_norm.weight": [d], p + "self_attn.k_norm.weight": [d],
-            p + "mlp.gate.weight": [c["num_experts"], h],
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": [h],
+                p + "post_attention_layernorm.weight": [h],
+                p + "self_attn.q_proj.weight": [q, h],
+                p + "self_attn.k_proj.weight": [kv, h],
+                p + "self_attn.v_proj.weight": [kv, h],
+                p + "self_attn.o_proj.weight": [h, q],
+                p + "self_attn.q_norm.weight": [d],
+                p + "self_attn.k_norm.weight": [d],
+                p + "mlp.gate.weight": [c["num_experts"], h],
+            }
+        )
         _experts(shapes, p + "mlp.experts.", c["num_experts"], c["moe_intermediate_size"], h)
     shapes.update({"model.norm.weight": [h], "lm_head.weight": [v, h]})
     return shapes
@@ -231,16 +414,30 @@ def gpt_oss_shapes(c):
     shapes = {"model.embed_tokens.weight": [v, h]}
     for n in range(c["num_hidden_layers"]):
         p = f"model.layers.{n}."
-        shapes.update({p + name: shape for name, shape in {
-            "input_layernorm.weight": [h], "post_attention_layernorm.weight": [h],
-            "self_attn.q_proj.weight": [heads * d, h], "self_attn.q_proj.bias": [heads * d],
-            "self_attn.k_proj.weight": [kv * d, h], "self_attn.k_proj.bias": [kv * d],
-            "self_attn.v_proj.weight": [kv * d, h], "self_attn.v_proj.bias": [kv * d],
-            "self_attn.o_proj.weight": [h, heads * d], "self_attn.o_proj.bias": [h],
-            "self_attn.sinks": [heads], "mlp.router.weight": [e, h], "mlp.router.bias": [e],
-            "mlp.experts.gate_up_proj": [e, h, 2 * i], "mlp.experts.gate_up_proj_bias": [e, 2 * i],
-            "mlp.experts.down_proj": [e, i, h], "mlp.experts.down_proj_bias": [e, h],
-        }.items()})
+        shapes.update(
+            {
+                p + name: shape
+                for name, shape in {
+                    "input_layernorm.weight": [h],
+                    "post_attention_layernorm.weight": [h],
+                    "self_attn.q_proj.weight": [heads * d, h],
+                    "self_attn.q_proj.bias": [heads * d],
+                    "self_attn.k_proj.weight": [kv * d, h],
+                    "self_attn.k_proj.bias": [kv * d],
+                    "self_attn.v_proj.weight": [kv * d, h],
+                    "self_attn.v_proj.bias": [kv * d],
+                    "self_attn.o_proj.weight": [h, heads * d],
+                    "self_attn.o_proj.bias": [h],
+                    "self_attn.sinks": [heads],
+                    "mlp.router.weight": [e, h],
+                    "mlp.router.bias": [e],
+                    "mlp.experts.gate_up_proj": [e, h, 2 * i],
+                    "mlp.experts.gate_up_proj_bias": [e, 2 * i],
+                    "mlp.experts.down_proj": [e, i, h],
+                    "mlp.experts.down_proj_bias": [e, h],
+                }.items()
+            }
+        )
     shapes.update({"model.norm.weight": [h], "lm_head.weight": [v, h]})
     return shapes
 
@@ -255,36 +452,56 @@ def llama4_shapes(config):
     shapes = {"language_model.model.embed_tokens.weight": [v, h]}
     for i in range(c["num_hidden_layers"]):
         p = f"language_model.model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
-            p + "self_attn.q_proj.weight": [q, h], p + "self_attn.k_proj.weight": [kv, h],
-            p + "self_attn.v_proj.weight": [kv, h], p + "self_attn.o_proj.weight": [h, q],
-            p + "feed_forward.router.weight": [e, h],
-            p + "feed_forward.experts.gate_up_proj": [e, h, 2 * inter],
-            p + "feed_forward.experts.down_proj": [e, inter, h],
-            p + "feed_forward.shared_expert.gate_proj.weight": [inter, h],
-            p + "feed_forward.shared_expert.up_proj.weight": [inter, h],
-            p + "feed_forward.shared_expert.down_proj.weight": [h, inter],
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": [h],
+                p + "post_attention_layernorm.weight": [h],
+                p + "self_attn.q_proj.weight": [q, h],
+                p + "self_attn.k_proj.weight": [kv, h],
+                p + "self_attn.v_proj.weight": [kv, h],
+                p + "self_attn.o_proj.weight": [h, q],
+                p + "feed_forward.router.weight": [e, h],
+                p + "feed_forward.experts.gate_up_proj": [e, h, 2 * inter],
+                p + "feed_forward.experts.down_proj": [e, inter, h],
+                p + "feed_forward.shared_expert.gate_proj.weight": [inter, h],
+                p + "feed_forward.shared_expert.up_proj.weight": [inter, h],
+                p + "feed_forward.shared_expert.down_proj.weight": [h, inter],
+            }
+        )
     shapes.update({"language_model.model.norm.weight": [h], "language_model.lm_head.weight": [v, h]})
     vh, vi, patch = vc["hidden_size"], vc["intermediate_size"], vc["patch_size"]
     positions = (vc["image_size"] // patch) ** 2 + 1
-    shapes.update({"vision_model.class_embedding": [vh], "vision_model.positional_embedding_vlm": [positions, vh],
-                   "vision_model.patch_embedding.linear.weight": [vh, vc["num_channels"] * patch * patch]})
+    shapes.update(
+        {
+            "vision_model.class_embedding": [vh],
+            "vision_model.positional_embedding_vlm": [positions, vh],
+            "vision_model.patch_embedding.linear.weight": [vh, vc["num_channels"] * patch * patch],
+        }
+    )
     for norm in ("layernorm_pre", "layernorm_post"):
         shapes.update({f"vision_model.{norm}.weight": [vh], f"vision_model.{norm}.bias": [vh]})
     for i in range(vc["num_hidden_layers"]):
         p = f"vision_model.model.layers.{i}."
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             shapes.update({f"{p}self_attn.{name}.weight": [vh, vh], f"{p}self_attn.{name}.bias": [vh]})
-        shapes.update({p + "mlp.fc1.weight": [vi, vh], p + "mlp.fc1.bias": [vi], p + "mlp.fc2.weight": [vh, vi],
-                       p + "mlp.fc2.bias": [vh]})
+        shapes.update(
+            {
+                p + "mlp.fc1.weight": [vi, vh],
+                p + "mlp.fc1.bias": [vi],
+                p + "mlp.fc2.weight": [vh, vi],
+                p + "mlp.fc2.bias": [vh],
+            }
+        )
         for norm in ("input_layernorm", "post_attention_layernorm"):
             shapes.update({f"{p}{norm}.weight": [vh], f"{p}{norm}.bias": [vh]})
     out = vc["vision_output_dim"]
-    shapes.update({"vision_model.vision_adapter.mlp.fc1.weight": [out, vi],
-                   "vision_model.vision_adapter.mlp.fc2.weight": [out, out],
-                   "multi_modal_projector.linear_1.weight": [h, out]})
+    shapes.update(
+        {
+            "vision_model.vision_adapter.mlp.fc1.weight": [out, vi],
+            "vision_model.vision_adapter.mlp.fc2.weight": [out, out],
+            "multi_modal_projector.linear_1.weight": [h, out],
+        }
+    )
     return shapes
 
 
@@ -300,32 +517,53 @@ def qwen3_next_shapes(c):
         shapes.update({p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h]})
         if full:
             a = p + "self_attn."
-            shapes.update({
-                a + "q_proj.weight": [2 * heads * hd, h], a + "k_proj.weight": [kv * hd, h],
-                a + "v_proj.weight": [kv * hd, h], a + "o_proj.weight": [h, heads * hd],
-                a + "q_norm.weight": [hd], a + "k_norm.weight": [hd],
-            })
+            shapes.update(
+                {
+                    a + "q_proj.weight": [2 * heads * hd, h],
+                    a + "k_proj.weight": [kv * hd, h],
+                    a + "v_proj.weight": [kv * hd, h],
+                    a + "o_proj.weight": [h, heads * hd],
+                    a + "q_norm.weight": [hd],
+                    a + "k_norm.weight": [hd],
+                }
+            )
         else:
             a = p + "linear_attn."
-            shapes.update({
-                a + "in_proj_qkvz.weight": [2 * nk * dk + 2 * nv * dv, h], a + "in_proj_ba.weight": [2 * nv, h],
-                a + "conv1d.weight": [2 * nk * dk + nv * dv, 1, c["linear_conv_kernel_dim"]],
-                a + "dt_bias": [nv], a + "A_log": [nv], a + "norm.weight": [dv], a + "out_proj.weight": [h, nv * dv],
-            })
+            shapes.update(
+                {
+                    a + "in_proj_qkvz.weight": [2 * nk * dk + 2 * nv * dv, h],
+                    a + "in_proj_ba.weight": [2 * nv, h],
+                    a + "conv1d.weight": [2 * nk * dk + nv * dv, 1, c["linear_conv_kernel_dim"]],
+                    a + "dt_bias": [nv],
+                    a + "A_log": [nv],
+                    a + "norm.weight": [dv],
+                    a + "out_proj.weight": [h, nv * dv],
+                }
+            )
         m = p + "mlp."
-        shapes.update({
-            m + "gate.weight": [experts, h], m + "shared_expert_gate.weight": [1, h],
-            m + "shared_expert.gate_proj.weight": [shared, h], m + "shared_expert.up_proj.weight": [shared, h],
-            m + "shared_expert.down_proj.weight": [h, shared],
-        })
+        shapes.update(
+            {
+                m + "gate.weight": [experts, h],
+                m + "shared_expert_gate.weight": [1, h],
+                m + "shared_expert.gate_proj.weight": [shared, h],
+                m + "shared_expert.up_proj.weight": [shared, h],
+                m + "shared_expert.down_proj.weight": [h, shared],
+            }
+        )
         _experts(shapes, m + "experts.", experts, inter, h)
 
     shapes = {"model.embed_tokens.weight": [v, h]}
     for i in range(c["num_hidden_layers"]):
         layer(shapes, f"model.layers.{i}.", (i + 1) % c["full_attention_interval"] == 0)
     shapes.update({"model.norm.weight": [h], "lm_head.weight": [v, h]})
-    shapes.update({"mtp.fc.weight": [h, 2 * h], "mtp.norm.weight": [h], "mtp.pre_fc_norm_embedding.weight": [h],
-                   "mtp.pre_fc_norm_hidden.weight": [h]})
+    shapes.update(
+        {
+            "mtp.fc.weight": [h, 2 * h],
+            "mtp.norm.weight": [h],
+            "mtp.pre_fc_norm_embedding.weight": [h],
+            "mtp.pre_fc_norm_hidden.weight": [h],
+        }
+    )
     layer(shapes, "mtp.layers.0.", True)
     return shapes
 
@@ -432,16 +670,25 @@ def measure(spec: dict) -> dict:
     finished.set()
     sampler.join()
     if process.returncode != 0:
-        return {"error": (err.strip().splitlines() or [f"exit {process.returncode}"])[-1][:300],
-                "returncode": process.returncode, "seconds": seconds}
+        return {
+            "error": (err.strip().splitlines() or [f"exit {process.returncode}"])[-1][:300],
+            "returncode": process.returncode,
+            "seconds": seconds,
+        }
     last = out.strip().splitlines()[-1]
-    found = re.search(r"^([\d.]+[KMB]?) params in \d+ leaves; ([\d.]+ [KMGT]?B) to read, ([\d.]+ [KMGT]?B) per device",
-                      last)
+    found = re.search(
+        r"^([\d.]+[KMB]?) params in \d+ leaves; ([\d.]+ [KMGT]?B) to read, ([\d.]+ [KMGT]?B) per device", last
+    )
     return {
-        "seconds": seconds, "maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
-        "anon": peaks["anon"], "hwm": peaks["hwm"], "supervisor_anon": peaks["supervisor_anon"],
-        "worker_seen": bool(peaks["worker"]), "last": last,
-        "params": found.group(1) if found else "?", "read": found.group(2) if found else "?",
+        "seconds": seconds,
+        "maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        "anon": peaks["anon"],
+        "hwm": peaks["hwm"],
+        "supervisor_anon": peaks["supervisor_anon"],
+        "worker_seen": bool(peaks["worker"]),
+        "last": last,
+        "params": found.group(1) if found else "?",
+        "read": found.group(2) if found else "?",
         "per_device": found.group(3) if found else "?",
         "stderr": err.strip()[-300:],
     }
@@ -491,24 +738,39 @@ def bench(name: str, repeats: int, root: Path) -> tuple[list[str], dict]:
     directory = root / name
     clock = time.perf_counter()
     size, files = write_sparse_checkpoint(directory, config, shapes, shards)
-    print(f"{what}: wrote {len(shapes):,} tensors in {files} sparse files ({size / 1e12:.2f} TB apparent) "
-          f"in {time.perf_counter() - clock:.1f} s", file=sys.stderr, flush=True)
+    print(
+        f"{what}: wrote {len(shapes):,} tensors in {files} sparse files ({size / 1e12:.2f} TB apparent) "
+        f"in {time.perf_counter() - clock:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     runs = []
     for _ in range(repeats):
         result = _measure.isolated(__file__, {"dir": str(directory), "mesh": mesh}, timeout=600)
         if isinstance(result, str):
             result = {"error": result}
         runs.append(result)
-        shown = result.get("error") or (f"{result['seconds']:.2f} s, maxrss {mib(result['maxrss'])}, "
-                                        f"RssAnon {mib(result['anon'])}")
+        shown = result.get("error") or (
+            f"{result['seconds']:.2f} s, maxrss {mib(result['maxrss'])}, RssAnon {mib(result['anon'])}"
+        )
         print(f"  {what} on {mesh}: {shown}", file=sys.stderr, flush=True)
     good = [r for r in runs if "error" not in r]
     if not good:
         return [what, mesh, f"{len(shapes):,}", f"{files}", f"FAILED: {runs[-1]['error']}"], {}
     best = min(good, key=lambda r: r["seconds"])
-    row = [what, mesh, f"{len(shapes):,}", f"{files}", f"{size / 1e9:,.0f} GB", f"{best['seconds']:.2f}",
-           mib(max(r["maxrss"] for r in good)), mib(max(r["anon"] for r in good)), best["params"], best["read"],
-           best["per_device"]]
+    row = [
+        what,
+        mesh,
+        f"{len(shapes):,}",
+        f"{files}",
+        f"{size / 1e9:,.0f} GB",
+        f"{best['seconds']:.2f}",
+        mib(max(r["maxrss"] for r in good)),
+        mib(max(r["anon"] for r in good)),
+        best["params"],
+        best["read"],
+        best["per_device"],
+    ]
     if len(good) < len(runs):
         row[-1] += f" ({len(runs) - len(good)} of {len(runs)} runs failed: {runs[-1].get('error')})"
     return row, best
@@ -520,12 +782,24 @@ def breakdown(name: str, root: Path) -> str:
     if isinstance(result, str):
         return f"{what}: breakdown failed: {result}"
     rows = [[stage, mib(hwm), mib(anon), f"{seconds:.2f}"] for stage, hwm, anon, seconds in result["stages"]]
-    return (f"#### {what} on {mesh}, stage by stage (one process)\n\n"
-            + _measure.markdown(["after", "VmHWM (peak RSS so far)", "RssAnon", "seconds"], rows))
+    return f"#### {what} on {mesh}, stage by stage (one process)\n\n" + _measure.markdown(
+        ["after", "VmHWM (peak RSS so far)", "RssAnon", "seconds"], rows
+    )
 
 
-HEADER = ["model", "mesh", "tensors", "files", "checkpoint (sparse)", "seconds (best)", "peak RSS (maxrss)",
-          "peak RssAnon (worker)", "plan: params", "plan: to read", "plan: per device"]
+HEADER = [
+    "model",
+    "mesh",
+    "tensors",
+    "files",
+    "checkpoint (sparse)",
+    "seconds (best)",
+    "peak RSS (maxrss)",
+    "peak RssAnon (worker)",
+    "plan: params",
+    "plan: to read",
+    "plan: per device",
+]
 
 
 def main() -> None:
@@ -559,9 +833,13 @@ def main() -> None:
     section = "\n\n".join([f"### {title}\n\n" + _measure.markdown(HEADER, rows), *stage_tables])
     print(section)
     if args.out:
-        notes = [("Each run is `python -m port plan DIR --mesh M` in a fresh wrapper process: maxrss is "
-                  "`getrusage(RUSAGE_CHILDREN)` there (the worker's peak RSS, shared libraries included), "
-                  "RssAnon the worker's anonymous memory sampled every 2 ms.")]
+        notes = [
+            (
+                "Each run is `python -m port plan DIR --mesh M` in a fresh wrapper process: maxrss is "
+                "`getrusage(RUSAGE_CHILDREN)` there (the worker's peak RSS, shared libraries included), "
+                "RssAnon the worker's anonymous memory sampled every 2 ms."
+            )
+        ]
         _measure.write(args.out, "Planning the largest open models", "plan.py", [section], notes)
 
 

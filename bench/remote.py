@@ -120,8 +120,15 @@ def measure(spec: dict) -> dict:
         largest = max(info.nbytes for info in ckpt.tensors.values())
     seconds = time.perf_counter() - began
     arrays = sum(shard.data.nbytes for leaf in jax.tree.leaves(model) for shard in leaf.addressable_shards)
-    return {"seconds": seconds, "cpu": time.process_time() - cpu, "peak": stop(), "bytes_read": read,
-            "arrays": arrays, "largest": largest, "requests": sent}
+    return {
+        "seconds": seconds,
+        "cpu": time.process_time() - cpu,
+        "peak": stop(),
+        "bytes_read": read,
+        "arrays": arrays,
+        "largest": largest,
+        "requests": sent,
+    }
 
 
 def measure_process(spec: dict) -> dict:
@@ -141,22 +148,37 @@ def measure_process(spec: dict) -> dict:
         model = port.load(ckpt, mesh=mesh)
         jax.block_until_ready(jax.tree.leaves(model))
         read, sent = ckpt.bytes_read, getattr(getattr(ckpt, "transport", None), "sent", 0)
-    return {"seconds": time.perf_counter() - began, "cpu": time.process_time() - cpu, "bytes_read": read,
-            "requests": sent}
+    return {
+        "seconds": time.perf_counter() - began,
+        "cpu": time.process_time() - cpu,
+        "bytes_read": read,
+        "requests": sent,
+    }
 
 
 def two_processes(url: str, mesh: str, nbytes: int) -> dict | str:
     """`port.load(url)` in two processes (4 simulated devices each): the slower one's seconds, bytes each read."""
     coordinator = f"127.0.0.1:{free_port()}"
     specs = [{"url": url, "mesh": mesh, "bytes": nbytes, "coordinator": coordinator, "process": i} for i in range(2)]
-    runs = [subprocess.Popen([sys.executable, __file__, "--measure-process", json.dumps(spec)],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for spec in specs]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--measure-process", json.dumps(spec)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for spec in specs
+    ]
     outs = [r.communicate(timeout=1800) for r in runs]
     if any(r.returncode for r in runs):
         return next(err.strip().splitlines()[-1] for (_, err), r in zip(outs, runs) if r.returncode)[:160]
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
-    return {"seconds": max(r["seconds"] for r in results), "cpu": sum(r["cpu"] for r in results),
-            "bytes_read": [r["bytes_read"] for r in results], "requests": [r["requests"] for r in results]}
+    return {
+        "seconds": max(r["seconds"] for r in results),
+        "cpu": sum(r["cpu"] for r in results),
+        "bytes_read": [r["bytes_read"] for r in results],
+        "requests": [r["requests"] for r in results],
+    }
 
 
 def fetch_s3(spec: dict) -> dict:
@@ -219,29 +241,56 @@ def title(name: str) -> str:
 class Table:
     """Rows of the side-by-side table: a baseline and port.load of the same bytes."""
 
-    HEADER = ["checkpoint", "file bytes", "baseline s", "port.load s", "x baseline", "port.load of the local file s",
-              "port CPU s", "server CPU s", "port peak anon memory above the arrays (x largest tensor)",
-              "port bytes read", "port requests"]
+    HEADER = [
+        "checkpoint",
+        "file bytes",
+        "baseline s",
+        "port.load s",
+        "x baseline",
+        "port.load of the local file s",
+        "port CPU s",
+        "server CPU s",
+        "port peak anon memory above the arrays (x largest tensor)",
+        "port bytes read",
+        "port requests",
+    ]
 
     def __init__(self) -> None:
         self.rows: list[list[str]] = []
 
-    def add(self, what: str, total: int, baseline: float, how: str, loads: list, server: float | None = None,
-            local: float | None = None) -> None:
+    def add(
+        self,
+        what: str,
+        total: int,
+        baseline: float,
+        how: str,
+        loads: list,
+        server: float | None = None,
+        local: float | None = None,
+    ) -> None:
         done = [r for r in loads if isinstance(r, dict)]
         if not done:
             self.rows.append([what, _measure.mb(total), f"{baseline:.3f} ({how})", f"failed: {loads[0]}"])
             return
         best = min(done, key=lambda r: r["seconds"])
         read = best["bytes_read"]
-        self.rows.append([
-            what, _measure.mb(total), f"{baseline:.3f} ({how})", f"{best['seconds']:.3f}",
-            f"{best['seconds'] / baseline:.2f}", "" if local is None else f"{local:.3f}", f"{best['cpu']:.2f}",
-            "" if server is None else f"{server:.2f}", _above(best),
-            " + ".join(map(_measure.mb, read)) if isinstance(read, list) else _measure.mb(read),
-            " + ".join(map(str, best["requests"])) if isinstance(best.get("requests"), list)
-            else str(best.get("requests", "")),
-        ])
+        self.rows.append(
+            [
+                what,
+                _measure.mb(total),
+                f"{baseline:.3f} ({how})",
+                f"{best['seconds']:.3f}",
+                f"{best['seconds'] / baseline:.2f}",
+                "" if local is None else f"{local:.3f}",
+                f"{best['cpu']:.2f}",
+                "" if server is None else f"{server:.2f}",
+                _above(best),
+                " + ".join(map(_measure.mb, read)) if isinstance(read, list) else _measure.mb(read),
+                " + ".join(map(str, best["requests"]))
+                if isinstance(best.get("requests"), list)
+                else str(best.get("requests", "")),
+            ]
+        )
         print(f"{what}: {how} {baseline:.3f} s, port.load {best['seconds']:.3f} s", file=sys.stderr, flush=True)
 
 
@@ -275,8 +324,14 @@ def s3_rows(table: Table, names: list[str], www: Path, mesh: str, repeats: int) 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://{host}:{port}"})
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        }
+    )
     try:
         import s3fs
 
@@ -288,8 +343,10 @@ def s3_rows(table: Table, names: list[str], www: Path, mesh: str, repeats: int) 
             paths = [f"models/{name}/{p.name}" for p in sorted(directory.glob("*.safetensors"))]
             total = sum(p.stat().st_size for p in directory.glob("*.safetensors"))
             fetches = [_measure.isolated(__file__, {"s3": paths}) for _ in range(repeats)]
-            loads = [_measure.isolated(__file__, {"url": f"s3://models/{name}", "mesh": mesh, "bytes": total})
-                     for _ in range(repeats)]
+            loads = [
+                _measure.isolated(__file__, {"url": f"s3://models/{name}", "mesh": mesh, "bytes": total})
+                for _ in range(repeats)
+            ]
             got = [r["seconds"] for r in fetches if isinstance(r, dict)]
             if not got:
                 table.rows.append([f"{title(name)}, S3 (moto)", _measure.mb(total), f"failed: {fetches[0]}"])
@@ -316,19 +373,33 @@ def main() -> None:
         print(json.dumps(measure_process(json.loads(sys.argv[2]))))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--checkpoints", default="gpt2-medium",
-                        help="from gpt2-small, gpt2-medium, gpt2-large, gpt2-medium-x4 (4 files), bert-base; "
-                             "gpt2-tiny, bert-tiny for a smoke run")
+    parser.add_argument(
+        "--checkpoints",
+        default="gpt2-medium",
+        help="from gpt2-small, gpt2-medium, gpt2-large, gpt2-medium-x4 (4 files), bert-base; "
+        "gpt2-tiny, bert-tiny for a smoke run",
+    )
     parser.add_argument("--mesh", default="4x2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, help="where checkpoints go (default: a temp dir)")
     parser.add_argument("--out", type=Path, help="also write the table to this Markdown file")
-    parser.add_argument("--hub", action="store_true",
-                        help="also hf://bench/NAME through nginx as the Hub, beside huggingface_hub's download")
-    parser.add_argument("--s3", action="store_true",
-                        help="also through a moto S3 server on 127.0.0.1, beside s3fs's download of the file")
-    parser.add_argument("--processes", type=int, default=1, choices=(1, 2),
-                        help="2: also load the URL in two processes (4 devices each), each its share")
+    parser.add_argument(
+        "--hub",
+        action="store_true",
+        help="also hf://bench/NAME through nginx as the Hub, beside huggingface_hub's download",
+    )
+    parser.add_argument(
+        "--s3",
+        action="store_true",
+        help="also through a moto S3 server on 127.0.0.1, beside s3fs's download of the file",
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="2: also load the URL in two processes (4 devices each), each its share",
+    )
     args = parser.parse_args()
     if shutil.which("nginx") is None or shutil.which("curl") is None:
         print("bench/remote.py needs nginx and curl (apt-get install nginx-light curl)", file=sys.stderr)
@@ -356,13 +427,21 @@ def main() -> None:
                 pairs, cpu = best_of(args.repeats, server, lambda: two_processes(spec["url"], args.mesh, total))
                 table.add(f"{title(name)}, 2 processes", total, best_curl, "curl", pairs, cpu)
             if args.hub:
-                os.environ.update({"HF_ENDPOINT": base, "HF_HUB_OFFLINE": "0", "HF_HUB_DISABLE_TELEMETRY": "1",
-                                   "HF_HUB_DISABLE_XET": "1"})
-                fetches = [_measure.isolated(__file__, {"repo": f"bench/{name}", "hub": files})
-                           for _ in range(args.repeats)]
+                os.environ.update(
+                    {
+                        "HF_ENDPOINT": base,
+                        "HF_HUB_OFFLINE": "0",
+                        "HF_HUB_DISABLE_TELEMETRY": "1",
+                        "HF_HUB_DISABLE_XET": "1",
+                    }
+                )
+                fetches = [
+                    _measure.isolated(__file__, {"repo": f"bench/{name}", "hub": files}) for _ in range(args.repeats)
+                ]
                 got = [r["seconds"] for r in fetches if isinstance(r, dict)]
-                loads, cpu = best_of(args.repeats, server,
-                                     lambda: _measure.isolated(__file__, spec | {"url": f"hf://bench/{name}"}))
+                loads, cpu = best_of(
+                    args.repeats, server, lambda: _measure.isolated(__file__, spec | {"url": f"hf://bench/{name}"})
+                )
                 if got:
                     table.add(f"{title(name)}, hf://", total, min(got), "huggingface_hub", loads, cpu)
                 else:
@@ -372,8 +451,10 @@ def main() -> None:
         server.wait()
     if args.s3:
         s3_rows(table, names, www, args.mesh, args.repeats)
-    title_line = (f"### Remote reads from 127.0.0.1 (mesh {args.mesh}), best of {args.repeats}: "
-                  f"`python bench/remote.py {' '.join(sys.argv[1:])}`\n\n")
+    title_line = (
+        f"### Remote reads from 127.0.0.1 (mesh {args.mesh}), best of {args.repeats}: "
+        f"`python bench/remote.py {' '.join(sys.argv[1:])}`\n\n"
+    )
     text = title_line + _measure.markdown(Table.HEADER, table.rows) + f"\n{_measure.machine()}\n"
     print(text)
     if args.out:

@@ -95,15 +95,32 @@ def measure(spec: dict) -> dict:
         losses.append(float(loss))
     steps_peak = before_steps + stop()
     per_step = _measure.median(seconds[1:]) if len(seconds) > 1 else seconds[0]
-    return {"parameters": count, "compile_seconds": compile_seconds, "seconds": per_step, "first_step": seconds[0],
-            "tokens_per_second": spec["batch"] * spec["seq"] / per_step, "compile_peak": compile_peak,
-            "steps_peak": steps_peak, "xla_temp": temp, "losses": losses}
+    return {
+        "parameters": count,
+        "compile_seconds": compile_seconds,
+        "seconds": per_step,
+        "first_step": seconds[0],
+        "tokens_per_second": spec["batch"] * spec["seq"] / per_step,
+        "compile_peak": compile_peak,
+        "steps_peak": steps_peak,
+        "xla_temp": temp,
+        "losses": losses,
+    }
 
 
 def table(title: str, results: list[tuple[str, str, dict | str]]) -> str:
-    header = ["model", "remat", "parameters", "compile s", "s / step", "tokens / s",
-              "peak anon memory above start: compile", "peak anon memory above start: steps",
-              "XLA temp", "loss first → last"]
+    header = [
+        "model",
+        "remat",
+        "parameters",
+        "compile s",
+        "s / step",
+        "tokens / s",
+        "peak anon memory above start: compile",
+        "peak anon memory above start: steps",
+        "XLA temp",
+        "loss first → last",
+    ]
     rows = []
     for model, remat, r in results:
         shown = {"off": "off", "true": "True", "dots": '"dots"'}[remat]
@@ -111,9 +128,20 @@ def table(title: str, results: list[tuple[str, str, dict | str]]) -> str:
             rows.append([model, shown, f"failed: {r}"])
             continue
         temp = _measure.mb(r["xla_temp"]) if r["xla_temp"] is not None else "-"
-        rows.append([model, shown, f"{r['parameters'] / 1e6:.1f} M", f"{r['compile_seconds']:.1f}",
-                     f"{r['seconds']:.3f}", f"{r['tokens_per_second']:,.0f}", _measure.mb(r["compile_peak"]),
-                     _measure.mb(r["steps_peak"]), temp, f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f}"])
+        rows.append(
+            [
+                model,
+                shown,
+                f"{r['parameters'] / 1e6:.1f} M",
+                f"{r['compile_seconds']:.1f}",
+                f"{r['seconds']:.3f}",
+                f"{r['tokens_per_second']:,.0f}",
+                _measure.mb(r["compile_peak"]),
+                _measure.mb(r["steps_peak"]),
+                temp,
+                f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f}",
+            ]
+        )
     return f"### {title}\n\n" + _measure.markdown(header, rows)
 
 
@@ -141,25 +169,41 @@ def main() -> None:
     results = []
     for model in models:
         for remat in remats:
-            spec = {"model": model, "remat": remat, "batch": args.batch, "seq": args.seq, "steps": args.steps,
-                    "dtype": args.dtype, "layers": args.layers}
+            spec = {
+                "model": model,
+                "remat": remat,
+                "batch": args.batch,
+                "seq": args.seq,
+                "steps": args.steps,
+                "dtype": args.dtype,
+                "layers": args.layers,
+            }
             r = _measure.isolated(__file__, spec)
-            print(f"{model} remat={remat}: " + (f"{r['seconds']:.3f} s/step" if isinstance(r, dict) else r),
-                  file=sys.stderr, flush=True)
+            print(
+                f"{model} remat={remat}: " + (f"{r['seconds']:.3f} s/step" if isinstance(r, dict) else r),
+                file=sys.stderr,
+                flush=True,
+            )
             results.append((model, remat, r))
     depth = f", {args.layers} layers" if args.layers else ""
-    title = (f"Train step: batch {args.batch} x {args.seq} tokens{depth}, float32 parameters, "
-             f"{args.dtype} compute, median of {args.steps} steps")
+    title = (
+        f"Train step: batch {args.batch} x {args.seq} tokens{depth}, float32 parameters, "
+        f"{args.dtype} compute, median of {args.steps} steps"
+    )
     section = table(title, results)
     print(section)
     if args.out:
-        notes = [("Each row is one fresh process: `jax.jit` of forward + `port.nn.next_token_loss` + "
-                 "`jax.value_and_grad` + an SGD update (`eqx.apply_updates`), parameters donated. Compile "
-                 "seconds include tracing; seconds per step are the median of the timed steps after the first. "
-                 "Peak memory is `RssAnon` sampled every 5 ms above its value once the model and batch "
-                 "existed (parameters not counted), while compiling and while stepping; on an accelerator it "
-                 "is host memory only. XLA temp is the compiled step's temporary buffers "
-                 "(`memory_analysis().temp_size_in_bytes`): what rematerialisation saves.")]
+        notes = [
+            (
+                "Each row is one fresh process: `jax.jit` of forward + `port.nn.next_token_loss` + "
+                "`jax.value_and_grad` + an SGD update (`eqx.apply_updates`), parameters donated. Compile "
+                "seconds include tracing; seconds per step are the median of the timed steps after the first. "
+                "Peak memory is `RssAnon` sampled every 5 ms above its value once the model and batch "
+                "existed (parameters not counted), while compiling and while stepping; on an accelerator it "
+                "is host memory only. XLA temp is the compiled step's temporary buffers "
+                "(`memory_analysis().temp_size_in_bytes`): what rematerialisation saves."
+            )
+        ]
         _measure.write(args.out, "Training step", "train.py", [section], notes)
 
 

@@ -17,14 +17,14 @@ import jaxtyping  # noqa: E402
 
 jaxtyping.install_import_hook(["port.nn", "port.models"], "beartype.beartype")
 
-import pytest  # noqa: E402
-
 import threading  # noqa: E402
 
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 import port._place  # noqa: E402
 import port._sources._local  # noqa: E402
+
 from helpers import read_offsets, tiny_gpt2, torch_gpt2, torch_logits  # noqa: E402
 
 
@@ -89,7 +89,11 @@ def reads(monkeypatch):
     `read_key` call, while its buffers are alive (later ones may reuse the memory).
     """
     blocks, landed, lock, local = [], [], threading.Lock(), threading.local()
-    real_plan_reads, real_read_key, real_preadv = port._place.plan_reads, port._place.read_key, port._sources._local._preadv
+    real_plan_reads, real_read_key, real_preadv = (
+        port._place.plan_reads,
+        port._place.read_key,
+        port._sources._local._preadv,
+    )
 
     def plan_reads(wanted):
         planned, parts = real_plan_reads(wanted)
@@ -125,7 +129,9 @@ def reads(monkeypatch):
         per_block = {id(out): (leaf, box, []) for leaf, box, out in blocks}
         elsewhere = []
         for start, files in landed:
-            inside = [out for _, _, out in blocks if start is not None and 0 <= start - out.ctypes.data < max(out.nbytes, 1)]
+            inside = [
+                out for _, _, out in blocks if start is not None and 0 <= start - out.ctypes.data < max(out.nbytes, 1)
+            ]
             (per_block[id(inside[0])][2] if inside else elsewhere).append(files)
         result = [(leaf, box, np.concatenate(f) if f else np.zeros(0, np.int64)) for leaf, box, f in per_block.values()]
         return result, np.concatenate(elsewhere) if elsewhere else np.zeros(0, np.int64)

@@ -31,13 +31,25 @@ INPUT_IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
 # and biases so that a wrong epsilon, activation or layout shows far above the tolerance.
 GPT2_CONFIG = dict(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=4)
 LLAMA_CONFIG = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-    initializer_range=0.2, bos_token_id=0, eos_token_id=0, pad_token_id=None,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=None,
 )
 BERT_CONFIG = dict(
-    vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-    intermediate_size=128, max_position_embeddings=32,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    max_position_embeddings=32,
 )
 
 
@@ -62,7 +74,11 @@ def gpt2_config(**overrides):
     """The small `transformers.GPT2Config`, eager attention; skips without PyTorch."""
     transformers = transformers_or_skip()
     config = transformers.GPT2Config(
-        **GPT2_CONFIG, bos_token_id=0, eos_token_id=0, initializer_range=0.2, **overrides,
+        **GPT2_CONFIG,
+        bos_token_id=0,
+        eos_token_id=0,
+        initializer_range=0.2,
+        **overrides,
     )
     config._attn_implementation = "eager"
     return config
@@ -234,11 +250,15 @@ def run_port(*args, env=None, cwd=None, timeout=300) -> subprocess.CompletedProc
     """`port ARGS` in a subprocess, as a user runs it; the result has returncode, stdout, stderr."""
     return subprocess.run(
         [*port_command(), *map(str, args)],
-        capture_output=True, text=True, env=port_env(env), cwd=cwd, timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=port_env(env),
+        cwd=cwd,
+        timeout=timeout,
     )
 
 
-_PROCESS_STATS = '''
+_PROCESS_STATS = """
 import atexit, os
 
 def _report():  # this process's bytes read (read/pread/preadv) and peak resident set, at exit
@@ -248,7 +268,7 @@ def _report():  # this process's bytes read (read/pread/preadv) and peak residen
 
 if os.environ.get("PORT_TEST_IO"):
     atexit.register(_report)
-'''
+"""
 
 
 def hooked(directory: Path, source: str) -> dict:
@@ -264,8 +284,9 @@ def run_port_measured(tmp_path: Path, *args) -> tuple[subprocess.CompletedProces
     exit what it read and its peak; returns (result, bytes read by all, the largest peak RSS)."""
     io = tmp_path / "stats"
     result = run_port(*args, env=hooked(tmp_path / "stats-hook", _PROCESS_STATS) | {"PORT_TEST_IO": str(io)})
-    reports = [dict(line.split(":", 1) for line in f.read_text().splitlines() if ":" in line)
-               for f in tmp_path.glob("stats.*")]
+    reports = [
+        dict(line.split(":", 1) for line in f.read_text().splitlines() if ":" in line) for f in tmp_path.glob("stats.*")
+    ]
     assert len(reports) == 2 or result.returncode != 0, reports  # the supervisor and the worker
     read = sum(int(r["rchar"]) for r in reports)
     peak = max((int(r["VmHWM"].split()[0]) * 1024 for r in reports), default=0)

@@ -29,14 +29,15 @@ def test_the_exports_are_the_listed_names():
     assert port.__all__ == sorted(port._EXPORTS)  # the literal list and the lazy table agree
     assert {"convert", "load", "restore", "save", "make_mesh", "PortError"} <= set(port.__all__)
     with pytest.raises(AttributeError):
-        port.no_such_name
+        _ = port.no_such_name
 
 
 def _nn_names():
     import port.nn
 
     return sorted(
-        name for name in dir(port.nn)
+        name
+        for name in dir(port.nn)
         if not name.startswith("_") and getattr(getattr(port.nn, name), "__module__", "").startswith("port.nn.")
     )
 

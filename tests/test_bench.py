@@ -16,12 +16,36 @@ from helpers import port_env
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 SMOKE = {
-    "bench.py": ["--sizes", "tiny", "--dtypes", "float32", "--repeats", "1", "--mesh", "2x2",
-                 "--methods", "port,port-convert,port-restore,recipe,floor,floor-restore,read+put,put", "--workdir", "{tmp}"],
+    "bench.py": [
+        "--sizes",
+        "tiny",
+        "--dtypes",
+        "float32",
+        "--repeats",
+        "1",
+        "--mesh",
+        "2x2",
+        "--methods",
+        "port,port-convert,port-restore,recipe,floor,floor-restore,read+put,put",
+        "--workdir",
+        "{tmp}",
+    ],
     "export.py": ["--sizes", "tiny", "--dtypes", "float32", "--repeats", "1", "--mesh", "2x2", "--workdir", "{tmp}"],
     "train.py": ["--models", "gpt2", "--remat", "off", "--layers", "1", "--batch", "1", "--seq", "16", "--steps", "1"],
-    "decode.py": ["--models", "gpt2", "--batches", "1", "--prompt", "4", "--new", "2", "--repeats", "1",
-                  "--layers", "1"],
+    "decode.py": [
+        "--models",
+        "gpt2",
+        "--batches",
+        "1",
+        "--prompt",
+        "4",
+        "--new",
+        "2",
+        "--repeats",
+        "1",
+        "--layers",
+        "1",
+    ],
     "moe.py": ["--tokens", "64", "--hidden", "32", "--inner", "16", "--experts", "4", "--repeats", "1"],
     "parity.py": ["--cases", "gpt2", "--meshes", "1x1,2x2"],
     "plan.py": ["--quick"],
@@ -36,8 +60,14 @@ def test_every_script_has_a_smoke_run():
 
 
 def run(script: str, *args, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH / script), *map(str, args)], capture_output=True, text=True,
-                          timeout=600, env=port_env(env), cwd=BENCH)
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=port_env(env),
+        cwd=BENCH,
+    )
 
 
 @pytest.mark.slow
@@ -55,8 +85,16 @@ def test_a_benchmark_runs_in_its_smoke_form(script, tmp_path):
 def test_the_remote_benchmark_needs_nginx_and_says_so(tmp_path):
     """With nginx (and curl) it measures every layout (one file, 4 files, BERT's many small tensors,
     the Hub's URLs); without, one line and exit 2: no stand-in server."""
-    result = run("remote.py", "--checkpoints", "gpt2-tiny,gpt2-tiny-x4,bert-tiny", "--hub", "--repeats", "1",
-                 "--workdir", tmp_path)
+    result = run(
+        "remote.py",
+        "--checkpoints",
+        "gpt2-tiny,gpt2-tiny-x4,bert-tiny",
+        "--hub",
+        "--repeats",
+        "1",
+        "--workdir",
+        tmp_path,
+    )
     if shutil.which("nginx") and shutil.which("curl"):
         assert result.returncode == 0, result.stderr[-3000:]
         for row in ["| GPT-2 tiny |", "| GPT-2 tiny, 4 files |", "| BERT tiny |", "| GPT-2 tiny, hf:// |"]:

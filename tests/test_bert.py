@@ -14,9 +14,10 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import port
-from helpers import BERT_CONFIG, cli, converted, torch_bert, transformers_or_skip
 from port._errors import PortError
 from port.models.bert import Bert, BertConfig
+
+from helpers import BERT_CONFIG, cli, converted, torch_bert, transformers_or_skip
 
 IDS = np.random.default_rng(1).integers(0, 101, (2, 12))
 TYPES = np.random.default_rng(2).integers(0, 2, (2, 12))
@@ -48,7 +49,9 @@ def rewrite(directory, rename):
 LAYOUTS = {
     "plain": lambda k: k,
     "prefixed": lambda k: "bert." + k,
-    "legacy": lambda k: "bert." + k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"),
+    "legacy": lambda k: (
+        "bert." + k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
+    ),
 }
 
 
@@ -92,7 +95,9 @@ def test_masked_lm_checkpoint_without_pooler(tmp_path):
     with port.open_checkpoint(tmp_path) as ckpt:
         assert any(k.startswith("cls.") for k in ckpt.tensors)
         mapping = port.mapping_for(ckpt.config)
-        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, {"data": 2, "model": 2})
+        recipe = port.plan(
+            port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, {"data": 2, "model": 2}
+        )
     assert recipe.empty == ("pooler.weight", "pooler.bias")
     assert all(k.startswith("cls.") for k in recipe.ignored)
     ours = port.load(tmp_path, mesh=port.make_mesh("2x2"))

@@ -3,7 +3,9 @@
 import pytest
 
 import port
-from helpers import VOCAB, cli as run, run_port
+
+from helpers import VOCAB, run_port
+from helpers import cli as run
 
 GPT2 = (port._mapping.shipped_mappings()[0].parent / "gpt2.toml").read_text()
 
@@ -75,7 +77,9 @@ def test_check_raises_every_problem(gpt2_checkpoints, tmp_path):
     assert problems[0] == f"{mapping}: entry 'wte.weight': logical axis 'embed' has no rule in [rules]"
     assert f"{mapping}: entry 'wpe.weight': path 'wpe_typo' is not a leaf of port.models.gpt2:GPT2" in problems
     assert f"{mapping}: leaf 'wpe' of port.models.gpt2:GPT2 has no mapping entry" in problems
-    assert str(caught.value) == f"{problems[0]} (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
+    assert (
+        str(caught.value) == f"{problems[0]} (and {len(problems) - 1} more problem{'s' if len(problems) > 2 else ''})"
+    )
     with pytest.raises(port.PlanError, match=r"rules.vocab names mesh axis 'model', which the mesh \(x, y\)"):
         port.check(port._mapping.shipped_mappings()[0].parent / "gpt2.toml", directories["lm"], {"x": 1, "y": 1})
 
@@ -119,7 +123,7 @@ class QK(eqx.Module):
         return cls(jnp.zeros((4, 4)), jnp.zeros((4, 4)))
 '''
 
-QK_MAPPING = '''
+QK_MAPPING = """
 model = "qkmodel:QK"
 model_types = ["qk"]
 
@@ -138,7 +142,7 @@ key = "qkv"
 path = "k"
 axes = ["embed", "heads"]
 transforms = [{ split = { axis = 1, parts = 3, index = 1 } }]
-'''
+"""
 
 
 @pytest.mark.slow
@@ -162,11 +166,11 @@ def test_check_names_the_entry_that_cannot_be_walked_back(tmp_path):
 def test_a_round_trip_names_the_tensors_that_differ(tmp_path):
     """`verify(roundtrip=True)`'s comparison: a model whose leaf was changed after converting
     exports that tensor otherwise, and the round trip names it (and only it, for each layer)."""
+    from pathlib import Path
+
     import equinox as eqx
 
     from port.authoring._verify import _roundtrip
-
-    from pathlib import Path
 
     example = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
     with port.open_checkpoint(example) as ckpt:

@@ -149,31 +149,43 @@ def test_plan_never_reads_a_tensor(gpt2_checkpoints, monkeypatch, capsys):
 # ---------------------------------------------------------------- the library's parameters, as flags
 
 
-@pytest.mark.parametrize("message, shown", [
-    ("mesh='2x3': expected DATAxMODEL", "--mesh '2x3': expected DATAxMODEL"),  # at the start
-    ("out=/tmp/x: needs 3.1 GB, only 1.0 GB free on its file system",
-     "--out /tmp/x: needs 3.1 GB, only 1.0 GB free on its file system"),
-    ("start every process with the same coordinator= and num_processes=2, process_id=0 to 1",  # mid-sentence
-     "start every process with the same --coordinator and --num-processes 2, --process-id 0 to 1"),
-    ("no coordinator answered within 3 s (timeout=3)", "no coordinator answered within 3 s (--timeout 3)"),
-    ("waiting up to 5 s (timeout=) for process 0 to end", "waiting up to 5 s (--timeout) for process 0 to end"),
-    ("processes disagree on dtype=: process 0 has no dtype=, process 1 has bfloat16",
-     "processes disagree on --dtype: process 0 has no --dtype, process 1 has bfloat16"),
-    ("give one with mapping=", "give one with --mapping"),
-    ("max_shard_size='5XB': expected", "--max-shard-size '5XB': expected"),
-    ("processes disagree on checkpoint=: ...", "processes disagree on MODEL: ..."),
-    # quoted (untrusted) text is left alone, in either quotes, with escaped quotes inside
-    ("tensor 'h.0.mesh=1' is not used", "tensor 'h.0.mesh=1' is not used"),
-    ('tensor "it\'s mesh=1" is not used; mesh=2', 'tensor "it\'s mesh=1" is not used; --mesh 2'),
-    ("key 'a\\' mesh=1' and out=x", "key 'a\\' mesh=1' and --out x"),
-    # an apostrophe is no quote: what follows it is still translated
-    ("the coordinator's port; choose another coordinator= port", "the coordinator's port; choose another --coordinator port"),
-    # only at a word start, and only port's own parameters
-    ("mesh=data=4,model=2: its blocks take", "--mesh data=4,model=2: its blocks take"),
-    ("expected named axes such as data=2,expert=2,model=2", "expected named axes such as data=2,expert=2,model=2"),
-    ("/tmp/mesh=2/out=3 and strict=False", "/tmp/mesh=2/out=3 and strict=False"),
-    ("--out /tmp/x: already exists (use --force)", "--out /tmp/x: already exists (use --force)"),
-])
+@pytest.mark.parametrize(
+    "message, shown",
+    [
+        ("mesh='2x3': expected DATAxMODEL", "--mesh '2x3': expected DATAxMODEL"),  # at the start
+        (
+            "out=/tmp/x: needs 3.1 GB, only 1.0 GB free on its file system",
+            "--out /tmp/x: needs 3.1 GB, only 1.0 GB free on its file system",
+        ),
+        (
+            "start every process with the same coordinator= and num_processes=2, process_id=0 to 1",  # mid-sentence
+            "start every process with the same --coordinator and --num-processes 2, --process-id 0 to 1",
+        ),
+        ("no coordinator answered within 3 s (timeout=3)", "no coordinator answered within 3 s (--timeout 3)"),
+        ("waiting up to 5 s (timeout=) for process 0 to end", "waiting up to 5 s (--timeout) for process 0 to end"),
+        (
+            "processes disagree on dtype=: process 0 has no dtype=, process 1 has bfloat16",
+            "processes disagree on --dtype: process 0 has no --dtype, process 1 has bfloat16",
+        ),
+        ("give one with mapping=", "give one with --mapping"),
+        ("max_shard_size='5XB': expected", "--max-shard-size '5XB': expected"),
+        ("processes disagree on checkpoint=: ...", "processes disagree on MODEL: ..."),
+        # quoted (untrusted) text is left alone, in either quotes, with escaped quotes inside
+        ("tensor 'h.0.mesh=1' is not used", "tensor 'h.0.mesh=1' is not used"),
+        ('tensor "it\'s mesh=1" is not used; mesh=2', 'tensor "it\'s mesh=1" is not used; --mesh 2'),
+        ("key 'a\\' mesh=1' and out=x", "key 'a\\' mesh=1' and --out x"),
+        # an apostrophe is no quote: what follows it is still translated
+        (
+            "the coordinator's port; choose another coordinator= port",
+            "the coordinator's port; choose another --coordinator port",
+        ),
+        # only at a word start, and only port's own parameters
+        ("mesh=data=4,model=2: its blocks take", "--mesh data=4,model=2: its blocks take"),
+        ("expected named axes such as data=2,expert=2,model=2", "expected named axes such as data=2,expert=2,model=2"),
+        ("/tmp/mesh=2/out=3 and strict=False", "/tmp/mesh=2/out=3 and strict=False"),
+        ("--out /tmp/x: already exists (use --force)", "--out /tmp/x: already exists (use --force)"),
+    ],
+)
 def test_library_messages_name_flags_on_the_command_line(message, shown):
     from port._cli import with_flags
 
@@ -190,8 +202,11 @@ def test_the_runtimes_messages_read_on_the_command_line_as_they_always_did():
         "with the same --coordinator and --num-processes 2, --process-id 0 to 1"
     )
     assert with_flags(_disagreement("force", {0: True, 1: False, 2: True})) == (
-        "processes disagree on --force: processes 0, 2 have --force, process 1 has no --force")
+        "processes disagree on --force: processes 0, 2 have --force, process 1 has no --force"
+    )
     assert with_flags(_disagreement("mapping", {0: "gpt2.toml", 1: _MISSING})) == (
-        "processes disagree on --mapping: process 0 has gpt2.toml, process 1 has no --mapping")
+        "processes disagree on --mapping: process 0 has gpt2.toml, process 1 has no --mapping"
+    )
     assert with_flags(_disagreement("mesh", {0: "data=4,model=2", 1: "data=2,model=4"})) == (
-        "processes disagree on --mesh: process 0 has data=4,model=2, process 1 has data=2,model=4")
+        "processes disagree on --mesh: process 0 has data=4,model=2, process 1 has data=2,model=4"
+    )

@@ -96,8 +96,9 @@ def test_verify_pads_sizes_and_round_trips():
     import json
 
     transformers_or_skip()
-    result = run_port("verify", EXAMPLE, "--batch", "3", "--length", "12", "--padding", "left", "--roundtrip",
-                      "--mesh", "2x2")
+    result = run_port(
+        "verify", EXAMPLE, "--batch", "3", "--length", "12", "--padding", "left", "--roundtrip", "--mesh", "2x2"
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     first, second = result.stdout.strip().splitlines()
     assert "(float32 [3, 12, 1021], left-padded, max |reference|" in first and first.endswith("(tolerance 0.0001)")
@@ -107,8 +108,10 @@ def test_verify_pads_sizes_and_round_trips():
     document = json.loads(as_json.stdout)
     assert as_json.returncode == 0 and list(document) == documented_fields("port.verify/1")
     assert document["padding"] == "right" and document["roundtrip"] == {"same": 28, "differing": [], "not_written": []}
-    one_line(run_port("verify", EXAMPLE, "--roundtrip", "--dtype", "bfloat16"),
-             "--roundtrip compares bit for bit: drop --dtype bfloat16")
+    one_line(
+        run_port("verify", EXAMPLE, "--roundtrip", "--dtype", "bfloat16"),
+        "--roundtrip compares bit for bit: drop --dtype bfloat16",
+    )
     for bad in (["--batch", "0"], ["--length", "x"], ["--padding", "middle"]):
         usage_error(run_port("verify", EXAMPLE, *bad), "usage: port verify")
 
@@ -201,8 +204,10 @@ from port.models.gpt2 import GPT2 as MyGPT2
 def beside(tmp_path):
     """`mymodel.py` (which says when it is imported) and `mine.toml` naming it, in the working directory."""
     (tmp_path / "mymodel.py").write_text(MYMODEL)
-    mapping = (REPO / "mappings" / "gpt2.toml").read_text().replace(
-        'model = "port.models.gpt2:GPT2"', 'model = "mymodel:MyGPT2"'
+    mapping = (
+        (REPO / "mappings" / "gpt2.toml")
+        .read_text()
+        .replace('model = "port.models.gpt2:GPT2"', 'model = "mymodel:MyGPT2"')
     )
     assert "mymodel:MyGPT2" in mapping
     (tmp_path / "mine.toml").write_text(mapping)
@@ -218,16 +223,22 @@ def test_a_module_beside_the_user_is_found_when_named(beside):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", [
-    ["check", "mine.toml", EXAMPLE], ["plan", EXAMPLE, "--mapping", "mine.toml"],
-    ["convert", EXAMPLE, "--mapping", "mine.toml", "--out", "out"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["check", "mine.toml", EXAMPLE],
+        ["plan", EXAMPLE, "--mapping", "mine.toml"],
+        ["convert", EXAMPLE, "--mapping", "mine.toml", "--out", "out"],
+    ],
+)
 def test_a_mapping_alone_imports_nothing_from_the_working_directory(beside, command):
     """Issue 21 row 17: the mapping's word is not enough; the command line says how to name it."""
     result = run_port(*command, cwd=beside)
     line = one_line(result, "mine.toml: model 'mymodel:MyGPT2' cannot be imported (No module named 'mymodel')")
-    assert line.endswith("mymodel.py in the working directory is imported only when named: "
-                         "`--module mymodel:MyGPT2` on the command line, or its directory on sys.path in Python")
+    assert line.endswith(
+        "mymodel.py in the working directory is imported only when named: "
+        "`--module mymodel:MyGPT2` on the command line, or its directory on sys.path in Python"
+    )
     assert not (beside / "imported").exists() and not (beside / "out").exists()
 
 
@@ -235,8 +246,11 @@ def test_a_mapping_alone_imports_nothing_from_the_working_directory(beside, comm
 def test_module_must_be_a_class_the_mapping_names(beside):
     (beside / "other.py").write_text(MYMODEL)
     result = run_port("check", "mine.toml", EXAMPLE, "--module", "other:MyGPT2", cwd=beside)
-    one_line(result, "--module 'other:MyGPT2': mine.toml names model 'mymodel:MyGPT2' and reference "
-             "'transformers:GPT2LMHeadModel'; --module names one of those")
+    one_line(
+        result,
+        "--module 'other:MyGPT2': mine.toml names model 'mymodel:MyGPT2' and reference "
+        "'transformers:GPT2LMHeadModel'; --module names one of those",
+    )
     result = run_port("plan", EXAMPLE, "--module", "mymodel:MyGPT2", cwd=beside)
     one_line(result, "--module mymodel:MyGPT2: give the mapping that names it (--mapping FILE)")
     result = run_port("check", "mine.toml", EXAMPLE, "--module", "../mymodel:MyGPT2", cwd=beside)
@@ -247,7 +261,9 @@ def test_module_must_be_a_class_the_mapping_names(beside):
 @pytest.mark.slow
 def test_export_of_your_own_model_names_its_class(beside):
     """Issue 24 row 1: an output of your own module exports with `--module` (the output's word imports nothing)."""
-    made = run_port("convert", EXAMPLE, "--mapping", "mine.toml", "--module", "mymodel:MyGPT2", "--out", "out", cwd=beside)
+    made = run_port(
+        "convert", EXAMPLE, "--mapping", "mine.toml", "--module", "mymodel:MyGPT2", "--out", "out", cwd=beside
+    )
     assert made.returncode == 0, made.stderr
     (beside / "imported").unlink()
     refused = run_port("export", "out", "--out", "hf", cwd=beside)
@@ -280,8 +296,9 @@ def test_an_error_in_your_own_module_names_its_file_and_line(beside):
     function), not `internal error` without a place; the line says how to see the traceback."""
     (beside / "mymodel.py").write_text(BROKEN)
     line_of = next(i for i, line in enumerate(BROKEN.splitlines(), 1) if "n_embd_typo" in line)
-    result = run_port("convert", EXAMPLE, "--mapping", "mine.toml", "--module", "mymodel:MyGPT2", "--out", "out",
-                      cwd=beside)
+    result = run_port(
+        "convert", EXAMPLE, "--mapping", "mine.toml", "--module", "mymodel:MyGPT2", "--out", "out", cwd=beside
+    )
     one_line(result, f"mymodel.py:{line_of} in from_config: KeyError: 'n_embd_typo' (PORT_DEBUG=1 shows the traceback)")
     assert not (beside / "out").exists()
 
@@ -303,8 +320,11 @@ def test_optional_covers_a_leaf_whose_parent_module_is_none(tmp_path):
     """Issue 24 row 3: `optional = "model"` applies when a parent module is None (`ln_f` here),
     and without it the message says which parent is None and how to mark the entry."""
     (tmp_path / "nonorm.py").write_text(NO_FINAL_NORM)
-    mapping = (REPO / "mappings" / "gpt2.toml").read_text().replace('model = "port.models.gpt2:GPT2"',
-                                                                   'model = "nonorm:NoNorm"')
+    mapping = (
+        (REPO / "mappings" / "gpt2.toml")
+        .read_text()
+        .replace('model = "port.models.gpt2:GPT2"', 'model = "nonorm:NoNorm"')
+    )
     (tmp_path / "strict.toml").write_text(mapping)
     for name in ("weight", "bias"):
         entry = f'path = "ln_f.{name}"\naxes = ["embed"]\n'
@@ -317,8 +337,10 @@ def test_optional_covers_a_leaf_whose_parent_module_is_none(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     refused = run_port("check", "strict.toml", EXAMPLE, "--module", "nonorm:NoNorm", cwd=tmp_path)
     assert refused.returncode == 1
-    assert ("entry 'ln_f.weight': 'ln_f.weight' lies under 'ln_f', which is None in nonorm:NoNorm built from this "
-            'config.json (mark the entry optional = "model" if the model may lack it)') in refused.stdout
+    assert (
+        "entry 'ln_f.weight': 'ln_f.weight' lies under 'ln_f', which is None in nonorm:NoNorm built from this "
+        'config.json (mark the entry optional = "model" if the model may lack it)'
+    ) in refused.stdout
 
 
 @pytest.mark.slow
@@ -337,7 +359,12 @@ def test_info_describes_an_output(tmp_path):
     assert "wte                 float32[1021,64]    vocab, embed" in result.stdout
     assert sum(1 for line in lines if line.startswith(("wte", "wpe", "blocks.", "ln_f."))) == 20
     one_line(run_port("info", EXAMPLE), f"{EXAMPLE}: not a port output (no port/metadata)")
-    for sharding in ('{"d3Rl": "[2, 2]"}', '{"d3Rl": 7}', "[]", '{"d3Rl": "{\\"shape\\": [2], \\"axis_names\\": [1]}"}'):
+    for sharding in (
+        '{"d3Rl": "[2, 2]"}',
+        '{"d3Rl": 7}',
+        "[]",
+        '{"d3Rl": "{\\"shape\\": [2], \\"axis_names\\": [1]}"}',
+    ):
         (tmp_path / "out" / "params" / "_sharding").write_text(sharding)  # untrusted: the mesh is then not shown
         odd = run_port("info", tmp_path / "out")
         assert odd.returncode == 0 and "written on mesh: not recorded" in odd.stdout, odd.stdout + odd.stderr
@@ -349,8 +376,12 @@ def documented_fields(schema: str) -> list[str]:
 
     text = (REPO / "docs" / "cli.md").read_text()
     section = text.split(f"`{schema}`", 1)[1].split("\n## ", 1)[0]
-    return [name for row in section.splitlines() if row.startswith("| `")
-            for name in re.findall(r"`(\w+)`", row.split("|")[1])]
+    return [
+        name
+        for row in section.splitlines()
+        if row.startswith("| `")
+        for name in re.findall(r"`(\w+)`", row.split("|")[1])
+    ]
 
 
 @pytest.mark.slow
@@ -365,13 +396,27 @@ def test_json_output_is_what_docs_cli_md_says(tmp_path, beside):
     assert list(document) == documented_fields("port.plan/1")
     assert document["mesh"] == {"data": 2, "model": 2} and len(document["leaves"]) == 20
     assert document["leaves"][0] == {
-        "path": "wte", "shape": [1021, 64], "dtype": "float32", "spec": [None, "data"],
-        "bytes_per_device": 1021 * 64 * 4 // 2, "source": "wte.weight", "stack": [], "transforms": "-",
-        "notes": ["vocab 1021 not divisible by model=2: replicated on model"]}
+        "path": "wte",
+        "shape": [1021, 64],
+        "dtype": "float32",
+        "spec": [None, "data"],
+        "bytes_per_device": 1021 * 64 * 4 // 2,
+        "source": "wte.weight",
+        "stack": [],
+        "transforms": "-",
+        "notes": ["vocab 1021 not divisible by model=2: replicated on model"],
+    }
     assert document["leaves"][4] == {
-        "path": "blocks.attn.wq", "shape": [2, 64, 4, 16], "dtype": "float32", "spec": [None, "data", "model", None],
-        "bytes_per_device": 8192, "source": "h.{layer}.attn.c_attn.weight", "stack": [2],
-        "transforms": "split(axis=1, parts=3, index=0) > reshape[64, 4, -1]", "notes": []}
+        "path": "blocks.attn.wq",
+        "shape": [2, 64, 4, 16],
+        "dtype": "float32",
+        "spec": [None, "data", "model", None],
+        "bytes_per_device": 8192,
+        "source": "h.{layer}.attn.c_attn.weight",
+        "stack": [2],
+        "transforms": "split(axis=1, parts=3, index=0) > reshape[64, 4, -1]",
+        "notes": [],
+    }
     assert document["params"] == 169536 and document["read_bytes"] == 678144
 
     check = run_port("check", REPO / "mappings" / "gpt2.toml", EXAMPLE, "--json")
@@ -380,8 +425,11 @@ def test_json_output_is_what_docs_cli_md_says(tmp_path, beside):
     assert list(document) == documented_fields("port.check/1") and document["ok"] is True
 
     (beside / "nonorm.py").write_text(NO_FINAL_NORM)
-    (beside / "strict.toml").write_text((REPO / "mappings" / "gpt2.toml").read_text().replace(
-        'model = "port.models.gpt2:GPT2"', 'model = "nonorm:NoNorm"'))
+    (beside / "strict.toml").write_text(
+        (REPO / "mappings" / "gpt2.toml")
+        .read_text()
+        .replace('model = "port.models.gpt2:GPT2"', 'model = "nonorm:NoNorm"')
+    )
     failed = run_port("check", "strict.toml", EXAMPLE, "--module", "nonorm:NoNorm", "--json", cwd=beside)
     one_line(failed, "strict.toml: 4 problems with")
     document = json.loads(failed.stdout)
@@ -394,5 +442,10 @@ def test_json_output_is_what_docs_cli_md_says(tmp_path, beside):
     document = json.loads(info.stdout)
     assert list(document) == documented_fields("port.info/1")
     assert document["mesh"] == {"data": 2, "model": 2} and document["params"] == 169536
-    assert document["leaves"][0] == {"path": "wte", "shape": [1021, 64], "dtype": "float32", "axes": ["vocab", "embed"],
-                                     "bytes": 1021 * 64 * 4}
+    assert document["leaves"][0] == {
+        "path": "wte",
+        "shape": [1021, 64],
+        "dtype": "float32",
+        "axes": ["vocab", "embed"],
+        "bytes": 1021 * 64 * 4,
+    }

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import port
+
 from helpers import run_port
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
@@ -18,8 +19,12 @@ def test_convert_returns_the_model_the_plan_and_the_report(tmp_path):
     assert isinstance(run, port.Conversion)
     assert run.model.blocks.attn.wq.sharding.mesh.shape == {"data": 2, "model": 2}
     assert len(run.plan.leaves) == 20 and run.report.params == run.plan.params == 169_536
-    assert run.report.bytes_read == run.plan.read_bytes == (EXAMPLE / "model.safetensors").stat().st_size - 8 - (
-        int.from_bytes((EXAMPLE / "model.safetensors").read_bytes()[:8], "little")
+    assert (
+        run.report.bytes_read
+        == run.plan.read_bytes
+        == (EXAMPLE / "model.safetensors").stat().st_size
+        - 8
+        - (int.from_bytes((EXAMPLE / "model.safetensors").read_bytes()[:8], "little"))
     )
     assert sorted(run.report.device_bytes) == ["0", "1", "2", "3"]
     # float32: each device holds at most every parameter, and every parameter is held at least once
@@ -59,9 +64,13 @@ def test_a_mesh_whose_blocks_outgrow_host_memory_is_refused_before_reading(tmp_p
     import port._memory
 
     with port.open_checkpoint(EXAMPLE) as ckpt:
-        device_bytes = port.plan(port.skeleton(port.mapping_for(ckpt.config), ckpt.config),
-                                 port.mapping_for(ckpt.config), ckpt.tensors, ckpt.config, {"data": 4, "model": 2}
-                                 ).device_bytes
+        device_bytes = port.plan(
+            port.skeleton(port.mapping_for(ckpt.config), ckpt.config),
+            port.mapping_for(ckpt.config),
+            ckpt.tensors,
+            ckpt.config,
+            {"data": 4, "model": 2},
+        ).device_bytes
         monkeypatch.setattr(port._memory, "available_host_bytes", lambda: 8 * device_bytes - 1)
         try:
             port.convert(ckpt, mesh="4x2", out=tmp_path / "out")
@@ -86,7 +95,9 @@ def test_restoring_onto_a_mesh_whose_blocks_outgrow_host_memory_is_refused_befor
     monkeypatch.setattr(port._memory, "available_host_bytes", lambda: 1000)
     read = []
     real = port._sources._local.LocalCheckpoint.read_into
-    monkeypatch.setattr(port._sources._local.LocalCheckpoint, "read_into", lambda *a, **k: read.append(a) or real(*a, **k))
+    monkeypatch.setattr(
+        port._sources._local.LocalCheckpoint, "read_into", lambda *a, **k: read.append(a) or real(*a, **k)
+    )
     try:
         port.restore(tmp_path / "out", "4x2")
     except port.PlanError as e:

@@ -18,59 +18,178 @@ import pytest
 
 import port
 from port.nn import next_token_loss
+
 from helpers import perturbed, transformers_or_skip
 
 VOCAB = 97
-BASE = dict(vocab_size=VOCAB, max_position_embeddings=128, initializer_range=0.2, bos_token_id=1,
-            eos_token_id=2, pad_token_id=0)
-LLAMA = dict(BASE, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6,
-             num_key_value_heads=2)
+BASE = dict(
+    vocab_size=VOCAB, max_position_embeddings=128, initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0
+)
+LLAMA = dict(
+    BASE, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2
+)
 # name: (transformers architecture, config). Windows of 4 against prompts of 9 and 32 new tokens.
 FAMILIES = {
     "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(BASE, n_positions=128, n_embd=48, n_layer=2, n_head=4)),
-    "llama": ("LlamaForCausalLM", "LlamaConfig", dict(LLAMA, rope_parameters=dict(
-        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=16))),
+    "llama": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            LLAMA,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(LLAMA, sliding_window=4)),
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(LLAMA, tie_word_embeddings=True)),
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(LLAMA, head_dim=12)),
-    "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(LLAMA, rope_parameters=dict(
-        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))),
+    "phi3": (
+        "Phi3ForCausalLM",
+        "Phi3Config",
+        dict(LLAMA, rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)),
+    ),
     "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(LLAMA, head_dim=16)),
-    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
-        LLAMA, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
-        attn_logit_softcapping=2.0, final_logit_softcapping=5.0)),
+    "gemma2": (
+        "Gemma2ForCausalLM",
+        "Gemma2Config",
+        dict(
+            LLAMA,
+            num_hidden_layers=3,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=4,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+        ),
+    ),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(LLAMA, num_local_experts=6, num_experts_per_tok=2)),
-    "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeConfig", dict(
-        LLAMA, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
-        shared_expert_intermediate_size=40, norm_topk_prob=True)),
-    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(
-        BASE, hidden_size=48, num_attention_heads=4, intermediate_size=80, num_hidden_layers=2, rotary_pct=0.5)),
+    "qwen2_moe": (
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        dict(
+            LLAMA,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            norm_topk_prob=True,
+        ),
+    ),
+    "gpt_neox": (
+        "GPTNeoXForCausalLM",
+        "GPTNeoXConfig",
+        dict(BASE, hidden_size=48, num_attention_heads=4, intermediate_size=80, num_hidden_layers=2, rotary_pct=0.5),
+    ),
     # 2026's families. Qwen3-MoE: layer 1 of 3 dense. DeepSeek-V3: MLA with q_lora, a dense
     # first layer, group-limited sigmoid routing, YaRN. gpt-oss: sinks, alternating windows,
     # clamped SwiGLU. Llama 4: dense/MoE alternating, a NoPE layer, chunks of 4. Qwen3-Next:
     # three Gated DeltaNet layers to one gated full-attention layer.
-    "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeConfig", dict(
-        LLAMA, num_hidden_layers=3, head_dim=12, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
-        norm_topk_prob=True, mlp_only_layers=[1])),
-    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
-        LLAMA, num_hidden_layers=3, num_key_value_heads=6, moe_intermediate_size=20, n_routed_experts=8,
-        num_experts_per_tok=3, n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
-        qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10, routed_scaling_factor=1.7, n_shared_experts=2,
-        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
-                             mscale=0.9, mscale_all_dim=1.0))),
-    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
-        LLAMA, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4, swiglu_limit=1.5,
-        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
-                             truncate=False, original_max_position_embeddings=16))),
-    "llama4": ("Llama4ForCausalLM", "Llama4TextConfig", dict(
-        LLAMA, num_hidden_layers=4, head_dim=8, intermediate_size_mlp=64, num_local_experts=4,
-        num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1], attention_chunk_size=4,
-        floor_scale=2, attn_scale=0.5)),
-    "qwen3_next": ("Qwen3NextForCausalLM", "Qwen3NextConfig", dict(
-        LLAMA, num_hidden_layers=4, num_attention_heads=4, head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, num_experts=6,
-        num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40)),
+    "qwen3_moe": (
+        "Qwen3MoeForCausalLM",
+        "Qwen3MoeConfig",
+        dict(
+            LLAMA,
+            num_hidden_layers=3,
+            head_dim=12,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        ),
+    ),
+    "deepseek_v3": (
+        "DeepseekV3ForCausalLM",
+        "DeepseekV3Config",
+        dict(
+            LLAMA,
+            num_hidden_layers=3,
+            num_key_value_heads=6,
+            moe_intermediate_size=20,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=6,
+            v_head_dim=10,
+            routed_scaling_factor=1.7,
+            n_shared_experts=2,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=16,
+                mscale=0.9,
+                mscale_all_dim=1.0,
+            ),
+        ),
+    ),
+    "gpt_oss": (
+        "GptOssForCausalLM",
+        "GptOssConfig",
+        dict(
+            LLAMA,
+            head_dim=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=4,
+            swiglu_limit=1.5,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
+    "llama4": (
+        "Llama4ForCausalLM",
+        "Llama4TextConfig",
+        dict(
+            LLAMA,
+            num_hidden_layers=4,
+            head_dim=8,
+            intermediate_size_mlp=64,
+            num_local_experts=4,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            no_rope_layers=[1, 1, 0, 1],
+            attention_chunk_size=4,
+            floor_scale=2,
+            attn_scale=0.5,
+        ),
+    ),
+    "qwen3_next": (
+        "Qwen3NextForCausalLM",
+        "Qwen3NextConfig",
+        dict(
+            LLAMA,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+            num_experts=6,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+        ),
+    ),
 }
 # Families whose layers carry a recurrent state: packed `segment_ids` are refused.
 NO_SEGMENTS = {"qwen3_next"}
@@ -226,8 +345,9 @@ def test_gradients_match_pytorch(family, name, tmp_path):
     assert theirs and set(theirs) <= set(ours)
     looser = LOOSER.get(name, (1.0, 1.0))[0]
     for key, grad in theirs.items():
-        np.testing.assert_allclose(ours[key].numpy(), grad, atol=looser * 1e-4 * np.abs(grad).max() + 1e-9, rtol=0,
-                                   err_msg=key)
+        np.testing.assert_allclose(
+            ours[key].numpy(), grad, atol=looser * 1e-4 * np.abs(grad).max() + 1e-9, rtol=0, err_msg=key
+        )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -255,7 +375,9 @@ def test_bfloat16_compute_on_float32_parameters(family, name):
     half = eqx.filter_jit(lambda m, i, k: m(i, attention_mask=k, dtype=jnp.bfloat16))(model, ids, mask)
     assert half.dtype == jnp.bfloat16
     real = mask.astype(bool)
-    theirs = torch_forward(copy.deepcopy(torch_lm).to(torch.bfloat16), ids, mask, np.where(mask, np.cumsum(mask, -1) - 1, 0))
+    theirs = torch_forward(
+        copy.deepcopy(torch_lm).to(torch.bfloat16), ids, mask, np.where(mask, np.cumsum(mask, -1) - 1, 0)
+    )
     bound = max(0.1 * np.abs(full[real]).max(), 1.5 * np.abs(theirs[real] - full[real]).max())
     assert np.abs(np.asarray(half, np.float32)[real] - full[real]).max() < bound
     _, grads = loss_and_grads(model, ids, mask, dtype=jnp.bfloat16)
@@ -266,7 +388,8 @@ def test_bfloat16_compute_on_float32_parameters(family, name):
 def test_train_step_on_4x2_equals_1x1_and_keeps_shardings(family, name):
     """A jitted step (batch on `data`): the same loss and gradients as on one device, and every
     gradient and updated parameter with the sharding port.load gave the parameter."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     _, directory, single = family(name)
     mesh = port.make_mesh("4x2")
@@ -289,8 +412,11 @@ def test_train_step_on_4x2_equals_1x1_and_keeps_shardings(family, name):
     for g, g1, s in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1), jax.tree.leaves(shardings)):
         assert g.sharding.is_equivalent_to(s, g.ndim)
         # + 1e-7: a gradient that is zero but for rounding (GPT-2's key bias, which softmax cancels)
-        np.testing.assert_allclose(np.asarray(g), np.asarray(g1),
-                                   atol=LOOSER.get(name, (1.0, 1.0))[1] * 1e-5 * np.abs(np.asarray(g1)).max() + 1e-7)
+        np.testing.assert_allclose(
+            np.asarray(g),
+            np.asarray(g1),
+            atol=LOOSER.get(name, (1.0, 1.0))[1] * 1e-5 * np.abs(np.asarray(g1)).max() + 1e-7,
+        )
     for p, s in zip(jax.tree.leaves(eqx.filter(updated, eqx.is_array)), jax.tree.leaves(shardings)):
         assert p.sharding.is_equivalent_to(s, p.ndim)
 
@@ -305,7 +431,10 @@ def test_greedy_generation_matches_transformers(family, name):
     torch_lm.generation_config.eos_token_id = None
     with torch.no_grad():
         expected = torch_lm.generate(
-            torch.tensor(ids).long(), attention_mask=torch.tensor(mask), max_new_tokens=32, do_sample=False,
+            torch.tensor(ids).long(),
+            attention_mask=torch.tensor(mask),
+            max_new_tokens=32,
+            do_sample=False,
             pad_token_id=0,
         ).numpy()
     ours = np.asarray(port.generate(model, ids, max_new_tokens=32, attention_mask=mask))

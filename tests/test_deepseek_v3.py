@@ -25,26 +25,64 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import VOCAB, logits, perturbed, run_port, run_port_measured, saved_once, torch_logits, transformers_or_skip
 from jax.sharding import PartitionSpec as P
-from helpers import write_sparse_checkpoint
 
 import port
 from port._errors import ConfigError, PlanError
 from port.models.deepseek_v3 import DeepseekV3, DeepseekV3Config
 from port.nn import next_token_loss
 
+from helpers import (
+    VOCAB,
+    logits,
+    perturbed,
+    run_port,
+    run_port_measured,
+    saved_once,
+    torch_logits,
+    transformers_or_skip,
+    write_sparse_checkpoint,
+)
+
 MAPPINGS = Path(__file__).resolve().parents[1] / "mappings"
 # Sizes unlike each other: 4 heads of 8 + 6 (rotary) for queries and keys, 10 for values;
 # latents of 24 (queries) and 16 (keys/values); 8 experts in 4 groups, 2 groups open, top 3.
 CONFIG = dict(
-    vocab_size=VOCAB, hidden_size=48, intermediate_size=72, moe_intermediate_size=20, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
-    topk_group=2, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8,
-    qk_rope_head_dim=6, v_head_dim=10, routed_scaling_factor=1.7, n_shared_experts=2, max_position_embeddings=64,
-    initializer_range=0.2, rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=2, pad_token_id=0,
-    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16,
-                         mscale=0.9, mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=72,
+    moe_intermediate_size=20,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=3,
+    n_group=4,
+    topk_group=2,
+    first_k_dense_replace=1,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=6,
+    v_head_dim=10,
+    routed_scaling_factor=1.7,
+    n_shared_experts=2,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    rms_norm_eps=1e-5,
+    bos_token_id=0,
+    eos_token_id=2,
+    pad_token_id=0,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=10000.0,
+        factor=4.0,
+        original_max_position_embeddings=16,
+        mscale=0.9,
+        mscale_all_dim=1.0,
+        beta_fast=32,
+        beta_slow=1,
+    ),
 )
 CASES = {"lora": CONFIG, "no-lora": dict(CONFIG, q_lora_rank=None)}
 IDS = np.random.default_rng(0).integers(3, VOCAB, (2, 16))
@@ -61,7 +99,7 @@ def torch_deepseek(name, dtype=None):
     config._experts_implementation = "eager"  # torch's grouped_mm wants 16-byte strides in bfloat16
     model = perturbed(transformers.DeepseekV3ForCausalLM(config), lambda n: "norm" in n, 0.2)
     with torch.no_grad():
-        for layer in model.model.layers[config.first_k_dense_replace:]:
+        for layer in model.model.layers[config.first_k_dense_replace :]:
             bias = layer.mlp.gate.e_score_correction_bias
             bias.add_(0.3 * torch.randn_like(bias))
     return model if dtype is None else model.to(getattr(torch, dtype))
@@ -144,8 +182,10 @@ def test_the_selection_bias_and_the_scaling_factor_matter(checkpoints, loaded):
     _, _, expected = checkpoints("lora")
     model = loaded("lora", "4x2")
     assert model.moe.mlp.scale == 1.7
-    for changed in (eqx.tree_at(lambda m: m.moe.mlp.selection_bias, model, replace_fn=lambda b: 0 * b),
-                    eqx.tree_at(lambda m: m.moe.mlp, model, replace_fn=lambda mlp: with_field(mlp, "scale", 1.0))):
+    for changed in (
+        eqx.tree_at(lambda m: m.moe.mlp.selection_bias, model, replace_fn=lambda b: 0 * b),
+        eqx.tree_at(lambda m: m.moe.mlp, model, replace_fn=lambda mlp: with_field(mlp, "scale", 1.0)),
+    ):
         assert np.abs(np.asarray(logits(changed, IDS)) - expected).max() > 1e-2
 
 
@@ -211,7 +251,10 @@ def test_gradients_match_pytorch(checkpoints, loaded, tmp_path):
     out = torch_lm(torch.tensor(IDS).long(), attention_mask=torch.tensor(mask), labels=labels)
     out.loss.backward()
     model = loaded("lora")
-    loss_fn = lambda m: next_token_loss(m(IDS, attention_mask=mask), IDS, mask)
+
+    def loss_fn(m):
+        return next_token_loss(m(IDS, attention_mask=mask), IDS, mask)
+
     loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model)
     assert float(loss) == pytest.approx(out.loss.item(), rel=1e-5)
     port.export(grads, tmp_path / "grads", directory)
@@ -238,8 +281,13 @@ def test_greedy_generation_matches_transformers(checkpoints, loaded):
     ids[1, :5] = 0
     torch_lm.generation_config.eos_token_id = None
     with torch.no_grad():
-        expected = torch_lm.generate(torch.tensor(ids).long(), attention_mask=torch.tensor(mask), max_new_tokens=10,
-                                     do_sample=False, pad_token_id=0).numpy()
+        expected = torch_lm.generate(
+            torch.tensor(ids).long(),
+            attention_mask=torch.tensor(mask),
+            max_new_tokens=10,
+            do_sample=False,
+            pad_token_id=0,
+        ).numpy()
     ours = np.asarray(port.generate(model, ids, max_new_tokens=10, attention_mask=mask))
     assert ours.shape == expected.shape == (2, 9 + 10)
     np.testing.assert_array_equal(ours, expected)
@@ -282,8 +330,11 @@ def with_mtp_layer(source: Path, directory: Path) -> Path:
     tensors = load_file(source / "model.safetensors")
     extra = {k.replace("layers.2.", "layers.3."): v for k, v in tensors.items() if k.startswith("model.layers.2.")}
     h = tensors["model.norm.weight"].shape[0]
-    extra |= {"model.layers.3.enorm.weight": np.ones(h, np.float32), "model.layers.3.hnorm.weight": np.ones(h, np.float32),
-              "model.layers.3.eh_proj.weight": np.zeros((h, 2 * h), np.float32)}
+    extra |= {
+        "model.layers.3.enorm.weight": np.ones(h, np.float32),
+        "model.layers.3.hnorm.weight": np.ones(h, np.float32),
+        "model.layers.3.eh_proj.weight": np.zeros((h, 2 * h), np.float32),
+    }
     directory.mkdir()
     shutil.copy(source / "config.json", directory / "config.json")
     save_file(tensors | extra, directory / "model.safetensors", metadata={"format": "pt"})
@@ -301,8 +352,7 @@ def test_the_mtp_layer_is_ignored_by_the_mappings_rule(checkpoints, tmp_path):
     # attention/MoE keys match `{layer}` entries and are dropped as ignored without being
     # listed (see the report: _plan.py counts claimed keys out of `ignored`).
     assert keys and all(k.startswith("model.layers.3.") for k in keys) and len(keys) <= n
-    assert not any("layers.3." in k for leaf in recipe.leaves for k in leaf.box_keys(
-        tuple((0, d) for d in leaf.shape)))
+    assert not any("layers.3." in k for leaf in recipe.leaves for k in leaf.box_keys(tuple((0, d) for d in leaf.shape)))
     result = run_port("plan", directory, "--mesh", "4x2")
     assert result.returncode == 0, result.stdout + result.stderr
     line = f"ignored: layers.3.* ({len(keys)} tensors, by the mapping's ignore 'layers.{{num_hidden_layers}}.*')"
@@ -310,7 +360,9 @@ def test_the_mtp_layer_is_ignored_by_the_mappings_rule(checkpoints, tmp_path):
     # Without the rule the layer is a checkpoint layer the model does not have.
     shipped = port.load_mapping(MAPPINGS / "deepseek_v3.toml")
     bare = dataclasses.replace(shipped, ignore=tuple(p for p in shipped.ignore if "{" not in p))
-    with pytest.raises(PlanError, match=r"tensor 'model\.layers\.3\.[a-z_.]+' is of layer 3, beyond the model's 3 layers"):
+    with pytest.raises(
+        PlanError, match=r"tensor 'model\.layers\.3\.[a-z_.]+' is of layer 3, beyond the model's 3 layers"
+    ):
         recipe_for(directory, {"data": 4, "model": 2}, bare)
 
 
@@ -318,17 +370,48 @@ def test_the_mtp_layer_is_ignored_by_the_mappings_rule(checkpoints, tmp_path):
 
 # deepseek-ai/DeepSeek-V3's config.json (its FP8 quantization_config left out: the file is bfloat16).
 DEEPSEEK_V3 = {
-    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,
-    "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
-    "num_nextn_predict_layers": 1, "num_attention_heads": 128, "num_key_value_heads": 128, "n_shared_experts": 1,
-    "n_routed_experts": 256, "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
-    "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 8,
-    "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "norm_topk_prob": True,
-    "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 163840, "rms_norm_eps": 1e-06,
-    "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
-                                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
-                                          "type": "yarn"},
-    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "attention_bias": False, "bos_token_id": 0,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc",
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "hidden_act": "silu",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "attention_bias": False,
+    "bos_token_id": 0,
     "eos_token_id": 1,
 }
 
@@ -342,29 +425,46 @@ def deepseek_shapes(c):
     layers = c["num_hidden_layers"]
     for i in range(layers + 1):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
-            p + "self_attn.q_a_proj.weight": [c["q_lora_rank"], h],
-            p + "self_attn.q_a_layernorm.weight": [c["q_lora_rank"]],
-            p + "self_attn.q_b_proj.weight": [heads * qk, c["q_lora_rank"]],
-            p + "self_attn.kv_a_proj_with_mqa.weight": [kv + rope, h],
-            p + "self_attn.kv_a_layernorm.weight": [kv],
-            p + "self_attn.kv_b_proj.weight": [heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), kv],
-            p + "self_attn.o_proj.weight": [h, heads * c["v_head_dim"]],
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": [h],
+                p + "post_attention_layernorm.weight": [h],
+                p + "self_attn.q_a_proj.weight": [c["q_lora_rank"], h],
+                p + "self_attn.q_a_layernorm.weight": [c["q_lora_rank"]],
+                p + "self_attn.q_b_proj.weight": [heads * qk, c["q_lora_rank"]],
+                p + "self_attn.kv_a_proj_with_mqa.weight": [kv + rope, h],
+                p + "self_attn.kv_a_layernorm.weight": [kv],
+                p + "self_attn.kv_b_proj.weight": [heads * (c["qk_nope_head_dim"] + c["v_head_dim"]), kv],
+                p + "self_attn.o_proj.weight": [h, heads * c["v_head_dim"]],
+            }
+        )
         if i < c["first_k_dense_replace"]:
-            shapes.update({p + "mlp.gate_proj.weight": [inter, h], p + "mlp.up_proj.weight": [inter, h],
-                           p + "mlp.down_proj.weight": [h, inter]})
+            shapes.update(
+                {
+                    p + "mlp.gate_proj.weight": [inter, h],
+                    p + "mlp.up_proj.weight": [inter, h],
+                    p + "mlp.down_proj.weight": [h, inter],
+                }
+            )
             continue
         shapes.update({p + "mlp.gate.weight": [experts, h], p + "mlp.gate.e_score_correction_bias": [experts]})
         for e in [*range(experts), "shared"]:
             q = p + (f"mlp.experts.{e}." if e != "shared" else "mlp.shared_experts.")
             n = moe * (c["n_shared_experts"] if e == "shared" else 1)
-            shapes.update({q + "gate_proj.weight": [n, h], q + "up_proj.weight": [n, h], q + "down_proj.weight": [h, n]})
+            shapes.update(
+                {q + "gate_proj.weight": [n, h], q + "up_proj.weight": [n, h], q + "down_proj.weight": [h, n]}
+            )
     p = f"model.layers.{layers}."
-    shapes.update({p + "enorm.weight": [h], p + "hnorm.weight": [h], p + "eh_proj.weight": [h, 2 * h],
-                   p + "embed_tokens.weight": [v, h], p + "shared_head.norm.weight": [h],
-                   p + "shared_head.head.weight": [v, h]})
+    shapes.update(
+        {
+            p + "enorm.weight": [h],
+            p + "hnorm.weight": [h],
+            p + "eh_proj.weight": [h, 2 * h],
+            p + "embed_tokens.weight": [v, h],
+            p + "shared_head.norm.weight": [h],
+            p + "shared_head.head.weight": [v, h],
+        }
+    )
     return shapes
 
 
@@ -380,11 +480,15 @@ def test_plan_deepseek_v3_671b_reads_no_tensor(tmp_path):
     result, rchar, peak = run_port_measured(tmp_path, "plan", tmp_path / "v3", "--mesh", "32x16")
     seconds = time.perf_counter() - start
     assert result.returncode == 0, result.stdout + result.stderr
-    print(f"port plan DeepSeek-V3 671B on 32x16: {seconds:.1f} s, peak RSS {peak / 2**20:.0f} MiB, "
-          f"{len(shapes)} tensors")
+    print(
+        f"port plan DeepSeek-V3 671B on 32x16: {seconds:.1f} s, peak RSS {peak / 2**20:.0f} MiB, {len(shapes)} tensors"
+    )
     assert rchar < 1e9 and peak < 1e9, (rchar, peak)
-    assert re.search(r"^ignored: layers\.61\.\* \(\d+ tensors, by the mapping's ignore 'layers\.\{num_hidden_layers\}\.\*'\)",
-                     result.stdout, re.MULTILINE), result.stdout
+    assert re.search(
+        r"^ignored: layers\.61\.\* \(\d+ tensors, by the mapping's ignore 'layers\.\{num_hidden_layers\}\.\*'\)",
+        result.stdout,
+        re.MULTILINE,
+    ), result.stdout
     row = rf"^moe\.mlp\.experts\.gate +{re.escape('bf16[58,256,2048,7168]')} +{re.escape('(-, model, -, data)')} "
     assert re.search(row, result.stdout, re.MULTILINE), result.stdout
     total = sum(2 * int(np.prod(s)) for k, s in shapes.items() if not k.startswith("model.layers.61."))
@@ -394,13 +498,23 @@ def test_plan_deepseek_v3_671b_reads_no_tensor(tmp_path):
 # ---------------------------------------------------------------- contradictions, in one line
 
 
-@pytest.mark.parametrize("change, pattern", [
-    # 6 experts in config.json, 8 per layer in the file: the router's shape gives it away.
-    (dict(n_routed_experts=6, n_group=2, topk_group=1),
-     r"'model\.layers\.1\.mlp\.gate\.weight' is \[8, 48\] but 'moe\.mlp\.router' is \[2, 6, 48\]"),
-    (dict(kv_lora_rank=18), (r"split sizes \[18, 6\] are not a partition of axis 0 of size 22 \(source "
-                             r"'model\.layers\.0\.self_attn\.kv_a_proj_with_mqa\.weight'")),
-])
+@pytest.mark.parametrize(
+    "change, pattern",
+    [
+        # 6 experts in config.json, 8 per layer in the file: the router's shape gives it away.
+        (
+            dict(n_routed_experts=6, n_group=2, topk_group=1),
+            r"'model\.layers\.1\.mlp\.gate\.weight' is \[8, 48\] but 'moe\.mlp\.router' is \[2, 6, 48\]",
+        ),
+        (
+            dict(kv_lora_rank=18),
+            (
+                r"split sizes \[18, 6\] are not a partition of axis 0 of size 22 \(source "
+                r"'model\.layers\.0\.self_attn\.kv_a_proj_with_mqa\.weight'"
+            ),
+        ),
+    ],
+)
 def test_config_contradicting_the_tensors_fails_before_reading(checkpoints, tmp_path, change, pattern):
     """Planned from headers only (no byte read), one line naming the tensor."""
     source, _, _ = checkpoints("lora")
@@ -412,16 +526,19 @@ def test_config_contradicting_the_tensors_fails_before_reading(checkpoints, tmp_
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(first_k_dense_replace=4), "'first_k_dense_replace' (4) is beyond the 3 layers ('num_hidden_layers')"),
-    (dict(first_k_dense_replace=-1), "'first_k_dense_replace' must be a non-negative integer"),
-    (dict(num_key_value_heads=2), "'num_key_value_heads' (2) must equal 'num_attention_heads' (4)"),
-    (dict(n_group=3), "'n_group' (3) must divide 'n_routed_experts' (8)"),
-    (dict(topk_group=5), "'topk_group' (5) is more than 'n_group' (4)"),
-    (dict(num_experts_per_tok=5), "'num_experts_per_tok' (5) is more than the 4 experts of 'topk_group' (2)"),
-    (dict(kv_lora_rank=0), "'kv_lora_rank' must be a positive integer"),
-    (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0)), "rope type 'dynamic' is not supported"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(first_k_dense_replace=4), "'first_k_dense_replace' (4) is beyond the 3 layers ('num_hidden_layers')"),
+        (dict(first_k_dense_replace=-1), "'first_k_dense_replace' must be a non-negative integer"),
+        (dict(num_key_value_heads=2), "'num_key_value_heads' (2) must equal 'num_attention_heads' (4)"),
+        (dict(n_group=3), "'n_group' (3) must divide 'n_routed_experts' (8)"),
+        (dict(topk_group=5), "'topk_group' (5) is more than 'n_group' (4)"),
+        (dict(num_experts_per_tok=5), "'num_experts_per_tok' (5) is more than the 4 experts of 'topk_group' (2)"),
+        (dict(kv_lora_rank=0), "'kv_lora_rank' must be a positive integer"),
+        (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0)), "rope type 'dynamic' is not supported"),
+    ],
+)
 def test_config_refuses_in_one_line(change, message):
     with pytest.raises(ConfigError) as error:
         DeepseekV3Config.from_hf({**CONFIG, "model_type": "deepseek_v3", **change})

@@ -164,8 +164,13 @@ def test_no_import_circle_and_no_private_name_crossing_modules():
     import counts: none dodges one), and no module takes a private `_name` from another."""
     modules = _modules()
     graph = {m: _edges(path, m, modules) for m, path in modules.items()}
-    private = [f"{m} takes {name} from {source}" for m, edges in graph.items() for source, names in edges.items()
-               for name in sorted(names) if name.startswith("_") and not name.startswith("__")]
+    private = [
+        f"{m} takes {name} from {source}"
+        for m, edges in graph.items()
+        for source, names in edges.items()
+        for name in sorted(names)
+        if name.startswith("_") and not name.startswith("__")
+    ]
     assert not private, private
 
     # Tarjan's strongly connected components: a component of more than one module is a circle.
@@ -219,6 +224,10 @@ def test_the_architecture_page_names_every_module():
             listed.add(package + name)
     package = ROOT / "src" / "port"
     present = {p.relative_to(package).as_posix() for p in package.glob("*.py")}
-    present |= {p.relative_to(package).as_posix() for d in ("_sources", "_output", "_export")
-                for p in (package / d).glob("*.py") if p.name != "__init__.py" or d == "_sources"}
+    present |= {
+        p.relative_to(package).as_posix()
+        for d in ("_sources", "_output", "_export")
+        for p in (package / d).glob("*.py")
+        if p.name != "__init__.py" or d == "_sources"
+    }
     assert listed == present, (sorted(present - listed), sorted(listed - present))

@@ -89,8 +89,15 @@ def blocks(page: Path) -> list[Block]:
     found = []
     for match in FENCE.finditer(text):
         before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
-        found.append(Block(page, text.count("\n", 0, match.start()) + 1, match.group(1), match.group(2),
-                           before if before.startswith("<!--") else ""))
+        found.append(
+            Block(
+                page,
+                text.count("\n", 0, match.start()) + 1,
+                match.group(1),
+                match.group(2),
+                before if before.startswith("<!--") else "",
+            )
+        )
     return found
 
 
@@ -161,8 +168,17 @@ class Reader:
         assert all("--process-id" in c for c in commands), f"{block}: one run's processes, and nothing else"
         address = f"127.0.0.1:{free_port()}"
         argvs = [[address if before == "--coordinator" else t for before, t in zip(["", *c], c)] for c in commands]
-        started = [subprocess.Popen(self.argv(a, block), cwd=self.work, env=self.env, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) for a in argvs]
+        started = [
+            subprocess.Popen(
+                self.argv(a, block),
+                cwd=self.work,
+                env=self.env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            for a in argvs
+        ]
         try:
             for tokens, process in zip(commands, started):
                 out, err = process.communicate(timeout=600)
@@ -187,12 +203,14 @@ class Reader:
             assert result.returncode == 0, f"{block}: {command}\n{result.stdout}{result.stderr}"
             printed = (result.stdout + result.stderr).strip().splitlines()
             assert [shape_of(line) for line in printed] == [shape_of(line) for line in shown], (
-                f"{block}: {command} printed\n" + "\n".join(printed))
+                f"{block}: {command} printed\n" + "\n".join(printed)
+            )
 
     def python(self, block: Block) -> None:
         code = block.text + "".join(check for line, check in CONDITIONS.items() if line in block.text)
-        result = subprocess.run([sys.executable, "-c", code], cwd=self.work, env=self.env,
-                                capture_output=True, text=True, timeout=600)
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=self.work, env=self.env, capture_output=True, text=True, timeout=600
+        )
         assert result.returncode == 0, f"{block}\n{result.stdout}{result.stderr}"
 
     def toml(self, block: Block) -> None:
@@ -203,15 +221,19 @@ class Reader:
 
     def bash(self, block: Block) -> None:
         assert block.page.name == "README.md" and block.marker in ("<!-- ci: run -->", "<!-- ci: test -->"), (
-            f"{block}: a bash block is one `.ci/run` runs, after its `<!-- ci: ... -->` marker in the README")
+            f"{block}: a bash block is one `.ci/run` runs, after its `<!-- ci: ... -->` marker in the README"
+        )
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_block_runs_as_written(page, hub, tmp_path):
     reader = Reader(tmp_path, hub)
     for block in blocks(page):
-        run = getattr(reader, block.language, None) if block.language in ("sh", "console", "python", "toml",
-                                                                           "text", "bash") else None
+        run = (
+            getattr(reader, block.language, None)
+            if block.language in ("sh", "console", "python", "toml", "text", "bash")
+            else None
+        )
         assert run is not None, f"{block}: say what the block is (sh, console, python, toml, text or bash)"
         run(block)
 
@@ -299,9 +321,14 @@ def test_the_runner_compares_what_it_should(tmp_path):
     with pytest.raises(AssertionError, match="port info"):
         check_synopsis(synopsis)
     assert unnamed.language == "" and "no language" in str(unnamed)
-    assert shape_of("port: converted /a/b: 124.4M params in 3.6 s") == shape_of("port: converted c/d: 1.5K params in 0.2 s")
+    assert shape_of("port: converted /a/b: 124.4M params in 3.6 s") == shape_of(
+        "port: converted c/d: 1.5K params in 0.2 s"
+    )
     assert shape_of("port: converted x: N params") != shape_of("port: wrote x: N params")
-    assert command_lines("port a \\\n    --b 1     # on host 0\n\nport c\n") == [["port", "a", "--b", "1"], ["port", "c"]]
+    assert command_lines("port a \\\n    --b 1     # on host 0\n\nport c\n") == [
+        ["port", "a", "--b", "1"],
+        ["port", "c"],
+    ]
 
 
 def test_the_pages_not_run_here_exist():

@@ -15,8 +15,7 @@ GPT2 = Path(__file__).resolve().parents[1] / "mappings" / "gpt2.toml"
 
 
 def test_every_kind_is_a_port_error():
-    kinds = [port.CheckpointError, port.MappingError, port.ConfigError, port.PlanError, port.OutputError,
-             port.RunError]
+    kinds = [port.CheckpointError, port.MappingError, port.ConfigError, port.PlanError, port.OutputError, port.RunError]
     assert all(issubclass(kind, port.PortError) for kind in kinds)
     assert len(set(kinds)) == len(kinds)
 
@@ -77,13 +76,16 @@ def test_agreement_outside_a_run_is_a_no_op_and_the_store_needs_one():
         _store()
 
 
-@pytest.mark.parametrize("call, python", [
-    (lambda: port.mesh_shape("2x3x"), "mesh='2x3x': expected DATAxMODEL"),
-    (lambda: port.initialize("nohost", 2, 0), "coordinator='nohost': expected HOST:PORT"),
-    (lambda: port.initialize("h:1", 2, 5), "process_id=5: expected 0 <= I < num_processes=2"),
-    (lambda: port.initialize("h:1", 2, 0, timeout=-1), "timeout=-1: expected a positive number of seconds"),
-    (lambda: port.initialize("h:1", 2), "a multi-process run needs all of coordinator=HOST:PORT, num_processes=N"),
-])
+@pytest.mark.parametrize(
+    "call, python",
+    [
+        (lambda: port.mesh_shape("2x3x"), "mesh='2x3x': expected DATAxMODEL"),
+        (lambda: port.initialize("nohost", 2, 0), "coordinator='nohost': expected HOST:PORT"),
+        (lambda: port.initialize("h:1", 2, 5), "process_id=5: expected 0 <= I < num_processes=2"),
+        (lambda: port.initialize("h:1", 2, 0, timeout=-1), "timeout=-1: expected a positive number of seconds"),
+        (lambda: port.initialize("h:1", 2), "a multi-process run needs all of coordinator=HOST:PORT, num_processes=N"),
+    ],
+)
 def test_python_callers_read_parameter_names(call, python):
     """Issue 23 row 3: the library's messages name its parameters (the command line shows flags)."""
     with pytest.raises(port.PortError) as caught:

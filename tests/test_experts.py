@@ -12,8 +12,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import assert_blocks_read_exactly, place_on, run_port, write_checkpoint
 from port._errors import MappingError, PlanError
+
+from helpers import assert_blocks_read_exactly, place_on, run_port, write_checkpoint
 
 LAYERS, EXPERTS, EMBED, MLP = 2, 4, 6, 8
 
@@ -36,7 +37,7 @@ class Experts(eqx.Module):
         return cls(jnp.zeros((l, e, m, d)), jnp.zeros((l, e, d)), jnp.zeros((e, d)))
 '''
 
-MAPPING = '''
+MAPPING = """
 model = "expertmodel:Experts"
 model_types = ["experts"]
 prefixes = ["model."]
@@ -61,10 +62,15 @@ axes = ["layers", "experts", "embed"]
 key = "scales.{expert}"
 path = "scale"
 axes = ["experts", "embed"]
-'''
+"""
 
-CONFIG = {"model_type": "experts", "num_hidden_layers": LAYERS, "num_local_experts": EXPERTS,
-          "hidden_size": EMBED, "intermediate_size": MLP}
+CONFIG = {
+    "model_type": "experts",
+    "num_hidden_layers": LAYERS,
+    "num_local_experts": EXPERTS,
+    "hidden_size": EMBED,
+    "intermediate_size": MLP,
+}
 
 
 def tensors(seed=0):
@@ -90,8 +96,9 @@ def workspace(tmp_path, monkeypatch):
 
 
 def expected(source):
-    w1 = np.stack([np.stack([source[f"model.layers.{l}.experts.{e}.w1.weight"] for e in range(EXPERTS)])
-                   for l in range(LAYERS)])
+    w1 = np.stack(
+        [np.stack([source[f"model.layers.{l}.experts.{e}.w1.weight"] for e in range(EXPERTS)]) for l in range(LAYERS)]
+    )
     router = np.stack([source[f"model.layers.{l}.gate.weight"] for l in range(LAYERS)])
     scale = np.stack([source[f"model.scales.{e}"] for e in range(EXPERTS)])
     return {"w1": w1, "router": router, "scale": scale}
@@ -130,30 +137,59 @@ def test_the_plan_names_a_missing_expert_and_one_beyond_the_model(workspace):
     root, source = workspace
     del source["model.layers.1.experts.3.w1.weight"]
     write_checkpoint(root / "missing", source, CONFIG)
-    result = run_port("plan", root / "missing", "--mapping", root / "experts.toml", "--mesh", "data=1,expert=1,model=1",
-                      "--module", "expertmodel:Experts", cwd=root)
+    result = run_port(
+        "plan",
+        root / "missing",
+        "--mapping",
+        root / "experts.toml",
+        "--mesh",
+        "data=1,expert=1,model=1",
+        "--module",
+        "expertmodel:Experts",
+        cwd=root,
+    )
     assert result.returncode == 1
-    assert "missing tensor 'layers.1.experts.3.w1.weight' (2 layers x 4 experts expected)" in result.stdout + result.stderr
+    assert (
+        "missing tensor 'layers.1.experts.3.w1.weight' (2 layers x 4 experts expected)" in result.stdout + result.stderr
+    )
     extra = tensors()
     extra["model.scales.4"] = np.zeros(EMBED, np.float32)
     write_checkpoint(root / "extra", extra, CONFIG)
     mapping = port.load_mapping(root / "experts.toml")
-    with port.open_checkpoint(root / "extra") as ckpt, pytest.raises(PlanError, match="'model.scales.4' is beyond the model's 4 experts"):
-        port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, {"data": 1, "expert": 1, "model": 1})
+    with (
+        port.open_checkpoint(root / "extra") as ckpt,
+        pytest.raises(PlanError, match="'model.scales.4' is beyond the model's 4 experts"),
+    ):
+        port.plan(
+            port.skeleton(mapping, ckpt.config),
+            mapping,
+            ckpt.tensors,
+            ckpt.config,
+            {"data": 1, "expert": 1, "model": 1},
+        )
 
 
 @pytest.mark.slow
 def test_the_plan_table_shows_the_stack(workspace):
     root, _ = workspace
-    args = ("plan", root / "ckpt", "--mapping", root / "experts.toml", "--mesh", "data=2,expert=4,model=1",
-            "--module", "expertmodel:Experts")
+    args = (
+        "plan",
+        root / "ckpt",
+        "--mapping",
+        root / "experts.toml",
+        "--mesh",
+        "data=2,expert=4,model=1",
+        "--module",
+        "expertmodel:Experts",
+    )
     result = run_port(*args, cwd=root)
     assert "layers.{layer}.experts.{expert}.w1.weight x2 x4" in result.stdout, result.stdout + result.stderr
     import json
 
     leaves = json.loads(run_port(*args, "--json", cwd=root).stdout)["leaves"]
     assert {"source": "layers.{layer}.experts.{expert}.w1.weight", "stack": [2, 4]}.items() <= next(
-        leaf for leaf in leaves if leaf["source"].endswith("w1.weight")).items()
+        leaf for leaf in leaves if leaf["source"].endswith("w1.weight")
+    ).items()
 
 
 def test_a_placeholder_twice_is_refused():

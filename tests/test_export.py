@@ -25,7 +25,19 @@ import numpy as np
 import pytest
 
 import port
-from helpers import one_line, port_command, port_env, run_port, snapshot, torch_bert, torch_gpt2, torch_llama, transformers_or_skip, usage_error
+
+from helpers import (
+    one_line,
+    port_command,
+    port_env,
+    run_port,
+    snapshot,
+    torch_bert,
+    torch_gpt2,
+    torch_llama,
+    transformers_or_skip,
+    usage_error,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
@@ -44,9 +56,9 @@ CASES = {
 # Every case on 4x2 through the command line, and on one device through the Python API
 # (`port.convert`, `port.restore`, `port.export`); GPT-2 on one device through the command
 # line too, with the default --mesh.
-ROUND_TRIPS = [(name, "4x2", "cli") for name in CASES] + [(name, "1x1", "api") for name in CASES] + [
-    ("gpt2", "1x1", "cli")
-]
+ROUND_TRIPS = (
+    [(name, "4x2", "cli") for name in CASES] + [(name, "1x1", "api") for name in CASES] + [("gpt2", "1x1", "cli")]
+)
 
 # Buffers the shipped mappings ignore (never written back), wherever the source's prefix puts them.
 IGNORED = re.compile(
@@ -74,7 +86,8 @@ def hub_gpt2(model, directory: Path) -> Path:
 
     tensors = {
         k.removeprefix("transformer."): v.contiguous()
-        for k, v in model.state_dict().items() if not k.startswith("lm_head.")
+        for k, v in model.state_dict().items()
+        if not k.startswith("lm_head.")
     }
     n = model.config.n_positions
     for i in range(model.config.n_layer):
@@ -238,7 +251,9 @@ def test_exported_file_is_what_save_file_writes(ported, name, tmp_path):
     run = ported(name)
     source, _ = read_model_dir(run.source)
     keep = expected_keys(source, config_of(run.source))
-    save_file({k: v for k, v in source.items() if k in keep}, tmp_path / "expected.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v for k, v in source.items() if k in keep}, tmp_path / "expected.safetensors", metadata={"format": "pt"}
+    )
     header, data = _split(run.exported / "model.safetensors")
     expected_header, expected_data = _split(tmp_path / "expected.safetensors")
     assert header.pop("__metadata__") == {"format": "pt", "producer": "port"}
@@ -267,7 +282,9 @@ def test_sharded_output(ported, tmp_path):
     tensors, metadata = read_model_dir(out)
     assert metadata == {n: {"format": "pt", "producer": "port"} for n in shards}
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
-    assert set(index["weight_map"]) == set(tensors) == expected_keys(read_model_dir(run.source)[0], config_of(run.source))
+    assert (
+        set(index["weight_map"]) == set(tensors) == expected_keys(read_model_dir(run.source)[0], config_of(run.source))
+    )
     for shard in shards:
         with safe_open(out / shard, "pt") as f:
             keys = list(f.keys())
@@ -482,8 +499,18 @@ def test_refuses_a_directory_that_is_not_a_port_output(workspace, directory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("out, force", [("earlier", False), ("plain", False), ("plain", True), ("jax2", True),
-                                        ("ckpt", True), ("afile", True), ("afile", False)])
+@pytest.mark.parametrize(
+    "out, force",
+    [
+        ("earlier", False),
+        ("plain", False),
+        ("plain", True),
+        ("jax2", True),
+        ("ckpt", True),
+        ("afile", True),
+        ("afile", False),
+    ],
+)
 def test_refuses_an_out_it_may_not_write(workspace, out, force):
     """An existing --out without --force (even an earlier export), and with --force anything but an
     earlier export: one line naming --out, every file untouched, nothing left beside it."""
@@ -506,7 +533,9 @@ def test_refuses_a_mapping_it_cannot_invert(workspace):
     """A mapping that takes q twice from c_attn and never its k part converts, but cannot go back:
     one line naming the entry."""
     text = (REPO / "mappings" / "gpt2.toml").read_text()
-    wrong = text.replace("parts = 3, index = 1 } }, { reshape = [\"n_embd\"", "parts = 3, index = 0 } }, { reshape = [\"n_embd\"")
+    wrong = text.replace(
+        'parts = 3, index = 1 } }, { reshape = ["n_embd"', 'parts = 3, index = 0 } }, { reshape = ["n_embd"'
+    )
     assert wrong != text
     (workspace / "qq.toml").write_text(wrong)
     succeeded(run_port("convert", workspace / "ckpt", "--mapping", workspace / "qq.toml", "--out", workspace / "qq"))
@@ -526,9 +555,21 @@ def test_a_failing_write_is_one_line_and_leaves_nothing(workspace):
     """Files past 100 KB cannot be written (`ulimit -f`, RLIMIT_FSIZE, as a full disk): one line, nothing left."""
     before = snapshot(workspace)
     result = subprocess.run(  # the limit set by a shell (512-byte blocks), not preexec_fn: no fork of this process
-        ["sh", "-c", 'ulimit -f 200 && exec "$@"', "sh", *port_command(), "export", str(workspace / "jax"),
-         "--out", str(workspace / "hf")],
-        capture_output=True, text=True, env=port_env(), timeout=120,
+        [
+            "sh",
+            "-c",
+            'ulimit -f 200 && exec "$@"',
+            "sh",
+            *port_command(),
+            "export",
+            str(workspace / "jax"),
+            "--out",
+            str(workspace / "hf"),
+        ],
+        capture_output=True,
+        text=True,
+        env=port_env(),
+        timeout=120,
     )
     refused(result, "File too large")
     assert snapshot(workspace) == before

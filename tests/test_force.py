@@ -52,16 +52,24 @@ def test_force_refuses_what_port_did_not_write(decoys, model, out, cwd, home, ex
     before = snapshot(decoys)
     env = {"HOME": str(decoys / home)} if home else None
     target = str(decoys / home) if out == "HOME" else out
-    result = run_port(
-        "convert", decoys / model, "--mesh", "2x2", "--out", target, "--force", cwd=decoys / cwd, env=env
-    )
+    result = run_port("convert", decoys / model, "--mesh", "2x2", "--out", target, "--force", cwd=decoys / cwd, env=env)
     one_line(result, expected, "--out")
     assert snapshot(decoys) == before
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", ["my-notes.txt", "port/my-notes.txt", "port.json", "params/my-notes.txt",
-                                   "params/wte/my-notes.txt", "params/wte/0.0.bak", "params/my dir/x"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "my-notes.txt",
+        "port/my-notes.txt",
+        "port.json",
+        "params/my-notes.txt",
+        "params/wte/my-notes.txt",
+        "params/wte/0.0.bak",
+        "params/my dir/x",
+    ],
+)
 def test_force_refuses_a_port_output_holding_other_files(decoys, extra):
     (decoys / "earlier" / extra).parent.mkdir(exist_ok=True)
     (decoys / "earlier" / extra).write_text("keep me")
@@ -96,8 +104,10 @@ def format_1_output(directory: Path, meta: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("meta, extra", [('{"format": 1, "leaves": {}}', None), ('{"format": 1}', "notes.txt"),
-                                         ('{"format": 2}', None), ("[1]", None)])
+@pytest.mark.parametrize(
+    "meta, extra",
+    [('{"format": 1, "leaves": {}}', None), ('{"format": 1}', "notes.txt"), ('{"format": 2}', None), ("[1]", None)],
+)
 def test_force_refuses_what_only_looks_like_an_earlier_output(tmp_path, meta, extra):
     """Port 0.1.0 writes and replaces format 3 only: an output of another format is not one `--force` replaces."""
     format_1_output(tmp_path / "old", meta)
@@ -119,7 +129,10 @@ def test_force_replaces_an_earlier_output(decoys):
         k: v for k, v in before.items() if not k.startswith("earlier")
     }
     assert sorted(p.name for p in (decoys / "earlier").iterdir()) == [
-        "_CHECKPOINT_METADATA", "commit_success.txt", "params", "port"
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "params",
+        "port",
     ]
     assert not [p for p in decoys.iterdir() if p.name.startswith(".")]
 
@@ -230,7 +243,9 @@ def test_missing_parents_of_out_are_made_and_removed_again_on_failure(tmp_path):
     done = run_port("convert", EXAMPLE, "--out", tmp_path / "a" / "b" / "out2", "--report", report)
     assert done.returncode == 0, done.stderr
     assert json.loads(report.read_text())["bytes_read"] > 0
-    draft = run_port("scaffold", EXAMPLE, "--module", "port.models.gpt2:GPT2", "--out", tmp_path / "d" / "e" / "draft.toml")
+    draft = run_port(
+        "scaffold", EXAMPLE, "--module", "port.models.gpt2:GPT2", "--out", tmp_path / "d" / "e" / "draft.toml"
+    )
     assert draft.returncode == 0 and (tmp_path / "d" / "e" / "draft.toml").is_file(), draft.stderr
     (tmp_path / "file").write_text("not a directory")
     blocked = run_port("convert", EXAMPLE, "--out", tmp_path / "file" / "sub" / "out")

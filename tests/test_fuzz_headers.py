@@ -38,10 +38,36 @@ from port._sources import LocalCheckpoint
 from helpers import read_header
 
 MUTANTS = 1000
-STRICTER = ("appears twice", "__metadata__ must map strings to strings", "control characters",
-            "unsupported dtype", "digits")
-DTYPE_NAMES = ["F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8", "U8", "BOOL",
-               "U16", "U32", "U64", "C64", "F4", "f32", "F128", "", "int"]
+STRICTER = (
+    "appears twice",
+    "__metadata__ must map strings to strings",
+    "control characters",
+    "unsupported dtype",
+    "digits",
+)
+DTYPE_NAMES = [
+    "F64",
+    "F32",
+    "F16",
+    "BF16",
+    "F8_E4M3",
+    "F8_E5M2",
+    "I64",
+    "I32",
+    "I16",
+    "I8",
+    "U8",
+    "BOOL",
+    "U16",
+    "U32",
+    "U64",
+    "C64",
+    "F4",
+    "f32",
+    "F128",
+    "",
+    "int",
+]
 
 
 def base_file(path: Path) -> bytes:
@@ -79,11 +105,26 @@ def mutate(blob: bytes, rng: random.Random) -> tuple[str, bytes]:
     n, raw, data = _split(blob)
     header = json.loads(raw)
     tensors = [k for k in header if k != "__metadata__"]
-    kind = rng.choice([
-        "flip length", "flip header", "insert header", "delete header", "truncate", "append",
-        "shift offsets", "change dtype", "change shape", "duplicate key", "metadata", "length off by k",
-        "swap offsets", "drop tensor", "extra field", "raw token",
-    ])
+    kind = rng.choice(
+        [
+            "flip length",
+            "flip header",
+            "insert header",
+            "delete header",
+            "truncate",
+            "append",
+            "shift offsets",
+            "change dtype",
+            "change shape",
+            "duplicate key",
+            "metadata",
+            "length off by k",
+            "swap offsets",
+            "drop tensor",
+            "extra field",
+            "raw token",
+        ]
+    )
     if kind == "flip length":
         out = bytearray(blob)
         for _ in range(rng.randint(1, 3)):
@@ -113,7 +154,7 @@ def mutate(blob: bytes, rng: random.Random) -> tuple[str, bytes]:
     entry = header[key]
     if kind == "shift offsets":  # one end, or the whole tensor
         delta = rng.choice([-8, -4, -2, -1, 1, 2, 4, 8, 1000, -(2**40), 2**64])
-        for i in ([0, 1] if rng.random() < 0.5 else [rng.randrange(2)]):
+        for i in [0, 1] if rng.random() < 0.5 else [rng.randrange(2)]:
             entry["data_offsets"][i] += delta
     elif kind == "change dtype":
         entry["dtype"] = rng.choice(DTYPE_NAMES)
@@ -153,7 +194,9 @@ def mutate(blob: bytes, rng: random.Random) -> tuple[str, bytes]:
         )
     elif kind == "raw token":
         text = json.dumps(header, separators=(",", ":"))
-        token = rng.choice(["NaN", "Infinity", "-0", "1e400", "01", "1" * 30, '"\\ud800"', "[" * 130 + "]" * 130, "true"])
+        token = rng.choice(
+            ["NaN", "Infinity", "-0", "1e400", "01", "1" * 30, '"\\ud800"', "[" * 130 + "]" * 130, "true"]
+        )
         text = text.replace("[", "[" + token + ",", 1) if rng.random() < 0.5 else text[:-1] + ',"x":' + token + "}"
         return kind, _join(text, data)
     return kind, _join(header, data)

@@ -21,14 +21,29 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import logits, perturbed, recorded_reads, run_port, saved_once, torch_logits, transformers_or_skip, write_sparse_checkpoint
-from port._text import size_text
 from port._errors import ConfigError
+from port._text import size_text
 from port.models.gemma import GemmaConfig
 
+from helpers import (
+    logits,
+    perturbed,
+    recorded_reads,
+    run_port,
+    saved_once,
+    torch_logits,
+    transformers_or_skip,
+    write_sparse_checkpoint,
+)
+
 COMMON = dict(
-    hidden_size=48, intermediate_size=96, initializer_range=0.2, max_position_embeddings=64,
-    pad_token_id=None, bos_token_id=0, eos_token_id=0,
+    hidden_size=48,
+    intermediate_size=96,
+    initializer_range=0.2,
+    max_position_embeddings=64,
+    pad_token_id=None,
+    bos_token_id=0,
+    eos_token_id=0,
 )
 # family: (transformers architecture, config). Gemma: 3 heads on 1 kv head (GQA 3, odd
 # heads: replicated on model=2), head_dim 32 (hidden / heads is 16), biases, vocab 101
@@ -36,31 +51,69 @@ COMMON = dict(
 # query_pre_attn_scalar 24 (not head_dim), window 4 < 12 tokens in layers 0 and 2,
 # soft-caps that clip, vocab 100 (sharded on model=2).
 FAMILIES = {
-    "gemma": ("Gemma", dict(
-        COMMON, vocab_size=101, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1,
-        head_dim=32, attention_bias=True, rms_norm_eps=1e-5,
-    )),
-    "gemma2": ("Gemma2", dict(
-        COMMON, vocab_size=100, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
-        head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
-        attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
-    )),
+    "gemma": (
+        "Gemma",
+        dict(
+            COMMON,
+            vocab_size=101,
+            num_hidden_layers=2,
+            num_attention_heads=3,
+            num_key_value_heads=1,
+            head_dim=32,
+            attention_bias=True,
+            rms_norm_eps=1e-5,
+        ),
+    ),
+    "gemma2": (
+        "Gemma2",
+        dict(
+            COMMON,
+            vocab_size=100,
+            num_hidden_layers=3,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=4,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=5.0,
+        ),
+    ),
 }
 MESHES = ("1x1", "4x2", "8x1")
 IDS = np.random.default_rng(0).integers(0, 100, (2, 12))  # 12 tokens: 3 windows of 4
 
 # google/gemma-2-9b-it's config.json (the base model's differs only in torch_dtype).
 GEMMA2_9B = {
-    "architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid",
-    "eos_token_id": 1, "final_logit_softcapping": 30.0, "head_dim": 256,
-    "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
-    "hidden_size": 3584, "initializer_range": 0.02, "intermediate_size": 14336,
-    "max_position_embeddings": 8192, "model_type": "gemma2", "num_attention_heads": 16,
-    "num_hidden_layers": 42, "num_key_value_heads": 8, "pad_token_id": 0,
-    "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
-    "sliding_window": 4096, "sliding_window_size": 4096, "torch_dtype": "bfloat16",
-    "transformers_version": "4.42.0.dev0", "use_cache": True, "vocab_size": 256000,
+    "architectures": ["Gemma2ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "attn_logit_softcapping": 50.0,
+    "bos_token_id": 2,
+    "cache_implementation": "hybrid",
+    "eos_token_id": 1,
+    "final_logit_softcapping": 30.0,
+    "head_dim": 256,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 3584,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 8192,
+    "model_type": "gemma2",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 42,
+    "num_key_value_heads": 8,
+    "pad_token_id": 0,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "sliding_window": 4096,
+    "sliding_window_size": 4096,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.42.0.dev0",
+    "use_cache": True,
+    "vocab_size": 256000,
 }
 
 
@@ -144,8 +197,9 @@ def test_the_plan_replicates_what_the_mesh_does_not_divide(checkpoints):
     """Gemma's 3 heads, 1 kv head and 101-token vocab on model=2: replicated, with a note each."""
     with port.open_checkpoint(checkpoints("gemma").directory) as ckpt:
         mapping = port.mapping_for(ckpt.config)
-        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config,
-                           {"data": 4, "model": 2})
+        recipe = port.plan(
+            port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, {"data": 4, "model": 2}
+        )
     notes = {leaf.path: leaf.notes for leaf in recipe.leaves}
     assert notes["blocks.attn.wq"] == ("heads 3 not divisible by model=2: replicated on model",)
     assert notes["blocks.attn.wk"] == ("kv_heads 1 not divisible by model=2: replicated on model",)
@@ -257,11 +311,16 @@ def gemma2_9b_tensors(config: dict) -> dict[str, list[int]]:
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         shapes |= {
-            p + "input_layernorm.weight": [e], p + "post_attention_layernorm.weight": [e],
-            p + "pre_feedforward_layernorm.weight": [e], p + "post_feedforward_layernorm.weight": [e],
-            p + "self_attn.q_proj.weight": [q, e], p + "self_attn.k_proj.weight": [kv, e],
-            p + "self_attn.v_proj.weight": [kv, e], p + "self_attn.o_proj.weight": [e, q],
-            p + "mlp.gate_proj.weight": [i, e], p + "mlp.up_proj.weight": [i, e],
+            p + "input_layernorm.weight": [e],
+            p + "post_attention_layernorm.weight": [e],
+            p + "pre_feedforward_layernorm.weight": [e],
+            p + "post_feedforward_layernorm.weight": [e],
+            p + "self_attn.q_proj.weight": [q, e],
+            p + "self_attn.k_proj.weight": [kv, e],
+            p + "self_attn.v_proj.weight": [kv, e],
+            p + "self_attn.o_proj.weight": [e, q],
+            p + "mlp.gate_proj.weight": [i, e],
+            p + "mlp.up_proj.weight": [i, e],
             p + "mlp.down_proj.weight": [e, i],
         }
     return shapes
@@ -309,8 +368,14 @@ def small(family: str, **changes) -> dict:
 def test_config_defaults_follow_transformers():
     """Absent keys read as transformers' config classes fill them in."""
     transformers = transformers_or_skip()
-    absent = ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
-              "query_pre_attn_scalar", "head_dim", "num_key_value_heads")
+    absent = (
+        "sliding_window",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "query_pre_attn_scalar",
+        "head_dim",
+        "num_key_value_heads",
+    )
     # 8 heads: the default 4 kv heads must divide them
     bare = {k: v for k, v in FAMILIES["gemma2"][1].items() if k not in absent} | dict(
         num_attention_heads=8, num_hidden_layers=5
@@ -318,8 +383,15 @@ def test_config_defaults_follow_transformers():
     ours = GemmaConfig.from_hf({"model_type": "gemma2", **bare})
     theirs = transformers.Gemma2Config(**bare)
     assert ours.sliding_layers == tuple(t == "sliding_attention" for t in theirs.layer_types)
-    for name in ("sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
-                 "query_pre_attn_scalar", "head_dim", "num_key_value_heads", "tie_word_embeddings"):
+    for name in (
+        "sliding_window",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "query_pre_attn_scalar",
+        "head_dim",
+        "num_key_value_heads",
+        "tie_word_embeddings",
+    ):
         assert getattr(ours, name) == getattr(theirs, name), name
     assert ours.hidden_act == theirs.hidden_activation == "gelu_pytorch_tanh"
     # Gemma's released configs say "gelu", which transformers reads as the tanh approximation.

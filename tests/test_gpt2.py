@@ -9,12 +9,14 @@ import equinox as eqx
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import GPT2_CONFIG, INPUT_IDS, VOCAB, converted, logits, torch_gpt2, torch_logits, transformers_or_skip
 from port._errors import PortError
 from port.models.gpt2 import GPT2, GPT2Config
+
+from helpers import GPT2_CONFIG, INPUT_IDS, VOCAB, converted, logits, torch_gpt2, torch_logits, transformers_or_skip
 
 
 def convert(directory, mesh, dtype=None):

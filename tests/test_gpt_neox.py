@@ -21,31 +21,60 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import VOCAB, assert_blocks_read_exactly, hooked, logits, perturbed, place_on, run_port, saved_once, transformers_or_skip, write_sparse_checkpoint
 from port._errors import PortError
 from port.models.gpt_neox import GPTNeoX, GPTNeoXConfig
 from port.nn import Rope
 
+from helpers import (
+    VOCAB,
+    assert_blocks_read_exactly,
+    hooked,
+    logits,
+    perturbed,
+    place_on,
+    run_port,
+    saved_once,
+    transformers_or_skip,
+    write_sparse_checkpoint,
+)
+
 BASE = dict(
-    vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64, initializer_range=0.2,
-    bos_token_id=0, eos_token_id=0,
+    vocab_size=VOCAB,
+    num_hidden_layers=2,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    bos_token_id=0,
+    eos_token_id=0,
 )
 # name: config overrides (transformers 4 names: rotary_pct, rotary_emb_base; transformers 5 writes
 # them into rope_parameters). Head dims 12, 8 and 12: 0.25 x 12 rotates 3 dims, rounded up to 4.
 CASES = {
     "parallel-pct25-5heads": dict(hidden_size=60, num_attention_heads=5, intermediate_size=72, rotary_pct=0.25),
     "sequential-pct50-6heads-tied": dict(
-        hidden_size=48, num_attention_heads=6, intermediate_size=80, rotary_pct=0.5, rotary_emb_base=500,
-        use_parallel_residual=False, tie_word_embeddings=True, layer_norm_eps=1e-3,
+        hidden_size=48,
+        num_attention_heads=6,
+        intermediate_size=80,
+        rotary_pct=0.5,
+        rotary_emb_base=500,
+        use_parallel_residual=False,
+        tie_word_embeddings=True,
+        layer_norm_eps=1e-3,
     ),
     "parallel-pct50-3heads-nobias": dict(
-        hidden_size=36, num_attention_heads=3, intermediate_size=56, rotary_pct=0.5, attention_bias=False,
+        hidden_size=36,
+        num_attention_heads=3,
+        intermediate_size=56,
+        rotary_pct=0.5,
+        attention_bias=False,
     ),
 }
 # Each case where its layout matters: 5 and 3 heads replicate on model=2, 6 heads split 3 + 3.
 PARITY = [
-    ("parallel-pct25-5heads", "1x1"), ("parallel-pct25-5heads", "4x2"), ("parallel-pct25-5heads", "8x1"),
-    ("sequential-pct50-6heads-tied", "4x2"), ("sequential-pct50-6heads-tied", "8x1"),
+    ("parallel-pct25-5heads", "1x1"),
+    ("parallel-pct25-5heads", "4x2"),
+    ("parallel-pct25-5heads", "8x1"),
+    ("sequential-pct50-6heads-tied", "4x2"),
+    ("sequential-pct50-6heads-tied", "8x1"),
     ("parallel-pct50-3heads-nobias", "4x2"),
 ]
 IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
@@ -91,8 +120,10 @@ def with_config(model: GPTNeoX, **changes) -> GPTNeoX:
 
 
 # What the cases' config.json give: head_dim 12 x 0.25 = 3 (4 rotated); head_dim 8 x 0.5 = 4, base 500.
-LOADED_ROPE = {"parallel-pct25-5heads": Rope(theta=10000.0, rotary_dim=3),
-               "sequential-pct50-6heads-tied": Rope(theta=500.0, rotary_dim=4)}
+LOADED_ROPE = {
+    "parallel-pct25-5heads": Rope(theta=10000.0, rotary_dim=3),
+    "sequential-pct50-6heads-tied": Rope(theta=500.0, rotary_dim=4),
+}
 
 
 @pytest.mark.parametrize(
@@ -106,8 +137,15 @@ LOADED_ROPE = {"parallel-pct25-5heads": Rope(theta=10000.0, rotary_dim=3),
         ("sequential-pct50-6heads-tied", dict(rope=Rope(theta=10000.0, rotary_dim=4))),
         ("sequential-pct50-6heads-tied", dict(layer_norm_eps=1e-5)),
     ],
-    ids=["full-rotary", "even-rotary", "odd-dim-rounded-before-inv-freq", "no-rotary", "sequential", "wrong-theta",
-         "wrong-eps"],
+    ids=[
+        "full-rotary",
+        "even-rotary",
+        "odd-dim-rounded-before-inv-freq",
+        "no-rotary",
+        "sequential",
+        "wrong-theta",
+        "wrong-eps",
+    ],
 )
 def test_ignoring_a_feature_breaks_parity(checkpoints, name, change):
     """The parity cases above are sensitive to the rotary dims (and to odd ones rounded up only after
@@ -150,8 +188,9 @@ def test_shardings_on_4x2(checkpoints):
     directory, _, _ = checkpoints("parallel-pct25-5heads")  # 5 heads, embed 60
     with port.open_checkpoint(directory) as ckpt:
         mapping = port.mapping_for(ckpt.config)
-        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config,
-                           {"data": 4, "model": 2})
+        recipe = port.plan(
+            port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, {"data": 4, "model": 2}
+        )
     wqkv = next(leaf for leaf in recipe.leaves if leaf.path == "blocks.attn.wqkv")
     assert wqkv.spec == P(None, None, None, None, "data")
     assert wqkv.notes == ("heads 5 not divisible by model=2: replicated on model",)
@@ -235,8 +274,9 @@ def test_legacy_checkpoint_with_buffers_and_lm_head_key(checkpoints, tmp_path):
     (legacy / "config.json").write_text((directory / "config.json").read_text())
     with port.open_checkpoint(legacy) as ckpt:
         mapping = port.mapping_for(ckpt.config)
-        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config,
-                           {"data": 1, "model": 1})
+        recipe = port.plan(
+            port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, {"data": 1, "model": 1}
+        )
     assert len(recipe.ignored) == 6 and not recipe.tied
     assert next(leaf for leaf in recipe.leaves if leaf.path == "lm_head").keys == ("lm_head.weight",)
     ours = logits(port.load(legacy, mesh="4x2"), IDS)
@@ -247,17 +287,31 @@ def test_legacy_checkpoint_with_buffers_and_lm_head_key(checkpoints, tmp_path):
 
 
 PYTHIA_1_4B = {  # EleutherAI/pythia-1.4b config.json
-    "architectures": ["GPTNeoXForCausalLM"], "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "gelu",
-    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192, "layer_norm_eps": 1e-05,
-    "max_position_embeddings": 2048, "model_type": "gpt_neox", "num_attention_heads": 16,
-    "num_hidden_layers": 24, "rotary_emb_base": 10000, "rotary_pct": 0.25, "tie_word_embeddings": False,
-    "torch_dtype": "float16", "transformers_version": "4.24.0", "use_cache": True,
-    "use_parallel_residual": True, "vocab_size": 50304,
+    "architectures": ["GPTNeoXForCausalLM"],
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "hidden_act": "gelu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "layer_norm_eps": 1e-05,
+    "max_position_embeddings": 2048,
+    "model_type": "gpt_neox",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 24,
+    "rotary_emb_base": 10000,
+    "rotary_pct": 0.25,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float16",
+    "transformers_version": "4.24.0",
+    "use_cache": True,
+    "use_parallel_residual": True,
+    "vocab_size": 50304,
 }
 
 # Put on PYTHONPATH of the `port` processes: records every read of tensor bytes (port._sources._local._preadv,
 # the one place they come from) into a file per process.
-READ_RECORDER = '''
+READ_RECORDER = """
 import importlib.abc, importlib.util, json, os, sys
 
 class _Recorder(importlib.abc.MetaPathFinder):
@@ -288,15 +342,19 @@ sys.meta_path.insert(0, _Recorder())
 import atexit
 atexit.register(lambda: open(os.path.join(os.environ["READS_DIR"], str(os.getpid())), "w").write(
     json.dumps({"wrapped": _Recorder.wrapped, "reads": _Recorder.reads})))
-'''
+"""
 
 
 def pythia_checkpoint(directory):
     """Pythia-1.4B's config.json and a float16 model.safetensors with every tensor of the original file
     (buffers included), its data a sparse hole of the right size. Returns the header entries."""
     E, I, V, n = 2048, 8192, 50304, 2048
-    shapes = {"gpt_neox.embed_in.weight": ("F16", [V, E]), "embed_out.weight": ("F16", [V, E]),
-              "gpt_neox.final_layer_norm.weight": ("F16", [E]), "gpt_neox.final_layer_norm.bias": ("F16", [E])}
+    shapes = {
+        "gpt_neox.embed_in.weight": ("F16", [V, E]),
+        "embed_out.weight": ("F16", [V, E]),
+        "gpt_neox.final_layer_norm.weight": ("F16", [E]),
+        "gpt_neox.final_layer_norm.bias": ("F16", [E]),
+    }
     for layer in range(24):
         p = f"gpt_neox.layers.{layer}."
         for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -304,10 +362,14 @@ def pythia_checkpoint(directory):
         shapes |= {
             p + "attention.query_key_value.weight": ("F16", [3 * E, E]),
             p + "attention.query_key_value.bias": ("F16", [3 * E]),
-            p + "attention.dense.weight": ("F16", [E, E]), p + "attention.dense.bias": ("F16", [E]),
-            p + "mlp.dense_h_to_4h.weight": ("F16", [I, E]), p + "mlp.dense_h_to_4h.bias": ("F16", [I]),
-            p + "mlp.dense_4h_to_h.weight": ("F16", [E, I]), p + "mlp.dense_4h_to_h.bias": ("F16", [E]),
-            p + "attention.bias": ("BOOL", [1, 1, n, n]), p + "attention.masked_bias": ("F32", []),
+            p + "attention.dense.weight": ("F16", [E, E]),
+            p + "attention.dense.bias": ("F16", [E]),
+            p + "mlp.dense_h_to_4h.weight": ("F16", [I, E]),
+            p + "mlp.dense_h_to_4h.bias": ("F16", [I]),
+            p + "mlp.dense_4h_to_h.weight": ("F16", [E, I]),
+            p + "mlp.dense_4h_to_h.bias": ("F16", [E]),
+            p + "attention.bias": ("BOOL", [1, 1, n, n]),
+            p + "attention.masked_bias": ("F32", []),
             p + "attention.rotary_emb.inv_freq": ("F32", [16]),
         }
     write_sparse_checkpoint(directory, PYTHIA_1_4B, dict(sorted(shapes.items())))
@@ -377,8 +439,9 @@ def test_config_v4_and_v5_agree_and_inv_freq_matches_transformers(head_dim, pct,
     transformers = transformers_or_skip()
     import torch
 
-    sizes = dict(hidden_size=2 * head_dim, num_attention_heads=2, intermediate_size=8, num_hidden_layers=1,
-                 vocab_size=8)
+    sizes = dict(
+        hidden_size=2 * head_dim, num_attention_heads=2, intermediate_size=8, num_hidden_layers=1, vocab_size=8
+    )
     v4 = GPTNeoXConfig.from_hf({**sizes, "rotary_pct": pct, "rotary_emb_base": theta})
     hf = transformers.GPTNeoXConfig(**sizes, rotary_pct=pct, rotary_emb_base=theta)
     v5 = GPTNeoXConfig.from_hf(json.loads(hf.to_json_string()))
@@ -393,8 +456,9 @@ def test_config_v4_and_v5_agree_and_inv_freq_matches_transformers(head_dim, pct,
 
 
 def test_config_defaults_follow_transformers():
-    config = GPTNeoXConfig.from_hf(dict(hidden_size=64, num_attention_heads=4, intermediate_size=8,
-                                        num_hidden_layers=1, vocab_size=8))
+    config = GPTNeoXConfig.from_hf(
+        dict(hidden_size=64, num_attention_heads=4, intermediate_size=8, num_hidden_layers=1, vocab_size=8)
+    )
     assert (config.rope, config.layer_norm_eps) == (Rope(theta=10000.0, rotary_dim=4), 1e-5)
     assert config.use_parallel_residual and config.attention_bias and not config.tie_word_embeddings
     assert config.hidden_act == "gelu"

@@ -25,6 +25,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
+
+import port
+from port._errors import ConfigError
+from port.models.gpt_oss import GptOss, GptOssConfig
+from port.nn import next_token_loss
+from port.nn._mlp import clamped_swiglu
+
 from helpers import (
     VOCAB,
     element_bytes,
@@ -38,26 +46,39 @@ from helpers import (
     run_port_measured,
     torch_logits,
     transformers_or_skip,
+    write_sparse_checkpoint,
 )
-from jax.sharding import PartitionSpec as P
-from helpers import write_sparse_checkpoint
-
-import port
-from port._errors import ConfigError
-from port.models.gpt_oss import GptOss, GptOssConfig
-from port.nn import next_token_loss
-from port.nn._mlp import clamped_swiglu
 
 MAPPINGS = Path(__file__).resolve().parents[1] / "mappings"
 # 3 layers (sliding, full, sliding), a window of 4 on 12 tokens; top 2 of 4 experts; YaRN
 # (truncate false) with a short original context so its ramp matters; a low swiglu_limit
 # so the clamps bite.
 CONFIG = dict(
-    vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=3, num_attention_heads=6,
-    num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-    max_position_embeddings=64, initializer_range=0.2, swiglu_limit=1.5, bos_token_id=1, eos_token_id=2,
-    pad_token_id=0, rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0,
-                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=16),
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=40,
+    num_hidden_layers=3,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=4,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    swiglu_limit=1.5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    rope_parameters=dict(
+        rope_type="yarn",
+        rope_theta=150000.0,
+        factor=4.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=16,
+    ),
 )
 IDS = np.random.default_rng(0).integers(3, VOCAB, (2, 12))
 
@@ -160,8 +181,11 @@ def test_sinks_clamps_biases_and_window_matter(checkpoint, single):
     or expert biases, no window (every layer full), no clamp (a limit far above the activations)."""
     _, _, expected, _ = checkpoint
     model = single
-    for where in (lambda m: m.blocks.attn.sinks, lambda m: m.blocks.mlp.router_bias,
-                  lambda m: m.blocks.mlp.experts.bup):
+    for where in (
+        lambda m: m.blocks.attn.sinks,
+        lambda m: m.blocks.mlp.router_bias,
+        lambda m: m.blocks.mlp.experts.bup,
+    ):
         changed = eqx.tree_at(where, model, replace_fn=lambda x: 0 * x)
         assert np.abs(np.asarray(logits(changed, IDS)) - expected).max() > 1e-2
     full = dataclasses.replace(model.config, sliding_layers=(False,) * 3)
@@ -178,8 +202,9 @@ def test_clamped_swiglu_is_transformers_apply_gate():
     transformers = transformers_or_skip()
     import torch
 
-    experts = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(transformers.GptOssConfig(
-        hidden_size=8, intermediate_size=16, num_local_experts=2))
+    experts = transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts(
+        transformers.GptOssConfig(hidden_size=8, intermediate_size=16, num_local_experts=2)
+    )
     gate_up = torch.randn(5, 32, generator=torch.Generator().manual_seed(0)) * 10
     expected = experts._apply_gate(gate_up).numpy()
     x = jnp.asarray(gate_up.numpy())
@@ -255,8 +280,9 @@ def test_gradients_match_pytorch(checkpoint, single, tmp_path):
     out = torch_lm(torch.tensor(IDS), attention_mask=torch.tensor(mask), labels=labels)
     out.loss.backward()
     model = single
-    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(
-        lambda m: next_token_loss(m(IDS, attention_mask=mask), IDS, mask)))(model)
+    loss, grads = eqx.filter_jit(
+        eqx.filter_value_and_grad(lambda m: next_token_loss(m(IDS, attention_mask=mask), IDS, mask))
+    )(model)
     assert float(loss) == pytest.approx(out.loss.item(), rel=1e-5)
     port.export(grads, tmp_path / "grads", directory)
     ours = transformers.GptOssForCausalLM.from_pretrained(tmp_path / "grads").state_dict()
@@ -278,8 +304,13 @@ def test_greedy_generation_matches_transformers(checkpoint, single):
     ids[1, 5:], mask[1, 5:] = IDS[1, :4], 1
     torch_lm.generation_config.eos_token_id = None
     with torch.no_grad():
-        expected = torch_lm.generate(torch.tensor(ids).long(), attention_mask=torch.tensor(mask), max_new_tokens=16,
-                                     do_sample=False, pad_token_id=0).numpy()
+        expected = torch_lm.generate(
+            torch.tensor(ids).long(),
+            attention_mask=torch.tensor(mask),
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=0,
+        ).numpy()
     ours = np.asarray(port.generate(model, ids, max_new_tokens=16, attention_mask=mask))
     assert ours.shape == expected.shape == (2, 9 + 16)
     np.testing.assert_array_equal(ours, expected)
@@ -332,19 +363,43 @@ def test_export_round_trip(checkpoint, tmp_path):
 # openai/gpt-oss-120b's config.json, without its MXFP4 `quantization_config` (a bfloat16
 # copy of the weights, in the same names).
 GPT_OSS_120B = {
-    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
-    "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu",
-    "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
     "intermediate_size": 2880,
     "layer_types": ["sliding_attention", "full_attention"] * 18,
-    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64,
-    "num_experts_per_tok": 4, "num_hidden_layers": 36, "num_key_value_heads": 8,
-    "num_local_experts": 128, "output_router_logits": False, "pad_token_id": 199999,
-    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                                             "original_max_position_embeddings": 4096,
-                                             "rope_type": "yarn", "truncate": False},
-    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
-    "tie_word_embeddings": False, "transformers_version": "4.55.0.dev0", "use_cache": True,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "num_local_experts": 128,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.55.0.dev0",
+    "use_cache": True,
     "vocab_size": 201088,
 }
 
@@ -352,20 +407,30 @@ GPT_OSS_120B = {
 def gpt_oss_shapes(config):
     """Every tensor of a gpt-oss checkpoint and its shape, in the Hub's (bfloat16) key layout."""
     h, i, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    e, heads, kv, d = (config[k] for k in ("num_local_experts", "num_attention_heads", "num_key_value_heads",
-                                           "head_dim"))
+    e, heads, kv, d = (
+        config[k] for k in ("num_local_experts", "num_attention_heads", "num_key_value_heads", "head_dim")
+    )
     shapes = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h], "lm_head.weight": [v, h]}
     for n in range(config["num_hidden_layers"]):
         layer = f"model.layers.{n}."
         for name, shape in {
-            "input_layernorm.weight": [h], "post_attention_layernorm.weight": [h],
-            "self_attn.q_proj.weight": [heads * d, h], "self_attn.q_proj.bias": [heads * d],
-            "self_attn.k_proj.weight": [kv * d, h], "self_attn.k_proj.bias": [kv * d],
-            "self_attn.v_proj.weight": [kv * d, h], "self_attn.v_proj.bias": [kv * d],
-            "self_attn.o_proj.weight": [h, heads * d], "self_attn.o_proj.bias": [h],
-            "self_attn.sinks": [heads], "mlp.router.weight": [e, h], "mlp.router.bias": [e],
-            "mlp.experts.gate_up_proj": [e, h, 2 * i], "mlp.experts.gate_up_proj_bias": [e, 2 * i],
-            "mlp.experts.down_proj": [e, i, h], "mlp.experts.down_proj_bias": [e, h],
+            "input_layernorm.weight": [h],
+            "post_attention_layernorm.weight": [h],
+            "self_attn.q_proj.weight": [heads * d, h],
+            "self_attn.q_proj.bias": [heads * d],
+            "self_attn.k_proj.weight": [kv * d, h],
+            "self_attn.k_proj.bias": [kv * d],
+            "self_attn.v_proj.weight": [kv * d, h],
+            "self_attn.v_proj.bias": [kv * d],
+            "self_attn.o_proj.weight": [h, heads * d],
+            "self_attn.o_proj.bias": [h],
+            "self_attn.sinks": [heads],
+            "mlp.router.weight": [e, h],
+            "mlp.router.bias": [e],
+            "mlp.experts.gate_up_proj": [e, h, 2 * i],
+            "mlp.experts.gate_up_proj_bias": [e, 2 * i],
+            "mlp.experts.down_proj": [e, i, h],
+            "mlp.experts.down_proj_bias": [e, h],
         }.items():
             shapes[layer + name] = shape
     return shapes
@@ -385,8 +450,11 @@ def test_plan_gpt_oss_120b_reads_no_tensor(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     c = GPT_OSS_120B
     stacked = f"{c['num_hidden_layers']},{c['num_local_experts']}"
-    for leaf, shape, spec in [("gate", "2880,2880", "(-, model, -, data)"), ("up", "2880,2880", "(-, model, -, data)"),
-                              ("down", "2880,2880", "(-, model, data, -)")]:
+    for leaf, shape, spec in [
+        ("gate", "2880,2880", "(-, model, -, data)"),
+        ("up", "2880,2880", "(-, model, -, data)"),
+        ("down", "2880,2880", "(-, model, data, -)"),
+    ]:
         row = rf"^blocks\.mlp\.experts\.{leaf} +{re.escape(f'bf16[{stacked},{shape}]')} +{re.escape(spec)} "
         assert re.search(row, result.stdout, re.MULTILINE), result.stdout
     print(f"port plan gpt-oss-120b: {seconds:.1f} s, peak RSS {peak / 2**20:.0f} MiB, read {rchar / 2**20:.1f} MiB")
@@ -407,14 +475,17 @@ def test_a_config_that_contradicts_the_tensors_fails_in_one_line(checkpoint, tmp
     one_line(run_port("plan", broken), "shape mismatch", "mlp.router.weight' is [4, 48]", "[3, 6, 48]")
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"num_experts_per_tok": 5}, "'num_experts_per_tok' (5) is more than 'num_local_experts' (4)"),
-    ({"layer_types": ["full_attention"]}, "'layer_types' must list 3 of"),
-    ({"swiglu_limit": -1.0}, "'swiglu_limit' must be a positive number"),
-    ({"quantization_config": {"quant_method": "mxfp4"}}, "'quantization_config' ('mxfp4') is not supported"),
-    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope type 'llama3' is not supported"),
-    ({"num_key_value_heads": 4}, "'num_key_value_heads' (4) must divide 'num_attention_heads' (6)"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_experts_per_tok": 5}, "'num_experts_per_tok' (5) is more than 'num_local_experts' (4)"),
+        ({"layer_types": ["full_attention"]}, "'layer_types' must list 3 of"),
+        ({"swiglu_limit": -1.0}, "'swiglu_limit' must be a positive number"),
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "'quantization_config' ('mxfp4') is not supported"),
+        ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rope type 'llama3' is not supported"),
+        ({"num_key_value_heads": 4}, "'num_key_value_heads' (4) must divide 'num_attention_heads' (6)"),
+    ],
+)
 def test_config_refuses_in_one_line(change, message):
     with pytest.raises(ConfigError) as error:
         GptOssConfig.from_hf({**CONFIG, "model_type": "gpt_oss", **change})
@@ -425,24 +496,44 @@ def test_config_defaults_follow_transformers():
     """An (almost) empty config.json means what GptOssConfig means: yarn x32 on base 150000, even
     layers sliding by 128, experts 128 top-4, swiglu 1.702 / 7.0, biased attention."""
     transformers = transformers_or_skip()
-    theirs = transformers.GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=4,
-                                       num_attention_heads=16)
-    ours = GptOssConfig.from_hf({"model_type": "gpt_oss", "vocab_size": 64, "hidden_size": 32,
-                                 "intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 16})
+    theirs = transformers.GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=4, num_attention_heads=16
+    )
+    ours = GptOssConfig.from_hf(
+        {
+            "model_type": "gpt_oss",
+            "vocab_size": 64,
+            "hidden_size": 32,
+            "intermediate_size": 16,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 16,
+        }
+    )
     assert ours.sliding_layers == tuple(t == "sliding_attention" for t in theirs.layer_types)
     assert (ours.sliding_window, ours.num_experts, ours.num_experts_per_tok) == (
-        theirs.sliding_window, theirs.num_local_experts, theirs.num_experts_per_tok)
+        theirs.sliding_window,
+        theirs.num_local_experts,
+        theirs.num_experts_per_tok,
+    )
     assert (ours.swiglu_alpha, ours.swiglu_limit, ours.attention_bias) == (
-        theirs.swiglu_alpha, theirs.swiglu_limit, theirs.attention_bias)
+        theirs.swiglu_alpha,
+        theirs.swiglu_limit,
+        theirs.attention_bias,
+    )
     assert (ours.num_key_value_heads, ours.head_dim) == (theirs.num_key_value_heads, theirs.head_dim)
     rope = theirs.rope_parameters
     assert (ours.rope.kind, ours.rope.theta, ours.rope.factor, ours.rope.truncate) == (
-        rope["rope_type"], rope["rope_theta"], rope["factor"], rope["truncate"])
+        rope["rope_type"],
+        rope["rope_theta"],
+        rope["factor"],
+        rope["truncate"],
+    )
 
 
 def test_abstract_model_shapes():
-    abstract = eqx.filter_eval_shape(GptOss.from_config, {**GPT_OSS_120B, "num_hidden_layers": 2, "layer_types": None},
-                                     key=jax.random.key(0))
+    abstract = eqx.filter_eval_shape(
+        GptOss.from_config, {**GPT_OSS_120B, "num_hidden_layers": 2, "layer_types": None}, key=jax.random.key(0)
+    )
     mlp = abstract.blocks.mlp
     assert mlp.experts.gate.shape == mlp.experts.up.shape == (2, 128, 2880, 2880)
     assert mlp.experts.bgate.shape == (2, 128, 2880) and mlp.router_bias.shape == (2, 128)

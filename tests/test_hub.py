@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 import port
+
 from helpers import run_port
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny-gpt2"
@@ -46,8 +47,15 @@ def test_a_cached_repo_with_only_pytorch_weights_converts_offline(tmp_path):
     (snapshot / "model.safetensors").unlink()
     torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, snapshot / "pytorch_model.bin")
     out = tmp_path / "out"
-    result = run_port("convert", "someone/tiny-gpt2-bin", "--mesh", "2x2", "--out", out,
-                      env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"})
+    result = run_port(
+        "convert",
+        "someone/tiny-gpt2-bin",
+        "--mesh",
+        "2x2",
+        "--out",
+        out,
+        env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"},
+    )
     assert result.returncode == 0, result.stderr
     model = port.restore(out, port.make_mesh("1x1"))
     assert (model.wte == tensors["transformer.wte.weight"]).all()

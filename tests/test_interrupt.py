@@ -37,7 +37,10 @@ def gpt2_small(tmp_path_factory):
 
 def start(*args, env=None):
     return subprocess.Popen(
-        [*port_command(), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*port_command(), *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env=port_env(env),
     )
 
@@ -172,8 +175,13 @@ def test_interrupt_while_port_itself_loads(tmp_path):
     for command in (["port"], [sys.executable, "-m", "port"]):
         marker.unlink(missing_ok=True)
         env = port_env(hooked(tmp_path / "hook", hook))
-        result = subprocess.run([*command, "convert", example, "--out", tmp_path / "out"], capture_output=True,
-                                text=True, env=env, timeout=120)
+        result = subprocess.run(
+            [*command, "convert", example, "--out", tmp_path / "out"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
         assert marker.exists()
         assert result.returncode == 130, (result.returncode, result.stderr)
         assert (result.stdout + result.stderr).strip().splitlines() == ["port: interrupted"]
@@ -186,8 +194,13 @@ def test_ctrl_c_in_a_terminal_clears_the_progress_bar(gpt2_small, tmp_path):
     import pty
 
     master, terminal = pty.openpty()
-    process = subprocess.Popen([*port_command(), "convert", gpt2_small, "--mesh", "4x2", "--out", tmp_path / "out"],
-                               stdin=terminal, stdout=terminal, stderr=terminal, env=port_env())
+    process = subprocess.Popen(
+        [*port_command(), "convert", gpt2_small, "--mesh", "4x2", "--out", tmp_path / "out"],
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
+        env=port_env(),
+    )
     os.close(terminal)
     seen, began = b"", time.monotonic()
     while b"tensors" not in seen and time.monotonic() - began < 120:  # the bar is drawn: placing
@@ -243,7 +256,9 @@ def worker_of(supervisor: subprocess.Popen, within: float = 30.0) -> int:
     raise AssertionError("port started no worker")
 
 
-@pytest.mark.parametrize("signum, code, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
+@pytest.mark.parametrize(
+    "signum, code, word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")]
+)
 def test_a_signal_sent_to_the_worker_stops_the_run_as_one_sent_to_port(gpt2_small, tmp_path, signum, code, word):
     """`kill WORKER_PID` (not port's own pid) is honoured: the same status, line and cleanup."""
     import os

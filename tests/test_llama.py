@@ -17,13 +17,18 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import LLAMA_CONFIG, VOCAB, logits, saved_once, torch_llama, torch_logits, transformers_or_skip
 from port._errors import PortError
 from port.models.llama import Llama, LlamaConfig
 
+from helpers import LLAMA_CONFIG, VOCAB, logits, saved_once, torch_llama, torch_logits, transformers_or_skip
+
 LLAMA3_ROPE = dict(
-    rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-    high_freq_factor=4.0, original_max_position_embeddings=16,  # < 16 tokens: scaling matters
+    rope_type="llama3",
+    rope_theta=10000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=16,  # < 16 tokens: scaling matters
 )
 # name: (architecture, config overrides)
 CASES = {
@@ -32,8 +37,12 @@ CASES = {
     "llama-linear-rope": ("Llama", dict(rope_parameters=dict(rope_type="linear", rope_theta=500.0, factor=4.0))),
     "mistral-sliding": ("Mistral", dict(sliding_window=4)),
     "qwen2-bias": ("Qwen2", {}),
-    "qwen2-yarn": ("Qwen2", dict(rope_parameters=dict(
-        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8))),
+    "qwen2-yarn": (
+        "Qwen2",
+        dict(
+            rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8)
+        ),
+    ),
     "qwen2-sliding-layer1": ("Qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1)),
     "llama-attn-mlp-bias": ("Llama", dict(attention_bias=True, mlp_bias=True, rms_norm_eps=1e-2)),
 }
@@ -117,8 +126,9 @@ def test_fewer_kv_heads_than_the_model_axis_are_replicated(tmp_path):
     model.save_pretrained(tmp_path)
     with port.open_checkpoint(tmp_path) as ckpt:
         mapping = port.mapping_for(ckpt.config)
-        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config,
-                           {"data": 4, "model": 2})
+        recipe = port.plan(
+            port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, {"data": 4, "model": 2}
+        )
     wk = next(leaf for leaf in recipe.leaves if leaf.path == "blocks.attn.wk")
     assert wk.spec == P(None, None, None, "data")
     assert wk.notes == ("kv_heads 1 not divisible by model=2: replicated on model",)
@@ -131,8 +141,9 @@ def test_bfloat16_stays_bfloat16(tmp_path):
     model.save_pretrained(tmp_path)
     with port.open_checkpoint(tmp_path) as ckpt:
         mapping = port.mapping_for(ckpt.config)
-        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config,
-                           {"data": 4, "model": 2})
+        recipe = port.plan(
+            port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, {"data": 4, "model": 2}
+        )
     bf16 = np.dtype(ml_dtypes.bfloat16)
     assert all(leaf.source_dtype == leaf.dtype == bf16 and "cast" not in str(leaf.chain) for leaf in recipe.leaves)
     ours = port.load(tmp_path, mesh=port.make_mesh("4x2"))

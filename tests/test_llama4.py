@@ -26,27 +26,58 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import logits, perturbed, run_port, run_port_measured, torch_logits, transformers_or_skip
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from helpers import write_sparse_checkpoint
 from test_moe import recipe_for
 
 import port
-from port._text import size_text
 from port._errors import ConfigError
+from port._text import size_text
 from port.models.llama4 import Llama4Config, chunk_mask, rotate_pairs
 from port.nn import next_token_loss, prepare
 
+from helpers import (
+    logits,
+    perturbed,
+    run_port,
+    run_port_measured,
+    torch_logits,
+    transformers_or_skip,
+    write_sparse_checkpoint,
+)
+
 VOCAB = 97
 CONFIG = dict(
-    vocab_size=VOCAB, hidden_size=32, intermediate_size=24, intermediate_size_mlp=40, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
-    interleave_moe_layer_step=2, attention_chunk_size=3, no_rope_layers=[1, 1, 0, 1], use_qk_norm=True,
-    attn_temperature_tuning=True, floor_scale=2, attn_scale=0.5, max_position_embeddings=64,
-    initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                         high_freq_factor=4.0, original_max_position_embeddings=16),
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=24,
+    intermediate_size_mlp=40,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    interleave_moe_layer_step=2,
+    attention_chunk_size=3,
+    no_rope_layers=[1, 1, 0, 1],
+    use_qk_norm=True,
+    attn_temperature_tuning=True,
+    floor_scale=2,
+    attn_scale=0.5,
+    max_position_embeddings=64,
+    initializer_range=0.2,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    rope_parameters=dict(
+        rope_type="llama3",
+        rope_theta=10000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=16,
+    ),
 )
 IDS = np.random.default_rng(0).integers(3, VOCAB, (2, 11))
 MAPPING = Path(__file__).resolve().parents[1] / "mappings" / "llama4.toml"
@@ -104,10 +135,21 @@ def test_experts_split_gate_first(checkpoint):
 def test_config_follows_transformers():
     """Which layers are MoE, NoPE and chunked: transformers' rules, from the same config.json."""
     transformers = transformers_or_skip()
-    for overrides in [{}, dict(interleave_moe_layer_step=1), dict(moe_layers=[0, 2]), dict(no_rope_layers=None),
-                      dict(attention_chunk_size=None)]:
-        hf = transformers.Llama4TextConfig(**{**CONFIG, **overrides, "num_hidden_layers": 8,
-                                              "no_rope_layers": overrides.get("no_rope_layers", [1, 1, 0, 1] * 2)})
+    for overrides in [
+        {},
+        dict(interleave_moe_layer_step=1),
+        dict(moe_layers=[0, 2]),
+        dict(no_rope_layers=None),
+        dict(attention_chunk_size=None),
+    ]:
+        hf = transformers.Llama4TextConfig(
+            **{
+                **CONFIG,
+                **overrides,
+                "num_hidden_layers": 8,
+                "no_rope_layers": overrides.get("no_rope_layers", [1, 1, 0, 1] * 2),
+            }
+        )
         ours = Llama4Config.from_hf(hf.to_dict())
         assert ours.moe_layers == tuple(hf.moe_layers)
         assert ours.rope_layers == tuple(bool(f) for f in hf.no_rope_layers)
@@ -116,19 +158,22 @@ def test_config_follows_transformers():
         assert Llama4Config.from_hf(del_types).chunked_layers == ours.chunked_layers
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(no_rope_layers=[1, 0, 1]), "'no_rope_layers' must give 0 or 1 for each of the 4 layers"),
-    (dict(no_rope_layers=[1, 2, 1, 1]), "'no_rope_layers' must give 0 or 1"),
-    (dict(moe_layers=[1, 4]), "'moe_layers' must list distinct layers below 'num_hidden_layers' (4)"),
-    (dict(num_experts_per_tok=5), "'num_experts_per_tok' (5) is more than 'num_local_experts' (4)"),
-    (dict(layer_types=["full_attention"] * 3), "'layer_types' must list 4 of"),
-    (dict(attention_chunk_size=None, layer_types=["chunked_attention"] * 4), "'attention_chunk_size' is null"),
-    (dict(attention_chunk_size=0), "'attention_chunk_size' must be a positive integer"),
-    (dict(num_key_value_heads=3), "'num_key_value_heads' (3) must divide"),
-    (dict(hidden_act="gelu"), "'hidden_act' 'gelu' is not supported"),
-    (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0)), "rope type 'dynamic' is not supported"),
-    (dict(model_type="llama4", text_config=None), "'text_config' must be a dict"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(no_rope_layers=[1, 0, 1]), "'no_rope_layers' must give 0 or 1 for each of the 4 layers"),
+        (dict(no_rope_layers=[1, 2, 1, 1]), "'no_rope_layers' must give 0 or 1"),
+        (dict(moe_layers=[1, 4]), "'moe_layers' must list distinct layers below 'num_hidden_layers' (4)"),
+        (dict(num_experts_per_tok=5), "'num_experts_per_tok' (5) is more than 'num_local_experts' (4)"),
+        (dict(layer_types=["full_attention"] * 3), "'layer_types' must list 4 of"),
+        (dict(attention_chunk_size=None, layer_types=["chunked_attention"] * 4), "'attention_chunk_size' is null"),
+        (dict(attention_chunk_size=0), "'attention_chunk_size' must be a positive integer"),
+        (dict(num_key_value_heads=3), "'num_key_value_heads' (3) must divide"),
+        (dict(hidden_act="gelu"), "'hidden_act' 'gelu' is not supported"),
+        (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0)), "rope type 'dynamic' is not supported"),
+        (dict(model_type="llama4", text_config=None), "'text_config' must be a dict"),
+    ],
+)
 def test_config_contradictions_raise_one_line(change, message):
     config = {**CONFIG, "model_type": "llama4_text", **change}
     with pytest.raises(ConfigError) as error:
@@ -179,10 +224,16 @@ def test_logits_match_transformers(checkpoint, mesh):
     np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("change", [
-    dict(attention_chunk_size=None), dict(no_rope_layers=[1, 1, 1, 1]), dict(use_qk_norm=False),
-    dict(attn_temperature_tuning=False), dict(interleave_moe_layer_step=1),
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(attention_chunk_size=None),
+        dict(no_rope_layers=[1, 1, 1, 1]),
+        dict(use_qk_norm=False),
+        dict(attn_temperature_tuning=False),
+        dict(interleave_moe_layer_step=1),
+    ],
+)
 def test_every_feature_matters(checkpoint, change):
     """transformers with any one feature changed (no chunks, no NoPE layer, no qk norm, no
     temperature, MoE everywhere) moves the logits far past the parity tolerance: a port
@@ -223,9 +274,13 @@ def decided_tokens(model, ids=IDS):
     import torch
 
     margins = []
-    hooks = [layer.feed_forward.router.register_forward_hook(
-        lambda module, args, out: margins.append(out[1].float().numpy()))
-        for layer in model.model.layers if layer.is_moe_layer]
+    hooks = [
+        layer.feed_forward.router.register_forward_hook(
+            lambda module, args, out: margins.append(out[1].float().numpy())
+        )
+        for layer in model.model.layers
+        if layer.is_moe_layer
+    ]
     with torch.no_grad():
         model(torch.tensor(ids))
     for hook in hooks:
@@ -265,8 +320,10 @@ def test_bfloat16_end_to_end(bfloat16, mesh):
     assert decided.mean() > 0.75, decided
     noise = np.abs(expected - exact)[decided].max()
     error = np.abs(np.asarray(out).astype(np.float32) - expected)[decided].max()
-    print(f"llama4 bfloat16 {mesh}: max abs logits diff {error:.3f} on {decided.sum()} of {decided.size} tokens "
-          f"(transformers' own bf16 noise {noise:.3f})")
+    print(
+        f"llama4 bfloat16 {mesh}: max abs logits diff {error:.3f} on {decided.sum()} of {decided.size} tokens "
+        f"(transformers' own bf16 noise {noise:.3f})"
+    )
     assert error <= 2 * noise and error < 0.05 * np.abs(expected).max(), (error, noise)
 
 
@@ -286,8 +343,9 @@ def test_gradients_match_pytorch(checkpoint, tmp_path):
     labels = np.where(mask == 1, IDS, -100)
     out = torch_lm(torch.tensor(IDS), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
     out.loss.backward()
-    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(
-        lambda m: next_token_loss(m(IDS, attention_mask=mask), IDS, mask)))(model)
+    loss, grads = eqx.filter_jit(
+        eqx.filter_value_and_grad(lambda m: next_token_loss(m(IDS, attention_mask=mask), IDS, mask))
+    )(model)
     assert float(loss) == pytest.approx(out.loss.item(), rel=1e-5)
     port.export(grads, tmp_path / "grads", directory)
     ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "grads").state_dict()
@@ -311,8 +369,9 @@ def test_greedy_generation_matches_transformers(checkpoint):
     ids[1, 5:], mask[1, 5:] = rng.integers(3, VOCAB, 4), 1
     torch_lm.generation_config.eos_token_id = None
     with torch.no_grad():
-        expected = torch_lm.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=16,
-                                     do_sample=False, pad_token_id=0).numpy()
+        expected = torch_lm.generate(
+            torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=16, do_sample=False, pad_token_id=0
+        ).numpy()
     ours = np.asarray(port.generate(model, ids.astype(np.int32), max_new_tokens=16, attention_mask=mask))
     assert ours.shape == expected.shape == (2, 9 + 16)
     np.testing.assert_array_equal(ours, expected)
@@ -352,8 +411,17 @@ def test_multimodal_checkpoint_loads_its_language_model(tmp_path):
     import torch
 
     torch.manual_seed(0)
-    vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
-                  patch_size=14, vision_output_dim=16, projector_input_dim=16, projector_output_dim=16)
+    vision = dict(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        image_size=28,
+        patch_size=14,
+        vision_output_dim=16,
+        projector_input_dim=16,
+        projector_output_dim=16,
+    )
     config = transformers.Llama4Config(text_config=CONFIG, vision_config=vision)
     config.text_config._attn_implementation = "eager"
     model = perturbed(transformers.Llama4ForConditionalGeneration(config), lambda name: "norm" in name, 0.2)
@@ -374,14 +442,32 @@ def test_multimodal_checkpoint_loads_its_language_model(tmp_path):
 
 # meta-llama/Llama-4-Scout-17B-16E's text_config (as transformers 5 writes it).
 SCOUT = {
-    "model_type": "llama4_text", "vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192,
-    "intermediate_size_mlp": 16384, "num_hidden_layers": 48, "num_attention_heads": 40,
-    "num_key_value_heads": 8, "head_dim": 128, "num_local_experts": 16, "num_experts_per_tok": 1,
-    "interleave_moe_layer_step": 1, "attention_chunk_size": 8192, "use_qk_norm": True,
-    "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(48)], "rms_norm_eps": 1e-5,
-    "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
-                        "high_freq_factor": 1.0, "original_max_position_embeddings": 8192},
-    "max_position_embeddings": 10485760, "tie_word_embeddings": False,
+    "model_type": "llama4_text",
+    "vocab_size": 202048,
+    "hidden_size": 5120,
+    "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_local_experts": 16,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 1,
+    "attention_chunk_size": 8192,
+    "use_qk_norm": True,
+    "no_rope_layers": [int((i + 1) % 4 != 0) for i in range(48)],
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 16.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "max_position_embeddings": 10485760,
+    "tie_word_embeddings": False,
 }
 
 
@@ -392,17 +478,22 @@ def scout_shapes(c):
     shapes = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h], "lm_head.weight": [v, h]}
     for i in range(c["num_hidden_layers"]):
         layer = f"model.layers.{i}."
-        shapes.update({
-            layer + "input_layernorm.weight": [h], layer + "post_attention_layernorm.weight": [h],
-            layer + "self_attn.q_proj.weight": [q, h], layer + "self_attn.k_proj.weight": [kv, h],
-            layer + "self_attn.v_proj.weight": [kv, h], layer + "self_attn.o_proj.weight": [h, q],
-            layer + "feed_forward.router.weight": [e, h],
-            layer + "feed_forward.experts.gate_up_proj": [e, h, 2 * inter],
-            layer + "feed_forward.experts.down_proj": [e, inter, h],
-            layer + "feed_forward.shared_expert.gate_proj.weight": [inter, h],
-            layer + "feed_forward.shared_expert.up_proj.weight": [inter, h],
-            layer + "feed_forward.shared_expert.down_proj.weight": [h, inter],
-        })
+        shapes.update(
+            {
+                layer + "input_layernorm.weight": [h],
+                layer + "post_attention_layernorm.weight": [h],
+                layer + "self_attn.q_proj.weight": [q, h],
+                layer + "self_attn.k_proj.weight": [kv, h],
+                layer + "self_attn.v_proj.weight": [kv, h],
+                layer + "self_attn.o_proj.weight": [h, q],
+                layer + "feed_forward.router.weight": [e, h],
+                layer + "feed_forward.experts.gate_up_proj": [e, h, 2 * inter],
+                layer + "feed_forward.experts.down_proj": [e, inter, h],
+                layer + "feed_forward.shared_expert.gate_proj.weight": [inter, h],
+                layer + "feed_forward.shared_expert.up_proj.weight": [inter, h],
+                layer + "feed_forward.shared_expert.down_proj.weight": [h, inter],
+            }
+        )
     return shapes
 
 

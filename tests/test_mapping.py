@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 import port
 import port._mapping
 import port._transforms
+
 from helpers import one_line, run_port, write_checkpoint
 
 ROOT = Path(__file__).parents[1]
@@ -30,21 +31,35 @@ ROOT = Path(__file__).parents[1]
         ('model = "m:C"', r"no \[\[params\]\]"),
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"', "'axes' must be"),
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{rotate=1}]', "unknown transform"),
-        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\noptional="sometimes"',
-         r"params\[0\] \(a\): 'optional' must be \"model\", \"checkpoint\", true \(either\) or false"),
+        (
+            'model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\noptional="sometimes"',
+            r"params\[0\] \(a\): 'optional' must be \"model\", \"checkpoint\", true \(either\) or false",
+        ),
         ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{cast="float12"}]', "unknown dtype"),
-        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{transpose=[1,0], cast="int8"}]',
-         r"params\[0\] \(a\): each transform is a one-key table"),
-        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{transpose=[true]}]',
-         r"params\[0\] \(a\): transpose takes a permutation such as \[1, 0\]"),
-        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{reshape=[1.5]}]',
-         r"params\[0\] \(a\): reshape takes a list of sizes, -1 or config names"),
-        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{split={axis=0,index=0}}]',
-         r"params\[0\] \(a\): split needs exactly one of 'parts' or 'sizes'"),
-        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{rotate=1}]',
-         r"params\[0\] \(a\): rotate: unknown transform \(expected transpose, reshape, split, cast or stride\)"),
-        ('model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\n[[params]]\nkey="c"\npath="b"\naxes=[]',
-         "path 'b' is filled by both"),
+        (
+            'model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{transpose=[1,0], cast="int8"}]',
+            r"params\[0\] \(a\): each transform is a one-key table",
+        ),
+        (
+            'model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{transpose=[true]}]',
+            r"params\[0\] \(a\): transpose takes a permutation such as \[1, 0\]",
+        ),
+        (
+            'model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{reshape=[1.5]}]',
+            r"params\[0\] \(a\): reshape takes a list of sizes, -1 or config names",
+        ),
+        (
+            'model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{split={axis=0,index=0}}]',
+            r"params\[0\] \(a\): split needs exactly one of 'parts' or 'sizes'",
+        ),
+        (
+            'model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\ntransforms=[{rotate=1}]',
+            r"params\[0\] \(a\): rotate: unknown transform \(expected transpose, reshape, split, cast or stride\)",
+        ),
+        (
+            'model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\n[[params]]\nkey="c"\npath="b"\naxes=[]',
+            "path 'b' is filled by both",
+        ),
     ],
 )
 def test_malformed_mappings(text, message):
@@ -137,8 +152,8 @@ def test_convert_into_a_users_own_skeleton(tmp_path):
     [
         (lambda m: m.replace('path = "scale"', 'path = "nope"'), "path 'nope' is not a leaf"),
         (lambda m: m.replace('hidden = "data"', 'hidden = "fsdp"'), "mesh axis 'fsdp'"),
-        (lambda m: m.replace('layers = []', ''), "logical axis 'layers' has no rule"),
-        (lambda m: m.replace('{ transpose = [1, 0] }, ', ''), "shape mismatch"),
+        (lambda m: m.replace("layers = []", ""), "logical axis 'layers' has no rule"),
+        (lambda m: m.replace("{ transpose = [1, 0] }, ", ""), "shape mismatch"),
         (lambda m: m.replace('key = "fc1.weight"', 'key = "fc9.weight"'), "no key in the checkpoint matches"),
     ],
 )
@@ -172,10 +187,13 @@ def test_config_names_resolve_per_entry():
         'transforms = [{ split = { axis = 0, sizes = ["n_embd", 4], index = 0 } }, { reshape = ["n_head", -1] }]\n'
     )
     (param,) = port.parse_mapping(text).params
-    assert param.transforms == (port._transforms.Split(0, 0, sizes=("n_embd", 4)),
-                                port._transforms.Reshape(("n_head", -1)))
+    assert param.transforms == (
+        port._transforms.Split(0, 0, sizes=("n_embd", 4)),
+        port._transforms.Reshape(("n_head", -1)),
+    )
     assert param.build({"n_embd": 8, "n_head": 2}) == [
-        port._transforms.Split(0, 0, sizes=(8, 4)), port._transforms.Reshape((2, -1)),
+        port._transforms.Split(0, 0, sizes=(8, 4)),
+        port._transforms.Reshape((2, -1)),
     ]
     with pytest.raises(port.PortError, match=r"^mapping entry 'h.\{layer\}.w': config.json has no integer 'n_head'$"):
         param.build({"n_embd": 8})
@@ -212,20 +230,39 @@ def mapping_refused(path: Path, expected: str, model_class: bool = False) -> Non
     assert message == f"{path}: {expected}", message
 
 
-@pytest.mark.parametrize("write, expected", [
-    (lambda p: p.write_bytes(GPT2.read_bytes().replace(b"#", b"# caf\xe9", 1)),
-     "not UTF-8 text (byte 5 is 0xe9); a mapping is a TOML file"),
-    (lambda p: p.write_text(nested(100_000)),
-     f"invalid TOML: tables and arrays nested more than {port._mapping.MAX_NESTING} deep"),
-    (lambda p: p.write_text(nested(port._mapping.MAX_NESTING)),
-     f"invalid TOML: tables and arrays nested more than {port._mapping.MAX_NESTING} deep"),
-    (lambda p: p.write_text(nested(port._mapping.MAX_NESTING - 1)),  # the top table and 31 arrays: read
-     "unknown key 'x' (expected aliases, ignore, model, model_types, params, prefixes, reference, rules, tied)"),
-    (lambda p: os.mkfifo(p), "not a regular file (a FIFO); a mapping is a TOML file"),
-    (lambda p: p.mkdir(), "not a regular file (a directory); a mapping is a TOML file"),
-    (lambda p: None, "cannot read mapping file (No such file or directory)"),
-], ids=["not UTF-8", "nested a million deep", "nested one too deep", "nested just enough", "FIFO", "directory",
-        "missing"])
+@pytest.mark.parametrize(
+    "write, expected",
+    [
+        (
+            lambda p: p.write_bytes(GPT2.read_bytes().replace(b"#", b"# caf\xe9", 1)),
+            "not UTF-8 text (byte 5 is 0xe9); a mapping is a TOML file",
+        ),
+        (
+            lambda p: p.write_text(nested(100_000)),
+            f"invalid TOML: tables and arrays nested more than {port._mapping.MAX_NESTING} deep",
+        ),
+        (
+            lambda p: p.write_text(nested(port._mapping.MAX_NESTING)),
+            f"invalid TOML: tables and arrays nested more than {port._mapping.MAX_NESTING} deep",
+        ),
+        (
+            lambda p: p.write_text(nested(port._mapping.MAX_NESTING - 1)),  # the top table and 31 arrays: read
+            "unknown key 'x' (expected aliases, ignore, model, model_types, params, prefixes, reference, rules, tied)",
+        ),
+        (lambda p: os.mkfifo(p), "not a regular file (a FIFO); a mapping is a TOML file"),
+        (lambda p: p.mkdir(), "not a regular file (a directory); a mapping is a TOML file"),
+        (lambda p: None, "cannot read mapping file (No such file or directory)"),
+    ],
+    ids=[
+        "not UTF-8",
+        "nested a million deep",
+        "nested one too deep",
+        "nested just enough",
+        "FIFO",
+        "directory",
+        "missing",
+    ],
+)
 def test_a_mapping_file_that_is_not_toml_text_is_one_line(tmp_path, write, expected):
     path = tmp_path / "bad.toml"
     write(path)
@@ -239,17 +276,30 @@ def test_a_mapping_file_is_bounded_before_it_is_read(tmp_path, monkeypatch):
     mapping_refused(path, f"a mapping file of {path.stat().st_size} bytes, more than port reads (100)")
 
 
-@pytest.mark.parametrize("model, expected", [
-    (".gpt2:GPT2", "model '.gpt2:GPT2': expected module:Class, such as port.models.gpt2:GPT2"),
-    ("port..gpt2:GPT2", "model 'port..gpt2:GPT2': expected module:Class, such as port.models.gpt2:GPT2"),
-    ("os:sep", "model 'os:sep' is a str, not a class (expected module:Class, such as port.models.gpt2:GPT2)"),
-    ("port.models.gpt2:GPT2.from_config", ("model 'port.models.gpt2:GPT2.from_config' is a method, not a class "
-                                           "(expected module:Class, such as port.models.gpt2:GPT2)")),
-    ("collections:OrderedDict",
-     "model 'collections:OrderedDict' is not a model class: it has no from_config(config, *, key)"),
-    ("port.models.gpt2:Nope", ("model 'port.models.gpt2:Nope' cannot be imported (module 'port.models.gpt2' has no "
-                               "attribute 'Nope')")),
-], ids=["relative", "empty part", "a str", "a method", "no from_config", "missing"])
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        (".gpt2:GPT2", "model '.gpt2:GPT2': expected module:Class, such as port.models.gpt2:GPT2"),
+        ("port..gpt2:GPT2", "model 'port..gpt2:GPT2': expected module:Class, such as port.models.gpt2:GPT2"),
+        ("os:sep", "model 'os:sep' is a str, not a class (expected module:Class, such as port.models.gpt2:GPT2)"),
+        (
+            "port.models.gpt2:GPT2.from_config",
+            (
+                "model 'port.models.gpt2:GPT2.from_config' is a method, not a class "
+                "(expected module:Class, such as port.models.gpt2:GPT2)"
+            ),
+        ),
+        (
+            "collections:OrderedDict",
+            "model 'collections:OrderedDict' is not a model class: it has no from_config(config, *, key)",
+        ),
+        (
+            "port.models.gpt2:Nope",
+            ("model 'port.models.gpt2:Nope' cannot be imported (module 'port.models.gpt2' has no attribute 'Nope')"),
+        ),
+    ],
+    ids=["relative", "empty part", "a str", "a method", "no from_config", "missing"],
+)
 def test_a_model_that_is_not_a_class_is_one_line(tmp_path, model, expected):
     path = gpt2_with_model(tmp_path / "bad.toml", model)
     mapping_refused(path, expected, model_class=True)
@@ -267,12 +317,16 @@ def test_a_fifo_as_the_mapping_is_refused_through_the_command(tmp_path, command)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("write, expected", [
-    (lambda p: gpt2_with_model(p, "this:s"), "model 'this:s' is a str, not a class"),  # importing `this` prints
-    (lambda p: gpt2_with_model(p, ".gpt2:GPT2"), "model '.gpt2:GPT2': expected module:Class"),
-    (lambda p: p.write_text(nested(100_000)), "invalid TOML: tables and arrays nested more than"),
-    (lambda p: p.write_bytes(b"model = \"caf\xe9\"\n"), "not UTF-8 text (byte 12 is 0xe9)"),
-], ids=["this:s", "relative", "deep", "not UTF-8"])
+@pytest.mark.parametrize(
+    "write, expected",
+    [
+        (lambda p: gpt2_with_model(p, "this:s"), "model 'this:s' is a str, not a class"),  # importing `this` prints
+        (lambda p: gpt2_with_model(p, ".gpt2:GPT2"), "model '.gpt2:GPT2': expected module:Class"),
+        (lambda p: p.write_text(nested(100_000)), "invalid TOML: tables and arrays nested more than"),
+        (lambda p: p.write_bytes(b'model = "caf\xe9"\n'), "not UTF-8 text (byte 12 is 0xe9)"),
+    ],
+    ids=["this:s", "relative", "deep", "not UTF-8"],
+)
 def test_bad_mappings_are_one_line_through_the_command(tmp_path, write, expected):
     path = tmp_path / "bad.toml"
     write(path)

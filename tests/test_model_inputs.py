@@ -13,16 +13,27 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import (
-    BERT_CONFIG, GPT2_CONFIG, LLAMA_CONFIG, VOCAB, converted, torch_bert, torch_gpt2, torch_llama,
-)
 from port.models.bert import Bert
 from port.models.gpt2 import GPT2
 from port.models.llama import Llama
 
+from helpers import (
+    BERT_CONFIG,
+    GPT2_CONFIG,
+    LLAMA_CONFIG,
+    VOCAB,
+    converted,
+    torch_bert,
+    torch_gpt2,
+    torch_llama,
+)
+
 SEQ = 12
-BUILD = {"gpt2": (GPT2, GPT2_CONFIG, torch_gpt2), "llama": (Llama, LLAMA_CONFIG, torch_llama),
-         "bert": (Bert, BERT_CONFIG, lambda: torch_bert(hidden_act="gelu"))}
+BUILD = {
+    "gpt2": (GPT2, GPT2_CONFIG, torch_gpt2),
+    "llama": (Llama, LLAMA_CONFIG, torch_llama),
+    "bert": (Bert, BERT_CONFIG, lambda: torch_bert(hidden_act="gelu")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -127,14 +138,30 @@ def test_bad_input_ids_raise(models, name, jit, ids, error, match):
 @pytest.mark.parametrize(
     "ids_shape, kwargs, error, match",
     [
-        ((2, 8), dict(attention_mask=jnp.ones((8,), jnp.int32)), ValueError,
-         r"`attention_mask` must have shape \(batch, seq\) = \(2, 8\) like `input_ids`, got \(8,\)"),
-        ((8,), dict(attention_mask=jnp.ones((1, 8), jnp.int32)), ValueError,
-         r"`attention_mask` must have shape \(seq,\) = \(8,\) like `input_ids`, got \(1, 8\)"),
-        ((2, 8), dict(token_type_ids=jnp.zeros((2, 7), jnp.int32)), ValueError,
-         r"`token_type_ids` must have shape \(batch, seq\) = \(2, 8\) like `input_ids`, got \(2, 7\)"),
-        ((8,), dict(token_type_ids=jnp.zeros((8,), jnp.float32)), TypeError,
-         "`token_type_ids` must have an integer dtype, got float32"),
+        (
+            (2, 8),
+            dict(attention_mask=jnp.ones((8,), jnp.int32)),
+            ValueError,
+            r"`attention_mask` must have shape \(batch, seq\) = \(2, 8\) like `input_ids`, got \(8,\)",
+        ),
+        (
+            (8,),
+            dict(attention_mask=jnp.ones((1, 8), jnp.int32)),
+            ValueError,
+            r"`attention_mask` must have shape \(seq,\) = \(8,\) like `input_ids`, got \(1, 8\)",
+        ),
+        (
+            (2, 8),
+            dict(token_type_ids=jnp.zeros((2, 7), jnp.int32)),
+            ValueError,
+            r"`token_type_ids` must have shape \(batch, seq\) = \(2, 8\) like `input_ids`, got \(2, 7\)",
+        ),
+        (
+            (8,),
+            dict(token_type_ids=jnp.zeros((8,), jnp.float32)),
+            TypeError,
+            "`token_type_ids` must have an integer dtype, got float32",
+        ),
     ],
     ids=["batched-ids-1d-mask", "unbatched-ids-2d-mask", "short-types", "float-types"],
 )
@@ -159,9 +186,7 @@ def test_bert_accepts_bool_and_float_masks(models):
 
 
 @pytest.mark.parametrize("shape", [(33,), (2, 33)], ids=["unbatched", "batched"])
-@pytest.mark.parametrize(
-    "name, key", [("gpt2", "n_positions"), ("bert", "max_position_embeddings")]
-)
+@pytest.mark.parametrize("name, key", [("gpt2", "n_positions"), ("bert", "max_position_embeddings")])
 def test_too_long_sequence_raises(models, name, key, shape):
     model = models(name)  # both have 32 positions
     with pytest.raises(ValueError, match=f"`input_ids`: sequence length 33 exceeds {key} \\(32\\)"):

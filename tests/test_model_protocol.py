@@ -33,7 +33,9 @@ from port.authoring._verify import INPUTS
 ROOT = Path(__file__).resolve().parents[1]
 MAPPINGS = sorted((ROOT / "mappings").glob("*.toml"))
 SOURCES = sorted((ROOT / "src" / "port" / "nn").glob("*.py")) + sorted((ROOT / "src" / "port" / "models").glob("*.py"))
-ANNOTATION = re.compile(r"""\b(?:Float|Int|Bool|Shaped|Num|Real|Inexact|Integer|UInt|Key)\[[\w.]+, *["']([^"']*)["']\]""")
+ANNOTATION = re.compile(
+    r"""\b(?:Float|Int|Bool|Shaped|Num|Real|Inexact|Integer|UInt|Key)\[[\w.]+, *["']([^"']*)["']\]"""
+)
 
 
 def _modules(package):
@@ -89,7 +91,9 @@ def test_no_class_subclasses_a_concrete_class_of_port():
     for cls in classes:
         for base in cls.__mro__[1:]:
             if base.__module__.startswith("port."):
-                assert inspect.isabstract(base), f"{cls.__module__}.{cls.__qualname__} subclasses concrete {base.__qualname__}"
+                assert inspect.isabstract(base), (
+                    f"{cls.__module__}.{cls.__qualname__} subclasses concrete {base.__qualname__}"
+                )
 
 
 def test_concrete_classes_are_final():
@@ -145,11 +149,14 @@ def test_every_axis_an_annotation_names_is_in_the_vocabulary():
 def _configs():
     """A small config.json of every family: the decoders' contract configs, BERT's and ViT-B/16's."""
     transformers = pytest.importorskip("transformers")
-    from helpers import BERT_CONFIG
     from test_decoders import FAMILIES
     from test_vit import VIT_B16
 
-    configs = {name: getattr(transformers, config)(**kwargs).to_dict() for name, (_, config, kwargs) in FAMILIES.items()}
+    from helpers import BERT_CONFIG
+
+    configs = {
+        name: getattr(transformers, config)(**kwargs).to_dict() for name, (_, config, kwargs) in FAMILIES.items()
+    }
     return {**configs, "bert": transformers.BertConfig(**BERT_CONFIG).to_dict(), "vit": VIT_B16}
 
 
@@ -178,7 +185,7 @@ def test_each_leaf_s_annotation_names_the_axes_its_mapping_gives_it():
     grouped-query attention (BERT, ViT) has as many key/value heads as query heads: its
     mapping may call `port.nn.Attention`'s `kv_heads` `heads`."""
     checked = set()
-    for name, config in _configs().items():
+    for _name, config in _configs().items():
         mapping = port.mapping_for(config)
         skeleton = port.skeleton(mapping, config)
         for param in mapping.params:

@@ -26,29 +26,47 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import (
-    write_sparse_checkpoint,
-    VOCAB, assert_blocks_read_exactly, logits, perturbed, place_on, run_port_measured, saved_once, torch_logits, transformers_or_skip,
-)
-from port._text import size_text
 from port._errors import ConfigError
+from port._text import size_text
 from port.models.moe import Moe, read_config
 from port.nn import MoE, next_token_loss, route
+
+from helpers import (
+    VOCAB,
+    assert_blocks_read_exactly,
+    logits,
+    perturbed,
+    place_on,
+    run_port_measured,
+    saved_once,
+    torch_logits,
+    transformers_or_skip,
+    write_sparse_checkpoint,
+)
 
 # Small and awkward: 6 query heads on 2 kv heads (groups of 3), top 2 of 6 experts,
 # expert, shared-expert and vocab sizes unlike each other and the hidden size.
 COMMON = dict(
-    vocab_size=VOCAB, hidden_size=48, num_hidden_layers=2, num_attention_heads=6,
-    num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2,
+    vocab_size=VOCAB,
+    hidden_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=6,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.2,
     num_experts_per_tok=2,
 )
 MIXTRAL = dict(COMMON, intermediate_size=40, num_local_experts=6)
 QWEN2_MOE = dict(
-    COMMON, num_experts=6, intermediate_size=56, moe_intermediate_size=24,
+    COMMON,
+    num_experts=6,
+    intermediate_size=56,
+    moe_intermediate_size=24,
     shared_expert_intermediate_size=40,
 )
-QWEN3_MOE = dict(COMMON, num_experts=6, intermediate_size=56, moe_intermediate_size=24, head_dim=12,
-                 norm_topk_prob=True)
+QWEN3_MOE = dict(
+    COMMON, num_experts=6, intermediate_size=56, moe_intermediate_size=24, head_dim=12, norm_topk_prob=True
+)
 # name: (architecture, config)
 CASES = {
     "mixtral": ("Mixtral", MIXTRAL),
@@ -57,20 +75,35 @@ CASES = {
     "qwen2-moe-norm": ("Qwen2Moe", dict(QWEN2_MOE, norm_topk_prob=True)),
     # As a transformers 4 config.json: no layer_types, so port works out which layers slide
     # (Qwen2-MoE's rule: even layers below max_window_layers; here layer 0 only).
-    "qwen2-moe-sliding": ("Qwen2Moe", dict(QWEN2_MOE, use_sliding_window=True, sliding_window=4,
-                                           max_window_layers=1)),
+    "qwen2-moe-sliding": ("Qwen2Moe", dict(QWEN2_MOE, use_sliding_window=True, sliding_window=4, max_window_layers=1)),
     # Layer 0 dense (decoder_sparse_step 2), layer 1 sparse: the two stacks of `layer_groups`.
     "qwen2-moe-dense": ("Qwen2Moe", dict(QWEN2_MOE, decoder_sparse_step=2, norm_topk_prob=True)),
     # Qwen3's attention (head_dim 12, not 48 / 6); layer 1 of 3 dense (mlp_only_layers), a
     # window of 4 on every layer, q/k/v/o biases.
-    "qwen3-moe": ("Qwen3Moe", dict(QWEN3_MOE, num_hidden_layers=3, mlp_only_layers=[1], use_sliding_window=True,
-                                   sliding_window=4, attention_bias=True)),
+    "qwen3-moe": (
+        "Qwen3Moe",
+        dict(
+            QWEN3_MOE,
+            num_hidden_layers=3,
+            mlp_only_layers=[1],
+            use_sliding_window=True,
+            sliding_window=4,
+            attention_bias=True,
+        ),
+    ),
 }
 # Every family on every mesh, each compile a new (config, mesh): 7 compiles in all.
 PARITY = [
-    ("mixtral", "1x1"), ("mixtral", "4x2"), ("mixtral", "8x1"),
-    ("qwen2-moe", "4x2"), ("qwen2-moe-norm", "8x1"), ("qwen2-moe-sliding", "1x1"),
-    ("mixtral-sliding", "4x2"), ("qwen2-moe-dense", "4x2"), ("qwen3-moe", "1x1"), ("qwen3-moe", "4x2"),
+    ("mixtral", "1x1"),
+    ("mixtral", "4x2"),
+    ("mixtral", "8x1"),
+    ("qwen2-moe", "4x2"),
+    ("qwen2-moe-norm", "8x1"),
+    ("qwen2-moe-sliding", "1x1"),
+    ("mixtral-sliding", "4x2"),
+    ("qwen2-moe-dense", "4x2"),
+    ("qwen3-moe", "1x1"),
+    ("qwen3-moe", "4x2"),
 ]
 IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
 MAPPINGS = Path(__file__).resolve().parents[1] / "mappings"
@@ -119,10 +152,13 @@ def recipe_for(directory, mesh_shape, dtype=None):
 # ---------------------------------------------------------------- what save_pretrained writes
 
 
-@pytest.mark.parametrize("name, expert_key", [
-    ("mixtral", "model.layers.{}.block_sparse_moe.experts.{}.w1.weight"),
-    ("qwen2-moe", "model.layers.{}.mlp.experts.{}.gate_proj.weight"),
-])
+@pytest.mark.parametrize(
+    "name, expert_key",
+    [
+        ("mixtral", "model.layers.{}.block_sparse_moe.experts.{}.w1.weight"),
+        ("qwen2-moe", "model.layers.{}.mlp.experts.{}.gate_proj.weight"),
+    ],
+)
 def test_save_pretrained_writes_one_tensor_per_expert(checkpoints, name, expert_key):
     """transformers 5 fuses experts in memory (`experts.gate_up_proj`) but saves them per expert,
     as the Hub's checkpoints hold them: the mappings read `{expert}` keys."""
@@ -200,8 +236,10 @@ def test_the_shared_expert_matters(checkpoints):
     """Qwen2-MoE's parity depends on the shared expert and on its sigmoid gate."""
     directory, _, expected = checkpoints("qwen2-moe")
     model = port.load(directory, mesh="4x2")  # as in the parity test: the compiled model is reused
-    for where in (lambda m: m.blocks.mlp.shared.down,  # no shared expert
-                  lambda m: m.blocks.mlp.shared_gate):  # its gate 0.5 instead of sigmoid(g . x)
+    for where in (
+        lambda m: m.blocks.mlp.shared.down,  # no shared expert
+        lambda m: m.blocks.mlp.shared_gate,
+    ):  # its gate 0.5 instead of sigmoid(g . x)
         changed = eqx.tree_at(where, model, replace_fn=lambda x: 0 * x)
         assert np.abs(np.asarray(logits(changed, ids("qwen2-moe"))) - expected).max() > 1e-2
 
@@ -212,8 +250,11 @@ def torch_routes(name):
 
     model = torch_moe(name)
     chosen = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda module, args, out: chosen.append(out[2].numpy()))
-             for layer in model.model.layers if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")]
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda module, args, out: chosen.append(out[2].numpy()))
+        for layer in model.model.layers
+        if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts")
+    ]
     with torch.no_grad():
         model(torch.tensor(ids(name)))
     for hook in hooks:
@@ -276,6 +317,7 @@ def test_gradients_match_pytorch(checkpoints, name, tmp_path):
 
 # ---------------------------------------------------------------- reading
 
+
 @pytest.mark.parametrize("name", ["mixtral", "qwen2-moe"])
 def test_each_device_block_reads_exactly_its_experts(checkpoints, name, reads):
     """On 4x2 the 6 experts of each layer go 3 to a `model` column: a block of an expert leaf
@@ -290,14 +332,18 @@ def test_each_device_block_reads_exactly_its_experts(checkpoints, name, reads):
     gate = next(leaf for leaf in recipe.leaves if leaf.path == "blocks.mlp.experts.gate")
     layers, experts, inter, embed = gate.shape
     boxes = sorted(box for leaf, box, _ in per_block if leaf is gate)
-    assert boxes == [((0, layers), (e, e + experts // 2), (0, inter), (d, d + embed // 4))
-                     for e in (0, experts // 2) for d in range(0, embed, embed // 4)]
+    assert boxes == [
+        ((0, layers), (e, e + experts // 2), (0, inter), (d, d + embed // 4))
+        for e in (0, experts // 2)
+        for d in range(0, embed, embed // 4)
+    ]
     second = gate.box_keys(boxes[-1])  # experts 3-5, every layer
     with port.open_checkpoint(directory) as ckpt:
         mapping = port.mapping_for(ckpt.config)
     pattern = mapping.params[[p.path for p in mapping.params].index(gate.path)]
-    assert second == tuple("model." + pattern.key_at((layer, e)) for layer in range(layers)
-                           for e in range(experts // 2, experts))
+    assert second == tuple(
+        "model." + pattern.key_at((layer, e)) for layer in range(layers) for e in range(experts // 2, experts)
+    )
     for leaf, box, files in per_block:
         if leaf is gate and box == boxes[-1]:
             assert files.size == layers * (experts // 2) * inter * (embed // 4) * gate.source_dtype.itemsize
@@ -366,14 +412,31 @@ def test_export_round_trip(checkpoints, name, mesh, tmp_path):
 
 # mistralai/Mixtral-8x7B-v0.1's config.json.
 MIXTRAL_8X7B = {
-    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
-    "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
-    "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
-    "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
-    "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": False,
-    "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
-    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "transformers_version": "4.36.0.dev0", "use_cache": True, "vocab_size": 32000,
+    "architectures": ["MixtralForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mixtral",
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.36.0.dev0",
+    "use_cache": True,
+    "vocab_size": 32000,
 }
 
 
@@ -384,16 +447,22 @@ def mixtral_shapes(config):
     shapes = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h], "lm_head.weight": [v, h]}
     for i in range(config["num_hidden_layers"]):
         layer = f"model.layers.{i}."
-        shapes.update({
-            layer + "input_layernorm.weight": [h], layer + "post_attention_layernorm.weight": [h],
-            layer + "self_attn.q_proj.weight": [h, h], layer + "self_attn.k_proj.weight": [kv, h],
-            layer + "self_attn.v_proj.weight": [kv, h], layer + "self_attn.o_proj.weight": [h, h],
-            layer + "block_sparse_moe.gate.weight": [config["num_local_experts"], h],
-        })
+        shapes.update(
+            {
+                layer + "input_layernorm.weight": [h],
+                layer + "post_attention_layernorm.weight": [h],
+                layer + "self_attn.q_proj.weight": [h, h],
+                layer + "self_attn.k_proj.weight": [kv, h],
+                layer + "self_attn.v_proj.weight": [kv, h],
+                layer + "self_attn.o_proj.weight": [h, h],
+                layer + "block_sparse_moe.gate.weight": [config["num_local_experts"], h],
+            }
+        )
         for e in range(config["num_local_experts"]):
             expert = f"{layer}block_sparse_moe.experts.{e}."
-            shapes.update({expert + "w1.weight": [inter, h], expert + "w2.weight": [h, inter],
-                           expert + "w3.weight": [inter, h]})
+            shapes.update(
+                {expert + "w1.weight": [inter, h], expert + "w2.weight": [h, inter], expert + "w3.weight": [inter, h]}
+            )
     return shapes
 
 
@@ -417,8 +486,10 @@ def test_plan_mixtral_8x7b_reads_no_tensor(tmp_path):
     c = MIXTRAL_8X7B
     stacked = f"{c['num_hidden_layers']},{c['num_local_experts']}"
     inter, hidden = c["intermediate_size"], c["hidden_size"]
-    for leaf, shape, spec in [("gate", f"{inter},{hidden}", "(-, model, -, data)"),
-                              ("down", f"{hidden},{inter}", "(-, model, data, -)")]:
+    for leaf, shape, spec in [
+        ("gate", f"{inter},{hidden}", "(-, model, -, data)"),
+        ("down", f"{hidden},{inter}", "(-, model, data, -)"),
+    ]:
         row = rf"^blocks\.mlp\.experts\.{leaf} +{re.escape(f'bf16[{stacked},{shape}]')} +{re.escape(spec)} "
         assert re.search(row, result.stdout, re.M), result.stdout
     assert "layers.{layer}.block_sparse_moe.experts.{expert}.w1.weight x32 x8" in result.stdout
@@ -439,8 +510,9 @@ def test_experts_the_model_axis_does_not_divide_leave_it_to_the_expert_hidden_di
 # ---------------------------------------------------------------- the module and its config
 
 
-def numpy_route(logits, top_k, *, scoring="softmax", renormalise=True, selection_bias=None, groups=1,
-                top_groups=1, scale=1.0):
+def numpy_route(
+    logits, top_k, *, scoring="softmax", renormalise=True, selection_bias=None, groups=1, top_groups=1, scale=1.0
+):
     """transformers' routers, in plain NumPy: Mixtral / Qwen2-MoE (softmax) and DeepSeek-V3's
     `DeepseekV3TopkRouter` (sigmoid, a selection bias, group-limited choice, a routed scale).
 
@@ -561,8 +633,14 @@ def test_config_defaults_follow_transformers():
     assert mixtral.rms_norm_eps == 1e-5 and mixtral.rope.theta == 1e6 and mixtral.sliding_window is None
     assert not mixtral.qkv_bias and experts.shared_intermediate_size is None
     assert experts.moe_intermediate_size == MIXTRAL["intermediate_size"] and mixtral.model_type == "mixtral"
-    qwen, experts = read_config({"model_type": "qwen2_moe", **{k: QWEN2_MOE[k] for k in (
-        "vocab_size", "intermediate_size", "num_hidden_layers")}, "hidden_size": 64, "num_attention_heads": 16})
+    qwen, experts = read_config(
+        {
+            "model_type": "qwen2_moe",
+            **{k: QWEN2_MOE[k] for k in ("vocab_size", "intermediate_size", "num_hidden_layers")},
+            "hidden_size": 64,
+            "num_attention_heads": 16,
+        }
+    )
     assert (experts.num_experts, experts.num_experts_per_tok, experts.norm_topk_prob) == (60, 4, False)
     assert (experts.moe_intermediate_size, experts.shared_intermediate_size) == (1408, 5632)
     assert qwen.qkv_bias and qwen.num_key_value_heads == 16 and qwen.rms_norm_eps == 1e-6
@@ -631,7 +709,10 @@ def equations(jaxpr):
 def jaxpr_of(module, x, grad=False):
     """The jaxpr of `module(x)`, or of the gradient of its sum (parameters and input)."""
     params, static = eqx.partition(module, lambda a: isinstance(a, (jax.Array, jax.ShapeDtypeStruct)))
-    run = lambda p, x: eqx.combine(p, static)(x)
+
+    def run(p, x):
+        return eqx.combine(p, static)(x)
+
     if grad:
         run = jax.grad(lambda p, x: eqx.combine(p, static)(x).astype(np.float32).sum(), argnums=(0, 1))
     return jax.make_jaxpr(run)(params, x).jaxpr
@@ -662,8 +743,9 @@ def test_no_expert_runs_on_every_token(name):
                 shape = e.outvars[0].aval.shape
                 if experts in shape and (tokens in shape or rows in shape):
                     assert e.primitive.name == "dot_general" and shape == (tokens, experts), (e, shape)
-        assert sum(e.primitive.name == "dot_general" and e.outvars[0].aval.shape == (tokens, experts)
-                   for e in eqns) == 1  # the router
+        assert (
+            sum(e.primitive.name == "dot_general" and e.outvars[0].aval.shape == (tokens, experts) for e in eqns) == 1
+        )  # the router
 
 
 def test_mixtral_top_2_sends_a_quarter_of_the_rows_of_top_8(monkeypatch, capsys):
@@ -699,8 +781,9 @@ def test_mixtral_top_2_sends_a_quarter_of_the_rows_of_top_8(monkeypatch, capsys)
     x = jax.ShapeDtypeStruct((2, 256, llama.hidden_size), jnp.bfloat16)
     rows, flops = {}, {}
     for k in (2, 8):
-        moe = eqx.filter_eval_shape(dataclasses.replace(config, num_experts_per_tok=k).mlp, llama, jnp.bfloat16,
-                                    jax.random.key(0))
+        moe = eqx.filter_eval_shape(
+            dataclasses.replace(config, num_experts_per_tok=k).mlp, llama, jnp.bfloat16, jax.random.key(0)
+        )
         ragged = [e for e in equations(jaxpr_of(moe, x)) if e.primitive.name == "ragged_dot_general"]
         rows[k] = {e.invars[0].aval.shape[0] for e in ragged}
         params, static = eqx.partition(moe, lambda a: isinstance(a, jax.ShapeDtypeStruct))
@@ -709,5 +792,7 @@ def test_mixtral_top_2_sends_a_quarter_of_the_rows_of_top_8(monkeypatch, capsys)
         flops[k] = (cost[0] if isinstance(cost, list) else cost)["flops"]
     assert rows == {2: {512 * 2}, 8: {512 * 8}}
     with capsys.disabled():
-        print(f"\nMixtral-8x7B MoE layer, 512 tokens, bfloat16, XLA cost_analysis on {jax.default_backend()}: "
-              f"top-2 {flops[2]:.4g} flops, top-8 {flops[8]:.4g} flops (ratio {flops[8] / flops[2]:.3g})")
+        print(
+            f"\nMixtral-8x7B MoE layer, 512 tokens, bfloat16, XLA cost_analysis on {jax.default_backend()}: "
+            f"top-2 {flops[2]:.4g} flops, top-8 {flops[8]:.4g} flops (ratio {flops[8] / flops[2]:.3g})"
+        )

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import port
-from helpers import INPUT_IDS, logits
 
+from helpers import INPUT_IDS, logits
 
 pytestmark = pytest.mark.slow  # every test runs two processes
 
@@ -42,8 +42,7 @@ def run_processes(argv_for, env_for=lambda i: {}, timeout=240):
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "PORT_DEBUG")}
     base["JAX_PLATFORMS"] = "cpu"
     procs = [
-        subprocess.Popen(argv_for(i), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env=base | env_for(i))
+        subprocess.Popen(argv_for(i), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=base | env_for(i))
         for i in range(2)
     ]
     results = []
@@ -55,7 +54,7 @@ def run_processes(argv_for, env_for=lambda i: {}, timeout=240):
                 q.kill()
             raise
         results.append((p.returncode, out, err))
-    for code, out, err in results:
+    for code, _, err in results:
         assert code == 0, err
     return results
 
@@ -93,14 +92,28 @@ def expected_reads(directory, mesh_shape: dict, processes: int = 2) -> list[int]
 def test_two_processes_convert_and_read_only_their_share(gpt2_checkpoints, tmp_path, mesh_spec, via_env):
     directories, expected_logits = gpt2_checkpoints
     source, out, address = directories["sharded"], tmp_path / "out", f"127.0.0.1:{free_port()}"
-    command = [sys.executable, "-m", "port", "convert", str(source), "--mesh", mesh_spec,
-               "--out", str(out), "--report", str(tmp_path / "run.json")]
+    command = [
+        sys.executable,
+        "-m",
+        "port",
+        "convert",
+        str(source),
+        "--mesh",
+        mesh_spec,
+        "--out",
+        str(out),
+        "--report",
+        str(tmp_path / "run.json"),
+    ]
     if via_env:  # JAX's own variables
-        results = run_processes(lambda i: command, lambda i: {
-            "JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)})
+        results = run_processes(
+            lambda i: command,
+            lambda i: {"JAX_COORDINATOR_ADDRESS": address, "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i)},
+        )
     else:
-        results = run_processes(lambda i: command + [
-            "--coordinator", address, "--num-processes", "2", "--process-id", str(i)])
+        results = run_processes(
+            lambda i: command + ["--coordinator", address, "--num-processes", "2", "--process-id", str(i)]
+        )
     for i, (_, _, err) in enumerate(results):
         assert f"simulating 4 CPU devices in each of 2 processes for --mesh {mesh_spec}" in err
         assert f"process {i}/2: converted" in err
@@ -132,10 +145,22 @@ def test_two_processes_export_each_its_share(tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
     converted, out, address = tmp_path / "jax", tmp_path / "hf", f"127.0.0.1:{free_port()}"
     port.convert(example, mesh="1x1", out=converted)
-    command = [sys.executable, "-m", "port", "export", str(converted), "--mesh", "4x2", "--out", str(out),
-               "--max-shard-size", "200KB"]
-    results = run_processes(lambda i: command + [
-        "--coordinator", address, "--num-processes", "2", "--process-id", str(i)])
+    command = [
+        sys.executable,
+        "-m",
+        "port",
+        "export",
+        str(converted),
+        "--mesh",
+        "4x2",
+        "--out",
+        str(out),
+        "--max-shard-size",
+        "200KB",
+    ]
+    results = run_processes(
+        lambda i: command + ["--coordinator", address, "--num-processes", "2", "--process-id", str(i)]
+    )
     shares = []
     for i, (_, _, err) in enumerate(results):
         line = next(line for line in err.splitlines() if "exported" in line)
@@ -226,11 +251,25 @@ def test_two_processes_restore_and_read_only_their_share(gpt2_checkpoints, tmp_p
     out, address = tmp_path / "out", f"127.0.0.1:{free_port()}"
     port.convert(directories["sharded"], mesh="4x2", out=out)
     ids = repr(INPUT_IDS.tolist())
-    results = run_processes(lambda i: [sys.executable, "-c", RESTORE_SCRIPT, str(out), address, str(i), mesh_spec,
-                                       str(tmp_path / "logits.npy"), ids])
+    results = run_processes(
+        lambda i: [
+            sys.executable,
+            "-c",
+            RESTORE_SCRIPT,
+            str(out),
+            address,
+            str(i),
+            mesh_spec,
+            str(tmp_path / "logits.npy"),
+            ids,
+        ]
+    )
     figures = [json.loads(stdout.strip().splitlines()[-1]) for _, stdout, _ in results]
-    total = sum(f.stat().st_size for f in (out / "params").rglob("*") if f.is_file() and f.parent != out / "params"
-                and f.name != ".zarray")
+    total = sum(
+        f.stat().st_size
+        for f in (out / "params").rglob("*")
+        if f.is_file() and f.parent != out / "params" and f.name != ".zarray"
+    )
     for figure in figures:
         assert figure["read"] == figure["share"], figures
         assert 0.3 * total < figure["read"] < 0.7 * total, (figures, total)

@@ -31,8 +31,15 @@ def run_all(commands: list[list[str]], delays: list[float] | None = None) -> lis
     try:
         for command, delay in sorted(zip(commands, delays), key=lambda c: c[1]):
             time.sleep(max(0.0, started + delay - time.monotonic()))
-            procs.append((command, time.monotonic(), subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=port_env())))
+            procs.append(
+                (
+                    command,
+                    time.monotonic(),
+                    subprocess.Popen(
+                        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=port_env()
+                    ),
+                )
+            )
         results = {}
         for command, start, p in procs:
             _, err = p.communicate(timeout=max(1.0, start + LIMIT - time.monotonic()))
@@ -60,25 +67,47 @@ def the_error(code: int, err: str) -> str:
 @pytest.fixture(scope="module")
 def wired():
     """Skip until `port convert` takes --timeout (and so joins, agrees and times out)."""
-    result = subprocess.run([*port_command(), "convert", "--help"], capture_output=True, text=True,
-                            env=port_env(), timeout=LIMIT)
+    result = subprocess.run(
+        [*port_command(), "convert", "--help"], capture_output=True, text=True, env=port_env(), timeout=LIMIT
+    )
     if "--timeout" not in result.stdout:
         pytest.skip("port convert has no --timeout yet")
 
 
 def convert(out: Path, address: str, process: int, *extra: str) -> list[str]:
-    return [*port_command(), "convert", str(TINY), "--mesh", "4x2", "--out", str(out),
-            "--coordinator", address, "--num-processes", "2", "--process-id", str(process), *extra]
+    return [
+        *port_command(),
+        "convert",
+        str(TINY),
+        "--mesh",
+        "4x2",
+        "--out",
+        str(out),
+        "--coordinator",
+        address,
+        "--num-processes",
+        "2",
+        "--process-id",
+        str(process),
+        *extra,
+    ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag, first, second, expected", [
-    ("--dtype", [], ["--dtype", "bfloat16"], ["process 0 has", "process 1 has bfloat16"]),
-    ("--dtype", ["--dtype", "float32"], ["--dtype", "bfloat16"],
-     ["process 0 has float32, process 1 has bfloat16"]),
-    ("--mesh", [], ["--mesh", "2x4"], ["process 0 has data=4,model=2, process 1 has data=2,model=4"]),  # same device count
-    ("--out", [], ["--out", "{tmp}/other"], ["process 0 has {tmp}/out", "process 1 has {tmp}/other"]),
-])
+@pytest.mark.parametrize(
+    "flag, first, second, expected",
+    [
+        ("--dtype", [], ["--dtype", "bfloat16"], ["process 0 has", "process 1 has bfloat16"]),
+        ("--dtype", ["--dtype", "float32"], ["--dtype", "bfloat16"], ["process 0 has float32, process 1 has bfloat16"]),
+        (
+            "--mesh",
+            [],
+            ["--mesh", "2x4"],
+            ["process 0 has data=4,model=2, process 1 has data=2,model=4"],
+        ),  # same device count
+        ("--out", [], ["--out", "{tmp}/other"], ["process 0 has {tmp}/out", "process 1 has {tmp}/other"]),
+    ],
+)
 def test_processes_that_disagree_stop_before_reading(wired, tmp_path, flag, first, second, expected):
     out, address = tmp_path / "out", f"127.0.0.1:{free_port()}"
     # A later flag wins: process 1's --mesh 2x4 / --out other replaces the shared one.
@@ -267,11 +296,14 @@ def test_disagreements_read_as_settings():
     from port._runtime import _MISSING, _disagreement
 
     assert _disagreement("dtype", {0: None, 1: "bfloat16"}) == (
-        "processes disagree on dtype=: process 0 has no dtype=, process 1 has bfloat16")
+        "processes disagree on dtype=: process 0 has no dtype=, process 1 has bfloat16"
+    )
     assert _disagreement("force", {0: True, 1: False, 2: True}) == (
-        "processes disagree on force=: processes 0, 2 have force=, process 1 has no force=")
+        "processes disagree on force=: processes 0, 2 have force=, process 1 has no force="
+    )
     assert _disagreement("mapping", {0: "gpt2.toml", 1: _MISSING}) == (
-        "processes disagree on mapping=: process 0 has gpt2.toml, process 1 has no mapping=")
+        "processes disagree on mapping=: process 0 has gpt2.toml, process 1 has no mapping="
+    )
     long = _disagreement("mapping text", {0: "a = 1\n" * 20, 1: "a = 2\n" * 20})
     assert "\n" not in long and "process 0 has 120 characters with sha256 " in long
 

@@ -16,6 +16,7 @@ import pytest
 import port
 from port.models.llama import Llama, LlamaConfig
 from port.nn import Cache, attend, cast, generate, prepare, read_rope, scan
+
 from helpers import LLAMA_CONFIG, transformers_or_skip
 
 SMALL = {**LLAMA_CONFIG, "model_type": "llama", "num_hidden_layers": 2}
@@ -25,8 +26,16 @@ SMALL = {**LLAMA_CONFIG, "model_type": "llama", "num_hidden_layers": 2}
     "rope",
     [
         dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=32),
-        dict(rope_type="yarn", rope_theta=500000.0, factor=8.0, original_max_position_embeddings=16,
-             beta_fast=16.0, beta_slow=2.0, mscale=1.0, mscale_all_dim=0.5),
+        dict(
+            rope_type="yarn",
+            rope_theta=500000.0,
+            factor=8.0,
+            original_max_position_embeddings=16,
+            beta_fast=16.0,
+            beta_slow=2.0,
+            mscale=1.0,
+            mscale_all_dim=0.5,
+        ),
     ],
     ids=["yarn", "yarn-mscale"],
 )
@@ -43,8 +52,12 @@ def test_yarn_matches_transformers(rope):
 
 def test_unsupported_rope_is_one_line_naming_the_key():
     with pytest.raises(port.ConfigError, match=r"config.json: rope_parameters: rope type 'dynamic' is not supported"):
-        read_rope({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, 64,
-                  supported=("default",), max_position_embeddings=128)
+        read_rope(
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+            64,
+            supported=("default",),
+            max_position_embeddings=128,
+        )
 
 
 def _qkv(seed=0, heads=4, kv_heads=2, seq=5, dim=8):
@@ -79,8 +92,15 @@ def _reference(q, k, v, mask, scale, softcap=None, sinks=None):
 def test_attend_matches_the_formula(softcap, sinks):
     q, k, v, mask = _qkv()
     sink = np.array([0.5, -1.0, 2.0, 0.0], np.float32) if sinks else None
-    ours = attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), scale=0.3,
-                  softcap=softcap, sinks=None if sink is None else jnp.asarray(sink))
+    ours = attend(
+        jnp.asarray(q),
+        jnp.asarray(k),
+        jnp.asarray(v),
+        jnp.asarray(mask),
+        scale=0.3,
+        softcap=softcap,
+        sinks=None if sink is None else jnp.asarray(sink),
+    )
     np.testing.assert_allclose(np.asarray(ours), _reference(q, k, v, mask, 0.3, softcap, sink), atol=1e-5)
 
 
@@ -109,10 +129,18 @@ def test_positions_follow_the_mask_and_restart_per_segment():
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        (dict(attention_mask=np.ones((2, 4))), ValueError, r"`attention_mask` must have shape \(batch, seq\) = \(2, 5\)"),
+        (
+            dict(attention_mask=np.ones((2, 4))),
+            ValueError,
+            r"`attention_mask` must have shape \(batch, seq\) = \(2, 5\)",
+        ),
         (dict(positions=np.zeros((2, 5), np.float32)), TypeError, r"`positions` must have an integer dtype"),
         (dict(segment_ids=np.zeros((5,), np.int32)), ValueError, r"`segment_ids` must have shape"),
-        (dict(segment_ids=np.zeros((2, 5), np.int32), cache="cache"), ValueError, r"`segment_ids` cannot be used with `cache`"),
+        (
+            dict(segment_ids=np.zeros((2, 5), np.int32), cache="cache"),
+            ValueError,
+            r"`segment_ids` cannot be used with `cache`",
+        ),
         (dict(cache="short"), ValueError, r"`cache` has 4 slots, too few for 5 tokens"),
         (dict(cache="batch"), ValueError, r"`cache` holds a batch of 3, but `input_ids` has 2"),
     ],
@@ -170,11 +198,18 @@ def test_decode_step_compiles_once_whatever_the_length(llama):
     counts = []
     for new in (4, 8, 24):
         events = []
-        listener = lambda name, *_, **__: events.append(name) if name.endswith("backend_compile_duration") else None
+
+        def listener(name, *_, **__):
+            return events.append(name) if name.endswith("backend_compile_duration") else None
+
         jax.monitoring.register_event_duration_secs_listener(listener)
         try:
-            generate(llama, np.ones((2, 5), np.int32) + np.arange(5), max_new_tokens=new,
-                     attention_mask=np.array([[1] * 5, [0, 0, 1, 1, 1]]))
+            generate(
+                llama,
+                np.ones((2, 5), np.int32) + np.arange(5),
+                max_new_tokens=new,
+                attention_mask=np.array([[1] * 5, [0, 0, 1, 1, 1]]),
+            )
         finally:
             jax.monitoring.unregister_event_duration_listener(listener)
         counts.append(len(events))
@@ -220,8 +255,15 @@ def test_run_layers_gives_local_layers_their_own_window_and_rope():
 
     tokens = prepare(np.zeros((1, 4), np.int32), window=2)
     ones, twos = jnp.ones((1, 4, 2)), 2 * jnp.ones((1, 4, 2))
-    x, _ = run_layers(Probe(jnp.zeros((2, 1))), jnp.zeros((1, 4, 1)), tokens, cos=ones, sin=ones,
-                      sliding=(False, True), sliding_rope=(twos, twos))
+    x, _ = run_layers(
+        Probe(jnp.zeros((2, 1))),
+        jnp.zeros((1, 4, 1)),
+        tokens,
+        cos=ones,
+        sin=ones,
+        sliding=(False, True),
+        sliding_rope=(twos, twos),
+    )
     # layer 0: causal mask (10 pairs), cos sum 8; layer 1: window 2 (7 pairs), cos sum 16
     np.testing.assert_allclose(np.asarray(x)[0, 0, 0], 10 + 800 + 7 + 1600)
 
@@ -262,8 +304,9 @@ def regrouped(model, kinds, ids, cache=None, remat=None):
 
     params, static = eqx.partition(model.blocks, eqx.is_array)
     groups = {
-        kind: eqx.combine(jax.tree.map(lambda a: a[np.array([i for i, k in enumerate(kinds) if k == kind])], params),
-                          static)
+        kind: eqx.combine(
+            jax.tree.map(lambda a: a[np.array([i for i, k in enumerate(kinds) if k == kind])], params), static
+        )
         for kind in dict.fromkeys(kinds)
     }
     c = model.config
@@ -306,8 +349,9 @@ def test_run_groups_decodes_with_either_cache_layout(mistral4, kinds, per_kind):
     layers, kv_heads, head_dim = mistral4.cache_sizes
     if per_kind:
         zeros = lambda n: jnp.zeros((n, 2, 12, kv_heads, head_dim))  # noqa: E731
-        cache = Cache.of({k: zeros(kinds.count(k)) for k in "ab"}, {k: zeros(kinds.count(k)) for k in "ab"},
-                         batch=2, length=12)
+        cache = Cache.of(
+            {k: zeros(kinds.count(k)) for k in "ab"}, {k: zeros(kinds.count(k)) for k in "ab"}, batch=2, length=12
+        )
     else:
         cache = mistral4.init_cache(2, 12)
     out, cache = regrouped(mistral4, kinds, ids[:, :5], cache)
@@ -344,8 +388,11 @@ def test_pre_norm_block_is_the_residual_formula(plus_one):
     mlp = GatedMLP(embd=24, inner=40, activation="silu", dtype=jnp.float32, key=k2)
     block = PreNormBlock(attn, mlp, embd=24, eps=1e-5, dtype=jnp.float32, plus_one=plus_one)
     assert float(block.attn_norm[0]) == float(block.mlp_norm[0]) == (0.0 if plus_one else 1.0)
-    block = eqx.tree_at(lambda b: (b.attn_norm, b.mlp_norm), block,
-                        (jax.random.normal(k3, (24,)), jax.random.normal(jax.random.fold_in(k3, 1), (24,))))
+    block = eqx.tree_at(
+        lambda b: (b.attn_norm, b.mlp_norm),
+        block,
+        (jax.random.normal(k3, (24,)), jax.random.normal(jax.random.fold_in(k3, 1), (24,))),
+    )
     x = jax.random.normal(jax.random.fold_in(k3, 2), (2, 5, 24))
     mask = prepare(np.ones((2, 5), np.int32)).mask
     y, kv = block(x, mask, cos=None, sin=None, kv=None, index=None)
@@ -355,4 +402,3 @@ def test_pre_norm_block_is_the_residual_formula(plus_one):
     np.testing.assert_allclose(y, expected, atol=1e-6, rtol=0)
     for a, b in zip(jax.tree.leaves(kv), jax.tree.leaves(kv_attn)):
         np.testing.assert_array_equal(a, b)
-

@@ -9,7 +9,17 @@ import pytest
 
 import port
 from port._skeleton import leaves
-from helpers import INPUT_IDS, logits, read_offsets, recorded_reads, run_port, torch_llama, torch_logits, write_checkpoint
+
+from helpers import (
+    INPUT_IDS,
+    logits,
+    read_offsets,
+    recorded_reads,
+    run_port,
+    torch_llama,
+    torch_logits,
+    write_checkpoint,
+)
 
 
 def nbytes(info):
@@ -105,8 +115,11 @@ def test_cli_convert_layers_writes_a_model_of_those_layers(gpt2_checkpoints, tmp
     np.testing.assert_array_equal(np.asarray(model.blocks.mlp.w_fc[0]), np.asarray(full.blocks.mlp.w_fc[1]))
     np.testing.assert_array_equal(np.asarray(model.wte), np.asarray(full.wte))
     layers = full.blocks.mlp.w_fc.shape[0]
-    for flag, expected in [("3", "--layers '3': expected START:STOP"), ("2:1", "--layers '2:1': expected START:STOP"),
-                           (f"0:{layers + 5}", f"--layers 0:{layers + 5}: outside the checkpoint's {layers} layers")]:
+    for flag, expected in [
+        ("3", "--layers '3': expected START:STOP"),
+        ("2:1", "--layers '2:1': expected START:STOP"),
+        (f"0:{layers + 5}", f"--layers 0:{layers + 5}: outside the checkpoint's {layers} layers"),
+    ]:
         bad = run_port("convert", directories["lm"], "--out", tmp_path / "bad", "--layers", flag)
         assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr
         lines = bad.stderr.strip().splitlines()

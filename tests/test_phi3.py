@@ -19,16 +19,32 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import LLAMA_CONFIG, VOCAB, element_bytes, hooked, logits, place_on, run_port, saved_once, torch_llama, torch_logits, transformers_or_skip, write_sparse_checkpoint
-from port._text import count_text, size_text
 from port._errors import PortError
+from port._text import count_text, size_text
 from port.models.llama import Llama, LlamaConfig
+
+from helpers import (
+    LLAMA_CONFIG,
+    VOCAB,
+    element_bytes,
+    hooked,
+    logits,
+    place_on,
+    run_port,
+    saved_once,
+    torch_llama,
+    torch_logits,
+    transformers_or_skip,
+    write_sparse_checkpoint,
+)
 
 HEADS, KV, HEAD_DIM, HIDDEN, MLP = 6, 2, 8, 48, 128
 PHI3 = dict(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV)
 LONGROPE = dict(
-    rope_type="longrope", rope_theta=10000.0,
-    short_factor=[1.0, 1.3, 1.9, 2.6], long_factor=[2.0, 4.5, 9.0, 16.0],  # head_dim // 2 each
+    rope_type="longrope",
+    rope_theta=10000.0,
+    short_factor=[1.0, 1.3, 1.9, 2.6],
+    long_factor=[2.0, 4.5, 9.0, 16.0],  # head_dim // 2 each
 )
 # name: config overrides (on LLAMA_CONFIG, then PHI3)
 CASES = {
@@ -36,7 +52,8 @@ CASES = {
     # 12 tokens are past the original 8: long factors; 6 are not: short factors.
     "longrope": dict(original_max_position_embeddings=8, rope_parameters=LONGROPE),
     "partial-tied-sliding": dict(
-        tie_word_embeddings=True, sliding_window=4,
+        tie_word_embeddings=True,
+        sliding_window=4,
         rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5),
     ),
 }
@@ -59,7 +76,9 @@ def max_diff(model, expected, ids=IDS) -> float:
 
 def with_config(model: Llama, **changes) -> Llama:
     """The same weights under a changed (static) config (RoPE fields go to its `rope`)."""
-    rope = {k: changes.pop(k) for k in ("long_factor", "short_factor", "attention_factor", "rotary_dim") if k in changes}
+    rope = {
+        k: changes.pop(k) for k in ("long_factor", "short_factor", "attention_factor", "rotary_dim") if k in changes
+    }
     if rope:
         changes["rope"] = dataclasses.replace(model.config.rope, **rope)
     config = dataclasses.replace(model.config, **changes)
@@ -125,8 +144,13 @@ def test_each_block_reads_only_its_rows_of_the_fused_tensors(checkpoints, reads)
     qkv_proj, start being 0 for q, 6 for k and 8 for v; gate and up likewise in gate_up_proj.
     Every byte of the checkpoint is read once, as the plan says."""
     directory, _, _ = checkpoints("gqa")
-    first = {"blocks.attn.wq": (0, HEAD_DIM), "blocks.attn.wk": (HEADS, HEAD_DIM),
-             "blocks.attn.wv": (HEADS + KV, HEAD_DIM), "blocks.mlp.gate": (0, 1), "blocks.mlp.up": (MLP, 1)}
+    first = {
+        "blocks.attn.wq": (0, HEAD_DIM),
+        "blocks.attn.wk": (HEADS, HEAD_DIM),
+        "blocks.attn.wv": (HEADS + KV, HEAD_DIM),
+        "blocks.mlp.gate": (0, 1),
+        "blocks.mlp.up": (MLP, 1),
+    }
     fused = {"attn": "self_attn.qkv_proj", "mlp": "mlp.gate_up_proj"}
     mesh = port.make_mesh("4x2")
     recipe, total, infos = place_on(directory, mesh)
@@ -138,10 +162,12 @@ def test_each_block_reads_only_its_rows_of_the_fused_tensors(checkpoints, reads)
         start, rows = first[leaf.path]
         (l0, l1), (a, b), *_, (c, d) = box
         key = f"model.layers.{{}}.{fused[leaf.path.split('.')[1]]}.weight"
-        wanted = set().union(*(
-            element_bytes(infos[key.format(layer)], (((start + a) * rows, (start + b) * rows), (c, d)))
-            for layer in range(l0, l1)
-        ))
+        wanted = set().union(
+            *(
+                element_bytes(infos[key.format(layer)], (((start + a) * rows, (start + b) * rows), (c, d)))
+                for layer in range(l0, l1)
+            )
+        )
         assert len(files) == len(set(files.tolist())) == len(wanted), f"{leaf.path} {box}: a byte read twice"
         assert set(files.tolist()) == wanted, f"{leaf.path} {box}: read outside its heads"
         checked += 1
@@ -181,16 +207,33 @@ def test_export_rebuilds_the_fused_tensors(checkpoints, name, tmp_path):
 
 # microsoft/Phi-3-mini-4k-instruct's config.json.
 PHI3_MINI = {
-    "architectures": ["Phi3ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
-    "embd_pdrop": 0.0, "eos_token_id": 32000, "hidden_act": "silu", "hidden_size": 3072,
-    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 4096,
-    "model_type": "phi3", "num_attention_heads": 32, "num_hidden_layers": 32,
-    "num_key_value_heads": 32, "original_max_position_embeddings": 4096, "pad_token_id": 32000,
-    "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 10000.0,
-    "sliding_window": 2047, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "use_cache": True, "vocab_size": 32064,
+    "architectures": ["Phi3ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "embd_pdrop": 0.0,
+    "eos_token_id": 32000,
+    "hidden_act": "silu",
+    "hidden_size": 3072,
+    "initializer_range": 0.02,
+    "intermediate_size": 8192,
+    "max_position_embeddings": 4096,
+    "model_type": "phi3",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 32,
+    "original_max_position_embeddings": 4096,
+    "pad_token_id": 32000,
+    "resid_pdrop": 0.0,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "sliding_window": 2047,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 32064,
 }
-NO_READS = '''
+NO_READS = """
 import pathlib, os
 import port._sources._local
 
@@ -200,7 +243,7 @@ def refuse(*args, **kwargs):
 port._sources._local._preadv = refuse
 port._sources._local.LocalCheckpoint.read_into = refuse
 pathlib.Path(os.environ["PORT_TEST_NO_READS"]).touch()
-'''
+"""
 
 
 @pytest.mark.slow
@@ -260,10 +303,19 @@ def test_longrope_matches_transformers_at_128k_sizes():
     rotary = transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding(transformers.Phi3Config(**config))
     for seq in (4096, 4097):
         rotary(torch.zeros(1, dtype=torch.float32), torch.arange(seq)[None])
-        np.testing.assert_allclose(ours.rope.inv_freq(long=seq > 4096), rotary.inv_freq.numpy(), rtol=1e-6)  # float32 pow: an ulp
+        np.testing.assert_allclose(
+            ours.rope.inv_freq(long=seq > 4096), rotary.inv_freq.numpy(), rtol=1e-6
+        )  # float32 pow: an ulp
     assert not np.array_equal(ours.rope.inv_freq(long=False), ours.rope.inv_freq(long=True))
-    assert ours.rope.attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12) and ours.rope.attention_factor > 1
-    v5 = {**config, "rope_scaling": None, "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, **factors}}
+    assert (
+        ours.rope.attention_factor == pytest.approx(rotary.attention_scaling, rel=1e-12)
+        and ours.rope.attention_factor > 1
+    )
+    v5 = {
+        **config,
+        "rope_scaling": None,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, **factors},
+    }
     su = {**config, "rope_scaling": {"type": "su", **factors}}
     assert LlamaConfig.from_hf(v5) == LlamaConfig.from_hf(su) == ours
 
@@ -272,7 +324,10 @@ def test_longrope_matches_transformers_at_128k_sizes():
     "change, match",
     [
         (dict(rope_scaling=dict(type="linear", factor=2.0)), r"config.json: rope_scaling: rope type 'linear'"),
-        (dict(rope_parameters={**LONGROPE, "short_factor": [1.0]}), r"config.json: 'rope_parameters.short_factor' must list 4"),
+        (
+            dict(rope_parameters={**LONGROPE, "short_factor": [1.0]}),
+            r"config.json: 'rope_parameters.short_factor' must list 4",
+        ),
         (dict(rope_parameters={**LONGROPE, "long_factor": None}), r"rope_parameters.long_factor"),
         (dict(partial_rotary_factor=0.375), r"config.json: 'partial_rotary_factor' 0.375 of head_dim 8 gives 3"),
     ],
@@ -294,5 +349,7 @@ def test_config_defaults_follow_phi3config():
     assert ours.sliding_window is None and theirs.sliding_window is None
     assert ours.head_dim == theirs.hidden_size // theirs.num_attention_heads
     assert not (ours.qkv_bias or ours.o_bias or ours.mlp_bias or ours.qk_norm)
-    partial = LlamaConfig.from_hf(phi3_config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75}))
+    partial = LlamaConfig.from_hf(
+        phi3_config(rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})
+    )
     assert partial.rope.rotary_dim == 6 and partial.rope.inv_freq().shape == (3,)

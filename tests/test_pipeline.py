@@ -38,7 +38,9 @@ def test_in_flight_cancel_forgets_what_has_not_started():
     assert len(pending) == 0 and ran == []
 
 
-@pytest.mark.parametrize("bounds, most", [({"ahead": 2}, 3), ({"ahead_bytes": 25}, 3), ({"ahead_bytes": 0}, 1), ({}, 10)])
+@pytest.mark.parametrize(
+    "bounds, most", [({"ahead": 2}, 3), ({"ahead_bytes": 25}, 3), ({"ahead_bytes": 0}, 1), ({}, 10)]
+)
 def test_read_ahead_takes_units_in_order_within_its_bounds(bounds, most):
     """Units are drawn only as the bounds allow: at most `most` planned and not yet taken back."""
     planned, taken, seen = [], [], []

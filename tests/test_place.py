@@ -8,8 +8,9 @@ import pytest
 from safetensors.numpy import load_file
 
 import port
-import port._place
 import port._files
+import port._place
+
 from helpers import assert_blocks_read_exactly, element_bytes, place_on, recorded_reads
 
 # The tiny GPT-2 example: save_pretrained's layout (tied, no lm_head) written with NumPy; vocab 1021,
@@ -59,7 +60,9 @@ def test_fused_tensor_is_read_end_to_end():
     with port.open_checkpoint(EXAMPLE) as ckpt, recorded_reads() as calls:
         mapping = port.mapping_for(ckpt.config)
         recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh.shape)
-        attention = [leaf for leaf in recipe.leaves if leaf.path in ("blocks.attn.wq", "blocks.attn.wk", "blocks.attn.wv")]
+        attention = [
+            leaf for leaf in recipe.leaves if leaf.path in ("blocks.attn.wq", "blocks.attn.wk", "blocks.attn.wv")
+        ]
         port.place(port._plan.Plan(tuple(attention), recipe.mesh_shape, (), ()), ckpt, mesh)
         info = ckpt.tensors["transformer.h.0.attn.c_attn.weight"]
     rows = info.shape[0]
@@ -82,8 +85,13 @@ def test_cast_blocks_read_their_region_once(reads, dtype):
     assert len(elsewhere) == total == recipe.read_bytes
     assert len(set(elsewhere.tolist())) == len(elsewhere)  # each source byte once
     assert all(len(files) == 0 for _, _, files in per_block)
-    wanted = set().union(*(element_bytes(ckpt.tensors[k], leaf.source_region(box)[0])
-                           for leaf, box, _ in per_block for k in leaf.source_region(box)[1]))
+    wanted = set().union(
+        *(
+            element_bytes(ckpt.tensors[k], leaf.source_region(box)[0])
+            for leaf, box, _ in per_block
+            for k in leaf.source_region(box)[1]
+        )
+    )
     assert set(elsewhere.tolist()) == wanted
     wte = load_file(EXAMPLE / "model.safetensors")["transformer.wte.weight"]
     np.testing.assert_array_equal(np.asarray(arrays["wte"]), wte.astype(port._dtypes.dtype(dtype)))

@@ -19,9 +19,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import LLAMA_CONFIG, VOCAB, logits, saved_once, torch_llama, transformers_or_skip
 from port._errors import PlanError, PortError
 from port.models.llama import Llama, LlamaConfig
+
+from helpers import LLAMA_CONFIG, VOCAB, logits, saved_once, torch_llama, transformers_or_skip
 
 QWEN3 = dict(num_attention_heads=6, num_key_value_heads=2, head_dim=12)  # hidden 64 != 6 x 12
 # name: config overrides (on LLAMA_CONFIG, then QWEN3)
@@ -49,9 +50,7 @@ def max_diff(model, expected) -> float:
 # ---------------------------------------------------------------- parity and layout
 
 
-@pytest.mark.parametrize(
-    "name, mesh", [(n, m) for n in ("untied", "tied-bias") for m in MESHES] + [("sliding", "4x2")]
-)
+@pytest.mark.parametrize("name, mesh", [(n, m) for n in ("untied", "tied-bias") for m in MESHES] + [("sliding", "4x2")])
 def test_logits_match_transformers(checkpoints, name, mesh):
     directory, _, expected = checkpoints(name)
     model = port.load(directory, mesh=port.make_mesh(mesh))
@@ -80,7 +79,9 @@ def test_logits_match_transformers(checkpoints, name, mesh):
 
 def without_qk_norm(model: Llama) -> Llama:
     return eqx.tree_at(
-        lambda m: (m.blocks.attn.q_norm, m.blocks.attn.k_norm), model, replace=(None, None),
+        lambda m: (m.blocks.attn.q_norm, m.blocks.attn.k_norm),
+        model,
+        replace=(None, None),
         is_leaf=lambda x: x is None,
     )
 

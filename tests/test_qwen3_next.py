@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import write_sparse_checkpoint, VOCAB, logits, perturbed, run_port_measured, torch_logits, transformers_or_skip
 from jax.sharding import PartitionSpec as P
 
 import port
@@ -30,11 +29,33 @@ from port.models.qwen3_next import Qwen3NextConfig
 from port.nn import next_token_loss
 from port.nn._deltanet import chunk_gated_delta_rule, recurrent_gated_delta_rule
 
+from helpers import (
+    VOCAB,
+    logits,
+    perturbed,
+    run_port_measured,
+    torch_logits,
+    transformers_or_skip,
+    write_sparse_checkpoint,
+)
+
 CONFIG = dict(
-    vocab_size=VOCAB, hidden_size=48, intermediate_size=56, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-    linear_key_head_dim=8, linear_value_head_dim=12, num_experts=6, num_experts_per_tok=2,
-    moe_intermediate_size=24, shared_expert_intermediate_size=40, initializer_range=0.2,
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=56,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=12,
+    num_experts=6,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    shared_expert_intermediate_size=40,
+    initializer_range=0.2,
     max_position_embeddings=64,
 )
 IDS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
@@ -166,8 +187,9 @@ def test_greedy_generation_matches_transformers(checkpoint, loaded):
     mask[1, :2] = 0
     prompts[1, :2] = 0
     torch_lm = torch_qwen3_next()
-    theirs = torch_lm.generate(torch.tensor(prompts), attention_mask=torch.tensor(mask), max_new_tokens=8,
-                               do_sample=False, pad_token_id=0).numpy()
+    theirs = torch_lm.generate(
+        torch.tensor(prompts), attention_mask=torch.tensor(mask), max_new_tokens=8, do_sample=False, pad_token_id=0
+    ).numpy()
     ours = np.asarray(port.generate(loaded, prompts, max_new_tokens=8, attention_mask=mask))
     np.testing.assert_array_equal(ours, theirs)
 
@@ -203,13 +225,16 @@ def test_export_round_trip(checkpoint, tmp_path):
 # ---------------------------------------------------------------- config errors
 
 
-@pytest.mark.parametrize("change, words", [
-    (dict(layer_types=["linear_attention"] * 3), "'layer_types' must list 4"),
-    (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "'layer_types'"),
-    (dict(num_experts_per_tok=8), "'num_experts_per_tok' (8) is more than 'num_experts' (6)"),
-    (dict(mlp_only_layers=[1]), "'mlp_only_layers'"),
-    (dict(linear_num_value_heads=3), "'linear_num_value_heads' (3) must be a multiple"),
-])
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(layer_types=["linear_attention"] * 3), "'layer_types' must list 4"),
+        (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "'layer_types'"),
+        (dict(num_experts_per_tok=8), "'num_experts_per_tok' (8) is more than 'num_experts' (6)"),
+        (dict(mlp_only_layers=[1]), "'mlp_only_layers'"),
+        (dict(linear_num_value_heads=3), "'linear_num_value_heads' (3) must be a multiple"),
+    ],
+)
 def test_config_errors_are_one_line(change, words):
     with pytest.raises(ConfigError) as e:
         Qwen3NextConfig.from_hf({"model_type": "qwen3_next", **CONFIG, **change})
@@ -232,14 +257,35 @@ def test_expert_count_must_match_the_tensors(checkpoint, tmp_path):
 
 # Qwen/Qwen3-Next-80B-A3B-Instruct's config.json (the keys port reads).
 QWEN3_NEXT_80B = {
-    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936,
-    "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16,
-    "num_key_value_heads": 2, "head_dim": 256, "hidden_act": "silu", "max_position_embeddings": 262144,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000000, "partial_rotary_factor": 0.25, "full_attention_interval": 4,
-    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_experts": 512, "num_experts_per_tok": 10,
-    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "norm_topk_prob": True,
-    "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5120,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "max_position_embeddings": 262144,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000000,
+    "partial_rotary_factor": 0.25,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
 }
 
 
@@ -255,27 +301,47 @@ def qwen3_next_shapes(c):
         shapes.update({layer + "input_layernorm.weight": [h], layer + "post_attention_layernorm.weight": [h]})
         if (i + 1) % c["full_attention_interval"]:
             a = layer + "linear_attn."
-            shapes.update({
-                a + "in_proj_qkvz.weight": [2 * nk * dk + 2 * nv * dv, h], a + "in_proj_ba.weight": [2 * nv, h],
-                a + "conv1d.weight": [2 * nk * dk + nv * dv, 1, c["linear_conv_kernel_dim"]],
-                a + "dt_bias": [nv], a + "A_log": [nv], a + "norm.weight": [dv], a + "out_proj.weight": [h, nv * dv],
-            })
+            shapes.update(
+                {
+                    a + "in_proj_qkvz.weight": [2 * nk * dk + 2 * nv * dv, h],
+                    a + "in_proj_ba.weight": [2 * nv, h],
+                    a + "conv1d.weight": [2 * nk * dk + nv * dv, 1, c["linear_conv_kernel_dim"]],
+                    a + "dt_bias": [nv],
+                    a + "A_log": [nv],
+                    a + "norm.weight": [dv],
+                    a + "out_proj.weight": [h, nv * dv],
+                }
+            )
         else:
             a = layer + "self_attn."
-            shapes.update({
-                a + "q_proj.weight": [2 * heads * hd, h], a + "k_proj.weight": [kv * hd, h],
-                a + "v_proj.weight": [kv * hd, h], a + "o_proj.weight": [h, heads * hd],
-                a + "q_norm.weight": [hd], a + "k_norm.weight": [hd],
-            })
+            shapes.update(
+                {
+                    a + "q_proj.weight": [2 * heads * hd, h],
+                    a + "k_proj.weight": [kv * hd, h],
+                    a + "v_proj.weight": [kv * hd, h],
+                    a + "o_proj.weight": [h, heads * hd],
+                    a + "q_norm.weight": [hd],
+                    a + "k_norm.weight": [hd],
+                }
+            )
         m = layer + "mlp."
-        shapes.update({
-            m + "gate.weight": [experts, h], m + "shared_expert_gate.weight": [1, h],
-            m + "shared_expert.gate_proj.weight": [shared, h], m + "shared_expert.up_proj.weight": [shared, h],
-            m + "shared_expert.down_proj.weight": [h, shared],
-        })
+        shapes.update(
+            {
+                m + "gate.weight": [experts, h],
+                m + "shared_expert_gate.weight": [1, h],
+                m + "shared_expert.gate_proj.weight": [shared, h],
+                m + "shared_expert.up_proj.weight": [shared, h],
+                m + "shared_expert.down_proj.weight": [h, shared],
+            }
+        )
         for e in range(experts):
-            shapes.update({f"{m}experts.{e}.gate_proj.weight": [inter, h], f"{m}experts.{e}.up_proj.weight": [inter, h],
-                           f"{m}experts.{e}.down_proj.weight": [h, inter]})
+            shapes.update(
+                {
+                    f"{m}experts.{e}.gate_proj.weight": [inter, h],
+                    f"{m}experts.{e}.up_proj.weight": [inter, h],
+                    f"{m}experts.{e}.down_proj.weight": [h, inter],
+                }
+            )
     return shapes
 
 
@@ -301,11 +367,16 @@ def test_plan_qwen3_next_80b_reads_no_tensor(tmp_path):
 QWEN3_5_TEXT = {k: v for k, v in CONFIG.items() if not k.startswith(("num_experts", "moe_", "shared_"))}
 
 
-@pytest.mark.parametrize("arch, extra", [
-    ("Qwen3_5", {}),
-    ("Qwen3_5Moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
-                        shared_expert_intermediate_size=40)),
-])
+@pytest.mark.parametrize(
+    "arch, extra",
+    [
+        ("Qwen3_5", {}),
+        (
+            "Qwen3_5Moe",
+            dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40),
+        ),
+    ],
+)
 def test_qwen3_5_language_model_matches_transformers(tmp_path, arch, extra):
     """The released layout: a `{arch}ForConditionalGeneration` (a tiny vision tower, ignored),
     `text_config` nesting, keys under `model.language_model.`, separate DeltaNet projections;

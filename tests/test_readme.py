@@ -19,8 +19,9 @@ def ci_block(name: str) -> str:
     """The block `.ci/run` extracts for `name`, by its own `block` function."""
     script = (REPO / ".ci" / "run").read_text()
     (function,) = re.findall(r"^block\(\) \{.*?^\}\n", script, re.S | re.M)
-    result = subprocess.run(["bash", "-c", f"{function}\nblock {name}"], cwd=REPO, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        ["bash", "-c", f"{function}\nblock {name}"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout
 

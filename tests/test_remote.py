@@ -25,6 +25,7 @@ import pytest
 
 import port
 from port._sources import _fsspec, _http, _hub, _ranges, _remote, _transport, _urls
+
 from helpers import run_port
 from test_multiprocess import expected_reads, free_port, run_processes
 
@@ -91,6 +92,7 @@ class Handler(BaseHTTPRequestHandler):
         spans = [tuple(map(int, part.split("-"))) for part in asked.removeprefix("bytes=").split(",")]
         state.multipart_requests += 1
         with open(file, "rb") as f:
+
             def data(first, last):
                 f.seek(first)
                 return f.read(last + 1 - first)
@@ -100,11 +102,15 @@ class Handler(BaseHTTPRequestHandler):
                 return self._send(206, data(first, last), {"Content-Range": f"bytes {first}-{last}/{size}"}, None)
             boundary = "00000000042"
             data_bytes = sum(last + 1 - first for first, last in spans)
-            body = b"".join(
-                f"\r\n--{boundary}\r\nContent-Type: application/octet-stream\r\n"
-                f"Content-Range: bytes {first}-{last}/{size}\r\n\r\n".encode() + data(first, last)
-                for first, last in spans
-            ) + f"\r\n--{boundary}--\r\n".encode()
+            body = (
+                b"".join(
+                    f"\r\n--{boundary}\r\nContent-Type: application/octet-stream\r\n"
+                    f"Content-Range: bytes {first}-{last}/{size}\r\n\r\n".encode()
+                    + data(first, last)
+                    for first, last in spans
+                )
+                + f"\r\n--{boundary}--\r\n".encode()
+            )
         self._send(206, body, {"Content-Type": f"multipart/byteranges; boundary={boundary}"}, None)
         state.add(data_bytes - len(body))  # `sent` counts the file's bytes, not the parts' headers
 
@@ -216,7 +222,7 @@ class Served:
         if path.startswith("/cdn/"):
             return path[4:]
         if self.hub and path.startswith(self.hub[0]):
-            return f"/{self.hub[1]}/{path[len(self.hub[0]):]}"
+            return f"/{self.hub[1]}/{path[len(self.hub[0]) :]}"
         return path
 
 
@@ -308,9 +314,12 @@ def test_a_server_slower_than_the_minimum_rate_is_retried_then_refused(server, s
     with pytest.raises(port.CheckpointError) as caught:
         port.load(f"{server.base}/lm", mesh="1x1")
     message = str(caught.value)
-    assert re.search(r"model\.safetensors: bytes \d+-\d+ \(tensor '[\w.]+'( and \d+ small ones beside it)?\): \d+ of \d+ bytes in [\d.]+ s, "
-                     r"slower than 1024 KiB/s "
-                     rf"\(gave up after {_transport.ATTEMPTS} attempts\)$", message), message
+    assert re.search(
+        r"model\.safetensors: bytes \d+-\d+ \(tensor '[\w.]+'( and \d+ small ones beside it)?\): \d+ of \d+ bytes in [\d.]+ s, "
+        r"slower than 1024 KiB/s "
+        rf"\(gave up after {_transport.ATTEMPTS} attempts\)$",
+        message,
+    ), message
     assert "\n" not in message and time.monotonic() - began < 60
 
 
@@ -334,7 +343,8 @@ def test_a_permanent_failure_is_one_line_naming_the_url_and_range(server, served
     assert "\n" not in message
     assert re.match(
         rf"{re.escape(server.base)}/lm/model\.safetensors: bytes \d+-\d+ \(tensor '[\w.]+'( and \d+ small ones beside it)?\): "
-        rf"HTTP 503 Service Unavailable \(gave up after {_transport.ATTEMPTS} attempts\)$", message
+        rf"HTTP 503 Service Unavailable \(gave up after {_transport.ATTEMPTS} attempts\)$",
+        message,
     ), message
 
     result = run_port("convert", f"{server.base}/lm", "--out", tmp_path / "out")
@@ -354,12 +364,17 @@ def test_missing_files_and_servers_without_ranges_are_refused(server, served):
         size = ckpt.tensors["transformer.wte.weight"].file.size
         with open(changing / "model.safetensors", "ab") as f:
             f.write(b"\0" * 8)
-        with pytest.raises(port.CheckpointError, match=rf"^{re.escape(server.base)}/changing/model.safetensors: "
-                           rf"bytes \d+-\d+ \(tensor 'transformer.wte.weight'\): changed since its header was read "
-                           rf"\(now {size + 8} bytes, was {size}\)$"):
+        with pytest.raises(
+            port.CheckpointError,
+            match=rf"^{re.escape(server.base)}/changing/model.safetensors: "
+            rf"bytes \d+-\d+ \(tensor 'transformer.wte.weight'\): changed since its header was read "
+            rf"\(now {size + 8} bytes, was {size}\)$",
+        ):
             ckpt.read("transformer.wte.weight", ((0, 1), (0, 64)))
     served.ignore_range = True
-    with pytest.raises(port.CheckpointError, match=r"/lm/model\.safetensors: bytes 0-7: the server does not honour Range"):
+    with pytest.raises(
+        port.CheckpointError, match=r"/lm/model\.safetensors: bytes 0-7: the server does not honour Range"
+    ):
         port.open_checkpoint(f"{server.base}/lm")
 
 
@@ -471,8 +486,10 @@ def test_urls_are_parsed_and_shown_without_credentials():
 def test_hub_urls_with_user_info_and_broken_urls_are_refused_without_their_secret():
     assert _urls.redact("hf://me:SECRET@org/name") == "hf://org/name"
     assert _urls.redact("hf://org/name@v1") == "hf://org/name@v1"  # a revision stays
-    for url, words in [("hf://me:SECRET@org/name", "not a Hugging Face repo URL"),
-                       ("http://u:SECRET@[::1/x", "not a URL port can read (Invalid IPv6 URL)")]:
+    for url, words in [
+        ("hf://me:SECRET@org/name", "not a Hugging Face repo URL"),
+        ("http://u:SECRET@[::1/x", "not a URL port can read (Invalid IPv6 URL)"),
+    ]:
         result = run_port("plan", url, "--mesh", "1x1")
         assert result.returncode == 1 and words in result.stderr, result.stderr
         assert "SECRET" not in result.stdout + result.stderr
@@ -491,8 +508,13 @@ def test_the_worker_is_not_given_the_url_in_its_argv(server, served, tmp_path):
     served.credentials = ("Basic " + base64.b64encode(b"me:s3cret-pass").decode(), "t0ken-value")
     served.delay = 0.3  # every answer slowed: the run lasts long enough to look at
     url = f"http://me:s3cret-pass@127.0.0.1:{server.server_port}/tiny?token=t0ken-value"
-    process = subprocess.Popen([*port_command(), "plan", url, "--mesh", "1x1"], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, env=port_env())
+    process = subprocess.Popen(
+        [*port_command(), "plan", url, "--mesh", "1x1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=port_env(),
+    )
     try:
         children = Path(f"/proc/{process.pid}/task/{process.pid}/children")
         deadline = time.monotonic() + 30
@@ -535,7 +557,12 @@ def test_a_multipart_answer_must_hold_the_ranges_asked():
     ranges = [(10, 14), (30, 32)]
 
     def part(first, last, data, size=100, delimiter=b"--B"):
-        return b"\r\n" + delimiter + f"\r\nContent-Type: x\r\nContent-Range: bytes {first}-{last}/{size}\r\n\r\n".encode() + data
+        return (
+            b"\r\n"
+            + delimiter
+            + f"\r\nContent-Type: x\r\nContent-Range: bytes {first}-{last}/{size}\r\n\r\n".encode()
+            + data
+        )
 
     good = part(10, 13, b"abcd") + part(30, 31, b"ef") + b"\r\n--B--\r\n"
     offsets = _http.part_offsets(good, b"B", ranges, 100)
@@ -558,7 +585,13 @@ def test_ranges_merge_when_adjacent_and_stop_at_the_chunk():
     offsets, lengths = np.array([40, 0, 8, 16, 100]), np.array([8, 8, 8, 8, 30])
     addresses = np.array([1000, 0, 8, 16, 2000], np.uint64)
     ranges = _ranges.plan_ranges(offsets, lengths, addresses, chunk=20)
-    assert list(zip(ranges.starts.tolist(), ranges.stops.tolist())) == [(0, 20), (20, 24), (40, 48), (100, 120), (120, 130)]
+    assert list(zip(ranges.starts.tolist(), ranges.stops.tolist())) == [
+        (0, 20),
+        (20, 24),
+        (40, 48),
+        (100, 120),
+        (120, 130),
+    ]
     pieces = [ranges.pieces_of(i).tolist() for i in range(len(ranges))]
     assert pieces == [[[0, 8], [8, 8], [16, 4]], [[20, 4]], [[1000, 8]], [[2000, 20]], [[2020, 10]]]
     # A run across several chunk boundaries is cut at each; an empty plan has no ranges.
@@ -603,8 +636,12 @@ def test_parts_are_copied_to_their_pieces():
         firsts = np.concatenate(([0], np.cumsum(counts)))
         offsets = np.array([37 + 300 * i + (i % 3) for i in range(len(counts))])  # part heads of varying length
         starts = np.arange(len(counts)) * 1000
-        ranges = _ranges.Ranges(starts, starts + np.add.reduceat(lengths, firsts[:-1]), firsts,
-                                _ranges.iovecs([d.ctypes.data for d in dests], lengths))
+        ranges = _ranges.Ranges(
+            starts,
+            starts + np.add.reduceat(lengths, firsts[:-1]),
+            firsts,
+            _ranges.iovecs([d.ctypes.data for d in dests], lengths),
+        )
         want_a, want_b = a.copy(), b.copy()
         for r in range(len(counts)):
             at = offsets[r]
@@ -661,7 +698,9 @@ def test_groups_keep_every_limit():
     ranges = _ranges.Ranges(starts, starts + 10, np.arange(len(starts) + 1), _ranges.iovecs(starts, starts * 0 + 10))
     groups = _http.grouped(ranges)
     assert groups[0] == (0, _http.MAX_PARTS) and groups[-1][1] == 1000
-    assert all(b - a <= _http.MAX_PARTS for a, b in groups) and all(b == c for (_, b), (c, _) in zip(groups, groups[1:]))
+    assert all(b - a <= _http.MAX_PARTS for a, b in groups) and all(
+        b == c for (_, b), (c, _) in zip(groups, groups[1:])
+    )
     for a, b in groups:
         assert len(",".join(f"{s}-{s + 9}" for s in starts[a:b].tolist())) <= _http.MAX_RANGE_HEADER
     starts, stops = np.array([0, 100, 200, 210, 1000]), np.array([10, 110, 210, 220, 1000 + _http.PART])
@@ -669,13 +708,16 @@ def test_groups_keep_every_limit():
     assert _http.grouped(ranges) == [(0, 3), (3, 4), (4, 5)]
 
 
-@pytest.mark.parametrize("blocks, rows, width, shuffle", [
-    (2, 50, 24, False),   # two column blocks: rows alternate A, B, A, B
-    (3, 7, 8, False),     # three
-    (1, 9, 16, False),    # one block's rows, strided in its buffer
-    (2, 6, 8, True),      # no pattern: piece by piece
-    (70, 3, 4, False),    # more blocks than _MAX_INTERLEAVE: piece by piece
-])
+@pytest.mark.parametrize(
+    "blocks, rows, width, shuffle",
+    [
+        (2, 50, 24, False),  # two column blocks: rows alternate A, B, A, B
+        (3, 7, 8, False),  # three
+        (1, 9, 16, False),  # one block's rows, strided in its buffer
+        (2, 6, 8, True),  # no pattern: piece by piece
+        (70, 3, 4, False),  # more blocks than _MAX_INTERLEAVE: piece by piece
+    ],
+)
 def test_scatter_puts_every_byte_where_its_piece_says(blocks, rows, width, shuffle):
     """`_scatter` (an HTTP answer's small pieces out of the scratch buffer): each block gets its rows,
     as strided copies when the rows interleave regularly, else one by one, and nothing else is written."""
@@ -714,8 +756,12 @@ def s3(gpt2_checkpoints):
             yield chunk
 
     server._server.app = counting
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://{host}:{port_number}"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://{host}:{port_number}",
+    }
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():
             patch.setenv(name, value)
@@ -774,8 +820,11 @@ def test_s3_failures_name_the_url(s3, monkeypatch):
         fs.rm("models/gone/model.safetensors")
         with pytest.raises(port.CheckpointError) as caught:
             ckpt.read("transformer.wte.weight", ((0, 2), (0, 64)))
-    assert re.match(r"^s3://models/gone/model\.safetensors: bytes \d+-\d+ \(tensor 'transformer\.wte\.weight'\): "
-                    r"not found$", str(caught.value)), caught.value
+    assert re.match(
+        r"^s3://models/gone/model\.safetensors: bytes \d+-\d+ \(tensor 'transformer\.wte\.weight'\): "
+        r"not found$",
+        str(caught.value),
+    ), caught.value
 
 
 # ---------------------------------------------------------------------------- two processes
@@ -785,8 +834,19 @@ def test_s3_failures_name_the_url(s3, monkeypatch):
 def test_two_processes_each_transfer_their_share(server, served, gpt2_checkpoints, tmp_path, record_property):
     directory, url = gpt2_checkpoints[0]["sharded"], f"{server.base}/sharded"
     address = f"127.0.0.1:{free_port()}"
-    command = [sys.executable, "-m", "port", "convert", url, "--mesh", "4x2", "--out", str(tmp_path / "out"),
-               "--report", str(tmp_path / "run.json")]
+    command = [
+        sys.executable,
+        "-m",
+        "port",
+        "convert",
+        url,
+        "--mesh",
+        "4x2",
+        "--out",
+        str(tmp_path / "out"),
+        "--report",
+        str(tmp_path / "run.json"),
+    ]
     run_processes(lambda i: command + ["--coordinator", address, "--num-processes", "2", "--process-id", str(i)])
     reports = [json.loads((tmp_path / f"run.{i}.json").read_text()) for i in range(2)]
     with port.open_checkpoint(url) as ckpt:
@@ -794,8 +854,10 @@ def test_two_processes_each_transfer_their_share(server, served, gpt2_checkpoint
     shares = expected_reads(directory, port.mesh_shape("4x2"))
     moved = [r["bytes_read"] for r in reports]
     record_property("bytes per process", moved)
-    print(f"\nremote, 2 processes x 4 devices: bytes transferred {moved}, shares {shares}, opening {opening}, "
-          f"files {files_size(directory)}, {served.requests} requests")
+    print(
+        f"\nremote, 2 processes x 4 devices: bytes transferred {moved}, shares {shares}, opening {opening}, "
+        f"files {files_size(directory)}, {served.requests} requests"
+    )
     assert moved == [share + opening for share in shares]
     assert served.sent == sum(moved) + opening
     # Each process's rows alternate with the other's: the small ranges go several to a request.
@@ -835,8 +897,9 @@ def test_a_server_claiming_a_huge_checkpoint_is_refused_before_its_data(tmp_path
     """Issue 21 row 8: a server states a 234 GB file (gpt-oss-120b's real shapes, served from a
     sparse file whose data is a hole): the plan's memory is checked against the host before any
     tensor byte is asked for, and the run is one line, exit 1, with nothing at --out."""
-    from helpers import one_line, run_port, write_sparse_checkpoint
     from test_gpt_oss import GPT_OSS_120B, gpt_oss_shapes
+
+    from helpers import one_line, run_port, write_sparse_checkpoint
 
     root = tmp_path / "served"
     root.mkdir()

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
+
 from helpers import INPUT_IDS, logits
 
 
@@ -171,8 +172,13 @@ def test_convert_reports_the_write_as_it_goes(gpt2_checkpoints, tmp_path):
 
     saved = []
     with port.open_checkpoint(directories["sharded"]) as ckpt:
-        port.save(run.model, tmp_path / "again", port.mapping_for(ckpt.config), ckpt.config,
-                  progress=lambda done, total: saved.append((done, total)))
+        port.save(
+            run.model,
+            tmp_path / "again",
+            port.mapping_for(ckpt.config),
+            ckpt.config,
+            progress=lambda done, total: saved.append((done, total)),
+        )
     assert saved[-1] == (total, total) and len(saved) >= len(_chunk_files(tmp_path / "out"))
     assert all(d <= t for d, t in saved) and all(a[0] <= b[0] and a[1] <= b[1] for a, b in zip(saved, saved[1:]))
 

@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 import port
-from helpers import INPUT_IDS, logits, one_line, port_env, run_port
 from port._errors import OutputError
 from port.models.gpt2 import GPT2
+
+from helpers import INPUT_IDS, logits, one_line, port_env, run_port
 
 GPT2_MODEL = 'model = "port.models.gpt2:GPT2"'
 
@@ -73,12 +74,14 @@ def refused(out, capfd, *substrings, mesh="2x4", **kwargs) -> str:
 @pytest.fixture
 def evil(tmp_path, monkeypatch):
     """`evil.py` in the working directory and on sys.path; importing it writes `imported`."""
-    (tmp_path / "evil.py").write_text(textwrap.dedent("""
+    (tmp_path / "evil.py").write_text(
+        textwrap.dedent("""
         from pathlib import Path
         Path(__file__).with_name("imported").write_text("evil ran")
         from port.models.gpt2 import GPT2 as Model
         Ref = Model
-    """))
+    """)
+    )
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path / "imported"
@@ -105,11 +108,20 @@ def test_an_output_naming_another_module_is_refused_without_importing_it(out, ev
     proves_importable(evil)
 
 
-@pytest.mark.parametrize("spec", [
-    "os:system", "port._output:restore", "port.models._config:MISSING", "port.models.gpt2.evil:Model",
-    "port.models.evil:Model", "port.models.gpt2:_normal", "port.models.gpt2:jax", "port.models.gpt2:GPT2Config",
-    "port.models.gpt2:GPT2\\nport: done",
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "os:system",
+        "port._output:restore",
+        "port.models._config:MISSING",
+        "port.models.gpt2.evil:Model",
+        "port.models.evil:Model",
+        "port.models.gpt2:_normal",
+        "port.models.gpt2:jax",
+        "port.models.gpt2:GPT2Config",
+        "port.models.gpt2:GPT2\\nport: done",
+    ],
+)
 def test_only_model_classes_of_port_models_are_imported(out, capfd, spec):
     edit(out, lambda m: m.update(mapping=m["mapping"].replace(GPT2_MODEL, f'model = "{spec}"')))
     refused(out, capfd, "port/metadata: model ")
@@ -160,8 +172,11 @@ def test_a_class_whose_leaves_differ_is_refused(out, capfd):
         out, capfd, "port/metadata: leaf 'wpe' is not a leaf of NoPositions built from its config", model=NoPositions
     )
     refused(
-        out, capfd, "port/metadata: leaf 'extra' of WithExtra built from its config is missing, and the mapping "
-        "does not mark it optional", model=WithExtra,
+        out,
+        capfd,
+        "port/metadata: leaf 'extra' of WithExtra built from its config is missing, and the mapping "
+        "does not mark it optional",
+        model=WithExtra,
     )
 
 
@@ -172,57 +187,74 @@ def leaf(name, **fields):
     return lambda m: m["leaves"][name].update(fields)
 
 
-@pytest.mark.parametrize("change, expected", [
-    (lambda m: m.update(format=1), "port/metadata: format 1 is not 3, the one this port reads"),
-    (lambda m: m.update(format=4), "port/metadata: format 4 is not 3, the one this port reads"),
-    (lambda m: m.update(format="3"), "port/metadata: format '3' is not 3"),
-    (lambda m: m.update(format="2"), "port/metadata: format '2' is not 3"),
-    (lambda m: m.update(format=True), "port/metadata: format True is not 3"),
-    (lambda m: m.update(format=3.0), "port/metadata: format 3.0 is not 3"),
-    (lambda m: m.update(format=2.0), "port/metadata: format 2.0 is not 3"),
-    (lambda m: m.update(format=None), "port/metadata: format None is not 3"),
-    (lambda m: m.pop("format"), "port/metadata: missing field 'format'"),
-    (lambda m: m.pop("config"), "port/metadata: missing field 'config'"),
-    (lambda m: m.update(extra=1), "port/metadata: unknown field 'extra'"),
-    (lambda m: m.update({"a\nb": 1}), "port/metadata: unknown field 'a\\nb'"),
-    (lambda m: m.update(mapping=["x"]), "port/metadata: 'mapping' must be a JSON string"),
-    (lambda m: m.update(mapping_source=None), "port/metadata: 'mapping_source' must be a JSON string"),
-    (lambda m: m.update(config=[1]), "port/metadata: 'config' must be a JSON object"),
-    (lambda m: m.update(leaves=[]), "port/metadata: 'leaves' must be a JSON object"),
-    (lambda m: m.update(leaves={}), "port/metadata: 'leaves' is empty"),
-    (lambda m: m.update(mapping="model = "), "port/metadata: mapping: invalid TOML"),
-    (lambda m: m.update(mapping="bogus = 1\n" + m["mapping"]), "port/metadata: mapping: unknown key 'bogus'"),
-    (lambda m: m.update(mapping=m["mapping"].replace("[rules]", "rules = [1]\n[other]")), "port/metadata: mapping"),
-    (lambda m: m.update(mapping='model = "port.models.gpt2:GPT2"\nrules = [1]\n'), "port/metadata: mapping: [rules] must be a table"),
-    (leaf("wte", shape=[101, -64]), "leaf 'wte': 'shape' must be a list of non-negative integers"),
-    (leaf("wte", shape=[101, 64.0]), "leaf 'wte': 'shape' must be a list of non-negative integers"),
-    (leaf("wte", shape=[101, True]), "leaf 'wte': 'shape' must be a list of non-negative integers"),
-    (leaf("wte", shape="101x64"), "leaf 'wte': 'shape' must be a list of non-negative integers"),
-    (leaf("wte", dtype="complex64"), "leaf 'wte': dtype 'complex64' is not one of"),
-    (leaf("wte", dtype=["float32"]), "leaf 'wte': dtype ['float32'] is not one of"),
-    (leaf("wte", dtype="float64"), "leaf 'wte': JAX holds float64 only with jax_enable_x64 set"),
-    (leaf("wte", axes=["vocab"]), "leaf 'wte': 1 axes for a 2-d shape"),
-    (leaf("wte", axes=["vocab", 3]), "leaf 'wte': 'axes' must be a list of logical axis names or null"),
-    (leaf("wte", axes=["embed", "vocab"]), "leaf 'wte': axes ['embed', 'vocab'] differ from its mapping entry's"),
-    (leaf("wte", extra=1), "leaf 'wte' must be an object with exactly shape, dtype, axes"),
-    (lambda m: m["leaves"].update({"wte\nport: ok": m["leaves"]["wte"]}), "leaf name 'wte\\nport: ok' is not a"),
-    (lambda m: m["leaves"].update(foo=m["leaves"]["wte"]), "leaf 'foo' has no entry in the output's mapping, yet names"),
-    (lambda m: m["leaves"].update(foo=dict(m["leaves"]["wte"], axes=[None, None])), "params: has no array 'foo', which"),
-    (lambda m: m["leaves"].pop("wpe"), "params: holds array 'wpe', which port/metadata does not list"),
-    (lambda m: m.update(mapping=m["mapping"].replace('embed = "data"', 'embed = "tensor"')),
-     "port/metadata: mapping rules.embed names mesh axis 'tensor', which the mesh (data, model) does not have"),
-])
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (lambda m: m.update(format=1), "port/metadata: format 1 is not 3, the one this port reads"),
+        (lambda m: m.update(format=4), "port/metadata: format 4 is not 3, the one this port reads"),
+        (lambda m: m.update(format="3"), "port/metadata: format '3' is not 3"),
+        (lambda m: m.update(format="2"), "port/metadata: format '2' is not 3"),
+        (lambda m: m.update(format=True), "port/metadata: format True is not 3"),
+        (lambda m: m.update(format=3.0), "port/metadata: format 3.0 is not 3"),
+        (lambda m: m.update(format=2.0), "port/metadata: format 2.0 is not 3"),
+        (lambda m: m.update(format=None), "port/metadata: format None is not 3"),
+        (lambda m: m.pop("format"), "port/metadata: missing field 'format'"),
+        (lambda m: m.pop("config"), "port/metadata: missing field 'config'"),
+        (lambda m: m.update(extra=1), "port/metadata: unknown field 'extra'"),
+        (lambda m: m.update({"a\nb": 1}), "port/metadata: unknown field 'a\\nb'"),
+        (lambda m: m.update(mapping=["x"]), "port/metadata: 'mapping' must be a JSON string"),
+        (lambda m: m.update(mapping_source=None), "port/metadata: 'mapping_source' must be a JSON string"),
+        (lambda m: m.update(config=[1]), "port/metadata: 'config' must be a JSON object"),
+        (lambda m: m.update(leaves=[]), "port/metadata: 'leaves' must be a JSON object"),
+        (lambda m: m.update(leaves={}), "port/metadata: 'leaves' is empty"),
+        (lambda m: m.update(mapping="model = "), "port/metadata: mapping: invalid TOML"),
+        (lambda m: m.update(mapping="bogus = 1\n" + m["mapping"]), "port/metadata: mapping: unknown key 'bogus'"),
+        (lambda m: m.update(mapping=m["mapping"].replace("[rules]", "rules = [1]\n[other]")), "port/metadata: mapping"),
+        (
+            lambda m: m.update(mapping='model = "port.models.gpt2:GPT2"\nrules = [1]\n'),
+            "port/metadata: mapping: [rules] must be a table",
+        ),
+        (leaf("wte", shape=[101, -64]), "leaf 'wte': 'shape' must be a list of non-negative integers"),
+        (leaf("wte", shape=[101, 64.0]), "leaf 'wte': 'shape' must be a list of non-negative integers"),
+        (leaf("wte", shape=[101, True]), "leaf 'wte': 'shape' must be a list of non-negative integers"),
+        (leaf("wte", shape="101x64"), "leaf 'wte': 'shape' must be a list of non-negative integers"),
+        (leaf("wte", dtype="complex64"), "leaf 'wte': dtype 'complex64' is not one of"),
+        (leaf("wte", dtype=["float32"]), "leaf 'wte': dtype ['float32'] is not one of"),
+        (leaf("wte", dtype="float64"), "leaf 'wte': JAX holds float64 only with jax_enable_x64 set"),
+        (leaf("wte", axes=["vocab"]), "leaf 'wte': 1 axes for a 2-d shape"),
+        (leaf("wte", axes=["vocab", 3]), "leaf 'wte': 'axes' must be a list of logical axis names or null"),
+        (leaf("wte", axes=["embed", "vocab"]), "leaf 'wte': axes ['embed', 'vocab'] differ from its mapping entry's"),
+        (leaf("wte", extra=1), "leaf 'wte' must be an object with exactly shape, dtype, axes"),
+        (lambda m: m["leaves"].update({"wte\nport: ok": m["leaves"]["wte"]}), "leaf name 'wte\\nport: ok' is not a"),
+        (
+            lambda m: m["leaves"].update(foo=m["leaves"]["wte"]),
+            "leaf 'foo' has no entry in the output's mapping, yet names",
+        ),
+        (
+            lambda m: m["leaves"].update(foo=dict(m["leaves"]["wte"], axes=[None, None])),
+            "params: has no array 'foo', which",
+        ),
+        (lambda m: m["leaves"].pop("wpe"), "params: holds array 'wpe', which port/metadata does not list"),
+        (
+            lambda m: m.update(mapping=m["mapping"].replace('embed = "data"', 'embed = "tensor"')),
+            "port/metadata: mapping rules.embed names mesh axis 'tensor', which the mesh (data, model) does not have",
+        ),
+    ],
+)
 def test_port_metadata_is_checked_field_by_field(out, capfd, change, expected):
     refused(edit(out, change), capfd, expected)
 
 
-@pytest.mark.parametrize("text, expected", [
-    (b"", "port/metadata: not valid JSON (Expecting value"),
-    (b"[1, 2]", "port/metadata: expected a JSON object, got list"),
-    (b"[" * 100_000 + b"]" * 100_000, "port/metadata: not valid JSON (nested too deeply)"),
-    (b'{"format": 1, "config": {"x": "\xff"}}', "port/metadata: not valid JSON ("),
-    (b'{"format": 1' + b"0" * 5000 + b"}", "port/metadata: not valid JSON ("),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (b"", "port/metadata: not valid JSON (Expecting value"),
+        (b"[1, 2]", "port/metadata: expected a JSON object, got list"),
+        (b"[" * 100_000 + b"]" * 100_000, "port/metadata: not valid JSON (nested too deeply)"),
+        (b'{"format": 1, "config": {"x": "\xff"}}', "port/metadata: not valid JSON ("),
+        (b'{"format": 1' + b"0" * 5000 + b"}", "port/metadata: not valid JSON ("),
+    ],
+)
 def test_port_metadata_that_is_not_json_is_refused(out, capfd, text, expected):
     (out / "port" / "metadata").write_bytes(text)
     refused(out, capfd, expected)
@@ -255,36 +287,65 @@ def store(out: Path, name: str, shape: list, chunks: list, dtype: str = "<f4", i
     folder = out / "params" / name
     shutil.rmtree(folder)
     folder.mkdir()
-    zarray_fields = {"chunks": chunks, "compressor": None, "dimension_separator": ".", "dtype": dtype,
-                     "fill_value": None, "filters": None, "order": "C", "shape": shape, "zarr_format": 2}
+    zarray_fields = {
+        "chunks": chunks,
+        "compressor": None,
+        "dimension_separator": ".",
+        "dtype": dtype,
+        "fill_value": None,
+        "filters": None,
+        "order": "C",
+        "shape": shape,
+        "zarr_format": 2,
+    }
     (folder / ".zarray").write_text(json.dumps(zarray_fields))
     for index in itertools.product(*(range(-(-n // c)) for n, c in zip(shape, chunks))):
         (folder / ".".join(map(str, index))).write_bytes(bytes(math.prod(chunks) * itemsize))
 
 
-@pytest.mark.parametrize("change, stored, expected", [
-    # port/metadata's shape disagrees with the skeleton built from its config (the arrays agree with it)
-    (leaf("wte", shape=[100, 64]), lambda out: store(out, "wte", [100, 64], [100, 16]),
-     "port/metadata: leaf 'wte' is float32[100,64] but float32[101,64] in GPT2 built"),
-    (leaf("wte", dtype="int32"), lambda out: zarray(out, "wte", dtype="<i4"),
-     "port/metadata: leaf 'wte' is int32[101,64] but float32[101,64] in GPT2 built"),
-    # the config disagrees with the leaves
-    (lambda m: m["config"].update(n_layer=3), None, "leaf 'blocks.ln_1.weight' is float32[2,64] but float32[3,64]"),
-    (lambda m: m["config"].update(vocab_size=100), None,
-     "port/metadata: leaf 'wte' is float32[101,64] but float32[100,64] in GPT2 built"),
-    (lambda m: m["config"].update(n_head=5), None, "port/metadata: config: "),
-    (lambda m: m["config"].pop("n_embd"), None, "port/metadata: config: required key 'n_embd' is missing"),
-    # port/metadata and its config agree with each other, not with the stored arrays
-    (lambda m: (m["config"].update(vocab_size=100), m["leaves"]["wte"].update(shape=[100, 64])), None,
-     "params/wte/.zarray: shape [101, 64] but port/metadata says float32[100,64]"),
-    (leaf("wpe", dtype="bfloat16"), None, "params/wpe/.zarray: dtype '<f4' but port/metadata says bfloat16[32,64]"),
-    # port/metadata and the .zarray agree, not the chunk files
-    (leaf("wpe", dtype="bfloat16"), lambda out: zarray(out, "wpe", dtype="bfloat16"),
-     "params/wpe/0.0: 2048 bytes, but a chunk of leaf 'wpe' (bfloat16[32,16]) is 1024"),
-    (lambda m: (m["config"].update(vocab_size=100), m["leaves"]["wte"].update(shape=[100, 64])),
-     lambda out: zarray(out, "wte", shape=[100, 64], chunks=[100, 16]),
-     "params/wte/0.0: 6464 bytes, but a chunk of leaf 'wte' (float32[100,16]) is 6400"),
-])
+@pytest.mark.parametrize(
+    "change, stored, expected",
+    [
+        # port/metadata's shape disagrees with the skeleton built from its config (the arrays agree with it)
+        (
+            leaf("wte", shape=[100, 64]),
+            lambda out: store(out, "wte", [100, 64], [100, 16]),
+            "port/metadata: leaf 'wte' is float32[100,64] but float32[101,64] in GPT2 built",
+        ),
+        (
+            leaf("wte", dtype="int32"),
+            lambda out: zarray(out, "wte", dtype="<i4"),
+            "port/metadata: leaf 'wte' is int32[101,64] but float32[101,64] in GPT2 built",
+        ),
+        # the config disagrees with the leaves
+        (lambda m: m["config"].update(n_layer=3), None, "leaf 'blocks.ln_1.weight' is float32[2,64] but float32[3,64]"),
+        (
+            lambda m: m["config"].update(vocab_size=100),
+            None,
+            "port/metadata: leaf 'wte' is float32[101,64] but float32[100,64] in GPT2 built",
+        ),
+        (lambda m: m["config"].update(n_head=5), None, "port/metadata: config: "),
+        (lambda m: m["config"].pop("n_embd"), None, "port/metadata: config: required key 'n_embd' is missing"),
+        # port/metadata and its config agree with each other, not with the stored arrays
+        (
+            lambda m: (m["config"].update(vocab_size=100), m["leaves"]["wte"].update(shape=[100, 64])),
+            None,
+            "params/wte/.zarray: shape [101, 64] but port/metadata says float32[100,64]",
+        ),
+        (leaf("wpe", dtype="bfloat16"), None, "params/wpe/.zarray: dtype '<f4' but port/metadata says bfloat16[32,64]"),
+        # port/metadata and the .zarray agree, not the chunk files
+        (
+            leaf("wpe", dtype="bfloat16"),
+            lambda out: zarray(out, "wpe", dtype="bfloat16"),
+            "params/wpe/0.0: 2048 bytes, but a chunk of leaf 'wpe' (bfloat16[32,16]) is 1024",
+        ),
+        (
+            lambda m: (m["config"].update(vocab_size=100), m["leaves"]["wte"].update(shape=[100, 64])),
+            lambda out: zarray(out, "wte", shape=[100, 64], chunks=[100, 16]),
+            "params/wte/0.0: 6464 bytes, but a chunk of leaf 'wte' (float32[100,16]) is 6400",
+        ),
+    ],
+)
 def test_port_metadata_must_agree_with_the_model_and_the_arrays(out, capfd, change, stored, expected):
     if stored is not None:
         stored(out)
@@ -300,8 +361,10 @@ def test_sizes_are_bounded_before_anything_is_built(out, capfd, monkeypatch):
     refused(out, capfd, f"{out}/params: more than 1000000 chunk files; not an output port wrote", model=Recorder)
     zarray(out, "wte", chunks=[10**9, 16])  # four chunk files of 64 GB each: the files are 6464 bytes
     refused(
-        out, capfd, f"{out}/params/wte/0.0: 6464 bytes, but a chunk of leaf 'wte' (float32[1000000000,16]) is "
-        "64000000000", model=Recorder,
+        out,
+        capfd,
+        f"{out}/params/wte/0.0: 6464 bytes, but a chunk of leaf 'wte' (float32[1000000000,16]) is 64000000000",
+        model=Recorder,
     )
     assert Recorder.built == []
     edit(out, leaf("wte", shape=[101, 64]))
@@ -403,94 +466,170 @@ LINK = "a symbolic link, not a regular file of the output: refused"
 NOT_C = "not stored in C order with '.'-separated chunk names, as port stores arrays"
 
 
-@pytest.mark.parametrize("damage, expected", [
-    # params/ and Orbax's params/_METADATA
-    (lambda out: shutil.rmtree(out / "params"), "params: missing or not a directory (an incomplete port output)"),
-    (lambda out: (out / "params" / "_METADATA").unlink(), "params/_METADATA: missing (Orbax's metadata)"),
-    (lambda out: (out / "params" / "_METADATA").write_text("{"), "params/_METADATA: not valid JSON ("),
-    (lambda out: (out / "params" / "_METADATA").write_text("[]"), "params/_METADATA: not Orbax's PyTree metadata"),
-    (lambda out: metadata(out, use_ocdbt=True),
-     "params/_METADATA: arrays not stored as port writes them (zarr chunk files, no OCDBT)"),
-    (lambda out: metadata(out, use_ocdbt=...), "params/_METADATA: arrays not stored as port writes them"),
-    (lambda out: metadata(out, use_ocdbt=0), "params/_METADATA: arrays not stored as port writes them"),
-    (lambda out: metadata(out, use_zarr3=True), "params/_METADATA: arrays not stored as port writes them"),
-    # a leaf's directory
-    (lambda out: shutil.rmtree(out / "params" / "wte"),
-     "params/wte: missing or not a directory (leaf 'wte' of port/metadata)"),
-    (lambda out: (shutil.rmtree(out / "params" / "wpe"), (out / "params" / "wpe").write_text("x")),
-     "params/wpe: missing or not a directory (leaf 'wpe' of port/metadata)"),
-    (lambda out: move_aside(out, "blocks.mlp.w_fc"),
-     "params/blocks.mlp.w_fc: a symbolic link, not a directory of the output: refused"),
-    # a leaf's .zarray
-    (lambda out: (out / "params" / "wte" / ".zarray").unlink(),
-     "params/wte/.zarray: missing (zarr's metadata of the array)"),
-    (lambda out: (out / "params" / "wte" / ".zarray").write_text("{"), "params/wte/.zarray: not valid JSON ("),
-    (lambda out: (out / "params" / "wte" / ".zarray").write_text("[2]"), "params/wte/.zarray: not zarr format 2 metadata"),
-    (lambda out: replace(out / "params" / "wte" / ".zarray", os.mkfifo),
-     "params/wte/.zarray: not a regular file (zarr's metadata of the array)"),
-    (lambda out: replace(out / "params" / "wte" / ".zarray", Path.mkdir),
-     "params/wte/.zarray: not a regular file (zarr's metadata of the array)"),
-    (lambda out: zarray(out, "wte", zarr_format=3), "params/wte/.zarray: not zarr format 2 metadata"),
-    (lambda out: zarray(out, "wte", zarr_format=2.0), "params/wte/.zarray: not zarr format 2 metadata"),
-    (lambda out: zarray(out, "wte", zarr_format="2"), "params/wte/.zarray: not zarr format 2 metadata"),
-    (lambda out: zarray(out, "wte", zarr_format=...), "params/wte/.zarray: not zarr format 2 metadata"),
-    (lambda out: zarray(out, "wte", shape=[100, 64]),
-     "params/wte/.zarray: shape [100, 64] but port/metadata says float32[101,64]"),
-    (lambda out: zarray(out, "wte", shape=[64, 101]),
-     "params/wte/.zarray: shape [64, 101] but port/metadata says float32[101,64]"),
-    (lambda out: zarray(out, "wte", shape=...), "params/wte/.zarray: shape None but port/metadata says float32[101,64]"),
-    (lambda out: zarray(out, "wte", dtype="<f8"), "params/wte/.zarray: dtype '<f8' but port/metadata says float32[101,64]"),
-    (lambda out: zarray(out, "wte", dtype=">f4"), "params/wte/.zarray: dtype '>f4' but port/metadata says float32[101,64]"),
-    (lambda out: zarray(out, "wte", dtype="<i4"), "params/wte/.zarray: dtype '<i4' but port/metadata says float32[101,64]"),
-    (lambda out: zarray(out, "wte", dtype="bfloat16"),
-     "params/wte/.zarray: dtype 'bfloat16' but port/metadata says float32[101,64]"),
-    (lambda out: zarray(out, "wte", compressor={"id": "zstd", "level": 1}),
-     "params/wte/.zarray: stored compressed or filtered; port stores arrays uncompressed"),
-    (lambda out: zarray(out, "wte", filters=[{"id": "delta", "dtype": "<f4"}]),
-     "params/wte/.zarray: stored compressed or filtered; port stores arrays uncompressed"),
-    (lambda out: zarray(out, "wte", filters=[]), "params/wte/.zarray: stored compressed or filtered"),
-    (lambda out: zarray(out, "wte", order="F"), f"params/wte/.zarray: {NOT_C}"),
-    (lambda out: zarray(out, "wte", order=...), f"params/wte/.zarray: {NOT_C}"),
-    (lambda out: zarray(out, "wte", dimension_separator="/"), f"params/wte/.zarray: {NOT_C}"),
-    (lambda out: zarray(out, "wte", chunks=[0, 16]),
-     "params/wte/.zarray: chunks [0, 16] are not a chunk shape for float32[101,64]"),
-    (lambda out: zarray(out, "wte", chunks=[102, 16]),
-     "params/wte/.zarray: chunks [102, 16] are not a chunk shape for float32[101,64]"),
-    (lambda out: zarray(out, "wte", chunks=[101, 65]),
-     "params/wte/.zarray: chunks [101, 65] are not a chunk shape for float32[101,64]"),
-    (lambda out: zarray(out, "wte", chunks=[101]), "params/wte/.zarray: chunks [101] are not a chunk shape for"),
-    (lambda out: zarray(out, "wte", chunks=[101, 16, 1]), "params/wte/.zarray: chunks [101, 16, 1] are not a chunk"),
-    (lambda out: zarray(out, "wte", chunks=[101, 16.0]), "params/wte/.zarray: chunks [101, 16.0] are not a chunk"),
-    (lambda out: zarray(out, "wte", chunks=[101, True]), "params/wte/.zarray: chunks [101, True] are not a chunk"),
-    (lambda out: zarray(out, "wte", chunks="101,16"), "params/wte/.zarray: chunks '101,16' are not a chunk shape"),
-    (lambda out: zarray(out, "wte", chunks=...), "params/wte/.zarray: chunks None are not a chunk shape"),
-    # a valid chunk shape that is not the one the chunk files were written in
-    (lambda out: zarray(out, "wte", chunks=[101, 32]),
-     "params/wte/0.0: 6464 bytes, but a chunk of leaf 'wte' (float32[101,32]) is 12928"),
-    (lambda out: zarray(out, "wte", chunks=[101, 8]),
-     "params/wte/0.0: 6464 bytes, but a chunk of leaf 'wte' (float32[101,8]) is 3232"),
-    (lambda out: zarray(out, "wte", chunks=[50, 16]),
-     "params/wte/0.0: 6464 bytes, but a chunk of leaf 'wte' (float32[50,16]) is 3200"),
-    # a chunk file
-    (lambda out: (out / WTE).unlink(), f"{WTE}: missing (a chunk of leaf 'wte')"),
-    (lambda out: truncate(out / WTE, 6463), f"{WTE}: 6463 bytes, but a chunk of leaf 'wte' (float32[101,16]) is 6464"),
-    (lambda out: truncate(out / WTE, 0), f"{WTE}: 0 bytes, but a chunk of leaf 'wte' (float32[101,16]) is 6464"),
-    (lambda out: truncate(out / WTE, 6465), f"{WTE}: 6465 bytes, but a chunk of leaf 'wte' (float32[101,16]) is 6464"),
-    (lambda out: truncate(out / WTE, 1 << 40), f"{WTE}: {1 << 40} bytes, but a chunk of leaf 'wte'"),  # sparse
-    (lambda out: replace(out / WTE, os.mkfifo), f"{WTE}: not a regular file (a chunk of leaf 'wte')"),
-    (lambda out: replace(out / WTE, Path.mkdir), f"{WTE}: not a regular file (a chunk of leaf 'wte')"),
-    (lambda out: replace(out / WTE, lambda p: p.symlink_to(out / "params")), f"{WTE}: {LINK} (a chunk of leaf 'wte')"),
-    (lambda out: replace(out / WTE, lambda p: p.symlink_to(out / "nowhere")), f"{WTE}: {LINK} (a chunk of leaf 'wte')"),
-    (lambda out: replace(out / WTE, lambda p: p.symlink_to(p)), f"{WTE}: {LINK} (a chunk of leaf 'wte')"),
-    (lambda out: replace(out / WTE, lambda p: p.symlink_to("/dev/zero")), f"{WTE}: {LINK} (a chunk of leaf 'wte')"),
-    (lambda out: replace(out / WTE, lambda p: p.symlink_to("0.0")), f"{WTE}: {LINK} (a chunk of leaf 'wte')"),
-    (lambda out: (out / "params" / "wte" / "0.1").rename(out / "params" / "wte" / "1.0"),
-     f"{WTE}: missing (a chunk of leaf 'wte')"),
-    (lambda out: nest(out / WTE), f"{WTE}: missing (a chunk of leaf 'wte')"),
-    (lambda out: (out / "params" / "ln_f.bias" / "3").unlink(), "params/ln_f.bias/3: missing (a chunk of leaf 'ln_f.bias')"),
-    (lambda out: (out / "params" / "blocks.attn.wo" / "0.1.0.3").unlink(),
-     "params/blocks.attn.wo/0.1.0.3: missing (a chunk of leaf 'blocks.attn.wo')"),
-])
+@pytest.mark.parametrize(
+    "damage, expected",
+    [
+        # params/ and Orbax's params/_METADATA
+        (lambda out: shutil.rmtree(out / "params"), "params: missing or not a directory (an incomplete port output)"),
+        (lambda out: (out / "params" / "_METADATA").unlink(), "params/_METADATA: missing (Orbax's metadata)"),
+        (lambda out: (out / "params" / "_METADATA").write_text("{"), "params/_METADATA: not valid JSON ("),
+        (lambda out: (out / "params" / "_METADATA").write_text("[]"), "params/_METADATA: not Orbax's PyTree metadata"),
+        (
+            lambda out: metadata(out, use_ocdbt=True),
+            "params/_METADATA: arrays not stored as port writes them (zarr chunk files, no OCDBT)",
+        ),
+        (lambda out: metadata(out, use_ocdbt=...), "params/_METADATA: arrays not stored as port writes them"),
+        (lambda out: metadata(out, use_ocdbt=0), "params/_METADATA: arrays not stored as port writes them"),
+        (lambda out: metadata(out, use_zarr3=True), "params/_METADATA: arrays not stored as port writes them"),
+        # a leaf's directory
+        (
+            lambda out: shutil.rmtree(out / "params" / "wte"),
+            "params/wte: missing or not a directory (leaf 'wte' of port/metadata)",
+        ),
+        (
+            lambda out: (shutil.rmtree(out / "params" / "wpe"), (out / "params" / "wpe").write_text("x")),
+            "params/wpe: missing or not a directory (leaf 'wpe' of port/metadata)",
+        ),
+        (
+            lambda out: move_aside(out, "blocks.mlp.w_fc"),
+            "params/blocks.mlp.w_fc: a symbolic link, not a directory of the output: refused",
+        ),
+        # a leaf's .zarray
+        (
+            lambda out: (out / "params" / "wte" / ".zarray").unlink(),
+            "params/wte/.zarray: missing (zarr's metadata of the array)",
+        ),
+        (lambda out: (out / "params" / "wte" / ".zarray").write_text("{"), "params/wte/.zarray: not valid JSON ("),
+        (
+            lambda out: (out / "params" / "wte" / ".zarray").write_text("[2]"),
+            "params/wte/.zarray: not zarr format 2 metadata",
+        ),
+        (
+            lambda out: replace(out / "params" / "wte" / ".zarray", os.mkfifo),
+            "params/wte/.zarray: not a regular file (zarr's metadata of the array)",
+        ),
+        (
+            lambda out: replace(out / "params" / "wte" / ".zarray", Path.mkdir),
+            "params/wte/.zarray: not a regular file (zarr's metadata of the array)",
+        ),
+        (lambda out: zarray(out, "wte", zarr_format=3), "params/wte/.zarray: not zarr format 2 metadata"),
+        (lambda out: zarray(out, "wte", zarr_format=2.0), "params/wte/.zarray: not zarr format 2 metadata"),
+        (lambda out: zarray(out, "wte", zarr_format="2"), "params/wte/.zarray: not zarr format 2 metadata"),
+        (lambda out: zarray(out, "wte", zarr_format=...), "params/wte/.zarray: not zarr format 2 metadata"),
+        (
+            lambda out: zarray(out, "wte", shape=[100, 64]),
+            "params/wte/.zarray: shape [100, 64] but port/metadata says float32[101,64]",
+        ),
+        (
+            lambda out: zarray(out, "wte", shape=[64, 101]),
+            "params/wte/.zarray: shape [64, 101] but port/metadata says float32[101,64]",
+        ),
+        (
+            lambda out: zarray(out, "wte", shape=...),
+            "params/wte/.zarray: shape None but port/metadata says float32[101,64]",
+        ),
+        (
+            lambda out: zarray(out, "wte", dtype="<f8"),
+            "params/wte/.zarray: dtype '<f8' but port/metadata says float32[101,64]",
+        ),
+        (
+            lambda out: zarray(out, "wte", dtype=">f4"),
+            "params/wte/.zarray: dtype '>f4' but port/metadata says float32[101,64]",
+        ),
+        (
+            lambda out: zarray(out, "wte", dtype="<i4"),
+            "params/wte/.zarray: dtype '<i4' but port/metadata says float32[101,64]",
+        ),
+        (
+            lambda out: zarray(out, "wte", dtype="bfloat16"),
+            "params/wte/.zarray: dtype 'bfloat16' but port/metadata says float32[101,64]",
+        ),
+        (
+            lambda out: zarray(out, "wte", compressor={"id": "zstd", "level": 1}),
+            "params/wte/.zarray: stored compressed or filtered; port stores arrays uncompressed",
+        ),
+        (
+            lambda out: zarray(out, "wte", filters=[{"id": "delta", "dtype": "<f4"}]),
+            "params/wte/.zarray: stored compressed or filtered; port stores arrays uncompressed",
+        ),
+        (lambda out: zarray(out, "wte", filters=[]), "params/wte/.zarray: stored compressed or filtered"),
+        (lambda out: zarray(out, "wte", order="F"), f"params/wte/.zarray: {NOT_C}"),
+        (lambda out: zarray(out, "wte", order=...), f"params/wte/.zarray: {NOT_C}"),
+        (lambda out: zarray(out, "wte", dimension_separator="/"), f"params/wte/.zarray: {NOT_C}"),
+        (
+            lambda out: zarray(out, "wte", chunks=[0, 16]),
+            "params/wte/.zarray: chunks [0, 16] are not a chunk shape for float32[101,64]",
+        ),
+        (
+            lambda out: zarray(out, "wte", chunks=[102, 16]),
+            "params/wte/.zarray: chunks [102, 16] are not a chunk shape for float32[101,64]",
+        ),
+        (
+            lambda out: zarray(out, "wte", chunks=[101, 65]),
+            "params/wte/.zarray: chunks [101, 65] are not a chunk shape for float32[101,64]",
+        ),
+        (lambda out: zarray(out, "wte", chunks=[101]), "params/wte/.zarray: chunks [101] are not a chunk shape for"),
+        (
+            lambda out: zarray(out, "wte", chunks=[101, 16, 1]),
+            "params/wte/.zarray: chunks [101, 16, 1] are not a chunk",
+        ),
+        (lambda out: zarray(out, "wte", chunks=[101, 16.0]), "params/wte/.zarray: chunks [101, 16.0] are not a chunk"),
+        (lambda out: zarray(out, "wte", chunks=[101, True]), "params/wte/.zarray: chunks [101, True] are not a chunk"),
+        (lambda out: zarray(out, "wte", chunks="101,16"), "params/wte/.zarray: chunks '101,16' are not a chunk shape"),
+        (lambda out: zarray(out, "wte", chunks=...), "params/wte/.zarray: chunks None are not a chunk shape"),
+        # a valid chunk shape that is not the one the chunk files were written in
+        (
+            lambda out: zarray(out, "wte", chunks=[101, 32]),
+            "params/wte/0.0: 6464 bytes, but a chunk of leaf 'wte' (float32[101,32]) is 12928",
+        ),
+        (
+            lambda out: zarray(out, "wte", chunks=[101, 8]),
+            "params/wte/0.0: 6464 bytes, but a chunk of leaf 'wte' (float32[101,8]) is 3232",
+        ),
+        (
+            lambda out: zarray(out, "wte", chunks=[50, 16]),
+            "params/wte/0.0: 6464 bytes, but a chunk of leaf 'wte' (float32[50,16]) is 3200",
+        ),
+        # a chunk file
+        (lambda out: (out / WTE).unlink(), f"{WTE}: missing (a chunk of leaf 'wte')"),
+        (
+            lambda out: truncate(out / WTE, 6463),
+            f"{WTE}: 6463 bytes, but a chunk of leaf 'wte' (float32[101,16]) is 6464",
+        ),
+        (lambda out: truncate(out / WTE, 0), f"{WTE}: 0 bytes, but a chunk of leaf 'wte' (float32[101,16]) is 6464"),
+        (
+            lambda out: truncate(out / WTE, 6465),
+            f"{WTE}: 6465 bytes, but a chunk of leaf 'wte' (float32[101,16]) is 6464",
+        ),
+        (lambda out: truncate(out / WTE, 1 << 40), f"{WTE}: {1 << 40} bytes, but a chunk of leaf 'wte'"),  # sparse
+        (lambda out: replace(out / WTE, os.mkfifo), f"{WTE}: not a regular file (a chunk of leaf 'wte')"),
+        (lambda out: replace(out / WTE, Path.mkdir), f"{WTE}: not a regular file (a chunk of leaf 'wte')"),
+        (
+            lambda out: replace(out / WTE, lambda p: p.symlink_to(out / "params")),
+            f"{WTE}: {LINK} (a chunk of leaf 'wte')",
+        ),
+        (
+            lambda out: replace(out / WTE, lambda p: p.symlink_to(out / "nowhere")),
+            f"{WTE}: {LINK} (a chunk of leaf 'wte')",
+        ),
+        (lambda out: replace(out / WTE, lambda p: p.symlink_to(p)), f"{WTE}: {LINK} (a chunk of leaf 'wte')"),
+        (lambda out: replace(out / WTE, lambda p: p.symlink_to("/dev/zero")), f"{WTE}: {LINK} (a chunk of leaf 'wte')"),
+        (lambda out: replace(out / WTE, lambda p: p.symlink_to("0.0")), f"{WTE}: {LINK} (a chunk of leaf 'wte')"),
+        (
+            lambda out: (out / "params" / "wte" / "0.1").rename(out / "params" / "wte" / "1.0"),
+            f"{WTE}: missing (a chunk of leaf 'wte')",
+        ),
+        (lambda out: nest(out / WTE), f"{WTE}: missing (a chunk of leaf 'wte')"),
+        (
+            lambda out: (out / "params" / "ln_f.bias" / "3").unlink(),
+            "params/ln_f.bias/3: missing (a chunk of leaf 'ln_f.bias')",
+        ),
+        (
+            lambda out: (out / "params" / "blocks.attn.wo" / "0.1.0.3").unlink(),
+            "params/blocks.attn.wo/0.1.0.3: missing (a chunk of leaf 'blocks.attn.wo')",
+        ),
+    ],
+)
 def test_a_damaged_output_is_one_line(out, capfd, monkeypatch, damage, expected):
     """Each refused by one line starting with the file at fault, before the model is built or an array read."""
     calls = []
@@ -544,7 +683,9 @@ def test_every_chunk_file_deleted_cut_grown_or_replaced_is_one_line_naming_it(go
             victim.write_bytes(data)
     assert reads == []
     monkeypatch.undo()
-    np.testing.assert_array_equal(np.asarray(logits(port.restore(out, "1x1"), INPUT_IDS)), expected_logits)  # every file put back as it was
+    np.testing.assert_array_equal(
+        np.asarray(logits(port.restore(out, "1x1"), INPUT_IDS)), expected_logits
+    )  # every file put back as it was
 
 
 def _cut(victim: Path) -> None:
@@ -572,14 +713,17 @@ def _link_elsewhere(victim: Path) -> None:
 
 @pytest.mark.parametrize("read_ahead", [None, 0])
 @pytest.mark.parametrize("chunk", ["wte/0.1", "blocks.mlp.w_proj/0.1.0", "ln_f.bias/3"])
-@pytest.mark.parametrize("damage, reason", [
-    (lambda f: truncate(f, 0), "truncated since"),
-    (_cut, "truncated since"),
-    (lambda f: f.unlink(), "cannot read: No such file or directory"),
-    (lambda f: replace(f, os.mkfifo), "not a regular file"),
-    (_swap, "changed since"),
-    (_link_elsewhere, LINK),
-])
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (lambda f: truncate(f, 0), "truncated since"),
+        (_cut, "truncated since"),
+        (lambda f: f.unlink(), "cannot read: No such file or directory"),
+        (lambda f: replace(f, os.mkfifo), "not a regular file"),
+        (_swap, "changed since"),
+        (_link_elsewhere, LINK),
+    ],
+)
 def test_a_chunk_damaged_after_the_checks_is_one_line(out, capfd, monkeypatch, read_ahead, chunk, damage, reason):
     """A chunk cut short, removed or replaced between the checks and the reads: the file that
     is read is the very file checked, or the leaf cannot be read."""
@@ -770,11 +914,13 @@ def test_an_output_of_another_format_is_refused_in_one_line(good, tmp_path, capf
 def test_a_bad_output_leaves_stderr_clean_to_the_end(good, tmp_path):
     """In a fresh process, failed checks and failed reads print nothing, not even after restore has returned."""
     outs = []
-    for name, damage in [("no-zarray", lambda out: (out / "params" / "wte" / ".zarray").unlink()),
-                         ("no-chunk", lambda out: (out / "params" / "wpe" / "0.3").unlink()),
-                         ("cut", lambda out: truncate(out / "params" / "blocks.mlp.w_fc" / "0.0.1", 1000)),
-                         ("late-0", lambda out: None),
-                         ("late-1", lambda out: None)]:
+    for name, damage in [
+        ("no-zarray", lambda out: (out / "params" / "wte" / ".zarray").unlink()),
+        ("no-chunk", lambda out: (out / "params" / "wpe" / "0.3").unlink()),
+        ("cut", lambda out: truncate(out / "params" / "blocks.mlp.w_fc" / "0.0.1", 1000)),
+        ("late-0", lambda out: None),
+        ("late-1", lambda out: None),
+    ]:
         out = Path(shutil.copytree(good[0], tmp_path / name))
         damage(out)
         outs.append(str(out))
@@ -800,8 +946,11 @@ def test_a_bad_output_leaves_stderr_clean_to_the_end(good, tmp_path):
     lines = result.stdout.splitlines()
     assert len(lines) == 5 and all(line.startswith("refused: ") for line in lines), result.stdout
     assert [line.split(":")[1].strip() for line in lines] == [
-        f"{outs[0]}/params/wte/.zarray", f"{outs[1]}/params/wpe/0.3", f"{outs[2]}/params/blocks.mlp.w_fc/0.0.1",
-        f"{outs[3]}/params", f"{outs[4]}/params",
+        f"{outs[0]}/params/wte/.zarray",
+        f"{outs[1]}/params/wpe/0.3",
+        f"{outs[2]}/params/blocks.mlp.w_fc/0.0.1",
+        f"{outs[3]}/params",
+        f"{outs[4]}/params",
     ], result.stdout
     assert all("leaf 'wte': cannot be read (0.1: truncated since" in line for line in lines[3:]), result.stdout
 
@@ -812,8 +961,13 @@ def test_a_bad_output_leaves_stderr_clean_to_the_end(good, tmp_path):
 def test_stray_files_are_never_opened(good, tmp_path):
     """Only the files the checks name are opened: a FIFO beside them (which would block a reader) is not."""
     out = Path(shutil.copytree(good[0], tmp_path / "out"))
-    for fifo in [out / "params" / "fifo", out / "params" / "wte" / "0.4", out / "params" / "wte" / "1.0",
-                 out / "params" / "wpe" / ".zattrs", out / "port" / "fifo"]:
+    for fifo in [
+        out / "params" / "fifo",
+        out / "params" / "wte" / "0.4",
+        out / "params" / "wte" / "1.0",
+        out / "params" / "wpe" / ".zattrs",
+        out / "port" / "fifo",
+    ]:
         os.mkfifo(fifo)
     model = port.restore(out, "2x4")
     assert np.abs(logits(model, INPUT_IDS) - good[1]).max() < 1e-5
@@ -824,8 +978,17 @@ def rechunk(out: Path, name: str, array: np.ndarray, chunks: tuple) -> None:
     folder = out / "params" / name
     shutil.rmtree(folder)
     folder.mkdir()
-    zarray_fields = {"chunks": list(chunks), "compressor": None, "dimension_separator": ".", "dtype": "<f4",
-                     "fill_value": None, "filters": None, "order": "C", "shape": list(array.shape), "zarr_format": 2}
+    zarray_fields = {
+        "chunks": list(chunks),
+        "compressor": None,
+        "dimension_separator": ".",
+        "dtype": "<f4",
+        "fill_value": None,
+        "filters": None,
+        "order": "C",
+        "shape": list(array.shape),
+        "zarr_format": 2,
+    }
     (folder / ".zarray").write_text(json.dumps(zarray_fields))
     for index in itertools.product(*(range(-(-n // c)) for n, c in zip(array.shape, chunks))):
         piece = array[tuple(slice(i * c, (i + 1) * c) for i, c in zip(index, chunks))]
@@ -840,8 +1003,9 @@ def test_an_output_chunked_otherwise_restores_the_same(good, tmp_path):
     import orbax.checkpoint as ocp
 
     out = Path(shutil.copytree(good[0], tmp_path / "out"))
-    before = {p: np.asarray(a) for p, a in port._skeleton.leaves(port.restore(out, "1x1")).items()
-              if isinstance(a, jax.Array)}
+    before = {
+        p: np.asarray(a) for p, a in port._skeleton.leaves(port.restore(out, "1x1")).items() if isinstance(a, jax.Array)
+    }
     rechunk(out, "wte", before["wte"], (50, 64))  # three chunks, the last 49 rows of padding
     rechunk(out, "blocks.attn.wq", before["blocks.attn.wq"], (1, 48, 3, 16))  # padded along two axes
     assert len(data_files(out)) == 96 - 4 - 8 + 3 + 8
@@ -864,8 +1028,10 @@ def test_restore_reads_what_orbax_restores_bit_for_bit(good, monkeypatch, read_a
         monkeypatch.setattr(port._output._restore, "READ_AHEAD_BYTES", read_ahead)
     ours = port.restore(good[0], "2x4")
     theirs = ocp.StandardCheckpointer().restore(good[0] / "params")
-    flat = {".".join(str(getattr(k, "key", k)) for k in path): a
-            for path, a in jax.tree_util.tree_flatten_with_path(theirs)[0]}
+    flat = {
+        ".".join(str(getattr(k, "key", k)) for k in path): a
+        for path, a in jax.tree_util.tree_flatten_with_path(theirs)[0]
+    }
     mine = {p: a for p, a in port._skeleton.leaves(ours).items() if isinstance(a, jax.Array)}
     assert set(mine) == set(flat)
     for path, array in mine.items():

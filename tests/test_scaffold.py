@@ -9,14 +9,20 @@ import numpy as np
 import pytest
 
 import port
-from helpers import torch_gpt2, write_checkpoint
-from port.authoring import scaffold
 from port._transforms import Reshape, Transpose
+from port.authoring import scaffold
+
+from helpers import torch_gpt2, write_checkpoint
 
 V, E, H, D, F, L, T = 11, 12, 3, 4, 20, 2, 8
 CONFIG = {
-    "model_type": "tinynet", "vocab_size": V, "hidden_size": E, "num_attention_heads": H,
-    "intermediate_size": F, "num_hidden_layers": L, "tie_word_embeddings": False,
+    "model_type": "tinynet",
+    "vocab_size": V,
+    "hidden_size": E,
+    "num_attention_heads": H,
+    "intermediate_size": F,
+    "num_hidden_layers": L,
+    "tie_word_embeddings": False,
 }
 
 
@@ -82,20 +88,32 @@ def tinynet_tensors():
     """A torch-layout state dict under `net.`, with a causal-mask buffer per layer."""
     rng = np.random.default_rng(0)
     f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
-    tensors = {"net.embed_tokens.weight": f32(V, E), "net.norm.weight": f32(E), "net.norm.bias": f32(E),
-               "net.lm_head.weight": f32(V, E)}
+    tensors = {
+        "net.embed_tokens.weight": f32(V, E),
+        "net.norm.weight": f32(E),
+        "net.norm.bias": f32(E),
+        "net.lm_head.weight": f32(V, E),
+    }
     for i in range(L):
         p = f"net.layers.{i}."
-        tensors.update({
-            p + "attention_norm.weight": f32(E), p + "attention_norm.bias": f32(E),
-            p + "attn.q_proj.weight": f32(E, E), p + "attn.k_proj.weight": f32(E, E),
-            p + "attn.v_proj.weight": f32(E, E), p + "attn.o_proj.weight": f32(E, E),
-            p + "attn.o_proj.bias": f32(E),
-            p + "attn.bias": np.tril(np.ones((1, 1, T, T), bool)),
-            p + "ffn_norm.weight": f32(E), p + "ffn_norm.bias": f32(E),
-            p + "mlp.fc1.weight": f32(F, E), p + "mlp.fc1.bias": f32(F),
-            p + "mlp.fc2.weight": f32(E, F), p + "mlp.fc2.bias": f32(E),
-        })
+        tensors.update(
+            {
+                p + "attention_norm.weight": f32(E),
+                p + "attention_norm.bias": f32(E),
+                p + "attn.q_proj.weight": f32(E, E),
+                p + "attn.k_proj.weight": f32(E, E),
+                p + "attn.v_proj.weight": f32(E, E),
+                p + "attn.o_proj.weight": f32(E, E),
+                p + "attn.o_proj.bias": f32(E),
+                p + "attn.bias": np.tril(np.ones((1, 1, T, T), bool)),
+                p + "ffn_norm.weight": f32(E),
+                p + "ffn_norm.bias": f32(E),
+                p + "mlp.fc1.weight": f32(F, E),
+                p + "mlp.fc1.bias": f32(F),
+                p + "mlp.fc2.weight": f32(E, F),
+                p + "mlp.fc2.bias": f32(E),
+            }
+        )
     return tensors
 
 
@@ -121,10 +139,21 @@ def test_scaffold_of_a_users_module_converts_unedited(tmp_path):
     assert len(recipe.ignored) == L
     by_path = entries(mapping)
     assert {p.key for p in mapping.params if p.stacked} == {
-        f"layers.{{layer}}.{k}" for k in (
-            "attention_norm.weight", "attention_norm.bias", "attn.q_proj.weight", "attn.k_proj.weight",
-            "attn.v_proj.weight", "attn.o_proj.weight", "attn.o_proj.bias", "ffn_norm.weight",
-            "ffn_norm.bias", "mlp.fc1.weight", "mlp.fc1.bias", "mlp.fc2.weight", "mlp.fc2.bias",
+        f"layers.{{layer}}.{k}"
+        for k in (
+            "attention_norm.weight",
+            "attention_norm.bias",
+            "attn.q_proj.weight",
+            "attn.k_proj.weight",
+            "attn.v_proj.weight",
+            "attn.o_proj.weight",
+            "attn.o_proj.bias",
+            "ffn_norm.weight",
+            "ffn_norm.bias",
+            "mlp.fc1.weight",
+            "mlp.fc1.bias",
+            "mlp.fc2.weight",
+            "mlp.fc2.bias",
         )
     }
     assert by_path["layers.ln_attn.weight"].key == "layers.{layer}.attention_norm.weight"
@@ -140,7 +169,11 @@ def test_scaffold_of_a_users_module_converts_unedited(tmp_path):
     assert by_path["layers.mlp.up.weight"].axes == ("layers", "mlp", "embed")
     assert by_path["final_norm.bias"].key == "norm.bias"
     assert mapping.rules == {
-        "embed": ("data",), "head_dim": (), "heads": ("model",), "layers": (), "mlp": ("model",),
+        "embed": ("data",),
+        "head_dim": (),
+        "heads": ("model",),
+        "layers": (),
+        "mlp": ("model",),
         "vocab": ("model",),
     }
 
@@ -192,9 +225,20 @@ def test_scaffold_of_gpt2_pairs_all_but_the_fused_attention(gpt2_draft):
     shipped = entries(port.mapping_for({"model_type": "gpt2"}))
     by_path = entries(mapping)
     for path in [
-        "wte", "wpe", "ln_f.weight", "ln_f.bias", "blocks.ln_1.weight", "blocks.ln_1.bias",
-        "blocks.ln_2.weight", "blocks.ln_2.bias", "blocks.mlp.w_fc", "blocks.mlp.b_fc",
-        "blocks.mlp.w_proj", "blocks.mlp.b_proj", "blocks.attn.wo", "blocks.attn.bo",
+        "wte",
+        "wpe",
+        "ln_f.weight",
+        "ln_f.bias",
+        "blocks.ln_1.weight",
+        "blocks.ln_1.bias",
+        "blocks.ln_2.weight",
+        "blocks.ln_2.bias",
+        "blocks.mlp.w_fc",
+        "blocks.mlp.b_fc",
+        "blocks.mlp.w_proj",
+        "blocks.mlp.b_proj",
+        "blocks.attn.wo",
+        "blocks.attn.bo",
     ]:
         assert by_path[path].key == shipped[path].key, path
         assert by_path[path].transforms == shipped[path].transforms, path
@@ -208,10 +252,7 @@ def test_scaffold_of_gpt2_pairs_all_but_the_fused_attention(gpt2_draft):
     unpaired = text.split("# TODO unpaired source keys")[1].split("# TODO unfilled leaves")[0]
     assert "#   h.{layer}.attn.c_attn.weight  2 layers of [64, 192] float32" in unpaired
     assert "#   h.{layer}.attn.c_attn.bias  2 layers of [192] float32" in unpaired
-    assert (
-        "fused? [64, 192] on axis 1 is 3 x [64, 64]: try { split = { axis = 1, parts = 3, index = 0 } }"
-        in unpaired
-    )
+    assert "fused? [64, 192] on axis 1 is 3 x [64, 64]: try { split = { axis = 1, parts = 3, index = 0 } }" in unpaired
     assert "fused? [192] on axis 0 is 3 x [64]: try { split = { axis = 0, parts = 3, index = 0 } }" in unpaired
     unfilled = text.split("# TODO unfilled leaves")[1]
     for name in ("wq", "wk", "wv"):

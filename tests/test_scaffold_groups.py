@@ -11,10 +11,11 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from helpers import confirm_checks, transformers_or_skip
 
 from port.authoring import check, scaffold
 from port.authoring._scaffold import draft
+
+from helpers import confirm_checks, transformers_or_skip
 
 MAPPINGS = Path(__file__).resolve().parents[1] / "mappings"
 FAMILIES = ("deepseek_v3", "qwen3_moe", "llama4")
@@ -35,8 +36,11 @@ def checkpoints(tmp_path_factory):
         if name == "deepseek_v3":  # the released checkpoints store `model.layers.{num_hidden_layers}.*`
             file = directory / "model.safetensors"
             tensors = load_file(file)
-            tensors |= {k.replace("model.layers.1.", f"model.layers.{MTP}.", 1): v
-                        for k, v in tensors.items() if k.startswith("model.layers.1.")}
+            tensors |= {
+                k.replace("model.layers.1.", f"model.layers.{MTP}.", 1): v
+                for k, v in tensors.items()
+                if k.startswith("model.layers.1.")
+            }
             tensors[f"model.layers.{MTP}.eh_proj.weight"] = tensors["model.embed_tokens.weight"][:48, :48].copy()
             save_file(tensors, file, metadata={"format": "pt"})
         made[name] = directory
@@ -147,13 +151,15 @@ def test_layers_no_group_holds_and_empty_groups():
 
     names = {f"layers.{i}.norm.weight": f"model.layers.{i}.norm.weight" for i in (0, 1, 5)}
     leaves = [Leaf("a.norm", (1, 4), np.dtype("float32")), Leaf("b.norm", (1, 4), np.dtype("float32"))]
-    passes, notes, ignore, beyond = _passes(names, {k: Info for k in names.values()}, leaves,
-                                            {"a": (0,), "b": (1,), "c": ()}, {"num_hidden_layers": 2})
+    passes, notes, ignore, beyond = _passes(
+        names, {k: Info for k in names.values()}, leaves, {"a": (0,), "b": (1,), "c": ()}, {"num_hidden_layers": 2}
+    )
     assert [p.label for p in passes] == [None, "a", "b"]
     assert passes[2].names == {"layers.0.norm.weight": "model.layers.1.norm.weight"}  # row 0 of b is layer 1
     assert ignore == [] and [g.pattern for g in beyond] == ["layers.5.norm.weight"]
     assert any("TODO" in n and "5" in n for n in notes)
     assert any("'c' holds no layer" in n for n in notes)
-    passes, notes, ignore, beyond = _passes(names, {k: Info for k in names.values()}, leaves,
-                                            {"a": (0,), "b": (1,)}, {"num_hidden_layers": 5})
+    passes, notes, ignore, beyond = _passes(
+        names, {k: Info for k in names.values()}, leaves, {"a": (0,), "b": (1,)}, {"num_hidden_layers": 5}
+    )
     assert ignore == ["layers.{num_hidden_layers}.*"] and beyond == []

@@ -13,9 +13,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import confirm_checks, write_checkpoint
 from port._transforms import Reshape, Split
 from port.authoring import check, scaffold
+
+from helpers import confirm_checks, write_checkpoint
 
 LAYERS, EXPERTS, EMBED, MLP, VOCAB = 2, 4, 8, 10, 13
 
@@ -67,8 +68,12 @@ class Unstacked(eqx.Module):
 '''
 
 MOE_CONFIG = {
-    "model_type": "tinymoe", "num_hidden_layers": LAYERS, "num_local_experts": EXPERTS, "hidden_size": EMBED,
-    "intermediate_size": MLP, "vocab_size": VOCAB,
+    "model_type": "tinymoe",
+    "num_hidden_layers": LAYERS,
+    "num_local_experts": EXPERTS,
+    "hidden_size": EMBED,
+    "intermediate_size": MLP,
+    "vocab_size": VOCAB,
 }
 
 # Phi-3 shapes under grouped-query attention: 6 heads, 2 kv heads of 4; qkv_proj [(6 + 2 + 2) * 4, 24]
@@ -138,8 +143,13 @@ class Flat(eqx.Module):
 '''
 
 PHI3_CONFIG = {
-    "model_type": "tinyphi3", "num_hidden_layers": LAYERS, "hidden_size": HIDDEN, "num_attention_heads": HEADS,
-    "num_key_value_heads": KV_HEADS, "intermediate_size": FF, "vocab_size": VOCAB,
+    "model_type": "tinyphi3",
+    "num_hidden_layers": LAYERS,
+    "hidden_size": HIDDEN,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "intermediate_size": FF,
+    "vocab_size": VOCAB,
 }
 
 
@@ -169,19 +179,22 @@ def phi3_tensors(seed=0):
     """Phi-3's layout: q, k, v rows fused in qkv_proj, gate and up rows in gate_up_proj."""
     rng = np.random.default_rng(seed)
     found = {
-        "model.embed_tokens.weight": normal(rng, VOCAB, HIDDEN), "model.norm.weight": normal(rng, HIDDEN),
+        "model.embed_tokens.weight": normal(rng, VOCAB, HIDDEN),
+        "model.norm.weight": normal(rng, HIDDEN),
         "lm_head.weight": normal(rng, VOCAB, HIDDEN),
     }
     for layer in range(LAYERS):
         p = f"model.layers.{layer}."
-        found.update({
-            p + "input_layernorm.weight": normal(rng, HIDDEN),
-            p + "self_attn.qkv_proj.weight": normal(rng, (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
-            p + "self_attn.o_proj.weight": normal(rng, HIDDEN, HEADS * HEAD_DIM),
-            p + "post_attention_layernorm.weight": normal(rng, HIDDEN),
-            p + "mlp.gate_up_proj.weight": normal(rng, 2 * FF, HIDDEN),
-            p + "mlp.down_proj.weight": normal(rng, HIDDEN, FF),
-        })
+        found.update(
+            {
+                p + "input_layernorm.weight": normal(rng, HIDDEN),
+                p + "self_attn.qkv_proj.weight": normal(rng, (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+                p + "self_attn.o_proj.weight": normal(rng, HIDDEN, HEADS * HEAD_DIM),
+                p + "post_attention_layernorm.weight": normal(rng, HIDDEN),
+                p + "mlp.gate_up_proj.weight": normal(rng, 2 * FF, HIDDEN),
+                p + "mlp.down_proj.weight": normal(rng, HIDDEN, FF),
+            }
+        )
     return found
 
 
@@ -242,18 +255,36 @@ def test_moe_draft_stacks_layers_and_experts(workspace):
     assert specs["expert_scale"].spec == P("model", "data")
 
     model = port.load(ckpt, mesh="4x2", mapping=workspace / "draft.toml")
-    per_expert = lambda name: np.stack([  # noqa: E731
-        np.stack([source[f"model.{experts}.{name}".replace("{layer}", str(l)).replace("{expert}", str(e))]
-                  for e in range(EXPERTS)]) for l in range(LAYERS)])
-    assert_loads_exactly(model, {
-        "embed": source["model.embed_tokens.weight"],
-        "blocks.norm": np.stack([source[f"model.layers.{l}.post_attention_layernorm.weight"] for l in range(LAYERS)]),
-        "blocks.router": np.stack([source[f"model.layers.{l}.block_sparse_moe.gate.weight"] for l in range(LAYERS)]),
-        "blocks.experts.gate": per_expert("w1.weight"),
-        "blocks.experts.up": per_expert("w3.weight"),
-        "blocks.experts.down": per_expert("w2.weight"),
-        "expert_scale": np.stack([source[f"model.experts.{e}.scale"] for e in range(EXPERTS)]),
-    })
+
+    def per_expert(name):
+        return np.stack(
+            [  # noqa: E731
+                np.stack(
+                    [
+                        source[f"model.{experts}.{name}".replace("{layer}", str(l)).replace("{expert}", str(e))]
+                        for e in range(EXPERTS)
+                    ]
+                )
+                for l in range(LAYERS)
+            ]
+        )
+
+    assert_loads_exactly(
+        model,
+        {
+            "embed": source["model.embed_tokens.weight"],
+            "blocks.norm": np.stack(
+                [source[f"model.layers.{l}.post_attention_layernorm.weight"] for l in range(LAYERS)]
+            ),
+            "blocks.router": np.stack(
+                [source[f"model.layers.{l}.block_sparse_moe.gate.weight"] for l in range(LAYERS)]
+            ),
+            "blocks.experts.gate": per_expert("w1.weight"),
+            "blocks.experts.up": per_expert("w3.weight"),
+            "blocks.experts.down": per_expert("w2.weight"),
+            "expert_scale": np.stack([source[f"model.experts.{e}.scale"] for e in range(EXPERTS)]),
+        },
+    )
 
 
 def test_moe_draft_of_unstacked_layers_stacks_only_the_experts(workspace):
@@ -261,18 +292,27 @@ def test_moe_draft_of_unstacked_layers_stacks_only_the_experts(workspace):
     ckpt = write_checkpoint(workspace / "ckpt", source, MOE_CONFIG)
     mapping = draft_to(workspace / "draft.toml", ckpt, "tinymoe:Unstacked")
     assert {(p.path, p.key, p.axes) for p in mapping.params} == {
-        (f"layers.{l}.{leaf}", key.format(l=l), axes) for l in range(LAYERS) for leaf, key, axes in (
+        (f"layers.{l}.{leaf}", key.format(l=l), axes)
+        for l in range(LAYERS)
+        for leaf, key, axes in (
             ("router", "layers.{l}.block_sparse_moe.gate.weight", ("experts", "embed")),
             ("w1", "layers.{l}.block_sparse_moe.experts.{{expert}}.w1.weight", ("experts", "mlp", "embed")),
         )
     }
     check(workspace / "draft.toml", ckpt, mesh="4x2")
     model = port.load(ckpt, mesh="4x2", mapping=workspace / "draft.toml")
-    assert_loads_exactly(model, {
-        **{f"layers.{l}.router": source[f"model.layers.{l}.block_sparse_moe.gate.weight"] for l in range(LAYERS)},
-        **{f"layers.{l}.w1": np.stack([source[f"model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight"]
-                                       for e in range(EXPERTS)]) for l in range(LAYERS)},
-    })
+    assert_loads_exactly(
+        model,
+        {
+            **{f"layers.{l}.router": source[f"model.layers.{l}.block_sparse_moe.gate.weight"] for l in range(LAYERS)},
+            **{
+                f"layers.{l}.w1": np.stack(
+                    [source[f"model.layers.{l}.block_sparse_moe.experts.{e}.w1.weight"] for e in range(EXPERTS)]
+                )
+                for l in range(LAYERS)
+            },
+        },
+    )
 
 
 def phi3_expected(source, per_head: bool = True) -> dict:
@@ -289,7 +329,8 @@ def phi3_expected(source, per_head: bool = True) -> dict:
         return {**attn, "attn.wo": stack("self_attn.o_proj.weight", lambda x: x)}
     same = lambda x: x  # noqa: E731
     return {
-        "embed": source["model.embed_tokens.weight"], "norm": source["model.norm.weight"],
+        "embed": source["model.embed_tokens.weight"],
+        "norm": source["model.norm.weight"],
         "lm_head": source["lm_head.weight"],
         **{f"blocks.{path}": value for path, value in attn.items()},
         "blocks.attn.wo": stack("self_attn.o_proj.weight", lambda x: x.reshape(HIDDEN, HEADS, HEAD_DIM)),
@@ -306,7 +347,13 @@ def test_phi3_fused_qkv_of_unequal_parts_is_split_per_head_by_config_names(works
     ckpt = write_checkpoint(workspace / "ckpt", source, PHI3_CONFIG)
     commented = port.parse_mapping(scaffold(ckpt, None, "tinyphi3:Phi3"))
     assert {p.path for p in commented.params} == {
-        "embed", "norm", "lm_head", "blocks.attn_norm", "blocks.mlp_norm", "blocks.attn.wo", "blocks.mlp.down",
+        "embed",
+        "norm",
+        "lm_head",
+        "blocks.attn_norm",
+        "blocks.mlp_norm",
+        "blocks.attn.wo",
+        "blocks.mlp.down",
     }
     assert "fused? [40, 24] on axis 0 is 3 parts of sizes [24, 8, 8]" in commented.text
     assert "fused? [64, 24] on axis 0 is 2 x [32, 24]" in commented.text  # gate_up: equal parts, as before
@@ -346,7 +393,8 @@ def test_unequal_parts_without_a_heads_axis_split_by_plain_sizes(workspace):
 
 def test_moe_keys_no_leaf_fits_stay_one_group_in_the_todo(workspace, tmp_path):
     """A grid of layer x expert keys is one pattern for the author, even when no leaf takes it."""
-    (tmp_path / "oddmoe.py").write_text(textwrap.dedent('''
+    (tmp_path / "oddmoe.py").write_text(
+        textwrap.dedent("""
         import equinox as eqx
         import jax.numpy as jnp
 
@@ -358,7 +406,8 @@ def test_moe_keys_no_leaf_fits_stay_one_group_in_the_todo(workspace, tmp_path):
             def from_config(cls, config, *, key):
                 l, e, d = config["num_hidden_layers"], config["num_local_experts"], config["hidden_size"]
                 return cls(jnp.zeros((l, e, d)), jnp.zeros((l, e, 3)))
-    '''))
+    """)
+    )
     source = {k: v for k, v in moe_tensors().items() if "gate" in k or "w1" in k}
     text = scaffold(write_checkpoint(workspace / "ckpt", source, MOE_CONFIG), None, "oddmoe:Odd")
     assert "1 entries paired" in text

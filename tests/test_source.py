@@ -291,7 +291,9 @@ def test_regions_that_tile_rows_are_read_by_one_call(checkpoint_dir, headers):
     assert len(calls) == 1 and len(calls[0][1]) == 2 * 5 * 6
     np.testing.assert_array_equal(np.concatenate(outs, axis=2), array)
     files, _ = read_offsets(calls)
-    assert sorted(files.tolist()) == list(range(ckpt.tensors["f32.3d"].offset, ckpt.tensors["f32.3d"].offset + array.nbytes))
+    assert sorted(files.tolist()) == list(
+        range(ckpt.tensors["f32.3d"].offset, ckpt.tensors["f32.3d"].offset + array.nbytes)
+    )
     # Only one of them: 30 runs with gaps between them, one preadv each.
     with LocalCheckpoint(checkpoint_dir, {}, headers) as ckpt, recorded_reads() as calls:
         ckpt.read("f32.3d", blocks[0])
@@ -355,9 +357,7 @@ def test_header_length_larger_than_file(tmp_path):
     _assert_port_error(path, "corrupt header")
 
 
-@pytest.mark.parametrize(
-    "raw", [b"not json", b'{"a": ', b"\xff\xfe\x00garbage", b"", b"[1, 2]", b'"text"', b"null"]
-)
+@pytest.mark.parametrize("raw", [b"not json", b'{"a": ', b"\xff\xfe\x00garbage", b"", b"[1, 2]", b'"text"', b"null"])
 def test_header_not_json_object(tmp_path, raw):
     path = _write(tmp_path / "nojson.safetensors", None, b"\0" * 16, raw_header=raw)
     _assert_port_error(path, "corrupt header")

@@ -118,7 +118,7 @@ def test_memory_is_the_capacity_whatever_passes_through():
     """A thousand buffers through a 1 MB ring: the ring is the only host memory they use."""
     staging = Staging(1 << 20)
     first = None
-    for i in range(1000):
+    for _i in range(1000):
         buffer = staging.take(300_000)
         first = first if first is not None else buffer.base
         assert buffer.base is first  # a view of the one ring, never a fresh allocation

@@ -13,13 +13,14 @@ import sys
 import time
 
 import pytest
+from test_multiprocess_cli import TINY, convert, run_all, the_error
 
 import port._store as store_module
 from port._errors import RunError
 from port._store import MAX_HELLO, MAX_STRANGERS, Store, serve
-from test_multiprocess import free_port
+
 from helpers import port_env
-from test_multiprocess_cli import TINY, convert, run_all, the_error
+from test_multiprocess import free_port
 
 
 @pytest.fixture
@@ -52,8 +53,11 @@ def test_a_coordinator_on_loopback_keeps_the_store_on_loopback(service):
 def test_a_stranger_that_claims_a_process_first_stops_the_real_one(service):
     stranger = raw(service.address)
     assert ask(stranger, {"op": "hello", "process": 1, "num_processes": 2}) == {"ok": True}
-    with pytest.raises(RunError, match=r"process 1 is already connected to this run \(two processes with the "
-                                       r"same process_id=, or a process that is not the run's\)"):
+    with pytest.raises(
+        RunError,
+        match=r"process 1 is already connected to this run \(two processes with the "
+        r"same process_id=, or a process that is not the run's\)",
+    ):
         Store.connect(service.address, 1, 2, timeout=5)
     stranger.close()
     time.sleep(0.2)
@@ -127,8 +131,11 @@ def test_run_token_takes_only_hex(monkeypatch):
 
     monkeypatch.setattr(runtime, "_current", lambda: object())
     monkeypatch.setattr(runtime, "exchange", lambda *a, **k: {0: "x/../../evil-partial", 1: "00" * 8})
-    with pytest.raises(RunError, match=r"process 0 sent 'x/\.\./\.\./evil-partial' as the run's name, "
-                                       r"not 16 hex digits"):
+    with pytest.raises(
+        RunError,
+        match=r"process 0 sent 'x/\.\./\.\./evil-partial' as the run's name, "
+        r"not 16 hex digits",
+    ):
         runtime.run_token()
     monkeypatch.setattr(runtime, "exchange", lambda *a, **k: {0: "0123456789abcdef"})
     assert runtime.run_token() == "0123456789abcdef"
@@ -167,12 +174,14 @@ def test_a_third_process_cannot_make_the_run_write_outside_or_succeed(tmp_path):
     host, port = address.split(":")
     work = tmp_path / "work"
     work.mkdir()
-    stranger = subprocess.Popen([sys.executable, "-c", STRANGER, host, str(int(port) + 1)],
-                                stdout=subprocess.PIPE, text=True, env=port_env())
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", STRANGER, host, str(int(port) + 1)], stdout=subprocess.PIPE, text=True, env=port_env()
+    )
     try:
         out = work / "out"
-        results = run_all([convert(out, address, 0, "--timeout", "8"), convert(out, address, 1, "--timeout", "8")],
-                          delays=[0.0, 1.0])
+        results = run_all(
+            [convert(out, address, 0, "--timeout", "8"), convert(out, address, 1, "--timeout", "8")], delays=[0.0, 1.0]
+        )
     finally:
         stranger.kill()
         said = stranger.communicate()[0].splitlines()
@@ -202,7 +211,10 @@ def test_an_output_missing_a_chunk_is_never_made_final(tmp_path, monkeypatch):
     monkeypatch.setattr(save, "_write_chunk", astray)
     work = tmp_path / "work"
     work.mkdir()
-    with pytest.raises(port.OutputError, match=r"^out=.*/out: leaf 'wte': 1 of its 2 chunk files are missing "
-                                               r"\(first 0\.0\); the output is not complete$"):
+    with pytest.raises(
+        port.OutputError,
+        match=r"^out=.*/out: leaf 'wte': 1 of its 2 chunk files are missing "
+        r"\(first 0\.0\); the output is not complete$",
+    ):
         port.convert(TINY, mesh="2x2", out=work / "out")
     assert list(work.iterdir()) == []

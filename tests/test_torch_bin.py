@@ -28,11 +28,21 @@ import pytest
 import port
 import port._sources._directory
 import port._sources._pytorch
-from port._sources import LocalCheckpoint
-from helpers import (
-    INPUT_IDS, assert_blocks_read_exactly, logits, one_line, place_on, run_port, torch_gpt2, torch_llama, torch_logits, transformers_or_skip,
-)
 from port._errors import CheckpointError
+from port._sources import LocalCheckpoint
+
+from helpers import (
+    INPUT_IDS,
+    assert_blocks_read_exactly,
+    logits,
+    one_line,
+    place_on,
+    run_port,
+    torch_gpt2,
+    torch_llama,
+    torch_logits,
+    transformers_or_skip,
+)
 
 torch = pytest.importorskip("torch", exc_type=ImportError)
 
@@ -87,8 +97,11 @@ def central_entry(raw: bytes, record: str) -> int:
 
 def as_numpy(tensor) -> np.ndarray:
     """A CPU tensor's values as NumPy, bfloat16 and float8 included (through their bits)."""
-    kinds = {torch.bfloat16: ml_dtypes.bfloat16, torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
-             torch.float8_e5m2: ml_dtypes.float8_e5m2}
+    kinds = {
+        torch.bfloat16: ml_dtypes.bfloat16,
+        torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+        torch.float8_e5m2: ml_dtypes.float8_e5m2,
+    }
     if tensor.dtype in kinds:
         bits = tensor.view(torch.int16 if tensor.dtype == torch.bfloat16 else torch.uint8)
         return bits.numpy().view(kinds[tensor.dtype])
@@ -105,7 +118,6 @@ def refused(path: Path, *substrings: str) -> str:
     for s in substrings:
         assert s in message, f"{s!r} not in {message!r}"
     return message
-
 
 
 @pytest.fixture(scope="module")
@@ -136,15 +148,24 @@ def test_every_dtype_and_view_reads_torchs_values(tmp_path):
     generator = torch.Generator().manual_seed(0)
     matrix = torch.randn(5, 6, generator=generator)
     tensors = {
-        "f32": matrix, "tied": matrix, "row": matrix[3], "rows": matrix[1:4],
+        "f32": matrix,
+        "tied": matrix,
+        "row": matrix[3],
+        "rows": matrix[1:4],
         "f64": torch.randn(3, 2, dtype=torch.float64, generator=generator),
-        "f16": torch.randn(4, 3, generator=generator).half(), "bf16": torch.randn(7, 2, generator=generator).bfloat16(),
+        "f16": torch.randn(4, 3, generator=generator).half(),
+        "bf16": torch.randn(7, 2, generator=generator).bfloat16(),
         "e4m3": torch.randn(6, generator=generator).to(torch.float8_e4m3fn),
         "e5m2": torch.randn(2, 3, generator=generator).to(torch.float8_e5m2),
-        "i64": torch.arange(-6, 6).reshape(3, 4), "i32": torch.arange(5, dtype=torch.int32),
-        "i16": torch.arange(4, dtype=torch.int16), "i8": torch.arange(-3, 3, dtype=torch.int8),
-        "u8": torch.arange(250, 256, dtype=torch.uint8), "bool": torch.tensor([True, False, True]),
-        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "param": torch.nn.Parameter(torch.ones(2, 2)),
+        "i64": torch.arange(-6, 6).reshape(3, 4),
+        "i32": torch.arange(5, dtype=torch.int32),
+        "i16": torch.arange(4, dtype=torch.int16),
+        "i8": torch.arange(-3, 3, dtype=torch.int8),
+        "u8": torch.arange(250, 256, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "param": torch.nn.Parameter(torch.ones(2, 2)),
     }
     path = torch_save(tmp_path / "ckpt", tensors)
     with port.open_checkpoint(tmp_path / "ckpt") as ckpt:
@@ -180,7 +201,9 @@ def test_pytorch_is_not_needed(tmp_path):
         "ckpt = port._sources.open_checkpoint(sys.argv[1])\n"
         "print(ckpt.read('w', ((1, 3),)).tolist(), sys.modules['torch'])\n"
     )
-    result = subprocess.run([sys.executable, "-c", code, tmp_path / "ckpt"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code, tmp_path / "ckpt"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "[1.0, 2.0] None"
 
@@ -217,8 +240,11 @@ def test_safetensors_are_preferred_and_bin_index_names_are_checked(tmp_path, mod
     outside = tmp_path / "outside"
     outside.mkdir()
     os.link(single / "config.json", outside / "config.json")
-    for name, expected in [("../both/pytorch_model.bin", "not a plain file name"), ("weights.pt", "not a .bin file"),
-                           ("gone.bin", "which is not in")]:
+    for name, expected in [
+        ("../both/pytorch_model.bin", "not a plain file name"),
+        ("weights.pt", "not a .bin file"),
+        ("gone.bin", "which is not in"),
+    ]:
         if name == "weights.pt":
             (outside / name).write_bytes(b"")
         (outside / "pytorch_model.bin.index.json").write_text(f'{{"weight_map": {{"w": "{name}"}}}}')
@@ -230,9 +256,15 @@ def test_safetensors_are_preferred_and_bin_index_names_are_checked(tmp_path, mod
 # ---------------------------------------------------------------- conversion
 
 
-@pytest.mark.parametrize("arch, layout, mesh", [
-    ("gpt2", "single", "1x1"), ("gpt2", "sharded", "4x2"), ("llama", "single", "4x2"), ("llama", "sharded", "1x1"),
-])
+@pytest.mark.parametrize(
+    "arch, layout, mesh",
+    [
+        ("gpt2", "single", "1x1"),
+        ("gpt2", "sharded", "4x2"),
+        ("llama", "single", "4x2"),
+        ("llama", "sharded", "1x1"),
+    ],
+)
 def test_logits_match_transformers(models, arch, layout, mesh):
     single, sharded, _, expected = models(arch)
     model = port.load(single if layout == "single" else sharded, mesh=port.make_mesh(mesh))
@@ -287,9 +319,7 @@ def payloads(marker: Path) -> dict[str, bytes]:
     return {
         "os.system": b"\x80\x02cos\nsystem\nX" + struct.pack("<I", len(command)) + command + b"\x85R.",
         "posix.system": pickle.dumps({"w": Payload(os.system, command.decode())}, protocol=2),
-        "builtins.eval": pickle.dumps(
-            {"w": Payload(eval, f"__import__('os').system('touch {marker}')")}, protocol=4
-        ),
+        "builtins.eval": pickle.dumps({"w": Payload(eval, f"__import__('os').system('touch {marker}')")}, protocol=4),
     }
 
 
@@ -359,8 +389,16 @@ def huge(what: str) -> bytes:
     numbers[what] = _long4(10**5000)
     storage = b"(" + _binunicode("storage") + b"ctorch\nFloatStorage\n" + _binunicode("0") + _binunicode("cpu")
     return (
-        b"\x80\x02}" + _binunicode("w") + b"ctorch._utils\n_rebuild_tensor_v2\n("
-        + storage + numbers["numel"] + b"tQ" + numbers["offset"] + numbers["size"] + b"\x85" + numbers["stride"]
+        b"\x80\x02}"
+        + _binunicode("w")
+        + b"ctorch._utils\n_rebuild_tensor_v2\n("
+        + storage
+        + numbers["numel"]
+        + b"tQ"
+        + numbers["offset"]
+        + numbers["size"]
+        + b"\x85"
+        + numbers["stride"]
         + b"\x85\x89ccollections\nOrderedDict\n)RtRs."
     )
 
@@ -369,38 +407,99 @@ CASES = {  # name: (state dict, torch.save options, how the file is broken, what
     "truncated": ({"w": torch.zeros(64)}, {}, _truncated, "truncated or corrupt zip"),
     "local header": ({"w": torch.zeros(64)}, {}, _local_header_smashed, "the local header of record"),
     "record outside": ({"w": torch.zeros(64)}, {}, _record_outside, "starts outside the archive"),
-    "record short": ({"w": torch.zeros(64)}, {}, lambda p: rezip(p, {"data/0": b"\0" * 100}),
-                     "holds 100 bytes but its storage of 64 float32 needs 256"),
+    "record short": (
+        {"w": torch.zeros(64)},
+        {},
+        lambda p: rezip(p, {"data/0": b"\0" * 100}),
+        "holds 100 bytes but its storage of 64 float32 needs 256",
+    ),
     "record missing": ({"w": torch.zeros(4)}, {}, lambda p: rezip(p, drop=("data/0",)), "has no record"),
-    "pickle cut": ({"w": torch.zeros(4)}, {}, lambda p: rezip(p, {"data.pkl": pickle.dumps({"w": 1})[:-3]}),
-                   "corrupt data.pkl"),
+    "pickle cut": (
+        {"w": torch.zeros(4)},
+        {},
+        lambda p: rezip(p, {"data.pkl": pickle.dumps({"w": 1})[:-3]}),
+        "corrupt data.pkl",
+    ),
     "not a state dict": ({"model": {"w": torch.zeros(4)}}, {}, None, "entry 'model' is a dict, not a tensor"),
     "no data.pkl": ({"w": torch.zeros(4)}, {}, lambda p: rezip(p, drop=("data.pkl",)), "a zip without data.pkl"),
-    "compressed data": ({"w": torch.zeros(64)}, {}, lambda p: rezip(p, compress=("data/0",)),
-                        "data/0' is compressed (method 8)"),
-    "compressed pickle": ({"w": torch.zeros(4)}, {}, lambda p: rezip(p, compress=("data.pkl",)),
-                          "data.pkl' is compressed (method 8)"),
+    "compressed data": (
+        {"w": torch.zeros(64)},
+        {},
+        lambda p: rezip(p, compress=("data/0",)),
+        "data/0' is compressed (method 8)",
+    ),
+    "compressed pickle": (
+        {"w": torch.zeros(4)},
+        {},
+        lambda p: rezip(p, compress=("data.pkl",)),
+        "data.pkl' is compressed (method 8)",
+    ),
     "legacy": ({"w": torch.zeros(4)}, {"_use_new_zipfile_serialization": False}, None, "the legacy torch.save format"),
     "big-endian": ({"w": torch.zeros(4)}, {}, lambda p: rezip(p, {"byteorder": b"big"}), "saved big-endian"),
-    "transposed": ({"w": torch.zeros(3, 4).t()}, {}, None, "tensor 'w' is not stored row-major (shape [4, 3], strides [1, 4])"),
+    "transposed": (
+        {"w": torch.zeros(3, 4).t()},
+        {},
+        None,
+        "tensor 'w' is not stored row-major (shape [4, 3], strides [1, 4])",
+    ),
     "column": ({"w": torch.zeros(3, 4)[:, 1]}, {}, None, "tensor 'w' is not stored row-major"),
     "broadcast": ({"w": torch.zeros(4).expand(3, 4)}, {}, None, "tensor 'w' is not stored row-major"),
-    "complex": ({"w": torch.zeros(2, dtype=torch.complex64)}, {}, None, "holds a torch.ComplexFloatStorage, a storage of a dtype port does not read"),
+    "complex": (
+        {"w": torch.zeros(2, dtype=torch.complex64)},
+        {},
+        None,
+        "holds a torch.ComplexFloatStorage, a storage of a dtype port does not read",
+    ),
     "uint16": ({"w": torch.zeros(2, dtype=torch.uint16)}, {}, None, "dtype torch.uint16"),
-    "memo jump": ({"w": torch.zeros(4)}, {}, lambda p: rezip(p, {"data.pkl": b"\x80\x02}r\x00\x00\x00\x40."}),
-                  "memo index 1073741824 out of order"),
-    "range": ({"w": torch.zeros(4)}, {}, lambda p: rezip(p, {"data.pkl": pickle.dumps(range(3), protocol=4)}),
-              "data.pkl names the global 'builtins.range'"),
-    "instance": ({"w": torch.zeros(4)}, {}, lambda p: rezip(p, {"data.pkl": b"(i__main__\nX\n."}),
-                 "the pickle opcode INST"),
-    "parameter of a dict": ({"w": torch.zeros(4)}, {}, lambda p: rezip(p, {"data.pkl": (
-        b"\x80\x02}" + _binunicode("w") + b"ctorch._utils\n_rebuild_parameter\nccollections\nOrderedDict\n)R"
-        b"\x89)\x87Rs.")}), "corrupt data.pkl: a parameter whose data is not a tensor"),
-    **{f"{what} of 5000 digits": ({"w": torch.zeros(3)}, {}, lambda p, what=what: rezip(p, {"data.pkl": huge(what)}),
-                                  expected)
-       for what, expected in [("numel", "storage '0' claims more than 2**63 - 1 bytes"),
-                              *((what, "tensor 'w' has an offset, size or stride past 2**63 - 1")
-                                for what in ("offset", "size", "stride"))]},
+    "memo jump": (
+        {"w": torch.zeros(4)},
+        {},
+        lambda p: rezip(p, {"data.pkl": b"\x80\x02}r\x00\x00\x00\x40."}),
+        "memo index 1073741824 out of order",
+    ),
+    "range": (
+        {"w": torch.zeros(4)},
+        {},
+        lambda p: rezip(p, {"data.pkl": pickle.dumps(range(3), protocol=4)}),
+        "data.pkl names the global 'builtins.range'",
+    ),
+    "instance": (
+        {"w": torch.zeros(4)},
+        {},
+        lambda p: rezip(p, {"data.pkl": b"(i__main__\nX\n."}),
+        "the pickle opcode INST",
+    ),
+    "parameter of a dict": (
+        {"w": torch.zeros(4)},
+        {},
+        lambda p: rezip(
+            p,
+            {
+                "data.pkl": (
+                    b"\x80\x02}"
+                    + _binunicode("w")
+                    + b"ctorch._utils\n_rebuild_parameter\nccollections\nOrderedDict\n)R"
+                    b"\x89)\x87Rs."
+                )
+            },
+        ),
+        "corrupt data.pkl: a parameter whose data is not a tensor",
+    ),
+    **{
+        f"{what} of 5000 digits": (
+            {"w": torch.zeros(3)},
+            {},
+            lambda p, what=what: rezip(p, {"data.pkl": huge(what)}),
+            expected,
+        )
+        for what, expected in [
+            ("numel", "storage '0' claims more than 2**63 - 1 bytes"),
+            *(
+                (what, "tensor 'w' has an offset, size or stride past 2**63 - 1")
+                for what in ("offset", "size", "stride")
+            ),
+        ]
+    },
 }
 
 
@@ -417,8 +516,11 @@ def test_bad_files_are_one_line(tmp_path, case):
 def test_a_truncated_file_is_one_line_through_the_command(tmp_path):
     path = torch_save(tmp_path / "ckpt", {"w": torch.zeros(64)})
     _truncated(path)
-    one_line(run_port("convert", tmp_path / "ckpt", "--mesh", "1x1", "--out", tmp_path / "out", timeout=120),
-             "pytorch_model.bin", "truncated or corrupt zip")
+    one_line(
+        run_port("convert", tmp_path / "ckpt", "--mesh", "1x1", "--out", tmp_path / "out", timeout=120),
+        "pytorch_model.bin",
+        "truncated or corrupt zip",
+    )
 
 
 def test_every_cut_and_mutant_is_refused_or_read(tmp_path):
@@ -513,8 +615,11 @@ def test_a_deep_key_crashes_plain_pickle(tmp_path):
 @pytest.mark.parametrize("how", NESTED)
 def test_objects_nested_a_million_deep_are_refused(tmp_path, how):
     path = nested_bin(tmp_path / "ckpt", NESTED[how])
-    refused(path, f"pytorch_model.bin: data.pkl nests objects more than {port._sources._pytorch.MAX_DEPTH} deep: refused "
-                  "(nothing was run)")
+    refused(
+        path,
+        f"pytorch_model.bin: data.pkl nests objects more than {port._sources._pytorch.MAX_DEPTH} deep: refused "
+        "(nothing was run)",
+    )
     with pytest.raises(CheckpointError, match="nests objects more than"):  # port.load, in this process
         port.load(tmp_path / "ckpt", mapping=Path(__file__).resolve().parents[1] / "mappings" / "gpt2.toml")
 
@@ -522,30 +627,43 @@ def test_objects_nested_a_million_deep_are_refused(tmp_path, how):
 @pytest.mark.slow
 def test_objects_nested_a_million_deep_are_one_line_through_the_command(tmp_path):
     nested_bin(tmp_path / "ckpt", NESTED["TUPLE1 chain as a key"])
-    one_line(run_port("plan", tmp_path / "ckpt", "--mesh", "1x1", timeout=120),
-             "pytorch_model.bin: data.pkl nests objects more than 100 deep: refused (nothing was run)")
+    one_line(
+        run_port("plan", tmp_path / "ckpt", "--mesh", "1x1", timeout=120),
+        "pytorch_model.bin: data.pkl nests objects more than 100 deep: refused (nothing was run)",
+    )
 
 
 def test_nesting_is_counted_exactly_up_to_the_bound(tmp_path):
     """A dict whose key is a tuple nested `levels` deep nests `levels + 1` deep: MAX_DEPTH is read (and
     refused as holding no tensor), one level more is refused unread."""
     depth = port._sources._pytorch.MAX_DEPTH
-    for levels, expected in [(depth - 1, "data.pkl has a key that is not a string (a tuple)"),
-                             (depth, f"data.pkl nests objects more than {depth} deep")]:
+    for levels, expected in [
+        (depth - 1, "data.pkl has a key that is not a string (a tuple)"),
+        (depth, f"data.pkl nests objects more than {depth} deep"),
+    ]:
         path = nested_bin(tmp_path / f"ckpt{levels}", b"\x80\x02})" + b"\x85" * (levels - 1) + b"K\x01s.")
         refused(path, expected)
 
 
-@pytest.mark.parametrize("data", [
-    # a list appended to itself: infinitely deep
-    b"\x80\x02}" + _KEY_W + b"]q\x00h\x00as.",
-    # lists nested through the memo, each one filled after it was nested: the stack never holds more than
-    # two, but the last is 1000 deep
-    b"\x80\x02}" + _KEY_W + b"".join(b"]r" + struct.pack("<I", i) + b"0" for i in range(1000))
-    + b"".join(b"j" + struct.pack("<I", i) + b"j" + struct.pack("<I", i + 1) + b"a0" for i in range(999))
-    + b"j\x00\x00\x00\x00s.",
-], ids=["self", "through the memo"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        # a list appended to itself: infinitely deep
+        b"\x80\x02}" + _KEY_W + b"]q\x00h\x00as.",
+        # lists nested through the memo, each one filled after it was nested: the stack never holds more than
+        # two, but the last is 1000 deep
+        b"\x80\x02}"
+        + _KEY_W
+        + b"".join(b"]r" + struct.pack("<I", i) + b"0" for i in range(1000))
+        + b"".join(b"j" + struct.pack("<I", i) + b"j" + struct.pack("<I", i + 1) + b"a0" for i in range(999))
+        + b"j\x00\x00\x00\x00s.",
+    ],
+    ids=["self", "through the memo"],
+)
 def test_an_object_changed_after_it_was_nested_is_refused(tmp_path, data):
     path = nested_bin(tmp_path / "ckpt", data)
-    refused(path, "data.pkl changes an object after nesting it in another (APPEND at byte",
-            "which a state dict never does: refused (nothing was run)")
+    refused(
+        path,
+        "data.pkl changes an object after nesting it in another (APPEND at byte",
+        "which a state dict never does: refused (nothing was run)",
+    )

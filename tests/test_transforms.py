@@ -249,9 +249,7 @@ def test_gpt2_c_attn_chain_contract(data):
     embed = heads * head_dim
     index = data.draw(st.integers(0, 2), label="q/k/v")
     x = _source(data, (embed, 3 * embed), data.draw(st.sampled_from(FLOATS)))
-    target = data.draw(
-        st.sampled_from([(heads, head_dim, embed), (heads, head_dim, -1), (-1, head_dim, embed)])
-    )
+    target = data.draw(st.sampled_from([(heads, head_dim, embed), (heads, head_dim, -1), (-1, head_dim, embed)]))
     transforms = [Split(1, index, parts=3), Transpose((1, 0)), Reshape(target)]
     if data.draw(st.booleans()):
         transforms.insert(data.draw(st.integers(0, 3)), Cast(data.draw(st.sampled_from(FLOATS))))
@@ -410,8 +408,9 @@ def test_gpt2_q_shard_reads_only_its_columns(heads, head_dim, index, data):
     k = data.draw(st.sampled_from(_divisors(heads)))
     i = data.draw(st.integers(0, k - 1))
     h0, h1 = i * heads // k, (i + 1) * heads // k
-    chain = Chain.build([Split(1, index, parts=3), Transpose((1, 0)), Reshape((heads, head_dim, embed))],
-                        (embed, 3 * embed))
+    chain = Chain.build(
+        [Split(1, index, parts=3), Transpose((1, 0)), Reshape((heads, head_dim, embed))], (embed, 3 * embed)
+    )
     regions = chain.regions(((h0, h1), (0, head_dim), (0, embed)))
     start = index * embed
     assert regions[0] == ((0, embed), (start + h0 * head_dim, start + h1 * head_dim))
@@ -691,7 +690,6 @@ def test_a_new_transform_is_one_class():
         del REGISTRY["flip"]
 
 
-
 def test_transform_is_abstract_and_each_transform_final():
     """Equinox's abstract/final pattern: `Transform` declares what every transform answers
     (abstract methods), a transform lacking one cannot be made, and a registered transform
@@ -716,6 +714,7 @@ def test_transform_is_abstract_and_each_transform_final():
             pass
 
     assert list(REGISTRY) == ["transpose", "reshape", "split", "cast", "stride"]
+
 
 # ------------------------------------------------------------ stride (a de-interleave)
 
@@ -844,13 +843,16 @@ def test_gpt_oss_gate_up_de_interleave():
     _same_bits(back, x)
 
 
-@pytest.mark.parametrize("arg, message", [
-    ({"axis": 0}, "stride takes"),
-    ({"axis": 0, "step": 2, "every": 1}, "stride takes"),
-    ({"axis": 0, "step": 2.0}, "integer"),
-    ({"axis": 0, "step": 2, "offset": 2}, "offset"),
-    ({"axis": 0, "step": 0}, "step"),
-])
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ({"axis": 0}, "stride takes"),
+        ({"axis": 0, "step": 2, "every": 1}, "stride takes"),
+        ({"axis": 0, "step": 2.0}, "integer"),
+        ({"axis": 0, "step": 2, "offset": 2}, "offset"),
+        ({"axis": 0, "step": 0}, "step"),
+    ],
+)
 def test_stride_parse_errors(arg, message):
     with pytest.raises(ValueError, match=message):
         parse_transform({"stride": arg})

@@ -25,9 +25,10 @@ def variant(directory: Path, add=None, config=None) -> Path:
 
     directory.mkdir(parents=True)
     save_file(load_file(EXAMPLE / "model.safetensors") | (add or {}), directory / "model.safetensors")
-    (directory / "config.json").write_text(json.dumps(json.loads((EXAMPLE / "config.json").read_text()) | (config or {})))
+    (directory / "config.json").write_text(
+        json.dumps(json.loads((EXAMPLE / "config.json").read_text()) | (config or {}))
+    )
     return directory
-
 
 
 def nothing_left(parent: Path, *allowed: str):
@@ -103,9 +104,23 @@ def test_a_failing_write_is_one_line_and_leaves_nothing(tmp_path):
 
     def convert(env=None):  # the limit set by a shell, not preexec_fn: no fork of this multithreaded process
         return subprocess.run(
-            ["sh", "-c", 'ulimit -f 40 && exec "$@"', "sh", *port_command(), "convert", str(EXAMPLE),
-             "--mesh", "2x2", "--out", str(tmp_path / "out")],
-            capture_output=True, text=True, env=port_env(env), timeout=120,
+            [
+                "sh",
+                "-c",
+                'ulimit -f 40 && exec "$@"',
+                "sh",
+                *port_command(),
+                "convert",
+                str(EXAMPLE),
+                "--mesh",
+                "2x2",
+                "--out",
+                str(tmp_path / "out"),
+            ],
+            capture_output=True,
+            text=True,
+            env=port_env(env),
+            timeout=120,
         )
 
     one_line(convert(), "--out", "writing the checkpoint failed: File too large (params/wte/0.0)")
@@ -119,7 +134,10 @@ def test_two_runs_to_one_output_one_wins(tmp_path):
         runs = [
             subprocess.Popen(
                 [*port_command(), "convert", EXAMPLE, "--mesh", "2x2", "--out", out],
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=port_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=port_env(),
             )
             for _ in range(2)
         ]
@@ -140,7 +158,8 @@ def test_a_report_that_is_a_directory_is_refused_before_reading(tmp_path):
     (tmp_path / "run.json").mkdir()
     one_line(
         run_port("convert", EXAMPLE, "--out", tmp_path / "out", "--report", tmp_path / "run.json"),
-        "--report", "not a regular file",
+        "--report",
+        "not a regular file",
     )
     nothing_left(tmp_path, "run.json")
     assert list((tmp_path / "run.json").iterdir()) == []
@@ -149,8 +168,11 @@ def test_a_report_that_is_a_directory_is_refused_before_reading(tmp_path):
 @pytest.mark.slow
 def test_a_report_at_the_outputs_path_is_refused_before_reading(tmp_path):
     out = tmp_path / "out"
-    one_line(run_port("convert", EXAMPLE, "--out", out, "--report", out), "--report",
-             "the same path as --out; give the run summary a file of its own")
+    one_line(
+        run_port("convert", EXAMPLE, "--out", out, "--report", out),
+        "--report",
+        "the same path as --out; give the run summary a file of its own",
+    )
     nothing_left(tmp_path)
 
 
@@ -173,7 +195,11 @@ def test_a_report_that_cannot_be_written_says_the_output_is_complete(tmp_path, m
         f"the output {tmp_path / 'out'} is complete"
     ), err
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "_CHECKPOINT_METADATA", "commit_success.txt", "params", "port"]
+        "_CHECKPOINT_METADATA",
+        "commit_success.txt",
+        "params",
+        "port",
+    ]
 
 
 def test_many_ignored_tensors_convert_to_an_output_that_reads_back(tmp_path, monkeypatch):
@@ -187,9 +213,13 @@ def test_many_ignored_tensors_convert_to_an_output_that_reads_back(tmp_path, mon
     import port._output._restore
     import port._output._save
 
-    model = variant(tmp_path / "model", add={
-        f"transformer.h.{i}.attn.bias": np.zeros((0,), np.float32) for i in range(2, 20_002)  # ignored by the mapping
-    })
+    model = variant(
+        tmp_path / "model",
+        add={
+            f"transformer.h.{i}.attn.bias": np.zeros((0,), np.float32)
+            for i in range(2, 20_002)  # ignored by the mapping
+        },
+    )
     limit = 200_000  # the names of the ignored tensors alone take over 1.3 MB
     monkeypatch.setattr(port._output._save, "MAX_METADATA_BYTES", limit)  # one bound, the writer's and the reader's
     monkeypatch.setattr(port._output._restore, "MAX_METADATA_BYTES", limit)
@@ -205,12 +235,28 @@ def test_many_ignored_tensors_convert_to_an_output_that_reads_back(tmp_path, mon
         np.testing.assert_array_equal(exported[key], array, err_msg=key)
 
 
-@pytest.mark.parametrize("bound, value, expected", [
-    ("MAX_METADATA_BYTES", 4000, (r"port/metadata would be \d+ bytes \([\d.]+ KB\), more than restore reads back "
-                                  r"\(4000 at most; its 'mapping' takes [\d.]+ KB\); the output is not written")),
-    ("MAX_SOURCES", 10, (r"port/metadata would record 28 source tensors, more than restore reads back "
-                         r"\(10 at most\); the output is not written")),
-], ids=["bytes", "sources"])
+@pytest.mark.parametrize(
+    "bound, value, expected",
+    [
+        (
+            "MAX_METADATA_BYTES",
+            4000,
+            (
+                r"port/metadata would be \d+ bytes \([\d.]+ KB\), more than restore reads back "
+                r"\(4000 at most; its 'mapping' takes [\d.]+ KB\); the output is not written"
+            ),
+        ),
+        (
+            "MAX_SOURCES",
+            10,
+            (
+                r"port/metadata would record 28 source tensors, more than restore reads back "
+                r"\(10 at most\); the output is not written"
+            ),
+        ),
+    ],
+    ids=["bytes", "sources"],
+)
 def test_metadata_restore_would_refuse_is_never_written(tmp_path, monkeypatch, bound, value, expected):
     """The writer checks the metadata against the bounds restore reads it under before writing it:
     one line saying how large and what is large, and nothing left (no output, no hidden partial)."""
@@ -234,16 +280,23 @@ def test_metadata_restore_would_refuse_is_never_written(tmp_path, monkeypatch, b
 def test_a_100_kb_tensor_name_is_shortened_in_the_error_line(tmp_path):
     name = "transformer.h.0." + "x" * 100_000 + ".weight"
     model = variant(tmp_path / "model", add={name: np.zeros((2,), np.float32)})
-    line = one_line(run_port("plan", model), "port: error: model.safetensors: tensor 'transformer.h.0.xxx",
-                    "'... is not used by the mapping", "(map it, or add it to ignore)")
+    line = one_line(
+        run_port("plan", model),
+        "port: error: model.safetensors: tensor 'transformer.h.0.xxx",
+        "'... is not used by the mapping",
+        "(map it, or add it to ignore)",
+    )
     assert len(line) < 1000, len(line)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("include, expected", [
-    ("x" * 5000, "port: error: include 'xxx"),
-    ("," * 5000, "port: error: --include ',,,"),
-])
+@pytest.mark.parametrize(
+    "include, expected",
+    [
+        ("x" * 5000, "port: error: include 'xxx"),
+        ("," * 5000, "port: error: --include ',,,"),
+    ],
+)
 def test_a_5000_character_include_is_shortened_in_the_error_line(tmp_path, include, expected):
     line = one_line(run_port("convert", EXAMPLE, "--out", tmp_path / "out", "--include", include), expected)
     assert len(line) < 1000, len(line)
@@ -286,8 +339,10 @@ def test_a_report_the_disk_cannot_take_is_one_line_through_the_command(tmp_path)
     work.mkdir()
     out, report = work / "out", work / "r.json"
     result = run_port("convert", EXAMPLE, "--out", out, "--report", report, env=hooked(tmp_path / "hook", FULL_DISK))
-    one_line(result, f"--report {report}: could not write the run summary (No space left on device); "
-                     f"the output {out} is complete")
+    one_line(
+        result,
+        f"--report {report}: could not write the run summary (No space left on device); the output {out} is complete",
+    )
     nothing_left(work, "out")
     assert sorted(p.name for p in out.iterdir()) == ["_CHECKPOINT_METADATA", "commit_success.txt", "params", "port"]
 
@@ -303,9 +358,14 @@ builtins.open = small
 
 @pytest.mark.slow
 def test_a_mesh_that_outgrows_host_memory_is_one_line_through_the_command(tmp_path):
-    result = run_port("convert", EXAMPLE, "--mesh", "4x2", "--out", tmp_path / "out",
-                      env=hooked(tmp_path / "hook", SMALL_HOST))
-    line = one_line(result, "--mesh data=4,model=2: its blocks take ", "(8 CPU devices x ",
-                    "more than the 1.0 KB available; use fewer devices, or shard what is replicated")
+    result = run_port(
+        "convert", EXAMPLE, "--mesh", "4x2", "--out", tmp_path / "out", env=hooked(tmp_path / "hook", SMALL_HOST)
+    )
+    line = one_line(
+        result,
+        "--mesh data=4,model=2: its blocks take ",
+        "(8 CPU devices x ",
+        "more than the 1.0 KB available; use fewer devices, or shard what is replicated",
+    )
     assert "converted" not in result.stderr, line
     nothing_left(tmp_path, "hook")

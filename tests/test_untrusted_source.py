@@ -34,7 +34,6 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
 
 
-
 def sharded(directory: Path, weight_map: dict | None = None) -> Path:
     """The tiny GPT-2 example as a one-shard indexed checkpoint, its index pointing where asked."""
     directory.mkdir(parents=True)
@@ -68,7 +67,9 @@ def test_index_pointing_outside_the_directory_is_refused(tmp_path):
         model = sharded(tmp_path / name, dict.fromkeys(keys, target))
         one_line(
             convert(tmp_path, model),
-            "model.safetensors.index.json", repr(target), "not a plain file name in the checkpoint directory",
+            "model.safetensors.index.json",
+            repr(target),
+            "not a plain file name in the checkpoint directory",
         )
 
 
@@ -269,10 +270,14 @@ REFUSED = {
     "bool size": ('{"a":{"dtype":"F32","shape":[true],"data_offsets":[0,4]}}', 4, "bad entry"),
     "size past u64": ('{"a":{"dtype":"F32","shape":[18446744073709551616,0],"data_offsets":[0,0]}}', 0, "bad entry"),
     "too large for NumPy": (
-        '{"a":{"dtype":"F32","shape":[2305843009213693952,0],"data_offsets":[0,0]}}', 0, "too large"
+        '{"a":{"dtype":"F32","shape":[2305843009213693952,0],"data_offsets":[0,0]}}',
+        0,
+        "too large",
     ),
     "65 dimensions": (
-        '{"a":{"dtype":"F32","shape":[' + ",".join(["1"] * 65) + '],"data_offsets":[0,4]}}', 4, "65 dimensions"
+        '{"a":{"dtype":"F32","shape":[' + ",".join(["1"] * 65) + '],"data_offsets":[0,4]}}',
+        4,
+        "65 dimensions",
     ),
     "three offsets": ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4,4]}}', 4, "bad entry"),
     "unknown dtype": ('{"a":{"dtype":"f32","shape":[1],"data_offsets":[0,4]}}', 4, "unsupported dtype"),
@@ -284,7 +289,11 @@ REFUSED = {
     "NaN": (_x("NaN"), 4, "NaN is not JSON"),
     "Infinity": (_x("-Infinity"), 4, "-Infinity is not JSON"),
     "1e400": (_x("1e400"), 4, "number out of range"),
-    "5000 digits": ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,' + "4" * 5000 + "]}}", 4, "integer of 5000 digits"),
+    "5000 digits": (
+        '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,' + "4" * 5000 + "]}}",
+        4,
+        "integer of 5000 digits",
+    ),
     "nested 126 deep": (_x("[" * 126 + "]" * 126), 4, "nested 128 levels deep"),  # 128 with the two objects around
     "nested 100000 deep": (_x("[" * 100_000 + "]" * 100_000), 4, "nested too deeply"),
     "lone surrogate": ('{"\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', 4, "lone surrogate"),
@@ -326,7 +335,8 @@ def test_a_header_length_one_byte_short_is_refused(tmp_path):
 
 ACCEPTED = {
     "zero-size tensors sharing offsets": (
-        '{"z":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},' + A
+        '{"z":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},'
+        + A
         + ',"y":{"dtype":"F32","shape":[2,0],"data_offsets":[4,4]}}',
         4,
     ),
@@ -360,7 +370,11 @@ STRICTER = {
     "tensor twice": ("{" + A + "," + A + "}", 4, "appears twice"),
     "metadata key twice": ('{"__metadata__":{"k":"1","k":"2"},' + A + "}", 4, "appears twice"),
     "metadata null": ('{"__metadata__":null,' + A + "}", 4, "__metadata__ must map strings to strings"),
-    "control character in a name": ('{"a\\n":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', 4, "control characters"),
+    "control character in a name": (
+        '{"a\\n":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+        4,
+        "control characters",
+    ),
     "dtype port does not convert": ('{"a":{"dtype":"U32","shape":[1],"data_offsets":[0,4]}}', 4, "unsupported dtype"),
 }
 
@@ -445,12 +459,17 @@ def test_truncating_the_checkpoint_while_it_is_read_is_one_line(tmp_path):
         out = tmp_path / f"out{seed}"
         run = subprocess.Popen(
             [*port_command(), "convert", model, "--mesh", "4x2", "--out", out],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=port_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=port_env(),
         )
         # Imports take some 75 MB; placing then adds the blocks, 656 MB: cut somewhere in it.
         threshold = 100_000_000 + int(rng.uniform(0.0, 0.8) * 600_000_000)
         began = time.perf_counter()
-        while run.poll() is None and (_worker_anon_bytes(run.pid) or 0) < threshold and time.perf_counter() - began < 120:
+        while (
+            run.poll() is None and (_worker_anon_bytes(run.pid) or 0) < threshold and time.perf_counter() - began < 120
+        ):
             time.sleep(0.001)
         os.truncate(model / "model.safetensors", rng.randrange(size // 10, size // 2))
         _, stderr = run.communicate(timeout=300)

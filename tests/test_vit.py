@@ -23,24 +23,37 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import port
-from helpers import hooked, perturbed, run_port, transformers_or_skip, write_sparse_checkpoint
 from port._errors import ConfigError
 from port.authoring._verify import input_kind, pixel_values
 from port.models.bert import Bert
 from port.models.vit import ViT, ViTConfig
 
+from helpers import hooked, perturbed, run_port, transformers_or_skip, write_sparse_checkpoint
+
 CONFIG = dict(
-    hidden_size=48, num_hidden_layers=2, num_attention_heads=3, intermediate_size=80,
-    image_size=16, patch_size=4,
+    hidden_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=3,
+    intermediate_size=80,
+    image_size=16,
+    patch_size=4,
 )
 
 # name: (the transformers class that writes the checkpoint, config overrides)
 CASES = {
     "rgb": ("ViTModel", {}),  # bare keys, pooler, exact gelu
-    "four-channel": ("ViTModel", dict(  # no q/k/v biases; 16 x 18 pixels: 2 columns cropped
-        num_channels=4, image_size=[16, 18], qkv_bias=False, layer_norm_eps=1e-5,
-        hidden_act="gelu_new", pooler_output_size=20, pooler_act="relu",
-    )),
+    "four-channel": (
+        "ViTModel",
+        dict(  # no q/k/v biases; 16 x 18 pixels: 2 columns cropped
+            num_channels=4,
+            image_size=[16, 18],
+            qkv_bias=False,
+            layer_norm_eps=1e-5,
+            hidden_act="gelu_new",
+            pooler_output_size=20,
+            pooler_act="relu",
+        ),
+    ),
     "grey-classifier": ("ViTForImageClassification", dict(num_channels=1, num_labels=5)),  # vit. keys
 }
 PARITY = [("rgb", "1x1"), ("rgb", "4x2"), ("rgb", "8x1"), ("four-channel", "4x2"), ("grey-classifier", "8x1")]
@@ -58,7 +71,9 @@ def torch_vit(class_name: str, **overrides):
     config = transformers.ViTConfig(**{**CONFIG, **overrides}, initializer_range=0.2)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    return perturbed(getattr(transformers, class_name)(config), lambda name: "layernorm" in name or name.endswith("bias"), 0.3)
+    return perturbed(
+        getattr(transformers, class_name)(config), lambda name: "layernorm" in name or name.endswith("bias"), 0.3
+    )
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +173,9 @@ def test_plan_of_a_classifier_checkpoint(twins):
     with port.open_checkpoint(directory) as ckpt:
         assert all(k.startswith(("vit.", "classifier.")) for k in ckpt.tensors)
         mapping = port.mapping_for(ckpt.config)
-        recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, {"data": 4, "model": 2})
+        recipe = port.plan(
+            port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, {"data": 4, "model": 2}
+        )
         assert ckpt.bytes_read == 0
     assert sorted(recipe.ignored) == ["classifier.bias", "classifier.weight"]
     assert recipe.empty == ("pooler.weight", "pooler.bias")
@@ -201,7 +218,9 @@ def test_verify_in_bfloat16_through_the_command_line(twins):
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "Traceback" not in output
-    found = re.search(r"the reference's own bfloat16 error ([\d.e-]+)\) on mesh 1x1: ok \(tolerance ([\d.e-]+)\)", output)
+    found = re.search(
+        r"the reference's own bfloat16 error ([\d.e-]+)\) on mesh 1x1: ok \(tolerance ([\d.e-]+)\)", output
+    )
     assert found, output
     assert float(found[2]) >= 2 * float(found[1]) * 0.999  # printed to 3 figures
 
@@ -241,10 +260,21 @@ def test_export_round_trip(twins, loaded, case, tmp_path):
 
 
 VIT_B16 = {  # google/vit-base-patch16-224-in21k config.json
-    "architectures": ["ViTModel"], "attention_probs_dropout_prob": 0.0, "hidden_act": "gelu",
-    "hidden_dropout_prob": 0.0, "hidden_size": 768, "image_size": 224, "initializer_range": 0.02,
-    "intermediate_size": 3072, "layer_norm_eps": 1e-12, "model_type": "vit", "num_attention_heads": 12,
-    "num_channels": 3, "num_hidden_layers": 12, "patch_size": 16, "qkv_bias": True,
+    "architectures": ["ViTModel"],
+    "attention_probs_dropout_prob": 0.0,
+    "hidden_act": "gelu",
+    "hidden_dropout_prob": 0.0,
+    "hidden_size": 768,
+    "image_size": 224,
+    "initializer_range": 0.02,
+    "intermediate_size": 3072,
+    "layer_norm_eps": 1e-12,
+    "model_type": "vit",
+    "num_attention_heads": 12,
+    "num_channels": 3,
+    "num_hidden_layers": 12,
+    "patch_size": 16,
+    "qkv_bias": True,
 }
 
 # On the `port` process's PYTHONPATH: records the offset of every read of tensor bytes
@@ -268,10 +298,14 @@ def vit_b16_shapes() -> dict[str, list[int]]:
     """Every tensor of a ViTModel (pooler included) of ViT-B/16's sizes, bare keys."""
     E, I, C, p, n = 768, 3072, 3, 16, 1 + (224 // 16) ** 2
     shapes = {
-        "embeddings.cls_token": [1, 1, E], "embeddings.position_embeddings": [1, n, E],
+        "embeddings.cls_token": [1, 1, E],
+        "embeddings.position_embeddings": [1, n, E],
         "embeddings.patch_embeddings.projection.weight": [E, C, p, p],
         "embeddings.patch_embeddings.projection.bias": [E],
-        "layernorm.weight": [E], "layernorm.bias": [E], "pooler.dense.weight": [E, E], "pooler.dense.bias": [E],
+        "layernorm.weight": [E],
+        "layernorm.bias": [E],
+        "pooler.dense.weight": [E, E],
+        "pooler.dense.bias": [E],
     }
     for layer in range(12):
         prefix = f"encoder.layer.{layer}."
@@ -334,7 +368,9 @@ def random_vit():
 
 
 def test_field_shapes():
-    model = eqx.filter_eval_shape(ViT.from_config, {**CONFIG, "num_channels": 4, "image_size": [16, 18]}, key=jax.random.key(0))
+    model = eqx.filter_eval_shape(
+        ViT.from_config, {**CONFIG, "num_channels": 4, "image_size": [16, 18]}, key=jax.random.key(0)
+    )
     assert model.patch_weight.shape == (48, 4, 4, 4)
     assert model.cls_token.shape == model.patch_bias.shape == model.norm.weight.shape == (48,)
     assert model.position_embeddings.shape == (17, 48)  # 4 x 4 patches: 18 // 4 == 4

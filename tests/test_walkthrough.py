@@ -18,6 +18,7 @@ from string import Template
 import pytest
 
 import port
+
 from helpers import logits, port_command, port_env
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,7 +70,12 @@ def argv(command):
 def run(tokens, cwd):
     program = {"port": PORT, "python": [sys.executable]}.get(tokens[0], tokens[:1])
     result = subprocess.run(
-        [*program, *tokens[1:]], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=180,
+        [*program, *tokens[1:]],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     return result.returncode, result.stdout + result.stderr
 
@@ -78,7 +84,10 @@ def repo_state():
     """Untracked files git reports, and every file under examples/walkthrough (ignored ones too)."""
     status = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=all"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     lines = status.stdout.splitlines()
     untracked = {Path(line[3:]) for line in lines if line.startswith("??")} if status.returncode == 0 else None
@@ -179,7 +188,9 @@ def test_walkthrough(tmp_path, monkeypatch):
     assert mine.reference == {"class": "torch_tinylm:TinyLM", "output": "logits"}
 
     # The shipped mapping passes check too, and loads TinyLM equal to PyTorch's on two meshes.
-    code, output = run(["port", "check", str(SHIPPED), "tinylm-checkpoint", "--mesh", "4x2", "--module", "tinylm:TinyLM"], work)
+    code, output = run(
+        ["port", "check", str(SHIPPED), "tinylm-checkpoint", "--mesh", "4x2", "--module", "tinylm:TinyLM"], work
+    )
     assert code == 0 and "ok: 20 leaves" in output, output
     import numpy as np
     import torch

@@ -21,9 +21,9 @@ from safetensors.numpy import load_file, save
 
 from port._dtypes import SAFETENSORS
 from port._errors import OutputError, PortError
+from port._export._safetensors import _LIBRARY_ORDER, INDEX, OutTensor, Writer, file_names, parse_size, shard_files
 from port._memory import PeakMemory
 from port._sources import open_checkpoint
-from port._export._safetensors import _LIBRARY_ORDER, INDEX, OutTensor, Writer, file_names, parse_size, shard_files
 
 from helpers import GPT2_CONFIG, torch_gpt2
 
@@ -442,9 +442,21 @@ def test_a_full_disk_is_one_line_error(tmp_path, when):
 @pytest.mark.parametrize(
     "text, size",
     [
-        ("5GB", 5 * 10**9), ("500MB", 500 * 10**6), ("1.5GB", 1_500_000_000), ("2GiB", 2 * 2**30),
-        ("100KB", 100_000), ("1000", 1000), (1000, 1000), ("7B", 7), ("5gb", 5 * 10**9), (" 3 MiB ", 3 * 2**20),
-        ("4.35MB", 4_350_000), ("1TB", 10**12), ("1TiB", 2**40), (".5KB", 500), ("2.KB", 2000),
+        ("5GB", 5 * 10**9),
+        ("500MB", 500 * 10**6),
+        ("1.5GB", 1_500_000_000),
+        ("2GiB", 2 * 2**30),
+        ("100KB", 100_000),
+        ("1000", 1000),
+        (1000, 1000),
+        ("7B", 7),
+        ("5gb", 5 * 10**9),
+        (" 3 MiB ", 3 * 2**20),
+        ("4.35MB", 4_350_000),
+        ("1TB", 10**12),
+        ("1TiB", 2**40),
+        (".5KB", 500),
+        ("2.KB", 2000),
     ],
 )
 def test_parse_size(text, size):
@@ -550,7 +562,9 @@ def test_writeback_starts_as_each_unit_is_written(tmp_path, monkeypatch):
 
     started = []
     monkeypatch.setattr(writer_module, "_CHUNK", 1000)
-    monkeypatch.setattr(writer_module, "_SYNC_FILE_RANGE", lambda fd, offset, n, flags: started.append((offset, n, flags)))
+    monkeypatch.setattr(
+        writer_module, "_SYNC_FILE_RANGE", lambda fd, offset, n, flags: started.append((offset, n, flags))
+    )
     big = np.arange(2600, dtype=np.float32)  # 10,400 bytes: eleven units
     box = np.arange(40 * 50, dtype=np.float32).reshape(40, 50)
     tensors = [OutTensor("big", big.shape, big.dtype), OutTensor("box", box.shape, box.dtype)]

@@ -28,7 +28,7 @@ def edit(draft: str) -> str:
     #    top-level key: it goes before the first [table] or [[array]] header, since
     #    a key after a header belongs to that table.
     header = re.search(r"^\[", text, re.M)
-    return text[: header.start()].rstrip("\n") + "\n" + REFERENCE + "\n\n" + text[header.start():]
+    return text[: header.start()].rstrip("\n") + "\n" + REFERENCE + "\n\n" + text[header.start() :]
 
 
 if __name__ == "__main__":

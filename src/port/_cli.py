@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NoReturn
 
 from . import _console
-from ._console import clear_line, quiet_libraries, say, show, stream
-from ._text import count_text, described, plural, printable, quoted, shortened, size_text
-from ._errors import PlanError, PortError
 from ._cleanup import attach, final, removing
+from ._console import clear_line, quiet_libraries, say, show, stream
+from ._errors import PlanError, PortError
 from ._interrupt import hold_signals, supervise
 from ._leftovers import claimed, recover
 from ._model import is_model
+from ._text import count_text, described, plural, printable, quoted, shortened, size_text
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -50,6 +50,7 @@ def _shown(model: str) -> str:
     from ._sources import shown
 
     return shown(model)
+
 
 DEFAULT_TIMEOUT = 300.0
 MESH_HELP = "device mesh: 4x2 (data x model) or named axes, data=2,expert=2,model=2 (default: 1x1)"
@@ -171,8 +172,9 @@ def _write_file(path: Path, text: str) -> None:
     partial = path.parent / f".{path.name}.port-partial-{secrets.token_hex(8)}"
     with contextlib.ExitStack() as parents:
         make_parents(path.parent, parents)
-        with claimed(partial), removing(
-            partial, create=lambda p: os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        with (
+            claimed(partial),
+            removing(partial, create=lambda p: os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))),
         ):
             partial.write_text(text)
             with final():
@@ -255,7 +257,7 @@ def _mapping_named(args: argparse.Namespace, path: Path | None):
 
 def _processes(args: argparse.Namespace) -> tuple[int, int]:
     """The run's process count and each process's share of --mesh's devices, the flags checked."""
-    from ._runtime import env_int, devices_per_process, mesh_shape
+    from ._runtime import devices_per_process, env_int, mesh_shape
 
     shape = mesh_shape(args.mesh)
     processes = args.num_processes if args.num_processes is not None else env_int("JAX_NUM_PROCESSES") or 1
@@ -320,8 +322,15 @@ def convert(args: argparse.Namespace) -> int:
 
     try:
         result = run_convert(
-            args.model, mapping=mapping, mesh=args.mesh, dtype=args.dtype, out=args.out, force=args.force,
-            progress=progress, include=_patterns(args.include), layers=layers,
+            args.model,
+            mapping=mapping,
+            mesh=args.mesh,
+            dtype=args.dtype,
+            out=args.out,
+            force=args.force,
+            progress=progress,
+            include=_patterns(args.include),
+            layers=layers,
         )
     except PortError as e:  # the API's words for a range, as the flag was given
         if layers is not None and str(e).startswith(f"layers={layers!r}: "):
@@ -380,17 +389,40 @@ def info_command(args: argparse.Namespace) -> int:
     mesh = written_mesh(output)
     total = sum(leaf.size * leaf.dtype.itemsize for leaf in output.leaves.values())
     params = sum(leaf.size for leaf in output.leaves.values())
-    sources = None if output.sources is None else {
-        "tensors": len(output.sources), "bytes": sum(math.prod(s) * d.itemsize for s, d in output.sources.values())
-    }
+    sources = (
+        None
+        if output.sources is None
+        else {
+            "tensors": len(output.sources),
+            "bytes": sum(math.prod(s) * d.itemsize for s, d in output.sources.values()),
+        }
+    )
     if args.json:
-        return _json({
-            "schema": "port.info/1", "directory": str(output.directory), "format": FORMAT, "class": output.mapping.model,
-            "model_type": output.config.get("model_type"), "mapping": output.mapping_source, "mesh": mesh,
-            "params": params, "bytes": total, "source": sources, "include": output.include,
-            "leaves": [{"path": path, "shape": list(leaf.shape), "dtype": leaf.dtype.name, "axes": list(leaf.axes),
-                        "bytes": leaf.size * leaf.dtype.itemsize} for path, leaf in output.leaves.items()],
-        })
+        return _json(
+            {
+                "schema": "port.info/1",
+                "directory": str(output.directory),
+                "format": FORMAT,
+                "class": output.mapping.model,
+                "model_type": output.config.get("model_type"),
+                "mapping": output.mapping_source,
+                "mesh": mesh,
+                "params": params,
+                "bytes": total,
+                "source": sources,
+                "include": output.include,
+                "leaves": [
+                    {
+                        "path": path,
+                        "shape": list(leaf.shape),
+                        "dtype": leaf.dtype.name,
+                        "axes": list(leaf.axes),
+                        "bytes": leaf.size * leaf.dtype.itemsize,
+                    }
+                    for path, leaf in output.leaves.items()
+                ],
+            }
+        )
     heading = [
         f"{printable(str(args.dir))}: a port output (format {FORMAT}), {count_text(params)} params in "
         f"{len(output.leaves)} {'leaf' if len(output.leaves) == 1 else 'leaves'}, {size_text(total)}",
@@ -403,8 +435,15 @@ def info_command(args: argparse.Namespace) -> int:
         heading.append(f"source: {plural(sources['tensors'], 'tensor')}, {size_text(sources['bytes'])}")
     if output.include is not None:
         heading.append(f"partial: only the leaves matching {', '.join(map(quoted, output.include))}")
-    rows = [(printable(path), describe(leaf.shape, leaf.dtype), ", ".join(a or "-" for a in leaf.axes) or "-",
-             size_text(leaf.size * leaf.dtype.itemsize)) for path, leaf in output.leaves.items()]
+    rows = [
+        (
+            printable(path),
+            describe(leaf.shape, leaf.dtype),
+            ", ".join(a or "-" for a in leaf.axes) or "-",
+            size_text(leaf.size * leaf.dtype.itemsize),
+        )
+        for path, leaf in output.leaves.items()
+    ]
     head = ("leaf", "shape", "axes", "bytes")
     line = _columns([head, *rows])
     show("\n".join([*heading, "", *map(line, [head, *rows])]) + "\n")
@@ -437,7 +476,12 @@ def export_command(args: argparse.Namespace) -> int:
     model = restore(args.dir, args.mesh, model=_model_class(args.module))
     try:
         out = export(
-            model, args.out, args.dir, max_shard_size=args.max_shard_size, dtype=args.dtype, force=args.force,
+            model,
+            args.out,
+            args.dir,
+            max_shard_size=args.max_shard_size,
+            dtype=args.dtype,
+            force=args.force,
             progress=progress,
         )
     finally:
@@ -488,8 +532,12 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
 
     def wrapped(text: str) -> list[str]:
         return textwrap.wrap(
-            printable(text), max(width, 40), initial_indent="  ", subsequent_indent="      ",
-            break_long_words=False, break_on_hyphens=False,
+            printable(text),
+            max(width, 40),
+            initial_indent="  ",
+            subsequent_indent="      ",
+            break_long_words=False,
+            break_on_hyphens=False,
         )
 
     lines = [*heading, "", line(head)]
@@ -501,10 +549,15 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
             lines += wrapped(f"note: {note}")
     lines.append("")
     named = {key for _, _, keys in recipe.ignored_by_rule for key in keys}
-    lines += [f"ignored: {printable(resolved)} ({len(keys)} tensors, by the mapping's ignore '{printable(rule)}')"
-              for rule, resolved, keys in recipe.ignored_by_rule if keys]
-    lines += [f"ignored: {printable(pattern)}" + (f" ({n} tensors)" if n > 1 else "")
-              for pattern, n in _grouped(tuple(k for k in recipe.ignored if k not in named)).items()]
+    lines += [
+        f"ignored: {printable(resolved)} ({len(keys)} tensors, by the mapping's ignore '{printable(rule)}')"
+        for rule, resolved, keys in recipe.ignored_by_rule
+        if keys
+    ]
+    lines += [
+        f"ignored: {printable(pattern)}" + (f" ({n} tensors)" if n > 1 else "")
+        for pattern, n in _grouped(tuple(k for k in recipe.ignored if k not in named)).items()
+    ]
     lines += [f"tied: {printable(key)} = {printable(copy_of)}, not read" for key, copy_of in recipe.tied]
     lines += [f"absent: {path} (optional, not in the checkpoint: None)" for path in recipe.empty]
     lines.append(
@@ -534,17 +587,36 @@ def plan_command(args: argparse.Namespace) -> int:
         mapping = mapping_for(ckpt.config, _mapping_named(args, args.mapping))
         recipe = run_check(mapping, ckpt, args.mesh, args.dtype)
     if args.json:
-        return _json({
-            "schema": "port.plan/1", "model": _shown(args.model), "class": mapping.model, "mapping": str(mapping.source),
-            "mesh": dict(recipe.mesh_shape), "params": recipe.params, "read_bytes": recipe.read_bytes,
-            "bytes_per_device": recipe.device_bytes, "absent": list(recipe.empty), "excluded": list(recipe.excluded),
-            "ignored": list(recipe.ignored), "tied": [list(pair) for pair in recipe.tied],
-            "leaves": [{
-                "path": leaf.path, "shape": list(leaf.shape), "dtype": leaf.dtype.name,
-                "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec], "bytes_per_device": leaf.device_bytes,
-                "source": leaf.pattern, "stack": list(leaf.stack), "transforms": str(leaf.chain), "notes": list(leaf.notes),
-            } for leaf in recipe.leaves],
-        })
+        return _json(
+            {
+                "schema": "port.plan/1",
+                "model": _shown(args.model),
+                "class": mapping.model,
+                "mapping": str(mapping.source),
+                "mesh": dict(recipe.mesh_shape),
+                "params": recipe.params,
+                "read_bytes": recipe.read_bytes,
+                "bytes_per_device": recipe.device_bytes,
+                "absent": list(recipe.empty),
+                "excluded": list(recipe.excluded),
+                "ignored": list(recipe.ignored),
+                "tied": [list(pair) for pair in recipe.tied],
+                "leaves": [
+                    {
+                        "path": leaf.path,
+                        "shape": list(leaf.shape),
+                        "dtype": leaf.dtype.name,
+                        "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec],
+                        "bytes_per_device": leaf.device_bytes,
+                        "source": leaf.pattern,
+                        "stack": list(leaf.stack),
+                        "transforms": str(leaf.chain),
+                        "notes": list(leaf.notes),
+                    }
+                    for leaf in recipe.leaves
+                ],
+            }
+        )
     heading = [f"{_shown(args.model)} -> {mapping.model} on mesh {args.mesh}", f"mapping: {mapping.source}"]
     show(plan_text(recipe, heading, shutil.get_terminal_size((80, 24)).columns))
     return 0
@@ -571,10 +643,18 @@ def check(args: argparse.Namespace) -> int:
             show("".join(f"{shortened(printable(problem))}\n" for problem in problems))
         raise PortError(f"{args.mapping}: {plural(len(e.problems), 'problem')} with {_shown(args.model)}") from None
     if args.json:
-        return _json(document | {
-            "ok": True, "problems": [], "leaves": len(result.leaves), "params": result.params,
-            "ignored": list(result.ignored), "tied": [list(pair) for pair in result.tied], "absent": list(result.empty),
-        })
+        return _json(
+            document
+            | {
+                "ok": True,
+                "problems": [],
+                "leaves": len(result.leaves),
+                "params": result.params,
+                "ignored": list(result.ignored),
+                "tied": [list(pair) for pair in result.tied],
+                "absent": list(result.empty),
+            }
+        )
     show(
         f"{args.mapping}: ok: {len(result.leaves)} leaves from {_shown(args.model)} ({count_text(result.params)} params), "
         f"{plural(len(result.ignored), 'key')} ignored, {len(result.tied)} tied, {len(result.empty)} optional absent\n"
@@ -590,40 +670,68 @@ def verify(args: argparse.Namespace) -> int:
         raise PortError(f"--tolerance {args.tolerance}: expected a number >= 0")
     if args.roundtrip and args.dtype is not None:
         raise PortError(f"--roundtrip compares bit for bit: drop --dtype {args.dtype}")
-    result = run_verify(args.model, args.mesh, _mapping_named(args, args.mapping), args.dtype, batch=args.batch,
-                        length=args.length, padding=args.padding, roundtrip=args.roundtrip)
+    result = run_verify(
+        args.model,
+        args.mesh,
+        _mapping_named(args, args.mapping),
+        args.dtype,
+        batch=args.batch,
+        length=args.length,
+        padding=args.padding,
+        roundtrip=args.roundtrip,
+    )
     bound = result.tolerance if args.tolerance is None else args.tolerance
     trip = result.roundtrip
     ok = result.max_abs_diff <= bound and (trip is None or trip.exact)
     verdict = "ok" if result.max_abs_diff <= bound else "FAILED"
     if args.json:
-        _json({
-            "schema": "port.verify/1", "model": _shown(args.model), "reference": result.reference, "mesh": args.mesh,
-            "dtype": result.dtype, "shape": list(result.shape), "padding": args.padding,
-            "max_abs_difference": result.max_abs_diff, "max_abs_reference": result.max_abs_reference,
-            "reference_error": result.reference_error, "tolerance": bound,
-            "roundtrip": None if trip is None else {
-                "same": trip.same, "differing": list(trip.differing), "not_written": list(trip.not_written)
-            },
-            "ok": ok,
-        })
+        _json(
+            {
+                "schema": "port.verify/1",
+                "model": _shown(args.model),
+                "reference": result.reference,
+                "mesh": args.mesh,
+                "dtype": result.dtype,
+                "shape": list(result.shape),
+                "padding": args.padding,
+                "max_abs_difference": result.max_abs_diff,
+                "max_abs_reference": result.max_abs_reference,
+                "reference_error": result.reference_error,
+                "tolerance": bound,
+                "roundtrip": None
+                if trip is None
+                else {"same": trip.same, "differing": list(trip.differing), "not_written": list(trip.not_written)},
+                "ok": ok,
+            }
+        )
         return 0 if ok else 1
     padded = "" if args.padding is None else f", {args.padding}-padded"
     lines = [
         f"{_shown(args.model)}: max abs difference {result.max_abs_diff:.3g} vs {result.reference} "
         f"({result.dtype} {list(result.shape)}{padded}, max |reference| {result.max_abs_reference:.3g}"
-        + ("" if result.reference_error is None else
-           f", the reference's own {result.dtype} error {result.reference_error:.3g}")
+        + (
+            ""
+            if result.reference_error is None
+            else f", the reference's own {result.dtype} error {result.reference_error:.3g}"
+        )
         + ") "
         f"on mesh {args.mesh}: {verdict} (tolerance {bound:.3g})"
     ]
     if trip is not None:
-        kept = "" if not trip.not_written else f"; {plural(len(trip.not_written), 'key')} not written back (ignored or tied)"
+        kept = (
+            ""
+            if not trip.not_written
+            else f"; {plural(len(trip.not_written), 'key')} not written back (ignored or tied)"
+        )
         if trip.exact:
-            lines.append(f"{_shown(args.model)}: round trip: {plural(trip.same, 'tensor')} exported back bit for bit{kept}: ok")
+            lines.append(
+                f"{_shown(args.model)}: round trip: {plural(trip.same, 'tensor')} exported back bit for bit{kept}: ok"
+            )
         else:
-            lines.append(f"{_shown(args.model)}: round trip: {plural(len(trip.differing), 'tensor')} differ, first "
-                         f"{quoted(trip.differing[0])} ({trip.same} the same){kept}: FAILED")
+            lines.append(
+                f"{_shown(args.model)}: round trip: {plural(len(trip.differing), 'tensor')} differ, first "
+                f"{quoted(trip.differing[0])} ({trip.same} the same){kept}: FAILED"
+            )
     show("\n".join(lines) + "\n")
     return 0 if ok else 1
 
@@ -646,7 +754,9 @@ def scaffold(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     else:
         _write_file(out, text)
-        say(f"wrote {args.out}: review the entries marked CHECK and TODO, then run port check {args.out} {_shown(args.model)} --module {args.module}")
+        say(
+            f"wrote {args.out}: review the entries marked CHECK and TODO, then run port check {args.out} {_shown(args.model)} --module {args.module}"
+        )
     return 0
 
 
@@ -691,19 +801,23 @@ def parser() -> argparse.ArgumentParser:
 
     def model(sub) -> None:
         sub.add_argument(
-            "model", metavar="MODEL",
+            "model",
+            metavar="MODEL",
             help="checkpoint directory, Hugging Face repo id (e.g. gpt2) or URL (http(s)://, hf://, s3://, gs://)",
         )
 
     from ._dtypes import CASTS
 
     def json_flag(sub) -> None:
-        sub.add_argument("--json", action="store_true",
-                         help="print one JSON object instead of text (schemas: docs/cli.md)")
+        sub.add_argument(
+            "--json", action="store_true", help="print one JSON object instead of text (schemas: docs/cli.md)"
+        )
 
     def deadline_flag(sub) -> None:
         sub.add_argument(
-            "--deadline", type=_seconds, metavar="SECONDS",
+            "--deadline",
+            type=_seconds,
+            metavar="SECONDS",
             help="stop the whole run if it has not finished by then, removing what it wrote (exit 1); "
             "default: none (each remote request has its own timeouts)",
         )
@@ -713,14 +827,20 @@ def parser() -> argparse.ArgumentParser:
         sub.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
         sub.add_argument("--process-id", type=int, metavar="I", help="this process, 0 to N-1")
         sub.add_argument(
-            "--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="SECONDS",
+            "--timeout",
+            type=float,
+            default=DEFAULT_TIMEOUT,
+            metavar="SECONDS",
             help=f"how long processes wait for each other (default: {DEFAULT_TIMEOUT:g})",
         )
 
     def module_flag(sub, required: bool = False, what: str | None = None) -> None:
         many = what is None
         sub.add_argument(
-            "--module", required=required, metavar="MODULE:CLASS", action="append" if many else "store",
+            "--module",
+            required=required,
+            metavar="MODULE:CLASS",
+            action="append" if many else "store",
             help=(what or "a class the mapping names (its model, or its reference), repeatable")
             + ", imported from the working directory if not installed (e.g. mymodel:MyModel); "
             "nothing else is imported from there",
@@ -736,7 +856,9 @@ def parser() -> argparse.ArgumentParser:
             module_flag(sub)
 
     sub = command(
-        "convert", convert, "Convert MODEL into a sharded Equinox model and save it to --out, an Orbax checkpoint.",
+        "convert",
+        convert,
+        "Convert MODEL into a sharded Equinox model and save it to --out, an Orbax checkpoint.",
         "For a multi-process run, start the same command in every process, adding --coordinator,\n"
         "--num-processes and --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,\n"
         "JAX_PROCESS_ID): each process reads only what its devices hold.",
@@ -747,24 +869,30 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--report", type=Path, metavar="FILE", help="write the run summary as JSON")
     deadline_flag(sub)
     sub.add_argument(
-        "--include", metavar="PATHS",
+        "--include",
+        metavar="PATHS",
         help="convert only these leaves: module paths, dotted prefixes or globs, comma-separated (e.g. wte,blocks)",
     )
     sub.add_argument(
-        "--layers", metavar="START:STOP",
+        "--layers",
+        metavar="START:STOP",
         help="convert only the checkpoint's layers START to STOP-1 (e.g. 0:12); the output's config says how many",
     )
     sub.add_argument(
         "--force", action="store_true", help="replace --out (and --report) if it is an earlier port output"
     )
     sub.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="progress bar (default: on a terminal)",
     )
     run_flags(sub)
 
     sub = command(
-        "export", export_command, "Write a port convert output DIR back as a Hugging Face checkpoint in --out.",
+        "export",
+        export_command,
+        "Write a port convert output DIR back as a Hugging Face checkpoint in --out.",
         "config.json and model.safetensors (or numbered shards and model.safetensors.index.json), with the\n"
         "checkpoint's own tensor names, shapes and dtypes, as transformers' save_pretrained writes them.",
     )
@@ -777,13 +905,19 @@ def parser() -> argparse.ArgumentParser:
     module_flag(sub, what="DIR's model class, when not one of port's (an output's word imports nothing else)")
     deadline_flag(sub)
     sub.add_argument(
-        "--progress", action=argparse.BooleanOptionalAction, default=None,
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="progress bar (default: on a terminal)",
     )
     run_flags(sub)
 
-    sub = command("info", info_command, "Describe a port convert output DIR: model, mapping, mesh, leaves.",
-                  "Reads only DIR's metadata (bounded, checked, importing nothing), no array.")
+    sub = command(
+        "info",
+        info_command,
+        "Describe a port convert output DIR: model, mapping, mesh, leaves.",
+        "Reads only DIR's metadata (bounded, checked, importing nothing), no array.",
+    )
     sub.add_argument("dir", type=Path, metavar="DIR", help="a port convert output")
     json_flag(sub)
 
@@ -800,22 +934,33 @@ def parser() -> argparse.ArgumentParser:
     json_flag(sub)
 
     sub = command(
-        "verify", verify,
+        "verify",
+        verify,
         "Convert MODEL, run it and the PyTorch reference on the same inputs, and compare.",
         "Exits 1 when the largest difference is above the tolerance.",
     )
     model(sub)
     options(sub)
     sub.add_argument(
-        "--tolerance", type=float, metavar="X",
+        "--tolerance",
+        type=float,
+        metavar="X",
         help="largest allowed difference (default: 1e-4, or 2e-2 for 16-bit, x max(1, max |reference|))",
     )
-    sub.add_argument("--batch", type=_positive, default=2, metavar="N", help="sequences (or images) compared (default: 2)")
+    sub.add_argument(
+        "--batch", type=_positive, default=2, metavar="N", help="sequences (or images) compared (default: 2)"
+    )
     sub.add_argument("--length", type=_positive, default=16, metavar="N", help="tokens per sequence (default: 16)")
-    sub.add_argument("--padding", choices=("left", "right"),
-                     help="pad each sequence after the first by more positions, with the attention mask")
-    sub.add_argument("--roundtrip", action="store_true",
-                     help="also export the converted model back and compare every tensor bit for bit")
+    sub.add_argument(
+        "--padding",
+        choices=("left", "right"),
+        help="pad each sequence after the first by more positions, with the attention mask",
+    )
+    sub.add_argument(
+        "--roundtrip",
+        action="store_true",
+        help="also export the converted model back and compare every tensor bit for bit",
+    )
     json_flag(sub)
 
     sub = command("scaffold", scaffold, "Write a draft mapping pairing MODEL's keys with your module's leaves.")
@@ -896,8 +1041,11 @@ def _authors_frame(error: BaseException) -> str | None:
     import traceback
 
     package = Path(__file__).resolve().parent
-    installed = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
-                 if (p := sysconfig.get_paths().get(key))}
+    installed = {
+        Path(p).resolve()
+        for key in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (p := sysconfig.get_paths().get(key))
+    }
     for frame in reversed(traceback.extract_tb(error.__traceback__)):
         if frame.filename.startswith("<"):
             continue

@@ -36,8 +36,10 @@ def stream() -> TextIO:
     """A text stream on the user's stderr, for port's own output (the progress bar)."""
     global _stream
     if _stream is None:
-        opened: TextIO = sys.stderr if _fd == 2 else io.TextIOWrapper(
-            io.FileIO(_fd, "w", closefd=False), line_buffering=True, errors="backslashreplace"
+        opened: TextIO = (
+            sys.stderr
+            if _fd == 2
+            else io.TextIOWrapper(io.FileIO(_fd, "w", closefd=False), line_buffering=True, errors="backslashreplace")
         )
         _stream = opened
     return _stream

@@ -26,7 +26,8 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Mapping as AnyMapping, Sequence
+from collections.abc import Callable, Sequence
+from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,19 +35,20 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._text import size_text
+from ._destination import free_bytes
 from ._dtypes import floating
 from ._errors import OutputError, PortError
 from ._fill import fill
 from ._mapping import Mapping, mapping_for
 from ._memory import PeakMemory, check_host_memory
+from ._output import Saving, check_out
 from ._place import place
 from ._plan import LeafPlan, Plan, partition, plan
 from ._runtime import agree, as_mesh, mesh_spec
-from ._destination import free_bytes
-from ._output import Saving, check_out
-from ._skeleton import leaves, skeleton as make_skeleton
+from ._skeleton import leaves
+from ._skeleton import skeleton as make_skeleton
 from ._sources import Checkpoint, open_checkpoint
+from ._text import size_text
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,15 @@ def convert(
             mesh = as_mesh(mesh)
             include = None if include is None else list(include)
             recipe = plan(
-                skeleton, mapping, ckpt.tensors, config, mesh.shape, dtype, include=include, layers=layers, strict=strict
+                skeleton,
+                mapping,
+                ckpt.tensors,
+                config,
+                mesh.shape,
+                dtype,
+                include=include,
+                layers=layers,
+                strict=strict,
             )
             kept = kept_values(skeleton, recipe)
             check_host_memory(recipe.device_bytes, mesh, f"mesh={mesh_spec(dict(mesh.shape))}")

@@ -79,8 +79,12 @@ def check_destination(
     real = out.resolve()
     here, home = Path.cwd().resolve(), Path.home().resolve()
     if real == Path(real.anchor) or real == home or _inside(here, real):
-        kind = "the root directory" if real == Path(real.anchor) else "your home directory" if real == home else (
-            "the working directory" if real == here else "a directory containing the working directory"
+        kind = (
+            "the root directory"
+            if real == Path(real.anchor)
+            else "your home directory"
+            if real == home
+            else ("the working directory" if real == here else "a directory containing the working directory")
         )
         raise OutputError(f"{name}={out}: is {kind}; port writes its output into a new directory")
     for given in inputs:
@@ -123,7 +127,9 @@ def free_bytes(directory: str | os.PathLike) -> int:
 def check_free(directory: Path, nbytes: int, name: str = "out") -> None:
     """Refuse, in one line, a run that needs more than the `directory`'s file system has free."""
     if nbytes > (free := free_bytes(directory)):
-        raise OutputError(f"{name}={directory}: needs {size_text(nbytes)}, only {size_text(free)} free on its file system")
+        raise OutputError(
+            f"{name}={directory}: needs {size_text(nbytes)}, only {size_text(free)} free on its file system"
+        )
 
 
 def make_parents(directory: Path, cleanup: contextlib.ExitStack) -> None:

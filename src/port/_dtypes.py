@@ -15,7 +15,6 @@ floating(dtype("int8"))      # False
 from __future__ import annotations
 
 import functools
-
 from typing import Any
 
 import ml_dtypes
@@ -60,7 +59,7 @@ def floating(d: Any) -> bool:
     return _floating(np.dtype(d))
 
 
-@functools.lru_cache(maxsize=None)  # asked for every key and leaf by scaffold: a dict lookup after the first
+@functools.cache  # asked for every key and leaf by scaffold: a dict lookup after the first
 def _floating(d: np.dtype) -> bool:
     import jax.numpy as jnp  # here, not above: the command line's supervisor reads this table without JAX
 

@@ -35,8 +35,13 @@ def file_kind(mode: int) -> str:
     file_kind(os.stat("/dev/null").st_mode)    # 'a character device'
     ```
     """
-    kinds = {stat.S_ISDIR: "a directory", stat.S_ISFIFO: "a FIFO", stat.S_ISCHR: "a character device",
-             stat.S_ISBLK: "a block device", stat.S_ISSOCK: "a socket"}
+    kinds = {
+        stat.S_ISDIR: "a directory",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+    }
     return next((name for test, name in kinds.items() if test(mode)), "an unknown kind of file")
 
 

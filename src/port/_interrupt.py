@@ -107,8 +107,9 @@ def supervise(argv: Sequence[str], say: Callable[[str], None], deadline: float |
     signals_read, signals_write = os.pipe()
     env = os.environ | {SUPERVISOR_FDS: f"{notes_write},{lifeline_read},{signals_write}"}
     try:
-        worker = subprocess.Popen(list(argv), env=env, pass_fds=(notes_write, lifeline_read, signals_write),
-                                  process_group=0)
+        worker = subprocess.Popen(
+            list(argv), env=env, pass_fds=(notes_write, lifeline_read, signals_write), process_group=0
+        )
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     for fd in (notes_write, lifeline_read, signals_write):
@@ -150,8 +151,10 @@ def supervise(argv: Sequence[str], say: Callable[[str], None], deadline: float |
         return 128 + received[0]
     code = worker.returncode
     if late and code == -signal.SIGKILL:
-        say(f"error: --deadline {deadline:g}: the run had not finished after {deadline:g} s; stopped, "
-            "and what it was writing removed")
+        say(
+            f"error: --deadline {deadline:g}: the run had not finished after {deadline:g} s; stopped, "
+            "and what it was writing removed"
+        )
         return 1
     if code < 0:
         say(f"stopped by signal {-code} ({signal.Signals(-code).name})")

@@ -139,8 +139,11 @@ def _owner(path: Path) -> dict | None:
     finally:
         os.close(fd)
     if not (
-        isinstance(claim, dict) and claim.get("port") == "owner" and isinstance(claim.get("host"), str)
-        and type(claim.get("pid")) is int and (claim.get("start") is None or type(claim["start"]) is int)
+        isinstance(claim, dict)
+        and claim.get("port") == "owner"
+        and isinstance(claim.get("host"), str)
+        and type(claim.get("pid")) is int
+        and (claim.get("start") is None or type(claim["start"]) is int)
     ):
         return None
     return claim
@@ -184,7 +187,8 @@ def _beside(out: Path) -> tuple[list[Path], list[Path]]:
         return [], []
     found = sorted(out.parent / n for n in names if pattern.fullmatch(n))
     orphans = sorted(
-        out.parent / n.removesuffix(OWNER) for n in names
+        out.parent / n.removesuffix(OWNER)
+        for n in names
         if n.endswith(OWNER) and pattern.fullmatch(n.removesuffix(OWNER)) and n.removesuffix(OWNER) not in names
     )
     return found, orphans
@@ -222,8 +226,10 @@ def recover(out: Path, ours: Callable[[Path], bool]) -> list[str]:
             continue
         if claim["host"] != host:  # its process cannot be seen from here: said once it is an hour old
             if _age(path) > QUIET_SECONDS:
-                tell(f"left {path}: made by process {claim['pid']} on host {claim['host']}; "
-                     "remove it once that run has ended")
+                tell(
+                    f"left {path}: made by process {claim['pid']} on host {claim['host']}; "
+                    "remove it once that run has ended"
+                )
             continue
         if not _ended(claim):
             continue  # a run writing now
@@ -234,10 +240,14 @@ def recover(out: Path, ours: Callable[[Path], bool]) -> list[str]:
                 tell(f"removed {path.name}, left by process {claim['pid']} (a run killed before it finished)")
             elif not os.path.lexists(out) and ours(path):
                 os.rename(path, out)
-                tell(f"restored {out} from {path.name}: a run replacing it was killed before the new output was in place")
+                tell(
+                    f"restored {out} from {path.name}: a run replacing it was killed before the new output was in place"
+                )
             elif os.path.lexists(out) and ours(out) and ours(path):
                 _remove(path)
-                tell(f"removed {path.name}, the earlier output a finished run had replaced (it was killed before removing it)")
+                tell(
+                    f"removed {path.name}, the earlier output a finished run had replaced (it was killed before removing it)"
+                )
             else:
                 tell(f"left {path}: the earlier output a killed run had moved aside; {out} is not one port wrote")
                 continue

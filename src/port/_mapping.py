@@ -50,10 +50,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._text import one_line, quoted
 from ._errors import ConfigError, MappingError, PortError
 from ._files import file_kind
 from ._model import is_model
+from ._text import one_line, quoted
 from ._transforms import Transform, parse_transform
 
 LAYER = "{layer}"
@@ -190,9 +190,13 @@ def import_object(spec: str, what: str, error: type[PortError] = PortError) -> A
     except (ImportError, AttributeError) as e:
         top = module.split(".")[0]
         beside = next((f"{top}{s}" for s in (".py", "/") if (Path.cwd() / f"{top}{s}").exists()), None)
-        hint = "" if beside is None or not isinstance(e, ModuleNotFoundError) else (
-            f"; {beside} in the working directory is imported only when named: "
-            f"`--module {spec}` on the command line, or its directory on sys.path in Python"
+        hint = (
+            ""
+            if beside is None or not isinstance(e, ModuleNotFoundError)
+            else (
+                f"; {beside} in the working directory is imported only when named: "
+                f"`--module {spec}` on the command line, or its directory on sys.path in Python"
+            )
         )
         raise error(f"{what} {quoted(spec, 200)} cannot be imported ({one_line(str(e), 300)}){hint}") from None
     return found
@@ -269,8 +273,17 @@ def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
             raise fail(f"path '{p.path}' is filled by both '{seen[p.path]}' and '{p.key}'")
         seen[p.path] = p.key
     return Mapping(
-        source, text, model, strings("model_types"), strings("prefixes"), strings("ignore"),
-        tied, rules, parsed, aliases, reference,
+        source,
+        text,
+        model,
+        strings("model_types"),
+        strings("prefixes"),
+        strings("ignore"),
+        tied,
+        rules,
+        parsed,
+        aliases,
+        reference,
     )
 
 
@@ -304,7 +317,7 @@ def _param(entry: Any, i: int, fail) -> Param:
         raise fail(f"{where}: 'axes' must be a list of logical axis names, one per target dimension")
     optional = entry.get("optional", False)
     if optional not in (True, False, "model", "checkpoint"):
-        raise fail(f"{where}: 'optional' must be \"model\", \"checkpoint\", true (either) or false")
+        raise fail(f'{where}: \'optional\' must be "model", "checkpoint", true (either) or false')
     if optional in (True, False):
         optional = "either" if optional else ""
     transforms = []
@@ -317,7 +330,11 @@ def _param(entry: Any, i: int, fail) -> Param:
         except ValueError as e:
             raise fail(f"{where}: {e}") from None
     return Param(
-        entry["key"], entry["path"], tuple(a or None for a in axes), tuple(transforms), optional,
+        entry["key"],
+        entry["path"],
+        tuple(a or None for a in axes),
+        tuple(transforms),
+        optional,
     )
 
 

@@ -51,19 +51,21 @@ def check_host_memory(device_bytes: int, mesh: Any, label: str) -> None:
     """
     import jax
 
-    from ._text import size_text
     from ._errors import PlanError
+    from ._text import size_text
 
     me = jax.process_index()
     cpus = sum(1 for d in mesh.devices.flat if d.process_index == me and d.platform == "cpu")
     need = cpus * device_bytes
     available = available_host_bytes()
     if cpus and available is not None and need > available:
-        raise PlanError([
-            f"{label}: its blocks take {size_text(need)} of host memory ({cpus} CPU device{'s' if cpus > 1 else ''} x "
-            f"{size_text(device_bytes)} each), more than the {size_text(available)} available; "
-            "use fewer devices, or shard what is replicated"
-        ])
+        raise PlanError(
+            [
+                f"{label}: its blocks take {size_text(need)} of host memory ({cpus} CPU device{'s' if cpus > 1 else ''} x "
+                f"{size_text(device_bytes)} each), more than the {size_text(available)} available; "
+                "use fewer devices, or shard what is replicated"
+            ]
+        )
 
 
 class PeakMemory:

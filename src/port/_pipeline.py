@@ -112,7 +112,10 @@ class ReadAhead:
     """
 
     def __init__(
-        self, ahead: float = math.inf, ahead_bytes: float = math.inf, workers: int | None = None,
+        self,
+        ahead: float = math.inf,
+        ahead_bytes: float = math.inf,
+        workers: int | None = None,
         name: str = "port-read",
     ):
         self.ahead, self.ahead_bytes = ahead, ahead_bytes

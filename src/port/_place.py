@@ -52,7 +52,8 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 def _same_layout(a: np.ndarray, b: np.ndarray) -> bool:
     """Whether `a` and `b` are the same elements of the same memory."""
     return (
-        a.shape == b.shape and a.dtype == b.dtype
+        a.shape == b.shape
+        and a.dtype == b.dtype
         and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
         and all(x == y for x, y, n in zip(a.strides, b.strides, a.shape) if n > 1)
     )

@@ -20,19 +20,21 @@ import fnmatch
 import itertools
 import math
 import re
-from collections.abc import Iterable, Mapping as AnyMapping, Sequence
+from collections.abc import Iterable, Sequence
+from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from ._text import quoted
+from ._dtypes import dtype as dtype_named
+from ._dtypes import floating
 from ._errors import PlanError, PortError
-from ._dtypes import dtype as dtype_named, floating
 from ._mapping import LAYER, Mapping, Param
 from ._skeleton import leaves as skeleton_leaves
 from ._sources import Region, TensorInfo
+from ._text import quoted
 from ._transforms import Cast, Chain
 
 
@@ -327,7 +329,11 @@ def plan_problems(
                 pass  # a model restored from a checkpoint that lacked the key (a BERT without pooler)
             elif not param.leaf_optional:
                 at = _none_at(skeleton, param.path)
-                what = f"'{param.path}' is None" if at == param.path else f"'{param.path}' lies under '{at}', which is None"
+                what = (
+                    f"'{param.path}' is None"
+                    if at == param.path
+                    else f"'{param.path}' lies under '{at}', which is None"
+                )
                 problems.append(
                     f"{where}: {what} in {mapping.model} built from this config.json "
                     '(mark the entry optional = "model" if the model may lack it)'
@@ -354,8 +360,9 @@ def plan_problems(
             kept.append(param.path)
             continue
         target = targets[param.path]
-        leaf = _leaf(param, where, matches, tensors, target, names, mapping.rules, mesh_shape, target_dtype, problems,
-                     group)
+        leaf = _leaf(
+            param, where, matches, tensors, target, names, mapping.rules, mesh_shape, target_dtype, problems, group
+        )
         if leaf is not None:
             leaf_plans.append(leaf)
     beyond_ignored = [k for k in beyond if any(fnmatch.fnmatchcase(name_of[k], p) for p in ignore.values())]
@@ -389,10 +396,16 @@ def plan_problems(
     if problems:
         return problems
     return Plan(
-        tuple(leaf_plans), mesh_shape, tuple(ignored), tuple(tied), tuple(empty), excluded, tuple(kept), tuple(unused),
+        tuple(leaf_plans),
+        mesh_shape,
+        tuple(ignored),
+        tuple(tied),
+        tuple(empty),
+        excluded,
+        tuple(kept),
+        tuple(unused),
         tuple(
-            (p, r, tuple(k for k in ignored if fnmatch.fnmatchcase(name_of[k], r)))
-            for p, r in ignore.items() if p != r
+            (p, r, tuple(k for k in ignored if fnmatch.fnmatchcase(name_of[k], r))) for p, r in ignore.items() if p != r
         ),
     )
 
@@ -596,8 +609,19 @@ def _leaf(
         chain = Chain.build([*transforms, Cast(out_dtype)], first.shape)
     spec, notes = partition(shape, param.axes, rules, mesh_shape)
     leaf = LeafPlan(
-        param.path, param.key, keys, stack, chain, shape, out_dtype, first.dtype,
-        param.axes, spec, notes, 0, 0,
+        param.path,
+        param.key,
+        keys,
+        stack,
+        chain,
+        shape,
+        out_dtype,
+        first.dtype,
+        param.axes,
+        spec,
+        notes,
+        0,
+        0,
     )
     shards = leaf.shards(mesh_shape)
     read_bytes = 0
@@ -613,8 +637,8 @@ def check_target_dtype(dtype: np.dtype) -> None:
     import jax
 
     if not floating(dtype):
-        raise PortError(f"dtype {dtype.name}: parameters are cast only to a floating dtype (float32, bfloat16, float16)")
+        raise PortError(
+            f"dtype {dtype.name}: parameters are cast only to a floating dtype (float32, bfloat16, float16)"
+        )
     if dtype.itemsize > 4 and not jax.config.jax_enable_x64:  # pyright: ignore[reportAttributeAccessIssue]  # jax's Config stub lacks its options
         raise PortError(f"dtype {dtype.name}: JAX stores it as float32 unless jax_enable_x64 is set")
-
-

@@ -86,9 +86,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from ._text import quoted
 from ._errors import PortError, RunError
-from ._store import ENDED as _ENDED, Store, bind_addresses, serve
+from ._store import ENDED as _ENDED
+from ._store import Store, bind_addresses, serve
+from ._text import quoted
 
 log = logging.getLogger("port")
 
@@ -133,9 +134,7 @@ def mesh_shape(spec: str) -> dict[str, int]:
     if min(shape.values()) < 1:
         raise PortError(f"mesh='{spec}': every axis needs at least one device")
     if math.prod(shape.values()) > MAX_DEVICES:
-        raise PortError(
-            f"mesh='{spec}': {math.prod(shape.values())} devices, more than the {MAX_DEVICES} port accepts"
-        )
+        raise PortError(f"mesh='{spec}': {math.prod(shape.values())} devices, more than the {MAX_DEVICES} port accepts")
     return shape
 
 
@@ -496,10 +495,14 @@ def initialize(
     if num_processes > 1:
         # Every process starts its devices here, together (JAX exchanges their list), so that one
         # that stops from here on leaves the others a wait this bounds, not one inside JAX's C++.
-        _within(timeout, lambda: (
-            f"coordinator={coordinator}: the other processes did not start their devices within {timeout:g} s "
-            f"(timeout={timeout:g}): see their output"
-        ), jax.devices)
+        _within(
+            timeout,
+            lambda: (
+                f"coordinator={coordinator}: the other processes did not start their devices within {timeout:g} s "
+                f"(timeout={timeout:g}): see their output"
+            ),
+            jax.devices,
+        )
         try:
             _run.store = Store.connect(coordinator, process_id, num_processes, timeout)
         except RunError as e:  # joined JAX already: its exit would wait for the others, then abort
@@ -556,8 +559,7 @@ def exchange(name: str, value: str, what: str = "its part", timeout: float | Non
                 raise RunError(f"process {process} ended before sending {what}: see its output")
             if time.monotonic() >= deadline:
                 raise RunError(
-                    f"process {process} did not send {what} within {timeout:g} s "
-                    f"(timeout={timeout:g}): see its output"
+                    f"process {process} did not send {what} within {timeout:g} s (timeout={timeout:g}): see its output"
                 )
         texts[process] = text
     return dict(sorted(texts.items()))
@@ -714,6 +716,9 @@ def _others_ended(run: _Run, store: Store, deadline: float) -> RunError | None:
                 said = True
                 log.info(
                     "process %d/%d: waiting up to %g s (timeout=) for process %d to end",
-                    run.process_id, run.num_processes, run.timeout, process,
+                    run.process_id,
+                    run.num_processes,
+                    run.timeout,
+                    process,
                 )
     return None

@@ -189,8 +189,10 @@ class _Connection(socketserver.StreamRequestHandler):
         if request.get("num_processes") != self.service.num_processes:
             return {"error": f"this run has {self.service.num_processes} processes"}
         if not self.service.claim(who):
-            return {"error": f"process {who} is already connected to this run (two processes with the same "
-                             "process_id=, or a process that is not the run's)"}
+            return {
+                "error": f"process {who} is already connected to this run (two processes with the same "
+                "process_id=, or a process that is not the run's)"
+            }
         return {"ok": True}
 
     def _answer(self, request: dict, process: int, stored: int) -> tuple[dict, int]:
@@ -288,14 +290,16 @@ class Store:
         self.where = where
 
     @classmethod
-    def connect(cls, coordinator: str, process_id: int, num_processes: int, timeout: float) -> "Store":
+    def connect(cls, coordinator: str, process_id: int, num_processes: int, timeout: float) -> Store:
         """Connect to the store of the run at `coordinator`, retrying for up to `timeout` seconds."""
         host, port = store_address(coordinator)
         where = f"{host}:{port}"
         deadline = time.monotonic() + timeout
         while True:
             try:
-                connection = socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                connection = socket.create_connection(
+                    (host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))
+                )
                 break
             except OSError as e:
                 if time.monotonic() >= deadline:

@@ -22,9 +22,7 @@ def printable(text: str) -> str:
     """`text` with every character a terminal could act on written as its Python escape."""
     if text.isprintable():
         return text
-    return "".join(
-        ch if ch == " " or unicodedata.category(ch) not in _ESCAPED else ascii(ch)[1:-1] for ch in text
-    )
+    return "".join(ch if ch == " " or unicodedata.category(ch) not in _ESCAPED else ascii(ch)[1:-1] for ch in text)
 
 
 def quoted(value: object, limit: int = 80) -> str:

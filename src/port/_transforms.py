@@ -312,7 +312,7 @@ class Reshape(Transform, name="reshape"):
                 lo, hi = _span(boxes, sizes)
                 source.append((lo, hi))
             elif src:  # merge
-                (a, b), = boxes
+                ((a, b),) = boxes
                 source.extend(_merge_box(a, b, [in_shape[i] for i in src]))
         return tuple(source)
 
@@ -325,7 +325,7 @@ class Reshape(Transform, name="reshape"):
             if len(src) == 1 and len(dst) == 1:
                 pos += 1
             elif not src:
-                (a, b), = boxes
+                ((a, b),) = boxes
                 block = np.expand_dims(block, pos)[(slice(None),) * pos + (slice(0, b - a),)]
                 pos += 1
             elif not dst:
@@ -342,11 +342,13 @@ class Reshape(Transform, name="reshape"):
                 )
                 pos += len(dst)
             else:  # merge: flatten the box, then take the asked range
-                (a, b), = boxes
+                ((a, b),) = boxes
                 src_sizes = [in_shape[i] for i in src]
                 box = _merge_box(a, b, src_sizes)
                 first = sum(lo * s for (lo, _), s in zip(box, _strides(src_sizes)))
-                flat = block.reshape(block.shape[:pos] + (math.prod(block.shape[pos : pos + len(src)]),) + block.shape[pos + len(src) :])
+                flat = block.reshape(
+                    block.shape[:pos] + (math.prod(block.shape[pos : pos + len(src)]),) + block.shape[pos + len(src) :]
+                )
                 block = flat[(slice(None),) * pos + (slice(a - first, b - first),)]
                 pos += 1
         return block

@@ -10,6 +10,8 @@ port.export(model, "gpt2-hf", "gpt2")
 ```
 """
 
-from ._export import export as export, is_export as is_export
-from ._invert import Inverse as Inverse, invert as invert
+from ._export import export as export
+from ._export import is_export as is_export
+from ._invert import Inverse as Inverse
+from ._invert import invert as invert
 from ._safetensors import parse_size as parse_size

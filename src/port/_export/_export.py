@@ -26,7 +26,8 @@ import json
 import math
 import os
 import threading
-from collections.abc import Callable, Mapping as AnyMapping
+from collections.abc import Callable
+from collections.abc import Mapping as AnyMapping
 from pathlib import Path
 from typing import Any
 
@@ -83,8 +84,9 @@ def _write_box(writer: Writer, key: str, region: tuple, data: np.ndarray) -> tup
     return writer.write_region(key, region, data), 1
 
 
-def _write_blocks(mine: list[Block], inverse: Inverse, arrays: AnyMapping[str, Any], writer: Writer,
-                  written: _Written) -> None:
+def _write_blocks(
+    mine: list[Block], inverse: Inverse, arrays: AnyMapping[str, Any], writer: Writer, written: _Written
+) -> None:
     """Write this process's blocks, assembling the next output while a thread writes the last.
 
     A tensor this process holds all of is assembled whole and written in one go; its
@@ -98,8 +100,10 @@ def _write_blocks(mine: list[Block], inverse: Inverse, arrays: AnyMapping[str, A
         by_key.setdefault(block.key, []).append(block)
     whole = {key: sum(extent(b.regions[0]) for b in own) == math.prod(specs[key].shape) for key, own in by_key.items()}
     largest = max(
-        (specs[key].nbytes if whole[key] else max(extent(b.regions[0]) for b in own) * specs[key].dtype.itemsize
-         for key, own in by_key.items()),
+        (
+            specs[key].nbytes if whole[key] else max(extent(b.regions[0]) for b in own) * specs[key].dtype.itemsize
+            for key, own in by_key.items()
+        ),
         default=0,
     )
     shards: dict[str, dict[tuple, Any]] = {}  # references to each leaf's local blocks: no copies
@@ -281,14 +285,18 @@ def export(
         raise RunError("port export in several processes needs the run joined by port.initialize (or port's flags)")
     found = blocks(inverse, arrays)
     if found is None and processes > 1:
-        raise PlanError([
-            f"{mapping.source}: a block of some leaf is not one box of its checkpoint tensor on this mesh, "
-            "so it cannot be written by the process holding it; export it from one process"
-        ])
+        raise PlanError(
+            [
+                f"{mapping.source}: a block of some leaf is not one box of its checkpoint tensor on this mesh, "
+                "so it cannot be written by the process holding it; export it from one process"
+            ]
+        )
     mine = None if found is None else [block for block in found if block.owner == me]
     specs = {t.key: t for t in inverse.tensors}
-    total = inverse.nbytes if mine is None else sum(
-        extent(block.regions[0]) * specs[block.key].dtype.itemsize for block in mine
+    total = (
+        inverse.nbytes
+        if mine is None
+        else sum(extent(block.regions[0]) * specs[block.key].dtype.itemsize for block in mine)
     )
     if me == 0:
         check_free(out, inverse.nbytes)
@@ -327,4 +335,3 @@ def export(
             put_in_place(partial, out, force, ours=is_export, what=_EXPORT)
         exchange("export-done", "", "word that the export is in place")
     return out
-

@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import dtype as dtype_named, floating
+from .._dtypes import dtype as dtype_named
+from .._dtypes import floating
 from .._errors import PlanError
 from .._plan import LeafPlan, Plan
 from ._safetensors import OutTensor
@@ -81,8 +82,12 @@ def _invertible(key: str, parts: list[Part], source: str) -> str | None:
     return None
 
 
-def invert(recipe: Plan, sources: AnyMapping[str, tuple[tuple[int, ...], np.dtype]], source: str = "mapping",
-           dtype: str | np.dtype | None = None) -> Inverse:
+def invert(
+    recipe: Plan,
+    sources: AnyMapping[str, tuple[tuple[int, ...], np.dtype]],
+    source: str = "mapping",
+    dtype: str | np.dtype | None = None,
+) -> Inverse:
     """The output tensors of `recipe` walked backwards; `PlanError` naming every entry that cannot be.
 
     **Arguments:**

@@ -61,9 +61,16 @@ which puts the widest alignment first. Names only: the dtypes are `SAFETENSORS`'
 _RANK = {name: i for i, name in enumerate(_LIBRARY_ORDER)}
 
 _UNITS = {
-    "": 1, "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
 }
 _SIZE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)")
 
@@ -442,7 +449,9 @@ class Writer:
             try:
                 pwrite_rows(self._fds[name], zip(at, rows))  # pyright: ignore[reportArgumentType]  # rows of bytes: an ndarray's are buffers, which numpy's stubs say only for Python >= 3.12
             except OSError as e:
-                raise OutputError(f"{self.directory / name}: cannot write tensor {quoted(key, 200)}: {e.strerror or e}") from None
+                raise OutputError(
+                    f"{self.directory / name}: cannot write tensor {quoted(key, 200)}: {e.strerror or e}"
+                ) from None
         with self._lock:
             self._filled[key] = self._filled.get(key, 0) + data.size
             if self._filled[key] >= math.prod(spec.shape):

@@ -11,12 +11,23 @@ model = port.restore("gpt2-jax", "2x4")
 ```
 """
 
-from ._layout import FORMAT as FORMAT, is_output as is_output
+from ._layout import FORMAT as FORMAT
+from ._layout import is_output as is_output
 from ._restore import (
     Output as Output,
+)
+from ._restore import (
     describe as describe,
+)
+from ._restore import (
     read_output as read_output,
+)
+from ._restore import (
     restore as restore,
+)
+from ._restore import (
     written_mesh as written_mesh,
 )
-from ._save import Saving as Saving, check_out as check_out, save as save
+from ._save import Saving as Saving
+from ._save import check_out as check_out
+from ._save import save as save

@@ -73,7 +73,10 @@ CHUNK_NAME = re.compile(r"[0-9]+(?:\.[0-9]+)*")  # a chunk file's name: its inde
 
 # The fields of port/metadata, and of each of its leaves.
 FIELDS = ("format", "mapping_source", "mapping", "config", "leaves")
-OPTIONAL_FIELDS = ("sources", "include")  # the checkpoint's tensor headers, for `port export`; a partial load's patterns
+OPTIONAL_FIELDS = (
+    "sources",
+    "include",
+)  # the checkpoint's tensor headers, for `port export`; a partial load's patterns
 LEAF_FIELDS = ("shape", "dtype", "axes")
 SOURCE_FIELDS = ("shape", "dtype")
 
@@ -209,8 +212,10 @@ def _params_are_ours(params: Path) -> bool:
             with os.scandir(entry.path) as leaf:
                 for item in leaf:
                     budget -= 1
-                    if budget < 0 or not item.is_file(follow_symlinks=False) or not (
-                        item.name == ZARRAY or CHUNK_NAME.fullmatch(item.name)
+                    if (
+                        budget < 0
+                        or not item.is_file(follow_symlinks=False)
+                        or not (item.name == ZARRAY or CHUNK_NAME.fullmatch(item.name))
                     ):
                         return False
     except OSError:

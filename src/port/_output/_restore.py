@@ -31,7 +31,8 @@ import math
 import os
 import pkgutil
 import stat
-from collections.abc import Iterator, Mapping as AnyMapping, Sequence
+from collections.abc import Iterator, Sequence
+from collections.abc import Mapping as AnyMapping
 from pathlib import Path
 from typing import Any
 
@@ -39,24 +40,46 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from .._dtypes import NAMES, dtype as dtype_named, floating
+from .._dtypes import NAMES, floating
+from .._dtypes import dtype as dtype_named
 from .._errors import OutputError, PortError
+from .._files import hub_blob, read_small
 from .._fill import fill
 from .._mapping import Mapping, import_object, parse_mapping
 from .._memory import check_host_memory
 from .._model import is_model
 from .._pipeline import ReadAhead
-from .._place import aligned_empty, assemble, boxes as _boxes
+from .._place import aligned_empty, assemble
+from .._place import boxes as _boxes
 from .._plan import check_include, partition, selects
 from .._runtime import as_mesh, mesh_spec
 from .._skeleton import leaves, skeleton
-from .._files import hub_blob, read_small
 from .._sources import Checkpoint, LocalCheckpoint, Region, TensorInfo
 from .._text import first_line, one_line, quoted
 from ._layout import (
-    FIELDS, FORMAT, LEAF_FIELDS, LEAF_PATH, MAX_INCLUDE, MAX_KEY_CHARS, MAX_METADATA_BYTES, MAX_PARAMS_FILES,
-    MAX_RANK, MAX_SOURCES, METADATA, OPTIONAL_FIELDS, PARAMS, PORT, SHARDING, SOURCE_FIELDS, TREE_METADATA,
-    ZARR_DTYPES, ZARRAY, chunk_count, chunk_name, grid, overlapping,
+    FIELDS,
+    FORMAT,
+    LEAF_FIELDS,
+    LEAF_PATH,
+    MAX_INCLUDE,
+    MAX_KEY_CHARS,
+    MAX_METADATA_BYTES,
+    MAX_PARAMS_FILES,
+    MAX_RANK,
+    MAX_SOURCES,
+    METADATA,
+    OPTIONAL_FIELDS,
+    PARAMS,
+    PORT,
+    SHARDING,
+    SOURCE_FIELDS,
+    TREE_METADATA,
+    ZARR_DTYPES,
+    ZARRAY,
+    chunk_count,
+    chunk_name,
+    grid,
+    overlapping,
 )
 
 CONFIG_INT_FLOOR = 1 << 20  # config integers up to this are always accepted
@@ -228,9 +251,13 @@ def written_mesh(output: Output) -> dict[str, int] | None:
     if not isinstance(first, dict):
         return None
     names, sizes = first.get("axis_names"), first.get("shape")
-    if not (isinstance(names, list) and isinstance(sizes, list) and len(names) == len(sizes)
-            and all(isinstance(n, str) and n.isidentifier() for n in names)
-            and all(type(k) is int and k > 0 for k in sizes)):
+    if not (
+        isinstance(names, list)
+        and isinstance(sizes, list)
+        and len(names) == len(sizes)
+        and all(isinstance(n, str) and n.isidentifier() for n in names)
+        and all(type(k) is int and k > 0 for k in sizes)
+    ):
         return None
     return dict(zip(names, sizes))
 
@@ -300,7 +327,8 @@ def read_output(directory: str | os.PathLike) -> Output:
 def _include(value: Any, where: str) -> list[str]:
     """`port/metadata`'s `include`: the patterns a partial output was converted with."""
     if (
-        not isinstance(value, list) or not 0 < len(value) <= MAX_INCLUDE
+        not isinstance(value, list)
+        or not 0 < len(value) <= MAX_INCLUDE
         or not all(isinstance(p, str) and 0 < len(p) <= MAX_KEY_CHARS and p.isprintable() for p in value)
     ):
         raise OutputError(f"{where}: 'include' must be a list of at most {MAX_INCLUDE} module-path patterns")
@@ -316,7 +344,9 @@ def _sources(value: Any, where: str) -> dict[str, tuple[tuple[int, ...], np.dtyp
         if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY_CHARS or not key.isprintable():
             raise OutputError(f"{where}: source tensor name {quoted(key)} is not a plain name")
         if not isinstance(info, dict) or set(info) != set(SOURCE_FIELDS):
-            raise OutputError(f"{where}: source {quoted(key)} must be an object with exactly {', '.join(SOURCE_FIELDS)}")
+            raise OutputError(
+                f"{where}: source {quoted(key)} must be an object with exactly {', '.join(SOURCE_FIELDS)}"
+            )
         shape, dtype = info["shape"], info["dtype"]
         if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(n) is int and n >= 0 for n in shape):
             raise OutputError(f"{where}: source {quoted(key)}: 'shape' must be a list of non-negative integers")
@@ -460,8 +490,6 @@ def _check_skeleton(skel: Any, output: Output, cls: type) -> list[str]:
     return absent
 
 
-
-
 def _check_stored(output: Output) -> None:
     """The arrays `params/_METADATA` declares, which must be exactly `port/metadata`'s leaves."""
     params = output.params
@@ -511,7 +539,8 @@ def _chunk_shape(output: Output, leaf: Leaf) -> tuple[int, ...]:
         raise OutputError(f"{where}: not stored in C order with '.'-separated chunk names, as port stores arrays")
     chunks = meta.get("chunks")
     if (
-        not isinstance(chunks, list) or len(chunks) != len(leaf.shape)
+        not isinstance(chunks, list)
+        or len(chunks) != len(leaf.shape)
         or not all(type(c) is int and 1 <= c <= max(n, 1) for c, n in zip(chunks, leaf.shape))
     ):
         raise OutputError(f"{where}: chunks {quoted(chunks)} are not a chunk shape for {leaf}")
@@ -578,7 +607,9 @@ def _read_arrays(
         spec, _ = partition(leaf.shape, leaf.axes, output.mapping.rules, mesh.shape)
         sharding = NamedSharding(mesh, spec)
         blocks, reads = _plan_reads(leaf.path, leaf, chunks[leaf.path], _boxes(leaf.shape, sharding))
-        jobs = [functools.partial(_read_chunk, output, leaf, checkpoint, key, requests) for key, requests in reads.items()]
+        jobs = [
+            functools.partial(_read_chunk, output, leaf, checkpoint, key, requests) for key, requests in reads.items()
+        ]
         return (leaf, sharding, blocks), jobs, sum(block.nbytes for block in blocks.values())
 
     with ReadAhead(ahead_bytes=READ_AHEAD_BYTES, name="port-restore") as ahead:

@@ -56,8 +56,24 @@ from .._runtime import exchange, num_processes
 from .._skeleton import leaves, path_str
 from .._text import quoted, size_text
 from ._layout import (
-    COMMIT_FILE, FORMAT, LEAF_PATH, MAX_METADATA_BYTES, MAX_SOURCES, METADATA, PARAMS, PORT, SHARDING,
-    STEP_METADATA, TREE_METADATA, ZARRAY, chunk_count, chunk_name, chunk_shape, grid, is_output, zarray,
+    COMMIT_FILE,
+    FORMAT,
+    LEAF_PATH,
+    MAX_METADATA_BYTES,
+    MAX_SOURCES,
+    METADATA,
+    PARAMS,
+    PORT,
+    SHARDING,
+    STEP_METADATA,
+    TREE_METADATA,
+    ZARRAY,
+    chunk_count,
+    chunk_name,
+    chunk_shape,
+    grid,
+    is_output,
+    zarray,
 )
 
 _OUTPUT = "a port output (Orbax's checkpoint of params/ and port/ only)"
@@ -102,20 +118,24 @@ def _sharding_text(array: jax.Array) -> str | None:
     mesh = sharding.mesh
     assert isinstance(mesh, jax.sharding.Mesh)  # a placed array's mesh has its devices, not an AbstractMesh
     spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
-    return json.dumps({
-        "sharding_type": "NamedSharding",
-        "shape": list(mesh.devices.shape),
-        "axis_names": list(mesh.axis_names),
-        "axis_types": [str(t) for t in mesh.axis_types],
-        "partition_spec": spec,
-        "device_mesh": {"mesh": np.vectorize(lambda d: {"id": d.id}, otypes=[object])(mesh.devices).tolist()},
-    })
+    return json.dumps(
+        {
+            "sharding_type": "NamedSharding",
+            "shape": list(mesh.devices.shape),
+            "axis_names": list(mesh.axis_names),
+            "axis_types": [str(t) for t in mesh.axis_types],
+            "partition_spec": spec,
+            "device_mesh": {"mesh": np.vectorize(lambda d: {"id": d.id}, otypes=[object])(mesh.devices).tolist()},
+        }
+    )
 
 
 _Arrays = list[tuple[str, list[dict[str, Any]], jax.Array]]  # (dotted path, Orbax's key metadata, array) per leaf
 
 
-def _tree_metadata(arrays: _Arrays, nones: list[list[dict[str, Any]]], chunks: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+def _tree_metadata(
+    arrays: _Arrays, nones: list[list[dict[str, Any]]], chunks: dict[str, tuple[int, ...]]
+) -> dict[str, Any]:
     """`params/_METADATA`: Orbax's PyTree metadata of arrays stored as zarr without OCDBT."""
     tree = {}
     for path, keys, _ in arrays:
@@ -125,11 +145,15 @@ def _tree_metadata(arrays: _Arrays, nones: list[list[dict[str, Any]]], chunks: d
         }
     for keys in nones:
         tree[str(tuple(k["key"] for k in keys))] = {
-            "key_metadata": keys, "value_metadata": {"value_type": "None", "skip_deserialize": True}
+            "key_metadata": keys,
+            "value_metadata": {"value_type": "None", "skip_deserialize": True},
         }
     return {
-        "tree_metadata": tree, "use_ocdbt": False, "use_zarr3": False,
-        "store_array_data_equal_to_fill_value": True, "custom_metadata": None,
+        "tree_metadata": tree,
+        "use_ocdbt": False,
+        "use_zarr3": False,
+        "store_array_data_equal_to_fill_value": True,
+        "custom_metadata": None,
     }
 
 
@@ -157,12 +181,14 @@ def _write_chunk(path: Path, shard: Any, chunks: tuple[int, ...]) -> int:
 
 def _checkpoint_metadata(started: int) -> bytes:
     """`_CHECKPOINT_METADATA`: Orbax's record of a composite checkpoint's items, their handlers and its times."""
-    return json.dumps({
-        "init_timestamp_nsecs": started,
-        "item_handlers": {PARAMS: _PYTREE_HANDLER, PORT: _JSON_HANDLER},
-        "custom_metadata": {},
-        "commit_timestamp_nsecs": time.time_ns(),
-    }).encode()
+    return json.dumps(
+        {
+            "init_timestamp_nsecs": started,
+            "item_handlers": {PARAMS: _PYTREE_HANDLER, PORT: _JSON_HANDLER},
+            "custom_metadata": {},
+            "commit_timestamp_nsecs": time.time_ns(),
+        }
+    ).encode()
 
 
 def _commit_text(directory: Path) -> bytes:
@@ -197,8 +223,12 @@ class Saving:
     """
 
     def __init__(
-        self, directory: Path, force: bool = False, progress: Callable[[int, int], None] | None = None,
-        workers: int = WORKERS, name: str = "out",
+        self,
+        directory: Path,
+        force: bool = False,
+        progress: Callable[[int, int], None] | None = None,
+        workers: int = WORKERS,
+        name: str = "out",
     ):
         self.directory, self.force, self.progress, self.name = directory, force, progress, name
         self.me, self.processes = jax.process_index(), jax.process_count()
@@ -225,7 +255,9 @@ class Saving:
         except BaseException:
             self._cleanup.close()
             raise
-        self._pool: ThreadPoolExecutor = ThreadPoolExecutor(workers, thread_name_prefix="port-save")  # last: __exit__ shuts it
+        self._pool: ThreadPoolExecutor = ThreadPoolExecutor(
+            workers, thread_name_prefix="port-save"
+        )  # last: __exit__ shuts it
 
     def _failing(self) -> contextlib.AbstractContextManager[None]:
         """An `OSError` within becomes one `OutputError` line naming the output (and the file, inside it)."""
@@ -256,8 +288,9 @@ class Saving:
                 start = tuple(s.indices(n)[0] for s, n in zip(shard.index, array.shape))
                 file = folder / chunk_name(tuple(a // c for a, c in zip(start, chunks)))
                 host = nbytes if shard.device.platform != "cpu" else 0  # CPU blocks are written without a copy
-                while self._pending and (self._pending.oldest_done() or len(self._pending) >= 64
-                                         or host and self._held + host > self._budget):
+                while self._pending and (
+                    self._pending.oldest_done() or len(self._pending) >= 64 or host and self._held + host > self._budget
+                ):
                     self._finish_oldest()
                 self.total += nbytes
                 self._held += host
@@ -300,7 +333,8 @@ class Saving:
             if self.me == 0:
                 expected = sum(
                     chunk_count(a.shape, self._chunks[p]) * math.prod(self._chunks[p]) * a.dtype.itemsize
-                    for p, _, a in arrays if a.size
+                    for p, _, a in arrays
+                    if a.size
                 )
                 if sum(int(n) for n in counts.values()) != expected:
                     raise OutputError(
@@ -325,12 +359,19 @@ class Saving:
             with os.scandir(self.partial / PARAMS / path) as entries:
                 found = {e.name: e for e in entries if e.name != ZARRAY}
             missing = sorted(names - set(found))
-            wrong = sorted(n for n in names & set(found)
-                           if not found[n].is_file(follow_symlinks=False) or found[n].stat(follow_symlinks=False).st_size != size)
+            wrong = sorted(
+                n
+                for n in names & set(found)
+                if not found[n].is_file(follow_symlinks=False) or found[n].stat(follow_symlinks=False).st_size != size
+            )
             if missing or wrong or len(found) != len(names):
-                what = (f"{len(missing)} of its {len(names)} chunk files are missing (first {missing[0]})" if missing
-                        else f"chunk file {wrong[0]} is not a regular file of {size} bytes" if wrong
-                        else "it holds files that are not its chunks")
+                what = (
+                    f"{len(missing)} of its {len(names)} chunk files are missing (first {missing[0]})"
+                    if missing
+                    else f"chunk file {wrong[0]} is not a regular file of {size} bytes"
+                    if wrong
+                    else "it holds files that are not its chunks"
+                )
                 raise OutputError(
                     f"{self.name}={self.directory}: leaf {quoted(path)}: {what}; the output is not complete"
                 )
@@ -338,8 +379,9 @@ class Saving:
     def _commit(self, arrays: _Arrays, nones: list, meta: dict[str, Any]) -> None:
         """Process 0: the metadata files, every directory flushed, and the rename into place."""
         partial = self.partial
-        sharding = {base64.b64encode(p.encode()).decode(): text
-                    for p, _, a in arrays if (text := _sharding_text(a)) is not None}
+        sharding = {
+            base64.b64encode(p.encode()).decode(): text for p, _, a in arrays if (text := _sharding_text(a)) is not None
+        }
         files = {
             TREE_METADATA: json.dumps(_tree_metadata(arrays, nones, self._chunks)).encode(),
             SHARDING: json.dumps(sharding).encode(),
@@ -377,8 +419,11 @@ def _check_readable(output: str, meta: dict[str, Any], port_meta: bytes, tree_me
             f"{output}: port/metadata would record {len(sources)} source tensors, more than restore "
             f"reads back ({MAX_SOURCES} at most); the output is not written"
         )
-    counts = {"leaves": f"{len(meta['leaves'])} leaves", "sources": f"{len(sources)} tensors",
-              "include": f"{len(meta.get('include') or ())} patterns"}
+    counts = {
+        "leaves": f"{len(meta['leaves'])} leaves",
+        "sources": f"{len(sources)} tensors",
+        "include": f"{len(meta.get('include') or ())} patterns",
+    }
     for name, data, why in [
         (METADATA, port_meta, lambda: _largest_field(meta, counts)),
         (TREE_METADATA, tree_meta, lambda: f"{len(meta['leaves'])} arrays and {nones} None leaves"),
@@ -413,7 +458,10 @@ def _tree(model: Any) -> tuple[_Arrays, list[list[dict[str, Any]]]]:
 
 
 def _metadata_of(
-    arrays: _Arrays, mapping: Mapping, config: AnyMapping[str, Any], sources: AnyMapping[str, Any] | None,
+    arrays: _Arrays,
+    mapping: Mapping,
+    config: AnyMapping[str, Any],
+    sources: AnyMapping[str, Any] | None,
     include: Sequence[str] | None,
 ) -> dict[str, Any]:
     """`port/metadata`: the format, the mapping, the config, each leaf's shape, dtype and logical axes."""
@@ -424,7 +472,11 @@ def _metadata_of(
         "mapping": mapping.text,
         "config": dict(config),
         "leaves": {
-            path: {"shape": list(a.shape), "dtype": np.dtype(a.dtype).name, "axes": list(axes.get(path, (None,) * a.ndim))}
+            path: {
+                "shape": list(a.shape),
+                "dtype": np.dtype(a.dtype).name,
+                "axes": list(axes.get(path, (None,) * a.ndim)),
+            }
             for path, _, a in arrays
         },
     }

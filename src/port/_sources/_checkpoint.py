@@ -103,8 +103,11 @@ def check_buffer(info: TensorInfo, region: Region, out: np.ndarray) -> None:
     """
     shape = region_shape(info, region)
     if not (
-        isinstance(out, np.ndarray) and out.dtype == info.dtype and out.shape == shape
-        and out.flags.writeable and all(stride >= 0 for stride in out.strides)
+        isinstance(out, np.ndarray)
+        and out.dtype == info.dtype
+        and out.shape == shape
+        and out.flags.writeable
+        and all(stride >= 0 for stride in out.strides)
     ):
         raise ValueError(
             f"buffer for region {region} of '{info.key}' must be a writeable {info.dtype.name}{list(shape)} "

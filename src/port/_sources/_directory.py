@@ -73,7 +73,9 @@ def resolve(model: str | os.PathLike) -> Path:
     through its cache. Other URLs are read in place by `open_checkpoint`, not resolved here."""
     if is_url(model):
         if not str(model).lower().startswith("file://"):
-            raise CheckpointError(f"{redact(str(model))}: a remote checkpoint; this needs a local directory or a repo id")
+            raise CheckpointError(
+                f"{redact(str(model))}: a remote checkpoint; this needs a local directory or a repo id"
+            )
         model = unquote(urlsplit(str(model)).path)
     path = Path(model)
     if path.exists():
@@ -87,9 +89,7 @@ def resolve(model: str | os.PathLike) -> Path:
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        snapshot = huggingface_hub.snapshot_download(
-            text, allow_patterns=["config.json", "*.safetensors", INDEX]
-        )
+        snapshot = huggingface_hub.snapshot_download(text, allow_patterns=["config.json", "*.safetensors", INDEX])
         if not any(Path(snapshot).glob("*.safetensors")):  # a repo with PyTorch weights only
             snapshot = huggingface_hub.snapshot_download(
                 text, allow_patterns=["config.json", _BIN_SINGLE, "pytorch_model-*.bin", _BIN_INDEX]

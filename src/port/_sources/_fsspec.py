@@ -31,8 +31,13 @@ SCRATCH_CHUNK = 8 * 2**20
 MIN_SCRATCH = 4 * 2**20
 """Scratch memory fsspec answers may always take; else half the largest tensor."""
 _PERMANENT = {  # the cloud SDKs' errors that no retry mends (anything else an fsspec call raises is retried)
-    "NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError", "RefreshError",
-    "NoRegionError", "ParamValidationError", "InvalidRegionError",
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "DefaultCredentialsError",
+    "RefreshError",
+    "NoRegionError",
+    "ParamValidationError",
+    "InvalidRegionError",
 }
 _T = TypeVar("_T")
 

@@ -82,9 +82,7 @@ def _content_range(value: str | None) -> tuple[int | None, int | None, int | Non
     if not match:
         return None
     a, b, total = match.groups()
-    return (
-        None if a is None else int(a), None if b is None else int(b), None if total == "*" else int(total)
-    )
+    return (None if a is None else int(a), None if b is None else int(b), None if total == "*" else int(total))
 
 
 def _receive(response: http.client.HTTPResponse, view: memoryview) -> int:
@@ -324,8 +322,14 @@ class HttpTransport(Transport):
         if not body.wanted:
             return
         sock = getattr(conn, "sock", None)
-        if (_READV is not None and sock is not None and not isinstance(sock, ssl.SSLSocket)
-                and not response.chunked and response.length is not None and body.wanted <= response.length):
+        if (
+            _READV is not None
+            and sock is not None
+            and not isinstance(sock, ssl.SSLSocket)
+            and not response.chunked
+            and response.length is not None
+            and body.wanted <= response.length
+        ):
             iov = np.array(pieces, np.uint64, order="C")
             try:
                 first = _held(response, iov, body)
@@ -354,8 +358,10 @@ class HttpTransport(Transport):
                 i += 1
                 continue
             after = int(np.searchsorted(large, i))
-            j = min(int(np.searchsorted(ends, ends[i] + SCRATCH, side="right")) - 1,  # what fits the scratch
-                    int(large[after]) if after < len(large) else len(pieces))  # up to the next large piece
+            j = min(
+                int(np.searchsorted(ends, ends[i] + SCRATCH, side="right")) - 1,  # what fits the scratch
+                int(large[after]) if after < len(large) else len(pieces),
+            )  # up to the next large piece
             scratch = self._scratch()
             take(scratch, int(ends[j] - ends[i]))
             scatter(scratch, pieces[i:j])
@@ -508,7 +514,9 @@ class HttpTransport(Transport):
         _check_etag(response, file)
 
 
-_NO_RANGES = "the server does not honour Range requests (it answered with the whole file); port reads remote files by byte range"
+_NO_RANGES = (
+    "the server does not honour Range requests (it answered with the whole file); port reads remote files by byte range"
+)
 
 
 def part_offsets(body: bytes, boundary: bytes, spans: Sequence[tuple[int, int]], size: int) -> list[int]:
@@ -566,7 +574,9 @@ def part_offsets(body: bytes, boundary: bytes, spans: Sequence[tuple[int, int]],
     return offsets
 
 
-_BOUNDARY = re.compile(r'^\s*multipart/byteranges\s*;.*\bboundary="?([0-9A-Za-z\'()+_,./:=?-]{1,70})"?\s*$', re.IGNORECASE)
+_BOUNDARY = re.compile(
+    r'^\s*multipart/byteranges\s*;.*\bboundary="?([0-9A-Za-z\'()+_,./:=?-]{1,70})"?\s*$', re.IGNORECASE
+)
 
 
 def _boundary(content_type: str | None) -> bytes | None:

@@ -41,7 +41,9 @@ def hf_location(url: str) -> tuple[str, str, str]:
     repo, _, revision = "/".join(segments[:count]).partition("@")
     folder = segments[count:]
     if not _REPO.match(repo) or any(not plain_name(s) for s in folder) or (revision == "" and "@" in url):
-        raise CheckpointError(f"{redact(url)}: not a Hugging Face repo URL (expected hf://org/name[@revision][/folder])")
+        raise CheckpointError(
+            f"{redact(url)}: not a Hugging Face repo URL (expected hf://org/name[@revision][/folder])"
+        )
     return repo, unquote(revision) or "main", "/".join(folder)
 
 

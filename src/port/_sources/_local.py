@@ -69,7 +69,9 @@ def _read_runs(fd: int, offsets: np.ndarray, lengths: np.ndarray, addresses: np.
             try:
                 got = _preadv(fd, iov[first:stop], position)
             except OSError as e:
-                raise CheckpointError(f"{info.file.name}: cannot read tensor {quoted(info.key, 200)}: {e.strerror or e}") from None
+                raise CheckpointError(
+                    f"{info.file.name}: cannot read tensor {quoted(info.key, 200)}: {e.strerror or e}"
+                ) from None
             if got == size:
                 break
             if got == 0:
@@ -147,7 +149,6 @@ def _open(info: TensorInfo, output: Path | None = None) -> int:
         os.close(fd)
         change = "truncated" if st.st_size < info.file_id[2] else "changed"
         raise CheckpointError(
-            f"{info.file.name}: {change} since port checked it (now {st.st_size} bytes, "
-            f"was {info.file_id[2]})"
+            f"{info.file.name}: {change} since port checked it (now {st.st_size} bytes, was {info.file_id[2]})"
         )
     return fd

@@ -70,43 +70,135 @@ _LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 # `_new_dtypes`: the dtypes (float8, ...) saved as an UntypedStorage with the dtype in the rebuild's
 # arguments (`torch._utils._rebuild_tensor_v3`).
 _STORAGES = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
 }
 _UNSUPPORTED_STORAGES = {
-    "ComplexDoubleStorage", "ComplexFloatStorage", "QInt8Storage", "QUInt8Storage", "QInt32Storage",
-    "QUInt4x2Storage", "QUInt2x4Storage",
+    "ComplexDoubleStorage",
+    "ComplexFloatStorage",
+    "QInt8Storage",
+    "QUInt8Storage",
+    "QInt32Storage",
+    "QUInt4x2Storage",
+    "QUInt2x4Storage",
 }
 _UNSUPPORTED_DTYPES = {
-    "uint16", "uint32", "uint64", "complex32", "complex64", "complex128", "float8_e5m2fnuz",
-    "float8_e4m3fnuz", "float8_e8m0fnu", "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4",
-    "bits4x2", "qint8", "quint8", "qint32", "quint4x2", "quint2x4",
+    "uint16",
+    "uint32",
+    "uint64",
+    "complex32",
+    "complex64",
+    "complex128",
+    "float8_e5m2fnuz",
+    "float8_e4m3fnuz",
+    "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "bits8",
+    "bits16",
+    "bits1x8",
+    "bits2x4",
+    "bits4x2",
+    "qint8",
+    "quint8",
+    "qint32",
+    "quint4x2",
+    "quint2x4",
 }
 
 # What pickling a dict of tensors writes (protocols 1 to 5): containers, numbers, strings, the memo,
 # globals called with REDUCE, persistent ids, and BUILD (a state dict's `_metadata` attribute).
 # Refused: INST, OBJ, NEWOBJ(_EX) (they build instances of named classes), EXT1/2/4 (the copyreg
 # registry), PERSID (text persistent ids), out-of-band buffers, sets, protocol 0's text forms.
-_OPCODES = frozenset({
-    "PROTO", "FRAME", "STOP", "MARK", "POP", "POP_MARK", "DUP", "NONE", "NEWTRUE", "NEWFALSE",
-    "INT", "BININT", "BININT1", "BININT2", "LONG1", "LONG4", "BINFLOAT",
-    "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING",
-    "SHORT_BINBYTES", "BINBYTES", "BINBYTES8",
-    "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_LIST", "APPEND", "APPENDS", "LIST",
-    "EMPTY_DICT", "DICT", "SETITEM", "SETITEMS",
-    "GET", "BINGET", "LONG_BINGET", "PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE",
-    "GLOBAL", "STACK_GLOBAL", "REDUCE", "BUILD", "BINPERSID",
-})
+_OPCODES = frozenset(
+    {
+        "PROTO",
+        "FRAME",
+        "STOP",
+        "MARK",
+        "POP",
+        "POP_MARK",
+        "DUP",
+        "NONE",
+        "NEWTRUE",
+        "NEWFALSE",
+        "INT",
+        "BININT",
+        "BININT1",
+        "BININT2",
+        "LONG1",
+        "LONG4",
+        "BINFLOAT",
+        "SHORT_BINUNICODE",
+        "BINUNICODE",
+        "BINUNICODE8",
+        "SHORT_BINSTRING",
+        "BINSTRING",
+        "SHORT_BINBYTES",
+        "BINBYTES",
+        "BINBYTES8",
+        "EMPTY_TUPLE",
+        "TUPLE",
+        "TUPLE1",
+        "TUPLE2",
+        "TUPLE3",
+        "EMPTY_LIST",
+        "APPEND",
+        "APPENDS",
+        "LIST",
+        "EMPTY_DICT",
+        "DICT",
+        "SETITEM",
+        "SETITEMS",
+        "GET",
+        "BINGET",
+        "LONG_BINGET",
+        "PUT",
+        "BINPUT",
+        "LONG_BINPUT",
+        "MEMOIZE",
+        "GLOBAL",
+        "STACK_GLOBAL",
+        "REDUCE",
+        "BUILD",
+        "BINPERSID",
+    }
+)
 _PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 _GETS = frozenset({"GET", "BINGET", "LONG_BINGET"})
 # Opcodes that push one object holding no other (a number, a string, a tuple of none, a global's
 # stand-in); those that pop 1, 2 or 3 items into a new tuple; those that pop items into the object below.
-_ATOMS = frozenset({
-    "NONE", "NEWTRUE", "NEWFALSE", "INT", "BININT", "BININT1", "BININT2", "LONG1", "LONG4", "BINFLOAT",
-    "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "SHORT_BINSTRING", "BINSTRING",
-    "SHORT_BINBYTES", "BINBYTES", "BINBYTES8", "EMPTY_TUPLE", "GLOBAL",
-})
+_ATOMS = frozenset(
+    {
+        "NONE",
+        "NEWTRUE",
+        "NEWFALSE",
+        "INT",
+        "BININT",
+        "BININT1",
+        "BININT2",
+        "LONG1",
+        "LONG4",
+        "BINFLOAT",
+        "SHORT_BINUNICODE",
+        "BINUNICODE",
+        "BINUNICODE8",
+        "SHORT_BINSTRING",
+        "BINSTRING",
+        "SHORT_BINBYTES",
+        "BINBYTES",
+        "BINBYTES8",
+        "EMPTY_TUPLE",
+        "GLOBAL",
+    }
+)
 _TUPLES = {"TUPLE1": 1, "TUPLE2": 2, "TUPLE3": 3}
 _CHANGES = {"APPEND": 1, "SETITEM": 2, "BUILD": 1}
 
@@ -540,8 +632,25 @@ def _directory(raw: bytes, count: int, name: str) -> dict[str, _Entry]:
     for i in range(count):
         if position + _CENTRAL.size > len(raw):
             raise CheckpointError(f"{name}: corrupt zip: its directory ends inside record {i}")
-        (signature, _, _, flags, method, _, _, _, compressed, size, name_length, extra_length, comment_length,
-         disk, _, _, local) = _CENTRAL.unpack_from(raw, position)
+        (
+            signature,
+            _,
+            _,
+            flags,
+            method,
+            _,
+            _,
+            _,
+            compressed,
+            size,
+            name_length,
+            extra_length,
+            comment_length,
+            disk,
+            _,
+            _,
+            local,
+        ) = _CENTRAL.unpack_from(raw, position)
         body = position + _CENTRAL.size
         if signature != b"PK\x01\x02" or body + name_length + extra_length + comment_length > len(raw):
             raise CheckpointError(f"{name}: corrupt zip: directory record {i} is malformed")
@@ -640,7 +749,9 @@ def _check_byteorder(archive: _Zip, folder: str) -> None:
         return
     order = archive.read(record, _MAX_BYTEORDER, "byteorder record")
     if order == b"big":
-        raise CheckpointError(f"{archive.name}: saved big-endian (its byteorder record says 'big'); port reads little-endian")
+        raise CheckpointError(
+            f"{archive.name}: saved big-endian (its byteorder record says 'big'); port reads little-endian"
+        )
     if order != b"little":
         raise CheckpointError(f"{archive.name}: corrupt byteorder record {quoted(order.decode('latin-1'), 20)}")
 
@@ -658,8 +769,13 @@ def _storages(archive: _Zip, folder: str) -> Callable[[Any], _Storage]:
         if not (type(pid) is tuple and len(pid) == 5 and pid[0] == "storage"):
             raise CheckpointError(f"{archive.name}: corrupt data.pkl: a persistent id that is not a storage")
         _, kind, key, location, numel = pid
-        if not (isinstance(kind, _StorageType) and type(key) is str and type(location) is str
-                and type(numel) is int and numel >= 0):
+        if not (
+            isinstance(kind, _StorageType)
+            and type(key) is str
+            and type(location) is str
+            and type(numel) is int
+            and numel >= 0
+        ):
             raise CheckpointError(f"{archive.name}: corrupt data.pkl: a malformed storage id")
         if numel > MAX_NBYTES // kind.dtype.itemsize:  # refused unprinted: Python will not print 5000 digits
             raise CheckpointError(
@@ -668,7 +784,9 @@ def _storages(archive: _Zip, folder: str) -> Callable[[Any], _Storage]:
         nbytes = numel * kind.dtype.itemsize
         if key in found:
             if (found[key].dtype, found[key].untyped, found[key].nbytes) != (kind.dtype, kind.untyped, nbytes):
-                raise CheckpointError(f"{archive.name}: corrupt data.pkl: storage {quoted(key, 60)} is declared twice, differently")
+                raise CheckpointError(
+                    f"{archive.name}: corrupt data.pkl: storage {quoted(key, 60)} is declared twice, differently"
+                )
             return found[key]
         record = f"{folder}/data/{key}"
         if record not in archive.entries:
@@ -711,8 +829,12 @@ def _tensor_info(key: str, tensor: _Tensor, path: Path, file_id: tuple[int, int,
         raise CheckpointError(f"{name}: corrupt data.pkl: tensor {shown} has no valid storage")
     dtype = dtype.dtype if isinstance(dtype, _DType) else storage.dtype  # v3's, checked above
     if not (
-        type(offset) is int and offset >= 0 and type(shape) is tuple and type(stride) is tuple
-        and len(shape) == len(stride) and all(type(d) is int and d >= 0 for d in shape)
+        type(offset) is int
+        and offset >= 0
+        and type(shape) is tuple
+        and type(stride) is tuple
+        and len(shape) == len(stride)
+        and all(type(d) is int and d >= 0 for d in shape)
         and all(type(s) is int for s in stride)
     ):
         raise CheckpointError(f"{name}: corrupt data.pkl: tensor {shown} has a malformed offset, shape or stride")
@@ -723,7 +845,9 @@ def _tensor_info(key: str, tensor: _Tensor, path: Path, file_id: tuple[int, int,
     if len(shape) > MAX_RANK:
         raise CheckpointError(f"{name}: tensor {shown} has {len(shape)} dimensions (at most {MAX_RANK})")
     if metadata:  # torch._utils.get_tensor_metadata: flags (such as a conjugate bit) that change the values
-        raise CheckpointError(f"{name}: tensor {shown} carries metadata port does not read (a {type(metadata).__name__})")
+        raise CheckpointError(
+            f"{name}: tensor {shown} carries metadata port does not read (a {type(metadata).__name__})"
+        )
     if not _row_major(shape, stride):
         raise CheckpointError(
             f"{name}: tensor {shown} is not stored row-major (shape {list(shape)}, strides {list(stride)}): "

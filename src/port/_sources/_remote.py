@@ -155,17 +155,28 @@ class RemoteCheckpoint(Checkpoint):
         read of one of them fetches the group in one request, and the others are copied from
         it (each byte still fetched once)."""
         self._together = {}
-        small = sorted((self.tensors[k] for k, regions in reads.items()
-                        if 0 < self.tensors[k].nbytes < NEIGHBOUR and _covers(self.tensors[k].shape, regions)),
-                       key=lambda info: (info.file.name, info.offset))
+        small = sorted(
+            (
+                self.tensors[k]
+                for k, regions in reads.items()
+                if 0 < self.tensors[k].nbytes < NEIGHBOUR and _covers(self.tensors[k].shape, regions)
+            ),
+            key=lambda info: (info.file.name, info.offset),
+        )
         group: list[TensorInfo] = []
         for info in [*small, None]:
             last = group[-1] if group else None
-            if (info is None or last is None or info.file is not last.file or info.offset != last.offset + last.nbytes
-                    or info.offset + info.nbytes - group[0].offset > min(NEIGHBOURS, self.transport.chunk)):
+            if (
+                info is None
+                or last is None
+                or info.file is not last.file
+                or info.offset != last.offset + last.nbytes
+                or info.offset + info.nbytes - group[0].offset > min(NEIGHBOURS, self.transport.chunk)
+            ):
                 if len(group) > 1:
-                    together = _Neighbours(_file(group[0]), group[0].offset, group[-1].offset + group[-1].nbytes,
-                                           {i.key for i in group})
+                    together = _Neighbours(
+                        _file(group[0]), group[0].offset, group[-1].offset + group[-1].nbytes, {i.key for i in group}
+                    )
                     self._together.update(dict.fromkeys(together.keys, together))
                 group = []
             if info is not None:
@@ -197,8 +208,10 @@ class RemoteCheckpoint(Checkpoint):
     def _fetch_parts(self, info: TensorInfo, group: Ranges) -> None:
         """Ranges in one request where the server answers several ranges, else one by one."""
         if len(group) > 1 and self.transport.multipart:
-            what = (f"{info.file}: {len(group)} ranges in bytes {int(group.starts[0])}-{int(group.stops[-1]) - 1} "
-                    f"(tensor {quoted(info.key, 200)})")
+            what = (
+                f"{info.file}: {len(group)} ranges in bytes {int(group.starts[0])}-{int(group.stops[-1]) - 1} "
+                f"(tensor {quoted(info.key, 200)})"
+            )
             try:
                 return retried(what, lambda: self.transport.read_parts(_file(info), group))
             except OneRangeOnly:
@@ -242,9 +255,13 @@ class _Neighbours:
                 return False
             if self.data is None:
                 data = np.empty(self.stop - self.start, np.uint8)
-                what = (f"{self.file}: bytes {self.start}-{self.stop - 1} (tensor {quoted(info.key, 200)} "
-                        f"and {len(self.keys) - 1} small ones beside it)")
-                retried(what, lambda: ckpt.transport.read(self.file, self.start, iovecs([data.ctypes.data], [data.size])))
+                what = (
+                    f"{self.file}: bytes {self.start}-{self.stop - 1} (tensor {quoted(info.key, 200)} "
+                    f"and {len(self.keys) - 1} small ones beside it)"
+                )
+                retried(
+                    what, lambda: ckpt.transport.read(self.file, self.start, iovecs([data.ctypes.data], [data.size]))
+                )
                 self.data = data
             for region, out in requests:
                 offsets, lengths, addresses = runs(info, region, out)

@@ -164,8 +164,13 @@ def _entry(key: str, entry: Any, name: str) -> tuple[np.dtype, tuple[int, ...], 
         raise CheckpointError(f"{name}: corrupt header: bad entry for tensor {quoted(key, 200)}")
     dtype_name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not (
-        type(dtype_name) is str and type(shape) is list and type(offsets) is list and len(offsets) == 2
-        and {int} >= set(map(type, shape)) and type(offsets[0]) is int and type(offsets[1]) is int
+        type(dtype_name) is str
+        and type(shape) is list
+        and type(offsets) is list
+        and len(offsets) == 2
+        and {int} >= set(map(type, shape))
+        and type(offsets[0]) is int
+        and type(offsets[1]) is int
     ):  # ints are u64s (see _u64_or_float)
         raise CheckpointError(f"{name}: corrupt header: bad entry for tensor {quoted(key, 200)}")
     if len(entry) > 3:  # other fields are ignored, as the reference does
@@ -176,7 +181,9 @@ def _entry(key: str, entry: Any, name: str) -> tuple[np.dtype, tuple[int, ...], 
     if dtype is None:
         raise CheckpointError(f"{name}: tensor {quoted(key, 200)} has unsupported dtype {quoted(dtype_name, 20)}")
     if len(shape) > MAX_RANK:
-        raise CheckpointError(f"{name}: corrupt header: tensor {quoted(key, 200)} has {len(shape)} dimensions (at most {MAX_RANK})")
+        raise CheckpointError(
+            f"{name}: corrupt header: tensor {quoted(key, 200)} has {len(shape)} dimensions (at most {MAX_RANK})"
+        )
     nbytes = tensor_bytes(shape, dtype.itemsize)
     if nbytes is None:
         raise CheckpointError(f"{name}: corrupt header: tensor {quoted(key, 200)} {dtype_name}{shape} is too large")
@@ -219,8 +226,7 @@ def _check_layout(spans: list[tuple[int, int, str]], data_size: int, name: str) 
         position = end
     if position > data_size:
         raise CheckpointError(
-            f"{name}: truncated: the tensors end at data byte {position} but the file holds only "
-            f"{data_size} data bytes"
+            f"{name}: truncated: the tensors end at data byte {position} but the file holds only {data_size} data bytes"
         )
     if position < data_size:
         raise CheckpointError(
@@ -241,7 +247,9 @@ def header_length_of(prefix: bytes, size: int, name: str, limit: int = MAX_HEADE
         raise CheckpointError(f"{name}: truncated: {size} bytes, too short for a safetensors header")
     n = int.from_bytes(prefix[:8], "little")
     if n > MAX_HEADER:
-        raise CheckpointError(f"{name}: corrupt header: its length field exceeds the format's limit of {MAX_HEADER} bytes")
+        raise CheckpointError(
+            f"{name}: corrupt header: its length field exceeds the format's limit of {MAX_HEADER} bytes"
+        )
     if 8 + n > size:
         raise CheckpointError(f"{name}: corrupt header: its length field runs past the end of the file ({size} bytes)")
     if n > limit:
@@ -281,8 +289,10 @@ def plain_name(name: Any) -> bool:
     ```
     """
     return (
-        isinstance(name, str) and name not in ("", ".", "..")
-        and not any(sep in name for sep in ("/", "\\", os.sep)) and not CONTROL_CHARACTERS.search(name)
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and not any(sep in name for sep in ("/", "\\", os.sep))
+        and not CONTROL_CHARACTERS.search(name)
     )
 
 

@@ -18,5 +18,7 @@ result = port.verify("tinylm-checkpoint", "4x2", mapping="draft.toml")
 from ._check import check as check
 from ._draft import Draft as Draft
 from ._render import render as render
-from ._scaffold import draft as draft, scaffold as scaffold
-from ._verify import Verification as Verification, verify as verify
+from ._scaffold import draft as draft
+from ._scaffold import scaffold as scaffold
+from ._verify import Verification as Verification
+from ._verify import verify as verify

@@ -32,8 +32,14 @@ Dims = AnyMapping[int, list[tuple[str, str | None]]]  # size -> [(logical axis, 
 _AXIS_KEYS: dict[str, tuple[str, ...]] = {
     "embed": ("n_embd", "hidden_size", "d_model", "embed_dim", "dim"),
     "vocab": ("vocab_size",),
-    "mlp": ("n_inner", "intermediate_size", "ffn_dim", "d_ff", "moe_intermediate_size",
-            "shared_expert_intermediate_size"),
+    "mlp": (
+        "n_inner",
+        "intermediate_size",
+        "ffn_dim",
+        "d_ff",
+        "moe_intermediate_size",
+        "shared_expert_intermediate_size",
+    ),
     "heads": ("n_head", "num_attention_heads", "num_heads", "n_heads"),
     "kv_heads": ("num_key_value_heads", "n_kv_heads"),
     "head_dim": ("head_dim", "d_kv"),
@@ -43,7 +49,16 @@ _AXIS_KEYS: dict[str, tuple[str, ...]] = {
     "experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
 }
 _AXIS_ORDER = (
-    "embed", "mlp", "heads", "head_dim", "vocab", "positions", "kv_heads", "token_types", "layers", "experts",
+    "embed",
+    "mlp",
+    "heads",
+    "head_dim",
+    "vocab",
+    "positions",
+    "kv_heads",
+    "token_types",
+    "layers",
+    "experts",
 )
 _MODEL_AXES = {"heads", "kv_heads", "mlp", "vocab", "experts"}
 _STACK_AXES = {LAYER: "layers", EXPERT: "experts"}  # the axis a stack placeholder fills

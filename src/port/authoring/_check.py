@@ -22,10 +22,10 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .._errors import PlanError
-from .._mapping import Mapping, load_mapping, mapping_for
-from .._runtime import as_shape
 from .._export import invert
+from .._mapping import Mapping, load_mapping, mapping_for
 from .._plan import Plan, plan_problems
+from .._runtime import as_shape
 from .._skeleton import skeleton
 from .._sources import Checkpoint, open_checkpoint
 
@@ -93,6 +93,6 @@ def unresolved(mapping: Mapping) -> list[str]:
         if at >= 0:
             problems.append(
                 f"{mapping.source}:{number}: a CHECK of port scaffold's is still there "
-                f"({line[at + 2:].strip()[:160]}): decide, then delete the comment"
+                f"({line[at + 2 :].strip()[:160]}): decide, then delete the comment"
             )
     return problems

@@ -190,7 +190,9 @@ def choose_parts(group: Group, parts: Sequence[Part], size: int) -> list[Part] |
             chosen.append(best[0])
     elif len(parts) <= MAX_FITS:
         sets = [
-            c for n in range(2, MAX_PARTS + 1) for c in itertools.combinations(parts, n)
+            c
+            for n in range(2, MAX_PARTS + 1)
+            for c in itertools.combinations(parts, n)
             if sum(p.size for p in c) == size
         ]
         if len(sets) != 1:

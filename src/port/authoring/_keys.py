@@ -212,8 +212,7 @@ def is_buffer(group: Group) -> bool:
 
 
 def ignore_pattern(name: str) -> str:
-    """The `ignore` glob of a key pattern: each layer or expert index a `*` (`h.{layer}.attn.bias` -> `h.*.attn.bias`).
-    """
+    """The `ignore` glob of a key pattern: each layer or expert index a `*` (`h.{layer}.attn.bias` -> `h.*.attn.bias`)."""
     return ".".join("*" if s in STACKS or s.isdigit() else s for s in name.split("."))
 
 

@@ -83,7 +83,7 @@ _KINDS = {"weight", "bias"}
 _TOKEN_WEIGHT = {"layers": 0.5, "weight": 0.5}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tokens(name: str) -> tuple[str, ...]:
     """Canonical tokens of a key or path: `h.{layer}.attn.c_proj.weight` -> layers attn o down weight.
 

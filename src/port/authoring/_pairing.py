@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from .._dtypes import floating
 from .._errors import PortError
 from .._transforms import Chain, Reshape, Transform, Transpose
-from .._dtypes import floating
 from ._keys import Group, Shape
 from ._names import similarity, tokens, weight_or_bias
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from .._text import printable
 from .._mapping import EXPERT, LAYER
+from .._text import printable
 from .._transforms import toml_inline as _toml
 from ._axes import rule_for
 from ._draft import Draft, Entry, ops_text, shape_text
@@ -95,9 +95,13 @@ def _header(d: Draft) -> list[str]:
         lines += ["# TODO: config.json has no model_type", "model_types = []"]
     reference = _reference(d.config)
     if reference is not None:
-        output = "logits" if "For" in reference or "Head" in reference else "last_hidden_state"  # a task head, or the base
-        lines.append(f'reference = {{ class = {_toml("transformers:" + reference)}, output = {_toml(output)} }}'
-                     "   # config.json's architectures: what `port verify` compares with")
+        output = (
+            "logits" if "For" in reference or "Head" in reference else "last_hidden_state"
+        )  # a task head, or the base
+        lines.append(
+            f"reference = {{ class = {_toml('transformers:' + reference)}, output = {_toml(output)} }}"
+            "   # config.json's architectures: what `port verify` compares with"
+        )
     if d.prefix:
         lines.append(f"prefixes = {_toml([d.prefix])}")
     lines += d.notes

@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from .._text import printable, quoted
 from .._errors import MappingError, PlanError
 from .._mapping import import_object
 from .._plan import layer_groups
 from .._skeleton import leaves as skeleton_leaves
 from .._skeleton import skeleton as make_skeleton
 from .._sources import Checkpoint, TensorInfo, open_checkpoint
+from .._text import printable, quoted
 from ._axes import Dims, config_dims, named, propose_axes
 from ._draft import Draft, Entry, ops_text, shape_text
 from ._fused import fused_hint, tied_to
@@ -152,8 +152,18 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
     free.sort(key=lambda leaf: order[leaf.path])
     unpaired.sort(key=lambda g: (g.pattern, g.layer_group or ""))
     return Draft(
-        model, str(checkpoint.directory), len(tensors), config, prefix, entries, sorted(set(ignore)),
-        tied, unpaired, hints, free, notes,
+        model,
+        str(checkpoint.directory),
+        len(tensors),
+        config,
+        prefix,
+        entries,
+        sorted(set(ignore)),
+        tied,
+        unpaired,
+        hints,
+        free,
+        notes,
     )
 
 
@@ -199,7 +209,8 @@ def _passes(
     notes = [
         f"# layer group {quoted(printable(label))} holds no layer with this config.json: its entries "
         '(a copy of another group\'s, with optional = "model") are not drafted'
-        for label, ids in labels.items() if not ids
+        for label, ids in labels.items()
+        if not ids
     ]
     rest = [leaf for leaf in leaves if not any(under(leaf.path, label) for label in labels)]
     row_of = {label: {layer: row for row, layer in enumerate(ids)} for label, ids in labels.items()}
@@ -216,7 +227,8 @@ def _passes(
             others.setdefault(layer, {})[name] = key
     passes = [_Pass(outside, rest)] + [
         _Pass(by_label[label], [leaf for leaf in leaves if under(leaf.path, label)], label, ids, container)
-        for label, ids in labels.items() if ids
+        for label, ids in labels.items()
+        if ids
     ]
     ignore, beyond = [], []
     n_layers = config.get("num_hidden_layers")
@@ -229,7 +241,7 @@ def _passes(
             "multi-token-prediction layer)"
         )
     else:
-        for layer, members in sorted(others.items()):
+        for _, members in sorted(others.items()):
             for name, key in sorted(members.items()):
                 beyond.append(Group(name, (key,), tensors[key].shape, tensors[key].dtype))
         if others:
@@ -245,9 +257,7 @@ def _in_group(groups: list[Group], p: _Pass, names: AnyMapping[str, str]) -> lis
     if p.label is None:
         return groups
     name_of = {key: name for name, key in names.items()}
-    return [
-        replace(g, layer_group=p.label, pattern=g.pattern if g.stacked else name_of[g.keys[0]]) for g in groups
-    ]
+    return [replace(g, layer_group=p.label, pattern=g.pattern if g.stacked else name_of[g.keys[0]]) for g in groups]
 
 
 def _entry(
@@ -277,4 +287,3 @@ def _entry(
         comments.append(f"# CHECK: {why}; also fits: {ops_text(others[0]) if others[0] else 'no transforms'}")
     axes, todo = propose_axes(c.leaf, c.group.stack, dims)
     return Entry(c.group.pattern, c.leaf.path, named(ops, c.group.shape, target, config), axes, comments + todo)
-

@@ -31,7 +31,6 @@ from .._errors import ConfigError, MappingError, PortError
 from .._mapping import Mapping, import_object, mapping_for
 from .._model import input_kind as declared_input_kind
 
-
 INSTALL_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install transformers"
 """The CPU-only build of PyTorch (a plain `pip install torch` takes the CUDA one on Linux), then transformers."""
 
@@ -116,7 +115,8 @@ def _size_pair(config: dict, key: str, default: int) -> tuple[int, int]:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value, value
     if (
-        isinstance(value, (list, tuple)) and len(value) == 2
+        isinstance(value, (list, tuple))
+        and len(value) == 2
         and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)
     ):
         return value[0], value[1]
@@ -317,8 +317,12 @@ def _roundtrip(model, ckpt, mapping: Mapping) -> Roundtrip:
             for key, info in back.tensors.items():
                 original = ckpt.tensors.get(key)
                 whole = tuple((0, n) for n in info.shape)
-                if (original is None or original.dtype != info.dtype or original.shape != info.shape
-                        or ckpt.read(key, whole).tobytes() != back.read(key, whole).tobytes()):
+                if (
+                    original is None
+                    or original.dtype != info.dtype
+                    or original.shape != info.shape
+                    or ckpt.read(key, whole).tobytes() != back.read(key, whole).tobytes()
+                ):
                     differing.append(key)
                 else:
                     same += 1

@@ -19,8 +19,8 @@ from typing import Any
 import jax
 from jaxtyping import Array
 
-from port._text import quoted
 from port._errors import ConfigError
+from port._text import quoted
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # exact (erf)
@@ -108,7 +108,5 @@ def read_kv_heads(config: dict, heads: int, default: int | None) -> int:
     value = config.get("num_key_value_heads", default)
     value = heads if value is None else check("num_key_value_heads", value, int)
     if heads % value != 0:
-        raise ConfigError(
-            f"config.json: 'num_key_value_heads' ({value}) must divide 'num_attention_heads' ({heads})"
-        )
+        raise ConfigError(f"config.json: 'num_key_value_heads' ({value}) must divide 'num_attention_heads' ({heads})")
     return value

@@ -85,21 +85,15 @@ class BertConfig:
         heads = get(config, "num_attention_heads", int)
         if hidden % heads != 0:
             raise ConfigError(
-                f"config.json: 'hidden_size' ({hidden}) must be divisible by "
-                f"'num_attention_heads' ({heads})"
+                f"config.json: 'hidden_size' ({hidden}) must be divisible by 'num_attention_heads' ({heads})"
             )
         act = activation(config, "hidden_act", "gelu")
         position = config.get("position_embedding_type", "absolute")
         if position != "absolute":
-            raise ConfigError(
-                f"config.json: 'position_embedding_type' {position!r} is not "
-                "supported (only 'absolute')"
-            )
+            raise ConfigError(f"config.json: 'position_embedding_type' {position!r} is not supported (only 'absolute')")
         for key in ("is_decoder", "add_cross_attention"):
             if get(config, key, bool, False):
-                raise ConfigError(
-                    f"config.json: {key!r} is true; only the BERT encoder is supported"
-                )
+                raise ConfigError(f"config.json: {key!r} is true; only the BERT encoder is supported")
         return cls(
             vocab_size=get(config, "vocab_size", int),
             hidden_size=hidden,
@@ -126,8 +120,14 @@ class Layer(eqx.Module):
         kattn, kmlp = jax.random.split(key)
         c, e = config, config.hidden_size
         self.attn = Attention(
-            heads=c.num_attention_heads, kv_heads=c.num_attention_heads, head_dim=c.head_dim,
-            embd=e, dtype=dtype, key=kattn, qkv_bias=True, o_bias=True,
+            heads=c.num_attention_heads,
+            kv_heads=c.num_attention_heads,
+            head_dim=c.head_dim,
+            embd=e,
+            dtype=dtype,
+            key=kattn,
+            qkv_bias=True,
+            o_bias=True,
         )
         self.attn_norm = LayerNorm(e, eps=c.layer_norm_eps, dtype=dtype)
         self.mlp = MLP(embd=e, inner=c.intermediate_size, activation=c.hidden_act, dtype=dtype, key=kmlp)
@@ -201,8 +201,12 @@ class Bert(eqx.Module):
         ```
         """
         c = self.config
-        tokens = prepare(input_ids, attention_mask=attention_mask, causal=False,
-                         limit=("max_position_embeddings", c.max_position_embeddings))
+        tokens = prepare(
+            input_ids,
+            attention_mask=attention_mask,
+            causal=False,
+            limit=("max_position_embeddings", c.max_position_embeddings),
+        )
         check_like("token_type_ids", token_type_ids, input_ids, integer=True)
         (types,) = batch_first(tokens.batched, token_type_ids)
         types = jnp.zeros_like(tokens.ids) if types is None else jnp.asarray(types)

@@ -55,8 +55,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from port._text import quoted
 from port._errors import ConfigError
+from port._text import quoted
 from port.models._config import MAX_LAYERS, activation, check, check_model_type, get
 from port.nn import (
     Cache,
@@ -81,12 +81,31 @@ ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 # DeepseekV3Config's defaults, used where config.json omits a key.
 _DEFAULTS: dict[str, Any] = {
-    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-    "num_hidden_layers": 61, "num_attention_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
-    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
-    "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_interleave": True, "attention_bias": False,
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_interleave": True,
+    "attention_bias": False,
 }
 
 
@@ -206,23 +225,43 @@ class DeepseekV3Config:
     def attention(self, dtype: Any, key: PRNGKeyArray) -> LatentAttention:
         """One layer's latent attention."""
         return LatentAttention(
-            heads=self.num_attention_heads, embd=self.hidden_size, q_rank=self.q_lora_rank,
-            kv_rank=self.kv_lora_rank, nope_dim=self.qk_nope_head_dim, rope_dim=self.qk_rope_head_dim,
-            v_dim=self.v_head_dim, dtype=dtype, key=key, bias=self.attention_bias, scale=self.scale,
+            heads=self.num_attention_heads,
+            embd=self.hidden_size,
+            q_rank=self.q_lora_rank,
+            kv_rank=self.kv_lora_rank,
+            nope_dim=self.qk_nope_head_dim,
+            rope_dim=self.qk_rope_head_dim,
+            v_dim=self.v_head_dim,
+            dtype=dtype,
+            key=key,
+            bias=self.attention_bias,
+            scale=self.scale,
             interleave=self.rope_interleave,
         )
 
     def mlp(self, kind: str, dtype: Any, key: PRNGKeyArray) -> GatedMLP | MoE:
         """One layer's feed-forward: a SwiGLU ("dense") or the routed experts ("moe")."""
         if kind == "dense":
-            return GatedMLP(embd=self.hidden_size, inner=self.intermediate_size, activation=self.hidden_act,
-                            dtype=dtype, key=key)
+            return GatedMLP(
+                embd=self.hidden_size, inner=self.intermediate_size, activation=self.hidden_act, dtype=dtype, key=key
+            )
         shared = self.moe_intermediate_size * self.n_shared_experts
         return MoE(
-            embd=self.hidden_size, inner=self.moe_intermediate_size, experts=self.num_local_experts,
-            top_k=self.num_experts_per_tok, activation=self.hidden_act, dtype=dtype, key=key, scoring="sigmoid",
-            renormalise=self.norm_topk_prob, selection_bias=True, groups=self.n_group, top_groups=self.topk_group,
-            scale=self.routed_scaling_factor, shared_inner=shared or None, shared_gate=False,
+            embd=self.hidden_size,
+            inner=self.moe_intermediate_size,
+            experts=self.num_local_experts,
+            top_k=self.num_experts_per_tok,
+            activation=self.hidden_act,
+            dtype=dtype,
+            key=key,
+            scoring="sigmoid",
+            renormalise=self.norm_topk_prob,
+            selection_bias=True,
+            groups=self.n_group,
+            top_groups=self.topk_group,
+            scale=self.routed_scaling_factor,
+            shared_inner=shared or None,
+            shared_gate=False,
         )
 
 
@@ -267,8 +306,9 @@ def _scale(config: dict, rope: Rope, qk_head_dim: int) -> float:
 def block(c: DeepseekV3Config, kind: str, dtype: Any, *, key: PRNGKeyArray) -> PreNormBlock:
     """One layer: latent attention, then a dense MLP (`kind` "dense") or the experts ("moe")."""
     kattn, kmlp = jax.random.split(key)
-    return PreNormBlock(c.attention(dtype, kattn), c.mlp(kind, dtype, kmlp), embd=c.hidden_size,
-                        eps=c.rms_norm_eps, dtype=dtype)
+    return PreNormBlock(
+        c.attention(dtype, kattn), c.mlp(kind, dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype
+    )
 
 
 @final
@@ -294,11 +334,14 @@ class DeepseekV3(Decoder):
 
     def __init__(self, config: DeepseekV3Config, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kembed, kdense, kmoe = jax.random.split(key, 3)
-        self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
-                                              dtype=dtype, tied=config.tie_word_embeddings)
+        self.embed, self.lm_head = embeddings(
+            kembed, vocab=config.vocab_size, embd=config.hidden_size, dtype=dtype, tied=config.tie_word_embeddings
+        )
         counts = {kind: config.kinds.count(kind) for kind in ("dense", "moe")}
-        make = lambda kind, k: stacked(lambda kk: block(config, kind, dtype, key=kk), k, counts[kind]) \
-            if counts[kind] else None
+
+        def make(kind, k):
+            return stacked(lambda kk: block(config, kind, dtype, key=kk), k, counts[kind]) if counts[kind] else None
+
         self.dense, self.moe = make("dense", kdense), make("moe", kmoe)
         self.norm = jnp.ones((config.hidden_size,), dtype)
         self.config = config
@@ -332,6 +375,5 @@ class DeepseekV3(Decoder):
         c = self.config
         x = self.embed[tokens.ids]
         cos, sin = c.rope.angles(tokens.positions, x.dtype)
-        x, cache = run_groups({"dense": self.dense, "moe": self.moe}, c.kinds, x, tokens, cos=cos, sin=sin,
-                              remat=remat)
+        x, cache = run_groups({"dense": self.dense, "moe": self.moe}, c.kinds, x, tokens, cos=cos, sin=sin, remat=remat)
         return head(rms_norm(x, self.norm, c.rms_norm_eps), self.embed, self.lm_head), cache

@@ -56,8 +56,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from port._text import quoted
 from port._errors import ConfigError
+from port._text import quoted
 from port.models._config import (
     MAX_LAYERS,
     activation,
@@ -87,9 +87,13 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 # transformers' GemmaConfig / Gemma2Config defaults, used where config.json lacks the key.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma": {"num_key_value_heads": 16},
-    "gemma2": {"num_key_value_heads": 4, "query_pre_attn_scalar": 256.0,
-               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
-               "sliding_window": 4096},
+    "gemma2": {
+        "num_key_value_heads": 4,
+        "query_pre_attn_scalar": 256.0,
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "sliding_window": 4096,
+    },
 }
 
 
@@ -143,9 +147,7 @@ def _sliding_layers(config: dict, layers: int) -> tuple[bool, ...]:
         or len(layer_types) != layers
         or any(t not in LAYER_TYPES for t in layer_types)
     ):
-        raise ConfigError(
-            f"config.json: 'layer_types' must list {layers} of {LAYER_TYPES}, got {quoted(layer_types)}"
-        )
+        raise ConfigError(f"config.json: 'layer_types' must list {layers} of {LAYER_TYPES}, got {quoted(layer_types)}")
     return tuple(t == "sliding_attention" for t in layer_types)
 
 
@@ -209,12 +211,13 @@ class GemmaConfig:
         if model_type == "gemma2":
             window = _optional(config, "sliding_window", int, defaults["sliding_window"])
             fields = dict(
-                query_pre_attn_scalar=get(config, "query_pre_attn_scalar", float,
-                                          defaults["query_pre_attn_scalar"]),
-                attn_logit_softcapping=_optional(config, "attn_logit_softcapping", float,
-                                                 defaults["attn_logit_softcapping"]),
-                final_logit_softcapping=_optional(config, "final_logit_softcapping", float,
-                                                  defaults["final_logit_softcapping"]),
+                query_pre_attn_scalar=get(config, "query_pre_attn_scalar", float, defaults["query_pre_attn_scalar"]),
+                attn_logit_softcapping=_optional(
+                    config, "attn_logit_softcapping", float, defaults["attn_logit_softcapping"]
+                ),
+                final_logit_softcapping=_optional(
+                    config, "final_logit_softcapping", float, defaults["final_logit_softcapping"]
+                ),
                 sliding_window=window,
                 sliding_layers=_sliding_layers(config, layers) if window else (False,) * layers,
             )
@@ -249,9 +252,16 @@ class GemmaConfig:
     def attention(self, dtype: Any, key: PRNGKeyArray) -> Attention:
         """One block's attention: GQA with its own `head_dim`, Gemma 2's scale and score soft-cap."""
         return Attention(
-            heads=self.num_attention_heads, kv_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            embd=self.hidden_size, dtype=dtype, key=key, qkv_bias=self.attention_bias,
-            o_bias=self.attention_bias, scale=self.scaling, softcap=self.attn_logit_softcapping,
+            heads=self.num_attention_heads,
+            kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            embd=self.hidden_size,
+            dtype=dtype,
+            key=key,
+            qkv_bias=self.attention_bias,
+            o_bias=self.attention_bias,
+            scale=self.scaling,
+            softcap=self.attn_logit_softcapping,
         )
 
 
@@ -274,13 +284,17 @@ class Block(eqx.Module):
     def __init__(self, config: GemmaConfig, dtype: Any, *, key: PRNGKeyArray):
         kattn, kmlp = jax.random.split(key)
         c = config
-        norm = lambda: jnp.zeros((c.hidden_size,), dtype)  # (1 + 0): the identity scale
+
+        def norm():
+            return jnp.zeros((c.hidden_size,), dtype)  # (1 + 0): the identity scale
+
         self.attn_norm = norm()
         self.attn = c.attention(dtype, kattn)
         self.post_attn_norm = norm() if c.gemma2 else None
         self.mlp_norm = norm()
-        self.mlp = GatedMLP(embd=c.hidden_size, inner=c.intermediate_size, activation=c.hidden_act,
-                            dtype=dtype, key=kmlp)
+        self.mlp = GatedMLP(
+            embd=c.hidden_size, inner=c.intermediate_size, activation=c.hidden_act, dtype=dtype, key=kmlp
+        )
         self.post_mlp_norm = norm() if c.gemma2 else None
         self.eps = c.rms_norm_eps
 
@@ -288,8 +302,15 @@ class Block(eqx.Module):
         return x if weight is None else rms_norm(x, weight, self.eps, plus_one=True)
 
     def __call__(
-        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
-        sin: Array, kv: KV | None, index: Array | None, layer: Array,
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: Bool[Array, "batch seq keys"],
+        *,
+        cos: Array,
+        sin: Array,
+        kv: KV | None,
+        index: Array | None,
+        layer: Array,
     ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         h, kv = self.attn(self._norm(x, self.attn_norm), mask, cos=cos, sin=sin, kv=kv, index=index)
         x = x + self._norm(h, self.post_attn_norm)
@@ -313,8 +334,9 @@ class Gemma(Decoder):
 
     def __init__(self, config: GemmaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kembed, kblocks = jax.random.split(key)
-        self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
-                                              dtype=dtype, tied=config.tie_word_embeddings)
+        self.embed, self.lm_head = embeddings(
+            kembed, vocab=config.vocab_size, embd=config.hidden_size, dtype=dtype, tied=config.tie_word_embeddings
+        )
         self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, config.num_hidden_layers)
         self.norm = jnp.zeros((config.hidden_size,), dtype)  # (1 + 0): the identity scale
         self.config = config

@@ -85,17 +85,11 @@ class GPT2Config:
         n_embd = get(config, "n_embd", int)
         n_head = get(config, "n_head", int)
         if n_embd % n_head != 0:
-            raise ConfigError(
-                f"config.json: 'n_embd' ({n_embd}) must be divisible by "
-                f"'n_head' ({n_head})"
-            )
+            raise ConfigError(f"config.json: 'n_embd' ({n_embd}) must be divisible by 'n_head' ({n_head})")
         n_inner = get(config, "n_inner", int, 4 * n_embd)
         act = activation(config, "activation_function", "gelu_new")
         if get(config, "add_cross_attention", bool, False):
-            raise ConfigError(
-                "config.json: 'add_cross_attention' is true; "
-                "cross-attention GPT-2 is not supported"
-            )
+            raise ConfigError("config.json: 'add_cross_attention' is true; cross-attention GPT-2 is not supported")
         # `reorder_and_upcast_attn` only changes where the softmax is upcast; we
         # always compute the softmax in float32, so it needs no handling.
         get(config, "reorder_and_upcast_attn", bool, False)
@@ -109,9 +103,7 @@ class GPT2Config:
             layer_norm_epsilon=get(config, "layer_norm_epsilon", float, 1e-5),
             activation_function=act,
             scale_attn_weights=get(config, "scale_attn_weights", bool, True),
-            scale_attn_by_inverse_layer_idx=get(
-                config, "scale_attn_by_inverse_layer_idx", bool, False
-            ),
+            scale_attn_by_inverse_layer_idx=get(config, "scale_attn_by_inverse_layer_idx", bool, False),
         )
 
 
@@ -225,8 +217,15 @@ class Block(eqx.Module):
         self.mlp = MLP(config, dtype, key=kmlp)
 
     def __call__(
-        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"], *, cos: None = None,
-        sin: None = None, kv: KV | None = None, index: Array | None = None, layer: Int[Array, ""] | int = 0,
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: Bool[Array, "batch seq keys"],
+        *,
+        cos: None = None,
+        sin: None = None,
+        kv: KV | None = None,
+        index: Array | None = None,
+        layer: Int[Array, ""] | int = 0,
     ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         h, kv = self.attn(self.ln_1(x), mask, kv=kv, index=index, layer=layer)
         x = x + h

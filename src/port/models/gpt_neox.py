@@ -47,8 +47,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from port._text import quoted
 from port._errors import ConfigError
+from port._text import quoted
 from port.models._config import MAX_LAYERS, activation, check, check_model_type, get
 from port.nn import (
     MLP,
@@ -240,8 +240,15 @@ class Block(eqx.Module):
         self.parallel = config.use_parallel_residual
 
     def __call__(
-        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
-        sin: Array, kv: KV | None, index: Array | None, layer: Array,
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: Bool[Array, "batch seq keys"],
+        *,
+        cos: Array,
+        sin: Array,
+        kv: KV | None,
+        index: Array | None,
+        layer: Array,
     ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         attn, kv = self.attn(self.attn_norm(x), mask, cos=cos, sin=sin, kv=kv, index=index)
         if self.parallel:  # x + attn(ln1(x)) + mlp(ln2(x)), summed in transformers' order
@@ -269,8 +276,9 @@ class GPTNeoX(Decoder):
 
     def __init__(self, config: GPTNeoXConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kembed, kblocks = jax.random.split(key)
-        self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
-                                              dtype=dtype, tied=config.tie_word_embeddings)
+        self.embed, self.lm_head = embeddings(
+            kembed, vocab=config.vocab_size, embd=config.hidden_size, dtype=dtype, tied=config.tie_word_embeddings
+        )
         self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, config.num_hidden_layers)
         self.norm = LayerNorm(config.hidden_size, eps=config.layer_norm_eps, dtype=dtype)
         self.config = config

@@ -49,8 +49,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from port._text import quoted
 from port._errors import ConfigError
+from port._text import quoted
 from port.models._config import MAX_LAYERS, check, check_model_type, get, read_kv_heads
 from port.nn import (
     Attention,
@@ -73,13 +73,27 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 # transformers' GptOssConfig defaults, used where config.json omits a key.
 _DEFAULTS: dict[str, Any] = {
-    "num_local_experts": 128, "num_experts_per_tok": 4, "num_key_value_heads": 8, "head_dim": 64,
-    "sliding_window": 128, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-    "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "attention_bias": True, "tie_word_embeddings": False,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 4,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "sliding_window": 128,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "swiglu_alpha": 1.702,
+    "swiglu_limit": 7.0,
+    "attention_bias": True,
+    "tie_word_embeddings": False,
 }
 _ROPE_THETA = 150000.0  # GptOssConfig.default_theta
-_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-         "original_max_position_embeddings": 4096}  # GptOssConfig's rope_parameters when none are given
+_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}  # GptOssConfig's rope_parameters when none are given
 
 
 @final
@@ -162,10 +176,20 @@ class GptOssConfig:
         ```
         """
         return MoE(
-            embd=self.hidden_size, inner=self.intermediate_size, experts=self.num_experts,
-            top_k=self.num_experts_per_tok, activation="silu", dtype=dtype, key=key, scoring="softmax",
-            renormalise=True, weights_in_input_dtype=True, router_bias=True, bias=True,
-            limit=self.swiglu_limit, alpha=self.swiglu_alpha,
+            embd=self.hidden_size,
+            inner=self.intermediate_size,
+            experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            activation="silu",
+            dtype=dtype,
+            key=key,
+            scoring="softmax",
+            renormalise=True,
+            weights_in_input_dtype=True,
+            router_bias=True,
+            bias=True,
+            limit=self.swiglu_limit,
+            alpha=self.swiglu_alpha,
         )
 
 
@@ -185,10 +209,12 @@ def _sliding_layers(config: dict, layers: int, window: Any) -> tuple[bool, ...]:
     layer_types = config.get("layer_types")
     if layer_types is None:
         layer_types = [LAYER_TYPES[i % 2] for i in range(layers)]
-    if not isinstance(layer_types, list) or len(layer_types) != layers or any(t not in LAYER_TYPES for t in layer_types):
-        raise ConfigError(
-            f"config.json: 'layer_types' must list {layers} of {LAYER_TYPES}, got {quoted(layer_types)}"
-        )
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != layers
+        or any(t not in LAYER_TYPES for t in layer_types)
+    ):
+        raise ConfigError(f"config.json: 'layer_types' must list {layers} of {LAYER_TYPES}, got {quoted(layer_types)}")
     return tuple(window is not None and t == "sliding_attention" for t in layer_types)
 
 
@@ -207,8 +233,14 @@ def block(c: GptOssConfig, dtype: Any, *, key: PRNGKeyArray) -> PreNormBlock:
     """One gpt-oss layer: attention with sinks and biases, then the mixture of experts."""
     kattn, kmlp = jax.random.split(key)
     attn = Attention(
-        heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        embd=c.hidden_size, dtype=dtype, key=kattn, qkv_bias=c.attention_bias, o_bias=c.attention_bias,
+        heads=c.num_attention_heads,
+        kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        embd=c.hidden_size,
+        dtype=dtype,
+        key=kattn,
+        qkv_bias=c.attention_bias,
+        o_bias=c.attention_bias,
         sinks=True,
     )
     return PreNormBlock(attn, c.mlp(dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
@@ -235,8 +267,9 @@ class GptOss(Decoder):
 
     def __init__(self, config: GptOssConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kembed, kblocks = jax.random.split(key)
-        self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
-                                              dtype=dtype, tied=config.tie_word_embeddings)
+        self.embed, self.lm_head = embeddings(
+            kembed, vocab=config.vocab_size, embd=config.hidden_size, dtype=dtype, tied=config.tie_word_embeddings
+        )
         self.blocks = stacked(lambda k: block(config, dtype, key=k), kblocks, config.num_hidden_layers)
         self.norm = jnp.ones((config.hidden_size,), dtype)
         self.config = config

@@ -46,8 +46,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from port._text import quoted
 from port._errors import ConfigError
+from port._text import quoted
 from port.models._config import (
     MAX_LAYERS,
     activation,
@@ -81,14 +81,15 @@ PHI3_ROPE_TYPES = ("default", "longrope")
 # Where transformers' config classes disagree on a default (used when the key is absent).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048, "sliding_window": None},
-    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096,
-                "num_key_value_heads": 8},
-    "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096,
-              "num_key_value_heads": 32},
-    "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096,
-              "num_key_value_heads": 32, "head_dim": 128},
-    "phi3": {"max_position_embeddings": 4096, "sliding_window": None, "rms_norm_eps": 1e-5,
-             "original_max_position_embeddings": 4096},
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096, "num_key_value_heads": 8},
+    "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "num_key_value_heads": 32},
+    "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "num_key_value_heads": 32, "head_dim": 128},
+    "phi3": {
+        "max_position_embeddings": 4096,
+        "sliding_window": None,
+        "rms_norm_eps": 1e-5,
+        "original_max_position_embeddings": 4096,
+    },
 }
 
 
@@ -171,8 +172,14 @@ class LlamaConfig:
     def mlp(self, dtype: Any, key: PRNGKeyArray) -> GatedMLP | MoE:
         """The feed-forward of one block: SwiGLU of `intermediate_size` (a mixture-of-experts
         family's sparse blocks take theirs from `block`'s `mlp`: `port.models.moe`)."""
-        return GatedMLP(embd=self.hidden_size, inner=self.intermediate_size, activation="silu",
-                        dtype=dtype, key=key, bias=self.mlp_bias)
+        return GatedMLP(
+            embd=self.hidden_size,
+            inner=self.intermediate_size,
+            activation="silu",
+            dtype=dtype,
+            key=key,
+            bias=self.mlp_bias,
+        )
 
 
 def _sliding(config: dict, model_type: str, layers: int) -> tuple[int | None, tuple[bool, ...]]:
@@ -197,19 +204,11 @@ def _qwen2_sliding_layers(config: dict, layers: int) -> tuple[bool, ...]:
     if layer_types is None:
         first = config.get("max_window_layers", 28)
         if not isinstance(first, int) or isinstance(first, bool) or first < 0:
-            raise ConfigError(
-                f"config.json: 'max_window_layers' must be a non-negative integer, got {first!r}"
-            )
+            raise ConfigError(f"config.json: 'max_window_layers' must be a non-negative integer, got {first!r}")
         return tuple(i >= first for i in range(layers))
     kinds = ("full_attention", "sliding_attention")
-    if (
-        not isinstance(layer_types, list)
-        or len(layer_types) != layers
-        or any(t not in kinds for t in layer_types)
-    ):
-        raise ConfigError(
-            f"config.json: 'layer_types' must list {layers} of {kinds}, got {quoted(layer_types)}"
-        )
+    if not isinstance(layer_types, list) or len(layer_types) != layers or any(t not in kinds for t in layer_types):
+        raise ConfigError(f"config.json: 'layer_types' must list {layers} of {kinds}, got {quoted(layer_types)}")
     return tuple(t == "sliding_attention" for t in layer_types)
 
 
@@ -220,27 +219,48 @@ def _rope(config: dict, model_type: str, head_dim: int) -> Rope:
         maximum = get(config, "max_position_embeddings", int, _DEFAULTS[model_type]["max_position_embeddings"])
         return read_rope(config, head_dim, supported=ROPE_TYPES, max_position_embeddings=maximum)
     # Phi3Config always has original_max_position_embeddings (4096 if absent); it wins.
-    config = {**config, "original_max_position_embeddings": config.get(
-        "original_max_position_embeddings", _DEFAULTS["phi3"]["original_max_position_embeddings"])}
+    config = {
+        **config,
+        "original_max_position_embeddings": config.get(
+            "original_max_position_embeddings", _DEFAULTS["phi3"]["original_max_position_embeddings"]
+        ),
+    }
     maximum = get(config, "max_position_embeddings", int, _DEFAULTS["phi3"]["max_position_embeddings"])
-    return read_rope(config, head_dim, supported=PHI3_ROPE_TYPES, max_position_embeddings=maximum,
-                     aliases={"su": "longrope", "yarn": "longrope"}, allow_partial=True)
+    return read_rope(
+        config,
+        head_dim,
+        supported=PHI3_ROPE_TYPES,
+        max_position_embeddings=maximum,
+        aliases={"su": "longrope", "yarn": "longrope"},
+        allow_partial=True,
+    )
 
 
 def block(
-    c: LlamaConfig, dtype: Any, *, key: PRNGKeyArray,
+    c: LlamaConfig,
+    dtype: Any,
+    *,
+    key: PRNGKeyArray,
     mlp: Callable[[Any, PRNGKeyArray], GatedMLP | MoE] | None = None,
 ) -> PreNormBlock:
     """One decoder layer: `c`'s attention and `c.mlp` (or `mlp(dtype, key)`: another feed-forward,
     such as a mixture of experts)."""
     kattn, kmlp = jax.random.split(key)
     attn = Attention(
-        heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        embd=c.hidden_size, dtype=dtype, key=kattn, qkv_bias=c.qkv_bias, o_bias=c.o_bias,
-        qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps,
+        heads=c.num_attention_heads,
+        kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        embd=c.hidden_size,
+        dtype=dtype,
+        key=kattn,
+        qkv_bias=c.qkv_bias,
+        o_bias=c.o_bias,
+        qk_norm=c.qk_norm,
+        norm_eps=c.rms_norm_eps,
     )
-    return PreNormBlock(attn, (c.mlp if mlp is None else mlp)(dtype, kmlp), embd=c.hidden_size,
-                        eps=c.rms_norm_eps, dtype=dtype)
+    return PreNormBlock(
+        attn, (c.mlp if mlp is None else mlp)(dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype
+    )
 
 
 @final
@@ -259,8 +279,9 @@ class Llama(Decoder):
 
     def __init__(self, config: LlamaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kembed, kblocks = jax.random.split(key)
-        self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
-                                              dtype=dtype, tied=config.tie_word_embeddings)
+        self.embed, self.lm_head = embeddings(
+            kembed, vocab=config.vocab_size, embd=config.hidden_size, dtype=dtype, tied=config.tie_word_embeddings
+        )
         self.blocks = stacked(lambda k: block(config, dtype, key=k), kblocks, config.num_hidden_layers)
         self.norm = jnp.ones((config.hidden_size,), dtype)
         self.config = config

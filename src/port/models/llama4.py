@@ -54,8 +54,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from port._text import quoted
 from port._errors import ConfigError
+from port._text import quoted
 from port.models._config import (
     MAX_LAYERS,
     activation,
@@ -90,12 +90,27 @@ LAYER_TYPES = ("full_attention", "chunked_attention")
 
 # Llama4TextConfig's defaults (Llama-4-Scout's sizes), used where config.json lacks a key.
 _DEFAULTS: dict[str, Any] = {
-    "vocab_size": 202048, "hidden_size": 5120, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
-    "num_hidden_layers": 48, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128,
-    "max_position_embeddings": 4096 * 32, "rms_norm_eps": 1e-5, "num_experts_per_tok": 1,
-    "num_local_experts": 16, "interleave_moe_layer_step": 1, "use_qk_norm": True,
-    "no_rope_layer_interval": 4, "attention_chunk_size": 8192, "attn_temperature_tuning": True,
-    "floor_scale": 8192, "attn_scale": 0.1, "attention_bias": False, "tie_word_embeddings": False,
+    "vocab_size": 202048,
+    "hidden_size": 5120,
+    "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 4096 * 32,
+    "rms_norm_eps": 1e-5,
+    "num_experts_per_tok": 1,
+    "num_local_experts": 16,
+    "interleave_moe_layer_step": 1,
+    "use_qk_norm": True,
+    "no_rope_layer_interval": 4,
+    "attention_chunk_size": 8192,
+    "attn_temperature_tuning": True,
+    "floor_scale": 8192,
+    "attn_scale": 0.1,
+    "attention_bias": False,
+    "tie_word_embeddings": False,
 }
 _THETA = 500000.0  # Llama4TextConfig.default_theta
 
@@ -178,8 +193,9 @@ class Llama4Config:
             rope_layers=rope_layers,
             chunked_layers=_chunked_layers(c, rope_layers, chunk),
             attention_chunk_size=chunk,
-            rope=read_rope(c, head_dim, supported=ROPE_TYPES,
-                           max_position_embeddings=get(c, "max_position_embeddings", int)),
+            rope=read_rope(
+                c, head_dim, supported=ROPE_TYPES, max_position_embeddings=get(c, "max_position_embeddings", int)
+            ),
             rms_norm_eps=get(c, "rms_norm_eps", float),
             use_qk_norm=get(c, "use_qk_norm", bool),
             attn_temperature_tuning=get(c, "attn_temperature_tuning", bool),
@@ -327,31 +343,57 @@ class Block(eqx.Module):
         kattn, kmlp = jax.random.split(key)
         c = config
         self.attn_norm = jnp.ones((c.hidden_size,), dtype)
-        self.attn = Attention(heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-                              embd=c.hidden_size, dtype=dtype, key=kattn, qkv_bias=c.attention_bias,
-                              o_bias=c.attention_bias)
+        self.attn = Attention(
+            heads=c.num_attention_heads,
+            kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            embd=c.hidden_size,
+            dtype=dtype,
+            key=kattn,
+            qkv_bias=c.attention_bias,
+            o_bias=c.attention_bias,
+        )
         self.mlp_norm = jnp.ones((c.hidden_size,), dtype)
         if kind == "moe":
             # Llama 4's MoE: top-k by sigmoid scores, each weighting its expert's input; a shared expert.
-            self.mlp = MoE(embd=c.hidden_size, inner=c.intermediate_size, experts=c.num_local_experts,
-                           top_k=c.num_experts_per_tok, activation="silu", dtype=dtype, key=kmlp,
-                           scoring="sigmoid", renormalise=False, weights_in_input_dtype=True,
-                           weight_inputs=True, shared_inner=c.intermediate_size)
+            self.mlp = MoE(
+                embd=c.hidden_size,
+                inner=c.intermediate_size,
+                experts=c.num_local_experts,
+                top_k=c.num_experts_per_tok,
+                activation="silu",
+                dtype=dtype,
+                key=kmlp,
+                scoring="sigmoid",
+                renormalise=False,
+                weights_in_input_dtype=True,
+                weight_inputs=True,
+                shared_inner=c.intermediate_size,
+            )
         else:
-            self.mlp = GatedMLP(embd=c.hidden_size, inner=c.intermediate_size_mlp, activation="silu",
-                                dtype=dtype, key=kmlp)
+            self.mlp = GatedMLP(
+                embd=c.hidden_size, inner=c.intermediate_size_mlp, activation="silu", dtype=dtype, key=kmlp
+            )
         self.config = config
 
     def __call__(
-        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"], *, cos: Array,
-        sin: Array, kv: KV | None, index: Array | None, layer: Array,
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: Bool[Array, "batch seq keys"],
+        *,
+        cos: Array,
+        sin: Array,
+        kv: KV | None,
+        index: Array | None,
+        layer: Array,
     ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         h, kv = self._attend(rms_norm(x, self.attn_norm, self.config.rms_norm_eps), mask, cos, sin, kv, index, layer)
         x = x + h
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.config.rms_norm_eps)), kv
 
-    def _attend(self, x: Array, mask: Array, cos: Array, sin: Array, kv: KV | None, index: Array | None,
-                layer: Array) -> tuple[Array, KV | None]:
+    def _attend(
+        self, x: Array, mask: Array, cos: Array, sin: Array, kv: KV | None, index: Array | None, layer: Array
+    ) -> tuple[Array, KV | None]:
         c, attn = self.config, self.attn
         rotates = jnp.asarray(c.rope_layers)[layer]
         q, k, v = attn.project(x, None, None)
@@ -394,11 +436,18 @@ class Llama4(Decoder):
 
     def __init__(self, config: Llama4Config, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kembed, kdense, kmoe = jax.random.split(key, 3)
-        self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
-                                              dtype=dtype, tied=config.tie_word_embeddings)
+        self.embed, self.lm_head = embeddings(
+            kembed, vocab=config.vocab_size, embd=config.hidden_size, dtype=dtype, tied=config.tie_word_embeddings
+        )
         groups = config.groups
-        make = lambda kind, k: None if kind not in groups else stacked(
-            lambda key: Block(config, kind, dtype, key=key), k, len(groups[kind]))
+
+        def make(kind, k):
+            return (
+                None
+                if kind not in groups
+                else stacked(lambda key: Block(config, kind, dtype, key=key), k, len(groups[kind]))
+            )
+
         self.dense, self.moe = make("dense", kdense), make("moe", kmoe)
         self.norm = jnp.ones((config.hidden_size,), dtype)
         self.config = config
@@ -419,8 +468,10 @@ class Llama4(Decoder):
         check_sizes(batch, length)
         dtype = self.embed.dtype if dtype is None else dtype
         c = self.config
-        zeros = {kind: jnp.zeros((len(ids), batch, length, c.num_key_value_heads, c.head_dim), dtype)
-                 for kind, ids in c.groups.items()}
+        zeros = {
+            kind: jnp.zeros((len(ids), batch, length, c.num_key_value_heads, c.head_dim), dtype)
+            for kind, ids in c.groups.items()
+        }
         return Cache.of(zeros, dict(zeros), batch=batch, length=length)
 
     def logits(self, tokens: Tokens, remat: Any) -> tuple[Array, tuple[Any, Any, Any]]:

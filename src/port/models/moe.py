@@ -58,8 +58,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from port._text import quoted
 from port._errors import ConfigError
+from port._text import quoted
 from port.models._config import MAX_LAYERS, check_model_type, get
 from port.models.llama import LlamaConfig, block
 from port.nn import Decoder, MoE, PreNormBlock, Tokens, embeddings, head, rms_norm, run_groups, stacked
@@ -69,18 +69,33 @@ MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 # transformers' config class defaults, used where config.json omits a key (as port's Llama,
 # a null num_key_value_heads means one kv head per query head).
 _MIXTRAL_DEFAULTS: dict[str, Any] = {
-    "num_local_experts": 8, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5,
-    "rope_theta": 1e6, "sliding_window": None,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1e6,
+    "sliding_window": None,
 }
 _QWEN3_MOE_DEFAULTS: dict[str, Any] = {
-    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "norm_topk_prob": False,
-    "decoder_sparse_step": 1, "num_key_value_heads": 4, "use_sliding_window": False, "sliding_window": 4096,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "num_key_value_heads": 4,
+    "use_sliding_window": False,
+    "sliding_window": 4096,
     "attention_bias": False,
 }
 _QWEN2_MOE_DEFAULTS: dict[str, Any] = {
-    "num_experts": 60, "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
-    "shared_expert_intermediate_size": 5632, "norm_topk_prob": False, "qkv_bias": True,
-    "decoder_sparse_step": 1, "num_key_value_heads": 16, "max_window_layers": 28,
+    "num_experts": 60,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 1408,
+    "shared_expert_intermediate_size": 5632,
+    "norm_topk_prob": False,
+    "qkv_bias": True,
+    "decoder_sparse_step": 1,
+    "num_key_value_heads": 16,
+    "max_window_layers": 28,
 }
 
 
@@ -130,10 +145,17 @@ class MoeConfig:
         ```
         """
         return MoE(
-            embd=llama.hidden_size, inner=self.moe_intermediate_size, experts=self.num_experts,
-            top_k=self.num_experts_per_tok, activation=llama.hidden_act, dtype=dtype, key=key,
-            scoring="softmax", renormalise=self.norm_topk_prob,
-            shared_inner=self.shared_intermediate_size, shared_gate=self.shared_intermediate_size is not None,
+            embd=llama.hidden_size,
+            inner=self.moe_intermediate_size,
+            experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            activation=llama.hidden_act,
+            dtype=dtype,
+            key=key,
+            scoring="softmax",
+            renormalise=self.norm_topk_prob,
+            shared_inner=self.shared_intermediate_size,
+            shared_gate=self.shared_intermediate_size is not None,
             weights_in_input_dtype=self.weights_in_input_dtype,
         )
 
@@ -159,8 +181,7 @@ def read_config(config: dict) -> tuple[LlamaConfig, MoeConfig]:
     if moe.num_experts_per_tok > moe.num_experts:
         key = "num_local_experts" if model_type == "mixtral" else "num_experts"
         raise ConfigError(
-            f"config.json: 'num_experts_per_tok' ({moe.num_experts_per_tok}) is more than "
-            f"{key!r} ({moe.num_experts})"
+            f"config.json: 'num_experts_per_tok' ({moe.num_experts_per_tok}) is more than {key!r} ({moe.num_experts})"
         )
     return dataclasses.replace(llama, model_type=model_type), moe
 
@@ -194,9 +215,7 @@ def _qwen2_moe(config: dict) -> tuple[LlamaConfig, MoeConfig]:
         # Qwen2MoeConfig: every other layer (0, 2, ...) below max_window_layers slides.
         first = filled["max_window_layers"]
         if not isinstance(first, int) or isinstance(first, bool) or first < 0:
-            raise ConfigError(
-                f"config.json: 'max_window_layers' must be a non-negative integer, got {quoted(first)}"
-            )
+            raise ConfigError(f"config.json: 'max_window_layers' must be a non-negative integer, got {quoted(first)}")
         filled["layer_types"] = [
             "sliding_attention" if i % 2 == 0 and i < first else "full_attention" for i in range(layers)
         ]
@@ -222,7 +241,9 @@ def _qwen3_moe(config: dict) -> tuple[LlamaConfig, MoeConfig]:
     layers = get(filled, "num_hidden_layers", int, maximum=MAX_LAYERS)
     hidden, heads = get(filled, "hidden_size", int), get(filled, "num_attention_heads", int)
     head_dim = filled.get("head_dim") or hidden // max(heads, 1)
-    attention = LlamaConfig.from_hf({**filled, "model_type": "qwen3", "use_sliding_window": False, "head_dim": head_dim})
+    attention = LlamaConfig.from_hf(
+        {**filled, "model_type": "qwen3", "use_sliding_window": False, "head_dim": head_dim}
+    )
     if get(filled, "use_sliding_window", bool) and filled.get("sliding_window") is not None:
         window = get(filled, "sliding_window", int)
         attention = dataclasses.replace(attention, sliding_window=window, sliding_layers=(True,) * layers)
@@ -276,8 +297,9 @@ class Moe(Decoder):
 
     def __init__(self, config: LlamaConfig, moe: MoeConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kembed, kblocks, kdense = jax.random.split(key, 3)
-        self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
-                                              dtype=dtype, tied=config.tie_word_embeddings)
+        self.embed, self.lm_head = embeddings(
+            kembed, vocab=config.vocab_size, embd=config.hidden_size, dtype=dtype, tied=config.tie_word_embeddings
+        )
         sparse, dense = moe.kinds.count("blocks"), moe.kinds.count("dense")
         routed = functools.partial(moe.mlp, config)
         self.blocks = stacked(lambda k: block(config, dtype, key=k, mlp=routed), kblocks, sparse) if sparse else None
@@ -308,6 +330,7 @@ class Moe(Decoder):
         x = self.embed[tokens.ids]
         cos, sin = c.rope.angles(tokens.positions, x.dtype)
         groups = {"blocks": self.blocks, "dense": self.dense}
-        x, cache = run_groups(groups, self.moe.kinds, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers,
-                              remat=remat)
+        x, cache = run_groups(
+            groups, self.moe.kinds, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, remat=remat
+        )
         return head(rms_norm(x, self.norm, c.rms_norm_eps), self.embed, self.lm_head), cache

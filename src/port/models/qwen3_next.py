@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from port._text import quoted
 from port._errors import ConfigError
+from port._text import quoted
 from port.models._config import (
     MAX_LAYERS,
     activation,
@@ -80,11 +80,21 @@ KINDS = {"linear_attention": "linear", "full_attention": "full"}
 
 # transformers' config class defaults (Qwen3NextConfig, Qwen3_5TextConfig, Qwen3_5MoeTextConfig).
 _DEFAULTS: dict[str, Any] = {
-    "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6, "head_dim": 256,
-    "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "num_key_value_heads": 2,
-    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "attention_bias": False,
-    "partial_rotary_factor": 0.25, "decoder_sparse_step": 1,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "num_key_value_heads": 2,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "attention_bias": False,
+    "partial_rotary_factor": 0.25,
+    "decoder_sparse_step": 1,
 }
 _EXPERTS = {"qwen3_next": (512, 10), "qwen3_5_moe": (256, 8)}  # num_experts, num_experts_per_tok
 
@@ -169,8 +179,13 @@ class Qwen3NextConfig:
             rms_norm_eps=get(c, "rms_norm_eps", float),
             tie_word_embeddings=get(c, "tie_word_embeddings", bool, False),
             attention_bias=get(c, "attention_bias", bool),
-            rope=read_rope(c, head_dim, supported=("default", "linear", "yarn"),
-                           max_position_embeddings=get(c, "max_position_embeddings", int), allow_partial=True),
+            rope=read_rope(
+                c,
+                head_dim,
+                supported=("default", "linear", "yarn"),
+                max_position_embeddings=get(c, "max_position_embeddings", int),
+                allow_partial=True,
+            ),
             kinds=_kinds(c, layers),
             linear_num_key_heads=key_heads,
             linear_num_value_heads=value_heads,
@@ -187,11 +202,21 @@ class Qwen3NextConfig:
     def mlp(self, dtype: Any, key: PRNGKeyArray) -> MoE | GatedMLP:
         """One layer's feed-forward: the routed MoE with its gated shared expert, or (Qwen3.5) SwiGLU."""
         if self.model_type == "qwen3_5":
-            return GatedMLP(embd=self.hidden_size, inner=self.intermediate_size, activation="silu", dtype=dtype, key=key)
+            return GatedMLP(
+                embd=self.hidden_size, inner=self.intermediate_size, activation="silu", dtype=dtype, key=key
+            )
         return MoE(
-            embd=self.hidden_size, inner=self.moe_intermediate_size, experts=self.num_experts,
-            top_k=self.num_experts_per_tok, activation="silu", dtype=dtype, key=key, scoring="softmax",
-            renormalise=self.norm_topk_prob, shared_inner=self.shared_expert_intermediate_size, shared_gate=True,
+            embd=self.hidden_size,
+            inner=self.moe_intermediate_size,
+            experts=self.num_experts,
+            top_k=self.num_experts_per_tok,
+            activation="silu",
+            dtype=dtype,
+            key=key,
+            scoring="softmax",
+            renormalise=self.norm_topk_prob,
+            shared_inner=self.shared_expert_intermediate_size,
+            shared_gate=True,
             weights_in_input_dtype=True,
         )
 
@@ -204,8 +229,7 @@ def _kinds(config: dict, layers: int) -> tuple[str, ...]:
         return tuple("linear" if (i + 1) % interval else "full" for i in range(layers))
     if not isinstance(types, list) or len(types) != layers or any(t not in KINDS for t in types):
         raise ConfigError(
-            f"config.json: 'layer_types' must list {layers} (num_hidden_layers) of "
-            f"{tuple(KINDS)}, got {quoted(types)}"
+            f"config.json: 'layer_types' must list {layers} (num_hidden_layers) of {tuple(KINDS)}, got {quoted(types)}"
         )
     return tuple(KINDS[t] for t in types)
 
@@ -228,7 +252,9 @@ def _moe(config: dict, model_type: str, layers: int) -> dict[str, Any]:
         )
     only = config.get("mlp_only_layers") or []
     step = get(config, "decoder_sparse_step", int)
-    dense = sorted({i for i in only if isinstance(i, int) and 0 <= i < layers} | {i for i in range(layers) if (i + 1) % step})
+    dense = sorted(
+        {i for i in only if isinstance(i, int) and 0 <= i < layers} | {i for i in range(layers) if (i + 1) % step}
+    )
     if dense:
         raise ConfigError(
             f"config.json: 'mlp_only_layers' / 'decoder_sparse_step' give layers {dense} a dense MLP: "
@@ -258,17 +284,30 @@ class LinearBlock(eqx.Module):
         kattn, kmlp = jax.random.split(key)
         self.attn_norm = jnp.zeros((c.hidden_size,), dtype)
         self.attn = GatedDeltaNet(
-            embd=c.hidden_size, key_heads=c.linear_num_key_heads, value_heads=c.linear_num_value_heads,
-            key_dim=c.linear_key_head_dim, value_dim=c.linear_value_head_dim, kernel=c.linear_conv_kernel_dim,
-            dtype=dtype, key=kattn, eps=c.rms_norm_eps,
+            embd=c.hidden_size,
+            key_heads=c.linear_num_key_heads,
+            value_heads=c.linear_num_value_heads,
+            key_dim=c.linear_key_head_dim,
+            value_dim=c.linear_value_head_dim,
+            kernel=c.linear_conv_kernel_dim,
+            dtype=dtype,
+            key=kattn,
+            eps=c.rms_norm_eps,
         )
         self.mlp_norm = jnp.zeros((c.hidden_size,), dtype)
         self.mlp = c.mlp(dtype, kmlp)
         self.eps = c.rms_norm_eps
 
     def __call__(
-        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"], *, cos: Array, sin: Array,
-        kv: State | None, index: Array | None, layer: Array,
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: Bool[Array, "batch seq keys"],
+        *,
+        cos: Array,
+        sin: Array,
+        kv: State | None,
+        index: Array | None,
+        layer: Array,
     ) -> tuple[Float[Array, "batch seq embed"], State | None]:
         h, kv = self.attn(rms_norm(x, self.attn_norm, self.eps, plus_one=True), _valid(mask, index), state=kv)
         x = x + h
@@ -279,12 +318,20 @@ def full_block(c: Qwen3NextConfig, dtype: Any, *, key: PRNGKeyArray) -> PreNormB
     """Gated full attention (per-head `(1 + w)` q/k norms, partial RoPE), then the feed-forward."""
     kattn, kmlp = jax.random.split(key)
     attn = Attention(
-        heads=c.num_attention_heads, kv_heads=c.num_key_value_heads, head_dim=c.head_dim, embd=c.hidden_size,
-        dtype=dtype, key=kattn, qkv_bias=c.attention_bias, o_bias=c.attention_bias, qk_norm=True,
-        plus_one=True, norm_eps=c.rms_norm_eps, gate=True,
+        heads=c.num_attention_heads,
+        kv_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        embd=c.hidden_size,
+        dtype=dtype,
+        key=kattn,
+        qkv_bias=c.attention_bias,
+        o_bias=c.attention_bias,
+        qk_norm=True,
+        plus_one=True,
+        norm_eps=c.rms_norm_eps,
+        gate=True,
     )
-    return PreNormBlock(attn, c.mlp(dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype,
-                        plus_one=True)
+    return PreNormBlock(attn, c.mlp(dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype, plus_one=True)
 
 
 @final
@@ -310,13 +357,18 @@ class Qwen3Next(Decoder):
 
     def __init__(self, config: Qwen3NextConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kembed, klinear, kfull = jax.random.split(key, 3)
-        self.embed, self.lm_head = embeddings(kembed, vocab=config.vocab_size, embd=config.hidden_size,
-                                              dtype=dtype, tied=config.tie_word_embeddings)
+        self.embed, self.lm_head = embeddings(
+            kembed, vocab=config.vocab_size, embd=config.hidden_size, dtype=dtype, tied=config.tie_word_embeddings
+        )
         groups = _groups(config.kinds)
-        self.linear = stacked(lambda k: LinearBlock(config, dtype, key=k), klinear, len(groups["linear"])) \
-            if groups["linear"] else None
-        self.full = stacked(lambda k: full_block(config, dtype, key=k), kfull, len(groups["full"])) \
-            if groups["full"] else None
+        self.linear = (
+            stacked(lambda k: LinearBlock(config, dtype, key=k), klinear, len(groups["linear"]))
+            if groups["linear"]
+            else None
+        )
+        self.full = (
+            stacked(lambda k: full_block(config, dtype, key=k), kfull, len(groups["full"])) if groups["full"] else None
+        )
         self.norm = jnp.zeros((config.hidden_size,), dtype)
         self.config = config
 
@@ -342,10 +394,13 @@ class Qwen3Next(Decoder):
         if groups["full"]:
             keys["full"], values["full"] = kv, kv
         if groups["linear"]:
-            one = eqx.combine(jax.tree.map(lambda a: a[0], eqx.filter(self.linear, eqx.is_array)),
-                              eqx.partition(self.linear, eqx.is_array)[1])
-            states["linear"] = jax.tree.map(lambda a: jnp.zeros((len(groups["linear"]), *a.shape), a.dtype),
-                                            one.attn.empty_state(batch, dtype))
+            one = eqx.combine(
+                jax.tree.map(lambda a: a[0], eqx.filter(self.linear, eqx.is_array)),
+                eqx.partition(self.linear, eqx.is_array)[1],
+            )
+            states["linear"] = jax.tree.map(
+                lambda a: jnp.zeros((len(groups["linear"]), *a.shape), a.dtype), one.attn.empty_state(batch, dtype)
+            )
         return Cache.of(keys, values, states, batch=batch, length=length)
 
     def __call__(self, input_ids: Any, *, segment_ids: Any = None, **kwargs: Any) -> Any:
@@ -361,8 +416,9 @@ class Qwen3Next(Decoder):
         c = self.config
         x = self.embed[tokens.ids]
         cos, sin = c.rope.angles(tokens.positions, x.dtype)
-        x, cache = run_groups({"linear": self.linear, "full": self.full}, c.kinds, x, tokens, cos=cos, sin=sin,
-                              remat=remat)
+        x, cache = run_groups(
+            {"linear": self.linear, "full": self.full}, c.kinds, x, tokens, cos=cos, sin=sin, remat=remat
+        )
         return head(rms_norm(x, self.norm, c.rms_norm_eps, plus_one=True), self.embed, self.lm_head), cache
 
 

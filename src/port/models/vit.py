@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from port._text import quoted
 from port._errors import ConfigError
+from port._text import quoted
 from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, check, get
 from port.nn import MLP, Attention, LayerNorm, Pooler, cast, normal, scan, stacked
 from port.nn._inputs import batch_first, check_pixels
@@ -59,9 +59,7 @@ def _pair(config: dict, key: str, default: int) -> tuple[int, int]:
         return default, default
     if isinstance(value, (list, tuple)):
         if len(value) != 2:
-            raise ConfigError(
-                f"config.json: {key!r} must be a positive integer or a list of two, got {quoted(value)}"
-            )
+            raise ConfigError(f"config.json: {key!r} must be a positive integer or a list of two, got {quoted(value)}")
         return check(key, value[0], int), check(key, value[1], int)
     size = check(key, value, int)
     return size, size
@@ -105,15 +103,12 @@ class ViTConfig:
         if head_dim is None:
             if hidden % heads != 0:
                 raise ConfigError(
-                    f"config.json: 'hidden_size' ({hidden}) must be divisible by "
-                    f"'num_attention_heads' ({heads})"
+                    f"config.json: 'hidden_size' ({hidden}) must be divisible by 'num_attention_heads' ({heads})"
                 )
             head_dim = hidden // heads
         image, patch = _pair(config, "image_size", 224), _pair(config, "patch_size", 16)
         if image[0] < patch[0] or image[1] < patch[1]:
-            raise ConfigError(
-                f"config.json: 'image_size' {list(image)} is smaller than 'patch_size' {list(patch)}"
-            )
+            raise ConfigError(f"config.json: 'image_size' {list(image)} is smaller than 'patch_size' {list(patch)}")
         pooled = get(config, "pooler_output_size", int, hidden)
         return cls(
             hidden_size=hidden,
@@ -146,8 +141,14 @@ class Layer(eqx.Module):
         c, e = config, config.hidden_size
         self.attn_norm = LayerNorm(e, eps=c.layer_norm_eps, dtype=dtype)
         self.attn = Attention(
-            heads=c.num_attention_heads, kv_heads=c.num_attention_heads, head_dim=c.head_dim,
-            embd=e, dtype=dtype, key=kattn, qkv_bias=c.qkv_bias, o_bias=True,
+            heads=c.num_attention_heads,
+            kv_heads=c.num_attention_heads,
+            head_dim=c.head_dim,
+            embd=e,
+            dtype=dtype,
+            key=kattn,
+            qkv_bias=c.qkv_bias,
+            o_bias=True,
         )
         self.mlp_norm = LayerNorm(e, eps=c.layer_norm_eps, dtype=dtype)
         self.mlp = MLP(embd=e, inner=c.intermediate_size, activation=c.hidden_act, dtype=dtype, key=kmlp)

@@ -199,9 +199,17 @@ class Attention(eqx.Module):
     ):
         kq, kk, kv, ko = jax.random.split(key, 4)
         h, g, d, e = heads, kv_heads, head_dim, embd
-        self.wq, self.wk, self.wv = normal(kq, (h, d, e), dtype), normal(kk, (g, d, e), dtype), normal(kv, (g, d, e), dtype)
+        self.wq, self.wk, self.wv = (
+            normal(kq, (h, d, e), dtype),
+            normal(kk, (g, d, e), dtype),
+            normal(kv, (g, d, e), dtype),
+        )
         self.wo = normal(ko, (e, h, d), dtype)
-        self.bq, self.bk, self.bv = zeros_if(qkv_bias, (h, d), dtype), zeros_if(qkv_bias, (g, d), dtype), zeros_if(qkv_bias, (g, d), dtype)
+        self.bq, self.bk, self.bv = (
+            zeros_if(qkv_bias, (h, d), dtype),
+            zeros_if(qkv_bias, (g, d), dtype),
+            zeros_if(qkv_bias, (g, d), dtype),
+        )
         self.bo = zeros_if(o_bias, (e,), dtype)
         norm = (jnp.zeros if plus_one else jnp.ones)((d,), dtype) if qk_norm else None
         self.q_norm, self.k_norm = norm, norm

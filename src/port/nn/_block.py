@@ -66,10 +66,18 @@ class PreNormBlock(eqx.Module):
         self.eps, self.plus_one = eps, plus_one
 
     def __call__(
-        self, x: Float[Array, "batch seq embed"], mask: Bool[Array, "batch seq keys"], *, cos: Array | None,
-        sin: Array | None, kv: Any, index: Array | None, layer: Array | None = None,
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: Bool[Array, "batch seq keys"],
+        *,
+        cos: Array | None,
+        sin: Array | None,
+        kv: Any,
+        index: Array | None,
+        layer: Array | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], Any]:
-        h, kv = self.attn(rms_norm(x, self.attn_norm, self.eps, plus_one=self.plus_one), mask,
-                          cos=cos, sin=sin, kv=kv, index=index)
+        h, kv = self.attn(
+            rms_norm(x, self.attn_norm, self.eps, plus_one=self.plus_one), mask, cos=cos, sin=sin, kv=kv, index=index
+        )
         x = x + h
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps, plus_one=self.plus_one)), kv

@@ -55,7 +55,14 @@ class Cache(eqx.Module):
 
     @classmethod
     def empty(
-        cls, *, layers: int, batch: int, length: int, kv_heads: int, head_dim: int, dtype: Any,
+        cls,
+        *,
+        layers: int,
+        batch: int,
+        length: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: Any,
         value_dim: int | None = None,
     ) -> Cache:
         """An empty cache of `length` slots per sequence.

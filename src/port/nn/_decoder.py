@@ -132,8 +132,14 @@ class Decoder(eqx.Module):
         dtype: Any = None,
         remat: Any = None,
     ) -> Float[Array, "*batch seq vocab"] | tuple[Float[Array, "*batch seq vocab"], Cache]:
-        tokens = prepare(input_ids, attention_mask=attention_mask, positions=positions, segment_ids=segment_ids,
-                         cache=cache, window=self.window, limit=self.position_limit)
+        tokens = prepare(
+            input_ids,
+            attention_mask=attention_mask,
+            positions=positions,
+            segment_ids=segment_ids,
+            cache=cache,
+            window=self.window,
+            limit=self.position_limit,
+        )
         logits, kv = cast(self, dtype).logits(tokens, remat)
         return tokens.output(logits, *kv)
-

@@ -90,8 +90,11 @@ def recurrent_gated_delta_rule(
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, normalize)
     batch, _, heads, key_dim = q.shape
-    state = (jnp.zeros((batch, heads, key_dim, v.shape[-1]), jnp.float32) if initial_state is None
-             else initial_state.astype(jnp.float32))
+    state = (
+        jnp.zeros((batch, heads, key_dim, v.shape[-1]), jnp.float32)
+        if initial_state is None
+        else initial_state.astype(jnp.float32)
+    )
 
     def step(s: Array, xs: tuple[Array, ...]) -> tuple[Array, Array]:
         qt, kt, vt, gt, bt = xs
@@ -154,10 +157,13 @@ def chunk_gated_delta_rule(
     value_dim = v.shape[-1]
     size = chunk_size
     pad = (-seq) % size
+
     # [batch, heads, chunks, size, ...]
-    chunked = lambda a: jnp.pad(jnp.moveaxis(a, 1, 2), [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3)).reshape(
-        batch, heads, -1, size, *a.shape[3:]
-    )
+    def chunked(a):
+        return jnp.pad(jnp.moveaxis(a, 1, 2), [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 3)).reshape(
+            batch, heads, -1, size, *a.shape[3:]
+        )
+
     q, k, v, g, beta = (chunked(a) for a in (q, k, v, g, beta))
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
     cum = jnp.cumsum(g, axis=-1)
@@ -171,8 +177,11 @@ def chunk_gated_delta_rule(
     q = q * jnp.exp(cum)[..., None]
     k = k * jnp.exp(cum[..., -1:] - cum)[..., None]
     chunk_decay = jnp.exp(cum[..., -1])[..., None, None]
-    state = (jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32) if initial_state is None
-             else initial_state.astype(jnp.float32))
+    state = (
+        jnp.zeros((batch, heads, key_dim, value_dim), jnp.float32)
+        if initial_state is None
+        else initial_state.astype(jnp.float32)
+    )
 
     def step(s: Array, xs: tuple[Array, ...]) -> tuple[Array, Array]:
         values, cumdecay, qc, kc, attn, decay = xs
@@ -270,14 +279,30 @@ class GatedDeltaNet(eqx.Module):
     chunk_size: int = eqx.field(static=True)
 
     def __init__(
-        self, *, embd: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int, kernel: int,
-        dtype: Any, key: PRNGKeyArray, eps: float = 1e-6, chunk_size: int = 64,
+        self,
+        *,
+        embd: int,
+        key_heads: int,
+        value_heads: int,
+        key_dim: int,
+        value_dim: int,
+        kernel: int,
+        dtype: Any,
+        key: PRNGKeyArray,
+        eps: float = 1e-6,
+        chunk_size: int = 64,
     ):
         if value_heads % key_heads:
             raise ValueError(f"value_heads ({value_heads}) must be a multiple of key_heads ({key_heads})")
         ks = jax.random.split(key, 10)
-        self.wq, self.wk = normal(ks[0], (key_heads, key_dim, embd), dtype), normal(ks[1], (key_heads, key_dim, embd), dtype)
-        self.wv, self.wz = normal(ks[2], (value_heads, value_dim, embd), dtype), normal(ks[3], (value_heads, value_dim, embd), dtype)
+        self.wq, self.wk = (
+            normal(ks[0], (key_heads, key_dim, embd), dtype),
+            normal(ks[1], (key_heads, key_dim, embd), dtype),
+        )
+        self.wv, self.wz = (
+            normal(ks[2], (value_heads, value_dim, embd), dtype),
+            normal(ks[3], (value_heads, value_dim, embd), dtype),
+        )
         self.wb, self.wa = normal(ks[4], (value_heads, embd), dtype), normal(ks[5], (value_heads, embd), dtype)
         self.conv_q = normal(ks[6], (key_heads, key_dim, kernel), dtype)
         self.conv_k = normal(ks[7], (key_heads, key_dim, kernel), dtype)
@@ -297,15 +322,23 @@ class GatedDeltaNet(eqx.Module):
         return conv, jnp.zeros((batch, heads, self.wq.shape[1], value_dim), jnp.float32)
 
     def __call__(
-        self, x: Float[Array, "batch seq embed"], valid: Bool[Array, "batch seq"] | None = None, *,
+        self,
+        x: Float[Array, "batch seq embed"],
+        valid: Bool[Array, "batch seq"] | None = None,
+        *,
         state: State | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], State | None]:
         if valid is not None:
             x = x * valid[..., None].astype(x.dtype)
-        proj = lambda w: jnp.einsum("bte,hde->bthd", x, w)
+
+        def proj(w):
+            return jnp.einsum("bte,hde->bthd", x, w)
+
         conv = (None, None, None) if state is None else state[0]
-        (q, cq), (k, ck), (v, cv) = (causal_conv(proj(w), c, s) for w, c, s in
-                                     zip((self.wq, self.wk, self.wv), (self.conv_q, self.conv_k, self.conv_v), conv))
+        (q, cq), (k, ck), (v, cv) = (
+            causal_conv(proj(w), c, s)
+            for w, c, s in zip((self.wq, self.wk, self.wv), (self.conv_q, self.conv_k, self.conv_v), conv)
+        )
         beta = jax.nn.sigmoid(jnp.einsum("bte,he->bth", x, self.wb))
         a = jnp.einsum("bte,he->bth", x, self.wa).astype(jnp.float32)
         g = -jnp.exp(self.a_log.astype(jnp.float32)) * jax.nn.softplus(a + self.dt_bias.astype(jnp.float32))
@@ -313,8 +346,9 @@ class GatedDeltaNet(eqx.Module):
         if recurrent is not None and x.shape[1] == 1:
             out, recurrent = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=recurrent)
         else:
-            out, recurrent = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.chunk_size,
-                                                    initial_state=recurrent)
+            out, recurrent = chunk_gated_delta_rule(
+                q, k, v, g, beta, chunk_size=self.chunk_size, initial_state=recurrent
+            )
         out = gated_rms_norm(out, proj(self.wz), self.norm, self.eps)
         y = jnp.einsum("bthd,ehd->bte", out, self.wo)
         return y, None if state is None else ((cq, ck, cv), recurrent)

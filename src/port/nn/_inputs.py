@@ -45,16 +45,12 @@ def check_ids(input_ids: Any, *, limit: tuple[str, int] | None = None) -> bool:
     """
     shape = _shape(input_ids)
     if len(shape) not in SHAPES:
-        raise ValueError(
-            f"`input_ids` must have shape {SHAPES[2]} or {SHAPES[1]}, got {shape}"
-        )
+        raise ValueError(f"`input_ids` must have shape {SHAPES[2]} or {SHAPES[1]}, got {shape}")
     dtype = jnp.result_type(input_ids)
     if not jnp.issubdtype(dtype, jnp.integer):
         raise TypeError(f"`input_ids` must have an integer dtype, got {dtype}")
     if limit is not None and shape[-1] > limit[1]:
-        raise ValueError(
-            f"`input_ids`: sequence length {shape[-1]} exceeds {limit[0]} ({limit[1]})"
-        )
+        raise ValueError(f"`input_ids`: sequence length {shape[-1]} exceeds {limit[0]} ({limit[1]})")
     return len(shape) == 2
 
 
@@ -74,10 +70,7 @@ def check_like(name: str, value: Any | None, input_ids: Any, *, integer: bool = 
         return
     expected, shape = _shape(input_ids), _shape(value)
     if shape != expected:
-        raise ValueError(
-            f"`{name}` must have shape {SHAPES[len(expected)]} = {expected} like "
-            f"`input_ids`, got {shape}"
-        )
+        raise ValueError(f"`{name}` must have shape {SHAPES[len(expected)]} = {expected} like `input_ids`, got {shape}")
     dtype = jnp.result_type(value)
     kinds = (jnp.integer,) if integer else (jnp.bool_, jnp.integer, jnp.floating)
     if not any(jnp.issubdtype(dtype, kind) for kind in kinds):
@@ -105,9 +98,7 @@ def check_pixels(pixel_values: Any, *, channels: int, size: tuple[int, int]) -> 
     """
     shape = _shape(pixel_values)
     if len(shape) not in PIXEL_SHAPES:
-        raise ValueError(
-            f"`pixel_values` must have shape {PIXEL_SHAPES[4]} or {PIXEL_SHAPES[3]}, got {shape}"
-        )
+        raise ValueError(f"`pixel_values` must have shape {PIXEL_SHAPES[4]} or {PIXEL_SHAPES[3]}, got {shape}")
     dtype = jnp.result_type(pixel_values)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"`pixel_values` must have a floating dtype, got {dtype}")

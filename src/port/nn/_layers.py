@@ -160,9 +160,12 @@ def run_groups(
         # layers in order, each kind's j-th block of the repeat.
         repeats = n // period
         pattern = kinds[:period]
-        split = lambda tree, kind: jax.tree.map(  # noqa: E731 - [layers, ...] -> [repeats, per repeat, ...]
-            lambda a: a.reshape(repeats, -1, *a.shape[1:]), tree
-        )
+
+        def split(tree, kind):
+            return jax.tree.map(  # [layers, ...] -> [repeats, per repeat, ...]
+                lambda a: a.reshape(repeats, -1, *a.shape[1:]), tree
+            )
+
         stacks = {kind: split(eqx.filter(groups[kind], eqx.is_array), kind) for kind in entries}
         static = {kind: eqx.partition(groups[kind], eqx.is_array)[1] for kind in entries}
         per_repeat = {kind: split(entries[kind], kind) for kind in entries}
@@ -188,9 +191,7 @@ def run_groups(
         step = checkpointed(repeat, remat)
         x, new = jax.lax.scan(step, x, (stacks, per_repeat, ids, fl))
         for kind in entries:
-            out[kind] = None if new[kind] is None else jax.tree.map(
-                lambda a: a.reshape(-1, *a.shape[2:]), new[kind]
-            )
+            out[kind] = None if new[kind] is None else jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), new[kind])
     else:
         parts: dict[str, list[Any]] = {kind: [] for kind in entries}
         start = 0
@@ -201,14 +202,13 @@ def run_groups(
             blocks = take(eqx.filter(groups[kind], eqx.is_array))
             blocks = eqx.combine(blocks, eqx.partition(groups[kind], eqx.is_array)[1])
             entry = None if entries[kind] is None else take(entries[kind])
-            x, new = scan(layer, x, blocks, jnp.arange(start, start + length), flags[start : start + length],
-                          entry, remat=remat)
+            x, new = scan(
+                layer, x, blocks, jnp.arange(start, start + length), flags[start : start + length], entry, remat=remat
+            )
             parts[kind].append(new)
             start += length
         for kind in entries:
-            out[kind] = None if entries[kind] is None else jax.tree.map(
-                lambda *a: jnp.concatenate(a), *parts[kind]
-            )
+            out[kind] = None if entries[kind] is None else jax.tree.map(lambda *a: jnp.concatenate(a), *parts[kind])
     if cache is None:
         return x, (None, None, None)
     keys = dict(cache.keys) if isinstance(cache.keys, Mapping) else cache.keys
@@ -232,4 +232,3 @@ def _period(kinds: tuple[str, ...]) -> int:
         if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)):
             return p
     return n
-

@@ -196,7 +196,10 @@ def _attend_padded(q: Array, k: Array, v: Array, mask: Array, scale: float) -> A
     """`attend` where the values' head size differs from the queries' and keys': the smaller
     side is zero-padded (zeros change neither the scores nor the weighted sum) and cut off."""
     qk, vd = q.shape[-1], v.shape[-1]
-    pad = lambda a, n: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n - a.shape[-1])])
+
+    def pad(a, n):
+        return jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, n - a.shape[-1])])
+
     if vd < qk:
         return attend(q, k, pad(v, qk), mask, scale=scale)[..., :vd]
     if vd > qk:

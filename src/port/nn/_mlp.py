@@ -98,8 +98,16 @@ class GatedMLP(eqx.Module):
     alpha: float = eqx.field(static=True)
 
     def __init__(
-        self, *, embd: int, inner: int, activation: str, dtype: Any, key: PRNGKeyArray, bias: bool = False,
-        limit: float | None = None, alpha: float = 1.0,
+        self,
+        *,
+        embd: int,
+        inner: int,
+        activation: str,
+        dtype: Any,
+        key: PRNGKeyArray,
+        bias: bool = False,
+        limit: float | None = None,
+        alpha: float = 1.0,
     ):
         kg, ku, kd = jax.random.split(key, 3)
         self.gate, self.up = normal(kg, (inner, embd), dtype), normal(ku, (inner, embd), dtype)

@@ -34,7 +34,9 @@ _GROUPED = jax.lax.RaggedDotDimensionNumbers(
 """ragged_dot of tokens `[rows, in]` with expert weights in torch layout `[experts, out, in]`."""
 
 
-def grouped(x: Float[Array, "rows in"], weights: Float[Array, "experts out in"], sizes: Int[Array, " experts"]) -> Array:
+def grouped(
+    x: Float[Array, "rows in"], weights: Float[Array, "experts out in"], sizes: Int[Array, " experts"]
+) -> Array:
     """Rows of `x` sorted by expert, each times its expert's weight: `[rows, out]`."""
     return jax.lax.ragged_dot_general(x, weights, sizes, _GROUPED)
 
@@ -171,11 +173,17 @@ class MoE(eqx.Module):
         self.router = normal(krouter, (experts, embd), dtype)
         self.router_bias = zeros_if(router_bias, (experts,), dtype)
         self.selection_bias = jnp.zeros((experts,), dtype) if selection_bias else None
-        make = lambda k: GatedMLP(embd=embd, inner=inner, activation=activation, dtype=dtype, key=k, bias=bias,
-                                  limit=limit, alpha=alpha)
+
+        def make(k):
+            return GatedMLP(
+                embd=embd, inner=inner, activation=activation, dtype=dtype, key=k, bias=bias, limit=limit, alpha=alpha
+            )
+
         self.experts = stacked(make, kexperts, experts)
-        self.shared = None if shared_inner is None else GatedMLP(
-            embd=embd, inner=shared_inner, activation=activation, dtype=dtype, key=kshared
+        self.shared = (
+            None
+            if shared_inner is None
+            else GatedMLP(embd=embd, inner=shared_inner, activation=activation, dtype=dtype, key=kshared)
         )
         self.shared_gate = normal(kgate, (embd,), dtype) if shared_inner is not None and shared_gate else None
         self.top_k, self.scoring, self.renormalise = top_k, scoring, renormalise
@@ -187,8 +195,14 @@ class MoE(eqx.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, index = route(
-            linear(x, self.router, self.router_bias), self.top_k, scoring=self.scoring, renormalise=self.renormalise,
-            selection_bias=self.selection_bias, groups=self.groups, top_groups=self.top_groups, scale=self.scale,
+            linear(x, self.router, self.router_bias),
+            self.top_k,
+            scoring=self.scoring,
+            renormalise=self.renormalise,
+            selection_bias=self.selection_bias,
+            groups=self.groups,
+            top_groups=self.top_groups,
+            scale=self.scale,
         )
         if self.weights_in_input_dtype:
             weights = weights.astype(x.dtype)

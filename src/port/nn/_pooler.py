@@ -60,7 +60,6 @@ class Pooler(eqx.Module):
             )
         if jnp.ndim(hidden) not in (2, 3):
             raise ValueError(
-                "`hidden` must have shape (batch, seq, embd) or (seq, embd), "
-                f"got {tuple(jnp.shape(hidden))}"
+                f"`hidden` must have shape (batch, seq, embd) or (seq, embd), got {tuple(jnp.shape(hidden))}"
             )
         return activation(linear(hidden[..., 0, :], self.weight, self.bias))

@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from port._text import quoted
 from port._errors import ConfigError
+from port._text import quoted
 from port.models._config import check
 
 KINDS = ("default", "linear", "llama3", "yarn", "longrope")
@@ -191,9 +191,7 @@ def rope_parameters(config: dict) -> tuple[str, dict]:
     rope["rope_type"] = _first(rope.get("rope_type"), rope.get("type"), "default")
     if "original_max_position_embeddings" in config:
         rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
-    rope["partial_rotary_factor"] = _first(
-        rope.get("partial_rotary_factor"), config.get("partial_rotary_factor"), 1.0
-    )
+    rope["partial_rotary_factor"] = _first(rope.get("partial_rotary_factor"), config.get("partial_rotary_factor"), 1.0)
     return key, rope
 
 

@@ -23,7 +23,6 @@ return tokens.output(logits)                   # the batch axis dropped if the i
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any, final
 
 import equinox as eqx
@@ -187,8 +186,6 @@ def _segment_positions(segments: Int[Array, "batch seq"]) -> Int[Array, "batch s
     """Each token's index within its run of equal segment ids."""
     seq = segments.shape[-1]
     index = jnp.arange(seq)
-    change = jnp.concatenate(
-        [jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=-1
-    )
+    change = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=-1)
     start = jax.lax.cummax(jnp.where(change, index, 0), axis=1)
     return index - start
