@@ -225,6 +225,7 @@ class Reader:
         )
 
 
+@pytest.mark.slow  # each page's blocks run as subprocesses (port, Python)
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_block_runs_as_written(page, hub, tmp_path):
     reader = Reader(tmp_path, hub)

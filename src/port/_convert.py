@@ -35,9 +35,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._destination import free_bytes
+from ._destination import check_free
 from ._dtypes import floating
-from ._errors import OutputError, PortError
+from ._errors import PortError
 from ._fill import fill
 from ._mapping import Mapping, mapping_for
 from ._memory import PeakMemory, check_host_memory
@@ -48,7 +48,6 @@ from ._runtime import agree, as_mesh, mesh_spec
 from ._skeleton import leaves
 from ._skeleton import skeleton as make_skeleton
 from ._sources import Checkpoint, open_checkpoint
-from ._text import size_text
 
 
 @dataclass(frozen=True)
@@ -190,10 +189,7 @@ def convert(
             kept = kept_values(skeleton, recipe)
             check_host_memory(recipe.device_bytes, mesh, f"mesh={mesh_spec(dict(mesh.shape))}")
             if out is not None:
-                if recipe.nbytes > (free := free_bytes(out)):
-                    raise OutputError(
-                        f"out={out}: needs {size_text(recipe.nbytes)}, only {size_text(free)} free on its file system"
-                    )
+                check_free(out, recipe.nbytes)
             agree(
                 {
                     "mesh": mesh_spec(dict(mesh.shape)),

@@ -3,9 +3,9 @@
 The output is an ordinary Orbax composite checkpoint, laid out as `_layout` says (port's
 format 3): `params/` (a zarr array per leaf, a chunk file per device block) and `port/`
 (port's metadata: the mapping, config.json, each leaf's shape, dtype and logical axes).
-Stock Orbax restores it without port (`ocp.StandardCheckpointer().restore(OUT / "params")`
-gives the arrays as a nested dict, `ocp.Checkpointer(ocp.CompositeCheckpointHandler()).restore(OUT)`
-both items); `restore` rebuilds the module from `port/metadata` and shards it for any mesh.
+Stock Orbax restores it without port, given a target of the arrays' shapes on the devices
+at hand (docs/output-format.md shows it in a one-device process); `restore` rebuilds the
+module from `port/metadata` and shards it for any mesh.
 
 Port writes these files itself, at the speed of the disk: each device's block is one
 chunk file, written by a pool of threads straight from the device's buffer (on CPU,
