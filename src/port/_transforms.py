@@ -48,7 +48,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, final
+from typing import Any, ClassVar, TypeGuard, final
 
 import numpy as np
 
@@ -185,7 +185,7 @@ def toml_inline(value: Any) -> str:
     raise TypeError(f"cannot write {value!r} as TOML")
 
 
-def _int(x: Any) -> bool:
+def _int(x: Any) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -194,17 +194,18 @@ def _sizes(x: Any) -> bool:
 
 
 def _value(x: Size, config: Mapping[str, Any]) -> int:
-    if _int(x):
-        return x
-    value = config.get(x)
+    value = config.get(x) if isinstance(x, str) else x
     if not _int(value):
         raise ConfigError(f"config.json has no integer '{x}'")
     return value
 
 
-def _resolved(sizes: Sequence[Size], what: str) -> None:
-    if any(isinstance(s, str) for s in sizes):
+def _resolved(sizes: Sequence[Size], what: str) -> list[int]:
+    """`sizes` as integers; `ValueError` if any is still a config name."""
+    ints = [s for s in sizes if not isinstance(s, str)]
+    if len(ints) != len(sizes):
         raise ValueError(f"{what} {list(sizes)} names config values: resolve(config) it first")
+    return ints
 
 
 @final
@@ -235,10 +236,9 @@ class Transpose(Transform, name="transpose"):
         return tuple(in_shape[p] for p in self.perm)
 
     def region(self, in_shape: Shape, out: Region) -> Region:
-        source = [None] * len(out)
-        for j, p in enumerate(self.perm):
-            source[p] = out[j]
-        return tuple(source)
+        # Input axis perm[j] is output axis j (`shape` checked that perm is a permutation).
+        by_input = dict(zip(self.perm, out))
+        return tuple(by_input[p] for p in range(len(out)))
 
     def apply(self, block: np.ndarray, in_shape: Shape, out: Region) -> np.ndarray:
         return block.transpose(self.perm)
@@ -286,8 +286,7 @@ class Reshape(Transform, name="reshape"):
         return out.reshape(in_shape)
 
     def shape(self, in_shape: Shape) -> Shape:
-        _resolved(self.target, "reshape")
-        target = list(self.target)
+        target = _resolved(self.target, "reshape")
         if target.count(-1) > 1:
             raise ValueError(f"reshape {target} has more than one -1")
         if -1 in target:
@@ -409,8 +408,7 @@ class Split(Transform, name="split"):
             raise ValueError(f"split axis {self.axis} does not fit a {len(in_shape)}-d tensor")
         n = in_shape[axis]
         if self.sizes is not None:
-            _resolved(self.sizes, "split sizes")
-            sizes = list(self.sizes)
+            sizes = _resolved(self.sizes, "split sizes")
             if sum(sizes) != n or min(sizes) < 0:
                 raise ValueError(f"split sizes {sizes} are not a partition of axis {self.axis} of size {n}")
         else:

@@ -142,7 +142,7 @@ def pixel_values(config: dict, batch: int = 2, seed: int = 0) -> np.ndarray:
     return rng.standard_normal((batch, channels, height, width)).astype(np.float32)
 
 
-INPUTS: dict[str, Callable[[dict], np.ndarray]] = {"input_ids": input_ids, "pixel_values": pixel_values}
+INPUTS: dict[str, Callable[[dict, int], np.ndarray]] = {"input_ids": input_ids, "pixel_values": pixel_values}
 """The inputs verify can draw, by the name a model class gives as `input_kind` (and the reference takes)."""
 
 

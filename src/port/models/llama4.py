@@ -278,6 +278,7 @@ def rotate_pairs(x: Float[ArrayLike, "batch seq heads head_dim"], cos: ArrayLike
     q = rotate_pairs(q, cos, sin)         # q: [batch, seq, heads, 64]
     ```
     """
+    x, cos, sin = jnp.asarray(x), jnp.asarray(cos), jnp.asarray(sin)
     half = x.shape[-1] // 2
     c, s = cos[..., None, :half].astype(jnp.float32), sin[..., None, :half].astype(jnp.float32)
     pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], half, 2)

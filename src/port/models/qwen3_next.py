@@ -202,6 +202,7 @@ class Qwen3NextConfig:
     def mlp(self, dtype: Any, key: PRNGKeyArray) -> MoE | GatedMLP:
         """One layer's feed-forward: the routed MoE with its gated shared expert, or (Qwen3.5) SwiGLU."""
         if self.model_type == "qwen3_5":
+            assert self.intermediate_size is not None, "from_hf reads intermediate_size for qwen3_5"
             return GatedMLP(
                 embd=self.hidden_size, inner=self.intermediate_size, activation="silu", dtype=dtype, key=key
             )

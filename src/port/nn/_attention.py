@@ -73,6 +73,7 @@ def attend(
     attend(q, k, v, mask, scale=64**-0.5).shape    # (2, 5, 8, 64)
     ```
     """
+    q, k, v, mask = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask)
     if softcap is None and sinks is None:
         return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
     # Written out: dot_product_attention has no soft-capping and no sinks.
@@ -85,7 +86,8 @@ def attend(
     scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
     if sinks is not None:
         sink = jnp.broadcast_to(
-            sinks.astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1, 1), scores.shape[:-1] + (1,)
+            jnp.asarray(sinks).astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1, 1),
+            scores.shape[:-1] + (1,),
         )
         scores = jnp.concatenate([scores, sink], axis=-1)
         scores = scores - jnp.max(scores, axis=-1, keepdims=True)
@@ -125,6 +127,7 @@ def with_cache(
     """
     if kv is None:
         return k, v, None
+    assert index is not None, "a cache needs the slot its tokens start at"
     keys, values = write(kv[0], k, index), write(kv[1], v, index)
     return keys, values, (keys, values)
 
@@ -235,6 +238,7 @@ class Attention(eqx.Module):
         k = linear(self.wk, self.bk, self.k_norm)
         v = linear(self.wv, self.bv, None)
         if cos is not None:
+            assert sin is not None, "cos and sin come as a pair"
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v
 

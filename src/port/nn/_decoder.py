@@ -106,8 +106,10 @@ class Decoder(eqx.Module):
         return None
 
     @abc.abstractmethod
-    def logits(self, tokens: Tokens, remat: Any) -> tuple[Array, tuple[Array | None, Array | None]]:
-        """The logits for prepared `tokens`, and every layer's keys and values (from `run_layers`)."""
+    def logits(self, tokens: Tokens, remat: Any) -> tuple[Array, tuple[Any, ...]]:
+        """The logits for prepared `tokens`, and what `tokens.output` takes after them: every
+        layer's keys and values (from `run_layers`), or keys, values and recurrent states
+        (from `run_groups`)."""
 
     def init_cache(self, batch: int, length: int, dtype: Any = None) -> Cache:
         """An empty key/value cache for `batch` sequences of up to `length` tokens, in `dtype`

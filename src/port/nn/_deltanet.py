@@ -215,7 +215,7 @@ def causal_conv(
     full = jnp.concatenate([past.astype(x.dtype), x], axis=1)
     seq = x.shape[1]
     w = weight.astype(jnp.float32)
-    out = sum(full[:, j : j + seq].astype(jnp.float32) * w[..., j] for j in range(size))
+    out = jnp.asarray(sum(full[:, j : j + seq].astype(jnp.float32) * w[..., j] for j in range(size)))
     return jax.nn.silu(out.astype(x.dtype)), full[:, full.shape[1] - (size - 1) :].astype(past.dtype)
 
 
@@ -317,9 +317,9 @@ class GatedDeltaNet(eqx.Module):
         """A zero cache entry for `batch` sequences (conv inputs in `dtype`, default the parameters')."""
         dtype = self.wq.dtype if dtype is None else dtype
         past = self.conv_q.shape[-1] - 1
-        conv = tuple(jnp.zeros((batch, past, *w.shape[:2]), dtype) for w in (self.conv_q, self.conv_k, self.conv_v))
+        q, k, v = (jnp.zeros((batch, past, *w.shape[:2]), dtype) for w in (self.conv_q, self.conv_k, self.conv_v))
         heads, value_dim = self.wv.shape[:2]
-        return conv, jnp.zeros((batch, heads, self.wq.shape[1], value_dim), jnp.float32)
+        return (q, k, v), jnp.zeros((batch, heads, self.wq.shape[1], value_dim), jnp.float32)
 
     def __call__(
         self,

@@ -73,6 +73,7 @@ def run_layers(
         mask = tokens.mask if tokens.sliding is None else jnp.where(slides, tokens.sliding, tokens.mask)
         c, s = cos, sin
         if sliding_rope is not None:
+            assert cos is not None and sin is not None, "sliding_rope replaces cos and sin on the local layers"
             c, s = (jnp.where(slides, local, default) for local, default in zip(sliding_rope, (cos, sin)))
         return block(x, mask, cos=c, sin=s, kv=kv, index=index, layer=i)
 
@@ -211,14 +212,17 @@ def run_groups(
             out[kind] = None if entries[kind] is None else jax.tree.map(lambda *a: jnp.concatenate(a), *parts[kind])
     if cache is None:
         return x, (None, None, None)
-    keys = dict(cache.keys) if isinstance(cache.keys, Mapping) else cache.keys
-    values = dict(cache.values) if isinstance(cache.values, Mapping) else cache.values
     states = dict(cache.states) if isinstance(cache.states, Mapping) else cache.states
-    for kind, entry in out.items():
-        if not isinstance(cache.keys, Mapping):
+    if not isinstance(cache.keys, Mapping):  # one buffer over every layer: each kind's rows
+        keys, values = cache.keys, cache.values
+        for kind, entry in out.items():
             at = jnp.asarray(rows[kind])
             keys, values = keys.at[at].set(entry[0]), values.at[at].set(entry[1])
-        elif kind in cache.keys:
+        return x, (keys, values, states)
+    keys = dict(cache.keys)
+    values = dict(cache.values) if isinstance(cache.values, Mapping) else cache.values
+    for kind, entry in out.items():
+        if kind in cache.keys:
             keys[kind], values[kind] = entry
         else:
             states[kind] = entry

@@ -147,6 +147,7 @@ class LatentAttention(eqx.Module):
         """RoPE on the rotary part `x` `[..., heads, rope_dim]`, pairs de-interleaved first."""
         if cos is None:
             return x
+        assert sin is not None, "cos and sin come as a pair"
         if self.interleave:
             x = jnp.concatenate((x[..., 0::2], x[..., 1::2]), axis=-1)
         return apply_rope(x, cos, sin)
@@ -156,6 +157,7 @@ class LatentAttention(eqx.Module):
         if self.wq is not None:
             q = jnp.einsum("bte,hde->bthd", x, self.wq)
         else:
+            assert self.q_norm is not None, "without wq, the low-rank wq_a, q_norm and wq_b are set"
             a = jnp.einsum("bte,re->btr", x, self.wq_a)
             a = a if self.bq_a is None else a + self.bq_a
             q = jnp.einsum("btr,hdr->bthd", rms_norm(a, self.q_norm, self.norm_eps), self.wq_b)

@@ -74,9 +74,9 @@ def route(
     route(jnp.array([[0.0, 1.0, 2.0]]), 2)   # ([[0.731, 0.269]], [[2, 1]])
     ```
     """
-    logits = logits.astype(jnp.float32)
+    logits = jnp.asarray(logits).astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
-    choice = scores if selection_bias is None else scores + selection_bias.astype(jnp.float32)
+    choice = scores if selection_bias is None else scores + jnp.asarray(selection_bias).astype(jnp.float32)
     if groups > 1:
         tokens, experts = choice.shape
         grouped_scores = choice.reshape(tokens, groups, experts // groups)

@@ -252,19 +252,19 @@ def read_rope(
     if kind in ("llama3", "yarn", "longrope"):
         rope.setdefault("original_max_position_embeddings", max_position_embeddings)
         fields["original_max_position_embeddings"] = original = value("original_max_position_embeddings", int)
+        if kind in ("yarn", "longrope"):
+            factor = rope.get("factor")
+            factor = check(f"{key}.factor", max_position_embeddings / original if factor is None else factor, float)
+            fields["factor"] = factor
+            if kind == "yarn":
+                fields.update(_yarn(rope, key, factor))
+            else:
+                fields.update(_longrope(rope, key, rotary, factor, original))
     if kind in ("linear", "llama3"):
         fields["factor"] = value("factor", float)
     if kind == "llama3":
         fields["low_freq_factor"] = value("low_freq_factor", float)
         fields["high_freq_factor"] = value("high_freq_factor", float)
-    if kind in ("yarn", "longrope"):
-        factor = rope.get("factor")
-        factor = check(f"{key}.factor", max_position_embeddings / original if factor is None else factor, float)
-        fields["factor"] = factor
-    if kind == "yarn":
-        fields.update(_yarn(rope, key, factor))
-    if kind == "longrope":
-        fields.update(_longrope(rope, key, rotary, factor, original))
     return Rope(**fields)
 
 

@@ -11,7 +11,7 @@ x, kvs = scan(layer, x, model.blocks, sliding_flags, cache_kvs, remat="full")
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -80,7 +80,7 @@ def checkpointed(step: Callable[..., Any], remat: Any) -> Callable[..., Any]:
             raise ValueError(f"`remat` {remat!r} is not one of {', '.join(map(repr, REMAT))}, True or a policy")
         policy = REMAT[remat]
     elif callable(remat):
-        policy = remat
+        policy = cast(Callable[..., bool], remat)  # a jax.checkpoint policy: says whether to save a value
     else:
         raise TypeError(f"`remat` must be a bool, a policy name or a jax.checkpoint policy, got {remat!r}")
     return jax.checkpoint(step, policy=policy)

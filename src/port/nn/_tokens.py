@@ -149,6 +149,11 @@ def prepare(
         key_valid = jax.lax.dynamic_update_slice_in_dim(cache.mask, valid, start, axis=1)
         q_slot = start + jnp.arange(seq)
         k_slot = jnp.arange(cache.size)
+        cache = eqx.tree_at(
+            lambda c: (c.mask, c.next_position, c.length),
+            cache,
+            (key_valid, cache.next_position + valid.sum(axis=-1).astype(jnp.int32), start + seq),
+        )
     else:
         offset = jnp.zeros((batch, 1), jnp.int32)
         key_valid = valid
@@ -172,13 +177,6 @@ def prepare(
         mask = mask & (k_slot[None, :] <= q_slot[:, None])
         if window is not None:
             sliding = mask & (k_slot[None, :] > q_slot[:, None] - window)
-
-    if cache is not None:
-        cache = eqx.tree_at(
-            lambda c: (c.mask, c.next_position, c.length),
-            cache,
-            (key_valid, cache.next_position + valid.sum(axis=-1).astype(jnp.int32), start + seq),
-        )
     return Tokens(ids=ids, positions=positions, mask=mask, sliding=sliding, cache=cache, batched=batched)
 
 
