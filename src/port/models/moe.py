@@ -4,10 +4,9 @@ Only what is new in these families lives here: reading their config.json (`read_
 into a `LlamaConfig` (attention, norms, RoPE and the dense layers' MLP, as Llama's) and a
 `MoeConfig` (the experts) beside it, composed, not subclassed; `MoeConfig.mlp` builds each
 sparse block's feed-forward as a `port.nn.MoE`, and `port.models.llama.block` the block
-around it. Its router picks the top
-`num_experts_per_tok` experts of each token and only those run, as grouped matmuls over
-the (token, expert) pairs sorted by expert: the cost follows top-k, not the expert
-count. The experts are stacked on an axis after the layers' (`blocks.mlp.experts.gate`
+around it. Its router picks the top `num_experts_per_tok` experts of each token and only
+those run, as grouped matmuls over the (token, expert) pairs sorted by expert: the cost
+follows top-k, not the expert count. The experts are stacked on an axis after the layers' (`blocks.mlp.experts.gate`
 is [layers, experts, intermediate, embed]). Layers with a dense MLP among the sparse
 ones (`mlp_only_layers`, `decoder_sparse_step` > 1) are stacked apart, in `dense`, and
 the model's `layer_groups` says which checkpoint layers each stack holds. Three
