@@ -70,6 +70,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs; at run time
     from ._export import export
     from ._fill import fill
     from ._mapping import Mapping, Param, load_mapping, mapping_for, parse_mapping
+    from ._model import Model
     from ._output import restore, save
     from ._place import place
     from ._plan import LeafPlan, Plan, plan
@@ -87,6 +88,7 @@ __all__ = [  # the names of _EXPORTS, sorted: a literal list, so type checkers a
     "LeafPlan",
     "Mapping",
     "MappingError",
+    "Model",
     "OutputError",
     "Param",
     "Plan",
