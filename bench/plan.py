@@ -710,6 +710,7 @@ def stages(spec: dict) -> dict:
     mark("import jax, equinox")
     import port
     import port._cli
+    import port._commands
     import port.authoring
 
     mark("import port")
@@ -720,7 +721,7 @@ def stages(spec: dict) -> dict:
         mark("mapping + skeleton")
         recipe = port.authoring.check(mapping, ckpt, spec["mesh"], None)
         mark("plan (authoring.check)")
-    port._cli.plan_text(recipe, [], 80)
+    port._commands.plan_text(recipe, [], 80)
     mark("plan_text")
     return {"stages": out}
 

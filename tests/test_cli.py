@@ -187,14 +187,14 @@ def test_plan_never_reads_a_tensor(gpt2_checkpoints, monkeypatch, capsys):
     ],
 )
 def test_library_messages_name_flags_on_the_command_line(message, shown):
-    from port._cli import with_flags
+    from port._flags import with_flags
 
     assert with_flags(message) == shown
 
 
 def test_the_runtimes_messages_read_on_the_command_line_as_they_always_did():
     """The library names parameters; what `port` prints is the text its flags always gave."""
-    from port._cli import with_flags
+    from port._flags import with_flags
     from port._runtime import _MISSING, _disagreement, _not_joined
 
     assert with_flags(_not_joined("127.0.0.1:9", 2, 0, 5)) == (

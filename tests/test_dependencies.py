@@ -79,7 +79,7 @@ def test_the_torch_extra_names_what_verify_imports():
     assert {"torch", "transformers"} <= set(extra)
 
 
-COMMAND_LINE = {"port._cli", "port._interrupt", "port._console", "port.__main__"}
+COMMAND_LINE = {"port._cli", "port._commands", "port._flags", "port._interrupt", "port._console", "port.__main__"}
 """The command line's modules: only they print, exit, or handle signals; the library raises."""
 
 

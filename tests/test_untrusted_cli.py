@@ -182,11 +182,12 @@ def test_a_report_that_cannot_be_written_says_the_output_is_complete(tmp_path, m
     import errno
 
     import port._cli as cli
+    import port._commands as commands
 
     def full(path, text):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(cli, "_write_file", full)
+    monkeypatch.setattr(commands, "_write_file", full)
     code = cli.run(["convert", str(EXAMPLE), "--out", str(tmp_path / "out"), "--report", str(tmp_path / "r.json")])
     err = capfd.readouterr().err
     assert code == 1
