@@ -404,6 +404,8 @@ def first_divergence(
     ran = [m for m in modules if m and modules[m].params and agreed_at < order.get(("in", m), -1)]
     ran = [m for m in ran if order.get(("out", m), len(events)) < at]
     suspects = [m for m in ran if not any(m.startswith(o + ".") for o in ran)]
+    if kind == "out" and name and all(m.startswith(name + ".") for m in suspects):
+        suspects = [name]  # what ran since the last agreement is inside the module whose output differs
     if not suspects:
         if kind == "out":
             suspects = [name]
