@@ -140,12 +140,12 @@ class Recorder(eqx.Module):
     recording: Recording = eqx.field(static=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = list(args), dict(kwargs)
-        for holder, at in [*((args, i) for i in range(len(args))), *((kwargs, k) for k in kwargs)]:
+        given, named = list(args), dict(kwargs)
+        for holder, at in [*((given, i) for i in range(len(given))), *((named, k) for k in named)]:
             if _floating(holder[at]):
                 holder[at] = self.recording.through(self.path, "in", holder[at])
                 break
-        out = self.module(*args, **kwargs)
+        out = self.module(*given, **named)
         leaves, tree = jax.tree.flatten(out)
         if leaves and _floating(leaves[0]):
             leaves[0] = self.recording.through(self.path, "out", leaves[0])
@@ -317,8 +317,6 @@ def first_divergence(
 
     Returns a `Divergence`, or None when every observation, the logits too, agrees.
     """
-    import torch
-
     pairs, keypaths = counterparts(model, plan, mapping, reference)
     recording = Recording()
     # On one device: a callback in a program partitioned over a mesh gathers its value to one
@@ -329,40 +327,7 @@ def first_divergence(
         model = eqx.tree_at(lambda m, w=where: _at(m, w), model, Recorder(_at(model, where), path, recording))
     call_model(model)
 
-    events: list[tuple[str, str]] = []  # ("in" or "out", reference module), first calls, in order
-    values: dict[tuple[str, str], np.ndarray] = {}
-
-    def hooks(name: str) -> tuple[Callable[..., None], Callable[..., None]]:
-        def before(module: Any, args: Any, kwargs: Any) -> None:
-            if ("in", name) not in seen:
-                seen.add(("in", name))
-                events.append(("in", name))
-                given = _first_tensor(list(args) + [kwargs.get("hidden_states")] + list(kwargs.values()), torch)
-                if name in pairs and given is not None:
-                    values[(name, "in")] = given.detach().float().cpu().numpy().copy()
-
-        def after(module: Any, args: Any, output: Any) -> None:
-            if ("out", name) not in seen:
-                seen.add(("out", name))
-                events.append(("out", name))
-                given = _first_tensor(output, torch)
-                if name in pairs and given is not None:
-                    values[(name, "out")] = given.detach().float().cpu().numpy().copy()
-
-        return before, after
-
-    seen: set[tuple[str, str]] = set()
-    handles = []
-    try:
-        for name, module in reference.named_modules():
-            if name:
-                before, after = hooks(name)
-                handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
-                handles.append(module.register_forward_hook(after))
-        call_reference()
-    finally:
-        for handle in handles:
-            handle.remove()
+    events, values = _run_reference(reference, set(pairs), call_reference)
 
     rows = leaf_rows(plan, mapping)
     stack = {leaf.path: leaf.stack[0] if LAYER in leaf.pattern else 1 for leaf in plan.leaves}
@@ -415,6 +380,48 @@ def first_divergence(
     groups = layer_groups(model)
     named = tuple(_suspect(modules[m], groups, reference) for m in suspects)
     return Divergence(named, difference_at, agreed, observed, compared)
+
+
+def _run_reference(
+    reference: Any, kept: set[str], call_reference: Callable[[], Any]
+) -> tuple[list[tuple[str, str]], dict[tuple[str, str], np.ndarray]]:
+    """Run the reference with hooks on every submodule: its events, ("in" or "out", module name) of
+    each module's first call in the order they fire, and the values of those of `kept`'s modules,
+    by (name, "in" or "out"): the first floating tensor given (`hidden_states` when given by name)
+    and returned."""
+    import torch
+
+    events: list[tuple[str, str]] = []
+    fired: set[tuple[str, str]] = set()
+    values: dict[tuple[str, str], np.ndarray] = {}
+
+    def seen(kind: str, name: str, given: Any) -> None:
+        if (kind, name) in fired:
+            return
+        fired.add((kind, name))
+        events.append((kind, name))
+        tensor = _first_tensor(given, torch)
+        if name in kept and tensor is not None:
+            values[(name, kind)] = tensor.detach().float().cpu().numpy().copy()
+
+    handles = []
+    try:
+        for name, module in reference.named_modules():
+            if name:
+                handles.append(
+                    module.register_forward_pre_hook(
+                        lambda _, args, kwargs, n=name: seen(
+                            "in", n, [*args, kwargs.get("hidden_states"), *kwargs.values()]
+                        ),
+                        with_kwargs=True,
+                    )
+                )
+                handles.append(module.register_forward_hook(lambda _, args, out, n=name: seen("out", n, out)))
+        call_reference()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return events, values
 
 
 def _suspect(module: _Module, groups: dict[str, tuple[int, ...]], reference: Any) -> Suspect:
