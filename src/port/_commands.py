@@ -617,9 +617,10 @@ def verify(args: argparse.Namespace) -> int:
         length=args.length,
         padding=args.padding,
         roundtrip=args.roundtrip,
+        tolerance=args.tolerance,
     )
-    bound = result.tolerance if args.tolerance is None else args.tolerance
-    trip = result.roundtrip
+    bound = result.tolerance
+    trip, found = result.roundtrip, result.first_divergence
     ok = result.max_abs_diff <= bound and (trip is None or trip.exact)
     verdict = "ok" if result.max_abs_diff <= bound else "FAILED"
     if args.json:
@@ -639,6 +640,15 @@ def verify(args: argparse.Namespace) -> int:
                 "roundtrip": None
                 if trip is None
                 else {"same": trip.same, "differing": list(trip.differing), "not_written": list(trip.not_written)},
+                "first_divergence": None
+                if found is None
+                else {
+                    "modules": [{"module": m.module, "path": m.path, "layer": m.layer} for m in found.modules],
+                    "observed": found.observed,
+                    "max_abs_difference": found.max_abs_diff,
+                    "inputs_max_abs_difference": found.inputs_max_abs_diff,
+                    "compared": found.compared,
+                },
                 "ok": ok,
             }
         )
@@ -655,6 +665,8 @@ def verify(args: argparse.Namespace) -> int:
         + ") "
         f"on mesh {args.mesh}: {verdict} (tolerance {bound:.3g})"
     ]
+    if found is not None:
+        lines.append(f"{_shown(args.model)}: first divergence: {found}")
     if trip is not None:
         kept = (
             ""

@@ -18,6 +18,7 @@ class MyViT(eqx.Module):
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from .._dtypes import CASTS
 from .._errors import ConfigError, MappingError, PortError
 from .._mapping import Mapping, import_object, mapping_for
 from .._model import input_kind as declared_input_kind
+from ._divergence import Divergence, first_divergence
 
 INSTALL_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install transformers"
 """The CPU-only build of PyTorch (a plain `pip install torch` takes the CUDA one on Linux), then transformers."""
@@ -48,10 +50,18 @@ class Verification:
     - `reference_error`: in a 16-bit dtype, how far the reference's own output in that
       dtype is from the reference in float32 (None in float32): the rounding noise two
       independent 16-bit runs each carry.
+    - `roundtrip`: with `verify(roundtrip=True)`, the export compared bit for bit (`Roundtrip`).
+    - `first_divergence`: where the outputs differ beyond the tolerance, the first module of
+      the reference whose result port's model does not reproduce (`Divergence`: its
+      `.modules`, each a `Suspect`: the reference's module, port's path, the layer); None
+      when the outputs agree.
+    - `bound`: the `tolerance` verify was given (None: the default, see `.tolerance`).
 
     ```python
     result = port.verify("gpt2", "4x2")
     ok = result.max_abs_diff <= result.tolerance
+    if not ok:
+        print(result.first_divergence)   # model.layers.0.input_layernorm -> blocks.mlp_norm (layer 0): ...
     ```
     """
 
@@ -62,11 +72,16 @@ class Verification:
     reference: str
     reference_error: float | None = None
     roundtrip: Roundtrip | None = None
+    first_divergence: Divergence | None = None
+    bound: float | None = None
 
     @property
     def tolerance(self) -> float:
-        """Default bound: 1e-4 (float32) or 2e-2 (16-bit) relative to max(1, max |reference|); in 16 bits
-        at least twice `reference_error` (port's run and the reference's each round about that much)."""
+        """The bound `verify` was given as `tolerance`, else the default: 1e-4 (float32) or 2e-2 (16-bit)
+        relative to max(1, max |reference|); in 16 bits at least twice `reference_error` (port's run and
+        the reference's each round about that much)."""
+        if self.bound is not None:
+            return self.bound
         relative = (1e-4 if self.dtype == "float32" else 2e-2) * max(1.0, self.max_abs_reference)
         return max(relative, 2 * self.reference_error) if self.reference_error is not None else relative
 
@@ -168,6 +183,8 @@ def verify(
     length: int = 16,
     padding: str | None = None,
     roundtrip: bool = False,
+    tolerance: float | None = None,
+    locate: bool | None = None,
 ) -> Verification:
     """Convert a checkpoint onto a mesh, run it and the PyTorch reference on the same inputs, compare.
 
@@ -189,6 +206,10 @@ def verify(
       positions that are not padding are compared.
     - `roundtrip`: also export the converted model back (`port.export`, to a temporary
       directory) and compare every tensor with the checkpoint's, bit for bit (`.roundtrip`).
+    - `tolerance`: the bound on the largest absolute difference (default: `.tolerance`'s).
+    - `locate`: find the first module whose result differs (`.first_divergence`), by running
+      both models again with their modules recorded: True always, False never, None (the
+      default) when the outputs differ beyond the tolerance.
 
     Returns a `Verification`: `.max_abs_diff`, and its default bound `.tolerance`.
 
@@ -210,6 +231,10 @@ def verify(
     for name, value in (("batch", batch), ("length", length)):
         if type(value) is not int or value < 1:
             raise PortError(f"{name}={value!r}: expected a positive integer")
+    if tolerance is not None and (
+        isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0
+    ):
+        raise PortError(f"tolerance={tolerance!r}: expected a number >= 0")
     if padding not in (None, "left", "right"):
         raise PortError(f"padding={padding!r}: expected 'left' or 'right'")
     if roundtrip and dtype is not None:
@@ -236,16 +261,20 @@ def verify(
         # A decoder numbers a padded batch's positions as transformers' `generate` does (the mask's
         # cumulative sum, less one); its reference is given the same, which its forward alone would not.
         positions = None if mask is None or "positions" not in takes else np.where(mask, np.cumsum(mask, -1) - 1, 0)
-        converted = convert(ckpt, skeleton(mapping, config), mapping, mesh, dtype=dtype).model
+        conversion = convert(ckpt, skeleton(mapping, config), mapping, mesh, dtype=dtype)
+        converted = conversion.model
         written = _roundtrip(converted, ckpt, mapping) if roundtrip else None
+
     # Full float32 matrix products: an accelerator's default (TF32 on NVIDIA GPUs since Ampere,
     # bfloat16 passes on TPU) differs from PyTorch's CPU float32 by about 1e-2 of the logits,
     # which would hide a wrong mapping at the tolerance verify applies.
-    with jax.default_matmul_precision("highest"):
-        if mask is None:
-            ours = np.asarray(eqx.filter_jit(lambda m, x: m(x))(converted, inputs))
-        else:
-            ours = np.asarray(eqx.filter_jit(lambda m, x, a: m(x, attention_mask=a))(converted, inputs, mask))
+    def call_model(model) -> np.ndarray:
+        with jax.default_matmul_precision("highest"):
+            if mask is None:
+                return np.asarray(eqx.filter_jit(lambda m, x: m(x))(model, inputs))
+            return np.asarray(eqx.filter_jit(lambda m, x, a: m(x, attention_mask=a))(model, inputs, mask))
+
+    ours = call_model(converted)
     reference_cls = import_object(mapping.reference["class"], f"{mapping.source}: reference")
     torch_dtype = getattr(torch, str(ours.dtype)) if str(ours.dtype) in CASTS else torch.float32
     # Eager attention and experts: the reference code as written, in any dtype (torch's grouped
@@ -272,7 +301,7 @@ def verify(
     if mask is not None:  # padding's positions carry no meaning: compared are the others
         kept = mask.astype(bool)
         ours, theirs = ours[kept], theirs[kept]
-    return Verification(
+    result = Verification(
         float(np.abs(ours.astype(np.float32) - theirs).max()),
         float(np.abs(theirs).max()),
         shape,
@@ -280,7 +309,22 @@ def verify(
         f"{reference_cls.__name__}.{mapping.reference['output']}",
         reference_error,
         written,
+        bound=None if tolerance is None else float(tolerance),
     )
+    if locate is False or (locate is None and result.max_abs_diff <= result.tolerance):
+        return result
+    found = first_divergence(
+        converted,
+        conversion.plan,
+        mapping,
+        reference,
+        call_model,
+        run,
+        (result.max_abs_diff, result.max_abs_reference),
+        result.tolerance / max(1.0, result.max_abs_reference),
+        mask,
+    )
+    return dataclasses.replace(result, first_divergence=found)
 
 
 def padding_mask(shape: tuple[int, ...], side: str) -> np.ndarray:
