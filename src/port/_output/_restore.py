@@ -256,7 +256,8 @@ def restore_plan(
 
     ```python
     plan = restore_plan("gpt2-jax", "2x4")
-    plan.leaves[0].spec, plan.device_bytes      # PartitionSpec(None, 'data'), 62228480
+    plan.leaves[0].spec       # PartitionSpec(None, 'data'): vocab 50257 not divisible by model=4
+    plan.device_bytes         # bytes each device holds once restored
     ```
     """
     if not isinstance(output, Output):
