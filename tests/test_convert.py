@@ -46,7 +46,7 @@ def test_the_cli_report_is_the_library_report(tmp_path):
     assert result.returncode == 0, result.stderr
     written = json.loads((tmp_path / "r.json").read_text())
     library = port.convert(EXAMPLE, mesh="2x2").report.to_json()
-    assert set(written) == set(library) | {"model"}
+    assert set(written) == set(library) | {"schema", "model"}
     for key in ("params", "bytes_read", "device_bytes", "mesh", "num_processes", "process", "dtype"):
         assert written[key] == library[key], key
     assert 0 < written["seconds"] < 120 and written["peak_host_bytes"] > 0

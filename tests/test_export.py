@@ -6,7 +6,7 @@ unexpected key and every parameter equal to loading the original checkpoint. The
 exported files themselves hold exactly the source's keys (its prefix kept) minus
 ignored buffers and tied duplicates, in the source's dtypes, with metadata
 `{"format": "pt"}` (plus `"producer": "port"`, by which `--force` knows an export
-is port's). A model changed in JAX exports its change; a small
+is port's, and the `"port_version"` that wrote it). A model changed in JAX exports its change; a small
 `--max-shard-size` gives the numbered shards and index `save_pretrained` writes;
 bad input is one line, exit 1, and leaves everything as it was. The tests that
 build a `transformers` model skip without PyTorch.
@@ -41,6 +41,8 @@ from helpers import (
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
+# Each file's safetensors metadata: transformers' "format", and port's name and version.
+METADATA = {"format": "pt", "producer": "port", "port_version": port.__version__}
 
 # name: (the `transformers` class that loads it, extra `from_pretrained` arguments)
 CASES = {
@@ -226,7 +228,7 @@ def test_exported_files_hold_the_source_keys_dtypes_and_bytes(ported, name):
     source, _ = read_model_dir(run.source)
     tensors, metadata = read_model_dir(run.exported)
     assert sorted(p.name for p in run.exported.iterdir()) == ["config.json", "model.safetensors"]
-    assert metadata == {"model.safetensors": {"format": "pt", "producer": "port"}}
+    assert metadata == {"model.safetensors": METADATA}
     assert set(tensors) == expected_keys(source, config_of(run.source))
     for key, value in tensors.items():
         assert value.dtype == source[key].dtype and value.shape == source[key].shape, key
@@ -245,7 +247,7 @@ def _split(path: Path) -> tuple[dict, bytes]:
 @pytest.mark.parametrize("name", CASES)
 def test_exported_file_is_what_save_file_writes(ported, name, tmp_path):
     """The layout and bytes `safetensors` writes for the same tensors (as save_pretrained does): the same
-    entries and offsets, byte-identical data; only the metadata adds port's `producer`."""
+    entries and offsets, byte-identical data; only the metadata adds port's `producer` and `port_version`."""
     from safetensors.torch import save_file
 
     run = ported(name)
@@ -256,7 +258,7 @@ def test_exported_file_is_what_save_file_writes(ported, name, tmp_path):
     )
     header, data = _split(run.exported / "model.safetensors")
     expected_header, expected_data = _split(tmp_path / "expected.safetensors")
-    assert header.pop("__metadata__") == {"format": "pt", "producer": "port"}
+    assert header.pop("__metadata__") == METADATA
     expected_header.pop("__metadata__")
     assert header == expected_header
     assert data == expected_data
@@ -280,7 +282,7 @@ def test_sharded_output(ported, tmp_path):
     ]
     index = json.loads((out / "model.safetensors.index.json").read_text())
     tensors, metadata = read_model_dir(out)
-    assert metadata == {n: {"format": "pt", "producer": "port"} for n in shards}
+    assert metadata == {n: METADATA for n in shards}
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in tensors.values())
     assert (
         set(index["weight_map"]) == set(tensors) == expected_keys(read_model_dir(run.source)[0], config_of(run.source))

@@ -157,6 +157,8 @@ def test_two_processes_export_each_its_share(tmp_path):
         str(out),
         "--max-shard-size",
         "200KB",
+        "--report",
+        str(tmp_path / "run.json"),
     ]
     results = run_processes(
         lambda i: command + ["--coordinator", address, "--num-processes", "2", "--process-id", str(i)]
@@ -179,7 +181,17 @@ def test_two_processes_export_each_its_share(tmp_path):
     total = sum(v.nbytes for v in source.values())
     assert sum(shares) == total == index["metadata"]["total_size"]
     assert 0 < shares[1] < shares[0] < total  # process 1 writes the blocks only its devices hold
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "jax"]  # nothing half-written beside
+    reports = [json.loads((tmp_path / f"run.{i}.json").read_text()) for i in range(2)]  # each process its own
+    assert [(r["schema"], r["process"], r["num_processes"]) for r in reports] == [
+        ("port.export/1", i, 2) for i in range(2)
+    ]
+    assert [r["bytes_written"] for r in reports] == shares
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "hf",
+        "jax",
+        "run.0.json",
+        "run.1.json",
+    ]  # nothing half-written
 
 
 SCRIPT = textwrap.dedent("""

@@ -141,6 +141,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory (an Orbax checkpoint)")
     options(sub)
     sub.add_argument("--report", type=Path, metavar="FILE", help="write the run summary as JSON")
+    json_flag(sub)
     deadline_flag(sub)
     sub.add_argument(
         "--include",
@@ -175,8 +176,12 @@ def parser() -> argparse.ArgumentParser:
     sub.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest file (default: 5GB)")
     sub.add_argument("--dtype", choices=CASTS, help="write floating tensors in this dtype (default: the checkpoint's)")
     sub.add_argument("--mesh", default="1x1", metavar="SPEC", help="mesh to restore DIR onto first (default: 1x1)")
-    sub.add_argument("--force", action="store_true", help="replace --out if it is an earlier port export")
+    sub.add_argument(
+        "--force", action="store_true", help="replace --out (and --report) if it is an earlier port export"
+    )
     module_flag(sub, what="DIR's model class, when not one of port's (an output's word imports nothing else)")
+    sub.add_argument("--report", type=Path, metavar="FILE", help="write the run summary as JSON")
+    json_flag(sub)
     deadline_flag(sub)
     sub.add_argument(
         "--progress",

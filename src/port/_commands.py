@@ -71,13 +71,54 @@ def _progress(enabled: bool | None, total_leaves: int, total_bytes: int) -> Prog
     return bar
 
 
+REPORTS = ("port.convert/1", "port.export/1")  # the schemas of the run summaries --report writes
+
+
 def _is_report(path: Path) -> bool:
-    """Whether `path` is a run summary `port convert --report` wrote."""
+    """Whether `path` is a run summary `port convert --report` or `port export --report` wrote
+    (one written before reports named their schema has convert's figures)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and {"bytes_read", "peak_host_bytes", "device_bytes"} <= set(data)
+    return isinstance(data, dict) and (
+        data.get("schema") in REPORTS or {"bytes_read", "peak_host_bytes", "device_bytes"} <= set(data)
+    )
+
+
+def _check_report(args: argparse.Namespace) -> None:
+    """`--report` is not `--out` nor inside it (which port replaces): told before anything runs."""
+    if args.report is not None and args.out.absolute() in args.report.absolute().parents:
+        raise PortError(f"--report {args.report}: inside --out {args.out}, which port replaces")
+    if args.report is not None and args.report.absolute() == args.out.absolute():
+        raise PortError(f"--report {args.report}: the same path as --out; give the run summary a file of its own")
+
+
+def _report_file(args: argparse.Namespace) -> Path | None:
+    """Where this process writes `--report` (each process of a multi-process run its own, `run.1.json`),
+    checked as `--force` allows; None without the flag. Once the run is joined."""
+    import jax
+
+    report = args.report
+    if report is None:
+        return None
+    if jax.process_count() > 1:  # each process reports its own figures
+        report = report.with_name(f"{report.stem}.{jax.process_index()}{report.suffix}")
+    return _check_file_out(report, args.force, "--report", _is_report, "a run report")
+
+
+def _summarize(summary: dict, report: Path | None, out: object, as_json: bool) -> bool:
+    """Write the run's `summary` to `report` if given; print it if `as_json`. Whether it was printed."""
+    if report is not None:
+        try:
+            _write_file(report, json.dumps(summary, indent=1) + "\n")
+        except OSError as e:
+            raise PortError(
+                f"--report {report}: could not write the run summary ({e.strerror or e}); the output {out} is complete"
+            ) from None
+    if as_json:
+        _json(summary)
+    return as_json
 
 
 def _check_file_out(path: Path, force: bool, flag: str, ours: Callable[[Path], bool], what: str) -> Path:
@@ -227,10 +268,7 @@ def convert(args: argparse.Namespace) -> int:
     _processes(args)  # flags checked before the output's
     layers = _layers(args.layers)
     check_out(args.out, args.force, inputs=(args.model,) if Path(args.model).exists() else ())
-    if args.report is not None and args.out.absolute() in args.report.absolute().parents:
-        raise PortError(f"--report {args.report}: inside --out {args.out}, which port replaces")
-    if args.report is not None and args.report.absolute() == args.out.absolute():
-        raise PortError(f"--report {args.report}: the same path as --out; give the run summary a file of its own")
+    _check_report(args)
     processes, count, simulated = _join(args)
 
     import jax
@@ -238,11 +276,7 @@ def convert(args: argparse.Namespace) -> int:
     from ._convert import convert as run_convert
 
     mapping = _mapping_named(args, args.mapping)
-    report = args.report
-    if report is not None and jax.process_count() > 1:  # each process reports its own reads: run.1.json
-        report = report.with_name(f"{report.stem}.{jax.process_index()}{report.suffix}")
-    if report is not None:
-        report = _check_file_out(report, args.force, "--report", _is_report, "a run report")
+    report = _report_file(args)
     bar: Progress | Literal[False] | None = None  # False: asked for once, not wanted
 
     def progress(at) -> None:
@@ -277,15 +311,9 @@ def convert(args: argparse.Namespace) -> int:
     finally:
         if bar:
             bar.stop()
-    summary = {"model": _shown(args.model), **result.report.to_json()}
-    if report is not None:
-        try:
-            _write_file(report, json.dumps(summary, indent=1) + "\n")
-        except OSError as e:
-            raise PortError(
-                f"--report {report}: could not write the run summary ({e.strerror or e}); "
-                f"the output {result.report.out} is complete"
-            ) from None
+    summary = {"schema": "port.convert/1", "model": _shown(args.model), **result.report.to_json()}
+    if _summarize(summary, report, result.report.out, args.json):
+        return 0
     figures = result.report
     who = f"process {figures.process}/{figures.num_processes}: " if figures.num_processes > 1 else ""
     say(
@@ -341,6 +369,7 @@ def info_command(args: argparse.Namespace) -> int:
                 "schema": "port.info/1",
                 "directory": str(output.directory),
                 "format": FORMAT,
+                "port_version": output.port_version,
                 "class": output.mapping.model,
                 "model_type": output.config.get("model_type"),
                 "mapping": output.mapping_source,
@@ -368,6 +397,9 @@ def info_command(args: argparse.Namespace) -> int:
         + (f" (model_type {quoted(output.config['model_type'])})" if "model_type" in output.config else ""),
         f"mapping: {printable(output.mapping_source)} (its text is kept in the output)",
         f"written on mesh: {','.join(f'{n}={k}' for n, k in mesh.items()) if mesh else 'not recorded'}",
+        f"written by: port {printable(output.port_version)}"
+        if output.port_version is not None
+        else "written by: port, its version not recorded",
     ]
     if sources is not None:
         heading.append(f"source: {plural(sources['tensors'], 'tensor')}, {size_text(sources['bytes'])}")
@@ -390,13 +422,20 @@ def info_command(args: argparse.Namespace) -> int:
 
 def export_command(args: argparse.Namespace) -> int:
     """Write a `port convert` output back as a Hugging Face checkpoint directory."""
-    from ._export import export, parse_size
-    from ._output import read_output, restore
+    import time
 
+    from ._export import export, parse_size
+    from ._memory import PeakMemory
+    from ._output import port_version, read_output, restore
+    from ._runtime import mesh_shape
+
+    start = time.perf_counter()
     parse_size(args.max_shard_size)  # a bad size is told before anything is read
     _processes(args)
-    read_output(args.dir)  # not a port output: told before a model is built
+    _check_report(args)
+    output = read_output(args.dir)  # not a port output: told before a model is built
     _join(args)
+    report = _report_file(args)
     bar: Progress | Literal[False] | None = None  # False: asked for once, not wanted
 
     last = None
@@ -411,33 +450,70 @@ def export_command(args: argparse.Namespace) -> int:
         if bar:
             bar.update(bar.task_ids[0], completed=at.done, total=at.total, description="writing")
 
-    model = restore(args.dir, args.mesh, model=_model_class(args.module))
-    try:
-        out = export(
-            model,
-            args.out,
-            args.dir,
-            max_shard_size=args.max_shard_size,
-            dtype=args.dtype,
-            force=args.force,
-            progress=progress,
-        )
-    finally:
-        if bar:
-            bar.stop()
+    with PeakMemory() as peak:
+        model = restore(args.dir, args.mesh, model=_model_class(args.module))
+        try:
+            out = export(
+                model,
+                args.out,
+                args.dir,
+                max_shard_size=args.max_shard_size,
+                dtype=args.dtype,
+                force=args.force,
+                progress=progress,
+            )
+        finally:
+            if bar:
+                bar.stop()
     files = sorted(p.name for p in out.iterdir() if p.name.endswith(".safetensors"))
     size = sum((out / name).stat().st_size for name in files)
+    written = last.done if last else 0
     import jax
 
+    summary = {
+        "schema": "port.export/1",
+        "directory": str(output.directory),
+        "process": jax.process_index(),
+        "num_processes": jax.process_count(),
+        "out": str(out),
+        "mesh": mesh_shape(args.mesh),
+        "dtype": args.dtype,
+        "files": files,
+        "bytes": size,
+        "tensors": len(output.sources or ()),
+        "params": sum(leaf.size for leaf in output.leaves.values()),
+        "seconds": round(time.perf_counter() - start, 3),
+        "bytes_read": _blocks_held(model),
+        "bytes_written": written,
+        "peak_host_bytes": peak.bytes,
+        "port_version": port_version(),
+    }
+    if _summarize(summary, report, out, args.json):
+        return 0
     who, share = "", ""
     if jax.process_count() > 1:  # each process wrote the blocks its devices hold
         who = f"process {jax.process_index()}/{jax.process_count()}: "
-        share = f", this process wrote {size_text(last.done if last else 0)} ({last.done if last else 0} bytes)"
+        share = f", this process wrote {size_text(written)} ({written} bytes)"
     say(
         f"{who}exported {args.dir}: {len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
         f"{size_text(size)}{share} -> {out}"
     )
     return 0
+
+
+def _blocks_held(model) -> int:
+    """Bytes of the distinct blocks this process's devices hold of `model`'s arrays: what `restore`
+    read from the output (each distinct block once)."""
+    import jax
+
+    total = 0
+    for array in jax.tree.leaves(model):
+        if isinstance(array, jax.Array):
+            blocks = {
+                tuple((s.start, s.stop) for s in shard.index): shard.data.nbytes for shard in array.addressable_shards
+            }
+            total += sum(blocks.values())
+    return total
 
 
 def _dtype_short(name: str) -> str:
@@ -454,6 +530,21 @@ def _columns(rows: Sequence[Sequence[str]]) -> Callable[[Sequence[str]], str]:
     return line
 
 
+def _wrapped(text: str, width: int) -> list[str]:
+    """`text` as indented lines below a plan's row, within `width` columns."""
+    return textwrap.wrap(
+        printable(text),
+        max(width, 40),
+        initial_indent="  ",
+        subsequent_indent="      ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+_PLAN_HEAD = ("target", "shape", "spec", "per device")
+
+
 def plan_text(recipe, heading: Sequence[str], width: int) -> str:
     """`port plan`'s output: a row per leaf, its source and notes indented below, within `width` columns."""
     rows = [
@@ -465,26 +556,14 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
         )
         for leaf, row in zip(recipe.leaves, recipe.table())
     ]
-    head = ("target", "shape", "spec", "per device")
-    line = _columns([head, *rows])
-
-    def wrapped(text: str) -> list[str]:
-        return textwrap.wrap(
-            printable(text),
-            max(width, 40),
-            initial_indent="  ",
-            subsequent_indent="      ",
-            break_long_words=False,
-            break_on_hyphens=False,
-        )
-
-    lines = [*heading, "", line(head)]
+    line = _columns([_PLAN_HEAD, *rows])
+    lines = [*heading, "", line(_PLAN_HEAD)]
     for leaf, row, cells in zip(recipe.leaves, recipe.table(), rows):
         lines.append(line(cells))
         source = row["source"] + ("" if row["transforms"] == "-" else f" > {row['transforms']}")
-        lines += wrapped(f"from {source}")
+        lines += _wrapped(f"from {source}", width)
         for note in leaf.notes:
-            lines += wrapped(f"note: {note}")
+            lines += _wrapped(f"note: {note}", width)
     lines.append("")
     named = {key for _, _, keys in recipe.ignored_by_rule for key in keys}
     lines += [
@@ -505,6 +584,44 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _spec_text(spec) -> str:
+    """A `PartitionSpec` as `port plan` shows it: `(-, data)`, `((data,model), -)`."""
+    return (
+        "("
+        + ", ".join("-" if e is None else "(" + ",".join(e) + ")" if isinstance(e, tuple) else e for e in spec)
+        + ")"
+    )
+
+
+def restore_plan_text(placement, heading: Sequence[str], width: int) -> str:
+    """`port plan DIR`'s output for a port output: `plan_text`'s columns, each leaf's logical axes
+    and notes below it, within `width` columns."""
+    rows = [
+        (
+            printable(leaf.path),
+            f"{_dtype_short(leaf.dtype.name)}[{','.join(map(str, leaf.shape))}]",
+            _spec_text(leaf.spec),
+            size_text(leaf.device_bytes),
+        )
+        for leaf in placement.leaves
+    ]
+    line = _columns([_PLAN_HEAD, *rows])
+    lines = [*heading, "", line(_PLAN_HEAD)]
+    for leaf, cells in zip(placement.leaves, rows):
+        lines.append(line(cells))
+        lines += _wrapped(f"axes: {', '.join(a or '-' for a in leaf.axes) or '-'}", width)
+        for note in leaf.notes:
+            lines += _wrapped(f"note: {note}", width)
+    lines.append("")
+    lines += [f"absent: {printable(path)} (optional, not in the output: None)" for path in placement.absent]
+    lines += [f"excluded: {printable(path)} (not in this partial output: None)" for path in placement.excluded]
+    lines.append(
+        f"{count_text(placement.params)} params in {len(placement.leaves)} leaves; "
+        f"{size_text(placement.read_bytes)} to read, {size_text(placement.device_bytes)} per device"
+    )
+    return "\n".join(lines) + "\n"
+
+
 def _grouped(keys: tuple[str, ...]) -> dict[str, int]:
     """Keys that differ only in their integer segments, as one pattern with `*` and a count
     (`h.0.attn.bias`, `h.1.attn.bias` -> `h.*.attn.bias`: 2), in first-seen order."""
@@ -516,7 +633,11 @@ def _grouped(keys: tuple[str, ...]) -> dict[str, int]:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    """Print how MODEL maps onto the mesh, reading no tensor data."""
+    """Print how MODEL maps onto the mesh, reading no tensor data (or, for a port output, how it restores)."""
+    from ._output import claims_output
+
+    if Path(args.model).is_dir() and claims_output(args.model):
+        return _plan_output(args)
     from ._mapping import mapping_for
     from ._sources import open_checkpoint
     from .authoring import check as run_check
@@ -529,6 +650,7 @@ def plan_command(args: argparse.Namespace) -> int:
             {
                 "schema": "port.plan/1",
                 "model": _shown(args.model),
+                "kind": "load",
                 "class": mapping.model,
                 "mapping": str(mapping.source),
                 "mesh": dict(recipe.mesh_shape),
@@ -557,6 +679,67 @@ def plan_command(args: argparse.Namespace) -> int:
         )
     heading = [f"{_shown(args.model)} -> {mapping.model} on mesh {args.mesh}", f"mapping: {mapping.source}"]
     show(plan_text(recipe, heading, shutil.get_terminal_size((80, 24)).columns))
+    return 0
+
+
+def _plan_output(args: argparse.Namespace) -> int:
+    """`port plan DIR` for a port output: how `port.restore` lays it out on --mesh, from its checked
+    metadata alone (no array read, nothing imported)."""
+    from ._errors import OutputError
+    from ._output import read_output, restore_plan
+    from ._runtime import mesh_shape
+
+    directory = printable(str(args.model))
+    for flag, value, why in (
+        ("--mapping", args.mapping, "restored by the mapping it keeps"),
+        ("--dtype", args.dtype, "restored in the dtypes it was written in (convert again with --dtype)"),
+        ("--module", (args.module or [None])[0], "planned from its metadata alone, importing nothing"),
+    ):
+        if value is not None:
+            raise PortError(f"{flag} {printable(str(value))}: {directory} is a port output, {why}")
+    shape = mesh_shape(args.mesh)
+    output = read_output(args.model)
+    try:
+        placement = restore_plan(output, shape)
+    except OutputError as e:  # its rules name an axis the mesh lacks: the flag's fault
+        raise PortError(f"--mesh {args.mesh}: {e}") from None
+    if args.json:
+        return _json(
+            {
+                "schema": "port.plan/1",
+                "model": str(args.model),
+                "kind": "restore",
+                "class": output.mapping.model,
+                "mapping": output.mapping_source,
+                "mesh": dict(placement.mesh_shape),
+                "params": placement.params,
+                "read_bytes": placement.read_bytes,
+                "bytes_per_device": placement.device_bytes,
+                "absent": list(placement.absent),
+                "excluded": list(placement.excluded),
+                "ignored": [],
+                "tied": [],
+                "leaves": [
+                    {
+                        "path": leaf.path,
+                        "shape": list(leaf.shape),
+                        "dtype": leaf.dtype.name,
+                        "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec],
+                        "bytes_per_device": leaf.device_bytes,
+                        "source": f"params/{leaf.path}",
+                        "stack": [],
+                        "transforms": "-",
+                        "notes": list(leaf.notes),
+                    }
+                    for leaf in placement.leaves
+                ],
+            }
+        )
+    heading = [
+        f"{directory} -> {printable(output.mapping.model)} on mesh {args.mesh}, restored from a port output",
+        f"mapping: {printable(output.mapping_source)} (kept in the output)",
+    ]
+    show(restore_plan_text(placement, heading, shutil.get_terminal_size((80, 24)).columns))
     return 0
 
 

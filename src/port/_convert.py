@@ -41,7 +41,7 @@ from ._errors import PortError
 from ._fill import fill
 from ._mapping import Mapping, mapping_for
 from ._memory import PeakMemory, check_host_memory
-from ._output import Saving, check_out
+from ._output import Saving, check_out, port_version
 from ._place import place
 from ._plan import LeafPlan, Plan, partition, plan
 from ._runtime import agree, as_mesh, mesh_spec
@@ -63,7 +63,8 @@ class Progress:
 
 @dataclass(frozen=True)
 class Report:
-    """What a conversion did: seconds per phase, bytes read, bytes per device, peak host memory."""
+    """What a conversion did: seconds per phase, bytes read, bytes per device, peak host memory,
+    and the version of port that did it."""
 
     process: int
     num_processes: int
@@ -79,6 +80,7 @@ class Report:
     peak_host_bytes: int
     kept: tuple[str, ...] = ()  # leaves not filled from the checkpoint (strict=False): the model's own values
     unused: tuple[str, ...] = ()  # checkpoint keys the mapping does not use (strict=False)
+    port_version: str = ""  # the version of port that ran it (and wrote `out`'s metadata)
 
     def to_json(self) -> dict[str, Any]:
         """The report as `port convert --report` writes it."""
@@ -258,6 +260,7 @@ def convert(
         peak_host_bytes=peak.bytes,
         kept=recipe.kept,
         unused=recipe.unused,
+        port_version=port_version(),
     )
     return Conversion(model, recipe, report)
 

@@ -39,7 +39,7 @@ from .._destination import check_destination, check_free, make_partial, partial_
 from .._dtypes import dtype as dtype_named
 from .._errors import CheckpointError, OutputError, PlanError, PortError, RunError
 from .._mapping import Mapping, mapping_for
-from .._output import read_output
+from .._output import port_version, read_output
 from .._plan import is_none, plan
 from .._runtime import exchange, num_processes
 from .._skeleton import leaves, skeleton
@@ -301,7 +301,7 @@ def export(
     if me == 0:
         check_free(out, inverse.nbytes)
     partial = partial_path(out)
-    metadata = {"format": "pt", "producer": PRODUCER}
+    metadata = {"format": "pt", "producer": PRODUCER, "port_version": port_version()}
     with contextlib.ExitStack() as cleanup, writing(out, partial, "the export"):
         writer = None
         if me == 0:

@@ -13,7 +13,9 @@ OUT/
     blocks.attn.wq/           one zarr array per leaf, named by its dotted module path:
       .zarray  0.0.0.0 ...    its `.zarray` and a chunk file per block of the mesh it was saved from
   port/metadata             port's metadata, JSON: the format number (3), the mapping's text and where it
-  port/commit_success.txt   came from, config.json, and each leaf's shape, dtype and logical axes
+  port/commit_success.txt   came from, config.json, each leaf's shape, dtype and logical axes, and the
+                            version of port that wrote it (`port_version`: optional, outputs written
+                            before it was recorded have none)
 ```
 
 Each array is stored as zarr format 2 stores one: a directory of chunk files beside its
@@ -73,10 +75,9 @@ CHUNK_NAME = re.compile(r"[0-9]+(?:\.[0-9]+)*")  # a chunk file's name: its inde
 
 # The fields of port/metadata, and of each of its leaves.
 FIELDS = ("format", "mapping_source", "mapping", "config", "leaves")
-OPTIONAL_FIELDS = (
-    "sources",
-    "include",
-)  # the checkpoint's tensor headers, for `port export`; a partial load's patterns
+# The checkpoint's tensor headers, for `port export`; a partial load's patterns; the version of
+# port that wrote the output (not in outputs written before port recorded it).
+OPTIONAL_FIELDS = ("sources", "include", "port_version")
 LEAF_FIELDS = ("shape", "dtype", "axes")
 SOURCE_FIELDS = ("shape", "dtype")
 
@@ -85,9 +86,21 @@ MAX_METADATA_BYTES = 32 << 20  # port/metadata, params/_METADATA: a few hundred 
 MAX_SOURCES = 1_000_000  # source tensors port/metadata records
 MAX_INCLUDE = 1000  # patterns of a partial output
 MAX_KEY_CHARS = 1000  # characters of a source tensor's name, or of a pattern
+MAX_VERSION_CHARS = 100  # characters of `port_version`
 MAX_RANK = 16  # dimensions of a source tensor
 MAX_PARAMS_FILES = 1_000_000  # chunk files: one per block of the saving mesh, per leaf
 MAX_OUTPUT_ENTRIES = 2_000_000  # files `is_output` looks at before it calls a tree not port's
+
+
+def port_version() -> str:
+    """The version of the installed port, as an output records it (`"0.1.0"`; `"unknown"` for a
+    source tree never installed): the package's metadata, as `port.__version__` reads it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("port")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def zarr_dtype(dtype: np.dtype) -> str:
@@ -191,6 +204,18 @@ def is_output(directory: str | os.PathLike) -> bool:
         return False
     meta = _metadata(directory / METADATA) if items == PORT_PARTS else None
     return meta is not None and meta.get("format") == FORMAT and _params_are_ours(params)
+
+
+def claims_output(directory: str | os.PathLike) -> bool:
+    """Whether `directory` says it is a port output rather than a checkpoint: it has `port/metadata`
+    and no `config.json`. Nothing is checked: `read_output` reads it as untrusted.
+
+    ```python
+    claims_output("gpt2-jax"), claims_output("examples/tiny-gpt2")     # True, False
+    ```
+    """
+    directory = Path(directory)
+    return os.path.lexists(directory / METADATA) and not os.path.lexists(directory / "config.json")
 
 
 def _params_are_ours(params: Path) -> bool:

@@ -38,7 +38,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from .._dtypes import NAMES, floating
 from .._dtypes import dtype as dtype_named
@@ -52,7 +52,7 @@ from .._pipeline import ReadAhead
 from .._place import aligned_empty, assemble
 from .._place import boxes as _boxes
 from .._plan import check_include, partition, selects
-from .._runtime import as_mesh, mesh_spec
+from .._runtime import as_mesh, as_shape, mesh_spec
 from .._skeleton import leaves, skeleton
 from .._sources import Checkpoint, LocalCheckpoint, Region, TensorInfo
 from .._text import first_line, one_line, quoted
@@ -67,6 +67,7 @@ from ._layout import (
     MAX_PARAMS_FILES,
     MAX_RANK,
     MAX_SOURCES,
+    MAX_VERSION_CHARS,
     METADATA,
     OPTIONAL_FIELDS,
     PARAMS,
@@ -115,6 +116,7 @@ class Output:
     sources: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None  # key -> (shape, dtype), in file order
     include: list[str] | None = None  # the patterns of a partial output (its other leaves None)
     mapping_source: str = ""  # where the mapping was read from when the output was written
+    port_version: str | None = None  # the port that wrote it; None: not recorded (an older output)
 
     @property
     def where(self) -> str:
@@ -168,7 +170,7 @@ def restore(
         raise PortError(f"`model`: expected a class with from_config(config, *, key), got {quoted(model)}")
     output = read_output(directory)
     cls = model_class(output, model)
-    _check_rules(output, mesh)
+    placement = restore_plan(output, mesh)  # every rule's mesh axis exists; each leaf's spec
     _check_stored(output)
     chunks, checkpoint = _open_arrays(output)  # every declared byte is in a file of the output
     _check_config(output)
@@ -179,18 +181,119 @@ def restore(
         chosen = {p: leaf for p, leaf in output.leaves.items() if selects(p, include)}
         absent += [path for path in output.leaves if path not in chosen]
         output = dataclasses.replace(output, leaves=chosen)
-    check_host_memory(_device_bytes(output, mesh), mesh, f"mesh {mesh_spec(dict(mesh.shape))}")
-    arrays = dict(_read_arrays(output, chunks, checkpoint, mesh))
+    specs = {leaf.path: leaf.spec for leaf in placement.leaves if leaf.path in output.leaves}
+    device_bytes = sum(leaf.device_bytes for leaf in placement.leaves if leaf.path in output.leaves)
+    check_host_memory(device_bytes, mesh, f"mesh {mesh_spec(dict(mesh.shape))}")
+    arrays = dict(_read_arrays(output, chunks, checkpoint, mesh, specs))
     return fill(skel, arrays | {path: None for path in absent})
 
 
-def _device_bytes(output: Output, mesh: Mesh) -> int:
-    """Bytes each device of `mesh` holds once every leaf is restored (shards are equal in size)."""
-    total = 0
+@dataclasses.dataclass(frozen=True)
+class LeafPlacement:
+    """Where one leaf of an output lands on a mesh: its `PartitionSpec` (its logical axes through
+    the output's mapping rules), why a dimension is replicated (`notes`), and its bytes on each device."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    axes: tuple[str | None, ...]
+    spec: PartitionSpec
+    notes: tuple[str, ...]
+    device_bytes: int
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan:
+    """How `restore` lays an output out on a mesh: one `LeafPlacement` per leaf it holds, in its order.
+
+    `absent` lists the optional leaves of its mapping the output lacks (None once restored),
+    `excluded` those a partial output (`include`) left out.
+    """
+
+    output: Output
+    mesh_shape: dict[str, int]
+    leaves: tuple[LeafPlacement, ...]
+    absent: tuple[str, ...] = ()
+    excluded: tuple[str, ...] = ()
+
+    @property
+    def params(self) -> int:
+        return sum(leaf.size for leaf in self.leaves)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes each device holds once every leaf is restored (shards are equal in size)."""
+        return sum(leaf.device_bytes for leaf in self.leaves)
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes read from the output: each distinct block once, so every array byte once (in one process)."""
+        return sum(leaf.nbytes for leaf in self.leaves)
+
+
+def restore_plan(
+    output: Output | str | os.PathLike, mesh: Mesh | str | AnyMapping[str, int] | None = None
+) -> RestorePlan:
+    """How `restore` would lay the output out on `mesh`, from its checked metadata alone: no array
+    is read, no module imported, no device needed (`port plan DIR --mesh 2x4` prints it).
+
+    **Arguments:**
+
+    - `output`: an output directory, or one `read_output` has read.
+    - `mesh`: a `Mesh`, a spec such as `"2x4"`, or axis sizes such as `{"data": 2, "model": 4}`
+      (default: one device).
+
+    Returns a `RestorePlan`. Raises `OutputError` when the output's mapping rules name a
+    mesh axis `mesh` does not have (its leaves cannot be placed on it).
+
+    ```python
+    plan = restore_plan("gpt2-jax", "2x4")
+    plan.leaves[0].spec       # PartitionSpec(None, 'data'): vocab 50257 not divisible by model=4
+    plan.device_bytes         # bytes each device holds once restored
+    ```
+    """
+    if not isinstance(output, Output):
+        output = read_output(output)
+    shape = as_shape(mesh)
+    for axis, names in output.mapping.rules.items():
+        for name in names:
+            if name not in shape:
+                raise OutputError(
+                    f"{output.where}: mapping rules.{axis} names mesh axis {quoted(name)}, which the mesh "
+                    f"({', '.join(shape)}) does not have"
+                )
+    placed = []
     for leaf in output.leaves.values():
-        spec, _ = partition(leaf.shape, leaf.axes, output.mapping.rules, mesh.shape)
-        total += math.prod(NamedSharding(mesh, spec).shard_shape(leaf.shape)) * leaf.dtype.itemsize
-    return total
+        spec, notes = partition(leaf.shape, leaf.axes, output.mapping.rules, shape)
+        block = [n // _devices(entry, shape) for n, entry in zip(leaf.shape, tuple(spec) + (None,) * len(leaf.shape))]
+        placed.append(
+            LeafPlacement(
+                leaf.path, leaf.shape, leaf.dtype, leaf.axes, spec, notes, math.prod(block) * leaf.dtype.itemsize
+            )
+        )
+    missing = [p for p in dict.fromkeys(p.path for p in output.mapping.params) if p not in output.leaves]
+    absent = tuple(
+        p.path
+        for p in output.mapping.params
+        if p.key_optional and p.path in missing and selects(p.path, output.include)
+    )
+    excluded = tuple(p for p in missing if not selects(p, output.include))
+    return RestorePlan(output, shape, tuple(placed), tuple(dict.fromkeys(absent)), excluded)
+
+
+def _devices(entry: Any, shape: AnyMapping[str, int]) -> int:
+    """How many devices a `PartitionSpec` entry splits its dimension over."""
+    if entry is None:
+        return 1
+    return math.prod(shape[name] for name in (entry if isinstance(entry, tuple) else (entry,)))
 
 
 def describe(shape: tuple[int, ...], dtype: np.dtype) -> str:
@@ -321,7 +424,20 @@ def read_output(directory: str | os.PathLike) -> Output:
         raise OutputError(f"{where}: 'leaves' is empty")
     sources = _sources(meta["sources"], where) if "sources" in meta else None
     include = _include(meta["include"], where) if "include" in meta else None
-    return Output(directory, mapping, meta["config"], declared, sources, include, meta["mapping_source"])
+    version = _version(meta["port_version"], where) if "port_version" in meta else None
+    return Output(directory, mapping, meta["config"], declared, sources, include, meta["mapping_source"], version)
+
+
+def _version(value: Any, where: str) -> str:
+    """`port/metadata`'s `port_version`: the version of port that wrote the output, a short plain string."""
+    if (
+        not isinstance(value, str)
+        or not 0 < len(value) <= MAX_VERSION_CHARS
+        or not value.isascii()
+        or not value.isprintable()
+    ):
+        raise OutputError(f"{where}: 'port_version' must be a version string of at most {MAX_VERSION_CHARS} characters")
+    return value
 
 
 def _include(value: Any, where: str) -> list[str]:
@@ -421,17 +537,6 @@ def _shipped_modules() -> set[str]:
     import port.models
 
     return {m.name for m in pkgutil.iter_modules(port.models.__path__) if not m.name.startswith("_")}
-
-
-def _check_rules(output: Output, mesh: Mesh) -> None:
-    """Every mesh axis the mapping's rules name exists in `mesh`."""
-    for axis, names in output.mapping.rules.items():
-        for name in names:
-            if name not in mesh.shape:
-                raise OutputError(
-                    f"{output.where}: mapping rules.{axis} names mesh axis {quoted(name)}, which the mesh "
-                    f"({', '.join(mesh.shape)}) does not have"
-                )
 
 
 def _check_config(output: Output) -> None:
@@ -592,7 +697,11 @@ def _plan_reads(
 
 
 def _read_arrays(
-    output: Output, chunks: AnyMapping[str, tuple[int, ...]], checkpoint: Checkpoint, mesh: Mesh
+    output: Output,
+    chunks: AnyMapping[str, tuple[int, ...]],
+    checkpoint: Checkpoint,
+    mesh: Mesh,
+    specs: AnyMapping[str, PartitionSpec],
 ) -> Iterator[tuple[str, jax.Array]]:
     """Each leaf under its `NamedSharding` on `mesh`, each distinct block of this process's
     devices read once, from only the chunk bytes it covers, straight into the block's memory
@@ -604,8 +713,7 @@ def _read_arrays(
 
     def unit(leaf: Leaf) -> tuple[tuple[Leaf, NamedSharding, dict], list, int]:
         """One leaf's blocks (allocated now) and its reads, one per chunk file."""
-        spec, _ = partition(leaf.shape, leaf.axes, output.mapping.rules, mesh.shape)
-        sharding = NamedSharding(mesh, spec)
+        sharding = NamedSharding(mesh, specs[leaf.path])
         blocks, reads = _plan_reads(leaf.path, leaf, chunks[leaf.path], _boxes(leaf.shape, sharding))
         jobs = [
             functools.partial(_read_chunk, output, leaf, checkpoint, key, requests) for key, requests in reads.items()

@@ -73,6 +73,7 @@ from ._layout import (
     chunk_shape,
     grid,
     is_output,
+    port_version,
     zarray,
 )
 
@@ -464,7 +465,8 @@ def _metadata_of(
     sources: AnyMapping[str, Any] | None,
     include: Sequence[str] | None,
 ) -> dict[str, Any]:
-    """`port/metadata`: the format, the mapping, the config, each leaf's shape, dtype and logical axes."""
+    """`port/metadata`: the format, the mapping, the config, each leaf's shape, dtype and logical axes,
+    the version of port writing it."""
     axes = {p.path: p.axes for p in mapping.params}
     meta = {
         "format": FORMAT,
@@ -479,6 +481,7 @@ def _metadata_of(
             }
             for path, _, a in arrays
         },
+        "port_version": port_version(),
     }
     if include is not None:
         meta["include"] = list(include)
