@@ -15,7 +15,10 @@ except port.PlanError as e:
 
 from __future__ import annotations
 
+import fnmatch
 import os
+from collections import Counter
+from collections.abc import Iterable
 from collections.abc import Mapping as AnyMapping
 
 import numpy as np
@@ -28,6 +31,8 @@ from .._plan import Plan, plan_problems
 from .._runtime import as_shape
 from .._skeleton import skeleton
 from .._sources import Checkpoint, open_checkpoint
+from .._text import plural, quoted
+from .._transforms import toml_inline
 
 
 def check(
@@ -74,7 +79,8 @@ def check(
             ckpt.close()
     marked = unresolved(parsed)
     if not isinstance(result, Plan) or marked:
-        raise PlanError([*([] if isinstance(result, Plan) else result), *marked])
+        hint = [] if isinstance(result, Plan) else missing_prefix(parsed, headers)
+        raise PlanError([*hint, *([] if isinstance(result, Plan) else result), *marked])
     invert(result, headers, parsed.source)  # `port export` walks it backwards: every entry must invert
     return result
 
@@ -96,3 +102,41 @@ def unresolved(mapping: Mapping) -> list[str]:
                 f"({line[at + 2 :].strip()[:160]}): decide, then delete the comment"
             )
     return problems
+
+
+def missing_prefix(mapping: Mapping, keys: Iterable[str]) -> list[str]:
+    """One problem suggesting the key prefix that would let the mapping's entries match
+    keys they now miss (`decoder.` of OPT's `decoder.layers.0.fc1.weight`), or none.
+
+    A key no entry, `ignore` pattern or `tied` name takes, once the mapping's own
+    `prefixes` are stripped, counts for the leading segments whose removal makes an
+    entry match it; the prefix counted most is suggested.
+
+    ```python
+    missing_prefix(load_mapping("opt.toml"), ["decoder.layers.0.fc1.weight", ...])
+    # ["opt.toml: 32 keys begin with 'decoder.' and match entries without it: add prefixes = [\"decoder.\"]?"]
+    ```
+    """
+    patterns = [param.pattern() for param in mapping.params]
+
+    def taken(name: str) -> bool:
+        return any(p.fullmatch(name) for p in patterns)
+
+    counts: Counter[str] = Counter()
+    for key in keys:
+        name = next((key[len(p) :] for p in mapping.prefixes if key.startswith(p)), key)
+        if taken(name) or name in mapping.tied or any(fnmatch.fnmatchcase(name, p) for p in mapping.ignore):
+            continue
+        segments = key.split(".")
+        for n in range(1, len(segments)):
+            if taken(".".join(segments[n:])):
+                counts[".".join(segments[:n]) + "."] += 1
+                break
+    if not counts:
+        return []
+    prefix, count = min(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    prefixes = sorted({*mapping.prefixes, prefix}, key=lambda p: (-len(p), p))  # the longest is stripped first
+    return [
+        f"{mapping.source}: {plural(count, 'key')} begin with {quoted(prefix)} and match entries without it: "
+        f"add prefixes = {toml_inline(prefixes)}?"
+    ]

@@ -14,6 +14,7 @@ group_keys({"h.0.ln_1.weight": "transformer.h.0.ln_1.weight", ...}, tensors, {(1
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
@@ -242,3 +243,38 @@ def layer_of(name: str, container: str) -> tuple[int, str] | None:
         return None
     index, _, rest = name[len(container) + 1 :].partition(".")
     return (int(index), rest) if index.isdigit() else None
+
+
+def unused_patterns(
+    names: AnyMapping[str, str], unused: Collection[str], free: Collection[str] = ()
+) -> dict[str, tuple[int, str]]:
+    """`ignore` patterns covering the `unused` checkpoint keys and no other key, grouped.
+
+    `names` maps every stripped name to its checkpoint key; `unused` holds the keys to
+    cover; `free` keys (ignored anyway: buffers) may be covered or not. Each unused key
+    is covered by the shortest wholly unused subtree of more than one pattern
+    (`decoder.*`), else by its own pattern, layer and expert indices as `*`
+    (`encoder.block.*.layer.*.SelfAttention.relative_attention_bias.weight`). Returns
+    pattern -> (keys covered, the subtree's prefix or "").
+
+    ```python
+    unused_patterns({"decoder.block.0.q": "decoder.block.0.q", "decoder.norm": "decoder.norm", "q": "q"},
+                    {"decoder.block.0.q", "decoder.norm"})    # {"decoder.*": (2, "decoder.")}
+    ```
+    """
+    mine = sorted(name for name, key in names.items() if key in unused)
+    others = [name for name, key in names.items() if key not in unused and key not in free]
+    found: dict[str, tuple[int, str]] = {}
+    for name in mine:
+        segments = ignore_pattern(name).split(".")
+        pattern, subtree = ".".join(segments), ""
+        for n in range(1, len(segments) - 1):
+            head = ".".join(segments[:n]) + "."
+            if any(fnmatch.fnmatchcase(other, head + "*") for other in others):
+                continue
+            if len({ignore_pattern(m) for m in mine if fnmatch.fnmatchcase(m, head + "*")}) > 1:
+                pattern, subtree = head + "*", head
+                break
+        count, _ = found.get(pattern, (0, subtree))
+        found[pattern] = (count + 1, subtree)
+    return found

@@ -37,11 +37,21 @@ from .._plan import layer_groups
 from .._skeleton import leaves as skeleton_leaves
 from .._skeleton import skeleton as make_skeleton
 from .._sources import Checkpoint, TensorInfo, open_checkpoint
-from .._text import printable, quoted
+from .._text import plural, printable, quoted
 from ._axes import Dims, config_dims, named, propose_axes
 from ._draft import Draft, Entry, ops_text, shape_text
 from ._fused import fused_hint, tied_to
-from ._keys import Group, find_prefix, group_keys, ignore_pattern, is_buffer, layer_container, layer_of
+from ._keys import (
+    Group,
+    find_prefix,
+    group_keys,
+    ignore_pattern,
+    is_buffer,
+    layer_container,
+    layer_of,
+    unused_patterns,
+)
+from ._names import similarity
 from ._pairing import Candidate, Leaf, assign, candidate, is_matrix, orientation, pick, rivals, target_shape
 from ._render import render
 
@@ -112,7 +122,8 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
     ]
     prefix = find_prefix(sorted(tensors), [leaf.path for leaf in leaves])
     names = {(k[len(prefix) :] if prefix and k.startswith(prefix) else k): k for k in sorted(tensors)}
-    passes, notes, ignore, beyond = _passes(names, tensors, leaves, layer_groups(skeleton), config)
+    passes, notes, beyond_ignore, beyond = _passes(names, tensors, leaves, layer_groups(skeleton), config)
+    ignore = list(beyond_ignore)
     found = []  # per pass: its groups, candidates and pairs
     for p in passes:
         stacks = {leaf.shape[:n] for leaf in p.leaves for n in (1, 2) if len(leaf.shape) >= n}
@@ -126,6 +137,8 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
     dims = config_dims(config)
     order = {leaf.path: i for i, leaf in enumerate(leaves)}
     entries, free, tied, unpaired, hints = [], [], {}, list(beyond), {}
+    buffers: set[str] = set()  # keys of known buffers, ignored
+    spare: set[str] = set()  # keys no leaf is left for
     for p, groups, candidates, chosen in found:
         by_group: dict[str, list[Candidate]] = {}
         by_leaf: dict[str, list[Candidate]] = {}
@@ -142,12 +155,26 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
                 continue
             if is_buffer(group):
                 ignore.append(ignore_pattern(group.pattern))
+                buffers.update(group.keys)
             elif (tie := tied_to(group, chosen, mine)) is not None:
                 tied[group.pattern] = tie
+            elif (hint := fused_hint(group, mine, transposed, config, dims)) is None and not any(
+                similarity(group.pattern, leaf.path) >= WEAK_SCORE for leaf in mine
+            ):
+                spare.update(group.keys)  # no leaf left that it fits or resembles: drafted as ignored
             else:
+                hints[group.ident] = hint
                 left.append(group)
-        hints |= {g.ident: fused_hint(g, mine, transposed, config, dims) for g in left}
         unpaired += left
+    why = {pattern: "a known buffer, not a parameter" for pattern in ignore}
+    why |= {pattern: "the layer stored after the last one (see the CHECK above)" for pattern in beyond_ignore}
+    for pattern, (count, subtree) in unused_patterns(names, spare, buffers).items():
+        ignore.append(pattern)
+        why[pattern] = (
+            f"{plural(count, 'key')}, all under {quoted(printable(subtree))}: no leaf of the model is left for them"
+            if subtree
+            else f"{plural(count, 'key')} no leaf of the model is left for (paired by shape and name)"
+        )
     entries.sort(key=lambda e: order[e.path])
     free.sort(key=lambda leaf: order[leaf.path])
     unpaired.sort(key=lambda g: (g.pattern, g.layer_group or ""))
@@ -164,6 +191,8 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
         hints,
         free,
         notes,
+        ignore_why=why,
+        prefix_keys=sum(k.startswith(prefix) for k in tensors) if prefix else 0,
     )
 
 
