@@ -23,6 +23,7 @@ Path("my_model.toml").write_text(text)          # review CHECK / TODO, then `por
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from collections.abc import Mapping as AnyMapping
 from collections.abc import Sequence
@@ -138,18 +139,11 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
     order = {leaf.path: i for i, leaf in enumerate(leaves)}
     entries, free, tied, unpaired, hints = [], [], {}, list(beyond), {}
     buffers: set[str] = set()  # keys of known buffers, ignored
-    spare: set[str] = set()  # keys no leaf is left for
-    for p, groups, candidates, chosen in found:
-        by_group: dict[str, list[Candidate]] = {}
-        by_leaf: dict[str, list[Candidate]] = {}
-        for c in candidates:
-            by_group.setdefault(c.group.pattern, []).append(c)
-            by_leaf.setdefault(c.leaf.path, []).append(c)
-        entries += [_entry(c, rivals(c, by_group, by_leaf), transposed, voters, config, dims) for c in chosen]
+    spare: set[str] = set()  # keys no leaf is left for, ignored
+    for p, groups, _, chosen in found:
         paired, filled = {c.group.pattern for c in chosen}, {c.leaf.path for c in chosen}
         mine = [leaf for leaf in p.leaves if leaf.path not in filled]
         free += mine
-        left = []
         for group in groups:
             if group.pattern in paired:
                 continue
@@ -161,20 +155,34 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
             elif (hint := fused_hint(group, mine, transposed, config, dims)) is None and not any(
                 similarity(group.pattern, leaf.path) >= WEAK_SCORE for leaf in mine
             ):
-                spare.update(group.keys)  # no leaf left that it fits or resembles: drafted as ignored
+                spare.update(group.keys)  # no leaf left that it fits or resembles
             else:
                 hints[group.ident] = hint
-                left.append(group)
-        unpaired += left
+                unpaired.append(group)
     why = {pattern: "a known buffer, not a parameter" for pattern in ignore}
     why |= {pattern: "the layer stored after the last one (see the CHECK above)" for pattern in beyond_ignore}
+    subtrees = []  # prefixes of stripped names under which the model takes no key
     for pattern, (count, subtree) in unused_patterns(names, spare, buffers).items():
         ignore.append(pattern)
+        if subtree:
+            subtrees.append(subtree)
         why[pattern] = (
             f"{plural(count, 'key')}, all under {quoted(printable(subtree))}: no leaf of the model is left for them"
             if subtree
             else f"{plural(count, 'key')} no leaf of the model is left for (paired by shape and name)"
         )
+    name_of = {key: name for name, key in names.items()}
+
+    def rival(c: Candidate) -> bool:  # a pairing worth naming as another choice: not from a subtree left out
+        return not any(fnmatch.fnmatchcase(name_of[c.group.keys[0]], s + "*") for s in subtrees)
+
+    for p, _, candidates, chosen in found:
+        by_group: dict[str, list[Candidate]] = {}
+        by_leaf: dict[str, list[Candidate]] = {}
+        for c in filter(rival, candidates):
+            by_group.setdefault(c.group.pattern, []).append(c)
+            by_leaf.setdefault(c.leaf.path, []).append(c)
+        entries += [_entry(c, rivals(c, by_group, by_leaf), transposed, voters, config, dims) for c in chosen]
     entries.sort(key=lambda e: order[e.path])
     free.sort(key=lambda leaf: order[leaf.path])
     unpaired.sort(key=lambda g: (g.pattern, g.layer_group or ""))
