@@ -404,9 +404,17 @@ def test_scaffold_ignores_what_an_encoder_only_module_leaves_out(t5_checkpoint, 
         without_bias = scaffold(ckpt, eqx.filter_eval_shape(T5Encoder, ckpt.config, False), "test_scaffold:T5Encoder")
     assert n_decoder == 3 * 13 + 2  # 13 a layer; the relative attention bias (in the first) and the final norm
     assert port.parse_mapping(text).ignore == ("decoder.*",)
-    assert f'    "decoder.*",   # {n_decoder} keys, all under \'decoder.\': no leaf of the model is left for them' in text
+    assert (
+        f"    \"decoder.*\",   # {n_decoder} keys, all under 'decoder.': no leaf of the model is left for them" in text
+    )
     assert "0 source keys unpaired (0 patterns), 0 leaves unfilled; 1 ignore patterns" in text
     assert "TODO unpaired" not in text and "also matches decoder" not in text
+    # Issue 24 row 2: the two norms of a layer, alike by name, paired in the order of the module's leaves
+    by_path = entries(port.parse_mapping(text))
+    assert by_path["blocks.attn_norm"].key == "encoder.block.{layer}.layer.0.layer_norm.weight"
+    assert by_path["blocks.mlp_norm"].key == "encoder.block.{layer}.layer.1.layer_norm.weight"
+    assert by_path["blocks.wi"].key == "encoder.block.{layer}.layer.1.DenseReluDense.wi.weight"
+    assert by_path["blocks.wf"].key == "encoder.block.{layer}.layer.1.DenseReluDense.wo.weight"
     draft = tmp_path / "draft.toml"
     draft.write_text(text)
     confirm_checks(draft, t5_checkpoint)  # the CHECKs are the only problems: no key unused

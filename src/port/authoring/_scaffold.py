@@ -125,18 +125,18 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
     names = {(k[len(prefix) :] if prefix and k.startswith(prefix) else k): k for k in sorted(tensors)}
     passes, notes, beyond_ignore, beyond = _passes(names, tensors, leaves, layer_groups(skeleton), config)
     ignore = list(beyond_ignore)
+    order = {leaf.path: i for i, leaf in enumerate(leaves)}
     found = []  # per pass: its groups, candidates and pairs
     for p in passes:
         stacks = {leaf.shape[:n] for leaf in p.leaves for n in (1, 2) if len(leaf.shape) >= n}
         groups = _in_group(group_keys(p.names, tensors, stacks, single=p.label is not None), p, names)
         candidates = [c for g in groups for leaf in p.leaves if (c := candidate(g, leaf)) is not None]
-        found.append((p, groups, candidates, assign(candidates)))
+        found.append((p, groups, candidates, assign(candidates, order)))
     pairs = [c for *_, chosen in found for c in chosen]
     if not pairs:
         raise PlanError([f"{checkpoint.directory}: no checkpoint tensor fits any leaf of {model} by shape"])
     transposed, voters = orientation(pairs)
     dims = config_dims(config)
-    order = {leaf.path: i for i, leaf in enumerate(leaves)}
     entries, free, tied, unpaired, hints = [], [], {}, list(beyond), {}
     buffers: set[str] = set()  # keys of known buffers, ignored
     spare: set[str] = set()  # keys no leaf is left for, ignored
@@ -176,7 +176,7 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
     def rival(c: Candidate) -> bool:  # a pairing worth naming as another choice: not from a subtree left out
         return not any(fnmatch.fnmatchcase(name_of[c.group.keys[0]], s + "*") for s in subtrees)
 
-    for p, _, candidates, chosen in found:
+    for _, _, candidates, chosen in found:
         by_group: dict[str, list[Candidate]] = {}
         by_leaf: dict[str, list[Candidate]] = {}
         for c in filter(rival, candidates):
