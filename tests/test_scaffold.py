@@ -339,7 +339,7 @@ def test_scaffold_escapes_checkpoint_names_in_its_comments(tmp_path):
     tensors = {"embed.weight": np.ones((10, 6), np.float32), "extra\u202e\x85.weight": np.ones(5, np.float32)}
     text = scaffold(write_checkpoint(tmp_path / "ckpt", tensors, {"model_type": "one"}), One, "x:One")
     # no leaf is left for it: ignored, its name escaped (a terminal shows it, acts on nothing)
-    assert '    "extra\\u202e\\u0085.weight",   # 1 key no leaf of the model is left for' in text
+    assert '    "extra\\u202e\\u0085.weight",   # not paired with any leaf: 1 key; no unfilled leaf fits' in text
     assert all(line.isprintable() for line in text.split("\n"))
     mapping = port.parse_mapping(text)
     assert mapping.params[0].key == "embed.weight" and mapping.ignore == ("extra\u202e\x85.weight",)
@@ -404,9 +404,7 @@ def test_scaffold_ignores_what_an_encoder_only_module_leaves_out(t5_checkpoint, 
         without_bias = scaffold(ckpt, eqx.filter_eval_shape(T5Encoder, ckpt.config, False), "test_scaffold:T5Encoder")
     assert n_decoder == 3 * 13 + 2  # 13 a layer; the relative attention bias (in the first) and the final norm
     assert port.parse_mapping(text).ignore == ("decoder.*",)
-    assert (
-        f"    \"decoder.*\",   # {n_decoder} keys, all under 'decoder.': no leaf of the model is left for them" in text
-    )
+    assert f"    \"decoder.*\",   # not paired with any leaf: {n_decoder} keys, every key under 'decoder.'" in text
     assert "0 source keys unpaired (0 patterns), 0 leaves unfilled; 1 ignore patterns" in text
     assert "TODO unpaired" not in text and "also matches decoder" not in text
     # Issue 24 row 2: the two norms of a layer, alike by name, paired in the order of the module's leaves
@@ -427,6 +425,6 @@ def test_scaffold_ignores_what_an_encoder_only_module_leaves_out(t5_checkpoint, 
         "encoder.block.*.layer.*.SelfAttention.relative_attention_bias.weight",
     )
     assert (
-        '    "encoder.block.*.layer.*.SelfAttention.relative_attention_bias.weight",   # 1 key no leaf of the model '
-        "is left for" in without_bias
+        '    "encoder.block.*.layer.*.SelfAttention.relative_attention_bias.weight",   # not paired with any leaf: '
+        "1 key; no unfilled leaf fits or resembles it" in without_bias
     )

@@ -3,7 +3,8 @@
 `scaffold` pairs checkpoint keys with module leaves by shape and by name, proposes
 the transforms (`transpose`, `reshape`) that turn one into the other and a logical
 axis for every dimension, and writes what it could not pair as TODO comments, with
-hints for fused tensors. It reads no tensor data and writes no file: it returns text.
+hints for fused tensors. Keys no unfilled leaf fits or resembles are drafted as `ignore`
+patterns, a whole subtree the model takes no key from as one (`decoder.*`). It reads no tensor data and writes no file: it returns text.
 
 A module with `layer_groups` (one stack per kind of layer) is paired group by group:
 each group's leaves with its layers' keys only, so a key pattern both groups hold gets
@@ -161,16 +162,9 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
                 unpaired.append(group)
     why = {pattern: "a known buffer, not a parameter" for pattern in ignore}
     why |= {pattern: "the layer stored after the last one (see the CHECK above)" for pattern in beyond_ignore}
-    subtrees = []  # prefixes of stripped names under which the model takes no key
-    for pattern, (count, subtree) in unused_patterns(names, spare, buffers).items():
-        ignore.append(pattern)
-        if subtree:
-            subtrees.append(subtree)
-        why[pattern] = (
-            f"{plural(count, 'key')}, all under {quoted(printable(subtree))}: no leaf of the model is left for them"
-            if subtree
-            else f"{plural(count, 'key')} no leaf of the model is left for (paired by shape and name)"
-        )
+    unused, subtrees = _unused(names, spare, buffers)
+    ignore += unused
+    why |= unused
     name_of = {key: name for name, key in names.items()}
 
     def rival(c: Candidate) -> bool:  # a pairing worth naming as another choice: not from a subtree left out
@@ -202,6 +196,21 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
         ignore_why=why,
         prefix_keys=sum(k.startswith(prefix) for k in tensors) if prefix else 0,
     )
+
+
+def _unused(names: AnyMapping[str, str], spare: set[str], buffers: set[str]) -> tuple[dict[str, str], list[str]]:
+    """The `ignore` patterns of the keys no leaf is left for, each with why; and the subtrees
+    (`decoder.`) the model takes no key from."""
+    why, subtrees = {}, []
+    for pattern, (count, subtree) in unused_patterns(names, spare, buffers).items():
+        if subtree:
+            subtrees.append(subtree)
+            why[pattern] = (
+                f"not paired with any leaf: {plural(count, 'key')}, every key under {quoted(printable(subtree))}"
+            )
+        else:
+            why[pattern] = f"not paired with any leaf: {plural(count, 'key')}; no unfilled leaf fits or resembles it"
+    return why, subtrees
 
 
 @dataclass(frozen=True)
