@@ -304,6 +304,43 @@ def test_scaffold_suggests_a_tie_and_flags_unknown_axes(tmp_path):
     assert "# TODO: name this axis: dim7" in text
     assert mapping.rules["dim7"] == ()
     assert recipe.tied == (("lm_head.weight", "embed_tokens.weight"),)
+    # Each top-level key drafted says what it was inferred from; a tie config.json does not state is a CHECK.
+    assert 'prefixes = ["model."]   # key layout: 3 of 4 keys begin with it, no path of the model does' in text
+    assert '    "rotary_emb.inv_freq",   # a known buffer, not a parameter' in text
+    assert 'tied = { "lm_head.weight" = "embed_tokens.weight" }   # CHECK: the same shape as a paired key' in text
+    for said, line in [
+        (True, "# config.json's tie_word_embeddings = true: a copy of a paired key, never read"),
+        (False, "# CHECK: config.json says tie_word_embeddings = false, but the model has no leaf for it"),
+    ]:
+        tied = write_checkpoint(tmp_path / f"tied-{said}", tensors, config | {"tie_word_embeddings": said})
+        drafted = scaffold(tied, skeleton, "x:Small")
+        assert line in drafted and drafted.count("# CHECK") == (0 if said else 1), drafted
+
+
+def test_unused_keys_are_grouped_by_the_widest_subtree_nothing_else_is_under():
+    from port.authoring._keys import unused_patterns
+
+    names = [
+        "decoder.block.0.q.weight",
+        "decoder.block.1.q.weight",
+        "decoder.norm.weight",
+        "encoder.block.0.q.weight",
+        "encoder.block.0.bias.weight",  # only the first layer has it
+        "encoder.block.1.q.weight",
+        "head.weight",
+        "head.extra.weight",
+        "layers.0.attn.bias",  # a buffer: may be covered or not
+    ]
+    unused = {"decoder.block.0.q.weight", "decoder.block.1.q.weight", "decoder.norm.weight"}
+    unused |= {"encoder.block.0.bias.weight", "head.extra.weight"}
+    found = unused_patterns({n: "m." + n for n in names}, {"m." + n for n in unused}, {"m.layers.0.attn.bias"})
+    assert found == {
+        "decoder.*": (3, "decoder."),  # every key under it unused, of more than one pattern
+        "encoder.block.*.bias.weight": (1, ""),  # encoder.block.* holds used keys
+        "head.extra.weight": (1, ""),  # head.* holds a used key
+    }
+    # A subtree of one pattern is written as that pattern, which says more.
+    assert unused_patterns({"a.0.b": "a.0.b", "a.1.b": "a.1.b", "c": "c"}, {"a.0.b", "a.1.b"}) == {"a.*.b": (2, "")}
 
 
 def test_scaffold_refuses_a_model_that_fits_nothing(tmp_path):
