@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 from collections import Counter
 from collections.abc import Iterable
 from collections.abc import Mapping as AnyMapping
@@ -26,7 +27,7 @@ from jax.sharding import Mesh
 
 from .._errors import PlanError
 from .._export import invert
-from .._mapping import Mapping, load_mapping, mapping_for
+from .._mapping import STACKS, Mapping, load_mapping, mapping_for
 from .._plan import Plan, plan_problems
 from .._runtime import as_shape
 from .._skeleton import skeleton
@@ -117,10 +118,16 @@ def missing_prefix(mapping: Mapping, keys: Iterable[str]) -> list[str]:
     # ["opt.toml: 32 keys begin with 'decoder.' and match entries without it: add prefixes = [\"decoder.\"]?"]
     ```
     """
-    patterns = [param.pattern() for param in mapping.params]
+    alternatives = []
+    for param in mapping.params:
+        text = re.escape(param.key)
+        for name in STACKS:
+            text = text.replace(re.escape(name), r"(?:0|[1-9][0-9]{0,8})")
+        alternatives.append(text)
+    entries = re.compile("|".join(alternatives)) if alternatives else None  # one match a name, not one an entry
 
     def taken(name: str) -> bool:
-        return any(p.fullmatch(name) for p in patterns)
+        return entries is not None and entries.fullmatch(name) is not None
 
     counts: Counter[str] = Counter()
     for key in keys:
