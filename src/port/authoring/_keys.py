@@ -262,19 +262,27 @@ def unused_patterns(
                     {"decoder.block.0.q", "decoder.norm"})    # {"decoder.*": (2, "decoder.")}
     ```
     """
-    mine = sorted(name for name, key in names.items() if key in unused)
+    mine = Counter(ignore_pattern(name) for name, key in names.items() if key in unused)  # pattern -> keys
     others = [name for name, key in names.items() if key not in unused and key not in free]
+    other_forms = sorted({ignore_pattern(name) for name in others})  # few: layers and experts as `*`
+    clear: dict[str, bool] = {}  # glob -> whether it covers no other key
+
+    def covers_none(glob: str) -> bool:
+        if glob not in clear:
+            clear[glob] = not any(fnmatch.fnmatchcase(o, glob) for o in other_forms) and not any(
+                fnmatch.fnmatchcase(o, glob) for o in others
+            )
+        return clear[glob]
+
     found: dict[str, tuple[int, str]] = {}
-    for name in mine:
-        segments = ignore_pattern(name).split(".")
-        pattern, subtree = ".".join(segments), ""
+    for form, count in sorted(mine.items()):
+        segments = form.split(".")
+        pattern, subtree = form, ""
         for n in range(1, len(segments) - 1):
             head = ".".join(segments[:n]) + "."
-            if any(fnmatch.fnmatchcase(other, head + "*") for other in others):
-                continue
-            if len({ignore_pattern(m) for m in mine if fnmatch.fnmatchcase(m, head + "*")}) > 1:
+            if sum(fnmatch.fnmatchcase(f, head + "*") for f in mine) > 1 and covers_none(head + "*"):
                 pattern, subtree = head + "*", head
                 break
-        count, _ = found.get(pattern, (0, subtree))
-        found[pattern] = (count + 1, subtree)
+        total, _ = found.get(pattern, (0, subtree))
+        found[pattern] = (total + count, subtree)
     return found
