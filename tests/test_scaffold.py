@@ -12,7 +12,7 @@ import port
 from port._transforms import Reshape, Transpose
 from port.authoring import scaffold
 
-from helpers import torch_gpt2, write_checkpoint
+from helpers import confirm_checks, torch_gpt2, transformers_or_skip, write_checkpoint
 
 V, E, H, D, F, L, T = 11, 12, 3, 4, 20, 2, 8
 CONFIG = {
@@ -304,6 +304,43 @@ def test_scaffold_suggests_a_tie_and_flags_unknown_axes(tmp_path):
     assert "# TODO: name this axis: dim7" in text
     assert mapping.rules["dim7"] == ()
     assert recipe.tied == (("lm_head.weight", "embed_tokens.weight"),)
+    # Each top-level key drafted says what it was inferred from; a tie config.json does not state is a CHECK.
+    assert 'prefixes = ["model."]   # key layout: 3 of 4 keys begin with it, no path of the model does' in text
+    assert '    "rotary_emb.inv_freq",   # a known buffer, not a parameter' in text
+    assert 'tied = { "lm_head.weight" = "embed_tokens.weight" }   # CHECK: the same shape as a paired key' in text
+    for said, line in [
+        (True, "# config.json's tie_word_embeddings = true: a copy of a paired key, never read"),
+        (False, "# CHECK: config.json says tie_word_embeddings = false, but the model has no leaf for it"),
+    ]:
+        tied = write_checkpoint(tmp_path / f"tied-{said}", tensors, config | {"tie_word_embeddings": said})
+        drafted = scaffold(tied, skeleton, "x:Small")
+        assert line in drafted and drafted.count("# CHECK") == (0 if said else 1), drafted
+
+
+def test_unused_keys_are_grouped_by_the_widest_subtree_nothing_else_is_under():
+    from port.authoring._keys import unused_patterns
+
+    names = [
+        "decoder.block.0.q.weight",
+        "decoder.block.1.q.weight",
+        "decoder.norm.weight",
+        "encoder.block.0.q.weight",
+        "encoder.block.0.bias.weight",  # only the first layer has it
+        "encoder.block.1.q.weight",
+        "head.weight",
+        "head.extra.weight",
+        "layers.0.attn.bias",  # a buffer: may be covered or not
+    ]
+    unused = {"decoder.block.0.q.weight", "decoder.block.1.q.weight", "decoder.norm.weight"}
+    unused |= {"encoder.block.0.bias.weight", "head.extra.weight"}
+    found = unused_patterns({n: "m." + n for n in names}, {"m." + n for n in unused}, {"m.layers.0.attn.bias"})
+    assert found == {
+        "decoder.*": (3, "decoder."),  # every key under it unused, of more than one pattern
+        "encoder.block.*.bias.weight": (1, ""),  # encoder.block.* holds used keys
+        "head.extra.weight": (1, ""),  # head.* holds a used key
+    }
+    # A subtree of one pattern is written as that pattern, which says more.
+    assert unused_patterns({"a.0.b": "a.0.b", "a.1.b": "a.1.b", "c": "c"}, {"a.0.b", "a.1.b"}) == {"a.*.b": (2, "")}
 
 
 def test_scaffold_refuses_a_model_that_fits_nothing(tmp_path):
@@ -338,6 +375,93 @@ def test_scaffold_escapes_checkpoint_names_in_its_comments(tmp_path):
 
     tensors = {"embed.weight": np.ones((10, 6), np.float32), "extra\u202e\x85.weight": np.ones(5, np.float32)}
     text = scaffold(write_checkpoint(tmp_path / "ckpt", tensors, {"model_type": "one"}), One, "x:One")
-    assert "#   extra\\u202e\\x85.weight  [5] float32" in text  # a terminal shows it, acts on nothing
+    # no leaf is left for it: ignored, its name escaped (a terminal shows it, acts on nothing)
+    assert '    "extra\\u202e\\u0085.weight",   # not paired with any leaf: 1 key; no unfilled leaf fits' in text
     assert all(line.isprintable() for line in text.split("\n"))
-    assert port.parse_mapping(text).params[0].key == "embed.weight"
+    mapping = port.parse_mapping(text)
+    assert mapping.params[0].key == "embed.weight" and mapping.ignore == ("extra\u202e\x85.weight",)
+
+
+class T5Block(eqx.Module):
+    attn_norm: jax.Array  # [embed]
+    wq: jax.Array  # [heads, head_dim, embed]
+    wk: jax.Array
+    wv: jax.Array
+    wo: jax.Array  # [embed, heads, head_dim]
+    mlp_norm: jax.Array
+    wi: jax.Array  # [mlp, embed]
+    wf: jax.Array  # [embed, mlp]
+
+    def __init__(self, config):
+        e, h, d, f = config["d_model"], config["num_heads"], config["d_kv"], config["d_ff"]
+        self.attn_norm = self.mlp_norm = jnp.ones(e)
+        self.wq = self.wk = self.wv = jnp.zeros((h, d, e))
+        self.wo = jnp.zeros((e, h, d))
+        self.wi, self.wf = jnp.zeros((f, e)), jnp.zeros((e, f))
+
+
+class T5Encoder(eqx.Module):
+    """The encoder half of T5, the model a reader brings for a full T5 checkpoint."""
+
+    embed: jax.Array
+    relative_bias: jax.Array | None  # [buckets, heads]
+    blocks: T5Block
+    final_norm: jax.Array
+
+    def __init__(self, config, bias=True):
+        self.embed = jnp.zeros((config["vocab_size"], config["d_model"]))
+        buckets = (config["relative_attention_num_buckets"], config["num_heads"])
+        self.relative_bias = jnp.zeros(buckets) if bias else None
+        self.blocks = eqx.filter_vmap(lambda _: T5Block(config))(jnp.arange(config["num_layers"]))
+        self.final_norm = jnp.ones(config["d_model"])
+
+    @classmethod
+    def from_config(cls, config, *, key):
+        return cls(config)
+
+
+@pytest.fixture(scope="module")
+def t5_checkpoint(tmp_path_factory):
+    transformers_or_skip()
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    directory = tmp_path_factory.mktemp("t5") / "t5"
+    config = T5Config(vocab_size=97, d_model=40, d_kv=12, d_ff=80, num_layers=3, num_heads=4)
+    T5ForConditionalGeneration(config).save_pretrained(directory)  # relative_attention_num_buckets: 32
+    return directory
+
+
+def test_scaffold_ignores_what_an_encoder_only_module_leaves_out(t5_checkpoint, tmp_path):
+    """Issue 24 row 5: a full T5 checkpoint, an encoder-only module: the decoder ignored in one line,
+    with why; its keys named as no pairing's rival; `port check` then finds no key unused."""
+    with port.open_checkpoint(t5_checkpoint) as ckpt:
+        n_decoder = sum(key.startswith("decoder.") for key in ckpt.tensors)
+        skeleton = eqx.filter_eval_shape(T5Encoder.from_config, ckpt.config, key=jax.random.key(0))
+        text = scaffold(ckpt, skeleton, "test_scaffold:T5Encoder")
+        without_bias = scaffold(ckpt, eqx.filter_eval_shape(T5Encoder, ckpt.config, False), "test_scaffold:T5Encoder")
+    assert n_decoder == 3 * 13 + 2  # 13 a layer; the relative attention bias (in the first) and the final norm
+    assert port.parse_mapping(text).ignore == ("decoder.*",)
+    assert f"    \"decoder.*\",   # not paired with any leaf: {n_decoder} keys, every key under 'decoder.'" in text
+    assert "0 source keys unpaired (0 patterns), 0 leaves unfilled; 1 ignore patterns" in text
+    assert "TODO unpaired" not in text and "also matches decoder" not in text
+    # Issue 24 row 2: the two norms of a layer, alike by name, paired in the order of the module's leaves
+    by_path = entries(port.parse_mapping(text))
+    assert by_path["blocks.attn_norm"].key == "encoder.block.{layer}.layer.0.layer_norm.weight"
+    assert by_path["blocks.mlp_norm"].key == "encoder.block.{layer}.layer.1.layer_norm.weight"
+    assert by_path["blocks.wi"].key == "encoder.block.{layer}.layer.1.DenseReluDense.wi.weight"
+    assert by_path["blocks.wf"].key == "encoder.block.{layer}.layer.1.DenseReluDense.wo.weight"
+    draft = tmp_path / "draft.toml"
+    draft.write_text(text)
+    confirm_checks(draft, t5_checkpoint)  # the CHECKs are the only problems: no key unused
+    recipe = port.check(draft, t5_checkpoint)
+    assert len(recipe.ignored) == n_decoder and len(recipe.leaves) == 11
+
+    # Without a leaf for the encoder's relative attention bias, that key is ignored by its own pattern.
+    assert port.parse_mapping(without_bias).ignore == (
+        "decoder.*",
+        "encoder.block.*.layer.*.SelfAttention.relative_attention_bias.weight",
+    )
+    assert (
+        '    "encoder.block.*.layer.*.SelfAttention.relative_attention_bias.weight",   # not paired with any leaf: '
+        "1 key; no unfilled leaf fits or resembles it" in without_bias
+    )

@@ -15,7 +15,11 @@ except port.PlanError as e:
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import re
+from collections import Counter
+from collections.abc import Iterable
 from collections.abc import Mapping as AnyMapping
 
 import numpy as np
@@ -23,11 +27,13 @@ from jax.sharding import Mesh
 
 from .._errors import PlanError
 from .._export import invert
-from .._mapping import Mapping, load_mapping, mapping_for
+from .._mapping import STACKS, Mapping, load_mapping, mapping_for
 from .._plan import Plan, plan_problems
 from .._runtime import as_shape
 from .._skeleton import skeleton
 from .._sources import Checkpoint, open_checkpoint
+from .._text import plural, quoted
+from .._transforms import toml_inline
 
 
 def check(
@@ -74,7 +80,8 @@ def check(
             ckpt.close()
     marked = unresolved(parsed)
     if not isinstance(result, Plan) or marked:
-        raise PlanError([*([] if isinstance(result, Plan) else result), *marked])
+        hint = [] if isinstance(result, Plan) else missing_prefix(parsed, headers)
+        raise PlanError([*hint, *([] if isinstance(result, Plan) else result), *marked])
     invert(result, headers, parsed.source)  # `port export` walks it backwards: every entry must invert
     return result
 
@@ -96,3 +103,47 @@ def unresolved(mapping: Mapping) -> list[str]:
                 f"({line[at + 2 :].strip()[:160]}): decide, then delete the comment"
             )
     return problems
+
+
+def missing_prefix(mapping: Mapping, keys: Iterable[str]) -> list[str]:
+    """One problem suggesting the key prefix that would let the mapping's entries match
+    keys they now miss (`decoder.` of OPT's `decoder.layers.0.fc1.weight`), or none.
+
+    A key no entry, `ignore` pattern or `tied` name takes, once the mapping's own
+    `prefixes` are stripped, counts for the leading segments whose removal makes an
+    entry match it; the prefix counted most is suggested.
+
+    ```python
+    missing_prefix(load_mapping("opt.toml"), ["decoder.layers.0.fc1.weight", ...])
+    # ["opt.toml: 32 keys begin with 'decoder.' and match entries without it: add prefixes = [\"decoder.\"]?"]
+    ```
+    """
+    alternatives = []
+    for param in mapping.params:
+        text = re.escape(param.key)
+        for name in STACKS:
+            text = text.replace(re.escape(name), r"(?:0|[1-9][0-9]{0,8})")
+        alternatives.append(text)
+    entries = re.compile("|".join(alternatives)) if alternatives else None  # one match a name, not one an entry
+
+    def taken(name: str) -> bool:
+        return entries is not None and entries.fullmatch(name) is not None
+
+    counts: Counter[str] = Counter()
+    for key in keys:
+        name = next((key[len(p) :] for p in mapping.prefixes if key.startswith(p)), key)
+        if taken(name) or name in mapping.tied or any(fnmatch.fnmatchcase(name, p) for p in mapping.ignore):
+            continue
+        segments = key.split(".")
+        for n in range(1, len(segments)):
+            if taken(".".join(segments[n:])):
+                counts[".".join(segments[:n]) + "."] += 1
+                break
+    if not counts:
+        return []
+    prefix, count = min(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    prefixes = sorted({*mapping.prefixes, prefix}, key=lambda p: (-len(p), p))  # the longest is stripped first
+    return [
+        f"{mapping.source}: {plural(count, 'key')} begin with {quoted(prefix)} and match entries without it: "
+        f"add prefixes = {toml_inline(prefixes)}?"
+    ]

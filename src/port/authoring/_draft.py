@@ -55,6 +55,8 @@ class Draft:
     hints: dict[str, FusedHint | None]  # by `Group.ident`
     free: list[Leaf]
     notes: list[str] = field(default_factory=list)  # header comments: layers no group holds, empty groups
+    ignore_why: dict[str, str] = field(default_factory=dict)  # each `ignore` pattern: what it was inferred from
+    prefix_keys: int = 0  # how many checkpoint keys begin with `prefix`
 
 
 def shape_text(shape: Shape) -> str:

@@ -14,6 +14,7 @@ group_keys({"h.0.ln_1.weight": "transformer.h.0.ln_1.weight", ...}, tensors, {(1
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
@@ -242,3 +243,46 @@ def layer_of(name: str, container: str) -> tuple[int, str] | None:
         return None
     index, _, rest = name[len(container) + 1 :].partition(".")
     return (int(index), rest) if index.isdigit() else None
+
+
+def unused_patterns(
+    names: AnyMapping[str, str], unused: Collection[str], free: Collection[str] = ()
+) -> dict[str, tuple[int, str]]:
+    """`ignore` patterns covering the `unused` checkpoint keys and no other key, grouped.
+
+    `names` maps every stripped name to its checkpoint key; `unused` holds the keys to
+    cover; `free` keys (ignored anyway: buffers) may be covered or not. Each unused key
+    is covered by the shortest wholly unused subtree of more than one pattern
+    (`decoder.*`), else by its own pattern, layer and expert indices as `*`
+    (`encoder.block.*.layer.*.SelfAttention.relative_attention_bias.weight`). Returns
+    pattern -> (keys covered, the subtree's prefix or "").
+
+    ```python
+    unused_patterns({"decoder.block.0.q": "decoder.block.0.q", "decoder.norm": "decoder.norm", "q": "q"},
+                    {"decoder.block.0.q", "decoder.norm"})    # {"decoder.*": (2, "decoder.")}
+    ```
+    """
+    mine = Counter(ignore_pattern(name) for name, key in names.items() if key in unused)  # pattern -> keys
+    others = [name for name, key in names.items() if key not in unused and key not in free]
+    other_forms = sorted({ignore_pattern(name) for name in others})  # few: layers and experts as `*`
+    clear: dict[str, bool] = {}  # glob -> whether it covers no other key
+
+    def covers_none(glob: str) -> bool:
+        if glob not in clear:
+            clear[glob] = not any(fnmatch.fnmatchcase(o, glob) for o in other_forms) and not any(
+                fnmatch.fnmatchcase(o, glob) for o in others
+            )
+        return clear[glob]
+
+    found: dict[str, tuple[int, str]] = {}
+    for form, count in sorted(mine.items()):
+        segments = form.split(".")
+        pattern, subtree = form, ""
+        for n in range(1, len(segments) - 1):
+            head = ".".join(segments[:n]) + "."
+            if sum(fnmatch.fnmatchcase(f, head + "*") for f in mine) > 1 and covers_none(head + "*"):
+                pattern, subtree = head + "*", head
+                break
+        total, _ = found.get(pattern, (0, subtree))
+        found[pattern] = (total + count, subtree)
+    return found

@@ -125,8 +125,14 @@ def candidate(group: Group, leaf: Leaf) -> Candidate | None:
     return Candidate(group, leaf, score, options)
 
 
-def assign(candidates: Sequence[Candidate]) -> list[Candidate]:
-    """Greedy by best score; each group and each leaf at most once."""
+def assign(candidates: Sequence[Candidate], leaf_order: AnyMapping[str, int] | None = None) -> list[Candidate]:
+    """Greedy by best score; each group and each leaf at most once.
+
+    Given `leaf_order` (each leaf's place in the module), two pairings whose swap scores
+    as well within `ORDER_SLACK` are swapped to keep the keys' order in the module's: T5's
+    `layer.0.layer_norm` (before attention) and `layer.1.layer_norm` (before the MLP)
+    name nothing that tells `attn_norm` from `mlp_norm`, but their order does.
+    """
     used_groups: set[str] = set()
     used_leaves: set[str] = set()
     chosen = []
@@ -136,6 +142,36 @@ def assign(candidates: Sequence[Candidate]) -> list[Candidate]:
         chosen.append(c)
         used_groups.add(c.group.pattern)
         used_leaves.add(c.leaf.path)
+    return chosen if leaf_order is None else _in_order(chosen, candidates, leaf_order)
+
+
+ORDER_SLACK = 0.01  # two pairings swapped for order when the swap loses less score than this
+
+
+def _natural(pattern: str) -> tuple[tuple[int, int | str], ...]:
+    """A key pattern's sort key, indices as numbers: `layer.2.x` before `layer.10.x`."""
+    return tuple((0, int(s)) if s.isdigit() else (1, s) for s in pattern.split("."))
+
+
+def _in_order(
+    chosen: list[Candidate], candidates: Sequence[Candidate], leaf_order: AnyMapping[str, int]
+) -> list[Candidate]:
+    """`chosen`, near-ties swapped so that key order follows leaf order (see `assign`)."""
+    found = {(c.group.pattern, c.leaf.path): c for c in candidates}
+    chosen = list(chosen)
+    for _ in range(len(chosen)):
+        swapped = False
+        for i, j in itertools.combinations(range(len(chosen)), 2):
+            a, b = chosen[i], chosen[j]
+            keys_first = _natural(a.group.pattern) < _natural(b.group.pattern)
+            if keys_first == (leaf_order[a.leaf.path] < leaf_order[b.leaf.path]):
+                continue  # already in order
+            x, y = found.get((a.group.pattern, b.leaf.path)), found.get((b.group.pattern, a.leaf.path))
+            if x is not None and y is not None and x.score + y.score >= a.score + b.score - ORDER_SLACK:
+                chosen[i], chosen[j] = x, y
+                swapped = True
+        if not swapped:
+            break
     return chosen
 
 

@@ -102,14 +102,45 @@ def _header(d: Draft) -> list[str]:
             f"reference = {{ class = {_toml('transformers:' + reference)}, output = {_toml(output)} }}"
             "   # config.json's architectures: what `port verify` compares with"
         )
-    if d.prefix:
-        lines.append(f"prefixes = {_toml([d.prefix])}")
+    lines += _prefix_lines(d)
     lines += d.notes
-    if d.ignore:
-        lines.append(f"ignore = {_toml(d.ignore)}   # known buffers, never read")
-    if d.tied:
-        if d.config.get("tie_word_embeddings") is False:
-            lines.append("# CHECK: config.json says tie_word_embeddings = false, but the model has no leaf for it")
-        tied = {json.dumps(k): v for k, v in sorted(d.tied.items())}
-        lines.append(f"tied = {_toml(tied)}   # CHECK: a copy of a paired key, never read")
+    lines += _ignore_lines(d)
+    lines += _tied_lines(d)
     return lines
+
+
+def _prefix_lines(d: Draft) -> list[str]:
+    """`prefixes`, with what it was inferred from: how many keys begin with it (the key layout)."""
+    if not d.prefix:
+        return []
+    return [
+        f"prefixes = {_toml([d.prefix])}   # key layout: {d.prefix_keys} of {d.n_tensors} keys begin with it, "
+        "no path of the model does"
+    ]
+
+
+def _ignore_lines(d: Draft) -> list[str]:
+    """`ignore`, one pattern a line, each with why it is ignored."""
+    if not d.ignore:
+        return []
+    lines = ["ignore = [                                # keys never read"]
+    for pattern in d.ignore:
+        why = d.ignore_why.get(pattern)
+        lines.append(f"    {_toml(pattern)},{f'   # {printable(why)}' if why else ''}")
+    return [*lines, "]"]
+
+
+def _tied_lines(d: Draft) -> list[str]:
+    """`tied`: confirmed by config.json's `tie_word_embeddings`, a CHECK otherwise."""
+    if not d.tied:
+        return []
+    tied = f"tied = {_toml({json.dumps(k): v for k, v in sorted(d.tied.items())})}"
+    said = d.config.get("tie_word_embeddings")
+    if said is True:
+        return [f"{tied}   # config.json's tie_word_embeddings = true: a copy of a paired key, never read"]
+    if said is False:
+        return [
+            "# CHECK: config.json says tie_word_embeddings = false, but the model has no leaf for it",
+            f"{tied}   # a copy of a paired key, never read",
+        ]
+    return [f"{tied}   # CHECK: the same shape as a paired key (config.json has no tie_word_embeddings); never read"]

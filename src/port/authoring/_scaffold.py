@@ -3,7 +3,8 @@
 `scaffold` pairs checkpoint keys with module leaves by shape and by name, proposes
 the transforms (`transpose`, `reshape`) that turn one into the other and a logical
 axis for every dimension, and writes what it could not pair as TODO comments, with
-hints for fused tensors. It reads no tensor data and writes no file: it returns text.
+hints for fused tensors. Keys no unfilled leaf fits or resembles are drafted as `ignore`
+patterns, a whole subtree the model takes no key from as one (`decoder.*`). It reads no tensor data and writes no file: it returns text.
 
 A module with `layer_groups` (one stack per kind of layer) is paired group by group:
 each group's leaves with its layers' keys only, so a key pattern both groups hold gets
@@ -23,6 +24,7 @@ Path("my_model.toml").write_text(text)          # review CHECK / TODO, then `por
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from collections.abc import Mapping as AnyMapping
 from collections.abc import Sequence
@@ -37,11 +39,21 @@ from .._plan import layer_groups
 from .._skeleton import leaves as skeleton_leaves
 from .._skeleton import skeleton as make_skeleton
 from .._sources import Checkpoint, TensorInfo, open_checkpoint
-from .._text import printable, quoted
+from .._text import plural, printable, quoted
 from ._axes import Dims, config_dims, named, propose_axes
 from ._draft import Draft, Entry, ops_text, shape_text
 from ._fused import fused_hint, tied_to
-from ._keys import Group, find_prefix, group_keys, ignore_pattern, is_buffer, layer_container, layer_of
+from ._keys import (
+    Group,
+    find_prefix,
+    group_keys,
+    ignore_pattern,
+    is_buffer,
+    layer_container,
+    layer_of,
+    unused_patterns,
+)
+from ._names import similarity
 from ._pairing import Candidate, Leaf, assign, candidate, is_matrix, orientation, pick, rivals, target_shape
 from ._render import render
 
@@ -112,42 +124,59 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
     ]
     prefix = find_prefix(sorted(tensors), [leaf.path for leaf in leaves])
     names = {(k[len(prefix) :] if prefix and k.startswith(prefix) else k): k for k in sorted(tensors)}
-    passes, notes, ignore, beyond = _passes(names, tensors, leaves, layer_groups(skeleton), config)
+    passes, notes, beyond_ignore, beyond = _passes(names, tensors, leaves, layer_groups(skeleton), config)
+    ignore = list(beyond_ignore)
+    order = {leaf.path: i for i, leaf in enumerate(leaves)}
     found = []  # per pass: its groups, candidates and pairs
     for p in passes:
         stacks = {leaf.shape[:n] for leaf in p.leaves for n in (1, 2) if len(leaf.shape) >= n}
         groups = _in_group(group_keys(p.names, tensors, stacks, single=p.label is not None), p, names)
         candidates = [c for g in groups for leaf in p.leaves if (c := candidate(g, leaf)) is not None]
-        found.append((p, groups, candidates, assign(candidates)))
+        found.append((p, groups, candidates, assign(candidates, order)))
     pairs = [c for *_, chosen in found for c in chosen]
     if not pairs:
         raise PlanError([f"{checkpoint.directory}: no checkpoint tensor fits any leaf of {model} by shape"])
     transposed, voters = orientation(pairs)
     dims = config_dims(config)
-    order = {leaf.path: i for i, leaf in enumerate(leaves)}
     entries, free, tied, unpaired, hints = [], [], {}, list(beyond), {}
-    for p, groups, candidates, chosen in found:
-        by_group: dict[str, list[Candidate]] = {}
-        by_leaf: dict[str, list[Candidate]] = {}
-        for c in candidates:
-            by_group.setdefault(c.group.pattern, []).append(c)
-            by_leaf.setdefault(c.leaf.path, []).append(c)
-        entries += [_entry(c, rivals(c, by_group, by_leaf), transposed, voters, config, dims) for c in chosen]
+    buffers: set[str] = set()  # keys of known buffers, ignored
+    spare: set[str] = set()  # keys no leaf is left for, ignored
+    for p, groups, _, chosen in found:
         paired, filled = {c.group.pattern for c in chosen}, {c.leaf.path for c in chosen}
         mine = [leaf for leaf in p.leaves if leaf.path not in filled]
         free += mine
-        left = []
         for group in groups:
             if group.pattern in paired:
                 continue
             if is_buffer(group):
                 ignore.append(ignore_pattern(group.pattern))
+                buffers.update(group.keys)
             elif (tie := tied_to(group, chosen, mine)) is not None:
                 tied[group.pattern] = tie
+            elif (hint := fused_hint(group, mine, transposed, config, dims)) is None and not any(
+                similarity(group.pattern, leaf.path) >= WEAK_SCORE for leaf in mine
+            ):
+                spare.update(group.keys)  # no leaf left that it fits or resembles
             else:
-                left.append(group)
-        hints |= {g.ident: fused_hint(g, mine, transposed, config, dims) for g in left}
-        unpaired += left
+                hints[group.ident] = hint
+                unpaired.append(group)
+    why = {pattern: "a known buffer, not a parameter" for pattern in ignore}
+    why |= {pattern: "the layer stored after the last one (see the CHECK above)" for pattern in beyond_ignore}
+    unused, subtrees = _unused(names, spare, buffers)
+    ignore += unused
+    why |= unused
+    name_of = {key: name for name, key in names.items()}
+
+    def rival(c: Candidate) -> bool:  # a pairing worth naming as another choice: not from a subtree left out
+        return not any(fnmatch.fnmatchcase(name_of[c.group.keys[0]], s + "*") for s in subtrees)
+
+    for _, _, candidates, chosen in found:
+        by_group: dict[str, list[Candidate]] = {}
+        by_leaf: dict[str, list[Candidate]] = {}
+        for c in filter(rival, candidates):
+            by_group.setdefault(c.group.pattern, []).append(c)
+            by_leaf.setdefault(c.leaf.path, []).append(c)
+        entries += [_entry(c, rivals(c, by_group, by_leaf), transposed, voters, config, dims) for c in chosen]
     entries.sort(key=lambda e: order[e.path])
     free.sort(key=lambda leaf: order[leaf.path])
     unpaired.sort(key=lambda g: (g.pattern, g.layer_group or ""))
@@ -164,7 +193,24 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
         hints,
         free,
         notes,
+        ignore_why=why,
+        prefix_keys=sum(k.startswith(prefix) for k in tensors) if prefix else 0,
     )
+
+
+def _unused(names: AnyMapping[str, str], spare: set[str], buffers: set[str]) -> tuple[dict[str, str], list[str]]:
+    """The `ignore` patterns of the keys no leaf is left for, each with why; and the subtrees
+    (`decoder.`) the model takes no key from."""
+    why, subtrees = {}, []
+    for pattern, (count, subtree) in unused_patterns(names, spare, buffers).items():
+        if subtree:
+            subtrees.append(subtree)
+            why[pattern] = (
+                f"not paired with any leaf: {plural(count, 'key')}, every key under {quoted(printable(subtree))}"
+            )
+        else:
+            why[pattern] = f"not paired with any leaf: {plural(count, 'key')}; no unfilled leaf fits or resembles it"
+    return why, subtrees
 
 
 @dataclass(frozen=True)
