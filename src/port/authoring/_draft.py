@@ -55,6 +55,7 @@ class Draft:
     hints: dict[str, FusedHint | None]  # by `Group.ident`
     free: list[Leaf]
     notes: list[str] = field(default_factory=list)  # header comments: layers no group holds, empty groups
+    warnings: list[str] = field(default_factory=list)  # header comments: sizes config.json fields share
 
 
 def shape_text(shape: Shape) -> str:
