@@ -146,7 +146,7 @@ def _choose_axis(names: list[tuple[str, str | None]], toks: set[str], words: set
         axis, key = named
         if axis == UNNAMED:  # below every known axis, unless the key's words are the leaf's
             mine = set(_words(key or "")) - _PLAIN_WORDS
-            return -0.3 + (1.0 if mine & words else 0.0) - (0.5 if axis in before else 0.0)
+            return -0.3 + (1.0 if mine & words else 0.0) - (1.5 if axis in before else 0.0)
         s = -0.01 * _AXIS_ORDER.index(axis)
         hints = {
             "positions": "position" in toks,
@@ -157,7 +157,7 @@ def _choose_axis(names: list[tuple[str, str | None]], toks: set[str], words: set
             "head_dim": bool(before) and before[-1] in ("heads", "kv_heads"),
         }
         s += 1.0 if hints.get(axis) else 0.0
-        s -= 0.5 if axis in before else 0.0
+        s -= 1.5 if axis in before else 0.0  # one axis twice in a leaf: only where nothing else fits
         return s
 
     return max(names, key=lambda n: (score(n), n[0], n[1] or ""))[0]
@@ -207,7 +207,7 @@ def propose_axes(leaf: Leaf, stack: Sequence[str], dims: Dims) -> tuple[list[str
         if fields := shared(size, dims):
             comments.append(
                 f"# CHECK: axis {i} of {where} is {size}, which several config.json fields give "
-                f"({', '.join(fields)}): {quoted_axis(axis)} chosen by the leaf's name"
+                f"({', '.join(fields)}): {_quoted_axis(axis)} chosen by the leaf's name"
             )
         elif axis == UNNAMED:
             keys = ", ".join(_label(a, k) for a, k in names)
@@ -218,7 +218,7 @@ def propose_axes(leaf: Leaf, stack: Sequence[str], dims: Dims) -> tuple[list[str
     return axes, comments
 
 
-def quoted_axis(axis: str) -> str:
+def _quoted_axis(axis: str) -> str:
     """An axis as a draft's comment names it: `positions`, or `""` (unnamed)."""
     return axis if axis else '"" (unnamed)'
 
