@@ -136,21 +136,21 @@ def test_shared_sizes_are_warned_of_and_each_guess_is_a_check(work, tmp_path):
     assert by_path["codebook"].transforms == (Reshape(("num_codebooks", "codebook_dim", "hidden_size")),)
     # The header lists the one size two fields give to different axes.
     assert [line for line in text.splitlines() if line.startswith("# sizes shared")] == [WARNING]
-    for path, axis in [("pos", 0), ("embed", 1), ("codebook", 2)]:
+    for axis, chosen in enumerate(["positions", "embed"]):
         assert (
-            "# CHECK: axis {} of {} is 64, which several config.json fields give (hidden_size, "
-            "max_position_embeddings): {} chosen by the leaf's name".format(
-                axis, {"pos": "[64, 64]", "embed": "[10, 64]", "codebook": "[3, 5, 64]"}[path], by_path[path].axes[axis]
-            )
-            in entry_block(text, path)
-        ), path
-    assert "# CHECK" not in entry_block(text, "relative_bias")  # 8 and 4: no other field's
+            f"# CHECK: axis {axis} of [64, 64] is 64, which several config.json fields give (hidden_size, "
+            f"max_position_embeddings): {chosen} chosen by the leaf's name"
+        ) in entry_block(text, "pos")
+    # A position table is named so: the other 64-wide leaves are no doubt (nor Llama-2's 4096-wide ones).
+    for path in ("embed", "wq", "codebook"):
+        assert "# CHECK: axis" not in entry_block(text, path), path
+    assert "# CHECK" not in entry_block(text, "relative_bias")  # 8, and 4 only a layer count besides
 
     # Each CHECK is a `port check` problem until the author deletes it; then it passes.
     draft = tmp_path / "draft.toml"
     draft.write_text(text)
     problems = confirm_checks(draft, work / "shared")
-    assert len(problems) == text.count("# CHECK") >= 5
+    assert len(problems) == text.count("# CHECK") == 4  # pos's two axes; pos's and wq's orientation (square)
     assert check(draft, work / "shared").params == 10 * 64 + 64 * 64 * 2 + 8 * 4 + 15 * 64
 
 
@@ -209,6 +209,9 @@ def test_the_fields_a_size_is_shared_by():
         }
     )
     assert shared(64, dims) == [] and shared(2, dims) == []
+    llama2 = config_dims({"hidden_size": 4096, "max_position_embeddings": 4096, "num_attention_heads": 32})
+    assert shared(4096, llama2, "layers.{layer}.self_attn.q_proj.weight") == []  # no position table
+    assert shared(4096, llama2, "wpe") == ["hidden_size", "max_position_embeddings"]
     assert dims[32] == [("positions", "max_positions"), ("", "num_buckets")]
     assert shared(32, dims) == ["max_positions", "num_buckets"]
     assert shared(100, dims) == ["text_config.vocab_size", "text_config.intermediate_size"]
@@ -225,5 +228,5 @@ def test_port_check_refuses_the_shared_size_guesses(work, tmp_path):
     n = draft.read_text().count("# CHECK")
     assert refused.returncode == 1 and f"port: error: {draft}: {n} problems with" in refused.stderr, refused.stderr
     guesses = draft.read_text().count("# CHECK: axis")
-    assert guesses == 5  # pos [64, 64] has two
+    assert guesses == 2  # pos [64, 64]: both axes
     assert refused.stdout.count("a CHECK of port scaffold's is still there (CHECK: axis") == guesses

@@ -134,11 +134,21 @@ def config_dims(config: AnyMapping[str, Any]) -> dict[int, list[tuple[str, str |
     return dims
 
 
-def _candidates(size: int, dims: Dims) -> list[tuple[str, str | None]]:
-    """What may name a dimension of `size`: every axis and key but `layers`, which only a
-    stack fills (a non-stack dimension is `layers` only when nothing else has its size)."""
-    found = dims.get(size, [])
-    return [(a, k) for a, k in found if a != "layers"] or list(found)
+def _candidates(size: int, dims: Dims, path: str | None = None) -> list[tuple[str, str | None]]:
+    """What may name a dimension of `size` of the leaf at `path`: every axis and key, except
+
+    - `layers`, which only a stack fills (a non-stack dimension is `layers` only when
+      nothing else has its size);
+    - `positions` and `token_types`, which size only the tables named so (`wpe`,
+      `pos_embed`, `token_type_embeddings`): Llama-2's 4096 positions never make its
+      4096-wide weights a doubt.
+    """
+    found = list(dims.get(size, []))
+    if path is not None:
+        toks = set(tokens(path))
+        named = {"positions": "position" in toks, "token_types": "token_type" in toks}
+        found = [(a, k) for a, k in found if named.get(a, True)] or found
+    return [(a, k) for a, k in found if a != "layers"] or found
 
 
 def _choose_axis(names: list[tuple[str, str | None]], toks: set[str], words: set[str], before: list[str]) -> str:
@@ -167,14 +177,15 @@ def _label(axis: str, key: str | None) -> str:
     return key if key is not None else f"{axis} (derived)"
 
 
-def shared(size: int, dims: Dims) -> list[str]:
-    """The config.json fields giving `size` to a dimension when they disagree on its axis, else [].
+def shared(size: int, dims: Dims, path: str | None = None) -> list[str]:
+    """The config.json fields giving `size` to a dimension (of the leaf at `path`) when they
+    disagree on its axis, else [].
 
     `shared(64, config_dims({"hidden_size": 64, "max_position_embeddings": 64}))` is
     `["hidden_size", "max_position_embeddings"]`; `n_embd` and `hidden_size` both 64 are no
     disagreement (both `embed`).
     """
-    names = _candidates(size, dims)
+    names = _candidates(size, dims, path)
     if len({a for a, _ in names}) < 2:
         return []
     return list(dict.fromkeys(_label(a, k) for a, k in names))
@@ -197,14 +208,14 @@ def propose_axes(leaf: Leaf, stack: Sequence[str], dims: Dims) -> tuple[list[str
     for i, size in enumerate(leaf.shape):
         if i < len(stack):
             continue
-        names = list(dict.fromkeys(_candidates(size, dims)))
+        names = list(dict.fromkeys(_candidates(size, dims, leaf.path)))
         if not names:
             axes.append(f"dim{size}")
             comments.append(f"# TODO: name this axis: dim{size} (axis {i} of {where}) is no config.json size")
             continue
         axis = _choose_axis(names, toks, words, axes)
         axes.append(axis)
-        if fields := shared(size, dims):
+        if fields := shared(size, dims, leaf.path):
             comments.append(
                 f"# CHECK: axis {i} of {where} is {size}, which several config.json fields give "
                 f"({', '.join(fields)}): {_quoted_axis(axis)} chosen by the leaf's name"
@@ -233,12 +244,16 @@ def size_warnings(leaves: Iterable[tuple[Leaf, Sequence[str]]], dims: Dims) -> l
     # ["# sizes shared by several config.json fields: 64 = hidden_size, n_positions: the axes of ..."]
     ```
     """
-    sizes = sorted({size for leaf, stack in leaves for size in leaf.shape[len(stack) :] if shared(size, dims)})
+    found: dict[int, list[str]] = {}
+    for leaf, stack in leaves:
+        for size in leaf.shape[len(stack) :]:
+            if fields := shared(size, dims, leaf.path):
+                found.setdefault(size, fields)
     return [
-        f"# sizes shared by several config.json fields: {size} = {', '.join(shared(size, dims))}: the axes of "
+        f"# sizes shared by several config.json fields: {size} = {', '.join(fields)}: the axes of "
         f"leaves with a {size} dimension were chosen by name; check them (the entries marked CHECK), or make a "
         "test config with distinct sizes"
-        for size in sizes
+        for size, fields in sorted(found.items())
     ]
 
 
