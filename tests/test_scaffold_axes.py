@@ -215,6 +215,19 @@ def test_the_fields_a_size_is_shared_by():
     assert dims[32] == [("positions", "max_positions"), ("", "num_buckets")]
     assert shared(32, dims) == ["max_positions", "num_buckets"]
     assert shared(100, dims) == ["text_config.vocab_size", "text_config.intermediate_size"]
+    # A refined head size (port.nn.REFINED) is a head_dim, Llama 4's dense MLP an mlp; a top-k, a
+    # window, a step or a scale is no parameter's size.
+    other = config_dims(
+        {
+            "v_head_dim": 10,
+            "intermediate_size_mlp": 64,
+            "num_experts_per_tok": 5,
+            "sliding_window": 5,
+            "interleave_moe_layer_step": 5,
+            "floor_scale": 5,
+        }
+    )
+    assert other == {10: [("head_dim", "v_head_dim")], 64: [("mlp", "intermediate_size_mlp")]}
 
 
 @pytest.mark.slow

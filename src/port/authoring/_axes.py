@@ -44,10 +44,20 @@ _AXIS_KEYS: dict[str, tuple[str, ...]] = {
         "d_ff",
         "moe_intermediate_size",
         "shared_expert_intermediate_size",
+        "intermediate_size_mlp",
     ),
     "heads": ("n_head", "num_attention_heads", "num_heads", "n_heads"),
     "kv_heads": ("num_key_value_heads", "n_kv_heads"),
-    "head_dim": ("head_dim", "d_kv"),
+    "head_dim": (  # and the sizes port.nn.REFINED tells apart, each a head_dim in a mapping
+        "head_dim",
+        "d_kv",
+        "qk_head_dim",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "linear_key_head_dim",
+        "linear_value_head_dim",
+    ),
     "positions": ("n_positions", "max_position_embeddings", "n_ctx"),
     "token_types": ("type_vocab_size",),
     "layers": ("n_layer", "num_hidden_layers", "num_layers", "n_layers"),
@@ -77,7 +87,21 @@ _AXIS_ORDER = (
 )
 _KNOWN_KEYS = {key for keys in _AXIS_KEYS.values() for key in keys}
 # A config key of no known name, but whose words name an axis (TinyLM's `max_positions`).
-_KEY_WORDS = {"position": "positions", "positions": "positions", "vocab": "vocab", "channels": "channels"}
+_KEY_WORDS = {
+    "position": "positions",
+    "positions": "positions",
+    "vocab": "vocab",
+    "channels": "channels",
+    "intermediate": "mlp",
+}
+# A config key of no known name is a size when its words say so, and say nothing of a
+# count of layers, a span of tokens, a step or a scale (`num_experts_per_tok`, `sliding_window`,
+# `interleave_moe_layer_step`, `floor_scale`).
+_SIZE_WORDS = {"num", "n", "size", "dim", "dims", "buckets", "channels", "rank", "max", "count", "width", "height"}
+_NOT_SIZE_WORDS = {
+    *("per", "tok", "token", "tokens", "seq", "length", "window", "chunk"),
+    *("layer", "layers", "step", "interval", "every", "scale", "factor", "theta", "seed", "freq"),
+}
 # Words of a config key that say nothing of which leaf it sizes.
 _PLAIN_WORDS = {"num", "n", "max", "min", "size", "dim", "of", "hidden", "attention", "attn", "layer", "layers"}
 _MODEL_AXES = {"heads", "kv_heads", "mlp", "vocab", "experts"}
@@ -94,9 +118,10 @@ def _words(key: str) -> list[str]:
 
 
 def _sized(key: str, value: Any) -> bool:
-    """An integer of config.json that may be a size: not a token id, not 1 (which every shape has)."""
-    words = _words(key)
-    return (_int(value) or 0) > 1 and not (words and words[-1] in ("id", "ids"))
+    """An integer of config.json that may be a parameter's size: named so, no token id, not 1 (which
+    every shape has)."""
+    words = set(_words(key))
+    return (_int(value) or 0) > 1 and bool(words & _SIZE_WORDS) and not words & (_NOT_SIZE_WORDS | {"id", "ids"})
 
 
 def _tables(config: AnyMapping[str, Any]) -> list[tuple[str, AnyMapping[str, Any]]]:
