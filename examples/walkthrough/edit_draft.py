@@ -22,9 +22,7 @@ def edit(draft: str) -> str:
         # 2. Every CHECK and TODO is resolved: drop scaffold's comments.
         lines.append("" if line.startswith("#") else line)
     text = re.sub(r"\n{3,}", "\n\n", "\n".join(lines).strip() + "\n")
-    # 3. Name the axis scaffold could not: pos.weight's first axis is the position.
-    text = text.replace('"dim64"', '"positions"').replace("dim64 = []", "positions = []")
-    # 4. Tell port verify which PyTorch model to compare with. `reference` is a
+    # 3. Tell port verify which PyTorch model to compare with. `reference` is a
     #    top-level key: it goes before the first [table] or [[array]] header, since
     #    a key after a header belongs to that table.
     header = re.search(r"^\[", text, re.M)

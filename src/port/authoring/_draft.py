@@ -57,6 +57,7 @@ class Draft:
     notes: list[str] = field(default_factory=list)  # header comments: layers no group holds, empty groups
     ignore_why: dict[str, str] = field(default_factory=dict)  # each `ignore` pattern: what it was inferred from
     prefix_keys: int = 0  # how many checkpoint keys begin with `prefix`
+    warnings: list[str] = field(default_factory=list)  # header comments: sizes config.json fields share
 
 
 def shape_text(shape: Shape) -> str:

@@ -98,11 +98,12 @@ def _equal_hint(
             if len(fits) == parts:
                 for index, (leaf, ops, target) in enumerate(sorted(fits, key=lambda f: _fused_rank(f[0].path))):
                     split_op = Split(axis, index, parts=parts)
-                    all_ops = (split_op, *named(ops, part, target, config))
+                    leaf_axes = propose_axes(leaf, group.stack, dims)[0]
+                    all_ops = (split_op, *named(ops, part, target, config, leaf_axes[len(group.stack) :]))
                     if not builds(all_ops, group.shape, target, config):
                         entries = []
                         break
-                    entries.append(Entry(group.pattern, leaf.path, all_ops, propose_axes(leaf, group.stack, dims)[0]))
+                    entries.append(Entry(group.pattern, leaf.path, all_ops, leaf_axes))
                 if entries:
                     lines.append("#     a draft, parts in q, k, v order (CHECK the order; uncomment to use):")
             return FusedHint(lines, entries)
@@ -274,9 +275,9 @@ def _on_axis(
         if all(names):
             sizes = [n for n in names if n]
     tails = []
-    for p in parts:
+    for p, a in zip(parts, axes):
         cut = group.shape[:axis] + (p.size,) + group.shape[axis + 1 :]
-        tails.append(named(p.ops, cut, p.target, config))
+        tails.append(named(p.ops, cut, p.target, config, a))
     return (_split(axis, sizes),), tails
 
 

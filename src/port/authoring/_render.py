@@ -33,7 +33,7 @@ _STACK_NAMES = {LAYER: "layers", EXPERT: "experts"}  # `2 layers x 4 experts of 
 def render(d: Draft) -> str:
     """The mapping file: header, top-level keys, rules, entries, then the TODO blocks."""
     drafts = [e for h in d.hints.values() if h for e in h.entries]
-    axes = sorted({a for e in d.entries + drafts for a in e.axes})
+    axes = sorted({a for e in d.entries + drafts for a in e.axes if a})  # "": unnamed, no rule
     lines = _header(d) + ["", "[rules]                                   # logical axis -> mesh axis; [] = replicated"]
     lines += [f"{axis} = {rule_for(axis)}" for axis in axes]
     for entry in d.entries:
@@ -85,6 +85,7 @@ def _header(d: Draft) -> list[str]:
         f"# {len(d.entries)} entries paired, {n_unpaired} source keys unpaired ({len(d.unpaired)} patterns), "
         f"{len(d.free)} leaves unfilled; {len(d.ignore)} ignore patterns, {len(d.tied)} tied.",
         "# This is a draft: review every entry marked CHECK/TODO, then run `port plan` on it.",
+        *d.warnings,
         "",
         f"model = {_toml(d.model)}",
     ]

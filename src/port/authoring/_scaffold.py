@@ -40,7 +40,7 @@ from .._skeleton import leaves as skeleton_leaves
 from .._skeleton import skeleton as make_skeleton
 from .._sources import Checkpoint, TensorInfo, open_checkpoint
 from .._text import plural, printable, quoted
-from ._axes import Dims, config_dims, named, propose_axes
+from ._axes import Dims, config_dims, literal_sizes, named, propose_axes, size_warnings
 from ._draft import Draft, Entry, ops_text, shape_text
 from ._fused import fused_hint, tied_to
 from ._keys import (
@@ -195,6 +195,7 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
         notes,
         ignore_why=why,
         prefix_keys=sum(k.startswith(prefix) for k in tensors) if prefix else 0,
+        warnings=size_warnings([(c.leaf, c.group.stack) for c in pairs], dims),
     )
 
 
@@ -331,5 +332,6 @@ def _entry(
         else:
             why = f"{shape_text(c.group.shape)} is square and no other 2-d weight shows the orientation: kept as stored"
         comments.append(f"# CHECK: {why}; also fits: {ops_text(others[0]) if others[0] else 'no transforms'}")
-    axes, todo = propose_axes(c.leaf, c.group.stack, dims)
-    return Entry(c.group.pattern, c.leaf.path, named(ops, c.group.shape, target, config), axes, comments + todo)
+    axes, notes = propose_axes(c.leaf, c.group.stack, dims)
+    ops = named(ops, c.group.shape, target, config, axes[len(c.group.stack) :])
+    return Entry(c.group.pattern, c.leaf.path, ops, axes, comments + notes + literal_sizes(ops))
