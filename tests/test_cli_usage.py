@@ -612,3 +612,25 @@ def test_json_output_is_what_docs_cli_md_says(tmp_path, beside):
         "axes": ["vocab", "embed"],
         "bytes": 1021 * 64 * 4,
     }
+
+
+def test_a_bare_completion_flag_means_the_shell_running_port(monkeypatch, capsys):
+    """`--show-completion` without SHELL: the shell typer finds running `port`, else $SHELL; neither
+    found, a usage error asking for one."""
+    import typer._completion_shared
+
+    from port import _cli
+
+    monkeypatch.setattr(typer._completion_shared, "_get_shell_name", lambda: None)
+    monkeypatch.setenv("SHELL", "/usr/bin/zsh")
+    assert _cli.parse(["--show-completion"]) == 0
+    assert "compdef _port_completion port" in capsys.readouterr().out
+    monkeypatch.setattr(typer._completion_shared, "_get_shell_name", lambda: "fish")
+    assert _cli.parse(["--show-completion"]) == 0
+    assert capsys.readouterr().out.startswith("complete --command port ")
+    monkeypatch.setattr(typer._completion_shared, "_get_shell_name", lambda: None)
+    monkeypatch.setenv("SHELL", "/bin/tcsh")
+    assert _cli.parse(["--show-completion"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Usage: port [OPTIONS] COMMAND [ARGS]...")
+    assert "Error: cannot tell which shell runs port ('tcsh'): name one of bash, zsh, fish, powershell, pwsh" in err

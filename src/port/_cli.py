@@ -79,7 +79,7 @@ class _Group(typer.core.TyperGroup):
         # A bare `--show-completion` / `--install-completion` (last, without SHELL) means the shell
         # running port: click's options take a value always, or never.
         if args and args[-1] in ("--show-completion", "--install-completion") and not ctx.resilient_parsing:
-            args = [*args, _running_shell()]
+            args = [*args, _running_shell(ctx)]
         return super().parse_args(ctx, args)
 
     def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
@@ -130,7 +130,7 @@ def _said_version(value: bool) -> None:
         raise typer.Exit(0)
 
 
-def _running_shell() -> str:
+def _running_shell(ctx: click.Context) -> str:
     """The shell running `port`, as typer finds it (shellingham), else $SHELL's name."""
     from typer._completion_shared import _get_shell_name
 
@@ -141,7 +141,7 @@ def _running_shell() -> str:
     found = found or Path(os.environ.get("SHELL", "")).name
     if found not in SHELLS:
         shown = f" ({quoted(found, 40)})" if found else ""
-        raise clicks.UsageError(f"cannot tell which shell runs port{shown}: name one of {', '.join(SHELLS)}")
+        raise clicks.UsageError(f"cannot tell which shell runs port{shown}: name one of {', '.join(SHELLS)}", ctx)
     return found
 
 
