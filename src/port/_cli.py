@@ -55,6 +55,8 @@ Cast = Literal["float32", "bfloat16", "float16"]
 CASTS = ", ".join(typing.get_args(Cast)[:-1]) + " or " + typing.get_args(Cast)[-1]
 
 
+P = typing.TypeVar("P", bound="click.Parameter | None")
+
 # ---------------------------------------------------------------------------- parser
 
 
@@ -72,7 +74,7 @@ def _fit_help() -> None:
 
 
 class _Group(typer.core.TyperGroup):
-    def get_help_option(self, ctx: click.Context) -> click.Parameter | None:
+    def get_help_option(self, ctx: click.Context) -> typer.core.TyperOption | None:
         return _plain(super().get_help_option(ctx))
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
@@ -88,7 +90,7 @@ class _Group(typer.core.TyperGroup):
 
 
 class _Command(typer.core.TyperCommand):
-    def get_help_option(self, ctx: click.Context) -> click.Parameter | None:
+    def get_help_option(self, ctx: click.Context) -> typer.core.TyperOption | None:
         return _plain(super().get_help_option(ctx))
 
     def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
@@ -117,8 +119,7 @@ def _number(text: Any) -> float:
 
 def _positive(text: Any) -> int:
     """A positive integer (the type of --batch, --length)."""
-    if isinstance(text, int) and not isinstance(text, bool):  # the default
-        text = str(text)
+    text = str(text)  # the default is an int
     if not text.isdigit() or int(text) < 1:
         raise typer.BadParameter(f"expected a positive integer, not {quoted(str(text), 40)}")
     return int(text)
@@ -562,7 +563,7 @@ def command() -> click.Command:
     return root
 
 
-def _plain(param: click.Parameter | None) -> click.Parameter | None:
+def _plain(param: P) -> P:
     """`param` shown plainly (typer takes no class per parameter: it is set here)."""
     if type(param) is typer.core.TyperArgument:
         param.__class__ = _Argument
