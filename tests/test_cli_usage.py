@@ -56,6 +56,8 @@ def test_bare_port_shows_help_and_exits_2():
         (["verify", "M", "--tolerance", "x"], ["Invalid value for '--tolerance': expected a number, not 'x'"]),
         (["convert", "M", "--out", "x", "--num-processes", "two"], ["Invalid value for '--num-processes'"]),
         (["plan"], ["Usage: port plan [OPTIONS] MODEL", "Missing argument 'MODEL'"]),
+        (["plan", "M", "--mesh"], ["Usage: port plan [OPTIONS] MODEL", "Error: Option '--mesh' requires an argument."]),
+        (["convert", "M", "--out", "x", "--progress=1"], ["Usage: port convert", "'--progress' does not take a value"]),
         (["scaffold", "M"], ["Usage: port scaffold", "Missing option '--module'"]),
         (["info", "D", "extra"], ["Usage: port info", "Got unexpected extra argument(s) (extra)"]),
         (["--show-completion", "tcsh"], ["'tcsh' is not one of 'bash', 'zsh', 'fish', 'powershell', 'pwsh'"]),

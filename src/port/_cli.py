@@ -21,13 +21,14 @@ errors are caught as that click's classes, or a usage error would pass for an in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import shutil
 import sys
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, NoReturn
 
@@ -73,6 +74,18 @@ def _fit_help() -> None:
     rich_utils.MAX_WIDTH = min(WIDTH, shutil.get_terminal_size((80, 24)).columns)
 
 
+@contextlib.contextmanager
+def _in(ctx: click.Context) -> Iterator[None]:
+    """A usage error raised within: its command's, so that its usage is shown (click's parser raises
+    some, `--mesh` without its value, with no command)."""
+    try:
+        yield
+    except clicks.UsageError as e:
+        if e.ctx is None:
+            e.ctx = ctx
+        raise
+
+
 class _Group(typer.core.TyperGroup):
     def get_help_option(self, ctx: click.Context) -> typer.core.TyperOption | None:
         return _plain(super().get_help_option(ctx))
@@ -82,7 +95,8 @@ class _Group(typer.core.TyperGroup):
         # running port: click's options take a value always, or never.
         if args and args[-1] in ("--show-completion", "--install-completion") and not ctx.resilient_parsing:
             args = [*args, _running_shell(ctx)]
-        return super().parse_args(ctx, args)
+        with _in(ctx):
+            return super().parse_args(ctx, args)
 
     def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         _fit_help()
@@ -92,6 +106,10 @@ class _Group(typer.core.TyperGroup):
 class _Command(typer.core.TyperCommand):
     def get_help_option(self, ctx: click.Context) -> typer.core.TyperOption | None:
         return _plain(super().get_help_option(ctx))
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        with _in(ctx):
+            return super().parse_args(ctx, args)
 
     def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         _fit_help()
