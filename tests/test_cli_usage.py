@@ -41,9 +41,7 @@ def test_bare_port_shows_help_and_exits_2():
     "args, expected",
     [
         (["convert"], ["Usage: port convert [OPTIONS] MODEL", "Error: Missing argument 'MODEL'."]),
-        (["convert", "M"], ["Usage: port convert", "Error: Missing option '--out'."]),
         (["bogus"], ["Usage: port [OPTIONS] COMMAND", "Error: No such command 'bogus'."]),
-        (["conver"], ["Error: No such command 'conver'. Did you mean 'convert'?"]),
         (["convert", "M", "--out", "x", "--bogus"], ["Usage: port convert", "Error: No such option: --bogus"]),
         (
             ["convert", "M", "--out", "x", "--dtype", "float64"],
@@ -53,14 +51,9 @@ def test_bare_port_shows_help_and_exits_2():
             ["convert", "M", "--out", "x", "--timeout", "soon"],
             ["Invalid value for '--timeout': expected a number, not 'soon'"],
         ),
-        (["verify", "M", "--tolerance", "x"], ["Invalid value for '--tolerance': expected a number, not 'x'"]),
-        (["convert", "M", "--out", "x", "--num-processes", "two"], ["Invalid value for '--num-processes'"]),
         (["plan"], ["Usage: port plan [OPTIONS] MODEL", "Missing argument 'MODEL'"]),
         (["plan", "M", "--mesh"], ["Usage: port plan [OPTIONS] MODEL", "Error: Option '--mesh' requires an argument."]),
-        (["convert", "M", "--out", "x", "--progress=1"], ["Usage: port convert", "'--progress' does not take a value"]),
         (["scaffold", "M"], ["Usage: port scaffold", "Missing option '--module'"]),
-        (["info", "D", "extra"], ["Usage: port info", "Got unexpected extra argument(s) (extra)"]),
-        (["--show-completion", "tcsh"], ["'tcsh' is not one of 'bash', 'zsh', 'fish', 'powershell', 'pwsh'"]),
     ],
 )
 def test_usage_errors_exit_2_with_the_usage(args, expected, tmp_path):
@@ -69,6 +62,28 @@ def test_usage_errors_exit_2_with_the_usage(args, expected, tmp_path):
     result = run_port(*args, cwd=tmp_path)
     usage_error(result, *expected)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["convert", "M"], ["Usage: port convert", "Error: Missing option '--out'."]),
+        (["conver"], ["Error: No such command 'conver'. Did you mean 'convert'?"]),
+        (["verify", "M", "--tolerance", "x"], ["Invalid value for '--tolerance': expected a number, not 'x'"]),
+        (["convert", "M", "--out", "x", "--num-processes", "two"], ["Invalid value for '--num-processes'"]),
+        (["info", "D", "extra"], ["Usage: port info", "Got unexpected extra argument(s) (extra)"]),
+        (["--show-completion", "tcsh"], ["'tcsh' is not one of 'bash', 'zsh', 'fish', 'powershell', 'pwsh'"]),
+        (["convert", "M", "--out", "x", "--progress=1"], ["Usage: port convert", "'--progress' does not take a value"]),
+    ],
+)
+def test_more_usage_errors(args, expected, capsys):
+    """As above, in this process (`run`, what `main` calls): the same usage and error, exit 2."""
+    from port import _cli
+
+    assert _cli.run(args) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and said.err.startswith("Usage: port") and "\nError: " in said.err, said
+    assert all(s in said.err for s in expected), said.err
 
 
 def test_run_parses_in_this_process(capsys):
