@@ -311,11 +311,13 @@ def one_line(result, *substrings: str, out: Path | None = None) -> str:
 
 
 def usage_error(result, *substrings: str) -> None:
-    """The command line was used wrongly: exit 2, the usage on stderr holding `substrings`, no traceback."""
+    """The command line was used wrongly: exit 2, the usage on stderr holding `substrings` (`Usage: port
+    COMMAND ...`, then `Error: ...`), no traceback, nothing on stdout."""
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
     assert "Traceback" not in output and "internal error" not in output, output
-    assert result.stderr.startswith("usage: port"), output
+    assert result.stderr.startswith("Usage: port") and "\nError: " in result.stderr, output
+    assert result.stdout == "", output
     for s in substrings:
         assert s in result.stderr, f"{s!r} not in {result.stderr!r}"
 

@@ -17,31 +17,139 @@ EXAMPLE = REPO / "examples" / "tiny-gpt2"
 
 @pytest.mark.slow
 def test_bare_port_shows_help_and_exits_2():
+    """The help on stdout, its commands grouped in typer's panels, and exit 2."""
     result = run_port()
-    assert result.returncode == 2
-    assert result.stdout.startswith("usage: port")
-    for command in ("convert", "plan", "check", "verify", "scaffold"):
-        assert f"\n    {command} " in result.stdout
-    assert "internal error" not in result.stdout + result.stderr
+    assert result.returncode == 2, result.stderr
+    assert result.stdout.lstrip().startswith("Usage: port [OPTIONS] COMMAND [ARGS]...")
+    panels = {}
+    for line in result.stdout.splitlines():
+        if line.startswith("╭─ "):
+            panel = panels.setdefault(line.removeprefix("╭─ ").split(" ─")[0], [])
+        elif line.startswith("│ ") and (line[2:3].isalpha() or line[2:4] == "--"):
+            panel.append(line[2:].split()[0])
+    assert panels == {
+        "Options": ["--version", "--show-completion", "--install-completion", "--help"],
+        "Convert and export": ["convert", "export"],
+        "Inspect": ["info", "plan"],
+        "Author a mapping": ["scaffold", "check", "verify"],
+    }
+    assert result.stderr == ""
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["convert"], ["usage: port convert", "the following arguments are required: MODEL, --out"]),
-        (["bogus"], ["invalid choice: 'bogus'"]),
-        (["convert", "M", "--out", "x", "--bogus"], ["usage: port convert", "unrecognized arguments: --bogus"]),
-        (["convert", "M", "--out", "x", "--dtype", "float64"], ["--dtype", "invalid choice: 'float64'"]),
-        (["convert", "M", "--out", "x", "--timeout", "soon"], ["--timeout", "invalid float value: 'soon'"]),
-        (["plan"], ["usage: port plan", "MODEL"]),
-        (["scaffold", "M"], ["usage: port scaffold", "--module"]),
+        (["convert"], ["Usage: port convert [OPTIONS] MODEL", "Error: Missing argument 'MODEL'."]),
+        (["bogus"], ["Usage: port [OPTIONS] COMMAND", "Error: No such command 'bogus'."]),
+        (["convert", "M", "--out", "x", "--bogus"], ["Usage: port convert", "Error: No such option: --bogus"]),
+        (
+            ["convert", "M", "--out", "x", "--dtype", "float64"],
+            ["Invalid value for '--dtype': 'float64' is not one of 'float32', 'bfloat16', 'float16'."],
+        ),
+        (
+            ["convert", "M", "--out", "x", "--timeout", "soon"],
+            ["Invalid value for '--timeout': expected a number, not 'soon'"],
+        ),
+        (["plan"], ["Usage: port plan [OPTIONS] MODEL", "Missing argument 'MODEL'"]),
+        (["plan", "M", "--mesh"], ["Usage: port plan [OPTIONS] MODEL", "Error: Option '--mesh' requires an argument."]),
+        (["scaffold", "M"], ["Usage: port scaffold", "Missing option '--module'"]),
     ],
 )
 def test_usage_errors_exit_2_with_the_usage(args, expected, tmp_path):
+    """typer's click is the vendored `typer._click`: its usage errors are caught as that click's
+    classes (an installed `click`'s would let them pass as internal errors, as they once did)."""
     result = run_port(*args, cwd=tmp_path)
     usage_error(result, *expected)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["convert", "M"], ["Usage: port convert", "Error: Missing option '--out'."]),
+        (["conver"], ["Error: No such command 'conver'. Did you mean 'convert'?"]),
+        (["verify", "M", "--tolerance", "x"], ["Invalid value for '--tolerance': expected a number, not 'x'"]),
+        (["convert", "M", "--out", "x", "--num-processes", "two"], ["Invalid value for '--num-processes'"]),
+        (["info", "D", "extra"], ["Usage: port info", "Got unexpected extra argument(s) (extra)"]),
+        (["--show-completion", "tcsh"], ["'tcsh' is not one of 'bash', 'zsh', 'fish', 'powershell', 'pwsh'"]),
+        (["convert", "M", "--out", "x", "--progress=1"], ["Usage: port convert", "'--progress' does not take a value"]),
+    ],
+)
+def test_more_usage_errors(args, expected, capsys):
+    """As above, in this process (`run`, what `main` calls): the same usage and error, exit 2."""
+    from port import _cli
+
+    assert _cli.run(args) == 2
+    said = capsys.readouterr()
+    assert said.out == "" and said.err.startswith("Usage: port") and "\nError: " in said.err, said
+    assert all(s in said.err for s in expected), said.err
+
+
+def test_run_parses_in_this_process(capsys):
+    """`port._cli.run` (tests, bench/bench.py): a usage error is 2, said with the usage; each command's
+    flags reach `_commands` as the `argparse.Namespace` attributes it reads."""
+    import argparse
+
+    from port import _cli, _commands
+
+    assert _cli.run(["convert", "M"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Usage: port convert") and "Missing option '--out'" in err
+    args = _cli.parse(["convert", "M", "--out", "o", "--module", "a:B", "--module", "c:D", "--no-progress"])
+    assert isinstance(args, argparse.Namespace) and args.run is _commands.convert
+    assert vars(args) == {
+        "run": _commands.convert,
+        "model": "M",
+        "out": Path("o"),
+        "mesh": "1x1",
+        "dtype": None,
+        "mapping": None,
+        "module": ["a:B", "c:D"],
+        "report": None,
+        "deadline": None,
+        "include": None,
+        "layers": None,
+        "force": False,
+        "progress": False,
+        "json": False,
+        "coordinator": None,
+        "num_processes": None,
+        "process_id": None,
+        "timeout": 300.0,
+    }
+    assert _cli.parse(["plan", "M"]).module is None
+    export = _cli.parse(["export", "D", "--out", "H", "--module", "a:B", "--report", "r.json", "--json", "--progress"])
+    assert (export.dir, export.module, export.report, export.json, export.progress) == (
+        Path("D"),
+        "a:B",
+        Path("r.json"),
+        True,
+        True,
+    )
+    assert export.max_shard_size == "5GB" and export.deadline is None and export.run is _commands.export_command
+    verify = _cli.parse(["verify", "M", "--padding", "left", "--batch", "3"])
+    assert (verify.batch, verify.length, verify.padding, verify.tolerance, verify.roundtrip) == (
+        3,
+        16,
+        "left",
+        None,
+        False,
+    )
+    assert _cli.parse(["convert", "M", "--out", "o", "--deadline", "1.5"]).deadline == 1.5
+    assert _cli.parse(["scaffold", "M", "--module", "a:B"]).module == "a:B"
+    assert _cli.parse(["info", "D", "--json"]).run is _commands.info_command
+    assert _cli.parse(["--version"]) == 0 and capsys.readouterr().out.startswith("port ")
+
+
+def test_the_dtype_choices_are_the_dtype_tables():
+    """`_cli` spells the casts out (importing `_dtypes` imports NumPy, which `--help` must not)."""
+    import typing
+
+    from port import _cli
+    from port._dtypes import CASTS
+
+    assert typing.get_args(_cli.Cast) == CASTS
 
 
 @pytest.mark.slow
@@ -63,11 +171,79 @@ def test_version():
 
 @pytest.mark.slow
 def test_help_shows_flags_plainly():
-    result = run_port("convert", "--help")
-    assert result.returncode == 0
-    assert "--force" in result.stdout and "<bool>" not in result.stdout and "{model}" not in result.stdout
-    assert "--dtype {float32,bfloat16,float16}" in result.stdout
-    assert all(len(line) <= 100 for line in result.stdout.splitlines())
+    """typer's rich help, within 100 columns even on a wider terminal, each flag as users type it (no
+    `<bool>`, `<str>` or `{MODEL}`), the multi-process flags in their own panel; `-h` as `--help`."""
+    result = run_port("convert", "--help", env={"COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert text.split()[:5] == ["Usage:", "port", "convert", "[OPTIONS]", "MODEL"]
+    assert (
+        "--force" in text
+        and "--progress      --no-progress" in text
+        and "--dtype                          DTYPE" in text
+    )
+    assert "<bool>" not in text and "<str>" not in text and "{" not in text, text
+    assert "cast floating parameters to float32, bfloat16" in text
+    assert "╭─ Multi-process run" in text and text.index("╭─ Multi-process run") < text.index("│ --coordinator")
+    assert max(len(line) for line in text.splitlines()) == 100
+    assert run_port("convert", "-h", env={"COLUMNS": "200"}).stdout == text
+    narrow = run_port("verify", "--help")  # piped: 80 columns
+    assert max(len(line) for line in narrow.stdout.splitlines()) == 80
+    assert "--padding" in narrow.stdout and "left|right" in narrow.stdout
+
+
+@pytest.mark.slow
+def test_help_version_and_completion_import_neither_jax_nor_numpy(tmp_path):
+    """The supervisor answers `--help`, `--version` and completion requests at once: one process
+    (the worker never starts), importing none of JAX, NumPy or port's pipeline (`-X importtime`'s
+    list, through the installed entry point)."""
+    heavy = {"jax", "jaxlib", "numpy", "ml_dtypes", "equinox", "torch", "port._dtypes", "port._convert", "port._plan"}
+    complete = {"_PORT_COMPLETE": "complete_bash", "COMP_WORDS": "port convert --dt", "COMP_CWORD": "2"}
+    for args, env in (
+        ([], None),
+        (["--help"], None),
+        (["convert", "--help"], None),
+        (["--version"], None),
+        ([], complete),
+    ):
+        result = run_port(*args, env={"PYTHONPROFILEIMPORTTIME": "1", **(env or {})}, cwd=tmp_path)
+        imported = [
+            line.split("|")[-1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")
+        ]
+        assert imported.count("port._cli") == 1, (args, env)  # one process: no worker started
+        assert not heavy & {name.strip() for name in imported}, (args, env, heavy & set(imported))
+    assert result.returncode == 0 and result.stdout.split() == ["--dtype"]
+
+
+@pytest.mark.slow
+def test_shell_completion(tmp_path):
+    """`_PORT_COMPLETE` (what the scripts `--show-completion SHELL` prints set) completes commands,
+    flags and choices; `--install-completion SHELL` writes the script where the shell reads it."""
+
+    def complete(words: str) -> list[str]:
+        env = {"_PORT_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": str(len(words.split()) - 1)}
+        result = run_port(env=env, cwd=tmp_path)
+        assert result.returncode == 0 and result.stderr == "", result.stderr
+        return result.stdout.split()
+
+    assert complete("port con") == ["convert"]
+    assert complete("port convert M --dtype b") == ["bfloat16"]
+    assert complete("port verify M --pad") == ["--padding"]
+    zsh = run_port(env={"_PORT_COMPLETE": "complete_zsh", "_TYPER_COMPLETE_ARGS": "port pl"}, cwd=tmp_path)
+    assert '"plan":"Print how MODEL maps onto the mesh, reading no tensor data."' in zsh.stdout
+
+    bash = run_port("--show-completion", "bash")
+    assert bash.returncode == 0, bash.stderr
+    assert "_PORT_COMPLETE=complete_bash $1" in bash.stdout
+    assert bash.stdout.rstrip().endswith("complete -o default -F _port_completion port")
+    assert "compdef _port_completion port" in run_port("--show-completion", "zsh").stdout
+
+    installed = run_port("--install-completion", "bash", env={"HOME": str(tmp_path)}, cwd=tmp_path)
+    assert installed.returncode == 0, installed.stderr
+    assert installed.stdout.startswith("bash completion installed in ")
+    script = tmp_path / ".bash_completions" / "port.sh"
+    assert script.read_text().strip() == bash.stdout.strip()
+    assert f"source '{script}'" in (tmp_path / ".bashrc").read_text()
 
 
 @pytest.mark.slow
@@ -112,8 +288,12 @@ def test_verify_pads_sizes_and_round_trips():
         run_port("verify", EXAMPLE, "--roundtrip", "--dtype", "bfloat16"),
         "--roundtrip compares bit for bit: drop --dtype bfloat16",
     )
-    for bad in (["--batch", "0"], ["--length", "x"], ["--padding", "middle"]):
-        usage_error(run_port("verify", EXAMPLE, *bad), "usage: port verify")
+    for bad, said in (
+        (["--batch", "0"], "Invalid value for '--batch': expected a positive integer, not '0'"),
+        (["--length", "x"], "Invalid value for '--length': expected a positive integer, not 'x'"),
+        (["--padding", "middle"], "Invalid value for '--padding': 'middle' is not one of 'left', 'right'."),
+    ):
+        usage_error(run_port("verify", EXAMPLE, *bad), "Usage: port verify [OPTIONS] MODEL", said)
 
 
 @pytest.mark.slow
@@ -449,3 +629,25 @@ def test_json_output_is_what_docs_cli_md_says(tmp_path, beside):
         "axes": ["vocab", "embed"],
         "bytes": 1021 * 64 * 4,
     }
+
+
+def test_a_bare_completion_flag_means_the_shell_running_port(monkeypatch, capsys):
+    """`--show-completion` without SHELL: the shell typer finds running `port`, else $SHELL; neither
+    found, a usage error asking for one."""
+    import typer._completion_shared
+
+    from port import _cli
+
+    monkeypatch.setattr(typer._completion_shared, "_get_shell_name", lambda: None)
+    monkeypatch.setenv("SHELL", "/usr/bin/zsh")
+    assert _cli.parse(["--show-completion"]) == 0
+    assert "compdef _port_completion port" in capsys.readouterr().out
+    monkeypatch.setattr(typer._completion_shared, "_get_shell_name", lambda: "fish")
+    assert _cli.parse(["--show-completion"]) == 0
+    assert capsys.readouterr().out.startswith("complete --command port ")
+    monkeypatch.setattr(typer._completion_shared, "_get_shell_name", lambda: None)
+    monkeypatch.setenv("SHELL", "/bin/tcsh")
+    assert _cli.parse(["--show-completion"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Usage: port [OPTIONS] COMMAND [ARGS]...")
+    assert "Error: cannot tell which shell runs port ('tcsh'): name one of bash, zsh, fish, powershell, pwsh" in err

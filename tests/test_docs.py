@@ -31,6 +31,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -257,15 +258,23 @@ def check_mapping_excerpt(block: Block, path: Path) -> None:
         assert any(alias in m.aliases.items() for m in shipped), f"{block}: alias {alias}"
 
 
-def parsers() -> dict[str, "argparse.ArgumentParser"]:  # noqa: F821
-    """`port`'s own parser (under "") and each command's."""
-    import argparse
+def parsers() -> dict[str, Any]:
+    """`port`'s own command (under "") and each sub-command's: the click commands typer builds."""
+    from port._cli import command
 
-    from port._cli import parser
+    root = command()
+    return {"": root, **root.commands}
 
-    root = parser()
-    (commands,) = [a for a in root._actions if isinstance(a, argparse._SubParsersAction)]
-    return {"": root, **commands.choices}
+
+def options(command) -> set[str]:
+    """A click command's long options (`--progress` and `--no-progress` both), `--help` aside."""
+    return {
+        name
+        for param in command.params
+        if param.param_type_name == "option"
+        for name in (*param.opts, *param.secondary_opts)
+        if name.startswith("--")
+    } - {"--help"}
 
 
 def synopses(text: str) -> list[str]:
@@ -288,11 +297,11 @@ def check_synopsis(block: Block) -> list[str]:
         words = line.split()
         command = "" if words[1].startswith("-") else words[1]
         assert command in every, f"{block}: no command {command!r}"
-        options = {s for a in every[command]._actions for s in a.option_strings if s.startswith("--")} - {"--help"}
-        assert set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", line)) == options, f"{block}: port {command}"
-        for action in every[command]._actions:
-            if not action.option_strings and action.metavar != "COMMAND":
-                assert action.metavar in words, f"{block}: port {command} takes {action.metavar}"
+        found = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", line))
+        assert found == options(every[command]), f"{block}: port {command}"
+        for param in every[command].params:
+            if param.param_type_name == "argument":
+                assert param.metavar in words, f"{block}: port {command} takes {param.metavar}"
         named.append(command)
     return named
 
@@ -306,11 +315,9 @@ def test_the_synopsis_names_every_command():
 def test_every_option_is_described():
     """Each option of each command appears in docs/cli.md's text, beyond its synopsis."""
     text = FENCE.sub("", (REPO / "docs" / "cli.md").read_text())
-    for command, parser in parsers().items():
-        for action in parser._actions:
-            for option in action.option_strings:
-                if option.startswith("--") and option != "--help":
-                    assert re.search(rf"(?<![\w-]){option}(?![\w-])", text), f"port {command} {option}"
+    for name, command in parsers().items():
+        for option in options(command):
+            assert re.search(rf"(?<![\w-]){option}(?![\w-])", text), f"port {name} {option}"
 
 
 def test_the_runner_compares_what_it_should(tmp_path):

@@ -890,7 +890,7 @@ def test_deadline_must_be_a_positive_number(tmp_path):
 
     for value in ("0", "-3", "nan", "inf", "soon"):
         result = run_port("convert", EXAMPLE, "--out", tmp_path / "out", "--deadline", value)
-        usage_error(result, "argument --deadline: expected a number of seconds > 0")
+        usage_error(result, "Invalid value for '--deadline': expected a number of seconds > 0")
 
 
 @pytest.mark.slow

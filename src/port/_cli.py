@@ -1,5 +1,5 @@
-"""The `port` command line: its parser, and `main`, which parses, then runs the command
-(`_commands`) in a worker process under the supervisor (`_interrupt`).
+"""The `port` command line: its parser (a typer app), and `main`, which parses, then runs the
+command (`_commands`) in a worker process under the supervisor (`_interrupt`).
 
 ```
 port convert gpt2 --mesh 4x2 --out gpt2-jax [--dtype bfloat16] [--report run.json]
@@ -9,19 +9,33 @@ port plan gpt2 --mesh 4x2
 Exit status: 0 done, 1 bad input or a failed check (one line on stderr naming the
 file, key or flag, and no output left behind), 2 a usage error (with the usage
 message), 130 interrupted (Ctrl-C; 143 for SIGTERM), removing what the run wrote.
+
+Each typer command only gathers its flags into an `argparse.Namespace` (one attribute
+per flag, and `run`, the `_commands` function doing the work): parsing answers usage
+errors, `--help`, `--version` and shell completion in the supervisor, which imports
+neither JAX nor NumPy, and the worker parses the same words again and runs the command.
+typer runs on the click it vendors (`typer._click`), not on an installed `click`: its
+errors are caught as that click's classes, or a usage error would pass for an internal one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable, Sequence
+import typing
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Annotated, Any, Literal, NoReturn
+
+import typer
+import typer.core
+from typer import _click as click
+from typer._click import exceptions as clicks
 
 from ._cleanup import attach
 from ._commands import DEFAULT_TIMEOUT, check, convert, export_command, info_command, plan_command, scaffold, verify
@@ -32,7 +46,17 @@ from ._interrupt import hold_signals, supervise
 from ._text import described, plural, printable, quoted, shortened
 
 MESH_HELP = "device mesh: 4x2 (data x model) or named axes, data=2,expert=2,model=2 (default: 1x1)"
+WIDTH = 100  # help and usage lines, at most (fewer on a narrower terminal)
+Shell = Literal["bash", "zsh", "fish", "powershell", "pwsh"]  # what --show-completion / --install-completion take
+SHELLS = typing.get_args(Shell)
+COMPLETE_VAR = "_PORT_COMPLETE"  # set (to complete_bash, complete_zsh, ...), `port` answers a completion request
 
+# `_dtypes.CASTS` (a test checks), spelled here: importing `_dtypes` imports NumPy, and `--help` must not.
+Cast = Literal["float32", "bfloat16", "float16"]
+CASTS = ", ".join(typing.get_args(Cast)[:-1]) + " or " + typing.get_args(Cast)[-1]
+
+
+P = typing.TypeVar("P", bound="click.Parameter | None")
 
 # ---------------------------------------------------------------------------- parser
 
@@ -43,247 +67,582 @@ def _version() -> str:
     return port.__version__
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    def __init__(self, prog: str) -> None:
-        super().__init__(prog, max_help_position=30, width=min(100, shutil.get_terminal_size((80, 24)).columns))
+def _fit_help() -> None:
+    """typer's rich help and error panels: as wide as the terminal, at most `WIDTH` columns."""
+    from typer import rich_utils
 
-    def _format_action(self, action: argparse.Action) -> str:
-        text = super()._format_action(action)
-        if isinstance(action, argparse._SubParsersAction):  # drop the bare "COMMAND" line above the list
-            text = text.split("\n", 1)[1]
-        return text
+    rich_utils.MAX_WIDTH = min(WIDTH, shutil.get_terminal_size((80, 24)).columns)
 
 
-def parser() -> argparse.ArgumentParser:
-    """The command line's parser: one sub-command per step users run."""
-    root = argparse.ArgumentParser(
-        prog="port",
-        description="Stream PyTorch / Hugging Face safetensors checkpoints into sharded Equinox models.",
-        epilog="Run `port COMMAND --help` for a command's options.\n"
-        "Exit status: 0 done, 1 bad input or a failed check, 2 usage error, 130 interrupted.",
-        formatter_class=_Formatter,
-    )
-    root.add_argument("--version", action="version", version=f"port {_version()}")
-    commands = root.add_subparsers(title="commands", dest="command", metavar="COMMAND")
-
-    def command(name: str, run: Callable[[argparse.Namespace], int], summary: str, details: str = ""):
-        sub = commands.add_parser(
-            name, help=summary, description=summary + ("\n\n" + details if details else ""), formatter_class=_Formatter
-        )
-        sub.set_defaults(run=run)
-        return sub
-
-    def model(sub) -> None:
-        sub.add_argument(
-            "model",
-            metavar="MODEL",
-            help="checkpoint directory, Hugging Face repo id (e.g. gpt2) or URL (http(s)://, hf://, s3://, gs://)",
-        )
-
-    from ._dtypes import CASTS
-
-    def json_flag(sub) -> None:
-        sub.add_argument(
-            "--json", action="store_true", help="print one JSON object instead of text (schemas: docs/cli.md)"
-        )
-
-    def deadline_flag(sub) -> None:
-        sub.add_argument(
-            "--deadline",
-            type=_seconds,
-            metavar="SECONDS",
-            help="stop the whole run if it has not finished by then, removing what it wrote (exit 1); "
-            "default: none (each remote request has its own timeouts)",
-        )
-
-    def run_flags(sub) -> None:
-        sub.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address, for a multi-process run")
-        sub.add_argument("--num-processes", type=int, metavar="N", help="processes in the run")
-        sub.add_argument("--process-id", type=int, metavar="I", help="this process, 0 to N-1")
-        sub.add_argument(
-            "--timeout",
-            type=float,
-            default=DEFAULT_TIMEOUT,
-            metavar="SECONDS",
-            help=f"how long processes wait for each other (default: {DEFAULT_TIMEOUT:g})",
-        )
-
-    def module_flag(sub, required: bool = False, what: str | None = None) -> None:
-        many = what is None
-        sub.add_argument(
-            "--module",
-            required=required,
-            metavar="MODULE:CLASS",
-            action="append" if many else "store",
-            help=(what or "a class the mapping names (its model, or its reference), repeatable")
-            + ", imported from the working directory if not installed (e.g. mymodel:MyModel); "
-            "nothing else is imported from there",
-        )
-
-    def options(sub, mapping: bool = True) -> None:
-        sub.add_argument("--mesh", default="1x1", metavar="SPEC", help=MESH_HELP)
-        sub.add_argument("--dtype", choices=CASTS, help="cast floating parameters (default: keep the checkpoint's)")
-        if mapping:
-            sub.add_argument(
-                "--mapping", type=Path, metavar="FILE", help="mapping file (default: the shipped one for model_type)"
-            )
-            module_flag(sub)
-
-    sub = command(
-        "convert",
-        convert,
-        "Convert MODEL into a sharded Equinox model and save it to --out, an Orbax checkpoint.",
-        "For a multi-process run, start the same command in every process, adding --coordinator,\n"
-        "--num-processes and --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,\n"
-        "JAX_PROCESS_ID): each process reads only what its devices hold.",
-    )
-    model(sub)
-    sub.add_argument("--out", type=Path, required=True, metavar="DIR", help="output directory (an Orbax checkpoint)")
-    options(sub)
-    sub.add_argument("--report", type=Path, metavar="FILE", help="write the run summary as JSON")
-    json_flag(sub)
-    deadline_flag(sub)
-    sub.add_argument(
-        "--include",
-        metavar="PATHS",
-        help="convert only these leaves: module paths, dotted prefixes or globs, comma-separated (e.g. wte,blocks)",
-    )
-    sub.add_argument(
-        "--layers",
-        metavar="START:STOP",
-        help="convert only the checkpoint's layers START to STOP-1 (e.g. 0:12); the output's config says how many",
-    )
-    sub.add_argument(
-        "--force", action="store_true", help="replace --out (and --report) if it is an earlier port output"
-    )
-    sub.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="progress bar (default: on a terminal)",
-    )
-    run_flags(sub)
-
-    sub = command(
-        "export",
-        export_command,
-        "Write a port convert output DIR back as a Hugging Face checkpoint in --out.",
-        "config.json and model.safetensors (or numbered shards and model.safetensors.index.json), with the\n"
-        "checkpoint's own tensor names, shapes and dtypes, as transformers' save_pretrained writes them.",
-    )
-    sub.add_argument("dir", type=Path, metavar="DIR", help="a port convert output")
-    sub.add_argument("--out", type=Path, required=True, metavar="HF_DIR", help="output directory")
-    sub.add_argument("--max-shard-size", default="5GB", metavar="SIZE", help="largest file (default: 5GB)")
-    sub.add_argument("--dtype", choices=CASTS, help="write floating tensors in this dtype (default: the checkpoint's)")
-    sub.add_argument("--mesh", default="1x1", metavar="SPEC", help="mesh to restore DIR onto first (default: 1x1)")
-    sub.add_argument(
-        "--force", action="store_true", help="replace --out (and --report) if it is an earlier port export"
-    )
-    module_flag(sub, what="DIR's model class, when not one of port's (an output's word imports nothing else)")
-    sub.add_argument("--report", type=Path, metavar="FILE", help="write the run summary as JSON")
-    json_flag(sub)
-    deadline_flag(sub)
-    sub.add_argument(
-        "--progress",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="progress bar (default: on a terminal)",
-    )
-    run_flags(sub)
-
-    sub = command(
-        "info",
-        info_command,
-        "Describe a port convert output DIR: model, mapping, mesh, leaves.",
-        "Reads only DIR's metadata (bounded, checked, importing nothing), no array.",
-    )
-    sub.add_argument("dir", type=Path, metavar="DIR", help="a port convert output")
-    json_flag(sub)
-
-    sub = command("plan", plan_command, "Print how MODEL maps onto the mesh, reading no tensor data.")
-    model(sub)
-    options(sub)
-    json_flag(sub)
-
-    sub = command("check", check, "Check a mapping against a checkpoint and its model, reading no tensor data.")
-    sub.add_argument("mapping", type=Path, metavar="MAPPING", help="the mapping file to check")
-    model(sub)
-    sub.add_argument("--mesh", default="1x1", metavar="SPEC", help=MESH_HELP)
-    module_flag(sub)
-    json_flag(sub)
-
-    sub = command(
-        "verify",
-        verify,
-        "Convert MODEL, run it and the PyTorch reference on the same inputs, and compare.",
-        "Exits 1 when the largest difference is above the tolerance.",
-    )
-    model(sub)
-    options(sub)
-    sub.add_argument(
-        "--tolerance",
-        type=float,
-        metavar="X",
-        help="largest allowed difference (default: 1e-4, or 2e-2 for 16-bit, x max(1, max |reference|))",
-    )
-    sub.add_argument(
-        "--batch", type=_positive, default=2, metavar="N", help="sequences (or images) compared (default: 2)"
-    )
-    sub.add_argument("--length", type=_positive, default=16, metavar="N", help="tokens per sequence (default: 16)")
-    sub.add_argument(
-        "--padding",
-        choices=("left", "right"),
-        help="pad each sequence after the first by more positions, with the attention mask",
-    )
-    sub.add_argument(
-        "--roundtrip",
-        action="store_true",
-        help="also export the converted model back and compare every tensor bit for bit",
-    )
-    json_flag(sub)
-
-    sub = command("scaffold", scaffold, "Write a draft mapping pairing MODEL's keys with your module's leaves.")
-    model(sub)
-    module_flag(sub, required=True, what="your Equinox module's class")
-    sub.add_argument("--out", type=Path, metavar="FILE", help="write the draft here (default: stdout)")
-    sub.add_argument("--force", action="store_true", help="replace --out if it is an earlier scaffold draft")
-    return root
+@contextlib.contextmanager
+def _in(ctx: click.Context) -> Iterator[None]:
+    """A usage error raised within: its command's, so that its usage is shown (click's parser raises
+    some, `--mesh` without its value, with no command)."""
+    try:
+        yield
+    except clicks.UsageError as e:
+        if e.ctx is None:
+            e.ctx = ctx
+        raise
 
 
-def _seconds(text: str) -> float:
-    """A positive, finite number of seconds (argparse's type for --deadline)."""
+class _Group(typer.core.TyperGroup):
+    def get_help_option(self, ctx: click.Context) -> typer.core.TyperOption | None:
+        return _plain(super().get_help_option(ctx))
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        # A bare `--show-completion` / `--install-completion` (last, without SHELL) means the shell
+        # running port: click's options take a value always, or never.
+        if args and args[-1] in ("--show-completion", "--install-completion") and not ctx.resilient_parsing:
+            args = [*args, _running_shell(ctx)]
+        with _in(ctx):
+            return super().parse_args(ctx, args)
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        _fit_help()
+        super().format_help(ctx, formatter)
+
+
+class _Command(typer.core.TyperCommand):
+    def get_help_option(self, ctx: click.Context) -> typer.core.TyperOption | None:
+        return _plain(super().get_help_option(ctx))
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        with _in(ctx):
+            return super().parse_args(ctx, args)
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        _fit_help()
+        super().format_help(ctx, formatter)
+
+
+def _seconds(text: Any) -> float:
+    """A positive, finite number of seconds (the type of --deadline)."""
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
     if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, not {quoted(text, 40)}")
+        raise typer.BadParameter(f"expected a number of seconds > 0, not {quoted(str(text), 40)}")
     return value
 
 
-def _positive(text: str) -> int:
-    """A positive integer (argparse's type for --batch, --length)."""
+def _number(text: Any) -> float:
+    """A number (the type of --timeout, --tolerance)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise typer.BadParameter(f"expected a number, not {quoted(str(text), 40)}") from None
+
+
+def _positive(text: Any) -> int:
+    """A positive integer (the type of --batch, --length)."""
+    text = str(text)  # the default is an int
     if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, not {quoted(text, 40)}")
+        raise typer.BadParameter(f"expected a positive integer, not {quoted(str(text), 40)}")
     return int(text)
 
 
-def _parse(cli: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-    """Parse, or exit 2 with the usage of the command at fault."""
-    args, extra = cli.parse_known_args(argv)
-    if extra:  # the command's own usage, not the top level's
-        commands = next(a for a in cli._actions if isinstance(a, argparse._SubParsersAction))
-        (commands.choices[args.command] if args.command else cli).error(f"unrecognized arguments: {' '.join(extra)}")
-    return args
+def _said_version(value: bool) -> None:
+    if value:
+        print(f"port {_version()}")
+        raise typer.Exit(0)
+
+
+def _running_shell(ctx: click.Context) -> str:
+    """The shell running `port`, as typer finds it (shellingham), else $SHELL's name."""
+    from typer._completion_shared import _get_shell_name
+
+    try:
+        found = _get_shell_name()
+    except Exception:  # noqa: BLE001 - no shell found is said below
+        found = None
+    found = found or Path(os.environ.get("SHELL", "")).name
+    if found not in SHELLS:
+        shown = f" ({quoted(found, 40)})" if found else ""
+        raise clicks.UsageError(f"cannot tell which shell runs port{shown}: name one of {', '.join(SHELLS)}", ctx)
+    return found
+
+
+def _show_completion(ctx: typer.Context, value: str | None) -> None:
+    if value is None or ctx.resilient_parsing:
+        return
+    from typer._completion_shared import get_completion_script
+
+    print(get_completion_script(prog_name="port", complete_var=COMPLETE_VAR, shell=value))
+    raise typer.Exit(0)
+
+
+def _install_completion(ctx: typer.Context, value: str | None) -> None:
+    if value is None or ctx.resilient_parsing:
+        return
+    from typer._completion_shared import install
+
+    shell, path = install(shell=value, prog_name="port", complete_var=COMPLETE_VAR)
+    print(f"{shell} completion installed in {path}; a new shell has it")
+    raise typer.Exit(0)
+
+
+CONVERT = "Convert and export"
+INSPECT = "Inspect"
+AUTHOR = "Author a mapping"
+PROCESSES = "Multi-process run"
+
+app = typer.Typer(
+    name="port",
+    cls=_Group,
+    help="Stream PyTorch / Hugging Face safetensors checkpoints into sharded Equinox models.",
+    epilog="Run `port COMMAND --help` for a command's options.\n\n"
+    "Exit status: 0 done, 1 bad input or a failed check, 2 usage error, 130 interrupted.",
+    no_args_is_help=True,
+    add_completion=False,  # port's own --show-completion / --install-completion (below) take the shell
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", is_eager=True, callback=_said_version, help="print port's version and exit")
+    ] = False,
+    show_completion: Annotated[
+        Shell | None,
+        typer.Option(
+            "--show-completion",
+            metavar="[SHELL]",
+            is_eager=True,
+            expose_value=False,
+            callback=_show_completion,
+            help="print the shell completion script (default: for the shell running port)",
+        ),
+    ] = None,
+    install_completion: Annotated[
+        Shell | None,
+        typer.Option(
+            "--install-completion",
+            metavar="[SHELL]",
+            is_eager=True,
+            expose_value=False,
+            callback=_install_completion,
+            help="install shell completion (default: for the shell running port)",
+        ),
+    ] = None,
+) -> None:
+    pass
+
+
+# The types of the flags several commands share.
+Model = Annotated[
+    str,
+    typer.Argument(
+        metavar="MODEL",
+        show_default=False,
+        help="checkpoint directory, Hugging Face repo id (e.g. gpt2) or URL (http(s)://, hf://, s3://, gs://)",
+    ),
+]
+Mesh = Annotated[str, typer.Option("--mesh", metavar="SPEC", show_default=False, help=MESH_HELP)]
+DtypeFlag = Annotated[
+    Cast | None,
+    typer.Option(
+        "--dtype", metavar="DTYPE", help=f"cast floating parameters to {CASTS} (default: keep the checkpoint's)"
+    ),
+]
+MappingFlag = Annotated[
+    Path | None,
+    typer.Option("--mapping", metavar="FILE", help="mapping file (default: the shipped one for model_type)"),
+]
+_MODULE_TAIL = (
+    ", imported from the working directory if not installed (e.g. mymodel:MyModel); nothing else is imported from there"
+)
+Modules = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--module",
+        metavar="MODULE:CLASS",
+        help="a class the mapping names (its model, or its reference), repeatable" + _MODULE_TAIL,
+    ),
+]
+Json = Annotated[bool, typer.Option("--json", help="print one JSON object instead of text (schemas: docs/cli.md)")]
+Deadline = Annotated[
+    float | None,
+    typer.Option(
+        "--deadline",
+        metavar="SECONDS",
+        parser=_seconds,
+        help="stop the whole run if it has not finished by then, removing what it wrote (exit 1); "
+        "default: none (each remote request has its own timeouts)",
+    ),
+]
+ProgressFlag = Annotated[
+    bool | None, typer.Option("--progress/--no-progress", help="progress bar (default: on a terminal)")
+]
+Coordinator = Annotated[
+    str | None,
+    typer.Option(
+        "--coordinator",
+        metavar="HOST:PORT",
+        help="process 0's address, for a multi-process run",
+        rich_help_panel=PROCESSES,
+    ),
+]
+NumProcesses = Annotated[
+    int | None,
+    typer.Option("--num-processes", metavar="N", help="processes in the run", rich_help_panel=PROCESSES),
+]
+ProcessId = Annotated[
+    int | None, typer.Option("--process-id", metavar="I", help="this process, 0 to N-1", rich_help_panel=PROCESSES)
+]
+Timeout = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        metavar="SECONDS",
+        parser=_number,
+        show_default=False,
+        help=f"how long processes wait for each other (default: {DEFAULT_TIMEOUT:g})",
+        rich_help_panel=PROCESSES,
+    ),
+]
+
+
+def _args(run: Callable[[argparse.Namespace], int], flags: dict[str, Any]) -> argparse.Namespace:
+    """What a command's flags parsed to, as `_commands` takes them (an empty `--module` list: None)."""
+    if flags.get("module") == []:
+        flags["module"] = None
+    return argparse.Namespace(run=run, **flags)
+
+
+def _command(name: str, panel: str, summary: str, details: str = ""):
+    return app.command(
+        name,
+        cls=_Command,
+        help=summary + ("\n\n" + details if details else ""),
+        short_help=summary,
+        rich_help_panel=panel,
+    )
+
+
+@_command(
+    "convert",
+    CONVERT,
+    "Convert MODEL into a sharded Equinox model and save it to --out, an Orbax checkpoint.",
+    "For a multi-process run, start the same command in every process, adding --coordinator, "
+    "--num-processes and --process-id (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+    "JAX_PROCESS_ID): each process reads only what its devices hold.",
+)
+def _convert(
+    model: Model,
+    out: Annotated[
+        Path, typer.Option("--out", metavar="DIR", show_default=False, help="output directory (an Orbax checkpoint)")
+    ],
+    mesh: Mesh = "1x1",
+    dtype: DtypeFlag = None,
+    mapping: MappingFlag = None,
+    module: Modules = None,
+    report: Annotated[
+        Path | None, typer.Option("--report", metavar="FILE", help="write the run summary as JSON")
+    ] = None,
+    deadline: Deadline = None,
+    include: Annotated[
+        str | None,
+        typer.Option(
+            "--include",
+            metavar="PATHS",
+            help="convert only these leaves: module paths, dotted prefixes or globs, comma-separated (e.g. wte,blocks)",
+        ),
+    ] = None,
+    layers: Annotated[
+        str | None,
+        typer.Option(
+            "--layers",
+            metavar="START:STOP",
+            help="convert only the checkpoint's layers START to STOP-1 (e.g. 0:12); the output's config says how many",
+        ),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="replace --out (and --report) if it is an earlier port output")
+    ] = False,
+    progress: ProgressFlag = None,
+    json: Json = False,
+    coordinator: Coordinator = None,
+    num_processes: NumProcesses = None,
+    process_id: ProcessId = None,
+    timeout: Timeout = DEFAULT_TIMEOUT,
+) -> argparse.Namespace:
+    return _args(convert, locals())
+
+
+@_command(
+    "export",
+    CONVERT,
+    "Write a port convert output DIR back as a Hugging Face checkpoint in --out.",
+    "config.json and model.safetensors (or numbered shards and model.safetensors.index.json), with the "
+    "checkpoint's own tensor names, shapes and dtypes, as transformers' save_pretrained writes them.",
+)
+def _export(
+    dir: Annotated[Path, typer.Argument(metavar="DIR", show_default=False, help="a port convert output")],
+    out: Annotated[Path, typer.Option("--out", metavar="HF_DIR", show_default=False, help="output directory")],
+    max_shard_size: Annotated[
+        str, typer.Option("--max-shard-size", metavar="SIZE", show_default=False, help="largest file (default: 5GB)")
+    ] = "5GB",
+    dtype: Annotated[
+        Cast | None,
+        typer.Option(
+            "--dtype",
+            metavar="DTYPE",
+            help=f"write floating tensors in this dtype, {CASTS} (default: the checkpoint's)",
+        ),
+    ] = None,
+    mesh: Annotated[
+        str,
+        typer.Option(
+            "--mesh", metavar="SPEC", show_default=False, help="mesh to restore DIR onto first (default: 1x1)"
+        ),
+    ] = "1x1",
+    force: Annotated[bool, typer.Option("--force", help="replace --out if it is an earlier port export")] = False,
+    module: Annotated[
+        str | None,
+        typer.Option(
+            "--module",
+            metavar="MODULE:CLASS",
+            help="DIR's model class, when not one of port's (an output's word imports nothing else)" + _MODULE_TAIL,
+        ),
+    ] = None,
+    report: Annotated[
+        Path | None, typer.Option("--report", metavar="FILE", help="write the run summary as JSON")
+    ] = None,
+    deadline: Deadline = None,
+    progress: ProgressFlag = None,
+    json: Json = False,
+    coordinator: Coordinator = None,
+    num_processes: NumProcesses = None,
+    process_id: ProcessId = None,
+    timeout: Timeout = DEFAULT_TIMEOUT,
+) -> argparse.Namespace:
+    return _args(export_command, locals())
+
+
+@_command(
+    "info",
+    INSPECT,
+    "Describe a port convert output DIR: model, mapping, mesh, leaves.",
+    "Reads only DIR's metadata (bounded, checked, importing nothing), no array.",
+)
+def _info(
+    dir: Annotated[Path, typer.Argument(metavar="DIR", show_default=False, help="a port convert output")],
+    json: Json = False,
+) -> argparse.Namespace:
+    return _args(info_command, locals())
+
+
+@_command(
+    "plan",
+    INSPECT,
+    "Print how MODEL maps onto the mesh, reading no tensor data.",
+    "MODEL may also be a port convert output, to plan its restore onto --mesh.",
+)
+def _plan(
+    model: Annotated[
+        str,
+        typer.Argument(
+            metavar="MODEL",
+            show_default=False,
+            help="checkpoint directory, Hugging Face repo id (e.g. gpt2) or URL (http(s)://, hf://, s3://, gs://), "
+            "or a port convert output, to plan its restore",
+        ),
+    ],
+    mesh: Mesh = "1x1",
+    dtype: DtypeFlag = None,
+    mapping: MappingFlag = None,
+    module: Modules = None,
+    json: Json = False,
+) -> argparse.Namespace:
+    return _args(plan_command, locals())
+
+
+@_command(
+    "scaffold",
+    AUTHOR,
+    "Write a draft mapping pairing MODEL's keys with your module's leaves.",
+)
+def _scaffold(
+    model: Model,
+    module: Annotated[
+        str,
+        typer.Option(
+            "--module", metavar="MODULE:CLASS", show_default=False, help="your Equinox module's class" + _MODULE_TAIL
+        ),
+    ],
+    out: Annotated[
+        Path | None, typer.Option("--out", metavar="FILE", help="write the draft here (default: stdout)")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="replace --out if it is an earlier scaffold draft")] = False,
+) -> argparse.Namespace:
+    return _args(scaffold, locals())
+
+
+@_command("check", AUTHOR, "Check a mapping against a checkpoint and its model, reading no tensor data.")
+def _check(
+    mapping: Annotated[Path, typer.Argument(metavar="MAPPING", show_default=False, help="the mapping file to check")],
+    model: Model,
+    mesh: Mesh = "1x1",
+    module: Modules = None,
+    json: Json = False,
+) -> argparse.Namespace:
+    return _args(check, locals())
+
+
+@_command(
+    "verify",
+    AUTHOR,
+    "Convert MODEL, run it and the PyTorch reference on the same inputs, and compare.",
+    "Exits 1 when the largest difference is above the tolerance.",
+)
+def _verify(
+    model: Model,
+    mesh: Mesh = "1x1",
+    dtype: DtypeFlag = None,
+    mapping: MappingFlag = None,
+    module: Modules = None,
+    tolerance: Annotated[
+        float | None,
+        typer.Option(
+            "--tolerance",
+            metavar="X",
+            parser=_number,
+            help="largest allowed difference (default: 1e-4, or 2e-2 for 16-bit, x max(1, max |reference|))",
+        ),
+    ] = None,
+    batch: Annotated[
+        int,
+        typer.Option(
+            "--batch",
+            metavar="N",
+            parser=_positive,
+            show_default=False,
+            help="sequences (or images) compared (default: 2)",
+        ),
+    ] = 2,
+    length: Annotated[
+        int,
+        typer.Option(
+            "--length", metavar="N", parser=_positive, show_default=False, help="tokens per sequence (default: 16)"
+        ),
+    ] = 16,
+    padding: Annotated[
+        Literal["left", "right"] | None,
+        typer.Option(
+            "--padding",
+            metavar="left|right",
+            help="pad each sequence after the first by more positions, with the attention mask",
+        ),
+    ] = None,
+    roundtrip: Annotated[
+        bool,
+        typer.Option("--roundtrip", help="also export the converted model back and compare every tensor bit for bit"),
+    ] = False,
+    json: Json = False,
+) -> argparse.Namespace:
+    return _args(verify, locals())
+
+
+class _Argument(typer.core.TyperArgument):
+    """An argument shown plainly: `MODEL`, not typer's `{MODEL}` and `<str>`."""
+
+    def display_type_rich(self, ctx: click.Context) -> str | None:
+        return None
+
+    def _usage_display_name(self) -> str:
+        return self.display_name_raw
+
+
+class _Option(typer.core.TyperOption):
+    """An option shown plainly: a flag (`--force`) without typer's `<bool>`."""
+
+    def display_type_rich(self, ctx: click.Context) -> str | None:
+        return None if self.is_flag and self.metavar is None else super().display_type_rich(ctx)
+
+
+def command() -> click.Command:
+    """The command line as the click command tree typer builds: `port`, and one sub-command per
+    step users run (`.commands`), each with its `.params`.
+
+    ```python
+    >>> sorted(command().commands)
+    ['check', 'convert', 'export', 'info', 'plan', 'scaffold', 'verify']
+    ```
+    """
+    root = typer.main.get_command(app)
+    for each in (root, *getattr(root, "commands", {}).values()):
+        for param in each.params:
+            _plain(param)
+    return root
+
+
+def _plain(param: P) -> P:
+    """`param` shown plainly (typer takes no class per parameter: it is set here)."""
+    if type(param) is typer.core.TyperArgument:
+        param.__class__ = _Argument
+    elif type(param) is typer.core.TyperOption:
+        param.__class__ = _Option
+    return param
+
+
+def _usage_error(error: clicks.UsageError) -> None:
+    """A usage error on stderr: the command's usage, then the error (typer's panel on a terminal)."""
+    if sys.stderr.isatty():
+        from typer import rich_utils
+
+        _fit_help()
+        rich_utils.rich_format_error(error)
+    else:
+        error.show()
+
+
+def _plain_message(error: clicks.UsageError) -> clicks.UsageError:
+    """`error` without the "Value error, " typer's checks (pydantic's) put before a choice's message."""
+    error.message = error.message.replace("Value error, ", "", 1)
+    return error
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace | int:
+    """`argv` parsed: the command's flags (`run` the function to run with them), or the exit status
+    when parsing was all there was to do (`--help`, `--version`: 0; a usage error, said: 2).
+    A shell completion request (`_PORT_COMPLETE` set) is answered and exits here.
+
+    ```python
+    >>> parse(["plan", "gpt2", "--mesh", "4x2"]).mesh
+    '4x2'
+    ```
+    """
+    root = command()
+    if os.environ.get(COMPLETE_VAR):  # typer's completion classes (bash, zsh, fish, powershell), registered
+        from typer._completion_classes import completion_init
+
+        completion_init()
+    try:
+        parsed = root.main(list(argv), prog_name="port", complete_var=COMPLETE_VAR, standalone_mode=False)
+    except clicks.NoArgsIsHelpError as e:  # bare `port`: the help (typer's rich one printed it), 2
+        if e.message:
+            print(e.message)
+        return 2
+    except clicks.UsageError as e:
+        _usage_error(_plain_message(e))
+        return 2
+    except clicks.ClickException as e:
+        e.show()
+        return e.exit_code
+    return parsed if isinstance(parsed, (argparse.Namespace, int)) else 0
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    """Run the command line on `argv` and return its exit status (usage errors exit 2 from argparse)."""
-    cli = parser()
-    args = _parse(cli, argv)
-    if args.command is None:
-        cli.print_help()
-        return 2
+    """Run the command line on `argv` (default: `sys.argv[1:]`) in this process and return its exit
+    status (a usage error: 2, said with the usage)."""
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if isinstance(args, int):
+        return args
     try:
         return args.run(args)
     except BrokenPipeError:  # `port plan ... | head`: the reader has what it wanted
@@ -379,10 +738,9 @@ def main() -> NoReturn:
                 pass
         sys.exit(code)
     hold_signals()  # before parsing: a Ctrl-C from now on ends in `port: interrupted`
-    args = _parse(parser(), sys.argv[1:])
-    if args.command is None:
-        parser().print_help()
-        sys.exit(2)
+    args = parse(sys.argv[1:])  # a completion request is answered (and exits) here, as --help is
+    if isinstance(args, int):
+        sys.exit(args)
     os.environ[_ARGV] = json.dumps(sys.argv[1:])
     worker = [sys.executable, "-P", "-c", "from port._cli import main; main()"]
     sys.exit(supervise(worker, _over_the_bar, deadline=getattr(args, "deadline", None)))
