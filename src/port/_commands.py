@@ -130,7 +130,7 @@ def _check_file_out(path: Path, force: bool, flag: str, ours: Callable[[Path], b
         raise PortError(f"{flag} {path}: exists and is not a regular file")
     if path.exists():
         if not force:
-            raise PortError(f"{flag} {path}: already exists (use --force to replace an earlier {what})")
+            raise PortError(f"{flag} {path}: already exists (use --force to replace {what} port wrote)")
         if not ours(path):
             raise PortError(f"{flag} {path}: not {what} port wrote; --force replaces only those")
     from ._destination import existing_ancestor
