@@ -205,7 +205,9 @@ BY_SLOT = {"llama4"}
 # so gradients agree with PyTorch's to 20 times the common tolerance (2e-3 of each parameter's
 # largest entry) and 4x2's with 1x1's to 500 times (5e-3; a sharding error is of order 1).
 LOOSER = {"qwen3_next": (20.0, 500.0)}
-NAMES = list(FAMILIES)
+NAMES = [pytest.param(name, marks=pytest.mark.xdist_group(name)) for name in FAMILIES]
+"""Each family's tests run on one test worker (`--dist loadgroup`, pyproject's addopts): its
+model is built and saved once, and its tests share their compiles."""
 
 
 def torch_model(name):
@@ -315,11 +317,21 @@ def test_packed_sequences_equal_each_alone(family, name):
     np.testing.assert_allclose(packed[7:12], alone_b, atol=1e-4, rtol=0)
 
 
-def loss_and_grads(model, ids, mask, **call):
-    def loss(m):
-        return next_token_loss(m(ids, attention_mask=mask, **call), ids, mask)
+TRAIN_BATCH = dict(lengths=(11, 6, 9, 4), width=11)  # four rows: one per `data` shard of the 4x2 mesh
 
-    return eqx.filter_jit(eqx.filter_value_and_grad(loss))(model)
+
+@eqx.filter_jit
+def _loss_and_grads(model, ids, mask, call):
+    def loss(m):
+        return next_token_loss(m(ids, attention_mask=mask, **dict(call)), ids, mask)
+
+    return eqx.filter_value_and_grad(loss)(model)
+
+
+def loss_and_grads(model, ids, mask, **call):
+    """The mean next-token loss and its gradients, jitted once per model, shapes and `call`
+    (the inputs are arguments, not constants: a family's tests share each compile)."""
+    return _loss_and_grads(model, jnp.asarray(ids), jnp.asarray(mask), tuple(sorted(call.items())))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -352,13 +364,15 @@ def test_gradients_match_pytorch(family, name, tmp_path):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_remat_changes_no_value(family, name):
+    """Every layer recomputed in the backward pass (`remat=True`): the loss and gradients of the
+    plain pass on one device (the train step's reference below, on the same batch: compiled
+    once). `remat="dots"` is the train step's, against the same plain pass."""
     _, _, model = family(name)
-    ids, mask = padded("right")
+    ids, mask = padded("right", **TRAIN_BATCH)
     plain = loss_and_grads(model, ids, mask)
-    for remat in (True, "dots"):
-        again = loss_and_grads(model, ids, mask, remat=remat)
-        for x, y in zip(jax.tree.leaves(plain), jax.tree.leaves(again)):
-            np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=1e-5)
+    again = loss_and_grads(model, ids, mask, remat=True)
+    for x, y in zip(jax.tree.leaves(plain), jax.tree.leaves(again)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -380,28 +394,32 @@ def test_bfloat16_compute_on_float32_parameters(family, name):
     )
     bound = max(0.1 * np.abs(full[real]).max(), 1.5 * np.abs(theirs[real] - full[real]).max())
     assert np.abs(np.asarray(half, np.float32)[real] - full[real]).max() < bound
-    _, grads = loss_and_grads(model, ids, mask, dtype=jnp.bfloat16)
+    # The gradients' dtypes are the trace's: no compile needed to see them.
+    _, grads = eqx.filter_eval_shape(loss_and_grads, model, ids, mask, dtype=jnp.bfloat16)
     assert {leaf.dtype for leaf in jax.tree.leaves(grads)} == {jnp.dtype(jnp.float32)}
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_train_step_on_4x2_equals_1x1_and_keeps_shardings(family, name):
-    """A jitted step (batch on `data`): the same loss and gradients as on one device, and every
-    gradient and updated parameter with the sharding port.load gave the parameter."""
+    """A jitted step (batch on `data`, `remat="dots"`: matrix products kept, the rest recomputed):
+    the same loss and gradients as the plain pass on one device, and every gradient and updated
+    parameter with the sharding port.load gave the parameter."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     _, directory, single = family(name)
     mesh = port.make_mesh("4x2")
     model = port.load(directory, mesh=mesh)
-    ids, mask = padded("right", lengths=(11, 6, 9, 4), width=11)
+    ids, mask = padded("right", **TRAIN_BATCH)
     batch = NamedSharding(mesh, P("data", None))
     ids_d, mask_d = jax.device_put(ids, batch), jax.device_put(mask, batch)
     shardings = jax.tree.map(lambda a: a.sharding, eqx.filter(model, eqx.is_array))
 
     @eqx.filter_jit
     def step(m, ids, mask):
-        loss, grads = eqx.filter_value_and_grad(lambda m: next_token_loss(m(ids, attention_mask=mask), ids, mask))(m)
+        loss, grads = eqx.filter_value_and_grad(
+            lambda m: next_token_loss(m(ids, attention_mask=mask, remat="dots"), ids, mask)
+        )(m)
         grads = eqx.filter_shard(grads, shardings)
         updated = eqx.apply_updates(m, jax.tree.map(lambda g: -1e-3 * g, grads))
         return loss, grads, eqx.filter_shard(updated, shardings)
