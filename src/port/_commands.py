@@ -19,7 +19,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from . import _console
 from ._cleanup import final, removing
@@ -545,25 +545,47 @@ def _wrapped(text: str, width: int) -> list[str]:
 _PLAN_HEAD = ("target", "shape", "spec", "per device")
 
 
-def plan_text(recipe, heading: Sequence[str], width: int) -> str:
-    """`port plan`'s output: a row per leaf, its source and notes indented below, within `width` columns."""
+def _leaf_table(leaves, below: Callable[[Any], list[str]], heading: Sequence[str], width: int) -> list[str]:
+    """`heading`, then a row per leaf (target, shape, spec, bytes per device), each followed by
+    what `below` says of it, wrapped within `width` columns: the table of both kinds of plan."""
+    from ._plan import spec_text
+
     rows = [
         (
             printable(leaf.path),
             f"{_dtype_short(leaf.dtype.name)}[{','.join(map(str, leaf.shape))}]",
-            row["spec"],
+            spec_text(leaf.spec),
             size_text(leaf.device_bytes),
         )
-        for leaf, row in zip(recipe.leaves, recipe.table())
+        for leaf in leaves
     ]
     line = _columns([_PLAN_HEAD, *rows])
     lines = [*heading, "", line(_PLAN_HEAD)]
-    for leaf, row, cells in zip(recipe.leaves, recipe.table(), rows):
+    for leaf, cells in zip(leaves, rows):
         lines.append(line(cells))
-        source = row["source"] + ("" if row["transforms"] == "-" else f" > {row['transforms']}")
-        lines += _wrapped(f"from {source}", width)
-        for note in leaf.notes:
-            lines += _wrapped(f"note: {note}", width)
+        for text in [*below(leaf), *(f"note: {note}" for note in leaf.notes)]:
+            lines += _wrapped(text, width)
+    return lines
+
+
+def _totals(plan) -> str:
+    """A plan's last line: params, leaves, bytes to read and per device."""
+    return (
+        f"{count_text(plan.params)} params in {len(plan.leaves)} leaves; "
+        f"{size_text(plan.read_bytes)} to read, {size_text(plan.device_bytes)} per device"
+    )
+
+
+def plan_text(recipe, heading: Sequence[str], width: int) -> str:
+    """`port plan`'s output: a row per leaf, its source and notes indented below, within `width` columns."""
+
+    rows = {row["target"]: row for row in recipe.table()}
+
+    def source(leaf) -> list[str]:
+        row = rows[leaf.path]
+        return [f"from {row['source']}" + ("" if row["transforms"] == "-" else f" > {row['transforms']}")]
+
+    lines = _leaf_table(recipe.leaves, source, heading, width)
     lines.append("")
     named = {key for _, _, keys in recipe.ignored_by_rule for key in keys}
     lines += [
@@ -577,48 +599,20 @@ def plan_text(recipe, heading: Sequence[str], width: int) -> str:
     ]
     lines += [f"tied: {printable(key)} = {printable(copy_of)}, not read" for key, copy_of in recipe.tied]
     lines += [f"absent: {path} (optional, not in the checkpoint: None)" for path in recipe.empty]
-    lines.append(
-        f"{count_text(recipe.params)} params in {len(recipe.leaves)} leaves; "
-        f"{size_text(recipe.read_bytes)} to read, {size_text(recipe.device_bytes)} per device"
-    )
+    lines.append(_totals(recipe))
     return "\n".join(lines) + "\n"
-
-
-def _spec_text(spec) -> str:
-    """A `PartitionSpec` as `port plan` shows it: `(-, data)`, `((data,model), -)`."""
-    return (
-        "("
-        + ", ".join("-" if e is None else "(" + ",".join(e) + ")" if isinstance(e, tuple) else e for e in spec)
-        + ")"
-    )
 
 
 def restore_plan_text(placement, heading: Sequence[str], width: int) -> str:
     """`port plan DIR`'s output for a port output: `plan_text`'s columns, each leaf's logical axes
     and notes below it, within `width` columns."""
-    rows = [
-        (
-            printable(leaf.path),
-            f"{_dtype_short(leaf.dtype.name)}[{','.join(map(str, leaf.shape))}]",
-            _spec_text(leaf.spec),
-            size_text(leaf.device_bytes),
-        )
-        for leaf in placement.leaves
-    ]
-    line = _columns([_PLAN_HEAD, *rows])
-    lines = [*heading, "", line(_PLAN_HEAD)]
-    for leaf, cells in zip(placement.leaves, rows):
-        lines.append(line(cells))
-        lines += _wrapped(f"axes: {', '.join(a or '-' for a in leaf.axes) or '-'}", width)
-        for note in leaf.notes:
-            lines += _wrapped(f"note: {note}", width)
+    lines = _leaf_table(
+        placement.leaves, lambda leaf: [f"axes: {', '.join(a or '-' for a in leaf.axes) or '-'}"], heading, width
+    )
     lines.append("")
     lines += [f"absent: {printable(path)} (optional, not in the output: None)" for path in placement.absent]
     lines += [f"excluded: {printable(path)} (not in this partial output: None)" for path in placement.excluded]
-    lines.append(
-        f"{count_text(placement.params)} params in {len(placement.leaves)} leaves; "
-        f"{size_text(placement.read_bytes)} to read, {size_text(placement.device_bytes)} per device"
-    )
+    lines.append(_totals(placement))
     return "\n".join(lines) + "\n"
 
 
@@ -647,39 +641,69 @@ def plan_command(args: argparse.Namespace) -> int:
         recipe = run_check(mapping, ckpt, args.mesh, args.dtype)
     if args.json:
         return _json(
-            {
-                "schema": "port.plan/1",
-                "model": _shown(args.model),
-                "kind": "load",
-                "class": mapping.model,
-                "mapping": str(mapping.source),
-                "mesh": dict(recipe.mesh_shape),
-                "params": recipe.params,
-                "read_bytes": recipe.read_bytes,
-                "bytes_per_device": recipe.device_bytes,
-                "absent": list(recipe.empty),
-                "excluded": list(recipe.excluded),
-                "ignored": list(recipe.ignored),
-                "tied": [list(pair) for pair in recipe.tied],
-                "leaves": [
-                    {
-                        "path": leaf.path,
-                        "shape": list(leaf.shape),
-                        "dtype": leaf.dtype.name,
-                        "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec],
-                        "bytes_per_device": leaf.device_bytes,
-                        "source": leaf.pattern,
-                        "stack": list(leaf.stack),
-                        "transforms": str(leaf.chain),
-                        "notes": list(leaf.notes),
-                    }
-                    for leaf in recipe.leaves
-                ],
-            }
+            _plan_document(
+                _shown(args.model),
+                "load",
+                mapping.model,
+                str(mapping.source),
+                recipe,
+                absent=recipe.empty,
+                ignored=recipe.ignored,
+                tied=recipe.tied,
+                source=lambda leaf: {
+                    "source": leaf.pattern,
+                    "stack": list(leaf.stack),
+                    "transforms": str(leaf.chain),
+                },
+            )
         )
     heading = [f"{_shown(args.model)} -> {mapping.model} on mesh {args.mesh}", f"mapping: {mapping.source}"]
     show(plan_text(recipe, heading, shutil.get_terminal_size((80, 24)).columns))
     return 0
+
+
+def _plan_document(
+    model: str,
+    kind: str,
+    cls: str,
+    mapping: str,
+    plan,
+    *,
+    absent: Sequence[str],
+    ignored: Sequence[str] = (),
+    tied: Sequence[tuple[str, str]] = (),
+    source: Callable[[Any], dict[str, Any]],
+) -> dict[str, Any]:
+    """The `port.plan/1` object (docs/cli.md) of a checkpoint's plan (`kind` "load") or of a port
+    output's restore (`kind` "restore"): the fields in the documented order, each leaf's
+    `source`, `stack` and `transforms` as `source(leaf)` gives them."""
+    return {
+        "schema": "port.plan/1",
+        "model": model,
+        "kind": kind,
+        "class": cls,
+        "mapping": mapping,
+        "mesh": dict(plan.mesh_shape),
+        "params": plan.params,
+        "read_bytes": plan.read_bytes,
+        "bytes_per_device": plan.device_bytes,
+        "absent": list(absent),
+        "excluded": list(plan.excluded),
+        "ignored": list(ignored),
+        "tied": [list(pair) for pair in tied],
+        "leaves": [
+            {
+                "path": leaf.path,
+                "shape": list(leaf.shape),
+                "dtype": leaf.dtype.name,
+                "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec],
+                "bytes_per_device": leaf.device_bytes,
+                **source(leaf),
+                "notes": list(leaf.notes),
+            }
+            for leaf in plan.leaves
+        ],
+    }
 
 
 def _plan_output(args: argparse.Namespace) -> int:
@@ -705,35 +729,15 @@ def _plan_output(args: argparse.Namespace) -> int:
         raise PortError(f"--mesh {args.mesh}: {e}") from None
     if args.json:
         return _json(
-            {
-                "schema": "port.plan/1",
-                "model": str(args.model),
-                "kind": "restore",
-                "class": output.mapping.model,
-                "mapping": output.mapping_source,
-                "mesh": dict(placement.mesh_shape),
-                "params": placement.params,
-                "read_bytes": placement.read_bytes,
-                "bytes_per_device": placement.device_bytes,
-                "absent": list(placement.absent),
-                "excluded": list(placement.excluded),
-                "ignored": [],
-                "tied": [],
-                "leaves": [
-                    {
-                        "path": leaf.path,
-                        "shape": list(leaf.shape),
-                        "dtype": leaf.dtype.name,
-                        "spec": [list(e) if isinstance(e, tuple) else e for e in leaf.spec],
-                        "bytes_per_device": leaf.device_bytes,
-                        "source": f"params/{leaf.path}",
-                        "stack": [],
-                        "transforms": "-",
-                        "notes": list(leaf.notes),
-                    }
-                    for leaf in placement.leaves
-                ],
-            }
+            _plan_document(
+                str(args.model),
+                "restore",
+                output.mapping.model,
+                output.mapping_source,
+                placement,
+                absent=placement.absent,
+                source=lambda leaf: {"source": f"params/{leaf.path}", "stack": [], "transforms": "-"},
+            )
         )
     heading = [
         f"{directory} -> {printable(output.mapping.model)} on mesh {args.mesh}, restored from a port output",

@@ -153,7 +153,7 @@ class Plan:
                 "transforms": str(leaf.chain),
                 "shape": "[" + ", ".join(map(str, leaf.shape)) + "]",
                 "dtype": leaf.dtype.name,
-                "spec": _spec_str(leaf.spec),
+                "spec": spec_text(leaf.spec),
                 "bytes/device": str(leaf.device_bytes),
                 "notes": "; ".join(leaf.notes),
             }
@@ -168,7 +168,9 @@ def _count(entry: Any, mesh_shape: AnyMapping[str, int]) -> int:
     return math.prod(mesh_shape[n] for n in names)
 
 
-def _spec_str(spec: PartitionSpec) -> str:
+def spec_text(spec: PartitionSpec) -> str:
+    """A `PartitionSpec` as `port plan` shows it: `(-, data)`, `((data,model), -)`."""
+
     def one(e: Any) -> str:
         if e is None:
             return "-"
