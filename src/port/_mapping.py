@@ -150,6 +150,20 @@ class Mapping:
     aliases: dict[str, str]
     reference: dict[str, str]
 
+    def key_name(self, key: str) -> str:
+        """A checkpoint key as the entries name it: an optional prefix stripped, a legacy ending
+        (`aliases`) made modern.
+
+        ```python
+        mapping.key_name("transformer.h.0.ln_1.weight")   # "h.0.ln_1.weight" (prefixes = ["transformer."])
+        ```
+        """
+        name = next((key[len(p) :] for p in self.prefixes if key.startswith(p)), key)
+        for legacy, modern in self.aliases.items():
+            if name.endswith(legacy):
+                return name[: -len(legacy)] + modern
+        return name
+
     def model_class(self) -> type:
         """Import the `module:Class` named by `model`: a class, or a `MappingError` naming the file."""
         found = import_object(self.model, f"{self.source}: model", MappingError)

@@ -512,11 +512,7 @@ def _strip(mapping: Mapping, tensors: AnyMapping[str, TensorInfo], problems: lis
     """Source keys without their optional prefix: stripped name -> key in the checkpoint."""
     stripped: dict[str, str] = {}
     for key in tensors:
-        name = next((key[len(p) :] for p in mapping.prefixes if key.startswith(p)), key)
-        for legacy, modern in mapping.aliases.items():
-            if name.endswith(legacy):
-                name = name[: -len(legacy)] + modern
-                break
+        name = mapping.key_name(key)
         if name in stripped:
             problems.append(
                 f"{tensors[key].file.name}: both {quoted(stripped[name], 200)} and {quoted(key, 200)} are present"

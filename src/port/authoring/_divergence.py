@@ -157,23 +157,14 @@ class Recorder(eqx.Module):
         return getattr(self.module, name)
 
 
-def _normal(name: str, mapping: Mapping) -> str:
-    """A parameter or key name without its optional prefix, legacy endings made modern (as the plan reads keys)."""
-    name = next((name[len(p) :] for p in mapping.prefixes if name.startswith(p)), name)
-    for legacy, modern in mapping.aliases.items():
-        if name.endswith(legacy):
-            return name[: -len(legacy)] + modern
-    return name
-
-
 def leaf_rows(plan: Plan, mapping: Mapping) -> dict[str, set[tuple[str, int | None]]]:
-    """Each checkpoint key (as `_normal` names it) -> the leaves it fills, with the layer stack's row."""
+    """Each checkpoint key (as `Mapping.key_name` names it) -> the leaves it fills, with the layer stack's row."""
     found: dict[str, set[tuple[str, int | None]]] = {}
     for leaf in plan.leaves:
         layered = LAYER in leaf.pattern
         inner = math.prod(leaf.stack[1:]) if leaf.stack else 1
         for j, key in enumerate(leaf.keys):
-            found.setdefault(_normal(key, mapping), set()).add((leaf.path, j // inner if layered else None))
+            found.setdefault(mapping.key_name(key), set()).add((leaf.path, j // inner if layered else None))
     return found
 
 
@@ -230,8 +221,8 @@ def _reference_modules(reference: Any, rows: dict[str, set[tuple[str, int | None
         params = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(remove_duplicate=False)]
         targets: set[tuple[str, int | None]] | None = set()
         for param in params:
-            normal = _normal(param, mapping)
-            filled = rows.get(normal) or rows.get(_normal(mapping.tied.get(normal, ""), mapping))
+            normal = mapping.key_name(param)
+            filled = rows.get(normal) or rows.get(mapping.key_name(mapping.tied.get(normal, "")))
             if not filled:
                 targets = None
                 break
