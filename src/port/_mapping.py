@@ -109,10 +109,15 @@ class Param:
         `h.1.` written with an Arabic-Indic digit, would name the same layer as `h.1.`,
         so such a key matches no entry and the plan refuses it as unused.
         """
+        return re.compile(self.regex() + r"\Z")
+
+    def regex(self, *, named: bool = True) -> str:
+        """`pattern`'s text; `named=False` leaves its stack groups unnamed, so that several entries'
+        texts join into one alternation (`"|".join(p.regex(named=False) for p in params)`)."""
         text = re.escape(self.key)
         for name in self.stack:
-            text = text.replace(re.escape(name), f"(?P<{name[1:-1]}>{_INDEX})")
-        return re.compile(text + r"\Z")
+            text = text.replace(re.escape(name), f"(?P<{name[1:-1]}>{_INDEX})" if named else _INDEX)
+        return text
 
     def index(self, match: re.Match) -> tuple[int, ...]:
         """The stack index a `pattern` match names: (layer,), (layer, expert), (expert,) or ()."""

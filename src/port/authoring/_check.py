@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from .._errors import PlanError
 from .._export import invert
-from .._mapping import STACKS, Mapping, load_mapping, mapping_for
+from .._mapping import Mapping, load_mapping, mapping_for
 from .._plan import Plan, plan_problems
 from .._runtime import as_shape
 from .._skeleton import skeleton
@@ -118,12 +118,7 @@ def missing_prefix(mapping: Mapping, keys: Iterable[str]) -> list[str]:
     # ["opt.toml: 32 keys begin with 'decoder.' and match entries without it: add prefixes = [\"decoder.\"]?"]
     ```
     """
-    alternatives = []
-    for param in mapping.params:
-        text = re.escape(param.key)
-        for name in STACKS:
-            text = text.replace(re.escape(name), r"(?:0|[1-9][0-9]{0,8})")
-        alternatives.append(text)
+    alternatives = [param.regex(named=False) for param in mapping.params]
     entries = re.compile("|".join(alternatives)) if alternatives else None  # one match a name, not one an entry
 
     def taken(name: str) -> bool:
@@ -131,7 +126,7 @@ def missing_prefix(mapping: Mapping, keys: Iterable[str]) -> list[str]:
 
     counts: Counter[str] = Counter()
     for key in keys:
-        name = next((key[len(p) :] for p in mapping.prefixes if key.startswith(p)), key)
+        name = mapping.key_name(key)
         if taken(name) or name in mapping.tied or any(fnmatch.fnmatchcase(name, p) for p in mapping.ignore):
             continue
         segments = key.split(".")
