@@ -534,8 +534,18 @@ def test_info_describes_an_output(tmp_path):
     assert lines[1] == "model: port.models.gpt2:GPT2 (model_type 'gpt2')"
     assert lines[2] == f"mapping: {REPO / 'mappings' / 'gpt2.toml'} (its text is kept in the output)"
     assert lines[3] == "written on mesh: data=2,model=2"
+    assert lines[4] == f"written by: port {version('port')}"
     assert "wte                 float32[1021,64]    vocab, embed" in result.stdout
     assert sum(1 for line in lines if line.startswith(("wte", "wpe", "blocks.", "ln_f."))) == 20
+    import json
+
+    metadata = tmp_path / "out" / "port" / "metadata"
+    older = json.loads(metadata.read_text())
+    del older["port_version"]  # an output written before port recorded its version
+    metadata.write_text(json.dumps(older))
+    unversioned = run_port("info", tmp_path / "out")
+    assert unversioned.returncode == 0, unversioned.stderr
+    assert unversioned.stdout.splitlines()[4] == "written by: port, its version not recorded"
     one_line(run_port("info", EXAMPLE), f"{EXAMPLE}: not a port output (no port/metadata)")
     for sharding in (
         '{"d3Rl": "[2, 2]"}',
