@@ -4,9 +4,9 @@ For each family (a small seeded `*ForCausalLM`, saved by `save_pretrained`, load
 `port.load`): logits with right and left padding masks and explicit positions; packed
 sequences (`segment_ids`) equal to each sequence alone; the gradient of the mean
 next-token loss over a right-padded batch equal to PyTorch's `loss.backward()` (every
-parameter, by its checkpoint name, through `port.export`); `remat` changing nothing;
-bfloat16 compute on float32 parameters; a jitted train step on 4x2 equal to 1x1 with
-every sharding kept; greedy generation with the cache token for token equal to
+parameter, by its checkpoint name, through `port.export`); `remat` recomputing the
+layers; bfloat16 compute on float32 parameters; a jitted train step on 4x2, layers
+recomputed, equal to 1x1 with every sharding kept; greedy generation with the cache token for token equal to
 transformers' `generate(do_sample=False)` for a left-padded batch.
 """
 
@@ -199,11 +199,12 @@ NO_SEGMENTS = {"qwen3_next"}
 # explicit positions and packed segments are compared with what they mean, not with it.
 BY_SLOT = {"llama4"}
 # The backward through the Gated DeltaNet layers amplifies float32 rounding in this tiny random
-# model (its loss agrees to 1e-7 on either mesh). Against the same model in float64, the
-# float32 gradients of every parameter at or below a DeltaNet layer are off by up to 2.6e-4 of
-# their largest entry on 1x1 and 8.9e-4 on 4x2 (the full-attention layer above them: 3.6e-5),
-# so gradients agree with PyTorch's to 20 times the common tolerance (2e-3 of each parameter's
-# largest entry) and 4x2's with 1x1's to 500 times (5e-3; a sharding error is of order 1).
+# model (its loss agrees to 1e-7 on either mesh), and a route near a tie flips with it: against
+# PyTorch's, the worst parameter's gradient (A_log, dt_bias, a router: at or below a DeltaNet
+# layer) is off by 1.3e-5 to 5.9e-3 of its largest entry over seeds 1-8 of TRAIN_BATCH (seed 2,
+# the one used: 6.5e-5; every other family: at most 3.2e-6 on seed 1). So gradients agree with
+# PyTorch's to 20 times the common tolerance (2e-3 of each parameter's largest entry) and 4x2's
+# with 1x1's to 500 times (5e-3; a sharding error is of order 1).
 LOOSER = {"qwen3_next": (20.0, 500.0)}
 NAMES = [pytest.param(name, marks=pytest.mark.xdist_group(name)) for name in FAMILIES]
 """Each family's tests run on one test worker (`--dist loadgroup`, pyproject's addopts): its
@@ -311,13 +312,20 @@ def test_packed_sequences_equal_each_alone(family, name):
     if name in BY_SLOT:
         pytest.skip("Llama 4's NoPE temperature counts slots, as transformers does (see BY_SLOT)")
     packed = np.asarray(forward(model, row, mask, None, segments))[0]
-    alone_a = np.asarray(forward(model, a[None].astype(np.int32)))[0]
-    alone_b = np.asarray(forward(model, b[None].astype(np.int32)))[0]
-    np.testing.assert_allclose(packed[:7], alone_a, atol=1e-4, rtol=0)
-    np.testing.assert_allclose(packed[7:12], alone_b, atol=1e-4, rtol=0)
+    # Each alone in its own row, right-padded (what a causal model's real tokens never see) to
+    # the padding test's shape, so no new compile: that test holds padded rows to transformers.
+    ids, alone_mask = padded("right")
+    ids[:], alone_mask[:] = 0, 0
+    ids[0, :7], ids[1, :5] = a, b
+    alone_mask[0, :7], alone_mask[1, :5] = 1, 1
+    alone = np.asarray(forward(model, ids, alone_mask))
+    np.testing.assert_allclose(packed[:7], alone[0, :7], atol=1e-4, rtol=0)
+    np.testing.assert_allclose(packed[7:12], alone[1, :5], atol=1e-4, rtol=0)
 
 
-TRAIN_BATCH = dict(lengths=(11, 6, 9, 4), width=11)  # four rows: one per `data` shard of the 4x2 mesh
+# Four rows, one per `data` shard of the 4x2 mesh: the gradient test's, the remat trace's and the
+# train step's batch (one compile of the plain pass serves all three). Seed: see LOOSER.
+TRAIN_BATCH = dict(lengths=(11, 6, 9, 4), width=11, seed=2)
 
 
 @eqx.filter_jit
@@ -341,7 +349,7 @@ def test_gradients_match_pytorch(family, name, tmp_path):
     import torch
 
     torch_lm, directory, model = family(name)
-    ids, mask = padded("right")
+    ids, mask = padded("right", **TRAIN_BATCH)
     labels = torch.tensor(np.where(mask == 1, ids, -100)).long()
     torch_lm.zero_grad()
     out = torch_lm(torch.tensor(ids).long(), attention_mask=torch.tensor(mask), labels=labels)
@@ -362,17 +370,40 @@ def test_gradients_match_pytorch(family, name, tmp_path):
         )
 
 
+def _remat_policies(model, ids, mask, remat) -> list[str]:
+    """The policy of each recomputed region (`jax.checkpoint`) in the traced loss and gradients."""
+
+    def regions(jaxpr):
+        for eqn in jaxpr.eqns:
+            if "policy" in eqn.params and "prevent_cse" in eqn.params:
+                yield str(eqn.params["policy"])
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    inner = getattr(sub, "jaxpr", sub)
+                    if hasattr(inner, "eqns"):
+                        yield from regions(inner)
+
+    call = {} if remat is None else {"remat": remat}
+    return list(regions(jax.make_jaxpr(lambda m: loss_and_grads(m, ids, mask, **call))(model).jaxpr))
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_remat_changes_no_value(family, name):
-    """Every layer recomputed in the backward pass (`remat=True`): the loss and gradients of the
-    plain pass on one device (the train step's reference below, on the same batch: compiled
-    once). `remat="dots"` is the train step's, against the same plain pass."""
+def test_remat_recomputes_the_layers_under_either_policy(family, name):
+    """`remat=True` and `remat="dots"` each wrap the layers in `jax.checkpoint` with their policy
+    (nothing saved; matrix products saved), the same regions; without `remat`, none. Read from
+    the trace, no compile: that recomputing changes no value is the train step's test below, on
+    4x2 (True for half the families, "dots" for the other half)."""
     _, _, model = family(name)
     ids, mask = padded("right", **TRAIN_BATCH)
-    plain = loss_and_grads(model, ids, mask)
-    again = loss_and_grads(model, ids, mask, remat=True)
-    for x, y in zip(jax.tree.leaves(plain), jax.tree.leaves(again)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6, rtol=1e-5)
+    assert _remat_policies(model, ids, mask, None) == []
+    full = _remat_policies(model, ids, mask, True)
+    dots = _remat_policies(model, ids, mask, "dots")
+    assert full and set(full) == {"None"}, full
+    assert len(dots) == len(full) and all(p.startswith("DotsSaveable") for p in dots), dots
+
+
+# The train step's recompute policy: each on half the families (the policies are port.nn.scan's).
+STEP_REMAT = {name: True if i % 2 == 0 else "dots" for i, name in enumerate(FAMILIES)}
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -401,9 +432,10 @@ def test_bfloat16_compute_on_float32_parameters(family, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_train_step_on_4x2_equals_1x1_and_keeps_shardings(family, name):
-    """A jitted step (batch on `data`, `remat="dots"`: matrix products kept, the rest recomputed):
-    the same loss and gradients as the plain pass on one device, and every gradient and updated
-    parameter with the sharding port.load gave the parameter."""
+    """A jitted step (batch on `data`, layers recomputed in the backward pass: `remat=True` or
+    `"dots"`, matrix products kept, by STEP_REMAT): the same loss and gradients as the plain pass
+    on one device, and every gradient and updated parameter with the sharding port.load gave the
+    parameter."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -418,7 +450,7 @@ def test_train_step_on_4x2_equals_1x1_and_keeps_shardings(family, name):
     @eqx.filter_jit
     def step(m, ids, mask):
         loss, grads = eqx.filter_value_and_grad(
-            lambda m: next_token_loss(m(ids, attention_mask=mask, remat="dots"), ids, mask)
+            lambda m: next_token_loss(m(ids, attention_mask=mask, remat=STEP_REMAT[name]), ids, mask)
         )(m)
         grads = eqx.filter_shard(grads, shardings)
         updated = eqx.apply_updates(m, jax.tree.map(lambda g: -1e-3 * g, grads))

@@ -5,11 +5,13 @@ and loaded by `port.load`: the logits are transformers' on one device, on 4x2 an
 experts on an `expert` axis, in float32 and bfloat16; with and without `q_lora_rank`; one
 dense layer before two MoE layers; group-limited routing (4 groups, 2 open), YaRN with
 `mscale_all_dim`, a `routed_scaling_factor` of 1.7, two shared experts and a perturbed
-`e_score_correction_bias` (shown to matter). Gradients equal PyTorch's, greedy generation
-with the latent cache equals `generate`, `port.export` gives back the checkpoint bit for
+`e_score_correction_bias` (shown to matter). `port.export` gives back the checkpoint bit for
 bit, the multi-token-prediction layer is ignored by the mapping's rule, `port plan` plans
 DeepSeek-V3 671B on 32x16 from a sparse file without reading a tensor, and contradictions
 between config.json and the tensors fail in one line before any tensor byte is read.
+
+Gradients, padding, packing, remat, bfloat16 compute, the 4x2 train step and greedy generation
+are tests/test_decoders.py's contract, which runs it on this family as on every decoder.
 """
 
 import copy
@@ -30,7 +32,6 @@ from jax.sharding import PartitionSpec as P
 import port
 from port._errors import ConfigError, PlanError
 from port.models.deepseek_v3 import DeepseekV3, DeepseekV3Config
-from port.nn import next_token_loss
 
 from helpers import (
     VOCAB,
@@ -232,65 +233,6 @@ def test_verify_in_bfloat16_runs_the_reference_experts_eagerly(checkpoints):
     result = port.verify(checkpoints("lora").directory, "1x1", dtype="bfloat16")
     assert result.dtype == "bfloat16" and result.reference_error is not None
     assert result.max_abs_diff <= result.tolerance, (result.max_abs_diff, result.tolerance)
-
-
-# ---------------------------------------------------------------- training and generation
-
-
-def test_gradients_match_pytorch(checkpoints, loaded, tmp_path):
-    """jax.grad of the mean next-token loss over a right-padded batch equals PyTorch's backward
-    for every parameter, compared by name after port.export and from_pretrained."""
-    transformers = transformers_or_skip()
-    import torch
-
-    directory, torch_lm, _ = checkpoints("lora")
-    mask = np.ones_like(IDS)
-    mask[1, 11:] = 0
-    labels = torch.tensor(np.where(mask == 1, IDS, -100)).long()
-    torch_lm.zero_grad()
-    out = torch_lm(torch.tensor(IDS).long(), attention_mask=torch.tensor(mask), labels=labels)
-    out.loss.backward()
-    model = loaded("lora")
-
-    def loss_fn(m):
-        return next_token_loss(m(IDS, attention_mask=mask), IDS, mask)
-
-    loss, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss_fn))(model)
-    assert float(loss) == pytest.approx(out.loss.item(), rel=1e-5)
-    port.export(grads, tmp_path / "grads", directory)
-    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "grads").state_dict()
-    theirs = {k: p.grad.numpy() for k, p in torch_lm.named_parameters() if p.grad is not None}
-    assert any("experts.gate_up_proj" in k for k in theirs) and any("q_a_proj" in k for k in theirs)
-    assert set(theirs) <= set(ours)
-    for key, grad in theirs.items():
-        np.testing.assert_allclose(ours[key].numpy(), grad, atol=1e-4 * np.abs(grad).max() + 1e-9, rtol=0, err_msg=key)
-
-
-def test_greedy_generation_matches_transformers(checkpoints, loaded):
-    """10 new tokens for a left-padded batch (prompts of 9 and 4), token for token, with the
-    latent cache (per layer kind: the latent and the rotated shared key)."""
-    import torch
-
-    _, torch_lm, _ = checkpoints("lora")
-    model = loaded("lora")
-    cache = model.init_cache(batch=2, length=8)
-    assert cache.keys["dense"].shape == (1, 2, 8, 1, 16) and cache.values["moe"].shape == (2, 2, 8, 1, 6)
-    ids = np.random.default_rng(3).integers(3, VOCAB, (2, 9))
-    mask = np.ones_like(ids)
-    mask[1, :5] = 0
-    ids[1, :5] = 0
-    torch_lm.generation_config.eos_token_id = None
-    with torch.no_grad():
-        expected = torch_lm.generate(
-            torch.tensor(ids).long(),
-            attention_mask=torch.tensor(mask),
-            max_new_tokens=10,
-            do_sample=False,
-            pad_token_id=0,
-        ).numpy()
-    ours = np.asarray(port.generate(model, ids, max_new_tokens=10, attention_mask=mask))
-    assert ours.shape == expected.shape == (2, 9 + 10)
-    np.testing.assert_array_equal(ours, expected)
 
 
 # ---------------------------------------------------------------- export

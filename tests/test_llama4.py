@@ -8,10 +8,11 @@ temperature tuning on the NoPE layer with `floor_scale` 2 (so it changes the sco
 from the second token on), llama3 RoPE scaling and perturbed norms. Saved by
 `save_pretrained`, loaded by `port.load`, it gives transformers' logits (eager attention)
 on 1x1, 4x2 and `data=2,expert=2,model=2` with the experts on `expert`, in float32 and
-bfloat16; its gradients are PyTorch's; greedy generation with the cache (past the chunk
-size) is `generate`'s token for token; `port.export` gives back the checkpoint bit for
-bit; the multimodal checkpoint's text half loads with its vision tensors ignored; and
+bfloat16; `port.export` gives back the checkpoint bit for bit; the multimodal checkpoint's text half loads with its vision tensors ignored; and
 `port plan` of Llama-4-Scout's text shape over a sparse file reads no tensor.
+
+Gradients, padding, packing, remat, bfloat16 compute, the 4x2 train step and greedy generation
+are tests/test_decoders.py's contract, which runs it on this family as on every decoder.
 """
 
 import dataclasses
@@ -34,7 +35,7 @@ import port
 from port._errors import ConfigError
 from port._text import size_text
 from port.models.llama4 import Llama4Config, chunk_mask, rotate_pairs
-from port.nn import next_token_loss, prepare
+from port.nn import prepare
 
 from helpers import (
     logits,
@@ -325,56 +326,6 @@ def test_bfloat16_end_to_end(bfloat16, mesh):
         f"(transformers' own bf16 noise {noise:.3f})"
     )
     assert error <= 2 * noise and error < 0.05 * np.abs(expected).max(), (error, noise)
-
-
-# ---------------------------------------------------------------- gradients and generation
-
-
-def test_gradients_match_pytorch(checkpoint, tmp_path):
-    """jax.grad of the mean next-token loss over a right-padded batch equals PyTorch's backward for
-    every parameter, compared by checkpoint name through port.export (the experts fused)."""
-    transformers = transformers_or_skip()
-    import torch
-
-    _, directory, _, model = checkpoint
-    torch_lm = torch_llama4()
-    mask = np.ones_like(IDS)
-    mask[1, 7:] = 0
-    labels = np.where(mask == 1, IDS, -100)
-    out = torch_lm(torch.tensor(IDS), attention_mask=torch.tensor(mask), labels=torch.tensor(labels))
-    out.loss.backward()
-    loss, grads = eqx.filter_jit(
-        eqx.filter_value_and_grad(lambda m: next_token_loss(m(IDS, attention_mask=mask), IDS, mask))
-    )(model)
-    assert float(loss) == pytest.approx(out.loss.item(), rel=1e-5)
-    port.export(grads, tmp_path / "grads", directory)
-    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "grads").state_dict()
-    theirs = {key: p.grad.numpy() for key, p in torch_lm.named_parameters()}
-    assert any("experts.gate_up_proj" in key for key in theirs) and set(theirs) <= set(ours)
-    for key, grad in theirs.items():
-        scale = np.abs(grad).max()
-        np.testing.assert_allclose(ours[key].numpy(), grad, atol=1e-4 * scale + 1e-9, rtol=0, err_msg=key)
-
-
-def test_greedy_generation_matches_transformers(checkpoint):
-    """16 new tokens for a left-padded batch of prompts of 9 and 4 tokens, token for token:
-    decoding runs far past the chunk size (3) and the temperature's floor steps."""
-    import torch
-
-    torch_lm, _, _, model = checkpoint
-    rng = np.random.default_rng(3)
-    ids = np.zeros((2, 9), np.int64)
-    mask = np.zeros((2, 9), np.int64)
-    ids[0], mask[0] = rng.integers(3, VOCAB, 9), 1
-    ids[1, 5:], mask[1, 5:] = rng.integers(3, VOCAB, 4), 1
-    torch_lm.generation_config.eos_token_id = None
-    with torch.no_grad():
-        expected = torch_lm.generate(
-            torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=16, do_sample=False, pad_token_id=0
-        ).numpy()
-    ours = np.asarray(port.generate(model, ids.astype(np.int32), max_new_tokens=16, attention_mask=mask))
-    assert ours.shape == expected.shape == (2, 9 + 16)
-    np.testing.assert_array_equal(ours, expected)
 
 
 # ---------------------------------------------------------------- export and the multimodal layout
