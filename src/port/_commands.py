@@ -263,10 +263,10 @@ def _join(args: argparse.Namespace) -> tuple[int, int, bool]:
 
 def convert(args: argparse.Namespace) -> int:
     """Convert MODEL into a sharded Equinox model and save it to --out, an Orbax checkpoint."""
-    from ._output import check_out
-
     _processes(args)  # flags checked before the output's
     layers = _layers(args.layers)
+    from ._output import check_out  # NumPy's (the output's layout): after the flags
+
     check_out(args.out, args.force, inputs=(args.model,) if Path(args.model).exists() else ())
     _check_report(args)
     processes, count, simulated = _join(args)
