@@ -216,6 +216,46 @@ def test_help_version_and_completion_import_neither_jax_nor_numpy(tmp_path):
 
 
 @pytest.mark.slow
+def test_refusals_from_flags_paths_and_metadata_import_no_jax(tmp_path):
+    """A refusal decided from the flags, the paths and an output's metadata answers before JAX (or
+    Equinox, or port's modules that import them) is imported: the one line, exit 1. `-X importtime`'s
+    list of both processes, through the installed entry point (PORT_DEBUG=1 keeps the worker's stderr)."""
+    import subprocess
+
+    heavy = {"jax", "jaxlib", "equinox", "port._runtime", "port._convert", "port._output._restore"}
+    heavy |= {"port._output._save", "port._export._export"}
+    existing, claimed = tmp_path / "existing", tmp_path / "claimed"
+    existing.mkdir()
+    (claimed / "port").mkdir(parents=True)
+    (claimed / "port" / "metadata").write_text('{"format": 2}')
+    for args, expected in (
+        (
+            ["convert", EXAMPLE, "--mesh", "3x", "--out", tmp_path / "x"],
+            "port: error: --mesh '3x': expected DATAxMODEL",
+        ),
+        (
+            ["convert", EXAMPLE, "--out", existing],
+            f"port: error: --out {existing}: already exists (use --force to replace an earlier port output)",
+        ),
+        (["export", EXAMPLE, "--out", tmp_path / "x"], f"port: error: {EXAMPLE}: not a port output (no port/metadata)"),
+        (["info", tmp_path / "missing"], f"port: error: {tmp_path / 'missing'}: does not exist"),
+        (
+            ["plan", claimed],
+            f"port: error: {claimed}/port/metadata: format 2 is not 3, the one this port reads",
+        ),
+    ):
+        result = run_port(*args, env={"PYTHONPROFILEIMPORTTIME": "1", "PORT_DEBUG": "1"}, cwd=tmp_path)
+        timed = [line for line in result.stderr.splitlines() if line.startswith("import time:")]
+        imported = {line.split("|")[-1].strip() for line in timed}
+        said = "".join(line + "\n" for line in result.stderr.splitlines() if not line.startswith("import time:"))
+        line = one_line(subprocess.CompletedProcess(result.args, result.returncode, result.stdout, said))
+        assert line.startswith(expected), (args, line)
+        assert [line.split("|")[-1].strip() for line in timed].count("port._cli") == 2, args  # the worker's too
+        assert "port._commands" in imported and not heavy & imported, (args, heavy & imported)
+    assert not (tmp_path / "x").exists() and not any(existing.iterdir())
+
+
+@pytest.mark.slow
 def test_shell_completion(tmp_path):
     """`_PORT_COMPLETE` (what the scripts `--show-completion SHELL` prints set) completes commands,
     flags and choices; `--install-completion SHELL` writes the script where the shell reads it."""

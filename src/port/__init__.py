@@ -42,7 +42,7 @@ _EXPORTS = {
     "Report": "._convert",
     "Progress": "._convert",
     "make_mesh": "._runtime",
-    "mesh_shape": "._runtime",
+    "mesh_shape": "._meshes",
     "initialize": "._runtime",
     "agree": "._runtime",
     # using a loaded model: generation (the layers themselves are `port.nn`)
@@ -70,11 +70,12 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs; at run time
     from ._export import export
     from ._fill import fill
     from ._mapping import Mapping, Param, load_mapping, mapping_for, parse_mapping
+    from ._meshes import mesh_shape
     from ._model import Model
     from ._output import restore, save
     from ._place import place
     from ._plan import LeafPlan, Plan, plan
-    from ._runtime import agree, initialize, make_mesh, mesh_shape
+    from ._runtime import agree, initialize, make_mesh
     from ._skeleton import skeleton
     from ._sources import Checkpoint, open_checkpoint
     from .authoring import Verification, check, scaffold, verify

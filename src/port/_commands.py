@@ -236,7 +236,7 @@ def _mapping_named(args: argparse.Namespace, path: Path | None):
 
 def _processes(args: argparse.Namespace) -> tuple[int, int]:
     """The run's process count and each process's share of --mesh's devices, the flags checked."""
-    from ._runtime import devices_per_process, env_int, mesh_shape
+    from ._meshes import devices_per_process, env_int, mesh_shape
 
     shape = mesh_shape(args.mesh)
     processes = args.num_processes if args.num_processes is not None else env_int("JAX_NUM_PROCESSES") or 1
@@ -263,10 +263,10 @@ def _join(args: argparse.Namespace) -> tuple[int, int, bool]:
 
 def convert(args: argparse.Namespace) -> int:
     """Convert MODEL into a sharded Equinox model and save it to --out, an Orbax checkpoint."""
-    from ._output import check_out
-
     _processes(args)  # flags checked before the output's
     layers = _layers(args.layers)
+    from ._output import check_out  # NumPy's (the output's layout): after the flags
+
     check_out(args.out, args.force, inputs=(args.model,) if Path(args.model).exists() else ())
     _check_report(args)
     processes, count, simulated = _join(args)
@@ -424,10 +424,10 @@ def export_command(args: argparse.Namespace) -> int:
     """Write a `port convert` output back as a Hugging Face checkpoint directory."""
     import time
 
-    from ._export import export, parse_size
+    from ._export import parse_size
     from ._memory import PeakMemory
-    from ._output import port_version, read_output, restore
-    from ._runtime import mesh_shape
+    from ._meshes import mesh_shape
+    from ._output import port_version, read_output
 
     start = time.perf_counter()
     parse_size(args.max_shard_size)  # a bad size is told before anything is read
@@ -435,6 +435,9 @@ def export_command(args: argparse.Namespace) -> int:
     _check_report(args)
     output = read_output(args.dir)  # not a port output: told before a model is built
     _join(args)
+    from ._export import export  # JAX's, as restore is: after every check of the flags and the output's metadata
+    from ._output import restore
+
     report = _report_file(args)
     bar: Progress | Literal[False] | None = None  # False: asked for once, not wanted
 
@@ -634,10 +637,11 @@ def plan_command(args: argparse.Namespace) -> int:
         return _plan_output(args)
     from ._mapping import mapping_for
     from ._sources import open_checkpoint
-    from .authoring import check as run_check
 
     with open_checkpoint(args.model) as ckpt:
         mapping = mapping_for(ckpt.config, _mapping_named(args, args.mapping))
+        from .authoring import check as run_check  # JAX's: after the checkpoint and its mapping are found
+
         recipe = run_check(mapping, ckpt, args.mesh, args.dtype)
     if args.json:
         return _json(
@@ -710,8 +714,8 @@ def _plan_output(args: argparse.Namespace) -> int:
     """`port plan DIR` for a port output: how `port.restore` lays it out on --mesh, from its checked
     metadata alone (no array read, nothing imported)."""
     from ._errors import OutputError
-    from ._output import read_output, restore_plan
-    from ._runtime import mesh_shape
+    from ._meshes import mesh_shape
+    from ._output import read_output
 
     directory = printable(str(args.model))
     for flag, value, why in (
@@ -723,6 +727,8 @@ def _plan_output(args: argparse.Namespace) -> int:
             raise PortError(f"{flag} {printable(str(value))}: {directory} is a port output, {why}")
     shape = mesh_shape(args.mesh)
     output = read_output(args.model)
+    from ._output import restore_plan  # JAX's PartitionSpec: after the flags and the metadata are checked
+
     try:
         placement = restore_plan(output, shape)
     except OutputError as e:  # its rules name an axis the mesh lacks: the flag's fault

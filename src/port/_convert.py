@@ -41,10 +41,11 @@ from ._errors import PortError
 from ._fill import fill
 from ._mapping import Mapping, mapping_for
 from ._memory import PeakMemory, check_host_memory
+from ._meshes import mesh_spec
 from ._output import Saving, check_out, port_version
 from ._place import place
 from ._plan import LeafPlan, Plan, partition, plan
-from ._runtime import agree, as_mesh, mesh_spec
+from ._runtime import agree, as_mesh
 from ._skeleton import leaves
 from ._skeleton import skeleton as make_skeleton
 from ._sources import Checkpoint, open_checkpoint

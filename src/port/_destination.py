@@ -36,7 +36,6 @@ from ._cleanup import final, removing
 from ._disk import sync_directory
 from ._errors import OutputError, PortError
 from ._leftovers import claimed, recover
-from ._runtime import run_token
 from ._text import one_line, size_text
 
 
@@ -157,6 +156,8 @@ def _remove_if_empty(directory: Path) -> None:
 
 def partial_path(directory: Path) -> Path:
     """`.OUT.port-partial-TOKEN` beside `directory`: where the run writes it, the same in every process of the run."""
+    from ._runtime import run_token  # JAX's runs: imported once writing starts, so a refused target needs no JAX
+
     return directory.parent / f".{directory.name}.port-partial-{run_token()}"
 
 

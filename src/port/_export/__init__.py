@@ -5,13 +5,40 @@ device block into its box of one of them; `_safetensors` writes the files (heade
 offsets, index, as `save_pretrained` lays them out); `_staging` assembles the next
 tensor while a thread writes the last; `_export` drives it (`export`, `is_export`).
 
+Names are imported when first used, each from its own module: `parse_size` imports no
+JAX, so `port export` refuses a bad `--max-shard-size` without starting it.
+
 ```python
 port.export(model, "gpt2-hf", "gpt2")
 ```
 """
 
-from ._export import export as export
-from ._export import is_export as is_export
-from ._invert import Inverse as Inverse
-from ._invert import invert as invert
-from ._safetensors import parse_size as parse_size
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "export": "._export",
+    "is_export": "._export",
+    "Inverse": "._invert",
+    "invert": "._invert",
+    "parse_size": "._safetensors",
+}
+
+if TYPE_CHECKING:  # what the names are, for type checkers; at run time they are imported when first used
+    from ._export import export, is_export
+    from ._invert import Inverse, invert
+    from ._safetensors import parse_size
+
+__all__ = ["Inverse", "export", "invert", "is_export", "parse_size"]  # the names of _EXPORTS, sorted
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

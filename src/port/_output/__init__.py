@@ -1,10 +1,15 @@
 """Port's output: the directory `port convert` writes, restorable onto any mesh.
 
 `_layout` defines the format once (its files, port's metadata fields, the zarr chunk
-files, the bounds it is read back under, `is_output`); `_save` writes it (`save`, and
-`Saving` for `convert`, which writes each leaf while the next is placed); `_restore`
-reads it back, untrusted (`read_output`, `restore`, and `restore_plan`: where each leaf
-would land on a mesh, from the metadata alone).
+files, the bounds it is read back under, `is_output`); `_directory` checks where `save`
+may write (`check_out`); `_save` writes it (`save`, and `Saving` for `convert`, which
+writes each leaf while the next is placed); `_read` reads its metadata back, untrusted
+(`read_output`); `_restore` reads its arrays onto a mesh (`restore`, and `restore_plan`:
+where each leaf would land on a mesh, from the metadata alone).
+
+Names are imported when first used, each from its own module: `check_out`,
+`read_output` and the layout import no JAX, so a command refused on them answers
+without starting it.
 
 ```python
 port.save(model, "gpt2-jax", mapping, config)
@@ -12,28 +17,60 @@ model = port.restore("gpt2-jax", "2x4")
 ```
 """
 
-from ._layout import FORMAT as FORMAT
-from ._layout import claims_output as claims_output
-from ._layout import is_output as is_output
-from ._layout import port_version as port_version
-from ._restore import LeafPlacement as LeafPlacement
-from ._restore import (
-    Output as Output,
-)
-from ._restore import RestorePlan as RestorePlan
-from ._restore import (
-    describe as describe,
-)
-from ._restore import (
-    read_output as read_output,
-)
-from ._restore import (
-    restore as restore,
-)
-from ._restore import restore_plan as restore_plan
-from ._restore import (
-    written_mesh as written_mesh,
-)
-from ._save import Saving as Saving
-from ._save import check_out as check_out
-from ._save import save as save
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "FORMAT": "._layout",
+    "claims_output": "._layout",
+    "is_output": "._layout",
+    "port_version": "._layout",
+    "check_out": "._directory",
+    "Output": "._read",
+    "describe": "._read",
+    "read_output": "._read",
+    "written_mesh": "._read",
+    "LeafPlacement": "._restore",
+    "RestorePlan": "._restore",
+    "restore": "._restore",
+    "restore_plan": "._restore",
+    "Saving": "._save",
+    "save": "._save",
+}
+
+if TYPE_CHECKING:  # what the names are, for type checkers; at run time they are imported when first used
+    from ._directory import check_out
+    from ._layout import FORMAT, claims_output, is_output, port_version
+    from ._read import Output, describe, read_output, written_mesh
+    from ._restore import LeafPlacement, RestorePlan, restore, restore_plan
+    from ._save import Saving, save
+
+__all__ = [  # the names of _EXPORTS, sorted
+    "FORMAT",
+    "LeafPlacement",
+    "Output",
+    "RestorePlan",
+    "Saving",
+    "check_out",
+    "claims_output",
+    "describe",
+    "is_output",
+    "port_version",
+    "read_output",
+    "restore",
+    "restore_plan",
+    "save",
+    "written_mesh",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

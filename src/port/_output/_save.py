@@ -47,7 +47,7 @@ import equinox as eqx
 import jax
 import numpy as np
 
-from .._destination import check_destination, make_partial, partial_path, put_in_place, writing
+from .._destination import make_partial, partial_path, put_in_place, writing
 from .._disk import sync_directory, write_new
 from .._errors import OutputError, RunError
 from .._mapping import Mapping
@@ -55,6 +55,7 @@ from .._pipeline import InFlight
 from .._runtime import exchange, num_processes
 from .._skeleton import leaves, path_str
 from .._text import quoted, size_text
+from ._directory import OUTPUT_KIND, check_out
 from ._layout import (
     COMMIT_FILE,
     FORMAT,
@@ -76,25 +77,6 @@ from ._layout import (
     port_version,
     zarray,
 )
-
-_OUTPUT = "a port output (Orbax's checkpoint of params/ and port/ only)"
-"""What `force` may replace at `save`'s directory, as messages say it (see `is_output`)."""
-
-
-def check_out(
-    directory: str | os.PathLike, force: bool = False, inputs: tuple[str | os.PathLike, ...] = (), name: str = "out"
-) -> Path:
-    """The absolute output path, refusing any target that writing or replacing would harm.
-
-    `check_destination` for port's output: `force` replaces only an earlier port output
-    (`is_output`), and never a directory that is or contains one of `inputs`.
-
-    ```python
-    check_out("out/gpt2", force=True, inputs=("ckpt/gpt2",))   # Path('/abs/out/gpt2')
-    ```
-    """
-    return check_destination(directory, force, inputs, ours=is_output, what=_OUTPUT, name=name)
-
 
 _PYTREE_HANDLER = "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
 _JSON_HANDLER = "orbax.checkpoint._src.handlers.json_checkpoint_handler.JsonCheckpointHandler"
@@ -397,7 +379,7 @@ class Saving:
         list(self._pool.map(sync_directory, [partial / PARAMS / p for p in self._chunks]))
         for name in (PARAMS, PORT, ""):
             sync_directory(partial / name)
-        put_in_place(partial, self.directory, self.force, ours=is_output, what=_OUTPUT, name=self.name)
+        put_in_place(partial, self.directory, self.force, ours=is_output, what=OUTPUT_KIND, name=self.name)
 
     def __enter__(self) -> Saving:
         return self

@@ -222,7 +222,8 @@ def verify(
     import jax
 
     from .._convert import convert
-    from .._runtime import as_mesh, mesh_shape
+    from .._meshes import mesh_shape
+    from .._runtime import as_mesh
     from .._skeleton import skeleton
     from .._sources import open_checkpoint, resolve
 
