@@ -211,7 +211,7 @@ def test_many_ignored_tensors_convert_to_an_output_that_reads_back(tmp_path, mon
     from safetensors.numpy import load_file
 
     import port
-    import port._output._restore
+    import port._output._read
     import port._output._save
 
     model = variant(
@@ -223,7 +223,7 @@ def test_many_ignored_tensors_convert_to_an_output_that_reads_back(tmp_path, mon
     )
     limit = 200_000  # the names of the ignored tensors alone take over 1.3 MB
     monkeypatch.setattr(port._output._save, "MAX_METADATA_BYTES", limit)  # one bound, the writer's and the reader's
-    monkeypatch.setattr(port._output._restore, "MAX_METADATA_BYTES", limit)
+    monkeypatch.setattr(port._output._read, "MAX_METADATA_BYTES", limit)
     out = tmp_path / "out"
     port.convert(model, mesh="1x1", out=out)
     assert (out / "port" / "metadata").stat().st_size < limit
