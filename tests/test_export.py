@@ -479,8 +479,16 @@ def tiny_converted(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def tiny_exported(tiny_converted, tmp_path_factory):
+    """tiny_converted through `port export` (what `is_export` recognises is in the files alone)."""
+    out = tmp_path_factory.mktemp("tiny-export") / "hf"
+    succeeded(export_cli(tiny_converted, out))
+    return out
+
+
 @pytest.fixture
-def workspace(tiny_converted, tmp_path):
+def workspace(tiny_converted, tiny_exported, tmp_path):
     """tmp_path holding: jax/ (a port convert output), plain/ (a user's directory), ckpt/ (a checkpoint),
     earlier/ (a port export of jax/), afile."""
     shutil.copytree(tiny_converted, tmp_path / "jax")
@@ -488,7 +496,7 @@ def workspace(tiny_converted, tmp_path):
     (tmp_path / "plain" / "notes.txt").write_text("mine")
     shutil.copytree(EXAMPLE, tmp_path / "ckpt")
     (tmp_path / "afile").write_text("not a directory")
-    succeeded(export_cli(tmp_path / "jax", tmp_path / "earlier"))
+    shutil.copytree(tiny_exported, tmp_path / "earlier")
     return tmp_path
 
 
