@@ -17,8 +17,17 @@ REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
 
 
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A `port convert` output, made once (what --force may replace is read from its files alone)."""
+    out = tmp_path_factory.mktemp("converted") / "out"
+    made = run_port("convert", EXAMPLE, "--out", out)
+    assert made.returncode == 0, made.stderr
+    return out
+
+
 @pytest.fixture
-def decoys(tmp_path):
+def decoys(converted, tmp_path):
     """ck/victim and ck/victim2 (checkpoints), notes/ (the user's files), a file, a port output."""
     ck = tmp_path / "ck"
     shutil.copytree(EXAMPLE, ck / "victim")
@@ -27,8 +36,7 @@ def decoys(tmp_path):
     (tmp_path / "notes" / "todo.txt").write_text("mine")
     (tmp_path / "notes" / "sub").mkdir()
     (tmp_path / "afile").write_text("not a directory")
-    made = run_port("convert", EXAMPLE, "--out", tmp_path / "earlier")
-    assert made.returncode == 0, made.stderr
+    shutil.copytree(converted, tmp_path / "earlier")
     return tmp_path
 
 
