@@ -143,10 +143,10 @@ def test_the_stores_port_in_use_stops_port_convert(wired, tmp_path):
 @pytest.mark.parametrize("process", [0, 1])
 def test_a_process_alone_stops_after_the_timeout(wired, tmp_path, process):
     out, address = tmp_path / "out", f"127.0.0.1:{free_port()}"
-    [(code, err, seconds)] = run_all([convert(out, address, process, "--timeout", "5")])
+    [(code, err, seconds)] = run_all([convert(out, address, process, "--timeout", "3")])
     assert re.search(rf"waiting for 2 processes at .*{re.escape(address)}", err), err
     line = the_error(code, err)
-    assert f"--coordinator {address}" in line and "5 s" in line and "--timeout" in line, line
+    assert f"--coordinator {address}" in line and "3 s" in line and "--timeout" in line, line
     if process == 0:
         assert "not all 2 processes joined" in line, line
     else:

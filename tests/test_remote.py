@@ -335,8 +335,9 @@ def test_requests_in_flight_are_bounded(server, served, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_permanent_failure_is_one_line_naming_the_url_and_range(server, served, tmp_path):
+def test_a_permanent_failure_is_one_line_naming_the_url_and_range(server, served, tmp_path, monkeypatch):
     served.always = ("model.safetensors", "503")
+    monkeypatch.setattr(_transport, "BACKOFF", 0.001)  # in this process; the command below waits as users do
     with pytest.raises(port.CheckpointError) as caught:
         port.load(f"{server.base}/lm", mesh="1x1")
     message = str(caught.value)
