@@ -13,8 +13,9 @@ port.export(model, "gpt2-hf", "gpt2")
 ```
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy
 
 _EXPORTS = {
     "export": "._export",
@@ -31,14 +32,4 @@ if TYPE_CHECKING:  # what the names are, for type checkers; at run time they are
 
 __all__ = ["Inverse", "export", "invert", "is_export", "parse_size"]  # the names of _EXPORTS, sorted
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy(globals(), _EXPORTS)

@@ -17,8 +17,9 @@ model = port.restore("gpt2-jax", "2x4")
 ```
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy
 
 _EXPORTS = {
     "FORMAT": "._layout",
@@ -63,14 +64,4 @@ __all__ = [  # the names of _EXPORTS, sorted
     "written_mesh",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy(globals(), _EXPORTS)
