@@ -6,8 +6,8 @@ sequences (`segment_ids`) equal to each sequence alone; the gradient of the mean
 next-token loss over a right-padded batch equal to PyTorch's `loss.backward()` (every
 parameter, by its checkpoint name, through `port.export`); `remat` recomputing the
 layers; bfloat16 compute on float32 parameters; a jitted train step on 4x2, layers
-recomputed, equal to 1x1 with every sharding kept; greedy generation with the cache token for token equal to
-transformers' `generate(do_sample=False)` for a left-padded batch.
+recomputed, equal to 1x1 with every sharding kept; greedy generation with the cache
+token for token equal to transformers' `generate(do_sample=False)` for a left-padded batch.
 """
 
 import equinox as eqx

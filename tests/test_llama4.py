@@ -8,8 +8,9 @@ temperature tuning on the NoPE layer with `floor_scale` 2 (so it changes the sco
 from the second token on), llama3 RoPE scaling and perturbed norms. Saved by
 `save_pretrained`, loaded by `port.load`, it gives transformers' logits (eager attention)
 on 1x1, 4x2 and `data=2,expert=2,model=2` with the experts on `expert`, in float32 and
-bfloat16; `port.export` gives back the checkpoint bit for bit; the multimodal checkpoint's text half loads with its vision tensors ignored; and
-`port plan` of Llama-4-Scout's text shape over a sparse file reads no tensor.
+bfloat16; `port.export` gives back the checkpoint bit for bit; the multimodal
+checkpoint's text half loads with its vision tensors ignored; and `port plan` of
+Llama-4-Scout's text shape over a sparse file reads no tensor.
 
 Gradients, padding, packing, remat, bfloat16 compute, the 4x2 train step and greedy generation
 are tests/test_decoders.py's contract, which runs it on this family as on every decoder.

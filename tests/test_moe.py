@@ -12,7 +12,7 @@ sparse file, never read) reports the bytes per device. The tests that build a
 `transformers` model skip without PyTorch.
 
 Gradients, padding, packing, remat, bfloat16 compute, the 4x2 train step and greedy generation
-are tests/test_decoders.py's contract, which runs it on this family as on every decoder.
+are tests/test_decoders.py's contract, which runs it on these families as on every decoder.
 """
 
 import dataclasses

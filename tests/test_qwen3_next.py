@@ -5,8 +5,8 @@ A tiny random `Qwen3NextForCausalLM` (4 layers, three linear to one full; 2 key 
 serving 4 value heads; norms, A_log and dt_bias perturbed) written by `save_pretrained`
 and loaded by `port.load` gives transformers' logits (torch's fallback delta rule and
 conv) on one device, on 4x2 and with the experts on an `expert` axis, in float32 and
-bfloat16; the chunked and recurrent delta rules agree; `port.export` gives back the checkpoint bit for
-bit; `port plan` of Qwen3-Next-80B-A3B's real shape reads no tensor byte.
+bfloat16; the chunked and recurrent delta rules agree; `port.export` gives back the
+checkpoint bit for bit; `port plan` of Qwen3-Next-80B-A3B's real shape reads no tensor byte.
 
 Gradients, padding, packing, remat, bfloat16 compute, the 4x2 train step and greedy generation
 are tests/test_decoders.py's contract, which runs it on this family as on every decoder.
