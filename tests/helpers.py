@@ -145,6 +145,17 @@ class Saved(NamedTuple):
     logits: np.ndarray
 
 
+def equations(jaxpr):
+    """Every equation of `jaxpr`, those of the jaxprs nested in it (scans, custom rules) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from equations(inner)
+
+
 def saved_once(tmp_path_factory, build, ids=INPUT_IDS, written=None):
     """get(name): a `Saved` of the PyTorch model `build(name)`, made on the first call for each name.
 

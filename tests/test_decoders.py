@@ -19,7 +19,7 @@ import pytest
 import port
 from port.nn import next_token_loss
 
-from helpers import perturbed, transformers_or_skip
+from helpers import equations, perturbed, transformers_or_skip
 
 VOCAB = 97
 BASE = dict(
@@ -372,19 +372,9 @@ def test_gradients_match_pytorch(family, name, tmp_path):
 
 def _remat_policies(model, ids, mask, remat) -> list[str]:
     """The policy of each recomputed region (`jax.checkpoint`) in the traced loss and gradients."""
-
-    def regions(jaxpr):
-        for eqn in jaxpr.eqns:
-            if "policy" in eqn.params and "prevent_cse" in eqn.params:
-                yield str(eqn.params["policy"])
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    inner = getattr(sub, "jaxpr", sub)
-                    if hasattr(inner, "eqns"):
-                        yield from regions(inner)
-
     call = {} if remat is None else {"remat": remat}
-    return list(regions(jax.make_jaxpr(lambda m: loss_and_grads(m, ids, mask, **call))(model).jaxpr))
+    jaxpr = jax.make_jaxpr(lambda m: loss_and_grads(m, ids, mask, **call))(model).jaxpr
+    return [str(e.params["policy"]) for e in equations(jaxpr) if "policy" in e.params and "prevent_cse" in e.params]
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -37,6 +37,7 @@ from port.nn import MoE, route
 from helpers import (
     VOCAB,
     assert_blocks_read_exactly,
+    equations,
     logits,
     perturbed,
     place_on,
@@ -669,17 +670,6 @@ def test_abstract_model_shapes():
 
 
 # ---------------------------------------------------------------- the cost follows top-k
-
-
-def equations(jaxpr):
-    """Every equation of `jaxpr`, those of the jaxprs nested in it (scans, custom rules) included."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from equations(inner)
 
 
 def jaxpr_of(module, x, grad=False):
