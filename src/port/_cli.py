@@ -265,6 +265,7 @@ Modules = Annotated[
     ),
 ]
 Json = Annotated[bool, typer.Option("--json", help="print one JSON object instead of text (schemas: docs/cli.md)")]
+ReportFlag = Annotated[Path | None, typer.Option("--report", metavar="FILE", help="write the run summary as JSON")]
 Deadline = Annotated[
     float | None,
     typer.Option(
@@ -341,9 +342,7 @@ def _convert(
     dtype: DtypeFlag = None,
     mapping: MappingFlag = None,
     module: Modules = None,
-    report: Annotated[
-        Path | None, typer.Option("--report", metavar="FILE", help="write the run summary as JSON")
-    ] = None,
+    report: ReportFlag = None,
     deadline: Deadline = None,
     include: Annotated[
         str | None,
@@ -410,9 +409,7 @@ def _export(
             help="DIR's model class, when not one of port's (an output's word imports nothing else)" + _MODULE_TAIL,
         ),
     ] = None,
-    report: Annotated[
-        Path | None, typer.Option("--report", metavar="FILE", help="write the run summary as JSON")
-    ] = None,
+    report: ReportFlag = None,
     deadline: Deadline = None,
     progress: ProgressFlag = None,
     json: Json = False,
