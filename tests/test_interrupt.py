@@ -276,3 +276,52 @@ def test_a_signal_sent_to_the_worker_stops_the_run_as_one_sent_to_port(gpt2_smal
     assert stderr.strip().splitlines()[-1] == f"port: {word}", stderr
     assert "Traceback" not in stderr and "converted" not in stderr
     assert not out.exists() and leftovers(out.parent) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("finished", [True, False])
+def test_the_deadline_stops_a_run_only_until_its_work_is_finished(tmp_path, finished):
+    """A worker that says its work is `finished` (port does once its output is in place, before its
+    report) and then takes past the deadline to end is let end: its own status, no line. One that
+    has not said so is stopped at the deadline: exit 1, the one line."""
+    script = tmp_path / "supervisor.py"
+    worker = "from port._cleanup import attach, finished; import time; attach(); "
+    worker += ("finished(); " if finished else "") + "time.sleep(2.5); print('ended')"
+    script.write_text(
+        "import sys\n"
+        "from port._interrupt import supervise\n"
+        f"sys.exit(supervise([sys.executable, '-c', {worker!r}], lambda m: print('port: ' + m), deadline=1.0))\n"
+    )
+    result = subprocess.run([sys.executable, script], capture_output=True, text=True, env=port_env(), timeout=60)
+    if finished:
+        assert (result.returncode, result.stdout) == (0, "ended\n"), (result.returncode, result.stdout, result.stderr)
+    else:
+        assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+        assert result.stdout == (
+            "port: error: --deadline 1: the run had not finished after 1 s; stopped, and what it was writing removed\n"
+        )
+
+
+@pytest.mark.slow
+def test_a_conversion_done_before_its_deadline_is_not_stopped_while_it_ends(tmp_path):
+    """`port convert --deadline 8` whose worker has converted well within the deadline but, at exit,
+    takes until past it to end (a hook sleeps in its atexit): the output stays, `converted`, exit 0.
+    (Before, the deadline killed such a worker after it had said `converted`, and said it had not
+    finished.)"""
+    linger = (
+        "import atexit, os, time\n"
+        "if os.environ.get('PORT_SUPERVISOR_FDS'):  # the worker: ends 9.5 s after it started\n"
+        "    began = time.monotonic()\n"
+        "    atexit.register(lambda: time.sleep(max(0.0, began + 9.5 - time.monotonic())))\n"
+    )
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [*port_command(), "convert", REPO / "examples" / "tiny-gpt2", "--out", out, "--deadline", "8"],
+        capture_output=True,
+        text=True,
+        env=port_env(hooked(tmp_path / "hook", linger)),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "port: converted " in result.stderr and "error" not in result.stderr, result.stderr
+    assert (out / "port" / "metadata").is_file()

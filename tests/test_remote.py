@@ -870,13 +870,14 @@ def test_two_processes_each_transfer_their_share(server, served, gpt2_checkpoint
 @pytest.mark.slow
 def test_a_whole_run_deadline_stops_a_slow_remote_convert(server, served, tmp_path):
     """Issue 21 row 7: `--deadline` bounds the whole run, whatever each request does: a server that
-    answers every request, slowly (1 s each, within every per-request limit; opening alone takes
-    four in turn), is stopped at the deadline with one line and exit 1, and nothing is left at --out
-    or beside it. (The deadline leaves room for a slow start on a busy machine: the run must have
-    been talking to the server when it was stopped.)"""
+    answers every request, slowly (2 s each, within every per-request limit; opening alone takes
+    four in turn, 8 s, so the run cannot finish within the deadline however fast this machine), is
+    stopped at the deadline with one line and exit 1, and nothing is left at --out or beside it.
+    (The deadline leaves room for a slow start on a busy machine: the run must have been talking to
+    the server when it was stopped.)"""
     from helpers import one_line, run_port
 
-    served.delay = 1.0
+    served.delay = 2.0
     began = time.monotonic()
     result = run_port("convert", f"{server.base}/lm", "--out", tmp_path / "out", "--deadline", "6")
     took = time.monotonic() - began

@@ -69,6 +69,12 @@ def final() -> Iterator[None]:
             _note("]")
 
 
+def finished() -> None:
+    """The run's work is done (its output in place): a `--deadline` passing from now on, while the
+    worker reports and ends, stops nothing. (Signals still do.)"""
+    _note("=")
+
+
 def attach() -> bool:
     """In a worker started by `supervise`: report to it from now on; False elsewhere.
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from . import _console
-from ._cleanup import final, removing
+from ._cleanup import final, finished, removing
 from ._console import say, show, stream
 from ._errors import PlanError, PortError
 from ._flags import with_flags
@@ -108,7 +108,9 @@ def _report_file(args: argparse.Namespace) -> Path | None:
 
 
 def _summarize(summary: dict, report: Path | None, out: object, as_json: bool) -> bool:
-    """Write the run's `summary` to `report` if given; print it if `as_json`. Whether it was printed."""
+    """Write the run's `summary` to `report` if given; print it if `as_json`. Whether it was printed.
+    The run's work is done: from here a `--deadline` passing stops nothing (`finished`)."""
+    finished()
     if report is not None:
         try:
             _write_file(report, json.dumps(summary, indent=1) + "\n")

@@ -43,12 +43,14 @@ def _remove(path: Path) -> None:
 
 
 class _Worker:
-    """What the worker has told the supervisor: paths to remove, whether it is in `final`."""
+    """What the worker has told the supervisor: paths to remove, whether it is in `final`, whether
+    its work is `finished`."""
 
     def __init__(self, pipe: int) -> None:
         self.pipe = pipe
         self.paths: list[Path] = []
         self.in_final = False
+        self.finished = False
         self._buffer = b""
 
     def read(self, timeout: float | None) -> bool:
@@ -65,9 +67,18 @@ class _Worker:
                 self.paths.append(Path(path))
             elif kind == "-":
                 self.paths.remove(Path(path))
+            elif kind == "=":
+                self.finished = True
             else:
                 self.in_final = kind == "["
         return bool(chunk)
+
+    def drain(self) -> bool:
+        """Take in everything the worker has written so far; False once it closed the pipe."""
+        while select.select([self.pipe], [], [], 0)[0]:
+            if not self.read(0):
+                return False
+        return True
 
 
 _received: list[int] = []
@@ -96,7 +107,8 @@ def supervise(argv: Sequence[str], say: Callable[[str], None], deadline: float |
 
     With `deadline` (seconds), a worker still running then is stopped as an interrupt
     stops it (what it registered removed; a `final` block first finished), and the
-    status is 1 with one line saying so.
+    status is 1 with one line saying so; unless it said its work is `finished` (its
+    output in place, only its report and its exit left).
     """
     received = _received
     ends = None if deadline is None else time.monotonic() + deadline
@@ -123,7 +135,9 @@ def supervise(argv: Sequence[str], say: Callable[[str], None], deadline: float |
         except (BlockingIOError, OSError):
             pass
         if ends is not None and not late and time.monotonic() > ends and worker.poll() is None:
-            late = True
+            if open_pipe:  # what it wrote before the deadline counts: a finished run is not late
+                open_pipe = told.drain()
+            late = not told.finished
         if (received and (not told.in_final or len(received) > 1)) or (late and not told.in_final and not received):
             worker.kill()
             worker.wait()
