@@ -287,6 +287,48 @@ def test_shell_completion(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"COMP_WORDS": "port co", "COMP_CWORD": "x"}, "COMP_CWORD 'x': expected the index of the word completed"),
+        ({"COMP_WORDS": "port co", "COMP_CWORD": "-1"}, "COMP_CWORD '-1': expected the index"),
+        ({"COMP_CWORD": "1"}, "COMP_WORDS is not set"),
+        ({"COMP_WORDS": "port co"}, "COMP_CWORD is not set"),
+        ({"_PORT_COMPLETE": "complete_fish2"}, "_PORT_COMPLETE 'complete_fish2': expected complete_SHELL or source_"),
+        ({"_PORT_COMPLETE": "bash_complete"}, "_PORT_COMPLETE 'bash_complete': expected complete_SHELL"),
+        ({"_PORT_COMPLETE": "complete_fish"}, "_TYPER_COMPLETE_FISH_ACTION is not set (get-args or is-args)"),
+        (
+            {"_PORT_COMPLETE": "complete_fish", "_TYPER_COMPLETE_FISH_ACTION": "list"},
+            "_TYPER_COMPLETE_FISH_ACTION 'list': expected get-args or is-args",
+        ),
+    ],
+)
+def test_a_malformed_completion_request_is_refused_in_one_line(tmp_path, env, expected):
+    """A completion request whose variables its shell's script would never set (bash's COMP_WORDS
+    and COMP_CWORD, fish's action, an unknown shell) is refused naming the variable, exit 1."""
+    result = run_port(env={"_PORT_COMPLETE": "complete_bash", **env}, cwd=tmp_path)
+    assert one_line(result, expected) and result.stdout == ""
+
+
+@pytest.mark.slow
+def test_completion_requests_of_every_shell(tmp_path):
+    """Each shell typer supports answers through its own variables; source_SHELL prints its script;
+    an eager flag being completed (`port --version <TAB>`) does not run."""
+    base = {"_TYPER_COMPLETE_ARGS": "port pl"}
+    for env, expected in (
+        ({"_PORT_COMPLETE": "complete_fish", "_TYPER_COMPLETE_FISH_ACTION": "get-args"} | base, "plan\tPrint how"),
+        ({"_PORT_COMPLETE": "complete_powershell", "_TYPER_COMPLETE_WORD_TO_COMPLETE": "pl"} | base, "plan:::"),
+        ({"_PORT_COMPLETE": "complete_pwsh", "_TYPER_COMPLETE_WORD_TO_COMPLETE": "pl"} | base, "plan:::"),
+        ({"_PORT_COMPLETE": "complete_zsh"}, '"plan":"Print how'),  # nothing typed yet: every command
+        ({"_PORT_COMPLETE": "source_fish"}, "complete --command port"),
+        ({"_PORT_COMPLETE": "complete_bash", "COMP_WORDS": "port --version x", "COMP_CWORD": "2"}, ""),
+    ):
+        result = run_port(env=env, cwd=tmp_path)
+        assert result.returncode == 0 and result.stderr == "", (env, result.stderr)
+        assert expected in result.stdout and "port 0" not in result.stdout, (env, result.stdout)
+
+
+@pytest.mark.slow
 def test_verify_beyond_the_tolerance_exits_1():
     """(Within it, 0: test_check_verify.py; the text verdict, `FAILED (tolerance ...)` and the
     first divergence: test_verify_divergence.py.)"""

@@ -143,8 +143,8 @@ def _positive(text: Any) -> int:
     return int(text)
 
 
-def _said_version(value: bool) -> None:
-    if value:
+def _said_version(ctx: typer.Context, value: bool) -> None:
+    if value and not ctx.resilient_parsing:  # a completion request (`port --version <TAB>`) prints nothing
         print(f"port {_version()}")
         raise typer.Exit(0)
 
@@ -604,10 +604,42 @@ def _plain_message(error: clicks.UsageError) -> clicks.UsageError:
     return error
 
 
+def _completion_problem(instruction: str) -> str | None:
+    """What is wrong with a shell completion request (`_PORT_COMPLETE` is `instruction`, the rest in
+    the variables its shell's script sets), or None: typer reads them unchecked, and a missing or
+    malformed one ends in a traceback, or in a completion of nothing."""
+    verb, _, shell = instruction.partition("_")
+    if verb not in ("complete", "source") or shell not in SHELLS:
+        expected = "complete_SHELL or source_SHELL, SHELL one of " + ", ".join(SHELLS)
+        return f"{COMPLETE_VAR} {quoted(instruction, 40)}: expected {expected}"
+    if verb == "source":
+        return None
+    if shell == "bash" and "COMP_WORDS" not in os.environ:
+        return f"{COMPLETE_VAR}={instruction}: COMP_WORDS is not set (the words of the command line being completed)"
+    checks = {
+        "bash": (
+            "COMP_CWORD",
+            lambda v: v.isascii() and v.isdigit(),
+            "the index of the word completed, an integer >= 0",
+        ),
+        "fish": ("_TYPER_COMPLETE_FISH_ACTION", lambda v: v in ("get-args", "is-args"), "get-args or is-args"),
+    }
+    if shell not in checks:  # zsh and PowerShell: their variables may be unset (nothing typed yet)
+        return None
+    name, valid, expected = checks[shell]
+    value = os.environ.get(name)
+    if value is None:
+        return f"{COMPLETE_VAR}={instruction}: {name} is not set ({expected})"
+    if not valid(value):
+        return f"{COMPLETE_VAR}={instruction}: {name} {quoted(value, 40)}: expected {expected}"
+    return None
+
+
 def parse(argv: Sequence[str]) -> argparse.Namespace | int:
     """`argv` parsed: the command's flags (`run` the function to run with them), or the exit status
     when parsing was all there was to do (`--help`, `--version`: 0; a usage error, said: 2).
-    A shell completion request (`_PORT_COMPLETE` set) is answered and exits here.
+    A shell completion request (`_PORT_COMPLETE` set) is answered and exits here (a malformed one,
+    said: 1).
 
     ```python
     >>> parse(["plan", "gpt2", "--mesh", "4x2"]).mesh
@@ -615,7 +647,12 @@ def parse(argv: Sequence[str]) -> argparse.Namespace | int:
     ```
     """
     root = command()
-    if os.environ.get(COMPLETE_VAR):  # typer's completion classes (bash, zsh, fish, powershell), registered
+    instruction = os.environ.get(COMPLETE_VAR)
+    if instruction:  # typer's completion classes (bash, zsh, fish, powershell), registered
+        problem = _completion_problem(instruction)
+        if problem is not None:
+            say("error: " + problem)
+            return 1
         from typer._completion_classes import completion_init
 
         completion_init()
