@@ -48,6 +48,7 @@ from ._text import described, plural, printable, quoted, shortened
 MESH_HELP = "device mesh: 4x2 (data x model) or named axes, data=2,expert=2,model=2 (default: 1x1)"
 WIDTH = 100  # help and usage lines, at most (fewer on a narrower terminal)
 Shell = Literal["bash", "zsh", "fish", "powershell", "pwsh"]  # what --show-completion / --install-completion take
+MAX_LISTED = 1000  # problems a failed plan lists; the rest are counted ("... and N more problems")
 SHELLS = typing.get_args(Shell)
 COMPLETE_VAR = "_PORT_COMPLETE"  # set (to complete_bash, complete_zsh, ...), `port` answers a completion request
 
@@ -682,12 +683,16 @@ def run(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `port plan ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
-    except PlanError as e:  # every problem on stdout, as `port check` lists them; the error line names the first
-        problems = [with_flags(problem) for problem in e.problems]
-        n = len(problems)
+    except PlanError as e:  # the problems on stdout, MAX_LISTED at most; the error line names the first
+        problems = [with_flags(problem) for problem in e.problems[:MAX_LISTED]]
+        n, rest = len(e.problems), len(e.problems) - len(problems)
         if n > 1:
-            show("".join(f"{shortened(printable(problem))}\n" for problem in problems))
-            say(f"error: {problems[0]} (and {plural(n - 1, 'more problem')}: all {n} listed above)")
+            show(
+                "".join(f"{shortened(printable(problem))}\n" for problem in problems)
+                + (f"... and {plural(rest, 'more problem')}\n" if rest else "")
+            )
+            listed = f"the first {len(problems)}" if rest else f"all {n}"
+            say(f"error: {problems[0]} (and {plural(n - 1, 'more problem')}: {listed} listed above)")
         else:
             say("error: " + with_flags(str(e)))
         return 1
