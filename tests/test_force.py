@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import one_line, run_port, snapshot
+from helpers import hooked, one_line, run_port, snapshot
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "tiny-gpt2"
@@ -165,6 +165,73 @@ def test_report_is_replaced_only_if_port_wrote_it(decoys):
         "convert", decoys / "ck" / "victim", "--out", decoys / "new", "--report", decoys / "run.json", "--force"
     )
     assert again.returncode == 0, again.stderr
+
+
+KILL_THE_WORKER = """
+import os, shutil, signal
+if "PORT_SUPERVISOR_FDS" in os.environ:  # the worker alone gets SIGKILL (the OOM killer's pick) at one step of the swap
+    step = os.environ["PORT_TEST_KILL_AT"]
+    _rename, _rmtree = os.rename, shutil.rmtree
+    def named(path, prefix):
+        return os.path.basename(os.fspath(path)).startswith(prefix)
+    def rename(source, target, *args, **kwargs):
+        _rename(source, target, *args, **kwargs)
+        if (step == "aside" and named(target, ".out.port-old-")) or (step == "new" and named(source, ".out.port-partial-")):
+            os.kill(os.getpid(), signal.SIGKILL)
+    def rmtree(path, *args, **kwargs):
+        if step == "removing" and named(path, ".out.port-old-"):  # one file of the earlier output removed, then killed
+            root, _, files = next(w for w in os.walk(path) if w[2])
+            os.unlink(os.path.join(root, files[0]))
+            os.kill(os.getpid(), signal.SIGKILL)
+        _rmtree(path, *args, **kwargs)
+    os.rename, shutil.rmtree = rename, rmtree
+"""
+
+
+def unstamped(tree: dict[str, str]) -> dict[str, str]:
+    """A `snapshot` without the files Orbax stamps with the time of writing."""
+    return {k: v for k, v in tree.items() if Path(k).name not in ("commit_success.txt", "_CHECKPOINT_METADATA")}
+
+
+@pytest.fixture(scope="module")
+def replaced(converted, tmp_path_factory):
+    """For convert and export: the arguments of a run, the earlier output it replaces and, made by
+    a run of those arguments, the new output it writes (different bytes)."""
+    root = tmp_path_factory.mktemp("replaced")
+    runs = {
+        "convert": (("convert", EXAMPLE, "--mesh", "2x2"), converted),
+        "export": (("export", converted, "--dtype", "bfloat16"), root / "earlier-export"),
+    }
+    assert run_port("export", converted, "--out", root / "earlier-export").returncode == 0
+    made = {}
+    for command, (args, earlier) in runs.items():
+        new = run_port(*args, "--out", root / f"new-{command}")
+        assert new.returncode == 0, new.stderr
+        made[command] = (args, earlier, unstamped(snapshot(root / f"new-{command}")))
+    return made
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", ["aside", "new", "removing"])
+@pytest.mark.parametrize("command", ["convert", "export"])
+def test_force_keeps_an_output_when_its_worker_is_killed(replaced, tmp_path, command, step):
+    """Issue 32 row 2: `--force` whose worker alone is killed (SIGKILL) once the earlier output is
+    moved aside, once the new one is renamed into place, or while the earlier one is being removed:
+    `--out` holds the earlier output, byte for byte, or the complete new one, never nothing, and
+    nothing is left beside it; 137 and one line."""
+    args, earlier, new = replaced[command]
+    out = tmp_path / "work" / "out"
+    shutil.copytree(earlier, out)
+    before = snapshot(out)
+    env = hooked(tmp_path / "hook", KILL_THE_WORKER) | {"PORT_TEST_KILL_AT": step}
+    result = run_port(*args, "--out", out, "--force", env=env)
+    lines = [line for line in result.stderr.splitlines() if not line.startswith("port: no accelerator")]
+    assert (result.returncode, lines) == (137, ["port: stopped by signal 9 (SIGKILL)"]), result.stderr
+    if step == "aside":
+        assert snapshot(out) == before
+    else:
+        assert unstamped(snapshot(out)) == new != unstamped(before)
+    assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
 
 
 # In Python: the moments between writing and the output being final.

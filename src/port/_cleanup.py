@@ -9,6 +9,9 @@ with removing(partial):          # removed if the run is interrupted meanwhile
         os.rename(partial, out)
 ```
 
+`putting_back(aside, out)` marks an earlier output moved out of `out`'s way: put back
+if the run stops before the new one is at `out`, removed if after.
+
 In a worker the command line's supervisor started (`attach`), each mark is a note on
 a pipe to the supervisor (`port._interrupt`), which acts on Ctrl-C and SIGTERM.
 Outside one (port used as a library) both are plain context managers: Python raises
@@ -33,9 +36,9 @@ _lock = threading.RLock()
 _notes: int | None = None  # the worker's end of the pipe to the supervisor
 
 
-def _note(kind: str, path: str = "") -> None:
+def _note(kind: str, *paths: str) -> None:
     if _notes is not None:
-        os.write(_notes, (json.dumps([kind, path]) + "\n").encode())
+        os.write(_notes, (json.dumps([kind, *paths]) + "\n").encode())
 
 
 @contextmanager
@@ -56,6 +59,22 @@ def removing(path: str | os.PathLike, create: Callable[[Path], object] | None = 
     yield path  # on an exception it stays registered: the supervisor removes it once the
     with _lock:  # worker has ended, when no thread of the worker can write there any more
         _note("-", str(path))
+
+
+@contextmanager
+def putting_back(aside: str | os.PathLike, out: str | os.PathLike) -> Iterator[Path]:
+    """Within the block, an interrupt or the worker's death puts `aside` back at `out` if nothing is
+    there, and removes it otherwise: `aside` is where this run moves an earlier output while it renames
+    the new one to `out`, so there is always an output at `out`, the earlier one or the new one.
+
+    As with `removing`, if the block raises `aside` stays registered until the worker has ended.
+    """
+    aside, out = Path(aside).absolute(), Path(out).absolute()
+    with final():
+        _note("<", str(aside), str(out))
+    yield aside
+    with _lock:
+        _note("-", str(aside))
 
 
 @contextmanager

@@ -32,7 +32,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ._cleanup import final, removing
+from ._cleanup import final, putting_back
 from ._disk import sync_directory
 from ._errors import OutputError, PortError
 from ._leftovers import claimed, recover
@@ -186,8 +186,7 @@ def make_partial(partial: Path, cleanup: contextlib.ExitStack) -> None:
     """
     make_parents(partial.parent, cleanup)
     try:
-        cleanup.enter_context(claimed(partial))  # the owner file first: removed after the directory
-        cleanup.enter_context(removing(partial, create=os.mkdir))
+        cleanup.enter_context(claimed(partial, os.mkdir))  # the owner file first: removed after the directory
     except FileExistsError:
         raise OutputError(f"{partial}: exists; port writes only into a directory it creates") from None
     cleanup.callback(_remove_if_made, partial, os.lstat(partial))
@@ -227,19 +226,21 @@ def put_in_place(
     kind, `ours`, as when the run began) is moved aside first, put back if the rename
     fails, and removed once the new one is in place. Without it, or should another
     run have written `directory` meanwhile, nothing is replaced: a one-line
-    `OutputError`. No interrupt is acted on until the rename is done. Any other failure
-    is the `OSError` (for the caller's `writing`).
+    `OutputError`. No interrupt is acted on until the rename is done; should the worker
+    die meanwhile (the OOM killer), the supervisor puts the earlier directory back unless
+    the new one is in place (`putting_back`). Any other failure is the `OSError` (for the
+    caller's `writing`).
 
     ```python
     put_in_place(partial, out, force, ours=is_export, what="a port export")
     ```
     """
     aside = directory.parent / f".{directory.name}.port-old-{secrets.token_hex(4)}"
-    with contextlib.ExitStack() as claim, removing(aside):
+    with contextlib.ExitStack() as claim, putting_back(aside, directory):
         with final():
             if force and os.path.lexists(directory):
                 check_destination(directory, force, ours=ours, what=what, name=name)
-                claim.enter_context(claimed(aside))  # its owner file: made first, removed last
+                claim.enter_context(claimed(aside, moved_from=directory))  # its owner file: made first, removed last
                 os.rename(directory, aside)
             try:
                 os.rename(partial, directory)

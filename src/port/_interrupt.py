@@ -5,14 +5,16 @@ supervisor that never imports JAX: it starts the worker (the same command), pass
 its exit status through, and handles SIGINT and SIGTERM. On a signal it kills the
 worker outright (every thread with it: the threads writing the output's files, and
 JAX's C++ threads, which no exception would stop), removes every path the worker registered
-with `removing`, says `port: interrupted`, and exits with 128 + the signal number
-(130 for Ctrl-C, 143 for SIGTERM). A worker that fails or dies any other way (an
-error, a crash, the kernel's OOM killer) is cleaned up after the same way. The worker
+with `removing` (an earlier output `--force` had moved aside, registered with `putting_back`,
+is put back instead, unless the new one is in place), says `port: interrupted`, and exits
+with 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM). A worker that fails or dies
+any other way (an error, a crash, the kernel's OOM killer) is cleaned up after the same way,
+so `--out` holds the earlier output or the new one at every moment. The worker
 runs in a process group of its own (a terminal's Ctrl-C reaches the supervisor only);
 a SIGINT or SIGTERM sent to the worker's own pid is passed to the supervisor, which
 acts on it as on its own.
 
-The worker marks what it writes with `port._cleanup`'s `removing` and `final`;
+The worker marks what it writes with `port._cleanup`'s `removing`, `putting_back` and `final`;
 this module is the supervisor's side, part of the command line.
 """
 
@@ -42,13 +44,27 @@ def _remove(path: Path) -> None:
         pass
 
 
+def _put_back(aside: Path, out: Path) -> None:
+    """An earlier output the worker moved aside (`putting_back`): renamed back to `out` if nothing is
+    there (the new output is not in place), else removed. Left as it is if the rename fails: the next
+    run at `out` finds it (`port._leftovers`)."""
+    if os.path.lexists(out):
+        _remove(aside)
+        return
+    try:
+        os.rename(aside, out)
+    except OSError:
+        pass
+
+
 class _Worker:
-    """What the worker has told the supervisor: paths to remove, whether it is in `final`, whether
-    its work is `finished`."""
+    """What the worker has told the supervisor: paths to undo (removed, or an earlier output put back:
+    `back`), whether it is in `final`, whether its work is `finished`."""
 
     def __init__(self, pipe: int) -> None:
         self.pipe = pipe
         self.paths: list[Path] = []
+        self.back: dict[Path, Path] = {}  # an earlier output moved aside -> where it goes back
         self.in_final = False
         self.finished = False
         self._buffer = b""
@@ -62,11 +78,14 @@ class _Worker:
         self._buffer += chunk
         *lines, self._buffer = self._buffer.split(b"\n")
         for line in lines:
-            kind, path = json.loads(line)
-            if kind == "+":
-                self.paths.append(Path(path))
+            kind, *paths = json.loads(line)
+            if kind in "+<":
+                self.paths.append(Path(paths[0]))
+                if kind == "<":
+                    self.back[Path(paths[0])] = Path(paths[1])
             elif kind == "-":
-                self.paths.remove(Path(path))
+                self.paths.remove(Path(paths[0]))
+                self.back.pop(Path(paths[0]), None)
             elif kind == "=":
                 self.finished = True
             else:
@@ -159,7 +178,10 @@ def supervise(argv: Sequence[str], say: Callable[[str], None], deadline: float |
     for s in SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     for path in reversed(told.paths):
-        _remove(path)
+        if path in told.back:
+            _put_back(path, told.back[path])
+        else:
+            _remove(path)
     if received:
         say("interrupted" if received[0] == signal.SIGINT else "terminated")
         return 128 + received[0]
