@@ -9,6 +9,7 @@ of the partial output (before or after it), it SIGKILLs the supervisor and then 
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -113,8 +114,26 @@ def test_a_killed_export_is_cleaned_up_by_the_next_export(tmp_path):
     assert [n for n in hidden(tmp_path) if n.startswith(".hf")] == []
 
 
+def identity(path: Path) -> list[int] | None:
+    """What an owner file records of what its run made: device and inode (None if nothing is there)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return [info.st_dev, info.st_ino]
+
+
 def claim(path: Path, **fields) -> None:
-    owner = {"port": "owner", "host": socket.gethostname(), "pid": 0, "boot": None, "start": None} | fields
+    """An owner file beside `path`, of this host, boot and PID namespace (`fields` overriding), naming `path`."""
+    owner = {
+        "port": "owner",
+        "host": socket.gethostname(),
+        "pid": 0,
+        "boot": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        "start": None,
+        "pidns": os.readlink("/proc/self/ns/pid"),
+        "made": identity(path),
+    } | fields
     Path(str(path) + ".owner").write_text(json.dumps(owner))
 
 
@@ -194,3 +213,157 @@ def test_recover_as_a_library_logs_what_it_did(tmp_path, caplog):
     assert said == [f"removed {partial.name}, left by process {1 << 22} (a run killed before it finished)"]
     assert [r.getMessage() for r in caplog.records] == said
     assert os.listdir(tmp_path) == []
+
+
+def tree(root: Path) -> dict[str, str]:
+    """A directory of the user's, with a file and a subdirectory: what recovery must never touch; its snapshot."""
+    root.mkdir()
+    (root / "data.txt").write_text("the user's")
+    (root / "sub").mkdir()
+    (root / "sub" / "more.txt").write_text("also the user's")
+    return snapshot(root)
+
+
+@pytest.mark.slow
+def test_a_tree_renamed_to_a_dead_runs_partial_is_left(tmp_path):
+    """Someone who may rename entries in the output's parent (group-writable, no sticky bit) swaps the
+    user's tree in under the name of a dead run's partial: the next run removes only the directory
+    that run made, and says so once (issue 32, rows 1 and 11)."""
+    root = tmp_path / "work"
+    root.mkdir()
+    killed(tmp_path, "before", "convert", EXAMPLE, "--out", root / "gpt2")
+    partial = root / hidden(root)[0]
+    os.rename(partial, tmp_path / "moved-away")
+    before = tree(root / "important")
+    os.rename(root / "important", partial)
+    result = run_port("convert", EXAMPLE, "--out", root / "gpt2")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count(f"port: left {partial}: not what process ") == 1, result.stderr
+    assert "removed" not in result.stderr
+    assert snapshot(partial) == before
+
+
+@pytest.mark.slow
+def test_an_output_renamed_to_a_dead_runs_moved_aside_one_is_left(tmp_path):
+    """As above for a `port-old`: another port output of the user's, swapped in under the name of the
+    earlier output a killed `--force` run moved aside, is neither removed nor put back (issue 32, row 1)."""
+    root = tmp_path / "work"
+    root.mkdir()
+    assert run_port("convert", EXAMPLE, "--out", root / "gpt2", "--dtype", "bfloat16").returncode == 0
+    shutil.copytree(root / "gpt2", root / "other")  # the user's other output
+    killed(tmp_path, "after", "convert", EXAMPLE, "--out", root / "gpt2", "--force")
+    (aside,) = [root / n for n in hidden(root) if ".gpt2.port-old-" in n and not n.endswith(".owner")]
+    os.rename(aside, tmp_path / "moved-away")
+    before = snapshot(root / "other")
+    os.rename(root / "other", aside)
+    result = run_port("convert", EXAMPLE, "--out", root / "gpt2", "--force")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count(f"port: left {aside}: not what process ") == 1, result.stderr
+    assert snapshot(aside) == before
+
+
+@pytest.mark.slow
+def test_leftovers_whose_owner_port_cannot_judge_are_left_and_said_once(tmp_path):
+    """A run in another PID namespace (a container sharing this host's name and kernel), one of another
+    boot of a host of this name (shared storage), and owner files made to break the reader (JSON nested
+    2,040 deep, a pid of 2**70): each left as it is, said once, and the run goes on (issue 32, rows 3, 7, 11)."""
+    root = tmp_path / "work"
+    root.mkdir()
+    dead = 1 << 22  # above any pid Linux gives
+    names = {"pidns": "a1", "boot": "a2", "deep": "a3", "huge": "a4", "start": "a5"}
+    paths = {k: root / f".gpt2.port-partial-00000000000000{v}" for k, v in names.items()}
+    before = {k: tree(p) for k, p in paths.items()}
+    claim(paths["pidns"], pid=dead, pidns="pid:[1]")
+    claim(paths["boot"], pid=dead, boot="00000000-0000-0000-0000-000000000000")
+    Path(str(paths["deep"]) + ".owner").write_text("[" * 2040 + "]" * 2040)
+    claim(paths["huge"], pid=2**70)
+    claim(paths["start"], pid=dead, start=2**70)
+    for key in ("pidns", "boot"):  # an hour old: a leftover whose process cannot be seen is said from then on
+        os.utime(str(paths[key]) + ".owner", (1_000_000, 1_000_000))
+    result = run_port("convert", EXAMPLE, "--out", root / "gpt2")
+    assert result.returncode == 0, result.stderr
+    assert {k: snapshot(p) for k, p in paths.items()} == before
+    said = {
+        "pidns": f"left {paths['pidns']}: made by process {dead} in another PID namespace",
+        "boot": f"left {paths['boot']}: made by process {dead} on host {socket.gethostname()} before",
+        "deep": f"left {paths['deep']}: not claimed",
+        "huge": f"left {paths['huge']}: not claimed",
+        "start": f"left {paths['start']}: not claimed",
+    }
+    assert {k: result.stderr.count(line) for k, line in said.items()} == dict.fromkeys(said, 1), result.stderr
+    assert all(os.path.exists(str(p) + ".owner") for p in paths.values())
+
+
+CRAFTED = {
+    "nested 2,040 deep": "[" * 2040 + "]" * 2040,
+    "nested in an object": '{"port": "owner", "host": ' + "[" * 2000 + "]" * 2000 + "}",
+    "a pid of 2**70": {"pid": 2**70},
+    "a negative pid": {"pid": -1},
+    "a pid of 0": {"pid": 0},
+    "a start of 2**70": {"start": 2**70},
+    "a boot as a list": {"boot": ["x"]},
+    "a PID namespace as a number": {"pidns": 5},
+    "an identity of three numbers": {"made": [1, 2, 3]},
+    "an identity of 2**70": {"made": [2**70, 1]},
+    "an identity as text": {"made": "1 2"},
+    "a pid of 4,000 digits": json.dumps({"port": "owner", "host": socket.gethostname()})[:-1]
+    + ', "pid": '
+    + "9" * 4000
+    + "}",
+}
+
+
+@pytest.mark.parametrize("what", CRAFTED)
+def test_recover_leaves_what_a_crafted_owner_file_claims(tmp_path, what):
+    """A malformed owner file claims nothing: its leftover is left and said, and recovery never raises
+    (issue 32, row 7)."""
+    from port._leftovers import recover
+    from port._output import is_output
+
+    partial = tmp_path / ".gpt2.port-partial-0123456789abcdef"
+    before = tree(partial)
+    crafted = CRAFTED[what]
+    if isinstance(crafted, dict):
+        claim(partial, **({"pid": 1 << 22} | crafted))
+    else:
+        owner = Path(str(partial) + ".owner")
+        owner.write_text(crafted)
+    assert recover(tmp_path / "gpt2", is_output) == [
+        f"left {partial}: not claimed by a port run of this user; remove it yourself if no run is writing it"
+    ]
+    assert snapshot(partial) == before
+
+
+def test_recover_says_each_line_once_a_process(tmp_path, caplog):
+    """The destination is checked more than once in a run (the command line's check, the library's,
+    `put_in_place`'s): each recovery returns what it left, but logs a line only once (issue 32, row 11)."""
+    from port._leftovers import recover
+    from port._output import is_output
+
+    unclaimed = tmp_path / ".gpt2.port-partial-0123456789abcdef"
+    unclaimed.mkdir()
+    with caplog.at_level("WARNING", logger="port"):
+        first, second = recover(tmp_path / "gpt2", is_output), recover(tmp_path / "gpt2", is_output)
+    assert first == second and len(first) == 1 and first[0].startswith(f"left {unclaimed}: not claimed")
+    assert [r.getMessage() for r in caplog.records] == first
+
+
+def test_recover_leaves_what_an_owner_file_without_its_identity_claims(tmp_path):
+    """An earlier port's owner file (no PID namespace, no identity), or one whose run was killed before
+    it recorded what it made, cannot say what that run made: left and said (issue 32, row 1)."""
+    from port._leftovers import recover
+    from port._output import is_output
+
+    earlier = tmp_path / ".gpt2.port-partial-00000000000000e1"
+    unrecorded = tmp_path / ".gpt2.port-partial-00000000000000e2"
+    before = {p: tree(p) for p in (earlier, unrecorded)}
+    earlier_format = {"port": "owner", "host": socket.gethostname(), "pid": 1 << 22, "boot": None, "start": None}
+    Path(str(earlier) + ".owner").write_text(json.dumps(earlier_format))
+    claim(unrecorded, pid=1 << 22, made=None)
+    assert recover(tmp_path / "gpt2", is_output) == [
+        f"left {earlier}: claimed by an earlier port, which did not record what it made; "
+        "remove it yourself if no run is writing it",
+        f"left {unrecorded}: its owner file does not say what process {1 << 22} made; "
+        "remove it yourself if no run is writing it",
+    ]
+    assert {p: snapshot(p) for p in before} == before

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 from . import _console
-from ._cleanup import final, finished, removing
+from ._cleanup import final, finished
 from ._console import say, show, stream
 from ._errors import PlanError, PortError
 from ._flags import with_flags
@@ -153,10 +153,7 @@ def _write_file(path: Path, text: str) -> None:
     partial = path.parent / f".{path.name}.port-partial-{secrets.token_hex(8)}"
     with contextlib.ExitStack() as parents:
         make_parents(path.parent, parents)
-        with (
-            claimed(partial),
-            removing(partial, create=lambda p: os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))),
-        ):
+        with claimed(partial, lambda p: os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))):
             partial.write_text(text)
             with final():
                 os.replace(partial, path)

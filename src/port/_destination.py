@@ -32,7 +32,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from ._cleanup import final, putting_back, removing
+from ._cleanup import final, putting_back
 from ._disk import sync_directory
 from ._errors import OutputError, PortError
 from ._leftovers import claimed, recover
@@ -186,8 +186,7 @@ def make_partial(partial: Path, cleanup: contextlib.ExitStack) -> None:
     """
     make_parents(partial.parent, cleanup)
     try:
-        cleanup.enter_context(claimed(partial))  # the owner file first: removed after the directory
-        cleanup.enter_context(removing(partial, create=os.mkdir))
+        cleanup.enter_context(claimed(partial, os.mkdir))  # the owner file first: removed after the directory
     except FileExistsError:
         raise OutputError(f"{partial}: exists; port writes only into a directory it creates") from None
     cleanup.callback(_remove_if_made, partial, os.lstat(partial))
@@ -241,7 +240,7 @@ def put_in_place(
         with final():
             if force and os.path.lexists(directory):
                 check_destination(directory, force, ours=ours, what=what, name=name)
-                claim.enter_context(claimed(aside))  # its owner file: made first, removed last
+                claim.enter_context(claimed(aside, moved_from=directory))  # its owner file: made first, removed last
                 os.rename(directory, aside)
             try:
                 os.rename(partial, directory)
