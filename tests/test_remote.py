@@ -473,6 +473,10 @@ def test_urls_are_parsed_and_shown_without_credentials():
     assert _hub.hf_location("hf://gpt2@abc") == ("gpt2", "abc", "")
     with pytest.raises(port.CheckpointError, match="not a Hugging Face repo URL"):
         _hub.hf_location("hf://org/name/../x")
+    assert _hub.hf_location(f"hf://{'o' * 96}/{'n' * 96}") == (f"{'o' * 96}/{'n' * 96}", "main", "")
+    for url in (f"hf://{'a' * 256}", f"hf://org/{'n' * 97}@v1"):  # the Hub's names have at most 96 characters
+        with pytest.raises(port.CheckpointError, match=r"^hf://.*: 'a{40}'\.\.\. is 256 |: 'n{40}'\.\.\. is 97 "):
+            _hub.hf_location(url)
     assert _urls.redact("https://u:p@h:8/a/b/?q=1#f") == "https://h:8/a/b"
     assert _urls.redact("s3://key:secret@bucket/p") == "s3://bucket/p"
     assert _urls.is_url("gs://b/x") and not _urls.is_url("org/name") and not _urls.is_url(Path("a"))

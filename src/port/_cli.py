@@ -43,12 +43,13 @@ from ._console import clear_line, quiet_libraries, say, show
 from ._errors import PlanError, PortError
 from ._flags import with_flags
 from ._interrupt import hold_signals, supervise
+from ._paths import is_url, path_problem
 from ._text import described, plural, printable, quoted, shortened
 
 MESH_HELP = "device mesh: 4x2 (data x model) or named axes, data=2,expert=2,model=2 (default: 1x1)"
 WIDTH = 100  # help and usage lines, at most (fewer on a narrower terminal)
-Shell = Literal["bash", "zsh", "fish", "powershell", "pwsh"]  # what --show-completion / --install-completion take
 MAX_LISTED = 1000  # problems a failed plan lists; the rest are counted ("... and N more problems")
+Shell = Literal["bash", "zsh", "fish", "powershell", "pwsh"]  # what --show-completion / --install-completion take
 SHELLS = typing.get_args(Shell)
 COMPLETE_VAR = "_PORT_COMPLETE"  # set (to complete_bash, complete_zsh, ...), `port` answers a completion request
 
@@ -112,9 +113,36 @@ class _Command(typer.core.TyperCommand):
         with _in(ctx):
             return super().parse_args(ctx, args)
 
+    def invoke(self, ctx: click.Context) -> Any:
+        _check_paths(self, ctx)
+        return super().invoke(ctx)
+
     def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         _fit_help()
         super().format_help(ctx, formatter)
+
+
+WRITTEN = ("out", "report")  # the path flags naming what port writes
+
+
+def _check_paths(command: click.Command, ctx: click.Context) -> None:
+    """Refuse, with a one-line `PortError` naming the flag or argument, a path that port could
+    not use (`_paths.path_problem`): told while parsing, before any work. MODEL may be a URL,
+    checked as text alone, and not shown (it may hold credentials)."""
+    for param in command.params:
+        value = ctx.params.get(param.name or "")
+        if param.name == "model" and isinstance(value, str):
+            local = not is_url(value)
+            problem = path_problem(value, local=local)
+        elif isinstance(value, Path):
+            local = True
+            problem = path_problem(value, written=param.name in WRITTEN)
+        else:
+            continue
+        if problem is not None:
+            name = param.opts[0] if param.opts[0].startswith("-") else param.metavar  # --out, or MODEL
+            shown = f" {shortened(str(value), 120)}" if local else ""
+            raise PortError(f"{name}{shown}: {problem}")
 
 
 def _seconds(text: Any) -> float:
@@ -666,6 +694,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace | int:
     except clicks.UsageError as e:
         _usage_error(_plain_message(e))
         return 2
+    except PortError as e:  # a path port could not use (`_check_paths`)
+        say("error: " + str(e))
+        return 1
     except clicks.ClickException as e:
         e.show()
         return e.exit_code

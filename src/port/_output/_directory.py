@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from .._destination import check_destination
+from .._paths import check_path
 from ._layout import is_output
 
 OUTPUT_KIND = "a port output (Orbax's checkpoint of params/ and port/ only)"
@@ -25,7 +26,8 @@ def check_out(
     """The absolute output path, refusing any target that writing or replacing would harm.
 
     `check_destination` for port's output: `force` replaces only an earlier port output
-    (`is_output`), and never a directory that is or contains one of `inputs`.
+    (`is_output`), and never a directory that is or contains one of `inputs`. A path port
+    cannot write or record (not UTF-8, a name or the whole too long: `check_path`) is refused first.
 
     **Arguments:**
 
@@ -38,4 +40,5 @@ def check_out(
     check_out("out/gpt2", force=True, inputs=("ckpt/gpt2",))   # Path('/abs/out/gpt2')
     ```
     """
+    check_path(directory, name, written=True)
     return check_destination(directory, force, inputs, ours=is_output, what=OUTPUT_KIND, name=name)

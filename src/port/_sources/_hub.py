@@ -16,11 +16,13 @@ import re
 from urllib.parse import quote, unquote, urlsplit
 
 from .._errors import CheckpointError
+from .._text import quoted, shortened
 from ._http import HttpTransport
 from ._safetensors import plain_name
 from ._urls import reason, redact
 
 _REPO = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+MAX_REPO_PART = 96  # characters in a repo's owner or name, as the Hub (and huggingface_hub's validate_repo_id) allows
 
 
 def hf_location(url: str) -> tuple[str, str, str]:
@@ -44,6 +46,12 @@ def hf_location(url: str) -> tuple[str, str, str]:
         raise CheckpointError(
             f"{redact(url)}: not a Hugging Face repo URL (expected hf://org/name[@revision][/folder])"
         )
+    for part in repo.split("/"):
+        if len(part) > MAX_REPO_PART:
+            raise CheckpointError(
+                f"{shortened(redact(url), 200)}: {quoted(part, 40)} is {len(part)} characters, more than the "
+                f"{MAX_REPO_PART} a Hugging Face repo's owner or name may have"
+            )
     return repo, unquote(revision) or "main", "/".join(folder)
 
 

@@ -16,19 +16,9 @@ import re
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from .._paths import URL_SCHEME
+from .._paths import is_url as is_url  # there, so that the command line tells a URL without this package
 from .._text import described, one_line
-
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def is_url(model: Any) -> bool:
-    """Whether `model` is a URL (`scheme://...`) rather than a local path or a repo id.
-
-    ```python
-    is_url("s3://bucket/gpt2"), is_url("gpt2"), is_url("ckpt/gpt2")   # True, False, False
-    ```
-    """
-    return isinstance(model, str) and _SCHEME.match(model) is not None
 
 
 def redact(url: str) -> str:
@@ -82,6 +72,6 @@ def scheme_of(url: str) -> str:
     scheme_of("HTTPS://host/gpt2")   # 'https'
     ```
     """
-    match = _SCHEME.match(url)
+    match = URL_SCHEME.match(url)
     assert match is not None  # `url` is one `is_url` accepts
     return match.group(1).lower()
