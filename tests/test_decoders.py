@@ -18,6 +18,7 @@ import pytest
 
 import port
 from port.nn import next_token_loss
+from port.nn._scan import REMAT
 
 from helpers import equations, perturbed, transformers_or_skip
 
@@ -370,11 +371,12 @@ def test_gradients_match_pytorch(family, name, tmp_path):
         )
 
 
-def _remat_policies(model, ids, mask, remat) -> list[str]:
-    """The policy of each recomputed region (`jax.checkpoint`) in the traced loss and gradients."""
+def _remat_policies(model, ids, mask, remat) -> list:
+    """The policy of each recomputed region (`jax.checkpoint`) in the traced loss and gradients: the
+    policy object itself (JAX names and prints its policies differently from release to release)."""
     call = {} if remat is None else {"remat": remat}
     jaxpr = jax.make_jaxpr(lambda m: loss_and_grads(m, ids, mask, **call))(model).jaxpr
-    return [str(e.params["policy"]) for e in equations(jaxpr) if "policy" in e.params and "prevent_cse" in e.params]
+    return [e.params["policy"] for e in equations(jaxpr) if "policy" in e.params and "prevent_cse" in e.params]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -388,8 +390,8 @@ def test_remat_recomputes_the_layers_under_either_policy(family, name):
     assert _remat_policies(model, ids, mask, None) == []
     full = _remat_policies(model, ids, mask, True)
     dots = _remat_policies(model, ids, mask, "dots")
-    assert full and set(full) == {"None"}, full
-    assert len(dots) == len(full) and all(p.startswith("DotsSaveable") for p in dots), dots
+    assert full and all(p is None for p in full), full
+    assert len(dots) == len(full) and all(p is REMAT["dots"] for p in dots), dots
 
 
 # The train step's recompute policy: each on half the families (the policies are port.nn.scan's).
