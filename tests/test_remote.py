@@ -88,7 +88,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def _parts(self, state: "Served", file: Path, size: int, asked: str) -> None:
         """Several ranges: a multipart/byteranges answer as nginx writes it, unless the state says
-        to answer as a server that takes one range only (`one_range`: the first range alone)."""
+        to answer as a server that takes one range only (`one_range`: the first range alone), or
+        otherwise as RFC 9110 allows (`parts`: "reordered", the parts last first; "coalesced", each
+        two neighbouring ranges one part with the gap between them, last first; "single", one
+        range from the first byte asked to the last, not multipart), or as it does not
+        ("unasked": each part one byte later than asked)."""
         spans = [tuple(map(int, part.split("-"))) for part in asked.removeprefix("bytes=").split(",")]
         state.multipart_requests += 1
         with open(file, "rb") as f:
@@ -97,9 +101,15 @@ class Handler(BaseHTTPRequestHandler):
                 f.seek(first)
                 return f.read(last + 1 - first)
 
-            if state.one_range:
-                first, last = spans[0]
+            if state.one_range or state.parts == "single":
+                first, last = spans[0] if state.one_range else (spans[0][0], spans[-1][1])
                 return self._send(206, data(first, last), {"Content-Range": f"bytes {first}-{last}/{size}"}, None)
+            if state.parts == "reordered":
+                spans = spans[::-1]
+            elif state.parts == "coalesced":
+                spans = [(spans[i][0], spans[min(i + 1, len(spans) - 1)][1]) for i in range(0, len(spans), 2)][::-1]
+            elif state.parts == "unasked":
+                spans = [(first + 1, min(last + 1, size - 1)) for first, last in spans]
             boundary = "00000000042"
             data_bytes = sum(last + 1 - first for first, last in spans)
             body = (
@@ -165,6 +175,7 @@ class Served:
         self.ignore_range = False
         self.delay = 0.0  # seconds before each answer
         self.one_range = False  # answer a request for several ranges with the first range only
+        self.parts: str | None = None  # how else to answer several ranges (see `Handler._parts`)
         self.multipart_requests = 0
         self.cdn: str | None = None  # where /redirect/ sends: another server (host, port), sharing this state
         self.credentials: tuple[str, str] | None = None  # (Authorization, query token) required
@@ -556,9 +567,49 @@ def test_separate_ranges_share_a_request_or_go_one_by_one(server, served, gpt2_c
         assert asked == (served.multipart_requests + rows if one_range else groups), (asked, rows)
 
 
+@pytest.mark.parametrize("parts", ["reordered", "coalesced", "single"])
+def test_ranges_answered_reordered_or_coalesced_are_taken(server, served, gpt2_checkpoints, parts):
+    """A server may answer several ranges in another order, coalesce neighbouring ones into one
+    part (the gap between them sent too), or into one range not sent as multipart (RFC 9110
+    14.3): each range's bytes are found by the parts' Content-Range, in one request a group, no
+    retry and no fallback; every 2-D tensor's column block is the local one bit for bit."""
+    served.parts = parts
+    directory = gpt2_checkpoints[0]["lm"]
+    with port.open_checkpoint(f"{server.base}/lm") as ckpt, port.open_checkpoint(directory) as local:
+        before, groups = served.requests, 0
+        for key, info in local.tensors.items():
+            if len(info.shape) == 2 and info.shape[0] > 1:  # a column block: one range a row
+                rows, cols = info.shape
+                region = ((0, rows), (cols // 4, cols // 2))
+                np.testing.assert_array_equal(ckpt.read(key, region), local.read(key, region))
+                groups += -(-rows // _http.MAX_PARTS)
+        assert served.requests - before == served.multipart_requests == groups and ckpt.transport.multipart
+        assert ckpt.bytes_read == served.sent  # the file's bytes that crossed the wire, gaps included
+
+
+def test_parts_that_do_not_hold_the_ranges_asked_are_asked_for_one_by_one(server, served, gpt2_checkpoints):
+    """A multipart answer whose parts are not the ranges asked (one byte later here) is never data,
+    and not retried: the server is asked range by range from then on."""
+    served.parts = "unasked"
+    directory = gpt2_checkpoints[0]["lm"]
+    with port.open_checkpoint(f"{server.base}/lm") as ckpt, port.open_checkpoint(directory) as local:
+        key = max((k for k, t in local.tensors.items() if len(t.shape) == 2), key=lambda k: local.tensors[k].shape[0])
+        rows, cols = local.tensors[key].shape
+        region = ((0, rows), (cols // 4, cols // 2))
+        before = served.requests
+        np.testing.assert_array_equal(ckpt.read(key, region), local.read(key, region))
+        assert not ckpt.transport.multipart
+        groups = -(-rows // _http.MAX_PARTS)  # asked at once, on the request threads: each declined once
+        assert 1 <= served.multipart_requests <= groups
+        assert served.requests - before == served.multipart_requests + rows
+
+
 def test_a_multipart_answer_must_hold_the_ranges_asked():
-    """Parts out of order or for another range, a missing delimiter or header end, a part cut
-    short, another file size, bytes after the last part: never data."""
+    """Parts in any order, or coalesced (one part holding several ranges and the gap between
+    them), are found by their Content-Range. Parts for another range, overlapping, or one more
+    than asked are a server answering otherwise (`OneRangeOnly`: asked range by range, not
+    retried); a missing delimiter or header end, a part cut short, bytes after the last part are
+    transient, another file size permanent: never data."""
     ranges = [(10, 14), (30, 32)]
 
     def part(first, last, data, size=100, delimiter=b"--B"):
@@ -569,16 +620,39 @@ def test_a_multipart_answer_must_hold_the_ranges_asked():
             + data
         )
 
-    good = part(10, 13, b"abcd") + part(30, 31, b"ef") + b"\r\n--B--\r\n"
-    offsets = _http.part_offsets(good, b"B", ranges, 100)
-    assert [good[o : o + stop - start] for o, (start, stop) in zip(offsets, ranges)] == [b"abcd", b"ef"]
+    gap = bytes(range(14, 30))
+    for good, held in [
+        (part(10, 13, b"abcd") + part(30, 31, b"ef") + b"\r\n--B--\r\n", 6),
+        (part(30, 31, b"ef") + part(10, 13, b"abcd") + b"\r\n--B--\r\n", 6),  # reordered
+        (part(10, 31, b"abcd" + gap + b"ef") + b"\r\n--B--\r\n", 22),  # coalesced
+        (part(30, 31, b"ef") + part(8, 13, b"XYabcd") + b"\r\n--B--\r\n", 8),  # a range's part begins before it
+    ]:
+        offsets, count = _http.part_offsets(good, b"B", ranges, 100)
+        assert [good[o : o + stop - start] for o, (start, stop) in zip(offsets, ranges)] == [b"abcd", b"ef"]
+        assert count == held
     for body, message in [
-        (part(30, 31, b"ef") + part(10, 13, b"abcd") + b"\r\n--B--\r\n", "answered bytes 30-31 for 10-13"),
+        (part(10, 13, b"abcd") + part(31, 31, b"f") + b"\r\n--B--\r\n", "no part holds bytes 30-31 whole"),
+        (part(10, 13, b"abcd") + b"\r\n--B--\r\n", "no part holds bytes 30-31 whole"),
+        (part(10, 13, b"abcd") + part(30, 31, b"ef") + part(50, 50, b"g") + b"\r\n--B--\r\n", "more parts than"),
+        (part(10, 13, b"abcd") + part(40, 41, b"gh") + part(30, 31, b"ef") + b"\r\n--B--\r\n", "more parts than"),
+        (part(10, 13, b"abcd") + part(40, 41, b"gh") + b"\r\n--B--\r\n", "no part holds bytes 30-31"),
+        (part(10, 31, b"abcd" + gap + b"ef") + part(30, 31, b"ef") + b"\r\n--B--\r\n", "overlap"),
+        (part(10, 13, b"abcd") + part(20, 21, b"xx") + b"\r\n--B--\r\n", "no part holds bytes 30-31"),
+    ]:
+        with pytest.raises(_transport.OneRangeOnly, match=message):
+            _http.part_offsets(body, b"B", ranges, 100)
+    three = [(10, 14), (20, 22), (30, 32)]  # the first two coalesced, and a third part for none of them
+    body = part(10, 21, bytes(12)) + part(30, 31, b"ef") + part(40, 41, b"gh") + b"\r\n--B--\r\n"
+    with pytest.raises(_transport.OneRangeOnly, match="a part for bytes 40-41, not asked for"):
+        _http.part_offsets(body, b"B", three, 100)
+    for body, message in [
+        (b"\r\n--B--\r\n", "closing delimiter"),
+        (part(10, 13, b"abcd") + part(99, 100, b"ef") + b"\r\n--B--\r\n", "for bytes 99-100 of 100"),
         (part(10, 13, b"abcd", delimiter=b"--C") + part(30, 31, b"ef") + b"\r\n--B--\r\n", "without the delimiter"),
         (part(10, 13, b"abcd") + part(30, 31, b"ef", size=99) + b"\r\n--B--\r\n", "changed since its header"),
         (part(10, 13, b"abcd") + part(30, 31, b"e"), "ends within a part"),
         (part(10, 13, b"abcd") + part(30, 31, b"ef") + b"\r\n--B--\r\nmore", "closing delimiter"),
-        (part(10, 13, b"abcd") + part(30, 31, b"ef") + b"\r\n--B\r\n", "closing delimiter"),
+        (part(10, 13, b"abcd") + part(30, 31, b"ef") + b"\r\n--B\r\n", "without the end of its headers"),
         (b"\r\n--B\r\nContent-Type: x\r\n\r\nabcd" + part(30, 31, b"ef"), "without a valid Content-Range"),
         (b"\r\n--B\r\nContent-Range: bytes 10-13/100" + b" " * 5000, "without the end of its headers"),
     ]:

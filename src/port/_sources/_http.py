@@ -6,7 +6,8 @@ memory: over plain HTTP with `readv` on the socket, over TLS piece by piece (sma
 pieces through a scratch buffer). Keep-alive connections, one per thread and host;
 redirects followed, credentials sent to the first host only. Ranges under `PART`
 bytes share a request (`grouped`: `Range: bytes=a-b,c-d,...`, answered as
-`multipart/byteranges`, split by `part_offsets`) until a server declines. A request
+`multipart/byteranges`, each range found by its part's `Content-Range` with
+`part_offsets`, the parts in any order or coalesced) until a server answers otherwise. A request
 that has run `GRACE` seconds below `MIN_RATE` is given up and retried.
 
 ```python
@@ -29,7 +30,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, final
+from typing import Any, NoReturn, final
 from urllib.parse import quote, unquote, urljoin, urlsplit, urlunsplit
 
 import numpy as np
@@ -464,12 +465,14 @@ class HttpTransport(Transport):
     def read_parts(self, file: RemoteFile, ranges: Ranges) -> None:
         """Several ranges of one file in one request, each filling its pieces.
 
-        The server's `multipart/byteranges` answer (at most `SCRATCH` bytes: `grouped`
-        keeps the ranges' total under it) is received whole into this thread's scratch
-        buffer, its parts found there (`part_offsets`: each part's `Content-Range` the
-        next range asked for) and copied out. A server that answers otherwise (the whole
-        file, one range, ranges merged, a longer answer) is not asked for several ranges
-        again: `OneRangeOnly`, and the caller asks range by range.
+        The server's answer (at most `SCRATCH` bytes: `grouped` keeps the ranges' total
+        under it) is received whole into this thread's scratch buffer, each range found
+        there and copied out: in a `multipart/byteranges` answer by its part's
+        `Content-Range` (`part_offsets`: parts in any order, neighbouring ranges coalesced
+        into one part, as RFC 9110 allows), or in a single range holding them all (every
+        range coalesced into one). A server that answers otherwise (the whole file, a range
+        that leaves one out, parts that are not the ranges asked, a longer answer) is not
+        asked for several ranges again: `OneRangeOnly`, and the caller asks range by range.
         """
         spans = list(zip(ranges.starts.tolist(), ranges.stops.tolist()))
         header = "bytes=" + ",".join(f"{start}-{stop - 1}" for start, stop in spans)
@@ -478,10 +481,9 @@ class HttpTransport(Transport):
             self._judge(response, conn, key)
             boundary = _boundary(response.getheader("Content-Type"))
             length = response.length
-            if response.status != 206 or boundary is None or length is None or length > SCRATCH:
-                self.multipart = False
-                self._drop(key, conn)
-                raise OneRangeOnly
+            whole = None if boundary is not None else _holding(response, spans, file.size)
+            if response.status != 206 or (boundary is None and whole is None) or length is None or length > SCRATCH:
+                self._decline(key, conn)
             _check_etag(response, file)
             scratch = self._scratch()
             self._fill(response, conn, iovecs([scratch], [length]))
@@ -490,9 +492,22 @@ class HttpTransport(Transport):
             self._drop(key, conn)
             raise
         body = np.frombuffer(memory_at(scratch, length), np.uint8)
-        offsets = part_offsets(body.tobytes(), boundary, spans, file.size)
-        self.count(int((ranges.stops - ranges.starts).sum()) - length)  # the file's bytes, not the parts' framing
+        if boundary is None:  # one range holding every range asked, from byte `whole` on
+            offsets, held = [start - whole for start, _ in spans], length
+        else:
+            try:
+                offsets, held = part_offsets(body.tobytes(), boundary, spans, file.size)
+            except OneRangeOnly:
+                self.multipart = False
+                raise
+        self.count(held - length)  # the file's bytes (a coalesced part's gap too), not the parts' framing
         ranges.scatter(body, np.array(offsets, np.int64))
+
+    def _decline(self, key: tuple[str, str, int], conn: Any) -> NoReturn:
+        """The server answered several ranges in a way port cannot use: ask it for one range a request from now on."""
+        self.multipart = False
+        self._drop(key, conn)
+        raise OneRangeOnly
 
     def _check_range(self, response: Any, file: RemoteFile, start: int, stop: int) -> None:
         """The answer is bytes [start, stop) of the same file, announced so."""
@@ -514,39 +529,90 @@ class HttpTransport(Transport):
         _check_etag(response, file)
 
 
+def _holding(response: Any, spans: Sequence[tuple[int, int]], size: int) -> int | None:
+    """The first byte of a single-range answer to a request for several `spans` (a `206` that is
+    not multipart) whose `Content-Range` and `Content-Length` hold them all, coalesced into one
+    range of the file of `size` bytes; None if it does not (another size is permanent)."""
+    first, last, total = _content_range(response.getheader("Content-Range")) or (None, None, None)
+    if first is None or last is None:
+        return None
+    if total is not None and total != size:
+        raise Permanent(f"changed since its header was read (now {total} bytes, was {size})")
+    holds = first <= spans[0][0] and spans[-1][1] - 1 <= last < size
+    return first if holds and response.length == last + 1 - first else None
+
+
 _NO_RANGES = (
     "the server does not honour Range requests (it answered with the whole file); port reads remote files by byte range"
 )
 
 
-def part_offsets(body: bytes, boundary: bytes, spans: Sequence[tuple[int, int]], size: int) -> list[int]:
-    """Where each span's bytes (start, stop) start in a `multipart/byteranges` body: its parts
-    in order, each part's `Content-Range` the next span asked for, of a file of `size` bytes,
-    and the closing delimiter after the last; anything else is transient (never data).
+def part_offsets(body: bytes, boundary: bytes, spans: Sequence[tuple[int, int]], size: int) -> tuple[list[int], int]:
+    """Where each span's bytes (start, stop; in file order) start in a `multipart/byteranges`
+    body of a file of `size` bytes, and how many of the file's bytes its parts hold.
 
-    A part whose head is the previous part's with the next span's numbers in its
-    `Content-Range` (servers write every part's head alike) is taken by one comparison;
-    any other is read line by line.
+    A server may send the parts in any order and coalesce neighbouring spans into one part
+    (RFC 9110 14.3): each span is found in the one part whose `Content-Range` holds it whole,
+    wherever that part lies. The parts' framing (`_parts`) must be exact, or the answer is
+    transient (never data); parts that overlap, hold no span, or leave a span not held whole
+    are a server answering otherwise than asked: `OneRangeOnly`.
 
     ```python
     part_offsets(b"\\r\\n--B\\r\\nContent-Range: bytes 0-3/9\\r\\n\\r\\nabcd\\r\\n--B--\\r\\n", b"B", [(0, 4)], 9)
-    # [37]
+    # ([37], 4)
     ```
     """
+    parts = sorted(_parts(body, boundary, spans, size))  # (first, last, offset), in file order
+    for (a, b, _), (c, d, _) in zip(parts, parts[1:]):
+        if c <= b:
+            raise OneRangeOnly(f"parts that overlap (bytes {a}-{b} and {c}-{d})")
+    offsets, p = [0] * len(spans), 0
+    held = [False] * len(parts)
+    for i in sorted(range(len(spans)), key=lambda i: spans[i][0]):
+        start, stop = spans[i]
+        while p < len(parts) and parts[p][1] < start:
+            p += 1
+        if p == len(parts) or parts[p][0] > start or parts[p][1] < stop - 1:
+            raise OneRangeOnly(f"no part holds bytes {start}-{stop - 1} whole")
+        offsets[i] = parts[p][2] + start - parts[p][0]
+        held[p] = True
+    if not all(held):
+        first, last, _ = parts[held.index(False)]
+        raise OneRangeOnly(f"a part for bytes {first}-{last}, not asked for")
+    return offsets, sum(last + 1 - first for first, last, _ in parts)
+
+
+def _parts(body: bytes, boundary: bytes, spans: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int, int]]:
+    """The parts of a `multipart/byteranges` body, in its order: (first byte, last byte, where the
+    part's bytes start in `body`), each announced by its `Content-Range` (of a file of `size`
+    bytes: another size is permanent), then the closing delimiter; at most one part per span.
+    Anything else in the framing is transient.
+
+    A part whose head is the previous part's with the next span's numbers in its
+    `Content-Range` (servers write every part's head alike, and the parts in the order asked)
+    is taken by one comparison; any other is read line by line.
+    """
     delimiter = b"--" + boundary
-    offsets, at = [], 0
+    parts: list[tuple[int, int, int]] = []
+    at = 0
     alike: tuple[bytes, bytes] | None = None  # the last head, cut around its numbers `first-last`
-    for start, stop in spans:
-        numbers = f"{start}-{stop - 1}".encode()
-        if alike is not None and body.startswith(head := alike[0] + numbers + alike[1], at):
-            offsets.append(at + len(head))
-            at += len(head) + stop - start
-            if at > len(body):
-                raise Transient("a multipart answer that ends within a part")
-            continue
+    while True:
+        if alike is not None and len(parts) < len(spans):
+            start, stop = spans[len(parts)]
+            head = alike[0] + f"{start}-{stop - 1}".encode() + alike[1]
+            if body.startswith(head, at):
+                parts.append((start, stop - 1, at + len(head)))
+                at += len(head) + stop - start
+                if at > len(body):
+                    raise Transient("a multipart answer that ends within a part")
+                continue
         begins = body.find(delimiter, at, at + 64)
         if begins < 0 or body[at:begins].strip():
             raise Transient("a multipart answer without the delimiter where a part should begin")
+        if body.startswith(b"--", begins + len(delimiter)):  # the closing delimiter
+            if not parts or body[begins + len(delimiter) + 2 :].strip():
+                raise Transient("a multipart answer without its closing delimiter where the last part ends")
+            return parts
         ends = body.find(b"\r\n\r\n", begins, begins + 4096)
         if ends < 0:
             raise Transient("a multipart answer's part without the end of its headers")
@@ -554,24 +620,25 @@ def part_offsets(body: bytes, boundary: bytes, spans: Sequence[tuple[int, int]],
         for line in body[begins + len(delimiter) : ends].split(b"\r\n"):
             name, _, value = line.decode("latin-1").partition(":")
             if name.strip().lower() == "content-range":
-                found, k = _content_range(value), line.find(numbers, len(name) + 1)
-                cut = line_at + k if k >= 0 else None
+                found = _content_range(value)
+                if found is not None and found[0] is not None:
+                    k = line.find(f"{found[0]}-{found[1]}".encode(), len(name) + 1)
+                    cut = (line_at + k, line_at + k + len(f"{found[0]}-{found[1]}")) if k >= 0 else None
             line_at += len(line) + 2
-        if found is None:
+        first, last, total = found or (None, None, None)
+        if first is None or last is None:
             raise Transient("a multipart answer's part without a valid Content-Range")
-        first, last, total = found
         if total is not None and total != size:
             raise Permanent(f"changed since its header was read (now {total} bytes, was {size})")
-        if (first, last) != (start, stop - 1):
-            raise Transient(f"the server answered bytes {first}-{last} for {start}-{stop - 1}")
-        alike = None if cut is None else (body[at:cut], body[cut + len(numbers) : ends + 4])
-        offsets.append(ends + 4)
-        at = ends + 4 + (stop - start)
+        if first > last or last >= size:
+            raise Transient(f"a multipart answer's part for bytes {first}-{last} of {size}")
+        alike = None if cut is None else (body[at : cut[0]], body[cut[1] : ends + 4])
+        parts.append((first, last, ends + 4))
+        at = ends + 4 + (last + 1 - first)
         if at > len(body):
             raise Transient("a multipart answer that ends within a part")
-    if body[at:].strip() != delimiter + b"--":
-        raise Transient("a multipart answer without its closing delimiter where the last part ends")
-    return offsets
+        if len(parts) > len(spans):
+            raise OneRangeOnly(f"more parts than the {len(spans)} ranges asked for")
 
 
 _BOUNDARY = re.compile(
