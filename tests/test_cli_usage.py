@@ -292,6 +292,7 @@ def test_shell_completion(tmp_path):
     [
         ({"COMP_WORDS": "port co", "COMP_CWORD": "x"}, "COMP_CWORD 'x': expected the index of the word completed"),
         ({"COMP_WORDS": "port co", "COMP_CWORD": "-1"}, "COMP_CWORD '-1': expected the index"),
+        ({"COMP_WORDS": "port co", "COMP_CWORD": "1" * 5000}, "COMP_CWORD '1111"),  # past int()'s 4300 digits
         ({"COMP_CWORD": "1"}, "COMP_WORDS is not set"),
         ({"COMP_WORDS": "port co"}, "COMP_CWORD is not set"),
         ({"_PORT_COMPLETE": "complete_fish2"}, "_PORT_COMPLETE 'complete_fish2': expected complete_SHELL or source_"),

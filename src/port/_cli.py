@@ -648,8 +648,8 @@ def _completion_problem(instruction: str) -> str | None:
     checks = {
         "bash": (
             "COMP_CWORD",
-            lambda v: v.isascii() and v.isdigit(),
-            "the index of the word completed, an integer >= 0",
+            lambda v: v.isascii() and v.isdigit() and len(v) <= 9,  # a command line's word count
+            "the index of the word completed, an integer from 0 to 999999999",
         ),
         "fish": ("_TYPER_COMPLETE_FISH_ACTION", lambda v: v in ("get-args", "is-args"), "get-args or is-args"),
     }
