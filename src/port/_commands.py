@@ -453,12 +453,12 @@ def export_command(args: argparse.Namespace) -> int:
             bar.update(bar.task_ids[0], completed=at.done, total=at.total, description="writing")
 
     with PeakMemory() as peak:
-        model = restore(args.dir, args.mesh, model=_model_class(args.module))
+        model = restore(output, args.mesh, model=_model_class(args.module))  # its metadata read once, here
         try:
             out = export(
                 model,
                 args.out,
-                args.dir,
+                output,
                 max_shard_size=args.max_shard_size,
                 dtype=args.dtype,
                 force=args.force,

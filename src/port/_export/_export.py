@@ -39,7 +39,9 @@ from .._destination import check_destination, check_free, make_partial, partial_
 from .._dtypes import dtype as dtype_named
 from .._errors import CheckpointError, OutputError, PlanError, PortError, RunError
 from .._mapping import Mapping, mapping_for
-from .._output import port_version, read_output
+from .._model import is_model
+from .._output import Output, port_version, read_output
+from .._output._restore import model_class
 from .._plan import is_none, plan
 from .._runtime import exchange, num_processes
 from .._skeleton import leaves, skeleton
@@ -164,30 +166,43 @@ def is_export(directory: str | os.PathLike) -> bool:
     return True
 
 
-def _headers(source: Any) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], dict, Mapping | None]:
-    """The source tensors' shapes and dtypes, its config and (for a port output) its mapping."""
+def _headers(source: Any) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], dict, Output | None]:
+    """The source tensors' shapes and dtypes, its config and (for a port output) the output, read."""
     if isinstance(source, Checkpoint):
         return {k: (t.shape, t.dtype) for k, t in source.tensors.items()}, source.config, None
     path = Path(source) if isinstance(source, (str, os.PathLike)) else None
-    if path is not None and (path / "port").is_dir() and not (path / "config.json").exists():
-        output = read_output(path)
+    if isinstance(source, Output) or (
+        path is not None and (path / "port").is_dir() and not (path / "config.json").exists()
+    ):
+        output = source if isinstance(source, Output) else read_output(source)
+        path = output.directory
         if output.sources is None:
             raise OutputError(
                 f"{path}: records no source tensors (written by port.save without `sources`); pass the "
                 "checkpoint it was converted from as the source"
             )
-        return output.sources, output.config, output.mapping
+        return output.sources, output.config, output
     if path is None and not isinstance(source, str):
         raise PortError(f"`source`: expected a checkpoint, a port output or a Checkpoint, got {quoted(source)}")
     with open_checkpoint(source) as ckpt:
         return {k: (t.shape, t.dtype) for k, t in ckpt.tensors.items()}, ckpt.config, None
 
 
-def _check_fits(model: Any, mapping: Mapping, config: AnyMapping[str, Any], source: Any) -> None:
-    """`PlanError` naming the first leaf where `model` differs from the module the source's config builds."""
-    expected = {p: leaf for p, leaf in leaves(skeleton(mapping, config)).items() if hasattr(leaf, "shape")}
+def _fits_class(model: Any, mapping: Mapping, output: Output | None) -> type:
+    """The class `model` is checked against: the mapping's, where the caller gave the mapping or it is
+    port's own for the config; where it is the one a port `output` keeps (untrusted), `model`'s own
+    class, else the one of port's models the output names (`model_class`): nothing else an output
+    names is imported, as `restore` imports nothing else."""
+    if output is None:
+        return mapping.model_class()
+    return model_class(output, type(model) if is_model(type(model)) else None)
+
+
+def _check_fits(model: Any, cls: type, mapping: Mapping, config: AnyMapping[str, Any], source: Any) -> None:
+    """`PlanError` naming the first leaf where `model` differs from the module `cls` the source's config builds."""
+    expected = {p: leaf for p, leaf in leaves(skeleton(cls, config)).items() if hasattr(leaf, "shape")}
     actual = {p: leaf for p, leaf in leaves(model).items() if hasattr(leaf, "shape")}
-    where = f"the module {mapping.model} that the config of {quoted(str(source))} builds"
+    where = f"the module {cls.__module__}:{cls.__qualname__} that the config of {quoted(str(source))} builds"
     problems = []
     for path in actual.keys() - expected.keys():
         problems.append(f"model leaf '{path}' is not in {where}")
@@ -220,7 +235,7 @@ def _mesh_axes(mapping: Mapping) -> dict[str, int]:
 def export(
     model: Any,
     out: str | os.PathLike,
-    source: str | os.PathLike | Checkpoint,
+    source: str | os.PathLike | Checkpoint | Output,
     *,
     config: AnyMapping[str, Any] | None = None,
     mapping: str | os.PathLike | Mapping | None = None,
@@ -239,7 +254,8 @@ def export(
       shards with `model.safetensors.index.json`, as `save_pretrained` writes them).
     - `source`: where the tensors' names, shapes and dtypes come from (no tensor data
       is read): the checkpoint the model was converted from (a directory, a repo id or
-      an open `Checkpoint`) or a `port convert` output, which records them.
+      an open `Checkpoint`) or a `port convert` output, which records them (its directory,
+      or the `Output` `read_output` read from it).
     - `config`: the Hugging Face config written as `config.json` (default: the source's).
     - `mapping`: a `Mapping` or a mapping file; default: the output's own (for a `port
       convert` output), else the shipped one for the config's `model_type`.
@@ -260,13 +276,16 @@ def export(
     ```
     """
     limit = parse_size(max_shard_size)
-    headers, source_config, source_mapping = _headers(source)
+    headers, source_config, output = _headers(source)
+    source = source.directory if isinstance(source, Output) else source  # as messages name it
     config = dict(source_config if config is None else config)
-    mapping = mapping_for(config, mapping if mapping is not None else source_mapping)
+    kept = output if mapping is None else None  # the output's own mapping: its `model` is not imported
+    mapping = mapping_for(config, mapping if kept is None else kept.mapping)
     inputs = (source,) if isinstance(source, (str, os.PathLike)) and Path(source).exists() else ()
     out = check_destination(out, force, inputs, ours=is_export, what=_EXPORT)
-    _check_fits(model, mapping, config, source)
-    tensors = {k: TensorInfo(k, Path("<source>"), np.dtype(d), tuple(s), 0) for k, (s, d) in headers.items()}
+    _check_fits(model, _fits_class(model, mapping, kept), mapping, config, source)
+    nowhere = Path("<source>")  # no tensor data is read: one path for every header
+    tensors = {k: TensorInfo(k, nowhere, np.dtype(d), tuple(s), 0) for k, (s, d) in headers.items()}
     recipe = plan(model, mapping, tensors, config, _mesh_axes(mapping))
     arrays = leaves(model)
     for leaf in recipe.leaves:

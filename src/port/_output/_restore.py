@@ -71,7 +71,7 @@ _SHIPPED = "port.models"
 
 
 def restore(
-    directory: str | os.PathLike,
+    directory: str | os.PathLike | Output,
     mesh: Mesh | str | None = None,
     *,
     model: type | None = None,
@@ -83,7 +83,8 @@ def restore(
 
     - `directory`: the output, as `port convert` or `save` wrote it (format 3: Orbax's
       checkpoint of `params/`, zarr chunk files, and `port/`). An output of any other
-      format is refused.
+      format is refused. Or the `Output` `read_output` read from it (its metadata is
+      then not read again).
     - `mesh`: a `Mesh` or a spec such as `"2x4"`, as for `load` (default: one device).
     - `model`: the module class to build, with `from_config(config, *, key)`. Without
       it, the class the output names is imported only if it is one of port's models
@@ -111,7 +112,7 @@ def restore(
     mesh = as_mesh(mesh)
     if model is not None and not is_model(model):
         raise PortError(f"`model`: expected a class with from_config(config, *, key), got {quoted(model)}")
-    output = read_output(directory)
+    output = directory if isinstance(directory, Output) else read_output(directory)
     cls = model_class(output, model)
     placement = restore_plan(output, mesh)  # every rule's mesh axis exists; each leaf's spec
     _check_stored(output)
