@@ -352,7 +352,9 @@ def info_command(args: argparse.Namespace) -> int:
 
     output = read_output(args.dir)
     mesh = written_mesh(output)
-    total = sum(leaf.size * leaf.dtype.itemsize for leaf in output.leaves.values())
+    model_type = output.config.get("model_type")  # untrusted: any JSON value; the schema says a string or null
+    model_type = model_type if isinstance(model_type, str) else None
+    total = sum(leaf.nbytes for leaf in output.leaves.values())
     params = sum(leaf.size for leaf in output.leaves.values())
     sources = (
         None
@@ -370,7 +372,7 @@ def info_command(args: argparse.Namespace) -> int:
                 "format": FORMAT,
                 "port_version": output.port_version,
                 "class": output.mapping.model,
-                "model_type": output.config.get("model_type"),
+                "model_type": model_type,
                 "mapping": output.mapping_source,
                 "mesh": mesh,
                 "params": params,
@@ -383,7 +385,7 @@ def info_command(args: argparse.Namespace) -> int:
                         "shape": list(leaf.shape),
                         "dtype": leaf.dtype.name,
                         "axes": list(leaf.axes),
-                        "bytes": leaf.size * leaf.dtype.itemsize,
+                        "bytes": leaf.nbytes,
                     }
                     for path, leaf in output.leaves.items()
                 ],
@@ -393,7 +395,7 @@ def info_command(args: argparse.Namespace) -> int:
         f"{printable(str(args.dir))}: a port output (format {FORMAT}), {count_text(params)} params in "
         f"{len(output.leaves)} {'leaf' if len(output.leaves) == 1 else 'leaves'}, {size_text(total)}",
         f"model: {printable(output.mapping.model)}"
-        + (f" (model_type {quoted(output.config['model_type'])})" if "model_type" in output.config else ""),
+        + (f" (model_type {quoted(model_type)})" if model_type is not None else ""),
         f"mapping: {printable(output.mapping_source)} (its text is kept in the output)",
         f"written on mesh: {','.join(f'{n}={k}' for n, k in mesh.items()) if mesh else 'not recorded'}",
         f"written by: port {printable(output.port_version)}"
@@ -409,7 +411,7 @@ def info_command(args: argparse.Namespace) -> int:
             printable(path),
             describe(leaf.shape, leaf.dtype),
             ", ".join(a or "-" for a in leaf.axes) or "-",
-            size_text(leaf.size * leaf.dtype.itemsize),
+            size_text(leaf.nbytes),
         )
         for path, leaf in output.leaves.items()
     ]
@@ -753,8 +755,10 @@ def _plan_output(args: argparse.Namespace) -> int:
 
 
 def _json(document: dict) -> int:
-    """Print `document` as port's JSON output (one object, indented, keys in the documented order)."""
-    sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=True) + "\n")
+    """Print `document` as port's JSON output (one object, indented, keys in the documented order):
+    strict JSON, never a NaN or an infinity (`allow_nan=False`); a value copied from an untrusted file
+    is type-checked before it gets here."""
+    sys.stdout.write(json.dumps(document, indent=2, ensure_ascii=True, allow_nan=False) + "\n")
     return 0
 
 

@@ -29,7 +29,9 @@ chunks it overlaps. A chunk file is a row-major region of a file, like a tensor 
 safetensors file, so `restore` reads it with the same positioned reads as `place`.
 
 An output is untrusted when read back: the bounds here (`MAX_*`) are those `restore`
-reads it under, and `save` refuses to write what would pass them.
+reads it under, and `save` refuses to write what would pass them. Each leaf and source
+tensor it declares also obeys the rules of a checkpoint's tensors (`port._sources._checkpoint`:
+at most `MAX_RANK` dimensions, at most `MAX_NBYTES` bytes, each and all together).
 
 ```python
 zarray((50257, 768), (50257, 192), np.dtype("float32"))["chunks"]   # [50257, 192]
@@ -84,10 +86,10 @@ SOURCE_FIELDS = ("shape", "dtype")
 # The bounds an output is read back under (`save` checks the metadata it writes against them).
 MAX_METADATA_BYTES = 32 << 20  # port/metadata, params/_METADATA: a few hundred KB for real models
 MAX_SOURCES = 1_000_000  # source tensors port/metadata records
+MAX_LEAVES = 1_000_000  # leaves port/metadata lists (each a directory of params/)
 MAX_INCLUDE = 1000  # patterns of a partial output
-MAX_KEY_CHARS = 1000  # characters of a source tensor's name, or of a pattern
+MAX_KEY_CHARS = 1000  # characters of a leaf's or a source tensor's name, or of a pattern
 MAX_VERSION_CHARS = 100  # characters of `port_version`
-MAX_RANK = 16  # dimensions of a source tensor
 MAX_PARAMS_FILES = 1_000_000  # chunk files: one per block of the saving mesh, per leaf
 MAX_OUTPUT_ENTRIES = 2_000_000  # files `is_output` looks at before it calls a tree not port's
 

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from .._dtypes import dtype as dtype_named
 from .._errors import OutputError, PortError
 from .._files import hub_blob, read_small
 from .._mapping import Mapping, parse_mapping
+from .._sources._checkpoint import MAX_NBYTES, MAX_RANK, tensor_bytes
 from .._text import first_line, one_line, quoted
 from ._layout import (
     FIELDS,
@@ -38,8 +40,8 @@ from ._layout import (
     LEAF_PATH,
     MAX_INCLUDE,
     MAX_KEY_CHARS,
+    MAX_LEAVES,
     MAX_METADATA_BYTES,
-    MAX_RANK,
     MAX_SOURCES,
     MAX_VERSION_CHARS,
     METADATA,
@@ -63,6 +65,10 @@ class Leaf:
     @property
     def size(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
 
     def __str__(self) -> str:
         return describe(self.shape, self.dtype)
@@ -163,7 +169,10 @@ def read_output(directory: str | os.PathLike) -> Output:
     """Read and check `port/metadata` of the output at `directory`; reads no array.
 
     Checks the format number and the type of every field, parses the mapping, and
-    checks every leaf's name, shape, dtype and axes against the mapping. Imports nothing.
+    checks every leaf's name, shape, dtype and axes against the mapping. Every count and
+    size is bounded: the leaves and source tensors (`MAX_LEAVES`, `MAX_SOURCES`), their
+    names (`MAX_KEY_CHARS`), and each one's shape as a checkpoint tensor's is (`MAX_RANK`
+    dimensions, `MAX_NBYTES` bytes), each and all together. Imports nothing.
 
     **Arguments:**
 
@@ -200,6 +209,10 @@ def read_output(directory: str | os.PathLike) -> Output:
     for name, kind in (("mapping_source", str), ("mapping", str), ("config", dict), ("leaves", dict)):
         if not isinstance(meta[name], kind):
             raise OutputError(f"{where}: '{name}' must be a JSON {'string' if kind is str else 'object'}")
+    if len(meta["leaves"]) > MAX_LEAVES:
+        raise OutputError(
+            f"{where}: 'leaves' lists {len(meta['leaves'])} leaves, more than an output holds ({MAX_LEAVES} at most)"
+        )
     mapping = _parse(meta["mapping"], where)
     entries = {p.path: p for p in mapping.params}
     declared = {}
@@ -216,6 +229,7 @@ def read_output(directory: str | os.PathLike) -> Output:
         declared[path] = leaf
     if not declared:
         raise OutputError(f"{where}: 'leaves' is empty")
+    _check_total((leaf.nbytes for leaf in declared.values()), "its leaves", where)
     sources = _sources(meta["sources"], where) if "sources" in meta else None
     include = _include(meta["include"], where) if "include" in meta else None
     version = _version(meta["port_version"], where) if "port_version" in meta else None
@@ -257,13 +271,43 @@ def _sources(value: Any, where: str) -> dict[str, tuple[tuple[int, ...], np.dtyp
             raise OutputError(
                 f"{where}: source {quoted(key)} must be an object with exactly {', '.join(SOURCE_FIELDS)}"
             )
-        shape, dtype = info["shape"], info["dtype"]
-        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(type(n) is int and n >= 0 for n in shape):
-            raise OutputError(f"{where}: source {quoted(key)}: 'shape' must be a list of non-negative integers")
+        what, dtype = f"source {quoted(key)}", info["dtype"]
+        shape = _shape(info["shape"], where, what)
         if not isinstance(dtype, str) or dtype not in NAMES:
-            raise OutputError(f"{where}: source {quoted(key)}: dtype {quoted(dtype)} is not one port knows")
-        sources[key] = (tuple(shape), dtype_named(dtype))
+            raise OutputError(f"{where}: {what}: dtype {quoted(dtype)} is not one port knows")
+        np_dtype = dtype_named(dtype)
+        _check_bytes(shape, np_dtype, where, what)
+        sources[key] = (shape, np_dtype)
+    _check_total((math.prod(s) * d.itemsize for s, d in sources.values()), "its source tensors", where)
     return sources
+
+
+def _shape(value: Any, where: str, what: str) -> tuple[int, ...]:
+    """A shape in `port/metadata` (of `what`: "leaf 'wte'"): a list of non-negative integers, at
+    most `MAX_RANK` of them, as a checkpoint's tensor has."""
+    if isinstance(value, list) and len(value) > MAX_RANK:
+        raise OutputError(f"{where}: {what}: 'shape' has {len(value)} dimensions (at most {MAX_RANK})")
+    if not isinstance(value, list) or not all(type(n) is int and n >= 0 for n in value):
+        raise OutputError(f"{where}: {what}: 'shape' must be a list of non-negative integers")
+    return tuple(value)
+
+
+def _check_bytes(shape: tuple[int, ...], dtype: np.dtype, where: str, what: str) -> None:
+    """Refuse a shape of more than `MAX_NBYTES` bytes (`tensor_bytes`), as a checkpoint's tensor's is
+    refused, before anything multiplies, prints or allocates by it."""
+    if tensor_bytes(shape, dtype.itemsize) is None:
+        raise OutputError(
+            f"{where}: {what}: {dtype.name} shape {quoted(list(shape), 60)} is too large (more than {MAX_NBYTES} bytes)"
+        )
+
+
+def _check_total(sizes: Iterable[int], what: str, where: str) -> None:
+    """Refuse `what` ("its leaves") taking more than `MAX_NBYTES` bytes together."""
+    total = 0
+    for size in sizes:
+        total += size
+        if total > MAX_NBYTES:
+            raise OutputError(f"{where}: {what} take more than {MAX_NBYTES} bytes together")
 
 
 def _parse(text: str, where: str) -> Mapping:
@@ -278,23 +322,24 @@ def _parse(text: str, where: str) -> Mapping:
 
 def _leaf(path: Any, info: Any, where: str) -> Leaf:
     """One entry of `port/metadata`'s `leaves`, every field checked."""
-    if not isinstance(path, str) or not LEAF_PATH.fullmatch(path):
-        raise OutputError(f"{where}: leaf name {quoted(path)} is not a dotted module path")
+    if not isinstance(path, str) or len(path) > MAX_KEY_CHARS or not LEAF_PATH.fullmatch(path):
+        raise OutputError(
+            f"{where}: leaf name {quoted(path)} is not a dotted module path of at most {MAX_KEY_CHARS} characters"
+        )
     if not isinstance(info, dict) or set(info) != set(LEAF_FIELDS):
         raise OutputError(f"{where}: leaf '{path}' must be an object with exactly {', '.join(LEAF_FIELDS)}")
-    shape, dtype, axes = info["shape"], info["dtype"], info["axes"]
-    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-        raise OutputError(f"{where}: leaf '{path}': 'shape' must be a list of non-negative integers")
+    shape, dtype, axes = _shape(info["shape"], where, f"leaf '{path}'"), info["dtype"], info["axes"]
     if not isinstance(dtype, str) or dtype not in NAMES:
         raise OutputError(f"{where}: leaf '{path}': dtype {quoted(dtype)} is not one of {', '.join(sorted(NAMES))}")
     np_dtype = dtype_named(dtype)
+    _check_bytes(shape, np_dtype, where, f"leaf '{path}'")
     if np_dtype.itemsize == 8 and not _held_by_jax(np_dtype):
         raise OutputError(f"{where}: leaf '{path}': JAX holds {dtype} only with jax_enable_x64 set")
     if not isinstance(axes, list) or not all(a is None or isinstance(a, str) for a in axes):
         raise OutputError(f"{where}: leaf '{path}': 'axes' must be a list of logical axis names or null")
     if len(axes) != len(shape):
         raise OutputError(f"{where}: leaf '{path}': {len(axes)} axes for a {len(shape)}-d shape")
-    return Leaf(path, tuple(shape), np_dtype, tuple(axes))
+    return Leaf(path, shape, np_dtype, tuple(axes))
 
 
 def _held_by_jax(dtype: np.dtype) -> bool:

@@ -60,6 +60,7 @@ from ._layout import (
     COMMIT_FILE,
     FORMAT,
     LEAF_PATH,
+    MAX_LEAVES,
     MAX_METADATA_BYTES,
     MAX_SOURCES,
     METADATA,
@@ -394,14 +395,19 @@ class Saving:
 def _check_readable(output: str, meta: dict[str, Any], port_meta: bytes, tree_meta: bytes, nones: int) -> None:
     """Refuse, before any metadata file is written (the partial output then removed), metadata
     that `restore` would refuse to read back under its bounds, which are these: `port/metadata`
-    or `params/_METADATA` over `MAX_METADATA_BYTES`, more than `MAX_SOURCES` source tensors.
-    The one line names the `output` (`out=DIR`) and says which file, how large, and what in it is large."""
+    or `params/_METADATA` over `MAX_METADATA_BYTES`, more than `MAX_SOURCES` source tensors or
+    `MAX_LEAVES` leaves. The one line names the `output` (`out=DIR`) and says which file, how large,
+    and what in it is large."""
     sources = meta.get("sources") or {}
-    if len(sources) > MAX_SOURCES:
-        raise OutputError(
-            f"{output}: port/metadata would record {len(sources)} source tensors, more than restore "
-            f"reads back ({MAX_SOURCES} at most); the output is not written"
-        )
+    for count, bound, what in (
+        (len(sources), MAX_SOURCES, "source tensors"),
+        (len(meta["leaves"]), MAX_LEAVES, "leaves"),
+    ):
+        if count > bound:
+            raise OutputError(
+                f"{output}: port/metadata would record {count} {what}, more than restore "
+                f"reads back ({bound} at most); the output is not written"
+            )
     counts = {
         "leaves": f"{len(meta['leaves'])} leaves",
         "sources": f"{len(sources)} tensors",
@@ -506,7 +512,7 @@ def save(
 
     Returns the absolute output path. Raises `OutputError`, one line, when the directory
     may not be written, writing fails (a full disk, a file-size limit), or the metadata
-    would pass the bounds `restore` reads back (`MAX_METADATA_BYTES`, `MAX_SOURCES`);
+    would pass the bounds `restore` reads back (`MAX_METADATA_BYTES`, `MAX_SOURCES`, `MAX_LEAVES`);
     nothing is left behind then.
 
     ```python
