@@ -272,6 +272,8 @@ def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
     reference = table("reference", '{ class = "module:Class", output = "attribute" }')
     if reference and set(reference) != {"class", "output"}:
         raise fail("'reference' needs exactly 'class' (module:Class) and 'output' (an attribute)")
+    if reference and (not reference["output"].isidentifier() or reference["output"].startswith("_")):
+        raise fail(f"'reference.output' {quoted(reference['output'])}: expected a public attribute, such as 'logits'")
     rules = {}
     rule_table = data.get("rules", {})
     if not isinstance(rule_table, dict):
