@@ -51,6 +51,16 @@ def test_swapped_norms_of_a_llama_are_named(llama):
     )
 
 
+def test_a_search_beyond_memory_is_refused(llama, monkeypatch):
+    """The search keeps each module's input and output: past the memory available it stops and says so."""
+    import port.authoring._verify as verifying
+
+    available = iter([None, None, 10_000])  # the labels and the run unchecked; the search given 10 KB
+    monkeypatch.setattr(verifying, "available_host_bytes", lambda: next(available))
+    with pytest.raises(port.PortError, match=r"^batch=2 and length=16: finding the first divergence .* 10.0 KB avail"):
+        port.verify(llama / "checkpoint", "1x1", mapping=llama / "swapped.toml")
+
+
 def test_a_correct_model_has_nothing_named_even_when_searched(llama):
     result = port.verify(llama / "checkpoint", "1x1", padding="left", locate=True)
     assert result.max_abs_diff <= result.tolerance and result.first_divergence is None

@@ -804,17 +804,28 @@ def verify(args: argparse.Namespace) -> int:
         raise PortError(f"--tolerance {args.tolerance}: expected a number >= 0")
     if args.roundtrip and args.dtype is not None:
         raise PortError(f"--roundtrip compares bit for bit: drop --dtype {args.dtype}")
-    result = run_verify(
-        args.model,
-        args.mesh,
-        _mapping_named(args, args.mapping),
-        args.dtype,
-        batch=args.batch,
-        length=args.length,
-        padding=args.padding,
-        roundtrip=args.roundtrip,
-        tolerance=args.tolerance,
-    )
+    try:
+        result = run_verify(
+            args.model,
+            args.mesh,
+            _mapping_named(args, args.mapping),
+            args.dtype,
+            batch=args.batch,
+            length=args.length,
+            padding=args.padding,
+            roundtrip=args.roundtrip,
+            tolerance=args.tolerance,
+        )
+    except PortError as e:  # the API's words for batch and length, as the flags were given
+        said = str(e)
+        for api, flags in (
+            (f"batch={args.batch} and length={args.length}: ", f"--batch {args.batch} and --length {args.length}: "),
+            (f"batch={args.batch}: ", f"--batch {args.batch}: "),
+            (f"length={args.length}: ", f"--length {args.length}: "),
+        ):
+            if said.startswith(api):
+                raise PortError(flags + said.removeprefix(api)) from None
+        raise
     bound = result.tolerance
     trip, found = result.roundtrip, result.first_divergence
     ok = result.max_abs_diff <= bound and (trip is None or trip.exact)

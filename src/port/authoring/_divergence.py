@@ -40,9 +40,11 @@ import equinox as eqx
 import jax
 import numpy as np
 
+from .._errors import PortError
 from .._mapping import LAYER, Mapping
 from .._plan import Plan, layer_groups
 from .._skeleton import path_str
+from .._text import size_text
 
 
 @dataclass(frozen=True)
@@ -101,17 +103,37 @@ class Divergence:
         )
 
 
+class Budget:
+    """The bytes the recordings of one search may keep, both models' together (None: any);
+    `over` once a value was not kept for want of them."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit, self.left, self.over = limit, limit, False
+
+    def take(self, nbytes: int) -> bool:
+        """Whether a value of `nbytes` may be kept (then counted)."""
+        if self.left is not None:
+            if nbytes > self.left:
+                self.over = True
+                return False
+            self.left -= nbytes
+        return True
+
+
 class Recording:
     """What the `Recorder`s of one run saw: values by (port path, "in"/"out"), one per call in
-    call order, and the order of the calls' inputs, (path, call) pairs."""
+    call order, and the order of the calls' inputs, (path, call) pairs; values kept within `budget`."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: Budget | None = None) -> None:
         self.values: dict[tuple[str, str], list[np.ndarray]] = {}
         self.order: list[tuple[str, int]] = []
+        self.budget = Budget(None) if budget is None else budget
         self._lock = threading.Lock()
 
     def keep(self, path: str, kind: str, value: Any) -> None:
         with self._lock:
+            if not self.budget.take(np.asarray(value).nbytes):
+                return
             calls = self.values.setdefault((path, kind), [])
             if kind == "in":
                 self.order.append((path, len(calls)))
@@ -293,6 +315,7 @@ def first_divergence(
     logits: tuple[float, float],
     factor: float,
     mask: np.ndarray | None = None,
+    budget: tuple[int | None, str] = (None, ""),
 ) -> Divergence | None:
     """Run both models again, recording their modules, and find where they first part.
 
@@ -305,11 +328,14 @@ def first_divergence(
     - `logits`: (max |difference|, max |reference|) of the outputs compared: the last observation.
     - `factor`: the tolerance relative to max(1, max |reference|) of each observation.
     - `mask`: the attention mask (`[batch, seq]`): padding positions are not compared.
+    - `budget`: the bytes the recorded values of both models may take (None: any), and what a
+      refusal names first (`batch=2 and length=16`): a `PortError` once they would take more.
 
     Returns a `Divergence`, or None when every observation, the logits too, agrees.
     """
     pairs, keypaths = counterparts(model, plan, mapping, reference)
-    recording = Recording()
+    limit = Budget(budget[0])
+    recording = Recording(limit)
     # On one device: a callback in a program partitioned over a mesh gathers its value to one
     # device anyway, and XLA warns, for each, that it has to.
     model = jax.device_put(model, jax.devices()[0])
@@ -317,8 +343,12 @@ def first_divergence(
         where = keypaths[path]
         model = eqx.tree_at(lambda m, w=where: _at(m, w), model, Recorder(_at(model, where), path, recording))
     call_model(model)
-
-    events, values = _run_reference(reference, set(pairs), call_reference)
+    events, values = ([], {}) if limit.over else _run_reference(reference, set(pairs), call_reference, limit)
+    if limit.over:
+        raise PortError(
+            f"{budget[1]}: finding the first divergence would keep each module's input and output, of both "
+            f"models, in more than the {size_text(limit.limit or 0)} available"
+        )
 
     rows = leaf_rows(plan, mapping)
     stack = {leaf.path: leaf.stack[0] if LAYER in leaf.pattern else 1 for leaf in plan.leaves}
@@ -374,12 +404,12 @@ def first_divergence(
 
 
 def _run_reference(
-    reference: Any, kept: set[str], call_reference: Callable[[], Any]
+    reference: Any, kept: set[str], call_reference: Callable[[], Any], budget: Budget
 ) -> tuple[list[tuple[str, str]], dict[tuple[str, str], np.ndarray]]:
     """Run the reference with hooks on every submodule: its events, ("in" or "out", module name) of
     each module's first call in the order they fire, and the values of those of `kept`'s modules,
     by (name, "in" or "out"): the first floating tensor given (`hidden_states` when given by name)
-    and returned."""
+    and returned, in float32, those `budget` allows."""
     import torch
 
     events: list[tuple[str, str]] = []
@@ -392,7 +422,7 @@ def _run_reference(
         fired.add((kind, name))
         events.append((kind, name))
         tensor = _first_tensor(given, torch)
-        if name in kept and tensor is not None:
+        if name in kept and tensor is not None and budget.take(4 * tensor.numel()):
             values[(name, kind)] = tensor.detach().float().cpu().numpy().copy()
 
     handles = []

@@ -1,7 +1,9 @@
 """Verify: the converted JAX model against the PyTorch reference on the same inputs.
 
 The mapping's `reference` names the `transformers` class (loaded with
-`from_pretrained` from the same checkpoint) and the output attribute to compare.
+`from_pretrained` from the config and weight files port converted) and the output attribute
+to compare. What the checkpoint's config and the arguments ask is bounded before anything is
+built: positions, quantization, and memory (`_check_labels`, `_check_memory`).
 The inputs suit the model: its class declares what it takes as `input_kind`, a key of
 `INPUTS` (default `"input_ids"`: random token ids; `"pixel_values"`: random images of
 config.json's `num_channels` x `image_size`). port's model gets them as its first
@@ -18,11 +20,17 @@ class MyViT(eqx.Module):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
+import json
+import math
 import os
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh
@@ -30,7 +38,10 @@ from jax.sharding import Mesh
 from .._dtypes import CASTS
 from .._errors import ConfigError, MappingError, PortError
 from .._mapping import Mapping, import_object, mapping_for
+from .._memory import available_host_bytes
 from .._model import input_kind as declared_input_kind
+from .._sources import Checkpoint
+from .._text import quoted, size_text
 from ._divergence import Divergence, first_divergence
 
 INSTALL_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu && pip install transformers"
@@ -116,13 +127,32 @@ def _torch():
     return torch
 
 
-def input_ids(config: dict, batch: int = 2, seq: int = 16, seed: int = 0) -> np.ndarray:
-    """Random token ids within the vocabulary and the position range of `config`."""
-    vocab = config.get("vocab_size")
-    if not isinstance(vocab, int):
+def positions(config: dict) -> tuple[str, int] | None:
+    """The model's limit on positions: config.json's key that gives it (`n_positions`, else
+    `max_position_embeddings`) and its value; None when it gives none."""
+    for key in ("n_positions", "max_position_embeddings"):
+        value = config.get(key)
+        if value is not None:
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"config.json: {key!r} must be a positive integer (the model's positions)")
+            return key, value
+    return None
+
+
+def token_shape(config: dict, batch: int, seq: int) -> tuple[int, int]:
+    """The shape of `input_ids`' tokens, `(batch, seq)`, once `config` has an integer `vocab_size`
+    and `seq` is within its positions (`length=`, as verify's argument, names a `seq` beyond them)."""
+    if type(config.get("vocab_size")) is not int:
         raise ConfigError("config.json: no integer 'vocab_size' to draw input ids from")
-    positions = config.get("n_positions") or config.get("max_position_embeddings") or seq
-    return np.random.default_rng(seed).integers(0, vocab, (batch, min(seq, positions)))
+    limit = positions(config)
+    if limit is not None and seq > limit[1]:
+        raise PortError(f"length={seq}: more than the model's {limit[1]} positions (config.json's {limit[0]!r})")
+    return batch, seq
+
+
+def input_ids(config: dict, batch: int = 2, seq: int = 16, seed: int = 0) -> np.ndarray:
+    """Random token ids within the vocabulary of `config`, `(batch, seq)`; `seq` within its positions."""
+    return np.random.default_rng(seed).integers(0, config["vocab_size"], token_shape(config, batch, seq))
 
 
 def _size_pair(config: dict, key: str, default: int) -> tuple[int, int]:
@@ -138,6 +168,15 @@ def _size_pair(config: dict, key: str, default: int) -> tuple[int, int]:
     raise ConfigError(f"config.json: {key!r} must be a positive integer or a list of two to draw pixel values")
 
 
+def pixel_shape(config: dict, batch: int) -> tuple[int, int, int, int]:
+    """The shape of `pixel_values`' images: (batch, num_channels, height, width) of `config`."""
+    channels = config.get("num_channels", 3)
+    if not isinstance(channels, int) or isinstance(channels, bool) or channels <= 0:
+        raise ConfigError("config.json: 'num_channels' must be a positive integer to draw pixel values")
+    height, width = _size_pair(config, "image_size", 224)
+    return batch, channels, height, width
+
+
 def pixel_values(config: dict, batch: int = 2, seed: int = 0) -> np.ndarray:
     """Random float32 images, (batch, num_channels, height, width) of config's `image_size`.
 
@@ -149,16 +188,14 @@ def pixel_values(config: dict, batch: int = 2, seed: int = 0) -> np.ndarray:
     pixel_values({"image_size": 16, "num_channels": 1}).shape   # (2, 1, 16, 16)
     ```
     """
-    channels = config.get("num_channels", 3)
-    if not isinstance(channels, int) or isinstance(channels, bool) or channels <= 0:
-        raise ConfigError("config.json: 'num_channels' must be a positive integer to draw pixel values")
-    height, width = _size_pair(config, "image_size", 224)
     rng = np.random.default_rng(seed)
-    return rng.standard_normal((batch, channels, height, width)).astype(np.float32)
+    return rng.standard_normal(pixel_shape(config, batch)).astype(np.float32)
 
 
 INPUTS: dict[str, Callable[[dict, int], np.ndarray]] = {"input_ids": input_ids, "pixel_values": pixel_values}
 """The inputs verify can draw, by the name a model class gives as `input_kind` (and the reference takes)."""
+INPUT_DTYPES = {"input_ids": np.int64, "pixel_values": np.float32}
+"""The dtype of each of `INPUTS`."""
 
 
 def input_kind(model_class: type) -> str:
@@ -171,6 +208,126 @@ def input_kind(model_class: type) -> str:
             f"port verify draws {' or '.join(map(repr, INPUTS))}"
         )
     return kind
+
+
+LABEL_BYTES = 700
+"""What transformers' config takes for each label it builds from config.json's `num_labels`
+(`id2label`, `label2id`, and the copies parsing makes): about 700 bytes, measured."""
+
+
+def _refuse_quantized(config: dict) -> None:
+    """Refuse a config.json with a `quantization_config`: transformers would quantize the reference
+    (importing the method's packages), port would not."""
+    quantization = config.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ConfigError(
+            f"config.json: 'quantization_config' (quant_method {quoted(method)}): "
+            "port verify does not handle quantized checkpoints"
+        )
+
+
+def _check_labels(config: dict, available: int | None) -> None:
+    """Refuse config.json's `num_labels` (without `id2label`: transformers then builds one label for
+    each) when it is not an integer >= 0 or its labels take more memory than is `available`."""
+    if "num_labels" not in config or config.get("id2label") is not None:
+        return
+    labels = config["num_labels"]
+    if type(labels) is not int or labels < 0:
+        raise ConfigError("config.json: 'num_labels' must be an integer >= 0 (the labels transformers builds)")
+    need = labels * LABEL_BYTES
+    if available is not None and need > available:
+        raise ConfigError(
+            f"config.json: 'num_labels' is {labels}: transformers would build that many labels, about "
+            f"{size_text(need)}, more than the {size_text(available)} available"
+        )
+
+
+def _check_memory(
+    ckpt: Checkpoint,
+    mesh: Mesh,
+    config: dict,
+    inputs: tuple[int, ...],
+    output: tuple[int, ...],
+    named: str,
+    padded: bool,
+    available: int | None,
+) -> None:
+    """Refuse, before anything is allocated, a verify whose models and arrays take more memory than
+    is `available`: the reference's parameters in float32 and port's model (where its devices are the
+    host's CPUs), estimated from the checkpoint's headers; then the inputs of shape `inputs`, each
+    model's `output` in float32 with the reference's own float32 run and their difference, and eager
+    attention's scores of one layer. `named` starts a refusal of the second kind (`batch=2 and length=16`).
+    """
+    if available is None:
+        return
+    elements = sum(math.prod(info.shape) for info in ckpt.tensors.values())
+    ours = sum(info.nbytes for info in ckpt.tensors.values())
+    models = 4 * elements + (ours if any(d.platform == "cpu" for d in mesh.devices.flat) else 0)
+    if models > available:
+        raise PortError(
+            f"{ckpt.directory}: the reference's parameters in float32 ({size_text(4 * elements)}) and port's "
+            f"model take about {size_text(models)}, more than the {size_text(available)} available"
+        )
+    tokens = len(inputs) == 2
+    batch, length = inputs[0], inputs[-1]
+    heads = next((config[k] for k in ("num_attention_heads", "n_head") if type(config.get(k)) is int), 0)
+    arrays = (
+        2 * math.prod(inputs) * (8 * (3 if padded else 1) if tokens else 4)  # NumPy's and PyTorch's
+        + 5 * 4 * math.prod(output)  # each model's, the reference's float32 run, the difference, its size
+        + (2 * 4 * batch * heads * length**2 if tokens else 0)  # one layer's scores and their softmax
+    )
+    if arrays > available - models:
+        raise PortError(
+            f"{named}: the inputs {list(inputs)} and each model's outputs {list(output)} take about "
+            f"{size_text(arrays)} with their copies, more than the {size_text(available - models)} available "
+            "besides the models"
+        )
+
+
+@contextlib.contextmanager
+def _weights_port_reads(ckpt: Checkpoint, config: dict) -> Iterator[Path]:
+    """A temporary directory for the reference's `from_pretrained`: `config` as config.json, and links
+    to the files `ckpt`'s tensors come from under the names transformers loads (with an index of them
+    when there are several). Its reference is built from the weights port converted, whatever else
+    the checkpoint's directory holds (a `pytorch_model.bin` beside a safetensors file of another
+    name, both a `model.safetensors` and an index) or its config.json names (`transformers_weights`).
+    """
+    files: dict[Path, list[str]] = {}
+    for key, info in ckpt.tensors.items():
+        files.setdefault(Path(str(info.file)), []).append(key)
+    pickled = any(path.suffix == ".bin" for path in files)
+    suffix, single, index = (
+        (".bin", "pytorch_model.bin", "pytorch_model.bin.index.json")
+        if pickled
+        else (".safetensors", "model.safetensors", "model.safetensors.index.json")
+    )
+    with tempfile.TemporaryDirectory(prefix="port-reference-") as temporary:
+        root = Path(temporary)
+        written = {k: v for k, v in config.items() if k != "transformers_weights"}
+        (root / "config.json").write_text(json.dumps(written))
+        if len(files) == 1:
+            (root / single).symlink_to(next(iter(files)).absolute())
+        else:
+            names = {path: f"part-{i:05d}-of-{len(files):05d}{suffix}" for i, path in enumerate(files, 1)}
+            for path, name in names.items():
+                (root / name).symlink_to(path.absolute())
+            weight_map = {key: names[path] for path, keys in files.items() for key in keys}
+            (root / index).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        yield root
+
+
+def _output(given: Any, mapping: Mapping, reference_cls: type, torch: Any) -> Any:
+    """The tensor the mapping's `reference.output` names in the reference's output `given`."""
+    name = mapping.reference["output"]
+    value = getattr(given, name, None)
+    if not isinstance(value, torch.Tensor):
+        fields = ", ".join(map(repr, given.keys())) if hasattr(given, "keys") else type(given).__name__
+        raise MappingError(
+            f"{mapping.source}: 'reference.output' {quoted(name)} is not a tensor of "
+            f"{reference_cls.__name__}'s output (it gives {fields})"
+        )
+    return value
 
 
 def verify(
@@ -199,7 +356,8 @@ def verify(
     - `mapping`: a `Mapping` or a mapping file naming a `reference`; default: the
       shipped one for `model_type`.
     - `dtype`: cast floating parameters (`"bfloat16"`, ...), and run the reference in it.
-    - `batch`, `length`: the inputs' batch size and sequence length (token inputs).
+    - `batch`, `length`: the inputs' batch size and sequence length (token inputs, at most
+      the model's positions); what they take is checked against the memory available.
     - `padding`: `"left"` or `"right"`: each sequence after the first padded by more
       positions, given to both models as `attention_mask` (and to a decoder's reference
       the positions `generate` would give, as port's decoders number them); only
@@ -248,23 +406,38 @@ def verify(
         mapping = mapping_for(config, mapping)
         if not mapping.reference:
             raise MappingError(f"{mapping.source}: no 'reference' (the PyTorch class to compare with)")
+        _refuse_quantized(config)
+        _check_labels(config, available_host_bytes())
         kind = input_kind(mapping.model_class())
-        if kind == "input_ids":  # a bad config is told before converting
-            inputs = input_ids(config, batch, length)
+        # A bad config, and what the flags ask of memory, are told before anything is allocated.
+        if kind == "input_ids":
+            shape, named = token_shape(config, batch, length), f"batch={batch} and length={length}"
         else:
             if padding is not None:
                 raise PortError(f"padding={padding!r}: {mapping.model} takes {kind}, not token ids")
-            inputs = INPUTS[kind](config, batch)
-        mask = None if padding is None else padding_mask(inputs.shape, padding)
+            shape, named = pixel_shape(config, batch), f"batch={batch}"
         takes = inspect.signature(mapping.model_class().__call__).parameters
-        if mask is not None and "attention_mask" not in takes:
+        if padding is not None and "attention_mask" not in takes:
             raise PortError(f"padding={padding!r}: {mapping.model} takes no attention_mask")
+        skel = skeleton(mapping, config)
+        output = eqx.filter_eval_shape(lambda m, x: m(x), skel, jax.ShapeDtypeStruct(shape, INPUT_DTYPES[kind])).shape
+        _check_memory(ckpt, mesh, config, shape, output, named, padding is not None, available_host_bytes())
+        inputs = input_ids(config, batch, length) if kind == "input_ids" else INPUTS[kind](config, batch)
+        mask = None if padding is None else padding_mask(inputs.shape, padding)
         # A decoder numbers a padded batch's positions as transformers' `generate` does (the mask's
         # cumulative sum, less one); its reference is given the same, which its forward alone would not.
         positions = None if mask is None or "positions" not in takes else np.where(mask, np.cumsum(mask, -1) - 1, 0)
-        conversion = convert(ckpt, skeleton(mapping, config), mapping, mesh, dtype=dtype)
+        conversion = convert(ckpt, skel, mapping, mesh, dtype=dtype)
         converted = conversion.model
         written = _roundtrip(converted, ckpt, mapping) if roundtrip else None
+        # Eager attention and experts: the reference code as written, in any dtype (torch's grouped
+        # matmul for experts refuses bfloat16 weights whose strides are not multiples of 16 bytes).
+        # Built from the files port read, with the config port read: it compares the same weights.
+        reference_cls = import_object(mapping.reference["class"], f"{mapping.source}: reference")
+        with _weights_port_reads(ckpt, config) as weights:
+            reference = reference_cls.from_pretrained(
+                weights, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+            ).eval()
 
     # Full float32 matrix products: an accelerator's default (TF32 on NVIDIA GPUs since Ampere,
     # bfloat16 passes on TPU) differs from PyTorch's CPU float32 by about 1e-2 of the logits,
@@ -276,19 +449,13 @@ def verify(
             return np.asarray(eqx.filter_jit(lambda m, x, a: m(x, attention_mask=a))(model, inputs, mask))
 
     ours = call_model(converted)
-    reference_cls = import_object(mapping.reference["class"], f"{mapping.source}: reference")
     torch_dtype = getattr(torch, str(ours.dtype)) if str(ours.dtype) in CASTS else torch.float32
-    # Eager attention and experts: the reference code as written, in any dtype (torch's grouped
-    # matmul for experts refuses bfloat16 weights whose strides are not multiples of 16 bytes).
-    reference = reference_cls.from_pretrained(
-        directory, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
-    ).eval()
 
     def run() -> np.ndarray:
         with torch.no_grad():
             given = {kind: torch.tensor(inputs)} | ({} if mask is None else {"attention_mask": torch.tensor(mask)})
             given |= {} if positions is None else {"position_ids": torch.tensor(positions)}
-            return getattr(reference(**given), mapping.reference["output"]).float().numpy()
+            return _output(reference(**given), mapping, reference_cls, torch).float().numpy()
 
     theirs, reference_error = run(), None
     if torch_dtype != torch.float32:  # the reference rounded as port's run is, and how far that is from float32
@@ -324,6 +491,7 @@ def verify(
         (result.max_abs_diff, result.max_abs_reference),
         result.tolerance / max(1.0, result.max_abs_reference),
         mask,
+        (available_host_bytes(), named),
     )
     return dataclasses.replace(result, first_divergence=found)
 
