@@ -546,6 +546,15 @@ def test_the_worker_is_not_given_the_url_in_its_argv(server, served, tmp_path):
     assert "s3cret" not in out + err and "t0ken" not in out + err
 
 
+def _tallest_column_block(checkpoint):
+    """The 2-D tensor with the most rows, its row count, and a block of its columns: one range a row."""
+    key = max(
+        (k for k, t in checkpoint.tensors.items() if len(t.shape) == 2), key=lambda k: checkpoint.tensors[k].shape[0]
+    )
+    rows, cols = checkpoint.tensors[key].shape
+    return key, rows, ((0, rows), (cols // 4, cols // 2))
+
+
 @pytest.mark.parametrize("one_range", [False, True])
 def test_separate_ranges_share_a_request_or_go_one_by_one(server, served, gpt2_checkpoints, one_range):
     """A column block's rows are separate ranges: asked for several to a request and read part by
@@ -554,9 +563,7 @@ def test_separate_ranges_share_a_request_or_go_one_by_one(server, served, gpt2_c
     served.one_range = one_range
     directory = gpt2_checkpoints[0]["lm"]
     with port.open_checkpoint(f"{server.base}/lm") as ckpt, port.open_checkpoint(directory) as local:
-        key = max((k for k, t in local.tensors.items() if len(t.shape) == 2), key=lambda k: local.tensors[k].shape[0])
-        rows, cols = local.tensors[key].shape
-        region = ((0, rows), (cols // 4, cols // 2))
+        key, rows, region = _tallest_column_block(local)
         before = served.requests
         np.testing.assert_array_equal(ckpt.read(key, region), local.read(key, region))
         asked = served.requests - before
@@ -593,9 +600,7 @@ def test_parts_that_do_not_hold_the_ranges_asked_are_asked_for_one_by_one(server
     served.parts = "unasked"
     directory = gpt2_checkpoints[0]["lm"]
     with port.open_checkpoint(f"{server.base}/lm") as ckpt, port.open_checkpoint(directory) as local:
-        key = max((k for k, t in local.tensors.items() if len(t.shape) == 2), key=lambda k: local.tensors[k].shape[0])
-        rows, cols = local.tensors[key].shape
-        region = ((0, rows), (cols // 4, cols // 2))
+        key, rows, region = _tallest_column_block(local)
         before = served.requests
         np.testing.assert_array_equal(ckpt.read(key, region), local.read(key, region))
         assert not ckpt.transport.multipart
