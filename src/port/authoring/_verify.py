@@ -420,7 +420,8 @@ def verify(
         if padding is not None and "attention_mask" not in takes:
             raise PortError(f"padding={padding!r}: {mapping.model} takes no attention_mask")
         skel = skeleton(mapping, config)
-        output = eqx.filter_eval_shape(lambda m, x: m(x), skel, jax.ShapeDtypeStruct(shape, INPUT_DTYPES[kind])).shape
+        given = jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(INPUT_DTYPES[kind]))  # int32 without x64
+        output = eqx.filter_eval_shape(lambda m, x: m(x), skel, given).shape
         _check_memory(ckpt, mesh, config, shape, output, named, padding is not None, available_host_bytes())
         inputs = input_ids(config, batch, length) if kind == "input_ids" else INPUTS[kind](config, batch)
         mask = None if padding is None else padding_mask(inputs.shape, padding)
