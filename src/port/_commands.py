@@ -260,6 +260,15 @@ def _join(args: argparse.Namespace) -> tuple[int, int, bool]:
     return processes, count, simulated
 
 
+def _as_flags(error: PortError, *words: tuple[str, str]) -> None:
+    """Raise `error` again in the command line's words where it begins with the library's: each of
+    `words` is (the API's, `layers='0:2'`; the flag's, `--layers 0:2`), the first that begins it used."""
+    said = str(error)
+    for api, flag in words:
+        if said.startswith(api + ": "):
+            raise PortError(flag + said.removeprefix(api)) from None
+
+
 def convert(args: argparse.Namespace) -> int:
     """Convert MODEL into a sharded Equinox model and save it to --out, an Orbax checkpoint."""
     _processes(args)  # flags checked before the output's
@@ -304,8 +313,8 @@ def convert(args: argparse.Namespace) -> int:
             layers=layers,
         )
     except PortError as e:  # the API's words for a range, as the flag was given
-        if layers is not None and str(e).startswith(f"layers={layers!r}: "):
-            raise PortError(f"--layers {args.layers}: " + str(e).removeprefix(f"layers={layers!r}: ")) from None
+        if layers is not None:
+            _as_flags(e, (f"layers={layers!r}", f"--layers {args.layers}"))
         raise
     finally:
         if bar:
@@ -817,14 +826,12 @@ def verify(args: argparse.Namespace) -> int:
             tolerance=args.tolerance,
         )
     except PortError as e:  # the API's words for batch and length, as the flags were given
-        said = str(e)
-        for api, flags in (
-            (f"batch={args.batch} and length={args.length}: ", f"--batch {args.batch} and --length {args.length}: "),
-            (f"batch={args.batch}: ", f"--batch {args.batch}: "),
-            (f"length={args.length}: ", f"--length {args.length}: "),
-        ):
-            if said.startswith(api):
-                raise PortError(flags + said.removeprefix(api)) from None
+        _as_flags(
+            e,
+            (f"batch={args.batch} and length={args.length}", f"--batch {args.batch} and --length {args.length}"),
+            (f"batch={args.batch}", f"--batch {args.batch}"),
+            (f"length={args.length}", f"--length {args.length}"),
+        )
         raise
     bound = result.tolerance
     trip, found = result.roundtrip, result.first_divergence
