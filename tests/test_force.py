@@ -234,6 +234,37 @@ def test_force_keeps_an_output_when_its_worker_is_killed(replaced, tmp_path, com
     assert sorted(p.name for p in out.parent.iterdir()) == ["out"]
 
 
+ANOTHER_RUN_WRITES = """
+import os
+if "PORT_SUPERVISOR_FDS" in os.environ:  # in the worker: another run's output appears at --out once it is moved aside
+    _rename = os.rename
+    def rename(source, target, *args, **kwargs):
+        _rename(source, target, *args, **kwargs)
+        if os.path.basename(os.fspath(target)).startswith(".out.port-old-"):
+            os.mkdir(source)
+            with open(os.path.join(source, "theirs.txt"), "w") as f:
+                f.write("theirs")
+    os.rename = rename
+"""
+
+
+@pytest.mark.slow
+def test_force_keeps_the_earlier_output_when_another_run_writes_out_meanwhile(replaced, tmp_path):
+    """`--force` moved the earlier output aside and another run wrote `--out` before the new one
+    was renamed in: theirs stays at `--out`, and the earlier output is kept aside, byte for byte,
+    and said; the supervisor, which removes an aside only for the new output, leaves it."""
+    args, earlier, _ = replaced["convert"]
+    out = tmp_path / "work" / "out"
+    shutil.copytree(earlier, out)
+    before = snapshot(out)
+    result = run_port(*args, "--out", out, "--force", env=hooked(tmp_path / "hook", ANOTHER_RUN_WRITES))
+    line = one_line(result, "another run wrote it meanwhile; the earlier one is kept at ")
+    (aside,) = [p for p in out.parent.iterdir() if p.name != "out"]
+    assert line.endswith(str(aside)) and aside.name.startswith(".out.port-old-")
+    assert snapshot(aside) == before
+    assert list(snapshot(out)) == ["theirs.txt"] and (out / "theirs.txt").read_text() == "theirs"
+
+
 # In Python: the moments between writing and the output being final.
 
 

@@ -9,8 +9,8 @@ with removing(partial):          # removed if the run is interrupted meanwhile
         os.rename(partial, out)
 ```
 
-`putting_back(aside, out)` marks an earlier output moved out of `out`'s way: put back
-if the run stops before the new one is at `out`, removed if after.
+`putting_back(aside, out, new)` marks an earlier output moved out of `out`'s way: put back
+if the run stops before the new one (`new`) is at `out`, removed if after.
 
 In a worker the command line's supervisor started (`attach`), each mark is a note on
 a pipe to the supervisor (`port._interrupt`), which acts on Ctrl-C and SIGTERM.
@@ -36,7 +36,7 @@ _lock = threading.RLock()
 _notes: int | None = None  # the worker's end of the pipe to the supervisor
 
 
-def _note(kind: str, *paths: str) -> None:
+def _note(kind: str, *paths: str | int) -> None:
     if _notes is not None:
         os.write(_notes, (json.dumps([kind, *paths]) + "\n").encode())
 
@@ -62,16 +62,20 @@ def removing(path: str | os.PathLike, create: Callable[[Path], object] | None = 
 
 
 @contextmanager
-def putting_back(aside: str | os.PathLike, out: str | os.PathLike) -> Iterator[Path]:
+def putting_back(aside: str | os.PathLike, out: str | os.PathLike, new: str | os.PathLike) -> Iterator[Path]:
     """Within the block, an interrupt or the worker's death puts `aside` back at `out` if nothing is
-    there, and removes it otherwise: `aside` is where this run moves an earlier output while it renames
-    the new one to `out`, so there is always an output at `out`, the earlier one or the new one.
+    there, removes it if the new output (made at `new`, which must exist, and renamed to `out`: the
+    same device and inode) is at `out`, and leaves it otherwise (another run wrote `out` meanwhile):
+    `aside` is where this run moves an earlier output while it renames `new` to `out`, so there is
+    always an output at `out`, the earlier one or the new one, and the earlier one is removed only
+    for the new one.
 
     As with `removing`, if the block raises `aside` stays registered until the worker has ended.
     """
     aside, out = Path(aside).absolute(), Path(out).absolute()
+    made = os.lstat(new)
     with final():
-        _note("<", str(aside), str(out))
+        _note("<", str(aside), str(out), made.st_dev, made.st_ino)
     yield aside
     with _lock:
         _note("-", str(aside))

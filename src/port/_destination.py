@@ -236,7 +236,7 @@ def put_in_place(
     ```
     """
     aside = directory.parent / f".{directory.name}.port-old-{secrets.token_hex(4)}"
-    with contextlib.ExitStack() as claim, putting_back(aside, directory):
+    with contextlib.ExitStack() as claim, putting_back(aside, directory, partial):
         with final():
             if force and os.path.lexists(directory):
                 check_destination(directory, force, ours=ours, what=what, name=name)
@@ -246,7 +246,8 @@ def put_in_place(
                 os.rename(partial, directory)
             except OSError as e:
                 if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise OutputError(f"{name}={directory}: another run wrote it meanwhile") from None
+                    kept = f"; the earlier one is kept at {aside}" if os.path.lexists(aside) else ""
+                    raise OutputError(f"{name}={directory}: another run wrote it meanwhile{kept}") from None
                 raise
             finally:
                 if os.path.lexists(aside) and not os.path.lexists(directory):

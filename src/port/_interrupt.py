@@ -20,6 +20,7 @@ this module is the supervisor's side, part of the command line.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -44,17 +45,19 @@ def _remove(path: Path) -> None:
         pass
 
 
-def _put_back(aside: Path, out: Path) -> None:
+def _put_back(aside: Path, out: Path, new: tuple[int, int]) -> None:
     """An earlier output the worker moved aside (`putting_back`): renamed back to `out` if nothing is
-    there (the new output is not in place), else removed. Left as it is if the rename fails: the next
-    run at `out` finds it (`port._leftovers`)."""
-    if os.path.lexists(out):
-        _remove(aside)
-        return
+    there, removed if the new output is (`new`, its device and inode), else left as it is (another run
+    wrote `out` meanwhile), as it is if the rename fails: the next run at `out` finds it
+    (`port._leftovers`)."""
     try:
-        os.rename(aside, out)
+        there = os.lstat(out)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            os.rename(aside, out)
+        return
+    if (there.st_dev, there.st_ino) == new:
+        _remove(aside)
 
 
 class _Worker:
@@ -64,7 +67,8 @@ class _Worker:
     def __init__(self, pipe: int) -> None:
         self.pipe = pipe
         self.paths: list[Path] = []
-        self.back: dict[Path, Path] = {}  # an earlier output moved aside -> where it goes back
+        # an earlier output moved aside -> where it goes back, and the new output's device and inode
+        self.back: dict[Path, tuple[Path, tuple[int, int]]] = {}
         self.in_final = False
         self.finished = False
         self._buffer = b""
@@ -81,8 +85,8 @@ class _Worker:
             kind, *paths = json.loads(line)
             if kind in "+<":
                 self.paths.append(Path(paths[0]))
-                if kind == "<":
-                    self.back[Path(paths[0])] = Path(paths[1])
+                if kind == "<":  # aside, out, the new output's device and inode
+                    self.back[Path(paths[0])] = (Path(paths[1]), (paths[2], paths[3]))
             elif kind == "-":
                 self.paths.remove(Path(paths[0]))
                 self.back.pop(Path(paths[0]), None)
@@ -179,7 +183,7 @@ def supervise(argv: Sequence[str], say: Callable[[str], None], deadline: float |
         signal.signal(s, signal.SIG_IGN)
     for path in reversed(told.paths):
         if path in told.back:
-            _put_back(path, told.back[path])
+            _put_back(path, *told.back[path])
         else:
             _remove(path)
     if received:
