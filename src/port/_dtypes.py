@@ -29,6 +29,7 @@ SAFETENSORS: dict[str, np.dtype] = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),  # block scales (MXFP4, ue8m0 FP8): powers of two
     "I64": np.dtype(np.int64),
     "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16),

@@ -59,6 +59,7 @@ class LeafPlan:
     notes: tuple[str, ...]
     device_bytes: int
     read_bytes: int
+    source: TensorInfo | None = None  # the first source tensor's header (all alike): what a region of it reads
 
     @property
     def size(self) -> int:
@@ -74,6 +75,12 @@ class LeafPlan:
         for i, n in zip(index, self.stack):
             at = at * n + i
         return at
+
+    def region_nbytes(self, region: Region) -> int:
+        """The bytes reading `region` of one source tensor reads (packed bytes and scales, when quantized)."""
+        if self.source is None:
+            return math.prod(b - a for a, b in region) * self.source_dtype.itemsize
+        return self.source.region_nbytes(region)
 
     def split_box(self, box: Region) -> tuple[Region, Region]:
         """A box of the leaf as (its stack dimensions, the rest: a box of each source tensor's result)."""
@@ -139,7 +146,7 @@ class Plan:
         for leaf in sharing:
             for box in leaf.shards(self.mesh_shape):
                 region, keys = leaf.source_region(box)
-                size = math.prod(b - a for a, b in region) * leaf.source_dtype.itemsize
+                size = leaf.region_nbytes(region)
                 regions.update(((key, region), size) for key in keys)
         shared = {id(leaf) for leaf in sharing}
         return sum(regions.values()) + sum(leaf.read_bytes for leaf in self.leaves if id(leaf) not in shared)
@@ -600,12 +607,15 @@ def _leaf(
         )
         return None
     explicit_cast = any(isinstance(t, Cast) for t in transforms)
-    out_dtype = current
+    out_dtype = current if explicit_cast else first.load_dtype  # a quantized source: the checkpoint's dtype
     if target_dtype is not None and not explicit_cast and floating(current):
         out_dtype = np.dtype(target_dtype)
     if out_dtype != current:
         chain = Chain.build([*transforms, Cast(out_dtype)], first.shape)
     spec, notes = partition(shape, param.axes, rules, mesh_shape)
+    stored = getattr(first, "describe", None)
+    if stored is not None:  # a quantized source
+        notes = (f"quantized: {stored()}", *notes)
     leaf = LeafPlan(
         param.path,
         param.key,
@@ -620,12 +630,13 @@ def _leaf(
         notes,
         0,
         0,
+        first,
     )
     shards = leaf.shards(mesh_shape)
     read_bytes = 0
     for box in shards:
         region, box_keys = leaf.source_region(box)
-        read_bytes += math.prod(b - a for a, b in region) * first.dtype.itemsize * len(box_keys)
+        read_bytes += leaf.region_nbytes(region) * len(box_keys)
     device_bytes = math.prod(b - a for a, b in shards[0]) * out_dtype.itemsize
     return dataclasses.replace(leaf, device_bytes=device_bytes, read_bytes=read_bytes)
 

@@ -63,6 +63,17 @@ class TensorInfo:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
+    @property
+    def load_dtype(self) -> np.dtype:
+        """The dtype a parameter read from this tensor has unless the plan casts it: its own
+        (a quantized source's is the checkpoint's `torch_dtype`, not float32)."""
+        return self.dtype
+
+    def region_nbytes(self, region: Region) -> int:
+        """The bytes reading `region` of this tensor reads (a quantized source's: its packed
+        bytes and the scale blocks that cover them)."""
+        return math.prod(b - a for a, b in region) * self.dtype.itemsize
+
 
 def tensor_bytes(shape: Sequence[int], itemsize: int) -> int | None:
     """Bytes of a tensor of `shape`, or None when NumPy could not hold it (the product

@@ -31,6 +31,9 @@ def open_checkpoint(model: str | os.PathLike) -> Checkpoint:
       a directory, read in place by byte range (`http(s)://`, `hf://org/name[@revision]`,
       `s3://`, `gs://`: see `port._sources._remote`).
 
+    A checkpoint whose config.json has a `quantization_config` (FP8, MXFP4, int4, ...) is
+    read as the unquantized checkpoint it stands for: see `port._quantized`.
+
     Returns a `Checkpoint`, a context manager: leaving it closes what the checkpoint holds
     open (a remote one's connections and request threads; a local one holds no file open
     between reads).
@@ -40,6 +43,8 @@ def open_checkpoint(model: str | os.PathLike) -> Checkpoint:
         ckpt.config["n_layer"], ckpt.tensors["wte.weight"].shape
     ```
     """
+    from .._quantized import dequantized  # here: it builds on this package
+
     if is_url(model) and not str(model).lower().startswith("file://"):
-        return open_remote(str(model))
-    return open_local(model)
+        return dequantized(open_remote(str(model)))
+    return dequantized(open_local(model))

@@ -1,0 +1,29 @@
+"""Quantized checkpoints: each packed weight and its companions read as the tensor they stand for.
+
+A checkpoint whose `config.json` has a `quantization_config` is opened as a
+`DequantizedCheckpoint` (`dequantized`): its tensors are the unquantized checkpoint's,
+of their real shapes, each a `QuantizedInfo` that reads only the packed bytes and the
+scale blocks covering a region and dequantizes them. Plan, place, restore and the
+multi-process split see ordinary tensors; `bytes_read` counts what was read.
+
+The modules, one idea each:
+
+- `_source`: `QuantizedInfo`, the region question one step further, and block helpers.
+- `_format`: `Format`, the registry of `quant_method`s, the dtype dequantized weights take.
+- `_checkpoint`: `DequantizedCheckpoint` and `dequantized`.
+- `_fp8`: FP8 with block (or per-tensor) scales, and FP4-packed experts beside it.
+
+```python
+with port.open_checkpoint("tiny-deepseek-fp8") as ckpt:
+    ckpt.tensors["model.layers.0.mlp.down_proj.weight"].describe()
+    # 'fp8 e4m3fn, 128x128 blocks, scales weight_scale_inv float32'
+```
+"""
+
+from . import _fp8 as _fp8  # registers its format
+from ._checkpoint import DequantizedCheckpoint as DequantizedCheckpoint
+from ._checkpoint import dequantized as dequantized
+from ._checkpoint import describe as describe
+from ._format import FORMATS as FORMATS
+from ._format import Format as Format
+from ._source import QuantizedInfo as QuantizedInfo

@@ -1,0 +1,121 @@
+"""`DequantizedCheckpoint`: a quantized checkpoint seen as the unquantized one it stands for.
+
+Composed around any opened `Checkpoint` (local or remote): its `tensors` are the
+checkpoint's, each quantized weight and its companions replaced by one `QuantizedInfo`
+under the weight's unquantized name, so plan, place, restore and the byte counts see
+ordinary tensors of their real shapes. `read_into` of a quantized tensor reads, for
+each region, exactly the parts' regions that cover it (the packed bytes and the scale
+blocks), and dequantizes them into the caller's buffer; `bytes_read` is the bytes the
+underlying checkpoint read.
+
+```python
+with port.open_checkpoint("tiny-deepseek-fp8") as ckpt:      # a DequantizedCheckpoint
+    ckpt.tensors["model.layers.0.mlp.down_proj.weight"]      # Fp8Block: float32[48, 72]
+    ckpt.read("model.layers.0.mlp.down_proj.weight", ((0, 16), (0, 72)))
+    ckpt.bytes_read                                          # 16 * 72 + 5 * 4: rows and one scale row
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any, final
+
+import numpy as np
+
+from .._errors import CheckpointError
+from .._sources import Checkpoint, Region, TensorInfo
+from .._sources._checkpoint import check_buffer
+from .._text import quoted
+from ._format import out_dtype, settings_of
+from ._source import QuantizedInfo
+
+
+@final
+class DequantizedCheckpoint(Checkpoint):
+    """`inner` with its quantized weights dequantized as they are read (see the module)."""
+
+    def __init__(self, inner: Checkpoint, sources: Sequence[QuantizedInfo], hidden: Collection[str] = ()) -> None:
+        self.inner = inner
+        self.directory = inner.directory
+        self.config = inner.config
+        first = {info.parts[0].key: info for info in sources}
+        consumed = {part.key for info in sources for part in info.parts} | set(hidden)
+        tensors: dict[str, TensorInfo] = {}
+        for key, info in inner.tensors.items():
+            if key in first:
+                name = first[key].key
+                if name in tensors or (name != key and name in inner.tensors and name not in consumed):
+                    raise CheckpointError(
+                        f"{info.file.name}: tensor {quoted(name, 200)} is both stored and made by dequantizing "
+                        f"{quoted(key, 200)}"
+                    )
+                tensors[name] = first[key]
+            elif key not in consumed:
+                tensors[key] = info
+        self.tensors = tensors
+        self.sources = tuple(sources)
+
+    @property
+    def bytes_read(self) -> int:  # pyright: ignore[reportIncompatibleVariableOverride]  # the inner checkpoint's count
+        return self.inner.bytes_read
+
+    def expect(self, reads: Mapping[str, Collection[Region]]) -> None:
+        """Tell the inner checkpoint the parts' regions each quantized region will read."""
+        parts: dict[str, set[Region]] = {}
+        for key, regions in reads.items():
+            info = self.tensors[key]
+            if not isinstance(info, QuantizedInfo):
+                parts.setdefault(key, set()).update(regions)
+                continue
+            for region in regions:
+                for part, wanted in zip(info.parts, info.regions(region)):
+                    parts.setdefault(part.key, set()).update(wanted)
+        self.inner.expect(parts)
+
+    def read_into(self, key: str, requests: Sequence[tuple[Region, np.ndarray]]) -> None:
+        """Read regions of tensor `key` (see `Checkpoint.read_into`); a quantized one's from
+        the parts' regions that cover each, dequantized into its buffer."""
+        info = self.tensors[key]
+        if not isinstance(info, QuantizedInfo):
+            self.inner.read_into(key, requests)
+            return
+        for region, out in requests:
+            check_buffer(info, region, out)
+        for region, out in requests:
+            blocks = []
+            for part, wanted in zip(info.parts, info.regions(region)):
+                buffers = tuple(np.empty(tuple(b - a for a, b in r), part.dtype) for r in wanted)
+                if buffers:
+                    self.inner.read_into(part.key, list(zip(wanted, buffers)))
+                blocks.append(buffers)
+            out[...] = info.dequantize(region, tuple(blocks))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def dequantized(checkpoint: Checkpoint) -> Checkpoint:
+    """`checkpoint` as a `DequantizedCheckpoint` when its config.json has a `quantization_config`;
+    as it is otherwise. A `CheckpointError` for a format port does not read, or tensors that
+    contradict it, before any tensor byte is read.
+
+    ```python
+    ckpt = dequantized(open_local("tiny-deepseek-fp8"))
+    ```
+    """
+    found = settings_of(checkpoint.config)
+    if found is None:
+        return checkpoint
+    form, settings = found
+    try:
+        sources, hidden = form.find(checkpoint.config, settings, checkpoint.tensors, out_dtype(checkpoint.config))
+        return DequantizedCheckpoint(checkpoint, sources, hidden)
+    except BaseException:
+        checkpoint.close()
+        raise
+
+
+def describe(info: Any) -> str | None:
+    """How `info` is stored when it is a quantized source (its format and companions), else None."""
+    return info.describe() if isinstance(info, QuantizedInfo) else None
