@@ -24,8 +24,8 @@ import ml_dtypes
 import numpy as np
 
 from .._errors import CheckpointError
-from .._text import quoted
 from .._sources import Region, TensorInfo
+from .._text import quoted
 
 FLOAT32 = np.dtype(np.float32)
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
