@@ -18,7 +18,7 @@ with port.open_checkpoint("tiny-deepseek-fp8") as ckpt:      # a DequantizedChec
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, final
 
 import numpy as np
@@ -27,7 +27,7 @@ from .._errors import CheckpointError
 from .._sources import Checkpoint, Region, TensorInfo
 from .._sources._checkpoint import check_buffer
 from .._text import quoted
-from ._format import out_dtype, settings_of
+from ._format import SMALL, out_dtype, settings_of
 from ._source import QuantizedInfo
 
 
@@ -109,11 +109,28 @@ def dequantized(checkpoint: Checkpoint) -> Checkpoint:
         return checkpoint
     form, settings = found
     try:
-        sources, hidden = form.find(checkpoint.config, settings, checkpoint.tensors, out_dtype(checkpoint.config))
+        sources, hidden = form.find(
+            checkpoint.config, settings, checkpoint.tensors, out_dtype(checkpoint.config), _small(checkpoint)
+        )
         return DequantizedCheckpoint(checkpoint, sources, hidden)
     except BaseException:
         checkpoint.close()
         raise
+
+
+def _small(checkpoint: Checkpoint) -> Callable[[str], np.ndarray]:
+    """`read(key)`: the whole of a small tensor of `checkpoint`, refusing one above `SMALL` bytes."""
+
+    def read(key: str) -> np.ndarray:
+        info = checkpoint.tensors[key]
+        if info.nbytes > SMALL:
+            raise CheckpointError(
+                f"{info.file.name}: tensor {quoted(key, 200)} is {info.nbytes} bytes, more than the "
+                f"{SMALL} a quantization state may be"
+            )
+        return checkpoint.read(key, tuple((0, n) for n in info.shape))
+
+    return read
 
 
 def describe(info: Any) -> str | None:

@@ -19,7 +19,7 @@ class Fp8(Format, methods=("fp8",)):
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -29,6 +29,9 @@ from .._errors import CheckpointError
 from .._sources import TensorInfo
 from .._text import quoted
 from ._source import BFLOAT16, QuantizedInfo
+
+SMALL = 64 * 2**10
+"""The most bytes `Format.find` may read of one tensor (a stored shape, a JSON state)."""
 
 #: The formats by the `quant_method` values they read; filled by subclassing `Format`.
 FORMATS: dict[str, type[Format]] = {}
@@ -55,10 +58,15 @@ class Format(abc.ABC):
         settings: Mapping[str, Any],
         tensors: Mapping[str, TensorInfo],
         out_dtype: np.dtype,
+        read: Callable[[str], np.ndarray],
     ) -> tuple[list[QuantizedInfo], set[str]]:
         """The quantized sources among `tensors`, and the keys of other tensors the format
         consumes without a source of their own (activation scales); `settings` is
-        `quantization_config`. A `CheckpointError` for a tensor that contradicts it."""
+        `quantization_config`. A `CheckpointError` for a tensor that contradicts it.
+
+        `read(key)` reads a whole small tensor (at most `SMALL` bytes, else a
+        `CheckpointError`) for a format whose shapes are stored in tensors rather than
+        headers (bitsandbytes' `quant_state`); a format that needs none reads nothing."""
 
 
 def out_dtype(config: Mapping[str, Any]) -> np.dtype:

@@ -18,7 +18,7 @@ info.describe()     # 'fp8 e4m3, 128x128 blocks, scales weight_scale_inv float32
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, final
 
@@ -105,6 +105,7 @@ class Fp8(Format, methods=("fp8",)):
         settings: Mapping[str, Any],
         tensors: Mapping[str, TensorInfo],
         out_dtype: np.dtype,
+        read: Callable[[str], np.ndarray],
     ) -> tuple[list[QuantizedInfo], set[str]]:
         block = settings.get("weight_block_size", (128, 128))
         if block is not None and (
