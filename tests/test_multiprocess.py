@@ -68,7 +68,6 @@ def expected_reads(directory, mesh_shape: dict, processes: int = 2) -> list[int]
     with port.open_checkpoint(directory) as ckpt:
         mapping = port.mapping_for(ckpt.config)
         recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh_shape)
-        itemsize = {k: t.dtype.itemsize for k, t in ckpt.tensors.items()}
     names = list(mesh_shape)
     per_process = math.prod(mesh_shape.values()) // processes
     reads = [0] * processes
@@ -84,7 +83,7 @@ def expected_reads(directory, mesh_shape: dict, processes: int = 2) -> list[int]
         for p, distinct in enumerate(boxes):
             for box in distinct:
                 region, keys = leaf.source_region(box)
-                reads[p] += math.prod(b - a for a, b in region) * itemsize[keys[0]] * len(keys)
+                reads[p] += leaf.region_nbytes(region) * len(keys)  # a quantized source: packed bytes and scales
     return reads
 
 
