@@ -374,18 +374,25 @@ def test_two_processes_each_read_their_share_of_an_fp8_checkpoint(checkpoints, t
 
 
 @pytest.mark.slow
-def test_an_fp8_checkpoint_over_http_loads_as_the_local_one(checkpoints):
+def test_an_fp8_checkpoint_over_http_and_hf_loads_as_the_local_one(checkpoints, monkeypatch):
+    import huggingface_hub.constants
     from test_remote import start_server
 
     fp8, dequantized, _ = checkpoints("qwen3")
+    expected = port.load(dequantized, mesh="4x2")
     httpd = start_server(fp8.parent)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", httpd.base)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_token")  # what the test server's Hub wants
+    httpd.state.hub = ("/someone/fp8/resolve/main/", Path(fp8.name))
     try:
-        with port.open_checkpoint(f"{httpd.base}/{fp8.name}") as ckpt:
-            assert ckpt.tensors["model.layers.0.mlp.down_proj.weight"].shape == (64, 96)
-        model = port.load(f"{httpd.base}/{fp8.name}", mesh="4x2")
+        for url in (f"{httpd.base}/{fp8.name}", "hf://someone/fp8"):
+            with port.open_checkpoint(url) as ckpt:
+                assert ckpt.tensors["model.layers.0.mlp.down_proj.weight"].shape == (64, 96)
+            model = port.load(url, mesh="4x2")
+            assert_same(model, expected)
     finally:
         httpd.shutdown()
-    assert_same(model, port.load(dequantized, mesh="4x2"))
 
 
 # ------------------------------------------------------------------ bad input
