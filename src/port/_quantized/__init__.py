@@ -12,6 +12,7 @@ The modules, one idea each:
 - `_format`: `Format`, the registry of `quant_method`s, the dtype dequantized weights take.
 - `_checkpoint`: `DequantizedCheckpoint` and `dequantized`.
 - `_fp8`: FP8 with block (or per-tensor) scales, and FP4-packed experts beside it.
+- `_mxfp4`: gpt-oss's MXFP4 experts (`*_blocks`, `*_scales`), read as the fused experts.
 
 ```python
 with port.open_checkpoint("tiny-deepseek-fp8") as ckpt:
@@ -21,6 +22,7 @@ with port.open_checkpoint("tiny-deepseek-fp8") as ckpt:
 """
 
 from . import _fp8 as _fp8  # registers its format
+from . import _mxfp4 as _mxfp4  # registers its format
 from ._checkpoint import DequantizedCheckpoint as DequantizedCheckpoint
 from ._checkpoint import dequantized as dequantized
 from ._checkpoint import describe as describe

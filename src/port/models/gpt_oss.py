@@ -15,7 +15,9 @@ Only what is new in the family lives here, the layers are `port.nn`'s:
 
 The checkpoint fuses each layer's experts into 3-D tensors (`experts.gate_up_proj`
 `[experts, hidden, 2 * inter]`, gate and up interleaved column by column), which
-mappings/gpt_oss.toml cuts into this module's `GatedMLP` leaves.
+mappings/gpt_oss.toml cuts into this module's `GatedMLP` leaves. The Hub's openai/gpt-oss-*
+store them in MXFP4 (`*_blocks`, `*_scales`), which port reads as these same tensors
+(`port._quantized._mxfp4`).
 
 Example:
     ```python
@@ -132,7 +134,6 @@ class GptOssConfig:
     def from_hf(cls, config: dict) -> GptOssConfig:
         """Build from a Hugging Face `config.json` dict; raises a one-line `ConfigError` if unsupported."""
         check_model_type(config, MODEL_TYPES, "port.models.gpt_oss")
-        _refuse_quantized(config)
         if config.get("num_local_experts") is None and config.get("num_experts") is not None:
             config = {**config, "num_local_experts": config["num_experts"]}  # GptOssConfig.attribute_map
         filled = {**_DEFAULTS, **{k: v for k, v in config.items() if v is not None or k == "sliding_window"}}
@@ -190,17 +191,6 @@ class GptOssConfig:
             bias=True,
             limit=self.swiglu_limit,
             alpha=self.swiglu_alpha,
-        )
-
-
-def _refuse_quantized(config: dict) -> None:
-    """The Hub's openai/gpt-oss-* hold MXFP4 experts (`*_blocks`, `*_scales`): port reads bf16 ones."""
-    quantization = config.get("quantization_config")
-    if quantization:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-        raise ConfigError(
-            f"config.json: 'quantization_config' ({quoted(method)}) is not supported: "
-            "port.models.gpt_oss reads unquantized (e.g. bfloat16) checkpoints"
         )
 
 
