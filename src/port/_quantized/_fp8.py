@@ -18,6 +18,7 @@ info.describe()     # 'fp8 e4m3, 128x128 blocks, scales weight_scale_inv float32
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, final
@@ -56,6 +57,48 @@ def unpack_fp4(packed: np.ndarray) -> np.ndarray:
     return out
 
 
+@functools.cache
+def _pairs(dtype: np.dtype) -> np.ndarray:
+    """Every two bytes of an 8-bit float `dtype`, as the uint16 they read as, to their two
+    float32 values (as `astype` gives them), as one uint64: 65,536 entries, 512 KiB."""
+    return np.arange(2**16, dtype=np.uint16).view(np.uint8).view(dtype).astype(np.float32).view(np.uint64)
+
+
+def fp8_values(weight: np.ndarray) -> np.ndarray:
+    """`weight` (an 8-bit float) as a new float32 array, equal bit for bit to `weight.astype(np.float32)`:
+    looked up two bytes at a time in `_pairs` (ml_dtypes' cast takes 4-8 times longer)."""
+    flat = np.ascontiguousarray(weight).reshape(-1)
+    table = _pairs(weight.dtype)
+    if flat.size % 2 == 0:
+        return np.take(table, flat.view(np.uint16)).view(np.float32).reshape(weight.shape)
+    out = np.empty(flat.size, np.float32)
+    out[:-1] = np.take(table, flat[:-1].view(np.uint16)).view(np.float32)
+    out[-1:] = flat[-1:].astype(np.float32)
+    return out.reshape(weight.shape)
+
+
+def scale_blocks(values: np.ndarray, scales: np.ndarray, region: Region, block: tuple[int, ...]) -> np.ndarray:
+    """`values` (`region`, float32, owned: changed in place) times each element's block scale:
+    `values * spread(scales, region, block)` without a scale per element. The scales are
+    repeated along the last axis only (a row of blocks per block row), then each block row of
+    `values` is multiplied by its row: the same products, one pass over `values`."""
+    if len(block) < 2 or any(n != 1 for n in block[:-2]):
+        return values * spread(scales, region, block)
+    rows, cols = block[-2:]
+    (a, b), (c, d) = region[-2:]
+    if cols > 1:
+        first = (c // cols) * cols
+        scales = np.repeat(scales, cols, axis=-1)[..., c - first : d - first]
+    if rows == 1:
+        values *= scales
+        return values
+    first = (a // rows) * rows
+    for i in range(scales.shape[-2]):
+        top, bottom = max(a, first + i * rows) - a, min(b, first + (i + 1) * rows) - a
+        values[..., top:bottom, :] *= scales[..., i : i + 1, :]
+    return values
+
+
 @final
 @dataclass(frozen=True)
 class Fp8Block(QuantizedInfo):
@@ -81,11 +124,12 @@ class Fp8Block(QuantizedInfo):
             c = region[-1][0]
             values = unpack_fp4(weight)[..., c % 2 : c % 2 + region[-1][1] - c]
         else:
-            values = weight.astype(np.float32)
+            values = fp8_values(weight)
         scales = finite(scale_values(scale), self.parts[1])
         if not self.block:
-            return values * scales.reshape(())
-        return values * spread(scales, region, self.block)
+            values *= scales.reshape(())
+            return values
+        return scale_blocks(values, scales, region, self.block)
 
     def describe(self) -> str:
         scale = self.parts[1]
