@@ -35,8 +35,8 @@ from .._errors import CheckpointError
 from .._sources import Region, TensorInfo
 from .._text import quoted
 from ._format import Format
-from ._fp8 import scale_values, unpack_fp4
-from ._source import FLOAT32, Blocks, QuantizedInfo, finite, shape_text, spread
+from ._fp8 import FP4_VALUES, scale_values
+from ._source import FLOAT32, Blocks, QuantizedInfo, finite, shape_text
 
 GROUP = 32
 """Values sharing one scale, along the input dim."""
@@ -58,15 +58,22 @@ class Mxfp4Experts(QuantizedInfo):
         return pieces, ((experts, rows, (first, last)),)
 
     def dequantize(self, region: Region, blocks: Blocks) -> np.ndarray:
-        experts, inputs, rows = region
+        _, inputs, _ = region
         pieces, (scales,) = blocks
-        shape = (experts[1] - experts[0], rows[1] - rows[0])
-        packed = [unpack_fp4(piece).reshape(*shape, 2 * piece.shape[2] * piece.shape[3]) for piece in pieces]
-        start = inputs[0] % 2  # the first piece starts at the byte holding inputs[0]
-        values = np.concatenate(packed, axis=-1)[..., start : start + inputs[1] - inputs[0]]
-        scale = spread(finite(scale_values(scales), self.parts[1]), ((0, 0), (0, 0), inputs), (1, 1, GROUP))
-        with np.errstate(over="ignore"):  # 6 * 2 ** 127 is inf in float32, as in transformers
-            return (values * scale).transpose(0, 2, 1)
+        first = inputs[0] // GROUP
+        count, height, groups = scales.shape
+        # built in the dequantized tensor's order (inputs before rows) from the bytes transposed:
+        # [experts, groups, bytes, nibbles, rows]; the inputs of the covering groups not read stay unset
+        values = np.empty((count, groups, GROUP_BYTES, 2, height), np.float32)
+        for piece, (_, _, (a, b), (c, d)) in zip(pieces, self.regions(region)[0]):
+            nibbles = np.ascontiguousarray(piece.transpose(0, 2, 3, 1))
+            values[:, a - first : b - first, c:d, 0] = FP4_VALUES[nibbles & 0xF]  # low nibble first
+            values[:, a - first : b - first, c:d, 1] = FP4_VALUES[nibbles >> 4]
+        scale = finite(scale_values(scales), self.parts[1]).transpose(0, 2, 1)[:, :, None, None, :]
+        with np.errstate(all="ignore"):  # 6 * 2 ** 127 is inf in float32, as in transformers; unset inputs
+            values *= scale
+        start = inputs[0] - first * GROUP
+        return values.reshape(count, groups * GROUP, height)[:, start : start + inputs[1] - inputs[0]]
 
     def describe(self) -> str:
         return f"mxfp4 e2m1 (2 per byte), groups of {GROUP}, scales {self.parts[1].key.rsplit('.', 1)[-1]} e8m0 (uint8)"
@@ -100,7 +107,8 @@ def _pieces(start: int, stop: int) -> list[tuple[tuple[int, int], tuple[int, int
 @final
 class Mxfp4(Format, methods=("mxfp4",)):
     """`quant_method: "mxfp4"` (transformers' Mxfp4Config): each `X_blocks` with its `X_scales`
-    is the tensor `X`; every other tensor is read as stored."""
+    is the tensor `X`; every other tensor is read as stored (the tensors say which are packed:
+    `modules_to_not_convert` is not needed, as in transformers' dequantizing load)."""
 
     @classmethod
     def find(
