@@ -12,6 +12,7 @@ The modules, one idea each:
 - `_format`: `Format`, the registry of `quant_method`s, the dtype dequantized weights take.
 - `_checkpoint`: `DequantizedCheckpoint` and `dequantized`.
 - `_bitsandbytes`: bitsandbytes 4-bit (nf4, fp4, nested absmax), as unsloth's `-bnb-4bit` stores it.
+- `_compressed`: compressed-tensors: pack-quantized int groups, NVFP4, float8 / int8 with scales.
 - `_fp8`: FP8 with block (or per-tensor) scales, and FP4-packed experts beside it.
 - `_int4`: GPTQ (act-order `g_idx`, v1 and v2 zeros) and AWQ (GEMM) int4 groups.
 - `_mxfp4`: gpt-oss's MXFP4 experts (`*_blocks`, `*_scales`), read as the fused experts.
@@ -24,6 +25,7 @@ with port.open_checkpoint("tiny-deepseek-fp8") as ckpt:
 """
 
 from . import _bitsandbytes as _bitsandbytes  # registers its format
+from . import _compressed as _compressed  # registers its format
 from . import _fp8 as _fp8  # registers its format
 from . import _int4 as _int4  # registers its formats
 from . import _mxfp4 as _mxfp4  # registers its format
