@@ -1,15 +1,15 @@
 """Benchmark: `port plan` on today's largest open models, from sparse checkpoints.
 
-    python bench/plan.py [--models deepseek-v3,qwen3-235b,...] [--repeats 3] [--quick]
-                         [--breakdown] [--keep DIR] [--out docs/plan.md]
+    python bench/plan.py [--models deepseek-v3,qwen3-235b,...] [--meshes 8x8,32x16] [--repeats 3]
+                         [--quick] [--breakdown] [--keep DIR] [--out docs/plan.md]
 
 For each model a checkpoint of its real shapes is written to a temporary directory:
 config.json as the Hub's (reconstructed where noted), and bfloat16 safetensors shards in
 the Hub's key layout, each with a real header and data that is a hole (`os.truncate`: no
 byte allocated, so a 1.3 TB checkpoint takes a few MB of disk), plus the
 `model.safetensors.index.json` that lists them. Then the real command line,
-`python -m port plan DIR --mesh M`, runs `--repeats` times, each in a fresh wrapper
-process (`--measure`), which reports:
+`python -m port plan DIR --mesh M`, runs `--repeats` times on each mesh (the model's own, or
+each of `--meshes`), each in a fresh wrapper process (`--measure`), which reports:
 
   seconds      wall time of the whole command (the supervisor, its worker, imports and
                all), from the wrapper's Popen to the exit; the table shows the best run.
@@ -23,10 +23,13 @@ process (`--measure`), which reports:
                to read: the sum of every device block's source region, replicas read once).
   tensors      the tensors in the checkpoint (every shard's header).
 
-Models (bfloat16 copies of the weights: the Hub's DeepSeek-V3 is FP8 with `weight_scale_inv`
-tensors and gpt-oss MXFP4 `*_blocks`/`*_scales`, which port does not read):
+Models (bfloat16 copies of the weights, but for deepseek-v3-fp8):
 
   deepseek-v3   deepseek-ai/DeepSeek-V3, 671B, 61 layers + the MTP layer 61, 256 experts, mesh 32x16
+  deepseek-v3-fp8  the same as the Hub publishes it: FP8 e4m3 weights, each with its float32
+                `weight_scale_inv` (one scale per 128x128 block: ceil(M/128) x ceil(N/128)) and
+                config.json's `quantization_config`; embeddings, head, norms and the routers'
+                gates bfloat16, `e_score_correction_bias` float32; 163 files, mesh 32x16
   qwen3-235b    Qwen/Qwen3-235B-A22B, 94 layers, 128 experts, mesh 8x8
   gpt-oss-120b  openai/gpt-oss-120b (a bf16 copy: fused `mlp.experts.gate_up_proj`), mesh 8x8
   llama4-scout  meta-llama/Llama-4-Scout-17B-16E, the Hub's multimodal layout
@@ -106,6 +109,16 @@ DEEPSEEK_V3 = {
     "attention_bias": False,
     "bos_token_id": 0,
     "eos_token_id": 1,
+}
+
+# deepseek-ai/DeepSeek-V3's config.json as the Hub has it: FP8 with 128x128 block scales.
+DEEPSEEK_V3_FP8 = DEEPSEEK_V3 | {
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    }
 }
 
 # Qwen/Qwen3-235B-A22B's config.json.
@@ -382,6 +395,25 @@ def deepseek_v3_shapes(c):
     return shapes
 
 
+BLOCK = 128
+UNQUANTIZED = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight", "mlp.gate.weight")
+"""DeepSeek-V3's 2-D weights its FP8 checkpoint keeps in bfloat16: embeddings, heads, the routers' gates."""
+
+
+def deepseek_v3_fp8_shapes(c):
+    """DeepSeek-V3's tensors as its FP8 checkpoint holds them, each (dtype, shape): every 2-D weight
+    but the embeddings, heads and gates in F8_E4M3 with its F32 `weight_scale_inv` (a scale per
+    128x128 block) after it, `e_score_correction_bias` F32, the rest BF16."""
+    shapes = {}
+    for key, shape in deepseek_v3_shapes(c).items():
+        if len(shape) != 2 or key.endswith(UNQUANTIZED):
+            shapes[key] = ("F32" if key.endswith("e_score_correction_bias") else "BF16", shape)
+            continue
+        shapes[key] = ("F8_E4M3", shape)
+        shapes[key + "_scale_inv"] = ("F32", [-(-n // BLOCK) for n in shape])
+    return shapes
+
+
 def qwen3_moe_shapes(c):
     """Every tensor of a Qwen3-MoE checkpoint (every layer MoE) and its shape."""
     h, v, d = c["hidden_size"], c["vocab_size"], c["head_dim"]
@@ -571,6 +603,7 @@ def qwen3_next_shapes(c):
 # name: (what, config.json, its tensors, mesh, shard files as on the Hub; None: at most 5 GB each)
 MODELS = {
     "deepseek-v3": ("DeepSeek-V3 671B", DEEPSEEK_V3, deepseek_v3_shapes, "32x16", 163),
+    "deepseek-v3-fp8": ("DeepSeek-V3 671B FP8", DEEPSEEK_V3_FP8, deepseek_v3_fp8_shapes, "32x16", 163),
     "qwen3-235b": ("Qwen3-235B-A22B", QWEN3_235B, qwen3_moe_shapes, "8x8", 118),
     "gpt-oss-120b": ("gpt-oss-120b (bf16)", GPT_OSS_120B, gpt_oss_shapes, "8x8", None),
     "llama4-scout": ("Llama-4-Scout-17B-16E", SCOUT, llama4_shapes, "8x8", 50),
@@ -582,12 +615,17 @@ QUICK = "qwen3-235b"
 # ---------------------------------------------------------------------------- the sparse checkpoint
 
 
+ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+
+
 def write_sparse_checkpoint(directory: Path, config: dict, shapes: dict, shards: int | None) -> tuple[int, int]:
-    """config.json, `shards` bfloat16 safetensors files (consecutive keys, about equal bytes; None:
-    at most 5 GB each) whose data is a hole, and model.safetensors.index.json. -> (bytes, files)."""
+    """config.json, `shards` safetensors files (consecutive keys, about equal bytes; None: at most
+    5 GB each) whose data is a hole, and model.safetensors.index.json. -> (bytes, files). Each
+    key's tensor is of its shape in `shapes`, bfloat16, or of (dtype, shape)."""
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    sizes = {key: 2 * math.prod(shape) for key, shape in shapes.items()}
+    typed = {key: entry if isinstance(entry[0], str) else ("BF16", entry) for key, entry in shapes.items()}
+    sizes = {key: ITEMSIZE[dtype] * math.prod(shape) for key, (dtype, shape) in typed.items()}
     total = sum(sizes.values())
     shards = shards or max(1, math.ceil(total / 5e9))
     groups: list[list[str]] = [[] for _ in range(shards)]
@@ -602,7 +640,8 @@ def write_sparse_checkpoint(directory: Path, config: dict, shapes: dict, shards:
         name = f"model-{number:05d}-of-{len(groups):0{width}d}.safetensors"
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for key in keys:
-            header[key] = {"dtype": "BF16", "shape": shapes[key], "data_offsets": [offset, offset + sizes[key]]}
+            dtype, shape = typed[key]
+            header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + sizes[key]]}
             offset += sizes[key]
             weight_map[key] = name
         text = json.dumps(header, separators=(",", ":")).encode()
@@ -733,8 +772,10 @@ def mib(n: float) -> str:
     return f"{n / 2**20:,.0f} MiB" if n else "-"
 
 
-def bench(name: str, repeats: int, root: Path) -> tuple[list[str], dict]:
-    what, config, shapes_of, mesh, shards = MODELS[name]
+def bench(name: str, repeats: int, root: Path, meshes: list[str] | None = None) -> list[list[str]]:
+    """Write model `name`'s sparse checkpoint under `root`, plan it `repeats` times on each of
+    `meshes` (default: the model's own): a table row per mesh."""
+    what, config, shapes_of, own, shards = MODELS[name]
     shapes = shapes_of(config)
     directory = root / name
     clock = time.perf_counter()
@@ -745,6 +786,11 @@ def bench(name: str, repeats: int, root: Path) -> tuple[list[str], dict]:
         file=sys.stderr,
         flush=True,
     )
+    return [row_of(what, directory, mesh, repeats, len(shapes), size, files) for mesh in meshes or [own]]
+
+
+def row_of(what: str, directory: Path, mesh: str, repeats: int, tensors: int, size: int, files: int) -> list[str]:
+    """The table row of `repeats` runs of `port plan` of `directory` on `mesh`."""
     runs = []
     for _ in range(repeats):
         result = _measure.isolated(__file__, {"dir": str(directory), "mesh": mesh}, timeout=600)
@@ -757,12 +803,12 @@ def bench(name: str, repeats: int, root: Path) -> tuple[list[str], dict]:
         print(f"  {what} on {mesh}: {shown}", file=sys.stderr, flush=True)
     good = [r for r in runs if "error" not in r]
     if not good:
-        return [what, mesh, f"{len(shapes):,}", f"{files}", f"FAILED: {runs[-1]['error']}"], {}
+        return [what, mesh, f"{tensors:,}", f"{files}", f"FAILED: {runs[-1]['error']}"]
     best = min(good, key=lambda r: r["seconds"])
     row = [
         what,
         mesh,
-        f"{len(shapes):,}",
+        f"{tensors:,}",
         f"{files}",
         f"{size / 1e9:,.0f} GB",
         f"{best['seconds']:.2f}",
@@ -774,7 +820,7 @@ def bench(name: str, repeats: int, root: Path) -> tuple[list[str], dict]:
     ]
     if len(good) < len(runs):
         row[-1] += f" ({len(runs) - len(good)} of {len(runs)} runs failed: {runs[-1].get('error')})"
-    return row, best
+    return row
 
 
 def breakdown(name: str, root: Path) -> str:
@@ -806,6 +852,7 @@ HEADER = [
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, of: " + ", ".join(MODELS))
+    parser.add_argument("--meshes", help="comma-separated meshes (8x8,32x16): each model on each (default: its own)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help=f"{QUICK} once: a smoke check")
     parser.add_argument("--keep", type=Path, help="write the checkpoints here (kept) instead of a temp dir")
@@ -822,12 +869,12 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown model {unknown[0]!r}: one of {', '.join(MODELS)}")
     repeats = 1 if args.quick else args.repeats
+    meshes = [m.strip() for m in args.meshes.split(",") if m.strip()] if args.meshes else None
     rows, stage_tables = [], []
     with tempfile.TemporaryDirectory(prefix="port-plan-bench-") as temp:
         root = args.keep or Path(temp)
         for name in names:
-            row, _ = bench(name, repeats, root)
-            rows.append(row)
+            rows += bench(name, repeats, root, meshes)
             if args.breakdown:
                 stage_tables.append(breakdown(name, root))
     title = f"`port plan` from sparse checkpoints, best of {repeats} (seconds), largest of {repeats} (memory)"
