@@ -235,9 +235,17 @@ def test_describe_names_the_format_and_its_companions(checkpoints):
         "zero points weight_zero_point",
         "nvfp4": "nvfp4 e2m1 (2 per byte), groups of 16, scales weight_scale float8_e4m3fn, "
         "global scale weight_global_scale",
-        "fp8-channel": "e4m3fn float-quantized, per-channel, scales weight_scale bfloat16",
-        "fp8-block": "e4m3fn naive-quantized, 16x16 blocks, scales weight_scale float32",
+        "fp8-channel": "fp8 e4m3fn float-quantized, per-channel, scales weight_scale bfloat16",
+        "fp8-block": "fp8 e4m3fn naive-quantized, 16x16 blocks, scales weight_scale float32",
     }
+
+
+def test_opening_reads_no_tensor_byte_but_the_weight_shape_of_per_channel_packed_weights(checkpoints):
+    """[out, in] comes from the headers (a group's scales fix `in`); per channel the packed width
+    leaves `in` to within 32 / num_bits, so each module's 16-byte weight_shape is read."""
+    for name, read in (("int4-zero", 0), ("nvfp4", 0), ("fp8-block", 0), ("int8-channel", 14 * 16)):
+        with port.open_checkpoint(checkpoints(name)) as ckpt:
+            assert ckpt.bytes_read == read, name
 
 
 # ------------------------------------------------------------------ models

@@ -163,7 +163,8 @@ class Compressed(QuantizedInfo):
         elif self.kind == "nvfp4":
             kind = "nvfp4 e2m1 (2 per byte)"
         else:
-            kind = f"{self.packed.dtype.name.removeprefix('float8_')} {self.scheme}"
+            name = self.packed.dtype.name
+            kind = f"{'fp8 ' + name.removeprefix('float8_') if name.startswith('float8') else name} {self.scheme}"
         text = f"{kind}, {_covers(self.block, self.shape)}, scales {_suffix(scale)} {scale.dtype.name}"
         if self.zero:
             text += f", zero points {_suffix(self.parts[2])}"
