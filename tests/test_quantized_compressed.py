@@ -5,8 +5,9 @@ package itself (its `apply_quantization_config`, qparams from `calculate_qparams
 weights' min and max, `ModelCompressor.compress_model`, `save_pretrained`, `update_config`),
 so the tensors and `quantization_config` are laid out exactly as the package writes them:
 `pack-quantized` int4 (with and without zero points, bfloat16 and float32 scales), int3
-(values across int32 words) and int8 per channel, `nvfp4-pack-quantized`, and
-`float-quantized` FP8 per channel and in 16x16 blocks. The references:
+(values across int32 words), int2 (float16 scales) and int8 per channel, `nvfp4-pack-quantized`,
+and FP8 per channel and per tensor (`float-quantized`) and in 16x16 blocks (`naive-quantized`).
+The references:
 
 - every region read equals, bit for bit, the package's own decompression of that module
   (its compressor's `decompress`), for regions unaligned to groups and packing, and reads
@@ -54,8 +55,10 @@ VARIANTS = {
     "int4-zero": (dict(num_bits=4, symmetric=False, **GROUP), None, "float32"),
     "int3-zero": (dict(num_bits=3, symmetric=False, **GROUP), None, "float32"),
     "int8-channel": (dict(num_bits=8, type="int", strategy="channel", symmetric=False), None, "bfloat16"),
+    "int2-zero": (dict(num_bits=2, type="int", strategy="group", group_size=32, symmetric=False), None, "float16"),
     "nvfp4": (NVFP4, NVFP4_INPUT, "float32"),
     "fp8-channel": (dict(num_bits=8, type="float", strategy="channel"), FP8_STATIC_INPUT, "bfloat16"),
+    "fp8-tensor": (dict(num_bits=8, type="float", strategy="tensor"), FP8_STATIC_INPUT, "float16"),
     "fp8-block": (dict(num_bits=8, type="float", strategy="block", block_structure=[16, 16]), None, "float32"),
 }
 KEYS = (
@@ -188,16 +191,19 @@ def expected_bytes(name: str, region) -> int:
     packed words of its rows, scales of the groups (or blocks, rows) covering it, zero-point words."""
     (a, b), (c, d) = region
     weights, _, dtype = VARIANTS[name]
-    rows, itemsize = b - a, {"bfloat16": 2, "float32": 4}[dtype]
+    rows, itemsize = b - a, {"float16": 2, "bfloat16": 2, "float32": 4}[dtype]
     if name.startswith("int"):
         bits, words = weights["num_bits"], lambda lo, hi: -(-hi * weights["num_bits"] // 32) - lo * bits // 32
-        groups = -(-d // 16) - c // 16 if weights["strategy"] == "group" else 1
+        size = weights.get("group_size")
+        groups = -(-d // size) - c // size if size else 1
         zero = words(a, b) * groups * 4 if not weights.get("symmetric", True) else 0
         return rows * words(c, d) * 4 + rows * groups * itemsize + zero
     if name == "nvfp4":
         return rows * (-(-d // 2) - c // 2) + rows * (-(-d // 16) - c // 16) + 4
     if name == "fp8-channel":
         return rows * (d - c) + rows * itemsize
+    if name == "fp8-tensor":
+        return rows * (d - c) + itemsize
     return rows * (d - c) + (-(-b // 16) - a // 16) * (-(-d // 16) - c // 16) * itemsize
 
 
@@ -233,9 +239,12 @@ def test_describe_names_the_format_and_its_companions(checkpoints):
         "zero points weight_zero_point",
         "int8-channel": "int8 pack-quantized (4 per int32), per-channel, scales weight_scale bfloat16, "
         "zero points weight_zero_point",
+        "int2-zero": "int2 pack-quantized (16 per int32), groups of 32, scales weight_scale float16, "
+        "zero points weight_zero_point",
         "nvfp4": "nvfp4 e2m1 (2 per byte), groups of 16, scales weight_scale float8_e4m3fn, "
         "global scale weight_global_scale",
         "fp8-channel": "fp8 e4m3fn float-quantized, per-channel, scales weight_scale bfloat16",
+        "fp8-tensor": "fp8 e4m3fn float-quantized, one scale, scales weight_scale float16",
         "fp8-block": "fp8 e4m3fn naive-quantized, 16x16 blocks, scales weight_scale float32",
     }
 
