@@ -56,6 +56,7 @@ COMPLETE_VAR = "_PORT_COMPLETE"  # set (to complete_bash, complete_zsh, ...), `p
 # `_dtypes.CASTS` (a test checks), spelled here: importing `_dtypes` imports NumPy, and `--help` must not.
 Cast = Literal["float32", "bfloat16", "float16"]
 CASTS = ", ".join(typing.get_args(Cast)[:-1]) + " or " + typing.get_args(Cast)[-1]
+Quantize = Literal["fp8"]  # `_export._quantize_args.METHODS` (a test checks)
 
 
 P = typing.TypeVar("P", bound="click.Parameter | None")
@@ -170,6 +171,19 @@ def _positive(text: Any) -> int:
     if not text.isdigit() or int(text) < 1:
         raise typer.BadParameter(f"expected a positive integer, not {quoted(str(text), 40)}")
     return int(text)
+
+
+def _block(text: Any) -> str:
+    """A block of `--quantize-block` (`128x128`, or `128` for a square), checked as `port.export` checks it."""
+    from ._export._quantize_args import parse_block  # no NumPy: the supervisor parses
+
+    try:
+        parse_block(str(text), "")
+    except PortError:
+        raise typer.BadParameter(
+            f"expected positive sizes ROWSxCOLS, as 128x128, or one size, not {quoted(str(text), 40)}"
+        ) from None
+    return str(text)
 
 
 def _said_version(ctx: typer.Context, value: bool) -> None:
@@ -423,6 +437,24 @@ def _export(
             help=f"write floating tensors in this dtype, {CASTS} (default: the checkpoint's)",
         ),
     ] = None,
+    quantize: Annotated[
+        Quantize | None,
+        typer.Option(
+            "--quantize",
+            metavar="FORMAT",
+            help="write the Linear weights quantized: fp8 (e4m3 with weight_scale_inv block scales, "
+            "DeepSeek's and Qwen's layout)",
+        ),
+    ] = None,
+    quantize_block: Annotated[
+        str | None,
+        typer.Option(
+            "--quantize-block",
+            metavar="ROWSxCOLS",
+            parser=_block,
+            help="--quantize's block, e.g. 64x64, or one size for a square (default: 128x128)",
+        ),
+    ] = None,
     mesh: Annotated[
         str,
         typer.Option(
@@ -447,6 +479,8 @@ def _export(
     process_id: ProcessId = None,
     timeout: Timeout = DEFAULT_TIMEOUT,
 ) -> argparse.Namespace:
+    if quantize_block is not None and quantize is None:
+        raise clicks.UsageError("--quantize-block needs --quantize")
     return _args(export_command, locals())
 
 

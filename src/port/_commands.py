@@ -472,6 +472,8 @@ def export_command(args: argparse.Namespace) -> int:
                 output,
                 max_shard_size=args.max_shard_size,
                 dtype=args.dtype,
+                quantize=args.quantize,
+                quantize_block=args.quantize_block,
                 force=args.force,
                 progress=progress,
             )
@@ -491,6 +493,7 @@ def export_command(args: argparse.Namespace) -> int:
         "out": str(out),
         "mesh": mesh_shape(args.mesh),
         "dtype": args.dtype,
+        "quantize": args.quantize,
         "files": files,
         "bytes": size,
         "tensors": len(output.sources or ()),

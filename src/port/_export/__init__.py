@@ -3,7 +3,9 @@
 `_invert` walks the plan backwards to the checkpoint's tensors; `_blocks` turns each
 device block into its box of one of them; `_safetensors` writes the files (headers,
 offsets, index, as `save_pretrained` lays them out); `_staging` assembles the next
-tensor while a thread writes the last; `_export` drives it (`export`, `is_export`).
+tensor while a thread writes the last; `_quantize` writes Linear weights in FP8 with
+block scales (`quantize="fp8"`, whose arguments `_quantize_args` checks without NumPy);
+`_export` drives it (`export`, `is_export`).
 
 Names are imported when first used, each from its own module: `parse_size` imports no
 JAX, so `port export` refuses a bad `--max-shard-size` without starting it.

@@ -5,13 +5,16 @@ with the source's name, shape and dtype. Each is assembled on the host from the 
 shards that hold it (a replicated block once, `_blocks`), inverted, and written at its
 offset in its safetensors file (`_safetensors`) by a background thread while the next
 is assembled, in a fixed ring of host memory (`_staging`, 1.25x the largest tensor).
-In a multi-process run each process writes the blocks its devices hold.
+In a multi-process run each process writes the blocks its devices hold. With
+`quantize="fp8"` the Linear weights are written in FP8 with block scales (`_quantize`),
+each quantized as it is assembled.
 
 ```python
 model = port.load("gpt2", mesh="4x2")
 ...                                              # train it
 port.export(model, "gpt2-hf", "gpt2")            # the source: names, shapes, dtypes
 port.export(port.restore("gpt2-jax"), "gpt2-hf", "gpt2-jax", force=True)
+port.export(model, "gpt2-fp8", "gpt2", quantize="fp8", quantize_block=(128, 128))
 ```
 
 The output directory is written under a hidden temporary name and renamed into place
@@ -28,6 +31,7 @@ import os
 import threading
 from collections.abc import Callable
 from collections.abc import Mapping as AnyMapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +53,9 @@ from .._sources import Checkpoint, TensorInfo, open_checkpoint, raw_header
 from .._text import quoted
 from ._blocks import Block, block_data, blocks, extent, gather, local_shards
 from ._invert import Inverse, invert
-from ._safetensors import INDEX, SINGLE, Writer, parse_size
+from ._quantize import Quantization, Target, plan_fp8, scales_reader, write_quantized
+from ._quantize_args import DEFAULT_BLOCK, check_method, parse_block
+from ._safetensors import INDEX, SINGLE, OutTensor, Writer, parse_size
 from ._staging import Staging
 
 PRODUCER = "port"  # safetensors metadata `producer`: how `force` knows an export is port's
@@ -86,17 +92,33 @@ def _write_box(writer: Writer, key: str, region: tuple, data: np.ndarray) -> tup
     return writer.write_region(key, region, data), 1
 
 
+def _write_quantized_whole(
+    writer: Writer, target: Target, data: np.ndarray, kept: np.ndarray | None, blocks: int
+) -> tuple[int, int]:
+    return write_quantized(writer, target, data, tuple((0, n) for n in data.shape), kept)[0], blocks
+
+
 def _write_blocks(
-    mine: list[Block], inverse: Inverse, arrays: AnyMapping[str, Any], writer: Writer, written: _Written
+    mine: list[Block],
+    inverse: Inverse,
+    arrays: AnyMapping[str, Any],
+    writer: Writer,
+    written: _Written,
+    quantization: Quantization | None = None,
+    read_scales: Callable[[Target, tuple], np.ndarray | None] | None = None,
 ) -> None:
     """Write this process's blocks, assembling the next output while a thread writes the last.
 
     A tensor this process holds all of is assembled whole and written in one go; its
     share of a tensor other processes hold the rest of, block by block. Either way the
     output is assembled in `Staging` memory of 1.25x the largest (so host memory stays
-    within that, whatever the model's size), and straight in the output dtype.
+    within that, whatever the model's size), and straight in the output dtype. A tensor
+    `quantization` writes in FP8 is quantized on the writing thread, a row of blocks at
+    a time, from the assembled tensor (or box); the source's scales it may keep
+    (`read_scales`) are read here first.
     """
     specs = {t.key: t for t in inverse.tensors}
+    targets = {} if quantization is None else quantization.targets
     by_key: dict[str, list[Block]] = {}
     for block in mine:
         by_key.setdefault(block.key, []).append(block)
@@ -111,7 +133,7 @@ def _write_blocks(
     shards: dict[str, dict[tuple, Any]] = {}  # references to each leaf's local blocks: no copies
     with Staging(largest + largest // 4, done=written) as staging:
         for key, own in by_key.items():
-            spec, source_dtype = specs[key], inverse.source_dtypes[key]
+            spec, source_dtype, target = specs[key], inverse.source_dtypes[key], targets.get(key)
             for block in own:
                 if block.part.leaf.path not in shards:
                     shards[block.part.leaf.path] = local_shards(arrays[block.part.leaf.path])
@@ -121,16 +143,29 @@ def _write_blocks(
                 for block in own:
                     data = block_data(block, shards[block.part.leaf.path], source_dtype)
                     out[tuple(slice(a, b) for a, b in block.regions[0])] = data
-                staging.submit(buffer, _write_whole, writer, key, out, len(own))
+                if target is None:
+                    staging.submit(buffer, _write_whole, writer, key, out, len(own))
+                else:
+                    kept = _kept(read_scales, target, tuple((0, n) for n in spec.shape))
+                    staging.submit(buffer, _write_quantized_whole, writer, target, out, kept, len(own))
             else:
                 for block in own:
                     region = block.regions[0]
                     buffer = staging.take(extent(region) * spec.dtype.itemsize)
                     out = buffer.view(spec.dtype).reshape(tuple(b - a for a, b in region))
                     out[...] = block_data(block, shards[block.part.leaf.path], source_dtype)
-                    staging.submit(buffer, _write_box, writer, key, region, out)
+                    if target is None:
+                        staging.submit(buffer, _write_box, writer, key, region, out)
+                    else:
+                        kept = _kept(read_scales, target, region)
+                        staging.submit(buffer, write_quantized, writer, target, out, region, kept)
             written.report()
     written.report()
+
+
+def _kept(read_scales: Callable[[Target, tuple], np.ndarray | None] | None, target: Target, region: tuple):
+    """The source's scales of the blocks `region` covers, where the target may keep them; else None."""
+    return None if read_scales is None else read_scales(target, target.scales_of(region))
 
 
 def is_export(directory: str | os.PathLike) -> bool:
@@ -166,10 +201,25 @@ def is_export(directory: str | os.PathLike) -> bool:
     return True
 
 
-def _headers(source: Any) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], dict, Output | None]:
-    """The source tensors' shapes and dtypes, its config and (for a port output) the output, read."""
+@dataclass(frozen=True)
+class _Source:
+    """What export takes from its source: each tensor's shape and the dtype it is written in
+    unquantized (a quantized tensor's: the checkpoint's dtype, as it loads), the config, the
+    output (for a port output), and the checkpoint's own tensors (None for an output) with
+    the checkpoint, while it is kept open to read its FP8 scales."""
+
+    headers: dict[str, tuple[tuple[int, ...], np.dtype]]
+    config: AnyMapping[str, Any]
+    output: Output | None = None
+    tensors: AnyMapping[str, TensorInfo] | None = None
+    checkpoint: Checkpoint | None = None
+
+
+def _read_source(source: Any, opened: contextlib.ExitStack | None) -> _Source:
+    """The source's headers and config (see `_Source`); a checkpoint it opens is closed at once,
+    or kept open in `opened`."""
     if isinstance(source, Checkpoint):
-        return {k: (t.shape, t.dtype) for k, t in source.tensors.items()}, source.config, None
+        return _Source(_loaded(source), source.config, None, source.tensors, source)
     path = Path(source) if isinstance(source, (str, os.PathLike)) else None
     if isinstance(source, Output) or (
         path is not None and (path / "port").is_dir() and not (path / "config.json").exists()
@@ -181,11 +231,19 @@ def _headers(source: Any) -> tuple[dict[str, tuple[tuple[int, ...], np.dtype]], 
                 f"{path}: records no source tensors (written by port.save without `sources`); pass the "
                 "checkpoint it was converted from as the source"
             )
-        return output.sources, output.config, output
+        return _Source(output.sources, output.config, output)
     if path is None and not isinstance(source, str):
         raise PortError(f"`source`: expected a checkpoint, a port output or a Checkpoint, got {quoted(source)}")
-    with open_checkpoint(source) as ckpt:
-        return {k: (t.shape, t.dtype) for k, t in ckpt.tensors.items()}, ckpt.config, None
+    if opened is None:
+        with open_checkpoint(source) as ckpt:
+            return _Source(_loaded(ckpt), ckpt.config, None, ckpt.tensors)
+    ckpt = opened.enter_context(open_checkpoint(source))
+    return _Source(_loaded(ckpt), ckpt.config, None, ckpt.tensors, ckpt)
+
+
+def _loaded(checkpoint: Checkpoint) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Each tensor's shape and the dtype it loads as (a quantized one's: the checkpoint's dtype, not float32)."""
+    return {k: (t.shape, t.load_dtype) for k, t in checkpoint.tensors.items()}
 
 
 def _fits_class(model: Any, mapping: Mapping, output: Output | None) -> type:
@@ -241,6 +299,8 @@ def export(
     mapping: str | os.PathLike | Mapping | None = None,
     max_shard_size: str | int = "5GB",
     dtype: str | np.dtype | None = None,
+    quantize: str | None = None,
+    quantize_block: str | int | tuple[int, int] | None = None,
     force: bool = False,
     progress: Callable[[Progress], None] | None = None,
 ) -> Path:
@@ -255,13 +315,21 @@ def export(
     - `source`: where the tensors' names, shapes and dtypes come from (no tensor data
       is read): the checkpoint the model was converted from (a directory, a repo id or
       an open `Checkpoint`) or a `port convert` output, which records them (its directory,
-      or the `Output` `read_output` read from it).
+      or the `Output` `read_output` read from it). A quantized source's tensors are
+      written in the checkpoint's dtype, and its `quantization_config` left out, unless
+      `quantize` says otherwise.
     - `config`: the Hugging Face config written as `config.json` (default: the source's).
     - `mapping`: a `Mapping` or a mapping file; default: the output's own (for a `port
       convert` output), else the shipped one for the config's `model_type`.
     - `max_shard_size`: the largest file, as `"5GB"`, `"500MB"` or bytes; a tensor larger
       than it gets a file of its own.
     - `dtype`: write floating tensors in this dtype (`"bfloat16"`, ...); default: the source's.
+    - `quantize`: `"fp8"`: write the Linear weights in FP8 e4m3 with block scales
+      (`weight_scale_inv`) and a `quantization_config`, DeepSeek's and Qwen's layout
+      (`_export._quantize` says which tensors, and when the source's own scales are kept:
+      where the source is an FP8 checkpoint, a model exported unchanged writes its bytes back).
+    - `quantize_block`: the block, `(rows, columns)`, `"128x128"` or one size for a square;
+      default 128x128. Only with `quantize`.
     - `force`: replace an earlier `port export` at `out`, and nothing else.
     - `progress`: called with a `Progress` (phase "write", bytes this process wrote of its
       share) as writing starts and after each block (or whole tensor) written.
@@ -273,13 +341,38 @@ def export(
     ```python
     model = port.load("gpt2", mesh="4x2")
     port.export(model, "gpt2-hf", "gpt2", max_shard_size="200MB")
+    port.export(port.load("tiny-deepseek-fp8"), "again-fp8", "tiny-deepseek-fp8", quantize="fp8")
     ```
     """
     limit = parse_size(max_shard_size)
-    headers, source_config, output = _headers(source)
-    source = source.directory if isinstance(source, Output) else source  # as messages name it
-    config = dict(source_config if config is None else config)
-    kept = output if mapping is None else None  # the output's own mapping: its `model` is not imported
+    if quantize is None and quantize_block is not None:
+        raise PortError(f"quantize_block={quoted(quantize_block, 40)} needs quantize='fp8'")
+    if quantize is not None:
+        check_method(quantize)
+    block = None if quantize is None else parse_block(DEFAULT_BLOCK if quantize_block is None else quantize_block)
+    with contextlib.ExitStack() as opened:  # the source checkpoint, open while its FP8 scales may be read
+        found = _read_source(source, opened if block is not None else None)
+        source = source.directory if isinstance(source, Output) else source  # as messages name it
+        return _export(model, out, source, found, config, mapping, limit, dtype, block, force, progress)
+
+
+def _export(
+    model: Any,
+    out: str | os.PathLike,
+    source: Any,
+    found: _Source,
+    config: AnyMapping[str, Any] | None,
+    mapping: str | os.PathLike | Mapping | None,
+    limit: int,
+    dtype: str | np.dtype | None,
+    block: tuple[int, int] | None,
+    force: bool,
+    progress: Callable[[Progress], None] | None,
+) -> Path:
+    """`export` once its arguments are checked and its source read."""
+    headers = found.headers
+    config = dict(found.config if config is None else config)
+    kept = found.output if mapping is None else None  # the output's own mapping: its `model` is not imported
     mapping = mapping_for(config, mapping if kept is None else kept.mapping)
     inputs = (source,) if isinstance(source, (str, os.PathLike)) and Path(source).exists() else ()
     out = check_destination(out, force, inputs, ours=is_export, what=_EXPORT)
@@ -294,7 +387,15 @@ def export(
             raise PlanError([f"model leaf '{leaf.path}' is {type(array).__name__}, not an array to write"])
     dtype = None if dtype is None else dtype_named(dtype)
     inverse = invert(recipe, headers, mapping.source, dtype)
-    written_config = dict(config)
+    quantization = None
+    if block is not None:
+        tied = [*mapping.tied, *mapping.tied.values()]
+        quantization = plan_fp8(inverse, block, config, tied, found.tensors)
+    layout = inverse.tensors if quantization is None else quantization.layout(inverse.tensors)
+    nbytes = sum(t.nbytes for t in layout)
+    written_config = {k: v for k, v in config.items() if k != "quantization_config"}  # the tensors are not
+    if quantization is not None:
+        written_config["quantization_config"] = quantization.settings
     if dtype is not None:
         for name in ("torch_dtype", "dtype"):
             if name in written_config:
@@ -302,23 +403,22 @@ def export(
     me, processes = jax.process_index(), jax.process_count()
     if processes > 1 and num_processes() is None:
         raise RunError("port export in several processes needs the run joined by port.initialize (or port's flags)")
-    found = blocks(inverse, arrays)
-    if found is None and processes > 1:
+    found_blocks = blocks(inverse, arrays)
+    if found_blocks is None and processes > 1:
         raise PlanError(
             [
                 f"{mapping.source}: a block of some leaf is not one box of its checkpoint tensor on this mesh, "
                 "so it cannot be written by the process holding it; export it from one process"
             ]
         )
-    mine = None if found is None else [block for block in found if block.owner == me]
+    if found_blocks is not None and quantization is not None:
+        _check_quantized_blocks(found_blocks, quantization)
+    mine = None if found_blocks is None else [b for b in found_blocks if b.owner == me]
     specs = {t.key: t for t in inverse.tensors}
-    total = (
-        inverse.nbytes
-        if mine is None
-        else sum(extent(block.regions[0]) * specs[block.key].dtype.itemsize for block in mine)
-    )
+    total = nbytes if mine is None else sum(_box_bytes(quantization, specs[b.key], b.regions[0]) for b in mine)
     if me == 0:
-        check_free(out, inverse.nbytes)
+        check_free(out, nbytes)
+    read_scales = scales_reader(found.checkpoint)
     partial = partial_path(out)
     metadata = {"format": "pt", "producer": PRODUCER, "port_version": port_version()}
     with contextlib.ExitStack() as cleanup, writing(out, partial, "the export"):
@@ -326,31 +426,65 @@ def export(
         if me == 0:
             make_partial(partial, cleanup)
             (partial / "config.json").write_text(json.dumps(written_config, indent=2, sort_keys=True) + "\n")
-            writer = cleanup.enter_context(Writer(partial, inverse.tensors, limit, metadata=metadata))
+            writer = cleanup.enter_context(Writer(partial, layout, limit, metadata=metadata))
         exchange("export-created", "", "word that the files exist")
         if writer is None:  # the other processes: open the files process 0 made
-            writer = cleanup.enter_context(Writer(partial, inverse.tensors, limit, metadata=metadata, create=False))
+            writer = cleanup.enter_context(Writer(partial, layout, limit, metadata=metadata, create=False))
         steps = len(inverse.tensors) if mine is None else len(mine)
         written = _Written(total, steps, progress)
         if mine is None:  # one process; some tensor is assembled whole, then written
+            targets = {} if quantization is None else quantization.targets
             for tensor in inverse.tensors:
                 parts = inverse.parts[tensor.key]
                 pieces = [(p.leaf.chain, gather(arrays[p.leaf.path], p.index)) for p in parts]
                 (chain, first), siblings = pieces[0], pieces[1:]
                 data = chain.inverse(first, inverse.source_dtypes[tensor.key], siblings=siblings)
                 del pieces, first, siblings
-                writer.write(tensor.key, data.astype(tensor.dtype, copy=False))
+                data = data.astype(tensor.dtype, copy=False)
+                target = targets.get(tensor.key)
+                if target is None:
+                    writer.write(tensor.key, data)
+                    written((tensor.nbytes, 1))
+                else:
+                    whole = tuple((0, n) for n in tensor.shape)
+                    written(write_quantized(writer, target, data, whole, read_scales(target, target.scales_of(whole))))
                 del data
-                written((tensor.nbytes, 1))
                 written.report()
         else:
-            _write_blocks(mine, inverse, arrays, writer, written)
+            _write_blocks(mine, inverse, arrays, writer, written, quantization, read_scales)
         done = written.bytes
         writer.close(check=processes == 1)
         wrote = exchange("export-written", str(done), "what it wrote")
         if me == 0:
-            if sum(int(n) for n in wrote.values()) != inverse.nbytes:
-                raise OutputError(f"out={out}: the processes wrote {wrote}, not the {inverse.nbytes} bytes laid out")
+            if sum(int(n) for n in wrote.values()) != nbytes:
+                raise OutputError(f"out={out}: the processes wrote {wrote}, not the {nbytes} bytes laid out")
             put_in_place(partial, out, force, ours=is_export, what=_EXPORT)
         exchange("export-done", "", "word that the export is in place")
     return out
+
+
+def _box_bytes(quantization: Quantization | None, spec: OutTensor, region: tuple) -> int:
+    """Bytes written for box `region` of the (unquantized) tensor `spec`: quantized, its FP8 values and scales."""
+    if quantization is None:
+        return extent(region) * spec.dtype.itemsize
+    return quantization.nbytes(spec.key, region, spec.dtype)
+
+
+def _check_quantized_blocks(found: list[Block], quantization: Quantization) -> None:
+    """`PlanError` naming each quantized tensor whose processes would each write a box of it
+    that cuts its blocks (their scales would need values another process holds)."""
+    owners: dict[str, set[int]] = {}
+    for block in found:
+        owners.setdefault(block.key, set()).add(block.owner)
+    problems = {}
+    for block in found:
+        target = quantization.targets.get(block.key)
+        if target is None or block.key in problems or len(owners[block.key]) == 1 or target.aligned(block.regions[0]):
+            continue
+        problems[block.key] = (
+            f"tensor {quoted(block.key, 200)}: a process holds its box {[list(r) for r in block.regions[0]]}, "
+            f"which cuts its {target.block[0]}x{target.block[1]} blocks; export with quantize from one "
+            "process, or on a mesh whose blocks hold whole ones"
+        )
+    if problems:
+        raise PlanError(list(problems.values()))

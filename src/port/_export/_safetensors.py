@@ -54,7 +54,7 @@ INDEX = "model.safetensors.index.json"
 _HEADER_NAMES: dict[np.dtype, str] = {d: name for name, d in SAFETENSORS.items()}
 """Port's dtype table read backwards: a dtype's safetensors header name."""
 
-_LIBRARY_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
+_LIBRARY_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "F8_E8M0", "F8_E4M3", "F8_E5M2", "I8", "U8", "BOOL")
 """How the safetensors library orders a file's tensors, first to last, before their names:
 its `Dtype` enum backwards (huggingface/safetensors, safetensors/src/tensor.rs, `prepare`),
 which puts the widest alignment first. Names only: the dtypes are `SAFETENSORS`'s."""

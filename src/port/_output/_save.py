@@ -474,8 +474,9 @@ def _metadata_of(
     if include is not None:
         meta["include"] = list(include)
     if sources is not None:
-        meta["sources"] = {
-            key: {"shape": list(info.shape), "dtype": np.dtype(info.dtype).name} for key, info in sources.items()
+        meta["sources"] = {  # the dtype a tensor loads as (a quantized one's: the checkpoint's), as export writes it
+            key: {"shape": list(info.shape), "dtype": np.dtype(getattr(info, "load_dtype", info.dtype)).name}
+            for key, info in sources.items()
         }
     return meta
 
