@@ -242,6 +242,17 @@ def test_assembled_whole_on_the_host_the_same_bytes(bf16_qwen3, fp8_export, tmp_
         assert (out / name).read_bytes() == (fp8_export / name).read_bytes()
 
 
+def test_progress_counts_the_bytes_written(bf16_qwen3, tmp_path):
+    """Default 128x128 blocks, each a whole tiny weight, though 4x2's device blocks cut them: the
+    progress ends at the bytes written, values and scales."""
+    seen = []
+    model = port.load(bf16_qwen3, mesh="4x2")
+    out = port.export(model, tmp_path / "hf", bf16_qwen3, quantize="fp8", progress=seen.append)
+    written = sum(v.nbytes for v in tensors_of(out).values())
+    assert seen[-1].done == seen[-1].total == written
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
+
+
 def test_modules_to_not_convert_are_left_as_they_are(bf16_qwen3, tmp_path):
     """The config's names (a module and what is under it, a suffix, `.*`), as transformers reads them, stay bfloat16."""
     config = json.loads((bf16_qwen3 / "config.json").read_text())

@@ -415,7 +415,7 @@ def _export(
         _check_quantized_blocks(found_blocks, quantization)
     mine = None if found_blocks is None else [b for b in found_blocks if b.owner == me]
     specs = {t.key: t for t in inverse.tensors}
-    total = nbytes if mine is None else sum(_box_bytes(quantization, specs[b.key], b.regions[0]) for b in mine)
+    total = nbytes if mine is None else _share_bytes(mine, specs, quantization)
     if me == 0:
         check_free(out, nbytes)
     read_scales = scales_reader(found.checkpoint)
@@ -463,11 +463,23 @@ def _export(
     return out
 
 
-def _box_bytes(quantization: Quantization | None, spec: OutTensor, region: tuple) -> int:
-    """Bytes written for box `region` of the (unquantized) tensor `spec`: quantized, its FP8 values and scales."""
-    if quantization is None:
-        return extent(region) * spec.dtype.itemsize
-    return quantization.nbytes(spec.key, region, spec.dtype)
+def _share_bytes(mine: list[Block], specs: AnyMapping[str, OutTensor], quantization: Quantization | None) -> int:
+    """Bytes this process writes of its blocks: a tensor it holds all of as laid out, the boxes
+    of the others each with its values (in FP8, and their blocks' scales, where quantized)."""
+    by_key: dict[str, list[Block]] = {}
+    for block in mine:
+        by_key.setdefault(block.key, []).append(block)
+    total = 0
+    for key, own in by_key.items():
+        spec = specs[key]
+        if sum(extent(b.regions[0]) for b in own) == math.prod(spec.shape):
+            own_regions = [tuple((0, n) for n in spec.shape)]
+        else:
+            own_regions = [b.regions[0] for b in own]
+        for region in own_regions:
+            plain = extent(region) * spec.dtype.itemsize
+            total += plain if quantization is None else quantization.nbytes(key, region, spec.dtype)
+    return total
 
 
 def _check_quantized_blocks(found: list[Block], quantization: Quantization) -> None:
