@@ -338,26 +338,36 @@ def test_an_fp8_source_exported_unchanged_is_written_back_byte_for_byte(fp8_sour
     assert fresh > 0  # the source's scales, not fresh ones, give its bytes back
 
 
-def test_an_fp8_source_exported_without_quantize_is_written_in_bfloat16(fp8_sources, tmp_path):
-    """From the checkpoint (Python) and from a `port convert` output of it (the command line):
-    the dequantized weights in the checkpoint's dtype, no scales, no quantization_config."""
+@pytest.fixture(scope="module")
+def unquantized(fp8_sources, tmp_path_factory):
+    """The uneven Qwen3's FP8 checkpoint loaded by port and exported without quantize."""
     source = fp8_sources("qwen3-uneven")
-    original = tensors_of(source)
-    out = port.export(port.load(source, mesh="1x1"), tmp_path / "api", source)
-    written = tensors_of(out)
-    assert written.keys() == {k for k in original if not k.endswith("_scale_inv")}
+    return port.export(port.load(source, mesh="1x1"), tmp_path_factory.mktemp("unquantized") / "hf", source)
+
+
+def test_an_fp8_source_exported_without_quantize_is_written_in_bfloat16(fp8_sources, unquantized):
+    """The dequantized weights in the checkpoint's dtype, as port loads them; no scales, no quantization_config."""
+    source = fp8_sources("qwen3-uneven")
+    written = tensors_of(unquantized)
+    assert written.keys() == {k for k in tensors_of(source) if not k.endswith("_scale_inv")}
     with port.open_checkpoint(source) as ckpt:
         for key, value in written.items():
             expected = ckpt.read(key, tuple((0, n) for n in value.shape)).astype(BF16)
             assert same_bytes(value, expected), key
-    config = json.loads((out / "config.json").read_text())
+    config = json.loads((unquantized / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
-    assert run_port("convert", source, "--out", tmp_path / "jax").returncode == 0
-    result = run_port("export", tmp_path / "jax", "--out", tmp_path / "cli")
+
+
+@pytest.mark.slow
+def test_a_convert_output_of_an_fp8_source_exports_in_bfloat16(fp8_sources, unquantized, tmp_path):
+    """`port convert` of the FP8 checkpoint records its tensors as they load (bfloat16), so `port
+    export` of that output writes what Python's export of the checkpoint writes."""
+    assert run_port("convert", fp8_sources("qwen3-uneven"), "--out", tmp_path / "jax").returncode == 0
+    result = run_port("export", tmp_path / "jax", "--out", tmp_path / "hf")
     assert result.returncode == 0, result.stderr
-    again = tensors_of(tmp_path / "cli")
-    assert again.keys() == written.keys() and all(same_bytes(again[k], v) for k, v in written.items())
-    assert "quantization_config" not in json.loads((tmp_path / "cli" / "config.json").read_text())
+    written, expected = tensors_of(tmp_path / "hf"), tensors_of(unquantized)
+    assert written.keys() == expected.keys() and all(same_bytes(written[k], v) for k, v in expected.items())
+    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
 
 
 # ---------------------------------------------------------------- the command line
