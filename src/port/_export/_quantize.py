@@ -201,21 +201,27 @@ def plan_fp8(
         raise PlanError(
             [f"tensor {quoted(key, 200)} is also the name of a scale quantize='fp8' writes" for key in taken]
         )
-    for module in map(_module, tied):  # a tied head is not written, but transformers has the module
+    return Quantization(block, targets, _settings(block, skip.names, left, tied, ue8m0))
+
+
+def _settings(block: tuple[int, int], own: list[str], left: list[str], tied: Sequence[str], ue8m0: bool) -> dict:
+    """config.json's `quantization_config`: `modules_to_not_convert` the config's own names, then
+    the modules `left` unquantized and the tied ones (a tied head is not written, but
+    transformers' model has the module)."""
+    left = list(left)
+    for module in map(_module, tied):
         if not any(m == module or m.endswith("." + module) for m in left):
             left.append(module)
-    own = list(skip.names)
-    not_converted = own + sorted(set(left) - set(own))
-    written_settings: dict[str, Any] = {
+    settings: dict[str, Any] = {
         "quant_method": "fp8",
         "fmt": "e4m3",
         "activation_scheme": "dynamic",
         "weight_block_size": list(block),
-        "modules_to_not_convert": not_converted,
+        "modules_to_not_convert": own + sorted(set(left) - set(own)),
     }
     if ue8m0:
-        written_settings["scale_fmt"] = "ue8m0"
-    return Quantization(block, targets, written_settings)
+        settings["scale_fmt"] = "ue8m0"
+    return settings
 
 
 def _module(key: str) -> str:
