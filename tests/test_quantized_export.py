@@ -30,7 +30,7 @@ import pytest
 import port
 from port._errors import CheckpointError, PortError
 
-from helpers import VOCAB, logits, port_command, port_env, run_port, transformers_or_skip, usage_error
+from helpers import VOCAB, logits, one_line, port_command, port_env, run_port, transformers_or_skip, usage_error
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -336,6 +336,24 @@ def test_an_fp8_source_exported_unchanged_is_written_back_byte_for_byte(fp8_sour
             target = Target(key, values.shape, BF16, (BLOCK, BLOCK), np.dtype(scale_dtype))
             fresh += not same_bytes(quantize_box(values, target)[1], original[key + "_scale_inv"])
     assert fresh > 0  # the source's scales, not fresh ones, give its bytes back
+
+
+@pytest.mark.slow
+def test_the_command_line_writes_the_source_back_given_source(fp8_sources, tmp_path):
+    """`port convert` of an FP8 checkpoint, then `port export --quantize fp8 --source` it: the
+    source's bytes and scales again; without --source (the output keeps no scales) they differ."""
+    source = fp8_sources("qwen3-uneven")
+    assert run_port("convert", source, "--mesh", "4x2", "--out", tmp_path / "jax").returncode == 0
+    flags = ["--quantize", "fp8", "--quantize-block", str(BLOCK)]
+    result = run_port("export", tmp_path / "jax", "--out", tmp_path / "hf", *flags, "--source", source)
+    assert result.returncode == 0, result.stderr
+    original, written = tensors_of(source), tensors_of(tmp_path / "hf")
+    assert written.keys() == original.keys() and all(same_bytes(written[k], v) for k, v in original.items())
+    assert run_port("export", tmp_path / "jax", "--out", tmp_path / "fresh", *flags).returncode == 0
+    fresh = tensors_of(tmp_path / "fresh")
+    assert not all(same_bytes(fresh[k], v) for k, v in original.items() if k.endswith("_scale_inv"))
+    missing = run_port("export", tmp_path / "jax", "--out", tmp_path / "none", *flags, "--source", tmp_path / "nowhere")
+    one_line(missing, "nowhere", out=tmp_path / "none")
 
 
 @pytest.fixture(scope="module")

@@ -132,7 +132,7 @@ def _check_paths(command: click.Command, ctx: click.Context) -> None:
     checked as text alone, and not shown (it may hold credentials)."""
     for param in command.params:
         value = ctx.params.get(param.name or "")
-        if param.name == "model" and isinstance(value, str):
+        if param.name in ("model", "source") and isinstance(value, str):
             local = not is_url(value)
             problem = path_problem(value, local=local)
         elif isinstance(value, Path):
@@ -141,7 +141,7 @@ def _check_paths(command: click.Command, ctx: click.Context) -> None:
         else:
             continue
         if problem is not None:
-            name = param.opts[0] if param.opts[0].startswith("-") else param.metavar  # --out, or MODEL
+            name = param.opts[0] if param.opts[0].startswith("-") else param.metavar  # --out, --source, or MODEL
             shown = f" {shortened(str(value), 120)}" if local else ""
             raise PortError(f"{name}{shown}: {problem}")
 
@@ -453,6 +453,17 @@ def _export(
             metavar="ROWSxCOLS",
             parser=_block,
             help="--quantize's block, e.g. 64x64, or one size for a square (default: 128x128)",
+        ),
+    ] = None,
+    source: Annotated[
+        str | None,
+        typer.Option(
+            "--source",
+            metavar="MODEL",
+            show_default=False,
+            help="the checkpoint DIR was converted from (directory, repo id or URL): the tensors' names, shapes "
+            "and dtypes, and with --quantize fp8 its FP8 scales, kept where they give the weights back exactly "
+            "(default: what DIR records)",
         ),
     ] = None,
     mesh: Annotated[

@@ -469,7 +469,7 @@ def export_command(args: argparse.Namespace) -> int:
             out = export(
                 model,
                 args.out,
-                output,
+                output if args.source is None else args.source,
                 max_shard_size=args.max_shard_size,
                 dtype=args.dtype,
                 quantize=args.quantize,
