@@ -719,6 +719,7 @@ def test_json_output_is_what_docs_cli_md_says(tmp_path, beside):
         "dtype": "float32",
         "axes": ["vocab", "embed"],
         "bytes": 1021 * 64 * 4,
+        "quantized": None,
     }
 
 

@@ -353,6 +353,14 @@ def test_convert_plan_and_restore_through_the_installed_port(checkpoints, tmp_pa
     out = tmp_path / "out"
     converted = run_port("convert", str(fp8), "--mesh", "4x2", "--out", str(out))
     assert converted.returncode == 0, converted.stderr
+    info = run_port("info", str(out))
+    assert info.returncode == 0, info.stderr
+    (row,) = [line for line in info.stdout.splitlines() if line.startswith("blocks.mlp.down ")]
+    assert row.endswith("fp8 e4m3fn, 16x16 blocks, scales weight_scale_inv float32")
+    assert "quantized source" in info.stdout
+    leaves = {leaf["path"]: leaf for leaf in json.loads(run_port("info", str(out), "--json").stdout)["leaves"]}
+    assert leaves["embed"]["quantized"] is None
+    assert leaves["blocks.attn.wq"]["quantized"] == "fp8 e4m3fn, 16x16 blocks, scales weight_scale_inv float32"
     restored = port.restore(out, port.make_mesh("4x2"))
     assert_same(restored, port.load(dequantized, mesh="4x2"))
     np.testing.assert_allclose(np.asarray(logits(restored, IDS)), expected, atol=1e-4, rtol=0)

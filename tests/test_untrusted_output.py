@@ -180,8 +180,13 @@ def unmapped(**leaves):
             lambda m: m["sources"].update({k: {"shape": [2**60], "dtype": "float32"} for k in ("p", "q")}),
             f"its source tensors take more than {MAX_NBYTES} bytes together",
         ),
+        (
+            lambda m: m["leaves"]["wte"].update(quantized="\x1b[2J" + "x" * 2000),
+            "leaf 'wte': 'quantized' must be a printable string of at most 1000 characters",
+        ),
+        (lambda m: m["leaves"]["wte"].update(stored=1), "leaf 'wte' must be an object with exactly shape, dtype"),
     ],
-    ids=["rank-1000000", "rank", "source-rank", "name", "leaves-total", "sources-total"],
+    ids=["rank-1000000", "rank", "source-rank", "name", "leaves-total", "sources-total", "quantized", "field"],
 )
 def test_sizes_and_counts_in_the_metadata_are_bounded(converted, tmp_path, change, expected):
     out = crafted(converted, tmp_path / "out", change)

@@ -395,6 +395,7 @@ def info_command(args: argparse.Namespace) -> int:
                         "dtype": leaf.dtype.name,
                         "axes": list(leaf.axes),
                         "bytes": leaf.nbytes,
+                        "quantized": leaf.quantized,
                     }
                     for path, leaf in output.leaves.items()
                 ],
@@ -415,16 +416,18 @@ def info_command(args: argparse.Namespace) -> int:
         heading.append(f"source: {plural(sources['tensors'], 'tensor')}, {size_text(sources['bytes'])}")
     if output.include is not None:
         heading.append(f"partial: only the leaves matching {', '.join(map(quoted, output.include))}")
+    stored = any(leaf.quantized for leaf in output.leaves.values())  # converted from a quantized checkpoint
     rows = [
         (
             printable(path),
             describe(leaf.shape, leaf.dtype),
             ", ".join(a or "-" for a in leaf.axes) or "-",
             size_text(leaf.nbytes),
+            *((printable(leaf.quantized or "-"),) if stored else ()),
         )
         for path, leaf in output.leaves.items()
     ]
-    head = ("leaf", "shape", "axes", "bytes")
+    head = ("leaf", "shape", "axes", "bytes", *(("quantized source",) if stored else ()))
     line = _columns([head, *rows])
     show("\n".join([*heading, "", *map(line, [head, *rows])]) + "\n")
     return 0

@@ -112,6 +112,18 @@ def written_back(recipe: Plan, tensors: AnyMapping[str, Any]) -> dict[str, Any]:
     return {key: info for key, info in tensors.items() if key in used}
 
 
+def stored_as(recipe: Plan) -> dict[str, str]:
+    """How each leaf the plan reads from a quantized source was stored there, by its path:
+    what an output records for `port info`.
+
+    ```python
+    stored_as(recipe)     # {"blocks.mlp.down": "fp8 e4m3fn, 128x128 blocks, scales weight_scale_inv float32"}
+    ```
+    """
+    described = {leaf.path: getattr(leaf.source, "describe", None) for leaf in recipe.leaves}
+    return {path: describe() for path, describe in described.items() if describe is not None}
+
+
 def fingerprint(checkpoint: Checkpoint) -> str:
     """A digest of a checkpoint's config and tensor headers: equal for the same checkpoint on every host."""
     headers = sorted((k, t.dtype.name, list(t.shape)) for k, t in checkpoint.tensors.items())
@@ -237,7 +249,14 @@ def convert(
             jax.block_until_ready(arrays)
             writing = time.perf_counter()
             if saving is not None:
-                out = saving.finish(model, mapping, config, sources=written_back(recipe, ckpt.tensors), include=include)
+                out = saving.finish(
+                    model,
+                    mapping,
+                    config,
+                    sources=written_back(recipe, ckpt.tensors),
+                    include=include,
+                    quantized=stored_as(recipe),
+                )
             done = time.perf_counter()
         finally:
             if owned:

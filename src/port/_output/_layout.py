@@ -81,6 +81,8 @@ FIELDS = ("format", "mapping_source", "mapping", "config", "leaves")
 # port that wrote the output (not in outputs written before port recorded it).
 OPTIONAL_FIELDS = ("sources", "include", "port_version")
 LEAF_FIELDS = ("shape", "dtype", "axes")
+# How a leaf was stored in a quantized checkpoint (`fp8 e4m3fn, 128x128 blocks, ...`), for `port info`.
+OPTIONAL_LEAF_FIELDS = ("quantized",)
 SOURCE_FIELDS = ("shape", "dtype")
 
 # The bounds an output is read back under (`save` checks the metadata it writes against them).
@@ -90,6 +92,7 @@ MAX_LEAVES = 1_000_000  # leaves port/metadata lists (each a directory of params
 MAX_INCLUDE = 1000  # patterns of a partial output
 MAX_KEY_CHARS = 1000  # characters of a leaf's or a source tensor's name, or of a pattern
 MAX_VERSION_CHARS = 100  # characters of `port_version`
+MAX_NOTE_CHARS = 1000  # characters of a leaf's `quantized` description
 MAX_PARAMS_FILES = 1_000_000  # chunk files: one per block of the saving mesh, per leaf
 MAX_OUTPUT_ENTRIES = 2_000_000  # files `is_output` looks at before it calls a tree not port's
 

@@ -42,10 +42,12 @@ from ._layout import (
     MAX_KEY_CHARS,
     MAX_LEAVES,
     MAX_METADATA_BYTES,
+    MAX_NOTE_CHARS,
     MAX_SOURCES,
     MAX_VERSION_CHARS,
     METADATA,
     OPTIONAL_FIELDS,
+    OPTIONAL_LEAF_FIELDS,
     PARAMS,
     PORT,
     SHARDING,
@@ -61,6 +63,7 @@ class Leaf:
     shape: tuple[int, ...]
     dtype: np.dtype
     axes: tuple[str | None, ...]
+    quantized: str | None = None  # how it was stored in a quantized checkpoint (`fp8 e4m3fn, 128x128 blocks, ...`)
 
     @property
     def size(self) -> int:
@@ -326,8 +329,18 @@ def _leaf(path: Any, info: Any, where: str) -> Leaf:
         raise OutputError(
             f"{where}: leaf name {quoted(path)} is not a dotted module path of at most {MAX_KEY_CHARS} characters"
         )
-    if not isinstance(info, dict) or set(info) != set(LEAF_FIELDS):
-        raise OutputError(f"{where}: leaf '{path}' must be an object with exactly {', '.join(LEAF_FIELDS)}")
+    if not isinstance(info, dict) or not set(LEAF_FIELDS) <= set(info) <= {*LEAF_FIELDS, *OPTIONAL_LEAF_FIELDS}:
+        raise OutputError(
+            f"{where}: leaf '{path}' must be an object with exactly {', '.join(LEAF_FIELDS)} "
+            f"(and optionally {', '.join(OPTIONAL_LEAF_FIELDS)})"
+        )
+    quantized = info.get("quantized")
+    if quantized is not None and (
+        not isinstance(quantized, str) or not 0 < len(quantized) <= MAX_NOTE_CHARS or not quantized.isprintable()
+    ):
+        raise OutputError(
+            f"{where}: leaf '{path}': 'quantized' must be a printable string of at most {MAX_NOTE_CHARS} characters"
+        )
     shape, dtype, axes = _shape(info["shape"], where, f"leaf '{path}'"), info["dtype"], info["axes"]
     if not isinstance(dtype, str) or dtype not in NAMES:
         raise OutputError(f"{where}: leaf '{path}': dtype {quoted(dtype)} is not one of {', '.join(sorted(NAMES))}")
@@ -339,7 +352,7 @@ def _leaf(path: Any, info: Any, where: str) -> Leaf:
         raise OutputError(f"{where}: leaf '{path}': 'axes' must be a list of logical axis names or null")
     if len(axes) != len(shape):
         raise OutputError(f"{where}: leaf '{path}': {len(axes)} axes for a {len(shape)}-d shape")
-    return Leaf(path, shape, np_dtype, tuple(axes))
+    return Leaf(path, shape, np_dtype, tuple(axes), quantized)
 
 
 def _held_by_jax(dtype: np.dtype) -> bool:

@@ -62,6 +62,7 @@ from ._layout import (
     LEAF_PATH,
     MAX_LEAVES,
     MAX_METADATA_BYTES,
+    MAX_NOTE_CHARS,
     MAX_SOURCES,
     METADATA,
     PARAMS,
@@ -301,10 +302,12 @@ class Saving:
         config: AnyMapping[str, Any],
         sources: AnyMapping[str, Any] | None = None,
         include: Sequence[str] | None = None,
+        quantized: AnyMapping[str, str] | None = None,
     ) -> Path:
         """Wait for every chunk, then (process 0, once every process has written its share)
         write the metadata of `model` (whose arrays are exactly those added) and rename
-        the output into place. Returns the output's path."""
+        the output into place. Returns the output's path. `quantized`: how each leaf read
+        from a quantized source was stored there, by its path (recorded for `port info`)."""
         with self._failing():
             if self.progress is not None:
                 self.progress(self.written, self.total)
@@ -325,7 +328,7 @@ class Saving:
                         f"{self.name}={self.directory}: the processes wrote {counts}, not the {expected} bytes laid out"
                     )
                 self._check_written(arrays)
-                self._commit(arrays, nones, _metadata_of(arrays, mapping, config, sources, include))
+                self._commit(arrays, nones, _metadata_of(arrays, mapping, config, sources, include, quantized))
             exchange("save-done", "", "word that the output is in place")
         self._finished = True
         return self.directory
@@ -452,9 +455,10 @@ def _metadata_of(
     config: AnyMapping[str, Any],
     sources: AnyMapping[str, Any] | None,
     include: Sequence[str] | None,
+    quantized: AnyMapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """`port/metadata`: the format, the mapping, the config, each leaf's shape, dtype and logical axes,
-    the version of port writing it."""
+    """`port/metadata`: the format, the mapping, the config, each leaf's shape, dtype and logical axes
+    (and how it was stored, when quantized), the version of port writing it."""
     axes = {p.path: p.axes for p in mapping.params}
     meta = {
         "format": FORMAT,
@@ -467,6 +471,7 @@ def _metadata_of(
                 "dtype": np.dtype(a.dtype).name,
                 "axes": list(axes.get(path, (None,) * a.ndim)),
             }
+            | ({"quantized": quantized[path][:MAX_NOTE_CHARS]} if quantized and path in quantized else {})
             for path, _, a in arrays
         },
         "port_version": port_version(),
