@@ -27,7 +27,7 @@ from safetensors.numpy import load_file, save_file
 
 import port
 from port._errors import CheckpointError
-from port._quantized._bitsandbytes import Bnb4bit
+from port._sources._quantized._bitsandbytes import Bnb4bit
 
 from helpers import INPUT_IDS, logits, one_line, run_port, torch_gpt2, torch_llama, transformers_or_skip
 

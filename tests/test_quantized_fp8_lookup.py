@@ -12,8 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from port._quantized._fp8 import fp8_values, scale_blocks, scale_values
-from port._quantized._source import blocks_of, spread
+from port._sources._quantized._fp8 import fp8_values, scale_blocks, scale_values
+from port._sources._quantized._source import blocks_of, spread
 
 FLOAT8 = [ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
 

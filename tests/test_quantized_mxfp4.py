@@ -54,7 +54,7 @@ GATE_UP = "model.layers.1.mlp.experts.gate_up_proj"
 
 def is_mxfp4(info):
     """Whether `info` is an MXFP4 source (by name: importing port's module here would register the
-    format that `port._quantized` must register itself)."""
+    format that `port._sources._quantized` must register itself)."""
     return type(info).__name__ == "Mxfp4Experts"
 
 
@@ -138,7 +138,7 @@ def packed_bytes(info, region):
 
 
 def test_pieces_cover_exactly_the_bytes_of_the_inputs():
-    pieces_of = port._quantized._mxfp4._pieces  # pyright: ignore  # registered by port._quantized
+    pieces_of = port._sources._quantized._mxfp4._pieces  # pyright: ignore  # registered by port._sources._quantized
     for start in range(0, 100):
         for stop in range(start, 101):
             pieces = pieces_of(start, stop)

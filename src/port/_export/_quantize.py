@@ -59,10 +59,10 @@ import numpy as np
 
 from .._dtypes import floating
 from .._errors import CheckpointError, PlanError
-from .._quantized import QuantizedInfo
-from .._quantized._fp8 import Fp8Block, scale_values
-from .._quantized._source import blocks_of
 from .._sources import Region, TensorInfo
+from .._sources._quantized import QuantizedInfo
+from .._sources._quantized._fp8 import Fp8Block, scale_values
+from .._sources._quantized._source import blocks_of
 from .._text import quoted
 from ._invert import Inverse, Part
 from ._safetensors import OutTensor

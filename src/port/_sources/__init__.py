@@ -19,7 +19,9 @@ rest of port sees no other. The modules:
 - `_urls`: which names are URLs, and URLs without credentials.
 - `_transport`, `_ranges`, `_http`, `_hub`, `_fsspec`: reading a URL by byte range.
 - `_remote`: `RemoteCheckpoint`, composed around a transport.
-- `_open`: `open_checkpoint`, which of them a name means.
+- `_quantized`: a quantized checkpoint (FP8, MXFP4, int4, nf4, ...) read as the unquantized
+  one it stands for, composed around any of them.
+- `_open`: `open_checkpoint`, which of them a name means (a quantized one dequantized).
 
 The safe opening and bounded reading of files, shared with `restore` and `export`,
 is `port._files`.

@@ -14,6 +14,7 @@ import os
 
 from ._checkpoint import Checkpoint
 from ._directory import open_local
+from ._quantized import dequantized
 from ._remote import open_remote
 from ._urls import is_url
 
@@ -32,7 +33,7 @@ def open_checkpoint(model: str | os.PathLike) -> Checkpoint:
       `s3://`, `gs://`: see `port._sources._remote`).
 
     A checkpoint whose config.json has a `quantization_config` (FP8, MXFP4, int4, ...) is
-    read as the unquantized checkpoint it stands for: see `port._quantized`.
+    read as the unquantized checkpoint it stands for: see `port._sources._quantized`.
 
     Returns a `Checkpoint`, a context manager: leaving it closes what the checkpoint holds
     open (a remote one's connections and request threads; a local one holds no file open
@@ -43,8 +44,6 @@ def open_checkpoint(model: str | os.PathLike) -> Checkpoint:
         ckpt.config["n_layer"], ckpt.tensors["wte.weight"].shape
     ```
     """
-    from .._quantized import dequantized  # here: it builds on this package
-
     if is_url(model) and not str(model).lower().startswith("file://"):
         return dequantized(open_remote(str(model)))
     return dequantized(open_local(model))

@@ -17,7 +17,7 @@ The checkpoint fuses each layer's experts into 3-D tensors (`experts.gate_up_pro
 `[experts, hidden, 2 * inter]`, gate and up interleaved column by column), which
 mappings/gpt_oss.toml cuts into this module's `GatedMLP` leaves. The Hub's openai/gpt-oss-*
 store them in MXFP4 (`*_blocks`, `*_scales`), which port reads as these same tensors
-(`port._quantized._mxfp4`).
+(`port._sources._quantized._mxfp4`).
 
 Example:
     ```python

@@ -31,9 +31,9 @@ from typing import Any, final
 
 import numpy as np
 
-from .._errors import CheckpointError
-from .._sources import Region, TensorInfo
-from .._text import quoted
+from ..._errors import CheckpointError
+from ..._text import quoted
+from .._checkpoint import Region, TensorInfo
 from ._format import Format
 from ._fp8 import FP4_VALUES, scale_values
 from ._source import FLOAT32, Blocks, QuantizedInfo, finite, shape_text

@@ -37,10 +37,10 @@ from typing import Any, final
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from .._errors import CheckpointError
-from .._sources import Region, TensorInfo
-from .._sources._safetensors import load_json
-from .._text import quoted
+from ..._errors import CheckpointError
+from ..._text import quoted
+from .._checkpoint import Region, TensorInfo
+from .._safetensors import load_json
 from ._format import Format
 from ._source import FLOAT32, Blocks, QuantizedInfo, finite, shape_text
 

@@ -23,10 +23,9 @@ from typing import Any, final
 
 import numpy as np
 
-from .._errors import CheckpointError
-from .._sources import Checkpoint, Region, TensorInfo
-from .._sources._checkpoint import check_buffer
-from .._text import quoted
+from ..._errors import CheckpointError
+from ..._text import quoted
+from .._checkpoint import Checkpoint, Region, TensorInfo, check_buffer
 from ._format import SMALL, out_dtype, settings_of
 from ._source import QuantizedInfo
 

@@ -26,9 +26,9 @@ from typing import Any, final
 import ml_dtypes
 import numpy as np
 
-from .._errors import CheckpointError
-from .._sources import Region, TensorInfo
-from .._text import quoted
+from ..._errors import CheckpointError
+from ..._text import quoted
+from .._checkpoint import Region, TensorInfo
 from ._format import Format
 from ._source import FLOAT32, Blocks, QuantizedInfo, blocks_of, finite, shape_text, spread
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from .._errors import CheckpointError
-from .._sources import Region, TensorInfo
-from .._text import quoted
+from ..._errors import CheckpointError
+from ..._text import quoted
+from .._checkpoint import Region, TensorInfo
 
 FLOAT32 = np.dtype(np.float32)
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)

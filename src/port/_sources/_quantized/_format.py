@@ -24,10 +24,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from .._dtypes import CASTS
-from .._errors import CheckpointError
-from .._sources import TensorInfo
-from .._text import quoted
+from ..._dtypes import CASTS
+from ..._errors import CheckpointError
+from ..._text import quoted
+from .._checkpoint import TensorInfo
 from ._source import BFLOAT16, QuantizedInfo
 
 SMALL = 64 * 2**10
@@ -72,7 +72,7 @@ class Format(abc.ABC):
 def out_dtype(config: Mapping[str, Any]) -> np.dtype:
     """The dtype dequantized parameters take: config.json's `dtype` (transformers 5) or
     `torch_dtype`, where it names one port casts to; bfloat16 otherwise."""
-    from .._dtypes import NAMES
+    from ..._dtypes import NAMES
 
     for name in ("dtype", "torch_dtype"):
         value = config.get(name)
