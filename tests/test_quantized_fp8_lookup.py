@@ -53,3 +53,39 @@ def test_scale_blocks_is_values_times_spread(block):
             with np.errstate(over="ignore", invalid="ignore"):
                 expected = values * spread(scale, region, block)
                 same_bits(scale_blocks(values.copy(), scale, region, block), expected)
+
+
+@pytest.mark.parametrize("dtype", FLOAT8)
+@pytest.mark.parametrize("block", [(128, 128), (64, 64), (1, 64, 128)])
+def test_dequantize_into_rounds_once_to_the_buffer_as_a_cast_of_dequantize(dtype, block):
+    """`Fp8Block.dequantize_into` (a table of each block's 256 values) equals `dequantize` (float32)
+    cast to the buffer's dtype, every byte included (NaN too), on regions aligned to the blocks
+    or not (tests/test_quantized_fp8.py compares `dequantize` with transformers')."""
+    from pathlib import Path
+
+    from port._sources._checkpoint import TensorInfo
+    from port._sources._quantized._fp8 import _source
+
+    rng = np.random.default_rng(block[-1])
+    shape = (*([3] if len(block) == 3 else []), 200, 300)
+    weight = rng.integers(0, 256, shape, dtype=np.uint8).view(dtype)
+    grid = tuple(-(-n // b) for n, b in zip(shape[-2:], block[-2:]))
+    scales = np.exp(rng.normal(-6, 2, (*shape[:-2], *grid))).astype(np.float32)
+    info = _source(
+        TensorInfo("w.weight", Path("m.safetensors"), weight.dtype, shape, 0),
+        TensorInfo("w.weight_scale_inv", Path("m.safetensors"), scales.dtype, scales.shape, 0),
+        block[-2:],
+        False,
+        np.dtype(ml_dtypes.bfloat16),
+        "m.safetensors",
+    )
+    lead = tuple((0, n) for n in shape[:-2])
+    for rows, cols in [((0, 200), (0, 300)), ((64, 128), (128, 256)), ((5, 199), (3, 297)), ((70, 71), (250, 251))]:
+        region = (*lead, rows, cols)
+        codes = weight[tuple(slice(a, b) for a, b in region)]
+        covering = scales[tuple(slice(a, b) for a, b in info.regions(region)[1][0])]
+        expected = info.dequantize(region, ((codes,), (covering,)))
+        for out_dtype, bits in ((np.float32, np.uint32), (ml_dtypes.bfloat16, np.uint16), (np.float16, np.uint16)):
+            out = np.empty(codes.shape, out_dtype)
+            info.dequantize_into(region, ((codes,), (covering,)), out)
+            np.testing.assert_array_equal(out.view(bits), expected.astype(out_dtype).view(bits))

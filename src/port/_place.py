@@ -137,13 +137,14 @@ def _bands(parts: list[Part]) -> list[list[Part]]:
     direct parts are cut (a staged part is finished whole once read)."""
     band_bytes = BAND_BYTES
     total = sum(math.prod(b - a for a, b in part.region) for part in parts) * parts[0].leaf.source_dtype.itemsize
-    if total <= band_bytes or not parts[0].region or any(part.source is None for part in parts):
+    rows = band_rows(parts[0].leaf)
+    if total <= band_bytes or not parts[0].region or any(part.source is None for part in parts) or rows is None:
         return [parts]
     lo, hi = min(part.region[0][0] for part in parts), max(part.region[0][1] for part in parts)
-    step = max(1, (hi - lo) * band_bytes // total)
+    step = -(-max(1, (hi - lo) * band_bytes // total) // rows) * rows
+    edges = sorted({lo, hi, *range(-(-lo // step) * step, hi, step)})  # inner edges: multiples of `rows`
     jobs = []
-    for start in range(lo, hi, step):
-        stop = min(hi, start + step)
+    for start, stop in zip(edges, edges[1:]):
         band = []
         for part in parts:
             (a, b), rest = part.region[0], part.region[1:]
@@ -154,6 +155,13 @@ def _bands(parts: list[Part]) -> list[list[Part]]:
                 band.append(Part(part.leaf, part.key, ((x, y), *rest), part.regions, part.target, source))
         jobs.append(band)
     return jobs
+
+
+def band_rows(leaf: LeafPlan) -> int | None:
+    """What the first row of a band of `leaf`'s source tensor must be a multiple of so that
+    bands read no byte twice: 1 for a plain tensor, a quantized source's `band_rows` (its scale
+    blocks' height), None for one that says none does (it is not cut)."""
+    return getattr(leaf.source, "band_rows", 1)
 
 
 def _units(leaves: tuple[LeafPlan, ...]) -> list[list[int]]:

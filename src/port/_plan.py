@@ -34,6 +34,7 @@ from ._errors import PlanError, PortError
 from ._mapping import LAYER, Mapping, Param
 from ._skeleton import leaves as skeleton_leaves
 from ._sources import Region, TensorInfo
+from ._sources._quantized import QuantizedInfo
 from ._text import quoted
 from ._transforms import Cast, Chain
 
@@ -53,7 +54,7 @@ class LeafPlan:
     chain: Chain
     shape: tuple[int, ...]
     dtype: np.dtype
-    source_dtype: np.dtype
+    source_dtype: np.dtype  # what a source region is read as (a quantized source: dequantized to the leaf's dtype)
     axes: tuple[str | None, ...]
     spec: PartitionSpec
     notes: tuple[str, ...]
@@ -610,6 +611,9 @@ def _leaf(
     out_dtype = current if explicit_cast else first.load_dtype  # a quantized source: the checkpoint's dtype
     if target_dtype is not None and not explicit_cast and floating(current):
         out_dtype = np.dtype(target_dtype)
+    read_dtype = first.dtype
+    if isinstance(first, QuantizedInfo) and not explicit_cast:
+        read_dtype = current = out_dtype  # dequantized straight to it, rounded once (not through a cast)
     if out_dtype != current:
         chain = Chain.build([*transforms, Cast(out_dtype)], first.shape)
     spec, notes = partition(shape, param.axes, rules, mesh_shape)
@@ -624,7 +628,7 @@ def _leaf(
         chain,
         shape,
         out_dtype,
-        first.dtype,
+        read_dtype,
         param.axes,
         spec,
         notes,

@@ -104,9 +104,10 @@ def region_shape(info: TensorInfo, region: Region) -> tuple[int, ...]:
     return tuple(b - a for a, b in region)
 
 
-def check_buffer(info: TensorInfo, region: Region, out: np.ndarray) -> None:
+def check_buffer(info: TensorInfo, region: Region, out: np.ndarray, dtypes: Collection[np.dtype] = ()) -> None:
     """A ValueError unless `out` can take `region` of tensor `info`: a writeable array of the
-    region's shape and the tensor's dtype, C-contiguous or a view of one (no negative stride).
+    region's shape and the tensor's dtype (or one of `dtypes`), C-contiguous or a view of one
+    (no negative stride).
 
     ```python
     check_buffer(info, ((0, 10), (0, 768)), np.empty((10, 768), np.float32))   # fine
@@ -115,7 +116,7 @@ def check_buffer(info: TensorInfo, region: Region, out: np.ndarray) -> None:
     shape = region_shape(info, region)
     if not (
         isinstance(out, np.ndarray)
-        and out.dtype == info.dtype
+        and (out.dtype == info.dtype or out.dtype in dtypes)
         and out.shape == shape
         and out.flags.writeable
         and all(stride >= 0 for stride in out.strides)
@@ -179,7 +180,9 @@ class Checkpoint(abc.ABC):
         """Read regions of tensor `key`, each into its buffer of the region's shape and the
         tensor's dtype (C-contiguous, or a view of one, such as a block's part of a larger
         array: see `check_buffer`), reading each region's bytes and nothing else, counted in
-        `bytes_read`. A file changed or cut short meanwhile is a CheckpointError.
+        `bytes_read`. A file changed or cut short meanwhile is a CheckpointError. (A quantized
+        tensor's buffer may also be of a narrower floating dtype: dequantized, it is rounded
+        once to it; see `port._sources._quantized`.)
 
         ```python
         ckpt.read_into("wte.weight", [(((0, 10), (0, 384)), left), (((0, 10), (384, 768)), right)])

@@ -27,7 +27,10 @@ from ..._errors import CheckpointError
 from ..._text import quoted
 from .._checkpoint import Checkpoint, Region, TensorInfo, check_buffer
 from ._format import SMALL, out_dtype, settings_of
-from ._source import QuantizedInfo
+from ._source import READ_AS, Blocks, QuantizedInfo
+
+BATCH_BYTES = 256 * 2**20
+"""Packed bytes (and scales) read together for the requests of one `read_into`, at most about this."""
 
 
 @final
@@ -74,21 +77,41 @@ class DequantizedCheckpoint(Checkpoint):
 
     def read_into(self, key: str, requests: Sequence[tuple[Region, np.ndarray]]) -> None:
         """Read regions of tensor `key` (see `Checkpoint.read_into`); a quantized one's from
-        the parts' regions that cover each, dequantized into its buffer."""
+        the parts' regions that cover each, dequantized into its buffer (float32, or rounded
+        once to the buffer's bfloat16 or float16)."""
         info = self.tensors[key]
         if not isinstance(info, QuantizedInfo):
             self.inner.read_into(key, requests)
             return
         for region, out in requests:
-            check_buffer(info, region, out)
+            check_buffer(info, region, out, READ_AS)
+        batch: list[tuple[Region, np.ndarray, Blocks]] = []
+        size = 0
         for region, out in requests:
-            blocks = []
-            for part, wanted in zip(info.parts, info.regions(region)):
-                buffers = tuple(np.empty(tuple(b - a for a, b in r), part.dtype) for r in wanted)
-                if buffers:
-                    self.inner.read_into(part.key, list(zip(wanted, buffers)))
-                blocks.append(buffers)
-            out[...] = info.dequantize(region, tuple(blocks))
+            blocks = tuple(
+                tuple(np.empty(tuple(b - a for a, b in r), part.dtype) for r in wanted)
+                for part, wanted in zip(info.parts, info.regions(region))
+            )
+            batch.append((region, out, blocks))
+            size += sum(buffer.nbytes for buffers in blocks for buffer in buffers)
+            if size >= BATCH_BYTES:
+                self._dequantize(info, batch)
+                batch, size = [], 0
+        if batch:
+            self._dequantize(info, batch)
+
+    def _dequantize(self, info: QuantizedInfo, batch: list[tuple[Region, np.ndarray, Blocks]]) -> None:
+        """Read the parts' regions of every request in `batch` with one call per part (so runs
+        that lie end to end in a file, the rows of neighbouring column blocks, share a read),
+        then dequantize each request into its buffer."""
+        for i, part in enumerate(info.parts):
+            wanted = [
+                (r, buffer) for region, _, blocks in batch for r, buffer in zip(info.regions(region)[i], blocks[i])
+            ]
+            if wanted:
+                self.inner.read_into(part.key, wanted)
+        for region, out, blocks in batch:
+            info.dequantize_into(region, blocks, out)
 
     def close(self) -> None:
         self.inner.close()

@@ -29,6 +29,8 @@ from .._checkpoint import Region, TensorInfo
 
 FLOAT32 = np.dtype(np.float32)
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+READ_AS = (FLOAT32, BFLOAT16, np.dtype(np.float16))
+"""The dtypes a quantized tensor's region may be read into (`dequantize_into`)."""
 
 Blocks = tuple[tuple[np.ndarray, ...], ...]
 """What was read for one region: per part (in `parts` order), one array per region it asked for."""
@@ -52,6 +54,12 @@ class QuantizedInfo(TensorInfo, abc.ABC):
         return self.out_dtype
 
     @property
+    def band_rows(self) -> int | None:
+        """What the first row of a band of this tensor must be a multiple of for bands (the
+        jobs a large tensor is read in) to read no companion byte twice; None: never cut it."""
+        return None
+
+    @property
     def packed(self) -> TensorInfo:
         """The part that holds the quantized values."""
         return self.parts[0]
@@ -63,6 +71,12 @@ class QuantizedInfo(TensorInfo, abc.ABC):
     @abc.abstractmethod
     def dequantize(self, region: Region, blocks: Blocks) -> np.ndarray:
         """`region` of the dequantized tensor (float32) from the parts' `blocks` read for it."""
+
+    def dequantize_into(self, region: Region, blocks: Blocks, out: np.ndarray) -> None:
+        """`region` of the dequantized tensor into `out`, rounded once to its dtype (float32,
+        bfloat16 or float16): `out[...] = dequantize(region, blocks)`, unless a format has a
+        faster way to the same values."""
+        out[...] = self.dequantize(region, blocks)
 
     @abc.abstractmethod
     def describe(self) -> str:
