@@ -196,6 +196,17 @@ def converted(model, directory: Path, mesh="1x1", **load):
     return port.load(directory, mesh=mesh, **load)
 
 
+def assert_same(model, expected) -> None:
+    """Every array leaf of `model` equal to `expected`'s bit for bit, in the same dtype and sharding."""
+    import jax
+
+    ours, theirs = (jax.tree.leaves(eqx.filter(m, eqx.is_array)) for m in (model, expected))
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        assert a.sharding == b.sharding and a.dtype == b.dtype and a.shape == b.shape
+        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
 def write_checkpoint(directory: Path, tensors: dict, config: dict) -> Path:
     """A safetensors checkpoint of NumPy arrays, for hand-made (and broken) inputs."""
     from safetensors.numpy import save_file

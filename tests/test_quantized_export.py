@@ -26,6 +26,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from test_quantized_fp8 import QWEN3 as FP8_QWEN3
 
 import port
 from port._errors import CheckpointError, PortError
@@ -38,20 +39,9 @@ BLOCK = 16
 IDS = np.random.default_rng(3).integers(3, VOCAB, (2, 12))
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
 
-QWEN3 = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,  # every projection divides into 16x16 blocks: transformers 5.24's FP8 load needs that
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=64,
-    initializer_range=0.2,
-    bos_token_id=0,
-    eos_token_id=0,
-    tie_word_embeddings=False,
-)
+QWEN3 = FP8_QWEN3 | {
+    "tie_word_embeddings": False
+}  # every projection divides into 16x16 blocks: transformers 5.24's FP8 load needs that
 SETTINGS = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
 
 

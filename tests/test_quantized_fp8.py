@@ -22,8 +22,6 @@ import shutil
 import sys
 from pathlib import Path
 
-import equinox as eqx
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -32,7 +30,7 @@ from safetensors.numpy import load_file, save_file
 import port
 from port._errors import CheckpointError
 
-from helpers import VOCAB, logits, one_line, run_port, saved_once, transformers_or_skip
+from helpers import VOCAB, assert_same, logits, one_line, run_port, saved_once, transformers_or_skip
 
 FP8 = ml_dtypes.float8_e4m3fn
 BLOCK = 16
@@ -161,18 +159,6 @@ def load_tensors(path: Path) -> dict[str, np.ndarray]:
         k: v.view(torch.uint8).numpy().view(kinds[v.dtype]) if v.dtype in kinds else v.numpy()
         for k, v in load_torch(path).items()
     }
-
-
-def arrays(model) -> list:
-    return jax.tree.leaves(eqx.filter(model, eqx.is_array))
-
-
-def assert_same(model, expected) -> None:
-    ours, theirs = arrays(model), arrays(expected)
-    assert len(ours) == len(theirs)
-    for a, b in zip(ours, theirs):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
 # ------------------------------------------------------------------ the format, region by region

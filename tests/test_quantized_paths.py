@@ -13,14 +13,11 @@ import json
 import sys
 from pathlib import Path
 
-import equinox as eqx
-import jax
-import numpy as np
 import pytest
 
 import port
 
-from helpers import run_port
+from helpers import assert_same, run_port
 
 KINDS = ["mxfp4", "gptq", "awq", "int4", "nvfp4", "nf4"]
 
@@ -60,15 +57,6 @@ def checkpoints(tmp_path_factory):
         return made[kind]
 
     return get
-
-
-def assert_same(model, expected) -> None:
-    """Every leaf equal bit for bit, under the same sharding."""
-    ours, theirs = (jax.tree.leaves(eqx.filter(m, eqx.is_array)) for m in (model, expected))
-    assert len(ours) == len(theirs)
-    for a, b in zip(ours, theirs):
-        assert a.sharding == b.sharding and a.dtype == b.dtype
-        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
 @pytest.mark.slow

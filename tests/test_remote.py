@@ -18,15 +18,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-import equinox as eqx
-import jax
 import numpy as np
 import pytest
 
 import port
 from port._sources import _fsspec, _http, _hub, _ranges, _remote, _transport, _urls
 
-from helpers import run_port
+from helpers import assert_same, run_port
 from test_multiprocess import expected_reads, free_port, run_processes
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "tiny-gpt2"
@@ -268,19 +266,6 @@ def served(server, monkeypatch):
 
 def files_size(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
-
-
-def arrays(model) -> list:
-    return jax.tree.leaves(eqx.filter(model, eqx.is_array))
-
-
-def assert_same(model, expected) -> None:
-    """Every leaf equal bit for bit, under the same sharding."""
-    ours, theirs = arrays(model), arrays(expected)
-    assert len(ours) == len(theirs)
-    for a, b in zip(ours, theirs):
-        assert a.sharding == b.sharding and a.dtype == b.dtype
-        assert np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
 # ---------------------------------------------------------------------------- HTTP
