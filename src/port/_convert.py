@@ -49,6 +49,7 @@ from ._runtime import agree, as_mesh
 from ._skeleton import leaves
 from ._skeleton import skeleton as make_skeleton
 from ._sources import Checkpoint, open_checkpoint
+from ._sources._quantized import describe
 
 
 @dataclass(frozen=True)
@@ -120,8 +121,8 @@ def stored_as(recipe: Plan) -> dict[str, str]:
     stored_as(recipe)     # {"blocks.mlp.down": "fp8 e4m3fn, 128x128 blocks, scales weight_scale_inv float32"}
     ```
     """
-    described = {leaf.path: getattr(leaf.source, "describe", None) for leaf in recipe.leaves}
-    return {path: describe() for path, describe in described.items() if describe is not None}
+    described = {leaf.path: describe(leaf.source) for leaf in recipe.leaves}
+    return {path: text for path, text in described.items() if text is not None}
 
 
 def fingerprint(checkpoint: Checkpoint) -> str:

@@ -161,7 +161,7 @@ def band_rows(leaf: LeafPlan) -> int | None:
     """What the first row of a band of `leaf`'s source tensor must be a multiple of so that
     bands read no byte twice: 1 for a plain tensor, a quantized source's `band_rows` (its scale
     blocks' height), None for one that says none does (it is not cut)."""
-    return getattr(leaf.source, "band_rows", 1)
+    return 1 if leaf.source is None else leaf.source.band_rows
 
 
 def _units(leaves: tuple[LeafPlan, ...]) -> list[list[int]]:

@@ -34,7 +34,7 @@ from ._errors import PlanError, PortError
 from ._mapping import LAYER, Mapping, Param
 from ._skeleton import leaves as skeleton_leaves
 from ._sources import Region, TensorInfo
-from ._sources._quantized import QuantizedInfo
+from ._sources._quantized import QuantizedInfo, describe
 from ._text import quoted
 from ._transforms import Cast, Chain
 
@@ -617,9 +617,9 @@ def _leaf(
     if out_dtype != current:
         chain = Chain.build([*transforms, Cast(out_dtype)], first.shape)
     spec, notes = partition(shape, param.axes, rules, mesh_shape)
-    stored = getattr(first, "describe", None)
-    if stored is not None:  # a quantized source
-        notes = (f"quantized: {stored()}", *notes)
+    stored = describe(first)
+    if stored is not None:
+        notes = (f"quantized: {stored}", *notes)
     leaf = LeafPlan(
         param.path,
         param.key,

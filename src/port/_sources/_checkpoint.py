@@ -69,6 +69,13 @@ class TensorInfo:
         (a quantized source's is the checkpoint's `torch_dtype`, not float32)."""
         return self.dtype
 
+    @property
+    def band_rows(self) -> int | None:
+        """What the first row of a band of this tensor (the jobs a large tensor is read in) must
+        be a multiple of for bands to read no byte twice: any row (1) for a plain tensor; a
+        quantized source says (None: never cut it)."""
+        return 1
+
     def region_nbytes(self, region: Region) -> int:
         """The bytes reading `region` of this tensor reads (a quantized source's: its packed
         bytes and the scale blocks that cover them)."""

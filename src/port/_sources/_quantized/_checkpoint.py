@@ -29,6 +29,9 @@ from .._checkpoint import Checkpoint, Region, TensorInfo, check_buffer
 from ._format import SMALL, out_dtype, settings_of
 from ._source import READ_AS, Blocks, QuantizedInfo
 
+_Request = tuple[Region, np.ndarray, tuple[tuple[Region, ...], ...], Blocks]
+"""One request of a `read_into` batch: its region, its buffer, the parts' regions it reads, their buffers."""
+
 BATCH_BYTES = 256 * 2**20
 """Packed bytes (and scales) read together for the requests of one `read_into`, at most about this."""
 
@@ -85,14 +88,15 @@ class DequantizedCheckpoint(Checkpoint):
             return
         for region, out in requests:
             check_buffer(info, region, out, READ_AS)
-        batch: list[tuple[Region, np.ndarray, Blocks]] = []
+        batch: list[_Request] = []
         size = 0
         for region, out in requests:
+            wanted = info.regions(region)
             blocks = tuple(
-                tuple(np.empty(tuple(b - a for a, b in r), part.dtype) for r in wanted)
-                for part, wanted in zip(info.parts, info.regions(region))
+                tuple(np.empty(tuple(b - a for a, b in r), part.dtype) for r in regions)
+                for part, regions in zip(info.parts, wanted)
             )
-            batch.append((region, out, blocks))
+            batch.append((region, out, wanted, blocks))
             size += sum(buffer.nbytes for buffers in blocks for buffer in buffers)
             if size >= BATCH_BYTES:
                 self._dequantize(info, batch)
@@ -100,17 +104,15 @@ class DequantizedCheckpoint(Checkpoint):
         if batch:
             self._dequantize(info, batch)
 
-    def _dequantize(self, info: QuantizedInfo, batch: list[tuple[Region, np.ndarray, Blocks]]) -> None:
+    def _dequantize(self, info: QuantizedInfo, batch: list[_Request]) -> None:
         """Read the parts' regions of every request in `batch` with one call per part (so runs
         that lie end to end in a file, the rows of neighbouring column blocks, share a read),
         then dequantize each request into its buffer."""
         for i, part in enumerate(info.parts):
-            wanted = [
-                (r, buffer) for region, _, blocks in batch for r, buffer in zip(info.regions(region)[i], blocks[i])
-            ]
-            if wanted:
-                self.inner.read_into(part.key, wanted)
-        for region, out, blocks in batch:
+            reads = [(r, buffer) for _, _, wanted, blocks in batch for r, buffer in zip(wanted[i], blocks[i])]
+            if reads:
+                self.inner.read_into(part.key, reads)
+        for region, out, _, blocks in batch:
             info.dequantize_into(region, blocks, out)
 
     def close(self) -> None:

@@ -55,9 +55,7 @@ class QuantizedInfo(TensorInfo, abc.ABC):
 
     @property
     def band_rows(self) -> int | None:
-        """What the first row of a band of this tensor must be a multiple of for bands (the
-        jobs a large tensor is read in) to read no companion byte twice; None: never cut it."""
-        return None
+        return None  # a format that knows which rows keep its companions unshared says so
 
     @property
     def packed(self) -> TensorInfo:
