@@ -44,12 +44,13 @@ from ._memory import PeakMemory, check_host_memory
 from ._meshes import mesh_spec
 from ._output import Saving, check_out, port_version
 from ._place import place
-from ._plan import LeafPlan, Plan, partition, plan
+from ._plan import LAYER_COUNTS, LeafPlan, Plan, partition, plan
 from ._runtime import agree, as_mesh
-from ._skeleton import leaves
+from ._skeleton import own_state
 from ._skeleton import skeleton as make_skeleton
 from ._sources import Checkpoint, open_checkpoint
 from ._sources._quantized import describe
+from ._targets import leaves
 
 
 @dataclass(frozen=True)
@@ -185,7 +186,8 @@ def convert(
         try:
             mapping = mapping_for(ckpt.config, mapping)
             config = with_layers(ckpt.config, layers)
-            if skeleton is None:
+            built = skeleton is None
+            if built:
                 skeleton = make_skeleton(mapping, config)
             if out is not None:
                 out = check_out(out, force, inputs=(ckpt.directory,))
@@ -203,6 +205,7 @@ def convert(
                 strict=strict,
             )
             kept = kept_values(skeleton, recipe)
+            own = {} if built else own_values(skeleton, recipe)
             check_host_memory(recipe.device_bytes, mesh, f"mesh={mesh_spec(dict(mesh.shape))}")
             if out is not None:
                 check_free(out, recipe.nbytes)
@@ -246,7 +249,10 @@ def convert(
                     saving.add(path, array)
             arrays |= extra
             count += len(extra)  # kept values are written too
-            model = fill(skeleton, arrays | dict.fromkeys(recipe.excluded))
+            replicated = NamedSharding(mesh, PartitionSpec())
+            state = own_state(mapping, config, list(recipe.own), replicated) if built and recipe.own else {}
+            state |= place_kept(own, mapping, mesh)
+            model = fill(skeleton, arrays | state | dict.fromkeys(recipe.excluded))
             jax.block_until_ready(arrays)
             writing = time.perf_counter()
             if saving is not None:
@@ -286,10 +292,6 @@ def convert(
     return Conversion(model, recipe, report)
 
 
-LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-"""The config.json keys Hugging Face configs keep their layer count in."""
-
-
 def with_layers(config: AnyMapping[str, Any], layers: range | None) -> dict[str, Any]:
     """`config` for a model of only `layers` (a contiguous range of the checkpoint's layers):
     its layer count set to their number, and per-layer lists (`layer_types`) cut to them.
@@ -323,6 +325,20 @@ def kept_values(model: Any, recipe: Plan) -> dict[str, Any]:
                 "pass a concrete module (not a skeleton) with strict=False"
             )
     return kept
+
+
+def own_values(model: Any, recipe: Plan) -> dict[str, Any]:
+    """The values of the module's own state a plan does not fill (an NNX module's RNG key and count),
+    from a module given as the skeleton: it must hold them (`nnx.eval_shape` leaves them shapes only)."""
+    by_path = leaves(model)
+    for path in recipe.own:
+        if isinstance(by_path[path], jax.ShapeDtypeStruct):
+            raise PortError(
+                f"leaf '{path}' is the module's own state, which the checkpoint does not fill, and the skeleton "
+                "has no value for it: name the module's class or factory in the mapping (model = ...) and let "
+                "port build it, or pass a module whose non-parameter variables hold values"
+            )
+    return {path: by_path[path] for path in recipe.own}
 
 
 def place_kept(

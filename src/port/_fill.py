@@ -1,4 +1,4 @@
-"""Fill: put the placed arrays into the skeleton with one `eqx.tree_at`.
+"""Fill: put the placed arrays into the skeleton, whatever framework wrote it.
 
 ```python
 model = fill(skel, arrays)    # every ShapeDtypeStruct replaced by its jax.Array
@@ -10,32 +10,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import equinox as eqx
 import jax
 
-from ._skeleton import leaves
+from ._targets import target_of
 
 
 def fill(skeleton: Any, arrays: Mapping[str, jax.Array | None]) -> Any:
-    """The module `skeleton` with the leaves at the paths of `arrays` replaced, in one `eqx.tree_at` call.
+    """The module `skeleton` with the leaves at the paths of `arrays` replaced, in one pass.
 
     **Arguments:**
 
-    - `skeleton`: the module to fill, usually the `eqx.filter_eval_shape` skeleton from
-      `port.skeleton` (a concrete module works too).
-    - `arrays`: dotted module paths (`"blocks.attn.wq"`) to arrays, as `place` returns them;
-      None for a leaf left out (a partial load's excluded leaves are None in the model).
+    - `skeleton`: the module to fill, usually the skeleton from `port.skeleton` (an Equinox
+      module, a Flax NNX module or a pytree of `ShapeDtypeStruct`s; a concrete one works too).
+    - `arrays`: dotted paths (`"blocks.attn.wq"`, an NNX state path `"layers.3.attn.wq.kernel"`,
+      a dict's `"params.wte"`) to arrays, as `place` returns them; None for a leaf left out
+      (a partial load's excluded leaves are None in the model).
 
-    Returns a new module; `skeleton` is unchanged.
+    Returns a new module; `skeleton` is unchanged (an Equinox module or pytree is rebuilt
+    from its leaves, an NNX module merged from its graph and the filled state).
 
     ```python
     model = port.fill(skel, port.place(recipe, ckpt, mesh))
     ```
     """
-    paths = list(arrays)
-
-    def where(module: Any) -> list[Any]:
-        by_path = leaves(module)
-        return [by_path[p] for p in paths]
-
-    return eqx.tree_at(where, skeleton, [arrays[p] for p in paths])
+    return target_of(skeleton).fill(skeleton, arrays)

@@ -23,6 +23,13 @@ transforms = [{ split = { axis = 1, parts = 3, index = 0 } },
 axes = ["layers", "heads", "head_dim", "embed"]
 
 [[params]]
+key = "h.{layer}.ln_1.weight"             # {layer} in the path too: one leaf per layer, for a module
+path = "layers.{layer}.norm.scale"        # that keeps its layers in a list (nnx.List, a tuple)
+                                          # ("/" separates names as "." does: "blocks_{layer}/ln/scale")
+axes = "module"                           # the sharding names the module annotates the leaf with
+                                          # (an NNX variable's nnx.with_partitioning names)
+
+[[params]]
 key = "lm_head.weight"
 path = "lm_head"
 optional = "model"   # the module built from config.json may have None there (a tied head);
@@ -39,11 +46,14 @@ mapping = mapping_for({"model_type": "gpt2"})   # the shipped one
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.resources
+import inspect
 import os
 import re
 import stat
+import sys
 import tomllib
 from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
@@ -61,6 +71,8 @@ EXPERT = "{expert}"
 STACKS = (LAYER, EXPERT)
 """The placeholders that stack keys on leading axes of a leaf, outermost first: `layers.{layer}.experts.{expert}.w1`
 fills a leaf [layers, experts, ...]."""
+MODULE_AXES = "module"
+"""An entry's `axes` when they are the module's own annotations (an NNX variable's sharding names)."""
 _INDEX = r"(0|[1-9][0-9]{0,8})"
 _TOP = {"model", "model_types", "prefixes", "ignore", "tied", "aliases", "reference", "rules", "params"}
 _PARAM = {"key", "path", "axes", "transforms", "optional"}
@@ -79,7 +91,7 @@ class Param:
 
     key: str
     path: str
-    axes: tuple[str | None, ...]
+    axes: tuple[str | None, ...] | None  # None: the module's own annotations (an NNX variable's sharding names)
     transforms: tuple[Transform, ...]
     optional: str = ""  # "", "model", "checkpoint" or "either": who may lack it
 
@@ -101,6 +113,34 @@ class Param:
     @property
     def stacked(self) -> bool:
         return bool(self.stack)
+
+    @property
+    def path_stack(self) -> tuple[str, ...]:
+        """The placeholders in the path, outermost first: the leaves are one per layer (and expert)
+        of them, and stack only the key's others (`()` for a path that names one leaf)."""
+        return tuple(name for name in STACKS if name in self.path)
+
+    def path_pattern(self) -> re.Pattern:
+        """Matches the concrete paths of a path with placeholders (`layers.{layer}.wq` -> `layers.3.wq`);
+        its groups are the list indices of `path_stack`, in order."""
+        text = re.escape(self.path)
+        for name in self.path_stack:
+            text = text.replace(re.escape(name), f"(?P<{name[1:-1]}>{_INDEX})")
+        return re.compile(text + r"\Z")
+
+    def at(self, index: tuple[int, ...], rows: tuple[int, ...]) -> Param:
+        """The entry for one leaf of a path with placeholders: the path's placeholders set to the
+        list indices `rows`, the key's to the checkpoint indices `index` (a layer group's rows hold
+        other layers than their position says); the key's other placeholders stay, stacked.
+
+        ```python
+        param.at((5,), (2,))    # key "h.5.attn.w", path "blocks.2.attn.w", for a group of layers 3..
+        ```
+        """
+        key, path = self.key, self.path
+        for name, i, row in zip(self.path_stack, index, rows):
+            key, path = key.replace(name, str(i)), path.replace(name, str(row))
+        return dataclasses.replace(self, key=key, path=path)
 
     def pattern(self) -> re.Pattern:
         """Matches the stripped source keys of this entry; its groups are the indices of `stack`, in order.
@@ -169,6 +209,31 @@ class Mapping:
                 return name[: -len(legacy)] + modern
         return name
 
+    def entry(self, path: str) -> Param | None:
+        """The entry that fills the leaf at `path`: the one naming it, or the one whose path with
+        placeholders matches it (`layers.{layer}.wq` fills `layers.3.wq`); None if none does."""
+        for param in self.params:
+            if param.path == path or (param.path_stack and param.path_pattern().match(path)):
+                return param
+        return None
+
+    def model_object(self) -> Any:
+        """Import what `model` names: a model class (`from_config(config, *, key)`), a Flax NNX module
+        class, or a factory (a function taking the config.json dict and returning the module);
+        a `MappingError` naming the file for anything else (as `model_class` words it).
+
+        ```python
+        mapping.model_object()     # <class 'port.models.gpt2.GPT2'>, or the function mypkg.llama:build
+        ```
+        """
+        found = import_object(self.model, f"{self.source}: model", MappingError)
+        if inspect.isfunction(found):
+            return found
+        nnx = sys.modules.get("flax.nnx")
+        if nnx is not None and isinstance(found, type) and issubclass(found, nnx.Module):
+            return found
+        return self.model_class()
+
     def model_class(self) -> type:
         """Import the `module:Class` named by `model`: a class, or a `MappingError` naming the file."""
         found = import_object(self.model, f"{self.source}: model", MappingError)
@@ -217,6 +282,8 @@ def import_object(spec: str, what: str, error: type[PortError] = PortError) -> A
                 f"`--module {spec}` on the command line, or its directory on sys.path in Python"
             )
         )
+        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "flax":
+            hint = "; it needs Flax: install port's flax extra (pip install 'port[flax]')"
         raise error(f"{what} {quoted(spec, 200)} cannot be imported ({one_line(str(e), 300)}){hint}") from None
     return found
 
@@ -334,8 +401,24 @@ def _param(entry: Any, i: int, fail) -> Param:
         if entry["key"].count(name) > 1:
             raise fail(f"{where}: '{name}' appears more than once in the key")
     axes = entry.get("axes")
-    if not isinstance(axes, list) or not all(isinstance(a, str) for a in axes):
-        raise fail(f"{where}: 'axes' must be a list of logical axis names, one per target dimension")
+    if axes != MODULE_AXES and (not isinstance(axes, list) or not all(isinstance(a, str) for a in axes)):
+        raise fail(
+            f"{where}: 'axes' must be a list of logical axis names, one per target dimension "
+            f'(or "{MODULE_AXES}": the sharding names the module annotates the leaf with)'
+        )
+    path = entry["path"].replace("/", ".")
+    for name in STACKS:
+        if path.count(name) > 1:
+            raise fail(f"{where}: '{name}' appears more than once in the path")
+        if name in path and name not in entry["key"]:
+            raise fail(f"{where}: the path has '{name}' but the key does not")
+    in_path = [name for name in STACKS if name in path]
+    in_key = [name for name in STACKS if name in entry["key"]]
+    if in_path != in_key[: len(in_path)]:
+        raise fail(
+            f"{where}: the path's placeholders must be the key's outermost ones ({', '.join(in_key)}): "
+            "a leaf per layer may stack experts, not the other way round"
+        )
     optional = entry.get("optional", False)
     if optional not in (True, False, "model", "checkpoint"):
         raise fail(f'{where}: \'optional\' must be "model", "checkpoint", true (either) or false')
@@ -352,8 +435,8 @@ def _param(entry: Any, i: int, fail) -> Param:
             raise fail(f"{where}: {e}") from None
     return Param(
         entry["key"],
-        entry["path"],
-        tuple(a or None for a in axes),
+        path,
+        None if axes == MODULE_AXES else tuple(a or None for a in axes),
         tuple(transforms),
         optional,
     )

@@ -32,9 +32,9 @@ from ._dtypes import dtype as dtype_named
 from ._dtypes import floating
 from ._errors import PlanError, PortError
 from ._mapping import LAYER, Mapping, Param
-from ._skeleton import leaves as skeleton_leaves
 from ._sources import Region, TensorInfo
 from ._sources._quantized import QuantizedInfo, describe
+from ._targets import target_of
 from ._text import quoted
 from ._transforms import Cast, Chain
 
@@ -118,6 +118,7 @@ class Plan:
     empty: tuple[str, ...] = ()  # optional leaves the checkpoint lacks: set to None
     excluded: tuple[str, ...] = ()  # leaves `include` leaves out: set to None
     kept: tuple[str, ...] = ()  # leaves a non-strict plan does not fill: they keep the model's values
+    own: tuple[str, ...] = ()  # the module's own state the mapping does not fill (an NNX Rngs' key): not read
     unused: tuple[str, ...] = ()  # checkpoint keys a non-strict plan leaves unread
     # The keys ignored by each mapping ignore pattern that names config values, as
     # (pattern, with the values put in, keys): `layers.{num_hidden_layers}.*` ->
@@ -193,12 +194,15 @@ def partition(
     rules: AnyMapping[str, tuple[str, ...]],
     mesh_shape: AnyMapping[str, int],
 ) -> tuple[PartitionSpec, tuple[str, ...]]:
-    """The PartitionSpec for logical `axes`, replicating what a mesh axis does not divide."""
+    """The PartitionSpec for logical `axes`, replicating what a mesh axis does not divide.
+
+    A logical axis with no rule that is the name of a mesh axis (an NNX module annotated
+    with mesh axes, `(None, "model")`) is placed on that mesh axis."""
     used: set[str] = set()
     spec, notes = [], []
     for dim, axis in zip(shape, axes):
         chosen: list[str] = []
-        for name in rules.get(axis, ()) if axis else ():
+        for name in rules.get(axis, (axis,) if axis in mesh_shape else ()) if axis else ():
             size = mesh_shape.get(name)
             if size is None:  # reported by plan
                 continue
@@ -318,15 +322,25 @@ def plan_problems(
     name_of = {key: name for name, key in stripped.items()}
     names = config_names(skeleton, config)
     ignore = ignore_patterns(mapping, names, problems)
-    every = {p: leaf for p, leaf in skeleton_leaves(skeleton).items() if hasattr(leaf, "shape")}
+    target = target_of(skeleton)
+    every = {p: leaf for p, leaf in target.leaves(skeleton).items() if hasattr(leaf, "shape")}
+    own = target.own(skeleton)
+    annotated = target.axes(skeleton)
     check_include(every, include, mapping.model)
     targets = {p: leaf for p, leaf in every.items() if selects(p, include)}
-    excluded = tuple(p for p in every if p not in targets)
     claimed: set[str] = set()  # keys of every entry whose leaf exists, planned or not
     groups_union = {i for ids in layer_groups(skeleton).values() for i in ids}
     beyond: dict[str, int] = {}  # keys of layers no group holds -> their layer
     leaf_plans, empty, kept = [], [], []
+    params: list[Param] = []
     for param in mapping.params:
+        if param.path_stack:  # one leaf per layer (expert): an entry for each
+            params.extend(
+                _per_leaf(param, every, stripped, skeleton, names, layers, mapping, claimed, beyond, problems)
+            )
+        else:
+            params.append(param)
+    for param in params:
         where = f"{mapping.source}: entry '{param.key}'"
         if param.path in every and param.path not in targets:  # left out by `include`: its keys are not read
             pattern = param.pattern()
@@ -369,20 +383,44 @@ def plan_problems(
         if not matches and not strict:  # the checkpoint lacks it: the model's own value stays
             kept.append(param.path)
             continue
-        target = targets[param.path]
+        if param.axes is None:
+            if param.path not in annotated:
+                problems.append(
+                    f'{where}: axes = "module", but {mapping.model} annotates no sharding names for '
+                    f"'{param.path}' (name its logical axes, one per dimension)"
+                )
+                continue
+            param = dataclasses.replace(
+                param, axes=tuple(a if isinstance(a, str) else None for a in annotated[param.path])
+            )
         leaf = _leaf(
-            param, where, matches, tensors, target, names, mapping.rules, mesh_shape, target_dtype, problems, group
+            param,
+            where,
+            matches,
+            tensors,
+            targets[param.path],
+            names,
+            mapping.rules,
+            mesh_shape,
+            target_dtype,
+            problems,
+            group,
         )
         if leaf is not None:
             leaf_plans.append(leaf)
     beyond_ignored = [k for k in beyond if any(fnmatch.fnmatchcase(name_of[k], p) for p in ignore.values())]
+    layer_count = len(groups_union) or _layer_count(names) or 0
     for layer, key in sorted((layer, key) for key, layer in beyond.items() if key not in set(beyond_ignored))[:1]:
         problems.append(
             f"{tensors[key].file.name}: tensor {quoted(key, 200)} is of layer {layer}, beyond the model's "
-            f"{len(groups_union)} layers"
+            f"{layer_count} layers"
         )
-    filled = {p.path for p in mapping.params}
+    filled = {p.path for p in params}
+    own_state = tuple(p for p in own if p not in filled)
+    excluded = tuple(p for p in every if p not in targets and p not in own_state)
     for path in targets:
+        if path in own and path not in filled:  # the module's own state (an NNX Rngs' key): its own value
+            continue
         if path not in filled:
             if strict:
                 problems.append(f"{mapping.source}: leaf '{path}' of {mapping.model} has no mapping entry")
@@ -413,11 +451,92 @@ def plan_problems(
         tuple(empty),
         excluded,
         tuple(kept),
+        own_state,
         tuple(unused),
         tuple(
             (p, r, tuple(k for k in ignored if fnmatch.fnmatchcase(name_of[k], r))) for p, r in ignore.items() if p != r
         ),
     )
+
+
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+"""The config.json keys Hugging Face configs keep their layer count in."""
+
+
+def _layer_count(names: AnyMapping[str, Any]) -> int | None:
+    """The config's layer count, if it gives one."""
+    return next((names[k] for k in LAYER_COUNTS if type(names.get(k)) is int), None)
+
+
+def _per_leaf(
+    param: Param,
+    every: AnyMapping[str, Any],
+    stripped: AnyMapping[str, str],
+    skeleton: Any,
+    names: AnyMapping[str, Any],
+    layers: range | None,
+    mapping: Mapping,
+    claimed: set[str],
+    beyond: dict[str, int],
+    problems: list[str],
+) -> list[Param]:
+    """The entries of a path with placeholders (`layers.{layer}.attn.wq`), one per leaf the module
+    has there: its list index is the layer's position in the module (in its layer group, or in
+    `layers`), the key names that checkpoint layer. A list whose length is not the config's layer
+    count (its group's), or that skips an index, is a problem; so is a checkpoint layer it lacks.
+
+    ```python
+    _per_leaf(param, ...)    # [Param("h.0.attn.w", "layers.0.attn.w", ...), Param("h.1.attn.w", ...), ...]
+    ```
+    """
+    where = f"{mapping.source}: entry '{param.key}'"
+    pattern = param.path_pattern()
+    rows = sorted(
+        tuple(int(m.group(name[1:-1])) for name in param.path_stack) for path in every if (m := pattern.match(path))
+    )
+    if not rows:
+        if not param.leaf_optional:
+            problems.append(f"{where}: path '{param.path}' matches no leaf of {mapping.model}")
+        return []
+    layered = param.path_stack[0] == LAYER
+    group = None
+    if layered:
+        prefix = param.path.split("." + LAYER, 1)[0].removesuffix(LAYER).rstrip("._")
+        group = next(
+            (ids for p, ids in layer_groups(skeleton).items() if prefix == p or prefix.startswith(p + ".")), None
+        )
+    for i, name in enumerate(param.path_stack):
+        seen = sorted({r[i] for r in rows})
+        if seen != list(range(len(seen))):
+            missing = next(j for j in range(len(seen) + 1) if j not in seen)
+            problems.append(f"{where}: path '{param.path}' has no leaf at {name[1:-1]} {missing} in {mapping.model}")
+            return []
+    count = len({r[0] for r in rows})
+    if layered:
+        expected = len(group) if group is not None else len(layers) if layers is not None else _layer_count(names)
+        if expected is not None and count != expected:
+            said = "its layer group holds" if group is not None else "config.json gives"
+            problems.append(
+                f"{where}: path '{param.path}' has {count} layers in {mapping.model}, but {said} {expected}"
+            )
+            return []
+
+    def checkpoint_index(row: tuple[int, ...]) -> tuple[int, ...]:
+        if not layered:
+            return row
+        layer = group[row[0]] if group is not None else row[0] + (layers.start if layers is not None else 0)
+        return (layer, *row[1:])
+
+    used = {checkpoint_index(r) for r in rows}
+    key_pattern = param.pattern()
+    for name, key in stripped.items():
+        if m := key_pattern.match(name):
+            index = param.index(m)[: len(param.path_stack)]
+            if index not in used and layered:
+                claimed.add(key)
+                if (layers is None or index[0] in layers) and group is None:
+                    beyond[key] = index[0]
+    return [param.at(checkpoint_index(r), r) for r in rows]
 
 
 def ignore_patterns(mapping: Mapping, names: AnyMapping[str, Any], problems: list[str]) -> dict[str, str]:
@@ -593,7 +712,7 @@ def _leaf(
         problems.append(f"{where}: {len(param.axes)} axes for a {len(shape)}-d leaf '{param.path}'")
         return None
     for axis in param.axes:
-        if axis is not None and axis not in rules:
+        if axis is not None and axis not in rules and axis not in mesh_shape:
             problems.append(f"{where}: logical axis '{axis}' has no rule in [rules]")
             return None
     current = first.dtype

@@ -1,32 +1,104 @@
 """Skeleton: the target module's shapes and dtypes, built with no memory.
 
+A mapping's `model` names what to build, in one of three forms, and port builds it
+under `eval_shape` (nothing initialised, no parameter memory):
+
+- a model class with `from_config(config, *, key)` (port's own, or an Equinox module
+  of yours): `cls.from_config(config, key=...)`;
+- a Flax NNX module class whose constructor takes the `config.json` dict and `rngs`:
+  `cls(config, rngs=nnx.Rngs(0))`;
+- a factory, any function that takes the `config.json` dict and returns the module
+  (Equinox, NNX) or a pytree of arrays, with whatever config object and arguments that
+  module needs: `build(config)`. The module need not know port.
+
 ```python
-model = skeleton(mapping, config)   # leaves are jax.ShapeDtypeStruct
-leaves(model)["blocks.attn.wq"]      # ShapeDtypeStruct((12, 12, 64, 768), float32)
+model = skeleton(mapping, config)     # leaves are jax.ShapeDtypeStruct
+leaves(model)["blocks.attn.wq"]        # ShapeDtypeStruct((12, 12, 64, 768), float32)
+
+def build(config):                     # mypkg/llama.py; the mapping says model = "mypkg.llama:build"
+    return Llama(LlamaConfig.from_hf(config), rngs=nnx.Rngs(0))
 ```
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import sys
+from collections.abc import Callable, Iterator
 from collections.abc import Mapping as AnyMapping
 from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 
-from ._errors import PortError
+from ._errors import ConfigError, MappingError, PortError
 from ._mapping import Mapping
 from ._model import is_model
+from ._targets import is_nnx, leaves, nnx, target_of
+from ._text import one_line
 
 
-def skeleton(model: Mapping | type, config: AnyMapping[str, Any]) -> eqx.Module:
-    """The module built from `config` as shapes only, with `eqx.filter_eval_shape`: no memory used.
+def describe_model(model: Any) -> str:
+    """How messages name a model class or factory: `module:qualname`."""
+    return f"{getattr(model, '__module__', '?')}:{getattr(model, '__qualname__', type(model).__name__)}"
+
+
+def _is_nnx_class(obj: Any) -> bool:
+    module = sys.modules.get("flax.nnx")
+    return module is not None and isinstance(obj, type) and issubclass(obj, module.Module)
+
+
+def builder(model: Any, config: AnyMapping[str, Any]) -> Callable[[], Any]:
+    """The call that builds `model` (a model class, an NNX module class or a factory) from `config`.
+
+    ```python
+    builder(GPT2, config)()        # GPT2.from_config(config, key=jax.random.key(0))
+    builder(build, config)()       # build(config)
+    ```
+    """
+    config = dict(config)
+    if is_model(model):
+        return lambda: model.from_config(dict(config), key=jax.random.key(0))
+    if _is_nnx_class(model):
+        return lambda: model(dict(config), rngs=nnx().Rngs(0))
+    if isinstance(model, type):
+        raise MappingError(
+            f"model '{describe_model(model)}' is a class port cannot build: it has no from_config(config, *, key) "
+            "and is not a Flax NNX module; name a factory instead (a function taking the config.json dict "
+            "and returning the module)"
+        )
+    if not callable(model):
+        raise MappingError(f"model {describe_model(model)} is not a class or a function")
+    return lambda: model(dict(config))
+
+
+@contextlib.contextmanager
+def _no_eager_sharding() -> Iterator[None]:
+    """Flax NNX variables annotated with sharding names are built unsharded (Flax 0.12 shards them
+    as they are made, which needs a mesh): port places them itself."""
+    module = sys.modules.get("flax.nnx")
+    if module is None or not hasattr(module, "use_eager_sharding"):
+        yield
+        return
+    with module.use_eager_sharding(False):
+        yield
+
+
+def skeleton(model: Mapping | Any, config: AnyMapping[str, Any]) -> Any:
+    """The module built from `config` as shapes only, under `eval_shape`: no memory used.
 
     **Arguments:**
 
-    - `model`: a model class (`port.Model`: an Equinox module class with
-      `from_config(config, *, key)`), or a `Mapping` (its `model` class).
+    - `model`: a `Mapping` (its `model`), a model class (`from_config(config, *, key)`), a
+      Flax NNX module class (`cls(config, rngs=...)`), or a factory (`build(config)`
+      returning an Equinox module, an NNX module or a pytree of arrays).
     - `config`: the checkpoint's `config.json` as a dict.
+
+    Raises `MappingError` naming the class or factory when it cannot be built, raises,
+    returns something that is not a module or pytree of arrays, or returns arrays it
+    did not make under `eval_shape` (real memory).
 
     ```python
     from port.models.gpt2 import GPT2
@@ -35,26 +107,87 @@ def skeleton(model: Mapping | type, config: AnyMapping[str, Any]) -> eqx.Module:
     skel.blocks.attn.wq          # ShapeDtypeStruct(shape=(12, 768, 12, 64), dtype=float32)
     ```
     """
-    cls = model.model_class() if isinstance(model, Mapping) else model
-    if not is_model(cls):
-        raise PortError(f"model '{cls.__module__}:{cls.__qualname__}' has no from_config(config, *, key)")
-    return eqx.filter_eval_shape(lambda: cls.from_config(dict(config), key=jax.random.key(0)))
+    target = model.model_object() if isinstance(model, Mapping) else model
+    make = builder(target, config)
+    name = describe_model(target)
+    kept: dict[str, Any] = {}
+
+    def traced() -> Any:
+        out = make()
+        if is_nnx(out):
+            graphdef, state = nnx().split(out)
+            kept["nnx"] = graphdef
+            return state
+        arrays, static = eqx.partition(out, eqx.is_array)
+        real = [p for p, leaf in leaves(arrays).items() if not isinstance(leaf, jax.core.Tracer)]
+        numpy = [p for p, leaf in leaves(out).items() if isinstance(leaf, np.ndarray)]
+        if real or numpy:
+            raise _Refused(
+                f"factory {name} returned real arrays (at '{(real or numpy)[0]}'): it must make every array "
+                "inside the call port makes under eval_shape, not before it or with NumPy"
+            )
+        if not leaves(arrays):
+            raise _Refused(
+                f"model {name} returned a {type(out).__name__} with no arrays: expected a module or a pytree of arrays"
+            )
+        kept["static"] = static
+        return arrays
+
+    try:
+        with _no_eager_sharding():
+            shapes = jax.eval_shape(traced)
+    except _Refused as e:
+        raise MappingError(str(e)) from None
+    except (ConfigError, PortError):
+        raise
+    except jax.errors.ConcretizationTypeError as e:
+        raise MappingError(
+            f"model {name} needs concrete values ({one_line(str(e).splitlines()[0], 200)}); port builds it "
+            "under eval_shape, where arrays have shapes only"
+        ) from None
+    except Exception as e:
+        if is_model(target):
+            raise
+        where = _raised_at(e)
+        raise MappingError(
+            f"model {name} raised {type(e).__name__}: {one_line(str(e).strip().splitlines()[0] if str(e).strip() else '', 200)}{where}"
+        ) from None
+    if "nnx" in kept:
+        return nnx().merge(kept["nnx"], shapes)
+    return eqx.combine(shapes, kept["static"])
 
 
-def path_str(keypath: tuple) -> str:
-    """A pytree key path as a dotted module path: `blocks.attn.wq`, `layers.0.weight`."""
-    parts = []
-    for k in keypath:
-        for attr in ("name", "key", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return ".".join(parts)
+class _Refused(Exception):
+    """A factory's result port will not use (raised inside the trace, told as a MappingError)."""
 
 
-def leaves(module: Any) -> dict[str, Any]:
-    """Every leaf of `module` by its dotted path (arrays, or their ShapeDtypeStructs)."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(module)
-    return {path_str(p): leaf for p, leaf in flat}
+def _raised_at(error: BaseException) -> str:
+    """` (file.py:12)`: where in the user's code an exception was raised, or ''."""
+    frames = inspect.getinnerframes(error.__traceback__) if error.__traceback__ else []
+    for frame in reversed(frames):
+        if "/jax/" not in frame.filename and "/port/" not in frame.filename:
+            return f" ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
+    return ""
+
+
+def own_state(model: Mapping | Any, config: AnyMapping[str, Any], paths: list[str], sharding: Any) -> dict[str, Any]:
+    """The values of a module's own state at `paths` (an NNX module's RNG keys and counts), as its
+    constructor makes them, placed under `sharding` (replicated on the mesh).
+
+    The constructor runs under `jax.jit` with only those variables as its output: the
+    parameters' initialisation is dead code that XLA drops, so it costs no memory.
+
+    ```python
+    own_state(mapping, config, ["rngs.default.key"], NamedSharding(mesh, PartitionSpec()))
+    ```
+    """
+    target = model.model_object() if isinstance(model, Mapping) else model
+    make = builder(target, config)
+    wanted = set(paths)
+
+    def state() -> dict[str, Any]:
+        built = make()
+        return {p: v for p, v in target_of(built).leaves(built).items() if p in wanted}
+
+    with _no_eager_sharding():
+        return jax.jit(state, out_shardings=sharding)()

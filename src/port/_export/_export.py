@@ -48,8 +48,9 @@ from .._output import Output, port_version, read_output
 from .._output._restore import model_class
 from .._plan import is_none, plan
 from .._runtime import exchange, num_processes
-from .._skeleton import leaves, skeleton
+from .._skeleton import skeleton
 from .._sources import Checkpoint, TensorInfo, open_checkpoint, raw_header
+from .._targets import leaves
 from .._text import quoted
 from ._blocks import Block, block_data, blocks, extent, gather, local_shards
 from ._invert import Inverse, invert

@@ -49,8 +49,9 @@ from .._place import aligned_empty, assemble
 from .._place import boxes as _boxes
 from .._plan import check_include, partition, selects
 from .._runtime import as_mesh, as_shape
-from .._skeleton import leaves, skeleton
+from .._skeleton import skeleton
 from .._sources import Checkpoint, LocalCheckpoint, Region, TensorInfo
+from .._targets import leaves
 from .._text import one_line, quoted
 from ._layout import (
     LEAF_PATH,

@@ -53,7 +53,7 @@ from .._errors import OutputError, RunError
 from .._mapping import Mapping
 from .._pipeline import InFlight
 from .._runtime import exchange, num_processes
-from .._skeleton import leaves, path_str
+from .._targets import leaves, path_str
 from .._text import quoted, size_text
 from ._directory import OUTPUT_KIND, check_out
 from ._layout import (

@@ -43,7 +43,7 @@ import numpy as np
 from .._errors import PortError
 from .._mapping import LAYER, Mapping
 from .._plan import Plan, layer_groups
-from .._skeleton import path_str
+from .._targets import path_str
 from .._text import size_text
 
 

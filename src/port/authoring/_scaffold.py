@@ -36,9 +36,9 @@ import numpy as np
 from .._errors import MappingError, PlanError
 from .._mapping import import_object
 from .._plan import layer_groups
-from .._skeleton import leaves as skeleton_leaves
 from .._skeleton import skeleton as make_skeleton
 from .._sources import Checkpoint, TensorInfo, open_checkpoint
+from .._targets import leaves as skeleton_leaves
 from .._text import plural, printable, quoted
 from ._axes import Dims, config_dims, literal_sizes, named, propose_axes, size_warnings
 from ._draft import Draft, Entry, ops_text, shape_text
