@@ -366,6 +366,7 @@ def load(
     *,
     include: Sequence[str] | None = None,
     layers: range | None = None,
+    skeleton: Any = None,
 ) -> Any:
     """A pretrained model from a checkpoint, sharded on `mesh`: `convert(...).model`.
 
@@ -378,10 +379,15 @@ def load(
       `model_type`, whose module is the model built.
     - `include`: only the leaves these module-path patterns select (the others None).
     - `layers`: only this contiguous range of the checkpoint's layers (a smaller model).
+    - `skeleton`: the tree to fill, given directly: any pytree of `jax.ShapeDtypeStruct`
+      (a Linen or MaxText parameter dict), an Equinox or Flax NNX module from `eval_shape`;
+      its key paths are what the mapping's paths name. Default: what the mapping's `model`
+      builds from `config.json`.
 
     ```python
     model = load("gpt2", mesh="4x2")
     stage = load("gpt2", mesh="4x2", layers=range(0, 6), include=["blocks"])
+    params = load("ckpt/llama", "4x2", mapping="linen.toml", skeleton=shapes)   # the same dict, of arrays
     ```
     """
-    return convert(model, mapping=mapping, mesh=mesh, dtype=dtype, include=include, layers=layers).model
+    return convert(model, skeleton, mapping=mapping, mesh=mesh, dtype=dtype, include=include, layers=layers).model

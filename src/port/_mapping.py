@@ -47,6 +47,7 @@ mapping = mapping_for({"model_type": "gpt2"})   # the shipped one
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.resources
 import inspect
@@ -71,6 +72,7 @@ EXPERT = "{expert}"
 STACKS = (LAYER, EXPERT)
 """The placeholders that stack keys on leading axes of a leaf, outermost first: `layers.{layer}.experts.{expert}.w1`
 fills a leaf [layers, experts, ...]."""
+_DIGITS = re.compile(r"[0-9]+")
 MODULE_AXES = "module"
 """An entry's `axes` when they are the module's own annotations (an NNX variable's sharding names)."""
 _INDEX = r"(0|[1-9][0-9]{0,8})"
@@ -211,11 +213,27 @@ class Mapping:
 
     def entry(self, path: str) -> Param | None:
         """The entry that fills the leaf at `path`: the one naming it, or the one whose path with
-        placeholders matches it (`layers.{layer}.wq` fills `layers.3.wq`); None if none does."""
-        for param in self.params:
-            if param.path == path or (param.path_stack and param.path_pattern().match(path)):
+        placeholders matches it (`layers.{layer}.wq` fills `layers.3.wq`); None if none does.
+
+        A lookup in an index (a path with its numbers blanked), not a scan: an output's
+        metadata may list a million leaves."""
+        exact, templated = self._entries
+        if path in exact:
+            return exact[path]
+        for param in templated.get(_DIGITS.sub("#", path), ()):
+            if param.path_pattern().match(path):
                 return param
         return None
+
+    @functools.cached_property
+    def _entries(self) -> tuple[dict[str, Param], dict[str, list[Param]]]:
+        exact = {p.path: p for p in self.params if not p.path_stack}
+        templated: dict[str, list[Param]] = {}
+        for p in self.params:
+            if p.path_stack:
+                blank = _DIGITS.sub("#", p.path.replace(LAYER, "0").replace(EXPERT, "0"))
+                templated.setdefault(blank, []).append(p)
+        return exact, templated
 
     def model_object(self) -> Any:
         """Import what `model` names: a model class (`from_config(config, *, key)`), a Flax NNX module

@@ -501,7 +501,7 @@ def _per_leaf(
     layered = param.path_stack[0] == LAYER
     group = None
     if layered:
-        prefix = param.path.split("." + LAYER, 1)[0].removesuffix(LAYER).rstrip("._")
+        prefix = param.path.split(LAYER, 1)[0].rstrip("._")
         group = next(
             (ids for p, ids in layer_groups(skeleton).items() if prefix == p or prefix.startswith(p + ".")), None
         )

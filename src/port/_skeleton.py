@@ -8,8 +8,9 @@ under `eval_shape` (nothing initialised, no parameter memory):
 - a Flax NNX module class whose constructor takes the `config.json` dict and `rngs`:
   `cls(config, rngs=nnx.Rngs(0))`;
 - a factory, any function that takes the `config.json` dict and returns the module
-  (Equinox, NNX) or a pytree of arrays, with whatever config object and arguments that
-  module needs: `build(config)`. The module need not know port.
+  (Equinox, NNX), a pytree of arrays, or a pytree of `jax.ShapeDtypeStruct` (a Linen
+  model's `jax.eval_shape(model.init, ...)`), with whatever config object and arguments
+  that module needs: `build(config)`. The module need not know port.
 
 ```python
 model = skeleton(mapping, config)     # leaves are jax.ShapeDtypeStruct
@@ -48,6 +49,12 @@ def describe_model(model: Any) -> str:
 def _is_nnx_class(obj: Any) -> bool:
     module = sys.modules.get("flax.nnx")
     return module is not None and isinstance(obj, type) and issubclass(obj, module.Module)
+
+
+def is_buildable(model: Any) -> bool:
+    """Whether port can build `model`: a model class (`from_config`), a Flax NNX module class, or a
+    plain function (a factory)."""
+    return is_model(model) or _is_nnx_class(model) or inspect.isfunction(model)
 
 
 def builder(model: Any, config: AnyMapping[str, Any]) -> Callable[[], Any]:
@@ -118,6 +125,9 @@ def skeleton(model: Mapping | Any, config: AnyMapping[str, Any]) -> Any:
             graphdef, state = nnx().split(out)
             kept["nnx"] = graphdef
             return state
+        if _all_shapes(out):  # a pytree of ShapeDtypeStruct: the skeleton itself
+            kept["static"] = out
+            return None
         arrays, static = eqx.partition(out, eqx.is_array)
         real = [p for p, leaf in leaves(arrays).items() if not isinstance(leaf, jax.core.Tracer)]
         numpy = [p for p, leaf in leaves(out).items() if isinstance(leaf, np.ndarray)]
@@ -154,7 +164,15 @@ def skeleton(model: Mapping | Any, config: AnyMapping[str, Any]) -> Any:
         ) from None
     if "nnx" in kept:
         return nnx().merge(kept["nnx"], shapes)
+    if shapes is None:
+        return kept["static"]
     return eqx.combine(shapes, kept["static"])
+
+
+def _all_shapes(tree: Any) -> bool:
+    """Whether `tree` is a pytree whose leaves are all `jax.ShapeDtypeStruct` (and it has some)."""
+    found = jax.tree_util.tree_leaves(tree)
+    return bool(found) and all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in found)
 
 
 class _Refused(Exception):

@@ -48,9 +48,9 @@ from .._output import Output, port_version, read_output
 from .._output._restore import model_class
 from .._plan import is_none, plan
 from .._runtime import exchange, num_processes
-from .._skeleton import skeleton
+from .._skeleton import describe_model, skeleton
 from .._sources import Checkpoint, TensorInfo, open_checkpoint, raw_header
-from .._targets import leaves
+from .._targets import leaves, target_of
 from .._text import quoted
 from ._blocks import Block, block_data, blocks, extent, gather, local_shards
 from ._invert import Inverse, invert
@@ -247,29 +247,46 @@ def _loaded(checkpoint: Checkpoint) -> dict[str, tuple[tuple[int, ...], np.dtype
     return {k: (t.shape, t.load_dtype) for k, t in checkpoint.tensors.items()}
 
 
-def _fits_class(model: Any, mapping: Mapping, output: Output | None) -> type:
-    """The class `model` is checked against: the mapping's, where the caller gave the mapping or it is
-    port's own for the config; where it is the one a port `output` keeps (untrusted), `model`'s own
-    class, else the one of port's models the output names (`model_class`): nothing else an output
-    names is imported, as `restore` imports nothing else."""
+def _expected(model: Any, mapping: Mapping, config: AnyMapping[str, Any], output: Output | None) -> tuple[dict, str]:
+    """The leaves `model` is checked against, and how messages name where they come from: the module
+    the mapping's model builds from the config, where the caller gave the mapping or it is port's own
+    for the config; where it is the one a port `output` keeps (untrusted), `model`'s own class if it
+    has from_config, else one of port's models the output names (`model_class`), else the leaves the
+    output lists: nothing else an output names is imported, as `restore` imports nothing else."""
     if output is None:
-        return mapping.model_class()
-    return model_class(output, type(model) if is_model(type(model)) else None)
+        built: Any = mapping.model_object()
+    elif is_model(type(model)):
+        built = model_class(output, type(model))
+    else:
+        try:
+            built = model_class(output)
+        except OutputError:
+            return dict(output.leaves), f"the output {output.directory}"
+    expected = {p: leaf for p, leaf in leaves(skeleton(built, config)).items() if hasattr(leaf, "shape")}
+    return expected, f"the module {describe_model(built)} that the config builds"
 
 
-def _check_fits(model: Any, cls: type, mapping: Mapping, config: AnyMapping[str, Any], source: Any) -> None:
-    """`PlanError` naming the first leaf where `model` differs from the module `cls` the source's config builds."""
-    expected = {p: leaf for p, leaf in leaves(skeleton(cls, config)).items() if hasattr(leaf, "shape")}
-    actual = {p: leaf for p, leaf in leaves(model).items() if hasattr(leaf, "shape")}
-    where = f"the module {cls.__module__}:{cls.__qualname__} that the config of {quoted(str(source))} builds"
+def _check_fits(model: Any, mapping: Mapping, config: AnyMapping[str, Any], source: Any, output: Output | None) -> None:
+    """`PlanError` naming the first leaf where `model` differs from the module the source's config builds."""
+    expected, where = _expected(model, mapping, config, output)
+    where = f"{where} of {quoted(str(source))}" if output is None else where
+    target = target_of(model)
+    own = target.own(model)
+    actual = {
+        p: leaf
+        for p, leaf in target.leaves(model).items()
+        if hasattr(leaf, "shape") and (p not in own or p in expected)  # an NNX module's own state: not written
+    }
     problems = []
     for path in actual.keys() - expected.keys():
         problems.append(f"model leaf '{path}' is not in {where}")
-    optional = {p.path for p in mapping.params if p.optional}
     for path in expected.keys() - actual.keys():
+        entry = mapping.entry(path)
+        if path in own and entry is None:
+            continue
         if not is_none(model, path):
             problems.append(f"model has no leaf '{path}', which {where} has")
-        elif path not in optional:  # an optional leaf the model lacks (a BERT without pooler) is fine
+        elif entry is None or not entry.optional:  # an optional leaf the model lacks (a BERT without pooler) is fine
             problems.append(
                 f"model leaf '{path}' is None (a partial load, include=PATTERNS?): an export writes "
                 "every tensor of the checkpoint, so it needs every leaf"
@@ -377,7 +394,7 @@ def _export(
     mapping = mapping_for(config, mapping if kept is None else kept.mapping)
     inputs = (source,) if isinstance(source, (str, os.PathLike)) and Path(source).exists() else ()
     out = check_destination(out, force, inputs, ours=is_export, what=_EXPORT)
-    _check_fits(model, _fits_class(model, mapping, kept), mapping, config, source)
+    _check_fits(model, mapping, config, source, kept)
     nowhere = Path("<source>")  # no tensor data is read: one path for every header
     tensors = {k: TensorInfo(k, nowhere, np.dtype(d), tuple(s), 0) for k, (s, d) in headers.items()}
     recipe = plan(model, mapping, tensors, config, _mesh_axes(mapping))

@@ -217,17 +217,16 @@ def read_output(directory: str | os.PathLike) -> Output:
             f"{where}: 'leaves' lists {len(meta['leaves'])} leaves, more than an output holds ({MAX_LEAVES} at most)"
         )
     mapping = _parse(meta["mapping"], where)
-    entries = {p.path: p for p in mapping.params}
     declared = {}
     for path, info in meta["leaves"].items():
         leaf = _leaf(path, info, where)
-        if path not in entries:  # a leaf a `strict=False` conversion kept: replicated, unless it names axes
+        entry = mapping.entry(path)
+        if entry is None:  # a leaf a `strict=False` conversion kept: replicated, unless it names axes
             if any(axis is not None for axis in leaf.axes):
                 raise OutputError(f"{where}: leaf '{path}' has no entry in the output's mapping, yet names axes")
-        elif leaf.axes != entries[path].axes:
+        elif entry.axes is not None and leaf.axes != entry.axes:  # None: the module's annotations, recorded
             raise OutputError(
-                f"{where}: leaf '{path}': axes {list(leaf.axes)} differ from its mapping entry's "
-                f"{list(entries[path].axes)}"
+                f"{where}: leaf '{path}': axes {list(leaf.axes)} differ from its mapping entry's {list(entry.axes)}"
             )
         declared[path] = leaf
     if not declared:

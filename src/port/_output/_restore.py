@@ -49,9 +49,9 @@ from .._place import aligned_empty, assemble
 from .._place import boxes as _boxes
 from .._plan import check_include, partition, selects
 from .._runtime import as_mesh, as_shape
-from .._skeleton import skeleton
+from .._skeleton import is_buildable, own_state, skeleton
 from .._sources import Checkpoint, LocalCheckpoint, Region, TensorInfo
-from .._targets import leaves
+from .._targets import target_of
 from .._text import one_line, quoted
 from ._layout import (
     LEAF_PATH,
@@ -87,7 +87,8 @@ def restore(
       format is refused. Or the `Output` `read_output` read from it (its metadata is
       then not read again).
     - `mesh`: a `Mesh` or a spec such as `"2x4"`, as for `load` (default: one device).
-    - `model`: the module class to build, with `from_config(config, *, key)`. Without
+    - `model`: the module to build: a class with `from_config(config, *, key)`, a Flax NNX
+      module class, or a factory function (`build(config)`), as a mapping's `model` names. Without
       it, the class the output names is imported only if it is one of port's models
       (`port.models.*`); an output naming any other module is refused, since importing
       it would run code that came with the output. Given, it is used as it is, whatever
@@ -111,8 +112,11 @@ def restore(
     ```
     """
     mesh = as_mesh(mesh)
-    if model is not None and not is_model(model):
-        raise PortError(f"`model`: expected a class with from_config(config, *, key), got {quoted(model)}")
+    if model is not None and not is_buildable(model):
+        raise PortError(
+            f"`model`: expected a class with from_config(config, *, key), a Flax NNX module class or a "
+            f"factory function, got {quoted(model)}"
+        )
     output = directory if isinstance(directory, Output) else read_output(directory)
     cls = model_class(output, model)
     placement = restore_plan(output, mesh)  # every rule's mesh axis exists; each leaf's spec
@@ -130,7 +134,9 @@ def restore(
     device_bytes = sum(leaf.device_bytes for leaf in placement.leaves if leaf.path in output.leaves)
     check_host_memory(device_bytes, mesh, f"mesh {mesh_spec(dict(mesh.shape))}")
     arrays = dict(_read_arrays(output, chunks, checkpoint, mesh, specs))
-    return fill(skel, arrays | {path: None for path in absent})
+    own = [path for path in target_of(skel).own(skel) if path not in output.leaves and path in absent]
+    state = own_state(cls, output.config, own, NamedSharding(mesh, PartitionSpec())) if own else {}
+    return fill(skel, arrays | {path: None for path in absent if path not in state} | state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,7 +230,9 @@ def restore_plan(
                 leaf.path, leaf.shape, leaf.dtype, leaf.axes, spec, notes, math.prod(block) * leaf.dtype.itemsize
             )
         )
-    missing = [p for p in dict.fromkeys(p.path for p in output.mapping.params) if p not in output.leaves]
+    missing = [
+        p for p in dict.fromkeys(p.path for p in output.mapping.params if not p.path_stack) if p not in output.leaves
+    ]
     absent = tuple(
         p.path
         for p in output.mapping.params
@@ -312,7 +320,9 @@ def _check_skeleton(skel: Any, output: Output, cls: type) -> list[str]:
     the skeleton's leaves the output lacks, each an optional mapping entry's or one its `include`
     left out (set to None)."""
     name = cls.__qualname__
-    targets = {p: leaf for p, leaf in leaves(skel).items() if hasattr(leaf, "shape")}
+    target = target_of(skel)
+    own = target.own(skel)
+    targets = {p: leaf for p, leaf in target.leaves(skel).items() if hasattr(leaf, "shape")}
     for path, leaf in output.leaves.items():
         target = targets.get(path)
         if target is None:
@@ -322,10 +332,12 @@ def _check_skeleton(skel: Any, output: Output, cls: type) -> list[str]:
                 f"{output.where}: leaf '{path}' is {leaf} but {describe(target.shape, target.dtype)} in "
                 f"{name} built from its config"
             )
-    optional = {p.path for p in output.mapping.params if p.key_optional}
     absent = [path for path in targets if path not in output.leaves]
     for path in absent:
-        if path not in optional and selects(path, output.include):
+        entry = output.mapping.entry(path)
+        if entry is None and path in own:  # the module's own state (an NNX Rngs): its constructor makes it
+            continue
+        if not (entry is not None and entry.key_optional) and selects(path, output.include):
             raise OutputError(
                 f"{output.where}: leaf '{path}' of {name} built from its config is missing, and the "
                 "mapping does not mark it optional"

@@ -43,7 +43,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import equinox as eqx
 import jax
 import numpy as np
 
@@ -53,7 +52,7 @@ from .._errors import OutputError, RunError
 from .._mapping import Mapping
 from .._pipeline import InFlight
 from .._runtime import exchange, num_processes
-from .._targets import leaves, path_str
+from .._targets import leaves, path_str, target_of
 from .._text import quoted, size_text
 from ._directory import OUTPUT_KIND, check_out
 from ._layout import (
@@ -313,7 +312,7 @@ class Saving:
                 self.progress(self.written, self.total)
             while self._pending:
                 self._finish_oldest()
-            arrays, nones = _tree(model)
+            arrays, nones = _tree(model, set(self._chunks))
             if {path for path, _, _ in arrays} != set(self._chunks):
                 raise ValueError("the model's arrays are not the ones added")
             counts = exchange("save-written", str(self.written), "what it wrote")
@@ -328,7 +327,10 @@ class Saving:
                         f"{self.name}={self.directory}: the processes wrote {counts}, not the {expected} bytes laid out"
                     )
                 self._check_written(arrays)
-                self._commit(arrays, nones, _metadata_of(arrays, mapping, config, sources, include, quantized))
+                annotated = target_of(model).axes(model)
+                self._commit(
+                    arrays, nones, _metadata_of(arrays, mapping, config, sources, include, quantized, annotated)
+                )
             exchange("save-done", "", "word that the output is in place")
         self._finished = True
         return self.directory
@@ -435,18 +437,35 @@ def _largest_field(meta: dict[str, Any], counts: dict[str, str]) -> str:
     return f"its '{name}' takes {size_text(sizes[name])}{held}"
 
 
-def _tree(model: Any) -> tuple[_Arrays, list[list[dict[str, Any]]]]:
+def _tree(model: Any, added: set[str]) -> tuple[_Arrays, list[list[dict[str, Any]]]]:
     """The arrays of `model` in tree order (dotted path, Orbax's key metadata, array), and the key
-    metadata of its other leaves (stored as None)."""
+    metadata of its other leaves (stored as None). The tree is the model's as its target sees it
+    (an NNX module's state); the module's own state that was not `added` (an NNX Rngs' key) is
+    left out: its constructor makes it again."""
     arrays, nones = [], []
-    flat, _ = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda x: x is None)
+    target = target_of(model)
+    own = set(target.own(model)) - added
+    flat, _ = jax.tree_util.tree_flatten_with_path(target.tree(model), is_leaf=lambda x: x is None)
     for keypath, leaf in flat:
         keys = [_key(k) for k in keypath]
+        if path_str(keypath) in own:
+            continue
         if isinstance(leaf, jax.Array):
             arrays.append((path_str(keypath), keys, leaf))
         else:
             nones.append(keys)
     return arrays, nones
+
+
+def _axes(mapping: Mapping, path: str, annotated: AnyMapping[str, tuple]) -> tuple[str | None, ...] | None:
+    """The logical axes of the leaf at `path`: its mapping entry's, or the module's annotation where the
+    entry says `axes = "module"` (None: no entry)."""
+    entry = mapping.entry(path)
+    if entry is None:
+        return None
+    if entry.axes is None:
+        return tuple(a if isinstance(a, str) else None for a in annotated.get(path, ())) or None
+    return entry.axes
 
 
 def _metadata_of(
@@ -456,10 +475,11 @@ def _metadata_of(
     sources: AnyMapping[str, Any] | None,
     include: Sequence[str] | None,
     quantized: AnyMapping[str, str] | None = None,
+    annotated: AnyMapping[str, tuple] | None = None,
 ) -> dict[str, Any]:
     """`port/metadata`: the format, the mapping, the config, each leaf's shape, dtype and logical axes
     (and how it was stored, when quantized), the version of port writing it."""
-    axes = {p.path: p.axes for p in mapping.params}
+    axes = {path: _axes(mapping, path, annotated or {}) for path, _, _ in arrays}
     meta = {
         "format": FORMAT,
         "mapping_source": mapping.source,
@@ -469,7 +489,7 @@ def _metadata_of(
             path: {
                 "shape": list(a.shape),
                 "dtype": np.dtype(a.dtype).name,
-                "axes": list(axes.get(path, (None,) * a.ndim)),
+                "axes": list(axes[path] or (None,) * a.ndim),
             }
             | ({"quantized": quantized[path][:MAX_NOTE_CHARS]} if quantized and path in quantized else {})
             for path, _, a in arrays
@@ -529,6 +549,8 @@ def save(
     """
     directory = check_out(directory, force, name="directory")
     with Saving(directory, force, progress, name="directory") as saving:
-        for path, array in leaves(eqx.filter(model, lambda leaf: isinstance(leaf, jax.Array))).items():
-            saving.add(path, array)
+        own = target_of(model).own(model)
+        for path, array in leaves(model).items():
+            if isinstance(array, jax.Array) and (path not in own or mapping.entry(path) is not None):
+                saving.add(path, array)
         return saving.finish(model, mapping, config, sources, include)

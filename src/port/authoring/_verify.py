@@ -408,7 +408,8 @@ def verify(
             raise MappingError(f"{mapping.source}: no 'reference' (the PyTorch class to compare with)")
         _refuse_quantized(config)
         _check_labels(config, available_host_bytes())
-        kind = input_kind(mapping.model_class())
+        built = mapping.model_object()
+        kind = input_kind(built)
         # A bad config, and what the flags ask of memory, are told before anything is allocated.
         if kind == "input_ids":
             shape, named = token_shape(config, batch, length), f"batch={batch} and length={length}"
@@ -416,10 +417,14 @@ def verify(
             if padding is not None:
                 raise PortError(f"padding={padding!r}: {mapping.model} takes {kind}, not token ids")
             shape, named = pixel_shape(config, batch), f"batch={batch}"
-        takes = inspect.signature(mapping.model_class().__call__).parameters
+        skel = skeleton(mapping, config)
+        if not callable(skel):
+            raise PortError(
+                f"{mapping.source}: model {mapping.model} builds a {type(skel).__name__}, which verify cannot call"
+            )
+        takes = inspect.signature(type(skel).__call__).parameters
         if padding is not None and "attention_mask" not in takes:
             raise PortError(f"padding={padding!r}: {mapping.model} takes no attention_mask")
-        skel = skeleton(mapping, config)
         given = jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(INPUT_DTYPES[kind]))  # int32 without x64
         output = eqx.filter_eval_shape(lambda m, x: m(x), skel, given).shape
         _check_memory(ckpt, mesh, config, shape, output, named, padding is not None, available_host_bytes())
