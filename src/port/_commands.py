@@ -186,16 +186,23 @@ def _allow(spec: str) -> None:
         sys.meta_path.append(_Beside(top, os.getcwd()))
 
 
-def _model_class(spec: str | None) -> type | None:
-    """The class `--module MODULE:CLASS` names (see `_allow`); None without the flag."""
+def _model_class(spec: str | None, factory: bool = False) -> Any:
+    """The class `--module MODULE:CLASS` names (see `_allow`); None without the flag. With `factory`,
+    any class or function, as a mapping's `model` may name (a Flax NNX module class, a factory):
+    building it (`port.skeleton`) says why one cannot be built."""
+    import inspect
+
     from ._mapping import import_object
 
     if spec is None:
         return None
     _allow(spec)
     cls = import_object(spec, "--module")
+    if factory and (isinstance(cls, type) or inspect.isfunction(cls)):
+        return cls
     if not is_model(cls):
-        raise PortError(f"--module {spec}: not a model class (a class with from_config(config, *, key))")
+        kinds = ", a Flax NNX module class or a factory function" if factory else ""
+        raise PortError(f"--module {spec}: not a model class (a class with from_config(config, *, key)){kinds}")
     return cls
 
 
@@ -467,7 +474,7 @@ def export_command(args: argparse.Namespace) -> int:
             bar.update(bar.task_ids[0], completed=at.done, total=at.total, description="writing")
 
     with PeakMemory() as peak:
-        model = restore(output, args.mesh, model=_model_class(args.module))  # its metadata read once, here
+        model = restore(output, args.mesh, model=_model_class(args.module, factory=True))  # its metadata read once, here
         try:
             out = export(
                 model,
@@ -919,7 +926,7 @@ def scaffold(args: argparse.Namespace) -> int:
     from .authoring import scaffold as run_scaffold
 
     out = None if args.out is None else _check_file_out(args.out, args.force, "--out", _is_draft, "a scaffold draft")
-    text = run_scaffold(args.model, _model_class(args.module), args.module)
+    text = run_scaffold(args.model, _model_class(args.module, factory=True), args.module)
     if out is None:
         sys.stdout.write(text)
     else:
