@@ -346,12 +346,13 @@ def place_kept(
 ) -> dict[str, jax.Array]:
     """The kept leaves on `mesh`: sharded as their mapping entry's axes say, replicated without one;
     floating ones cast to `dtype` if given."""
-    axes = {p.path: p.axes for p in mapping.params}
     placed = {}
     for path, value in kept.items():
         spec = PartitionSpec()
-        if len(axes.get(path, ())) == len(value.shape):
-            spec, _ = partition(tuple(value.shape), axes[path], mapping.rules, mesh.shape)
+        entry = mapping.entry(path)
+        axes = () if entry is None or entry.axes is None else entry.axes
+        if len(axes) == len(value.shape):
+            spec, _ = partition(tuple(value.shape), axes, mapping.rules, mesh.shape)
         if dtype is not None and floating(np.dtype(value.dtype)):
             value = value.astype(dtype)
         placed[path] = jax.device_put(value, NamedSharding(mesh, spec))

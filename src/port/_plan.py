@@ -708,10 +708,11 @@ def _leaf(
             source += f", through {chain} gives {list(shape)},"
         problems.append(f"{where}: shape mismatch: {source} but '{param.path}' is {list(target.shape)}")
         return None
-    if len(param.axes) != len(shape):
-        problems.append(f"{where}: {len(param.axes)} axes for a {len(shape)}-d leaf '{param.path}'")
+    axes = param.axes if param.axes is not None else ()  # resolved from the module's annotations by now
+    if len(axes) != len(shape):
+        problems.append(f"{where}: {len(axes)} axes for a {len(shape)}-d leaf '{param.path}'")
         return None
-    for axis in param.axes:
+    for axis in axes:
         if axis is not None and axis not in rules and axis not in mesh_shape:
             problems.append(f"{where}: logical axis '{axis}' has no rule in [rules]")
             return None
@@ -735,7 +736,7 @@ def _leaf(
         read_dtype = current = out_dtype  # dequantized straight to it, rounded once (not through a cast)
     if out_dtype != current:
         chain = Chain.build([*transforms, Cast(out_dtype)], first.shape)
-    spec, notes = partition(shape, param.axes, rules, mesh_shape)
+    spec, notes = partition(shape, axes, rules, mesh_shape)
     stored = describe(first)
     if stored is not None:
         notes = (f"quantized: {stored}", *notes)
@@ -748,7 +749,7 @@ def _leaf(
         shape,
         out_dtype,
         read_dtype,
-        param.axes,
+        axes,
         spec,
         notes,
         0,

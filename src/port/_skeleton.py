@@ -32,12 +32,12 @@ from typing import Any
 
 import equinox as eqx
 import jax
-import numpy as np
+from jax.core import Tracer
 
 from ._errors import ConfigError, MappingError, PortError
 from ._mapping import Mapping
 from ._model import is_model
-from ._targets import is_nnx, leaves, nnx, target_of
+from ._targets import is_nnx, nnx, path_str, target_of
 from ._text import one_line
 
 
@@ -122,25 +122,23 @@ def skeleton(model: Mapping | Any, config: AnyMapping[str, Any]) -> Any:
     def traced() -> Any:
         out = make()
         if is_nnx(out):
-            graphdef, state = nnx().split(out)
-            kept["nnx"] = graphdef
-            return state
-        if _all_shapes(out):  # a pytree of ShapeDtypeStruct: the skeleton itself
+            kept["nnx"], arrays = nnx().split(out)
+        elif _all_shapes(out):  # a pytree of ShapeDtypeStruct: the skeleton itself
             kept["static"] = out
             return None
-        arrays, static = eqx.partition(out, eqx.is_array)
-        real = [p for p, leaf in leaves(arrays).items() if not isinstance(leaf, jax.core.Tracer)]
-        numpy = [p for p, leaf in leaves(out).items() if isinstance(leaf, np.ndarray)]
-        if real or numpy:
+        else:
+            arrays, kept["static"] = eqx.partition(out, eqx.is_array)
+        found = jax.tree_util.tree_leaves_with_path(arrays)
+        real = [path_str(p) for p, leaf in found if not isinstance(leaf, Tracer)]
+        if real:
             raise _Refused(
-                f"factory {name} returned real arrays (at '{(real or numpy)[0]}'): it must make every array "
-                "inside the call port makes under eval_shape, not before it or with NumPy"
+                f"factory {name} returned real arrays (at '{real[0]}'): it must make every array inside "
+                "the call port makes under eval_shape, not before it or with NumPy"
             )
-        if not leaves(arrays):
+        if not found:
             raise _Refused(
                 f"model {name} returned a {type(out).__name__} with no arrays: expected a module or a pytree of arrays"
             )
-        kept["static"] = static
         return arrays
 
     try:
