@@ -51,6 +51,7 @@ SMOKE = {
     "plan.py": ["--quick"],
     "quantized.py": ["--formats", "fp8", "--size", "tiny", "--repeats", "1", "--workdir", "{tmp}"],
     "cold.py": ["--sizes", "tiny", "--repeats", "1", "--warm", "--workdir", "{tmp}"],
+    "targets.py": ["--size", "tiny", "--repeats", "1", "--workdir", "{tmp}"],
 }
 
 

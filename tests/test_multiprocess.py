@@ -59,14 +59,15 @@ def run_processes(argv_for, env_for=lambda i: {}, timeout=240):
     return results
 
 
-def expected_reads(directory, mesh_shape: dict, processes: int = 2) -> list[int]:
-    """Bytes each process must read: the distinct blocks of its devices, through the plan.
+def expected_reads(directory, mesh_shape: dict, processes: int = 2, mapping=None) -> list[int]:
+    """Bytes each process must read: the distinct blocks of its devices, through the plan
+    (of `mapping`, a mapping file; default the shipped one).
 
     Devices are laid out as port.make_mesh does: jax.devices() order, process 0's first,
     filling the mesh in row-major order over (data, model).
     """
     with port.open_checkpoint(directory) as ckpt:
-        mapping = port.mapping_for(ckpt.config)
+        mapping = port.mapping_for(ckpt.config, mapping)
         recipe = port.plan(port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, mesh_shape)
     names = list(mesh_shape)
     per_process = math.prod(mesh_shape.values()) // processes
