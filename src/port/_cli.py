@@ -543,7 +543,11 @@ def _scaffold(
     module: Annotated[
         str,
         typer.Option(
-            "--module", metavar="MODULE:CLASS", show_default=False, help="your Equinox module's class" + _MODULE_TAIL
+            "--module",
+            metavar="MODULE:CLASS",
+            show_default=False,
+            help="your module's class (Equinox, or Flax NNX) or a factory function building it from config.json"
+            + _MODULE_TAIL,
         ),
     ],
     out: Annotated[

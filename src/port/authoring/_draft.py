@@ -27,8 +27,9 @@ class Entry:
     key: str
     path: str
     ops: Ops
-    axes: list[str]
+    axes: list[str]  # one logical axis per dimension of the leaf ("": unnamed)
     comments: list[str] = field(default_factory=list)
+    module_axes: bool = False  # `axes` are the module's own sharding names: written `axes = "module"`
 
 
 @dataclass

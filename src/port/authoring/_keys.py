@@ -121,7 +121,7 @@ def group_keys(
     """
     grouped: set[str] = set()
     groups = []
-    for where in (_first_two, _first, _last_expert):
+    for where in INDEXED:
         by_pattern: dict[str, dict[tuple[int, ...], str]] = {}
         for name in sorted(set(names) - grouped):
             if (found := where(name.split("."))) is not None:
@@ -181,6 +181,11 @@ def _last_expert(segments: list[str]) -> Found:
         return None
     a = found[-1]
     return _with(segments, {a: EXPERT}), (int(segments[a]),)
+
+
+INDEXED = (_first_two, _first, _last_expert)
+"""The ways a dotted name's integer segments make it one of a grid, in order of preference (see
+`group_keys`): each takes the name's segments and gives its pattern and index, or None."""
 
 
 def _grid(

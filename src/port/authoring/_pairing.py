@@ -2,8 +2,9 @@
 
 A group and a leaf are a candidate when some `[transpose] [reshape]` chain turns
 the group's (per-layer) shape into the leaf's; the candidate's score is how alike
-their names are. `assign` takes the best candidates greedily, each group and leaf
-once; `orientation` learns from the unambiguous 2-d weights whether this checkpoint
+their names are. The leaves of a list of layers are paired as one listed leaf
+(`list_leaves`: `layers.{layer}.attn.wq`), with the `{layer}` groups of keys only.
+`assign` takes the best candidates greedily, each group and leaf once; `orientation` learns from the unambiguous 2-d weights whether this checkpoint
 stores them transposed, and `pick` uses that for the square ones.
 
 ```python
@@ -28,8 +29,9 @@ import numpy as np
 
 from .._dtypes import floating
 from .._errors import PortError
+from .._mapping import LAYER, STACKS
 from .._transforms import Chain, Reshape, Transform, Transpose
-from ._keys import Group, Shape
+from ._keys import INDEXED, Group, Shape
 from ._names import similarity, tokens, weight_or_bias
 
 Ops = tuple[Transform, ...]  # transforms as a mapping file writes them (config names kept)
@@ -39,11 +41,67 @@ TIE_MARGIN = 0.1  # another candidate this close to the chosen one is worth a CH
 
 @dataclass(frozen=True)
 class Leaf:
-    """A leaf of the module to fill: its dotted path, shape and dtype."""
+    """A leaf of the module to fill: its dotted path, shape and dtype.
+
+    A listed leaf stands for one leaf per layer (and expert) of a module keeping them in a
+    list (`layers.0.attn.wq`, `layers.1.attn.wq`, ...): its path holds the placeholders
+    (`layers.{layer}.attn.wq`), `listed` names them, and its shape leads with their counts,
+    as a stacked leaf's does: [layers, *each leaf's shape].
+    """
 
     path: str
     shape: Shape
     dtype: np.dtype
+    listed: tuple[str, ...] = ()  # the placeholders of the path, outermost first
+
+    @property
+    def each(self) -> Shape:
+        """The shape of each leaf it stands for (its own shape, unless listed)."""
+        return self.shape[len(self.listed) :]
+
+
+def list_leaves(leaves: Sequence[Leaf], layers: int | None = None) -> tuple[list[Leaf], dict[str, list[str]]]:
+    """The leaves with those of a list (one per layer, and expert) as one listed leaf each,
+    in the place of the first; and the paths each listed leaf stands for.
+
+    Leaves are one of a list as keys are one of a `{layer}` group (`group_keys`): their paths
+    differ only in integer segments, their indices fill an n (x m) grid of two or more, and
+    they share a shape and dtype. A list of layers holds `layers` of them (config.json's
+    count, as `plan` wants of a `{layer}` path); one of another length is left as it is.
+
+    ```python
+    list_leaves([Leaf("layers.0.wq", (8, 6), f32), Leaf("layers.1.wq", (8, 6), f32)])
+    # ([Leaf("layers.{layer}.wq", (2, 8, 6), f32, listed=("{layer}",))], {"layers.{layer}.wq": [...]})
+    ```
+    """
+    by_path = {leaf.path: leaf for leaf in leaves}
+    listed: dict[str, Leaf] = {}  # each member's path -> the listed leaf
+    members: dict[str, list[str]] = {}
+    for where in INDEXED:
+        grids: dict[str, dict[tuple[int, ...], Leaf]] = {}
+        for leaf in leaves:
+            if leaf.path not in listed and (found := where(leaf.path.split("."))) is not None:
+                grids.setdefault(found[0], {})[found[1]] = leaf
+        for pattern, grid in grids.items():
+            counts = tuple(max(index[i] for index in grid) + 1 for i in range(len(next(iter(grid)))))
+            first = grid[min(grid)]
+            stack = tuple(name for name in STACKS if name in pattern.split("."))
+            if len(grid) < 2 or len(grid) != math.prod(counts) or pattern in by_path:
+                continue
+            if stack[0] == LAYER and layers is not None and counts[0] != layers:
+                continue
+            if any(leaf.shape != first.shape or leaf.dtype != first.dtype for leaf in grid.values()):
+                continue
+            one = Leaf(pattern, counts + first.shape, first.dtype, stack)
+            members[pattern] = [grid[index].path for index in sorted(grid)]
+            listed.update({leaf.path: one for leaf in grid.values()})
+    out, seen = [], set()
+    for leaf in leaves:
+        one = listed.get(leaf.path, leaf)
+        if one.path not in seen:
+            seen.add(one.path)
+            out.append(one)
+    return out, members
 
 
 @dataclass(frozen=True)
@@ -100,6 +158,8 @@ def target_shape(group: Group, leaf: Leaf) -> Shape | None:
     of 2 x 4 keys [8, 6] fills a leaf [2, 4, 8, 6], whose per-key shape is [8, 6].
     """
     if floating(group.dtype) != floating(leaf.dtype):
+        return None
+    if group.stack[: len(leaf.listed)] != leaf.listed:  # a leaf per layer: the keys hold the layers, outermost
         return None
     n = len(group.counts)
     if leaf.shape[:n] != group.counts:

@@ -2,7 +2,8 @@
 
 The header says what was paired and what was not; then come the top-level keys
 (`model`, `model_types`, `prefixes`, `ignore`, `tied`), a rule for every logical
-axis the entries use, one `[[params]]` entry per pairing, and, as comments, the
+axis the entries use (an entry taking the module's own sharding names, `axes = "module"`,
+says them in a comment), one `[[params]]` entry per pairing, and, as comments, the
 keys and leaves left for the author. Key names from the checkpoint are written
 with their control characters escaped, so that none can end a comment line.
 
@@ -20,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
-from .._mapping import EXPERT, LAYER
+from .._mapping import EXPERT, LAYER, MODULE_AXES
 from .._text import printable
 from .._transforms import toml_inline as _toml
 from ._axes import rule_for
 from ._draft import Draft, Entry, ops_text, shape_text
 from ._keys import Group
+from ._pairing import Leaf
 
 _STACK_NAMES = {LAYER: "layers", EXPERT: "experts"}  # `2 layers x 4 experts of [8, 6] float32`
 
@@ -49,7 +51,7 @@ def render(d: Draft) -> str:
                 lines.append("#")
     if d.free:
         lines += ["", "# TODO unfilled leaves (no checkpoint key fits them):"]
-        lines += [f"#   {printable(leaf.path)}  {shape_text(leaf.shape)} {leaf.dtype.name}" for leaf in d.free]
+        lines += [f"#   {_describe_leaf(leaf)}" for leaf in d.free]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -57,7 +59,10 @@ def _entry_lines(entry: Entry, prefix: str = "") -> list[str]:
     lines = [*entry.comments, "[[params]]", f"key = {_toml(entry.key)}", f"path = {_toml(entry.path)}"]
     if entry.ops:
         lines.append(f"transforms = {ops_text(entry.ops)}")
-    lines.append(f"axes = {_toml(entry.axes)}")
+    if entry.module_axes:
+        lines.append(f"axes = {_toml(MODULE_AXES)}   # the module's sharding names: {_toml(entry.axes)}")
+    else:
+        lines.append(f"axes = {_toml(entry.axes)}")
     return [prefix + line for line in lines]
 
 
@@ -66,6 +71,13 @@ def _describe(group: Group) -> str:
     of = f"{stack} of " if stack else ""
     where = f" (layer group {printable(group.layer_group)})" if group.layer_group is not None else ""
     return f"{printable(group.pattern)}{where}  {of}{shape_text(group.shape)} {np.dtype(group.dtype).name}"
+
+
+def _describe_leaf(leaf: Leaf) -> str:
+    """`blocks.wq  [2, 8] float32`; a listed leaf `layers.{layer}.wq  2 layers of [8] float32`."""
+    stack = " x ".join(f"{n} {_STACK_NAMES[name]}" for name, n in zip(leaf.listed, leaf.shape))
+    of = f"{stack} of " if stack else ""
+    return f"{printable(leaf.path)}  {of}{shape_text(leaf.each)} {leaf.dtype.name}"
 
 
 def _reference(config: AnyMapping[str, Any]) -> str | None:

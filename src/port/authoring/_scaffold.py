@@ -6,6 +6,12 @@ axis for every dimension, and writes what it could not pair as TODO comments, wi
 hints for fused tensors. Keys no unfilled leaf fits or resembles are drafted as `ignore`
 patterns, a whole subtree the model takes no key from as one (`decoder.*`). It reads no tensor data and writes no file: it returns text.
 
+A module that keeps its layers in a list (an `nnx.List`, a Python list of Equinox blocks:
+leaves `layers.0.attn.wq`, `layers.1.attn.wq`, ...) gets one entry per role, `{layer}` in its
+key and its path (`path = "layers.{layer}.attn.wq"`), as a stacked module does. A Flax NNX
+module's variables annotated with sharding names get `axes = "module"` (and a rule for each
+name); its own state (RNG keys and counts) is no leaf to fill and is not drafted.
+
 A module with `layer_groups` (one stack per kind of layer) is paired group by group:
 each group's leaves with its layers' keys only, so a key pattern both groups hold gets
 one entry per group; a group with no layer (a None stack) gets none (a header note says
@@ -25,6 +31,7 @@ Path("my_model.toml").write_text(text)          # review CHECK / TODO, then `por
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import os
 from collections.abc import Mapping as AnyMapping
 from collections.abc import Sequence
@@ -35,10 +42,10 @@ import numpy as np
 
 from .._errors import MappingError, PlanError
 from .._mapping import import_object
-from .._plan import layer_groups
+from .._plan import LAYER_COUNTS, layer_groups
 from .._skeleton import skeleton as make_skeleton
 from .._sources import Checkpoint, TensorInfo, open_checkpoint
-from .._targets import leaves as skeleton_leaves
+from .._targets import target_of
 from .._text import plural, printable, quoted
 from ._axes import Dims, config_dims, literal_sizes, named, propose_axes, size_warnings
 from ._draft import Draft, Entry, ops_text, shape_text
@@ -54,7 +61,18 @@ from ._keys import (
     unused_patterns,
 )
 from ._names import similarity
-from ._pairing import Candidate, Leaf, assign, candidate, is_matrix, orientation, pick, rivals, target_shape
+from ._pairing import (
+    Candidate,
+    Leaf,
+    assign,
+    candidate,
+    is_matrix,
+    list_leaves,
+    orientation,
+    pick,
+    rivals,
+    target_shape,
+)
 from ._render import render
 
 WEAK_SCORE = 0.3  # below this, a pairing rests on shape alone
@@ -70,9 +88,12 @@ def scaffold(checkpoint: str | os.PathLike | Checkpoint, skeleton: Any, model: s
     - `checkpoint`: a checkpoint directory, a Hugging Face repo id, or an opened `Checkpoint`
       (one this opens, it closes).
     - `skeleton`: the module to fill: its skeleton (`eqx.filter_eval_shape(MyModel.from_config,
-      config, key=...)`), its class (built from the checkpoint's `config.json` with
-      `from_config`), or None to import the class `model` names.
-    - `model`: the module's `"package.module:Class"`, written as the mapping's `model`.
+      config, key=...)`, an `nnx.eval_shape` of an NNX module), what a mapping's `model` may
+      name (a class with `from_config`, a Flax NNX module class, a factory function), built
+      from the checkpoint's `config.json` as `port.skeleton` builds it, or None to import what
+      `model` names.
+    - `model`: the module's `"package.module:Class"` (or `"package.module:build"`, a factory),
+      written as the mapping's `model`.
 
     Returns the text of the mapping file. Entries it is unsure of carry a `# CHECK:`
     comment, keys and leaves it could not pair a `# TODO` block. Raises `PlanError`
@@ -81,6 +102,7 @@ def scaffold(checkpoint: str | os.PathLike | Checkpoint, skeleton: Any, model: s
     ```python
     text = port.scaffold("tinylm-checkpoint", TinyLM, "tinylm:TinyLM")
     Path("draft.toml").write_text(text)        # review CHECK / TODO, then `port check`
+    text = port.scaffold("llama-checkpoint", llama.build, "llama:build")   # an NNX module's factory
     ```
     """
     return render(draft(checkpoint, skeleton, model))
@@ -107,7 +129,7 @@ def draft(checkpoint: str | os.PathLike | Checkpoint, skeleton: Any, model: str)
     try:
         if skeleton is None:
             skeleton = import_object(model, "`model`")
-        if isinstance(skeleton, type):
+        if isinstance(skeleton, type) or inspect.isfunction(skeleton):  # a class or a factory: built
             skeleton = make_skeleton(skeleton, ckpt.config)
         return _draft(ckpt, skeleton, model)
     finally:
@@ -117,11 +139,8 @@ def draft(checkpoint: str | os.PathLike | Checkpoint, skeleton: Any, model: str)
 
 def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
     config, tensors = checkpoint.config, checkpoint.tensors
-    leaves = [
-        Leaf(path, tuple(leaf.shape), np.dtype(leaf.dtype))
-        for path, leaf in skeleton_leaves(skeleton).items()
-        if hasattr(leaf, "shape")
-    ]
+    n_layers = next((config[k] for k in LAYER_COUNTS if type(config.get(k)) is int), None)
+    leaves, annotated = _leaves(skeleton, n_layers)
     prefix = find_prefix(sorted(tensors), [leaf.path for leaf in leaves])
     names = {(k[len(prefix) :] if prefix and k.startswith(prefix) else k): k for k in sorted(tensors)}
     passes, notes, beyond_ignore, beyond = _passes(names, tensors, leaves, layer_groups(skeleton), config)
@@ -176,7 +195,14 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
         for c in filter(rival, candidates):
             by_group.setdefault(c.group.pattern, []).append(c)
             by_leaf.setdefault(c.leaf.path, []).append(c)
-        entries += [_entry(c, rivals(c, by_group, by_leaf), transposed, voters, config, dims) for c in chosen]
+        entries += [
+            _entry(c, rivals(c, by_group, by_leaf), transposed, voters, config, dims, annotated.get(c.leaf.path))
+            for c in chosen
+        ]
+    by_path = {leaf.path: leaf for leaf in leaves}
+    for hint in hints.values():
+        if hint is not None:
+            hint.entries = [_for_leaf(e, by_path[e.path], annotated.get(e.path)) for e in hint.entries]
     entries.sort(key=lambda e: order[e.path])
     free.sort(key=lambda leaf: order[leaf.path])
     unpaired.sort(key=lambda g: (g.pattern, g.layer_group or ""))
@@ -195,8 +221,32 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
         notes,
         ignore_why=why,
         prefix_keys=sum(k.startswith(prefix) for k in tensors) if prefix else 0,
-        warnings=size_warnings([(c.leaf, c.group.stack) for c in pairs], dims),
+        warnings=size_warnings([(c.leaf, c.group.stack) for c in pairs if c.leaf.path not in annotated], dims),
     )
+
+
+def _leaves(skeleton: Any, layers: int | None) -> tuple[list[Leaf], dict[str, tuple[str | None, ...]]]:
+    """The leaves a mapping fills, those of a list of `layers` layers as one listed leaf each (`list_leaves`),
+    and the sharding names the module annotates them with, by path (a listed leaf's when every
+    leaf it stands for has the same).
+
+    A module's own state (an NNX module's RNG keys and counts: `Target.own`) is no leaf to fill.
+    """
+    target = target_of(skeleton)
+    own = target.own(skeleton)
+    found = [
+        Leaf(path, tuple(leaf.shape), np.dtype(leaf.dtype))
+        for path, leaf in target.leaves(skeleton).items()
+        if hasattr(leaf, "shape") and path not in own
+    ]
+    leaves, members = list_leaves(found, layers)
+    axes = target.axes(skeleton)
+    annotated = {}
+    for leaf in leaves:
+        names = {axes.get(path) for path in members.get(leaf.path, [leaf.path])}
+        if len(names) == 1 and (one := names.pop()) is not None and len(one) == len(leaf.each):
+            annotated[leaf.path] = one
+    return leaves, annotated
 
 
 def _unused(names: AnyMapping[str, str], spare: set[str], buffers: set[str]) -> tuple[dict[str, str], list[str]]:
@@ -314,8 +364,12 @@ def _entry(
     voters: Sequence[str],
     config: AnyMapping[str, Any],
     dims: Dims,
+    annotated: tuple[str | None, ...] | None = None,
 ) -> Entry:
-    """The entry for a pairing: its transforms and axes, and a CHECK for each doubt (`also`: its rivals)."""
+    """The entry for a pairing: its transforms and axes, and a CHECK for each doubt (`also`: its rivals).
+
+    `annotated`: the leaf's sharding names in the module, its axes then (no guess to comment on).
+    """
     target = target_shape(c.group, c.leaf)
     assert target is not None
     ops, others = pick(c.options, c.group.shape, transposed)
@@ -334,4 +388,15 @@ def _entry(
         comments.append(f"# CHECK: {why}; also fits: {ops_text(others[0]) if others[0] else 'no transforms'}")
     axes, notes = propose_axes(c.leaf, c.group.stack, dims)
     ops = named(ops, c.group.shape, target, config, axes[len(c.group.stack) :])
-    return Entry(c.group.pattern, c.leaf.path, ops, axes, comments + notes + literal_sizes(ops))
+    notes = [] if annotated is not None else notes
+    return _for_leaf(
+        Entry(c.group.pattern, c.leaf.path, ops, axes, comments + notes + literal_sizes(ops)), c.leaf, annotated
+    )
+
+
+def _for_leaf(entry: Entry, leaf: Leaf, annotated: tuple[str | None, ...] | None) -> Entry:
+    """`entry` (axes proposed for `leaf`'s dimensions) with the axes of each leaf it fills: a listed
+    leaf's without its list's (`layers`), or the module's own sharding names (`annotated`)."""
+    if annotated is not None:
+        return replace(entry, axes=[a or "" for a in annotated], module_axes=True)
+    return replace(entry, axes=entry.axes[len(leaf.listed) :])
