@@ -292,9 +292,10 @@ def import_object(spec: str, what: str, error: type[PortError] = PortError) -> A
     except (ImportError, AttributeError) as e:
         top = module.split(".")[0]
         beside = next((f"{top}{s}" for s in (".py", "/") if (Path.cwd() / f"{top}{s}").exists()), None)
+        missing = (getattr(e, "name", None) or top).split(".")[0]  # the module not found: this one, or one it imports
         hint = (
             ""
-            if beside is None or not isinstance(e, ModuleNotFoundError)
+            if beside is None or not isinstance(e, ModuleNotFoundError) or missing != top
             else (
                 f"; {beside} in the working directory is imported only when named: "
                 f"`--module {spec}` on the command line, or its directory on sys.path in Python"
