@@ -2,7 +2,7 @@
 
 A page is run as a reader follows it: its blocks in order, in one working directory
 holding what a clone of port holds that the blocks use (`examples/tiny-gpt2`,
-`mappings/`), so a block may use what an earlier one wrote. A block's language says
+`examples/nnx_llama`, `mappings/`), so a block may use what an earlier one wrote. A block's language says
 what it is and how it is run:
 
 - `sh`: `port` commands, one a line (a trailing `\\` continues one), each through the real
@@ -14,7 +14,7 @@ what it is and how it is run:
 - `python`: run by a fresh interpreter in an ordinary process: no device settings (one
   CPU device until port simulates those a mesh needs), offline.
 - `toml`: a mapping excerpt: parsed by `port.load_mapping`, and each of its entries is
-  a shipped mapping's.
+  a shipped mapping's (or the NNX example's, `examples/nnx_llama/llama.toml`).
 - `text`: a synopsis: each `port COMMAND` names exactly the options its parser has.
 - `bash`: the fresh-machine blocks `.ci/run` runs (tests/test_readme.py checks them).
 
@@ -59,6 +59,8 @@ HUB = {
     "sentence-transformers/all-MiniLM-L6-v2": lambda d: torch_bert().save_pretrained(d),
 }
 LOCAL = {"/tmp/gpt2-small": EXAMPLE}  # absolute paths the pages read, and what stands in for them
+EXAMPLES = [EXAMPLE, REPO / "examples" / "nnx_llama"]  # what of examples/ the working directory holds
+EXAMPLE_MAPPINGS = [REPO / "examples" / "nnx_llama" / "llama.toml"]  # mappings the pages quote beside mappings/
 
 # Checks appended to a Python block (found by a line of it): what its prose says of the process it runs in.
 CONDITIONS = {
@@ -133,7 +135,8 @@ class Reader:
     def __init__(self, root: Path, hub: Path):
         self.work = root / "work"
         (self.work / "examples").mkdir(parents=True)
-        shutil.copytree(EXAMPLE, self.work / "examples" / "tiny-gpt2")
+        for example in EXAMPLES:
+            shutil.copytree(example, self.work / "examples" / example.name)
         shutil.copytree(REPO / "mappings", self.work / "mappings")
         for path, stand_in in LOCAL.items():
             shutil.copytree(stand_in, self.local(path))
@@ -246,7 +249,7 @@ def check_mapping_excerpt(block: Block, path: Path) -> None:
 
     path.write_text(block.text)
     excerpt = port.load_mapping(path)
-    shipped = [port.load_mapping(p) for p in sorted((REPO / "mappings").glob("*.toml"))]
+    shipped = [port.load_mapping(p) for p in [*sorted((REPO / "mappings").glob("*.toml")), *EXAMPLE_MAPPINGS]]
     (main,) = [m for m in shipped if m.model == excerpt.model]
     for param in excerpt.params:
         assert param in main.params, f"{block}: {param.key} is not {main.source}'s entry"
