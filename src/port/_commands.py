@@ -474,7 +474,9 @@ def export_command(args: argparse.Namespace) -> int:
             bar.update(bar.task_ids[0], completed=at.done, total=at.total, description="writing")
 
     with PeakMemory() as peak:
-        model = restore(output, args.mesh, model=_model_class(args.module, factory=True))  # its metadata read once, here
+        model = restore(
+            output, args.mesh, model=_model_class(args.module, factory=True)
+        )  # its metadata read once, here
         try:
             out = export(
                 model,

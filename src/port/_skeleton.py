@@ -38,6 +38,7 @@ from ._errors import ConfigError, MappingError, PortError
 from ._mapping import Mapping
 from ._model import is_model
 from ._targets import is_nnx, nnx, path_str, target_of
+from ._targets import leaves as leaves  # every leaf by its path, for a skeleton's reader
 from ._text import one_line
 
 
