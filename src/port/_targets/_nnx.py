@@ -53,7 +53,7 @@ class NNXTarget(Target):
     @staticmethod
     def _flat(tree: Any) -> tuple[Any, list[tuple[tuple, Any]]]:
         graphdef, state = nnx().split(tree)
-        return graphdef, list(state.flat_state())
+        return graphdef, list(nnx().to_flat_state(state))
 
     def leaves(self, tree: Any) -> dict[str, Any]:
         _, flat = self._flat(tree)
@@ -69,7 +69,7 @@ class NNXTarget(Target):
             (keys, variable.replace(arrays[path]) if path in arrays else variable)
             for path, (keys, variable) in zip(paths, flat)
         ]
-        return nnx().merge(graphdef, nnx().State.from_flat_path(filled))
+        return nnx().merge(graphdef, nnx().from_flat_state(filled))
 
     def axes(self, tree: Any) -> dict[str, tuple[str | None, ...]]:
         _, flat = self._flat(tree)
@@ -86,4 +86,4 @@ class NNXTarget(Target):
         return {_path(keys): type(v).__name__ for keys, v in flat if not isinstance(v, nnx().Param)}
 
     def tree(self, model: Any) -> Any:
-        return nnx().state(model).to_pure_dict()
+        return nnx().to_pure_dict(nnx().state(model))
