@@ -199,6 +199,11 @@ def _mb(n: float) -> str:
     return _measure.mb(n)
 
 
+def _more(n: float) -> str:
+    """A difference in MB, signed: `+67 MB`, `-2 MB`, `0 MB`."""
+    return f"{round(n / 1e6):+,d} MB" if round(n / 1e6) else "0 MB"
+
+
 def table(size: str, results: dict, spread: dict, checkpoint: int, largest: int, mesh: str) -> str:
     """The Markdown section: a row per target, then the NNX load against the Equinox load."""
     header = [
@@ -242,7 +247,7 @@ def table(size: str, results: dict, spread: dict, checkpoint: int, largest: int,
             "",
             f"nnx: {nnx_run['seconds'] / eqx_run['seconds']:.2f} x the Equinox load's time "
             f"({nnx_run['seconds'] - eqx_run['seconds']:+.3f} s); memory above the arrays "
-            f"{_mb(above['nnx'])} against {_mb(above['equinox'])} ({_mb(above['nnx'] - above['equinox'])}; "
+            f"{_mb(above['nnx'])} against {_mb(above['equinox'])} ({_more(above['nnx'] - above['equinox'])}; "
             f"the largest tensor {_mb(largest)}); bytes read {'the same, the plan' if same_reads else 'DIFFERENT'}"
             f"'s; bytes on the devices (in all, on the most loaded) {'the same' if same_arrays else 'DIFFERENT'}.",
         ]
@@ -260,7 +265,7 @@ def table(size: str, results: dict, spread: dict, checkpoint: int, largest: int,
             lines += [
                 "",
                 f"{what} ({before} -> {after}): {b['seconds'] - a['seconds']:+.3f} s "
-                f"(placing {b['place_seconds'] - a['place_seconds']:+.3f} s), {_mb(memory)} above the arrays.",
+                f"(placing {b['place_seconds'] - a['place_seconds']:+.3f} s), {_more(memory)} above the arrays.",
             ]
     return "\n".join(lines)
 
