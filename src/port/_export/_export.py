@@ -50,7 +50,7 @@ from .._plan import is_none, plan
 from .._runtime import exchange, num_processes
 from .._skeleton import describe_model, skeleton
 from .._sources import Checkpoint, TensorInfo, open_checkpoint, raw_header
-from .._targets import leaves, target_of
+from .._targets import is_nnx, leaves, target_of
 from .._text import quoted
 from ._blocks import Block, block_data, blocks, extent, gather, local_shards
 from ._invert import Inverse, invert
@@ -251,17 +251,17 @@ def _expected(model: Any, mapping: Mapping, config: AnyMapping[str, Any], output
     """The leaves `model` is checked against, and how messages name where they come from: the module
     the mapping's model builds from the config, where the caller gave the mapping or it is port's own
     for the config; where it is the one a port `output` keeps (untrusted), `model`'s own class if it
-    has from_config, else one of port's models the output names (`model_class`), else the leaves the
-    output lists: nothing else an output names is imported, as `restore` imports nothing else."""
+    has from_config, the leaves the output lists for a Flax NNX module (its class is not what built
+    it), else one of port's models the output names (`model_class`): nothing else an output names
+    is imported, as `restore` imports nothing else."""
     if output is None:
         built: Any = mapping.model_object()
     elif is_model(type(model)):
         built = model_class(output, type(model))
+    elif is_nnx(model):  # built by a factory the output names but does not hand over: its leaves are the check
+        return dict(output.leaves), f"the output {output.directory}"
     else:
-        try:
-            built = model_class(output)
-        except OutputError:
-            return dict(output.leaves), f"the output {output.directory}"
+        built = model_class(output)
     expected = {p: leaf for p, leaf in leaves(skeleton(built, config)).items() if hasattr(leaf, "shape")}
     return expected, f"the module {describe_model(built)} that the config builds"
 

@@ -114,8 +114,8 @@ def restore(
     mesh = as_mesh(mesh)
     if model is not None and not is_buildable(model):
         raise PortError(
-            f"`model`: expected a class with from_config(config, *, key), a Flax NNX module class or a "
-            f"factory function, got {quoted(model)}"
+            f"`model`: expected a class with from_config(config, *, key), got {quoted(model)} "
+            "(or a Flax NNX module class, or a factory function)"
         )
     output = directory if isinstance(directory, Output) else read_output(directory)
     cls = model_class(output, model)
