@@ -13,6 +13,7 @@ Flax) is one line naming the thing, and through the installed `port` exit 1 with
 
 import importlib
 import json
+import math
 import re
 import shutil
 import sys
@@ -332,6 +333,30 @@ def test_each_device_block_reads_exactly_its_region(checkpoints, llama, key_read
     assert {p.leaf.path for parts, _ in key_reads for p in parts if p.source is None} >= {  # staged: transposed
         "layers.0.attn.q_proj.kernel" if kind == "nnx" else "params.layers_0.attn.q.kernel"
     }
+
+
+def test_a_large_staged_tensor_is_read_in_bands_of_its_rows(checkpoints, loads, llama, key_reads, monkeypatch):
+    """A transposed tensor larger than BAND_BYTES is staged in bands of its source rows of about
+    STAGED_BYTES (the blocks beside one another read together): every byte of the checkpoint
+    read once, no job staging much more than that, the same leaves bit for bit."""
+    monkeypatch.setattr(port._place, "BAND_BYTES", 4096)
+    monkeypatch.setattr(port._place, "STAGED_BYTES", 4096)
+    mesh = port.make_mesh("4x2")
+    directory = checkpoints("float32").directory
+    model = port.load(directory, mesh, mapping=NNX_MAPPING)
+    read = [offset for _, files in key_reads for offset in files.tolist()]
+    with port.open_checkpoint(directory) as ckpt:
+        every = set().union(*(element_bytes(info, tuple((0, n) for n in info.shape)) for info in ckpt.tensors.values()))
+    assert len(read) == len(set(read)) and set(read) == every
+    jobs = {}
+    for parts, _ in key_reads:
+        jobs[parts[0].key] = jobs.get(parts[0].key, 0) + 1
+        staged = sum(math.prod(b - a for a, b in p.region) * 4 for p in parts if p.source is None)
+        row = max(math.prod(b - a for a, b in p.region[1:]) * 4 for p in parts)
+        assert staged <= 4096 + len(parts) * row, parts[0].key  # a band is whole rows
+    assert jobs["lm_head.weight"] > 1 and jobs["model.layers.0.self_attn.q_proj.weight"] > 1
+    ours, theirs = leaves(model), leaves(loads("nnx", "4x2", "float32"))
+    assert all(np.array_equal(np.asarray(ours[p]), np.asarray(theirs[p])) for p in theirs)
 
 
 # ---------------------------------------------------------------- restore, export

@@ -37,6 +37,7 @@ from ._sources import Checkpoint, Region
 
 ALIGN = 64  # XLA's CPU client adopts host buffers aligned like this without a copy
 BAND_BYTES = 16 * 2**20  # a source tensor larger than this is read by several jobs
+STAGED_BYTES = 4 * 2**20  # a staged block larger than this is read and finished in bands of about this size
 AHEAD = 2  # units (leaves, or leaves cut from the same tensors) read ahead of the one being assembled
 
 
@@ -138,7 +139,10 @@ def _bands(parts: list[Part]) -> list[list[Part]]:
     band_bytes = BAND_BYTES
     total = sum(math.prod(b - a for a, b in part.region) for part in parts) * parts[0].leaf.source_dtype.itemsize
     rows = band_rows(parts[0].leaf)
-    if total <= band_bytes or not parts[0].region or any(part.source is None for part in parts) or rows is None:
+    staged = [part for part in parts if part.source is None]
+    if staged and total > band_bytes and len(staged) == len(parts) and len({p.region for p in parts}) == len(parts):
+        return _staged_bands(parts)
+    if total <= band_bytes or not parts[0].region or staged or rows is None:
         return [parts]
     lo, hi = min(part.region[0][0] for part in parts), max(part.region[0][1] for part in parts)
     step = -(-max(1, (hi - lo) * band_bytes // total) // rows) * rows
@@ -155,6 +159,66 @@ def _bands(parts: list[Part]) -> list[list[Part]]:
                 band.append(Part(part.leaf, part.key, ((x, y), *rest), part.regions, part.target, source))
         jobs.append(band)
     return jobs
+
+
+def _staged_bands(parts: list[Part]) -> list[list[Part]]:
+    """One large source key's staged parts (a transposed embedding's blocks) as jobs of about
+    `STAGED_BYTES` of staging each: every part cut into bands of its source rows
+    (`cut_staged`), and the bands of the parts beside one another (the same rows) read
+    together, so that their runs still merge into whole rows."""
+    beside: dict[tuple[int, int], int] = {}
+    for part in parts:
+        beside[part.region[0]] = beside.get(part.region[0], 0) + 1
+    jobs: dict[tuple[int, int], list[Part]] = {}
+    for part in parts:
+        for cut in cut_staged(part, max(1, STAGED_BYTES // beside[part.region[0]])):
+            jobs.setdefault(cut.region[0], []).append(cut)
+    return list(jobs.values())
+
+
+def cut_staged(part: Part, nbytes: int) -> list[Part]:
+    """A staged part of more than `nbytes` as parts of sub-boxes of its block, each reading one band
+    of the source's rows (so no byte is read twice) and finishing its share of the block: its
+    staging buffer then holds about `nbytes`, not the whole block. A part whose block no axis
+    cuts into such bands (a reshape across rows) stays whole.
+
+    ```python
+    cut_staged(part, 4 << 20)   # lm_head.weight rows [0, 16000) x [0, 256) transposed -> 2 parts of 8000 rows
+    ```
+    """
+    size = math.prod(b - a for a, b in part.region) * part.leaf.source_dtype.itemsize
+    rows = band_rows(part.leaf)
+    out = part.regions[-1]
+    if size <= nbytes or not part.region or rows is None:
+        return [part]
+    n = -(-size // nbytes)
+    (first, last), rest = part.region[0], part.region[1:]
+    for axis, (a, b) in enumerate(out):
+        edges = sorted({a + (b - a) * i // n for i in range(n + 1)})
+        if len(edges) < 3:
+            continue
+        subs = [(*out[:axis], (x, y), *out[axis + 1 :]) for x, y in zip(edges, edges[1:])]
+        regions = [part.leaf.chain.regions(sub) for sub in subs]
+        bands = [r[0] for r in regions]
+        ordered = sorted(bands)
+        if (
+            all(band[1:] == rest for band in bands)
+            and ordered[0][0][0] == first
+            and ordered[-1][0][1] == last
+            and all(p[0][1] == q[0][0] and q[0][0] % rows == 0 for p, q in zip(ordered, ordered[1:]))
+        ):
+            return [
+                Part(
+                    part.leaf,
+                    part.key,
+                    band,
+                    r,
+                    part.target[tuple(slice(x - a0, y - a0) for (x, y), (a0, _) in zip(sub, out))],
+                    None,
+                )
+                for sub, r, band in zip(subs, regions, bands)
+            ]
+    return [part]
 
 
 def band_rows(leaf: LeafPlan) -> int | None:
