@@ -79,28 +79,11 @@ def _bounded_compiled_code():
         gc.collect()
 
 
-@pytest.fixture
-def reads(monkeypatch):
-    """Every byte read while placing, attributed to the block it landed in.
-
-    Returns a function of the finished run giving (leaf, box, file offsets of its bytes)
-    per block, and the file offsets of the bytes that landed in no block (read into a
-    staging buffer). Reads are attributed by destination address within each
-    `read_key` call, while its buffers are alive (later ones may reuse the memory).
-    """
-    blocks, landed, lock, local = [], [], threading.Lock(), threading.local()
-    real_plan_reads, real_read_key, real_preadv = (
-        port._place.plan_reads,
-        port._place.read_key,
-        port._sources._local._preadv,
-    )
-
-    def plan_reads(wanted):
-        planned, parts = real_plan_reads(wanted)
-        with lock:
-            for (leaf, _), leaf_blocks in zip(wanted, planned):
-                blocks.extend((leaf, box, out) for box, out in leaf_blocks.items())
-        return planned, parts
+def record_key_reads(monkeypatch, each):
+    """Call `each(parts, file offsets, destination addresses)` (under a lock) for every `read_key`
+    of a placement: one source key's parts, and where each byte it read came from and went."""
+    lock, local = threading.Lock(), threading.local()
+    real_read_key, real_preadv = port._place.read_key, port._sources._local._preadv
 
     def preadv(fd, iov, offset):
         rows = np.array(iov, copy=True)
@@ -112,18 +95,55 @@ def reads(monkeypatch):
         local.calls = []
         real_read_key(checkpoint, parts)
         files, addresses = read_offsets(local.calls)
-        staged = np.ones(len(files), bool)
         with lock:
-            for part in parts:
-                start = part.target.ctypes.data
-                inside = (addresses >= start) & (addresses < start + part.target.nbytes)
-                landed.append((start, files[inside]))
-                staged &= ~inside
-            landed.append((None, files[staged]))
+            each(parts, files, addresses)
 
-    monkeypatch.setattr(port._place, "plan_reads", plan_reads)
     monkeypatch.setattr(port._place, "read_key", read_key)
     monkeypatch.setattr(port._sources._local, "_preadv", preadv)
+
+
+@pytest.fixture
+def key_reads(monkeypatch):
+    """Every read of one source key while placing: (its parts, the file offsets of each byte it read).
+
+    The `reads` fixture attributes bytes to the blocks they land in; a transposed kernel is
+    read into a staging buffer first, so here the bytes are taken per read of a key, whose
+    parts (one a distinct block) say which regions it had to read."""
+    found = []
+    record_key_reads(monkeypatch, lambda parts, files, _: found.append((parts, files)))
+    return found
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """Every byte read while placing, attributed to the block it landed in.
+
+    Returns a function of the finished run giving (leaf, box, file offsets of its bytes)
+    per block, and the file offsets of the bytes that landed in no block (read into a
+    staging buffer). Reads are attributed by destination address within each
+    `read_key` call, while its buffers are alive (later ones may reuse the memory).
+    """
+    blocks, landed, lock = [], [], threading.Lock()
+    real_plan_reads = port._place.plan_reads
+
+    def plan_reads(wanted):
+        planned, parts = real_plan_reads(wanted)
+        with lock:
+            for (leaf, _), leaf_blocks in zip(wanted, planned):
+                blocks.extend((leaf, box, out) for box, out in leaf_blocks.items())
+        return planned, parts
+
+    def each(parts, files, addresses):
+        staged = np.ones(len(files), bool)
+        for part in parts:
+            start = part.target.ctypes.data
+            inside = (addresses >= start) & (addresses < start + part.target.nbytes)
+            landed.append((start, files[inside]))
+            staged &= ~inside
+        landed.append((None, files[staged]))
+
+    monkeypatch.setattr(port._place, "plan_reads", plan_reads)
+    record_key_reads(monkeypatch, each)
 
     def attribute():
         per_block = {id(out): (leaf, box, []) for leaf, box, out in blocks}

@@ -17,7 +17,6 @@ import math
 import re
 import shutil
 import sys
-import threading
 from pathlib import Path
 
 import equinox as eqx
@@ -40,7 +39,6 @@ from helpers import (
     hooked,
     one_line,
     place_on,
-    read_offsets,
     run_port,
     saved_once,
     torch_llama,
@@ -285,33 +283,6 @@ def test_leaves_have_the_shardings_the_rules_give(loads, kind):
         assert spec_of(found[path]) == spec, path
         assert dict(found[path].sharding.mesh.shape) == {"data": 4, "model": 2}
     assert len(found) == 21  # 2 layers x 9, the embedding, the norm, the head: no other leaf
-
-
-@pytest.fixture
-def key_reads(monkeypatch):
-    """Every read of one source key while placing: (its parts, the file offsets of each byte it read).
-
-    The `reads` fixture attributes bytes to the blocks they land in; a transposed kernel is
-    read into a staging buffer first, so here the bytes are taken per read of a key, whose
-    parts (one a distinct block) say which regions it had to read."""
-    found, lock, local = [], threading.Lock(), threading.local()
-    real_read_key, real_preadv = port._place.read_key, port._sources._local._preadv
-
-    def preadv(fd, iov, offset):
-        rows = np.array(iov, copy=True)
-        got = real_preadv(fd, iov, offset)
-        local.calls.append((offset, rows, got))
-        return got
-
-    def read_key(checkpoint, parts):
-        local.calls = []
-        real_read_key(checkpoint, parts)
-        with lock:
-            found.append((parts, read_offsets(local.calls)[0]))
-
-    monkeypatch.setattr(port._place, "read_key", read_key)
-    monkeypatch.setattr(port._sources._local, "_preadv", preadv)
-    return found
 
 
 @pytest.mark.parametrize("kind", KINDS)
