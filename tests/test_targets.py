@@ -18,6 +18,7 @@ import re
 import shutil
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -434,6 +435,46 @@ def test_an_equinox_module_with_layers_in_a_list(tmp_path):
         assert np.array_equal(np.asarray(layer.b), tensors[f"h.{i}.fc.bias"])
         assert layer.w.sharding.spec == P("data", "model") and layer.b.sharding.spec == P("model")
     assert np.array_equal(np.asarray(model.head), tensors["wte.weight"])
+
+
+def test_layers_in_a_list_cut_to_a_range_of_the_checkpoints(tmp_path):
+    """`layers=range(1, 3)`: the list built from the config cut to two layers holds layers 1 and 2."""
+    directory, tensors = list_checkpoint(tmp_path / "ckpt")
+    mapping = port.parse_mapping(LIST_MAPPING, "list.toml")
+    model = port.load(directory, "4x2", mapping=mapping, layers=range(1, 3))
+    assert len(model.layers) == 2
+    for row, layer in zip((1, 2), model.layers):
+        assert np.array_equal(np.asarray(layer.w), tensors[f"h.{row}.fc.weight"].T)
+
+
+class GroupNet(eqx.Module):
+    """Two lists of layers of two kinds: `layer_groups` says which checkpoint layers each holds."""
+
+    layer_groups: ClassVar[dict[str, tuple[int, ...]]] = {"first": (0,), "rest": (1, 2)}
+    first: list[ListLayer]
+    rest: list[ListLayer]
+    head: jax.Array
+
+
+def group_net(config):
+    d = config["hidden_size"]
+    layer = lambda: ListLayer(jnp.zeros((d, 2 * d)), jnp.zeros(2 * d))  # noqa: E731
+    return GroupNet([layer()], [layer(), layer()], jnp.zeros((config["vocab_size"], d)))
+
+
+def test_layer_groups_fill_lists_of_layers_from_their_layers(tmp_path):
+    """A `{layer}` path under a layer group's prefix: list index i holds the group's i-th checkpoint layer."""
+    directory, tensors = list_checkpoint(tmp_path / "ckpt")
+    entries = LIST_MAPPING.split("[[params]]")
+    text = entries[0].replace("test_targets:list_net", "test_targets:group_net")
+    for group in ("first", "rest"):
+        text += "".join("[[params]]" + e.replace('"layers.{layer}', f'"{group}.{{layer}}') for e in entries[1:3])
+    text += "[[params]]" + entries[3]
+    model = port.load(directory, "4x2", mapping=port.parse_mapping(text, "groups.toml"))
+    assert [len(model.first), len(model.rest)] == [1, 2]
+    for layer, i in zip([*model.first, *model.rest], (0, 1, 2)):
+        assert np.array_equal(np.asarray(layer.w), tensors[f"h.{i}.fc.weight"].T)
+        assert np.array_equal(np.asarray(layer.b), tensors[f"h.{i}.fc.bias"])
 
 
 # ---------------------------------------------------------------- an NNX class with state of its own
