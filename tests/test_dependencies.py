@@ -62,8 +62,9 @@ def test_every_import_is_declared_with_a_range_that_holds_the_installed_version(
         modules = _imports(ROOT / "src" / "port") - {"torch", "transformers"}  # `port verify`: the torch extra
     else:
         ranges = _declared(PROJECT["dependencies"]) | _declared(PROJECT["optional-dependencies"]["test"])
-        generated = {"torch_tinylm"}  # a module test_walkthrough.py writes, as a user would
-        local = {path.stem for path in (ROOT / "tests").glob("*.py")} | {"make_gpt2"} | generated
+        generated = {"torch_tinylm", "dict_llama"}  # modules test_walkthrough.py, test_scaffold_targets.py write
+        examples = {path.stem for path in (ROOT / "examples").glob("*/*.py")}  # the worked examples' modules
+        local = {path.stem for path in (ROOT / "tests").glob("*.py")} | {"make_gpt2"} | generated | examples
         modules = _imports(ROOT / "tests") - local
     for module, distribution in sorted(_distributions(modules).items()):
         assert distribution in ranges, f"{module} (from {distribution}) is imported but not declared for {group}"
@@ -208,7 +209,7 @@ def test_no_import_circle_and_no_private_name_crossing_modules():
 
 def test_the_architecture_page_names_every_module():
     """docs/architecture.md's tree has one line for each module of the library's top level and of
-    `_sources/`, `_output/`, `_export/` (and nothing that is not there)."""
+    `_sources/`, `_output/`, `_export/`, `_targets/` (and nothing that is not there)."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     tree = re.search(r"```\nsrc/port/\n(.*?)```", text, re.S).group(1)
     listed, package = set(), ""
@@ -226,8 +227,8 @@ def test_the_architecture_page_names_every_module():
     present = {p.relative_to(package).as_posix() for p in package.glob("*.py")}
     present |= {
         p.relative_to(package).as_posix()
-        for d in ("_sources", "_output", "_export")
+        for d in ("_sources", "_output", "_export", "_targets")
         for p in (package / d).glob("*.py")
-        if p.name != "__init__.py" or d == "_sources"
+        if p.name != "__init__.py" or d in ("_sources", "_targets")
     }
     assert listed == present, (sorted(present - listed), sorted(listed - present))
