@@ -322,7 +322,7 @@ def main() -> None:
     if args.out:
         notes = [
             "Each figure is the median of the repeats (peak memory: the largest), each run a fresh process "
-            "after the page cache was warmed, the two targets in alternating rounds; seconds cover "
+            "after the page cache was warmed, the rows in alternating rounds; seconds cover "
             "`port.convert` alone (not JAX start-up, nor importing Flax, the example or port's models)."
         ]
         _measure.write(args.out, "Loading into an Equinox and a Flax NNX target", "targets.py", [section], notes)
