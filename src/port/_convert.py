@@ -44,7 +44,7 @@ from ._memory import PeakMemory, check_host_memory
 from ._meshes import mesh_spec
 from ._output import Saving, check_out, port_version
 from ._place import place
-from ._plan import LAYER_COUNTS, LeafPlan, Plan, partition, plan
+from ._plan import LAYER_COUNTS, LeafPlan, Plan, layer_count_key, partition, plan
 from ._runtime import agree, as_mesh
 from ._skeleton import own_state
 from ._skeleton import skeleton as make_skeleton
@@ -304,7 +304,7 @@ def with_layers(config: AnyMapping[str, Any], layers: range | None) -> dict[str,
         return dict(config)
     if not isinstance(layers, range) or layers.step != 1:
         raise PortError(f"layers={layers!r}: expected a contiguous range of layers, such as range(0, 12)")
-    key = next((k for k in LAYER_COUNTS if type(config.get(k)) is int), None)
+    key = layer_count_key(config)
     if key is None:
         raise PortError(f"layers={layers!r}: config.json has no layer count ({', '.join(LAYER_COUNTS)})")
     n = config[key]

@@ -50,11 +50,9 @@ import dataclasses
 import functools
 import importlib
 import importlib.resources
-import inspect
 import os
 import re
 import stat
-import sys
 import tomllib
 from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
@@ -63,7 +61,7 @@ from typing import Any
 
 from ._errors import ConfigError, MappingError, PortError
 from ._files import file_kind
-from ._model import is_model
+from ._model import is_buildable, is_model
 from ._text import one_line, quoted
 from ._transforms import Transform, parse_transform
 
@@ -245,12 +243,7 @@ class Mapping:
         ```
         """
         found = import_object(self.model, f"{self.source}: model", MappingError)
-        if inspect.isfunction(found):
-            return found
-        nnx = sys.modules.get("flax.nnx")
-        if nnx is not None and isinstance(found, type) and issubclass(found, nnx.Module):
-            return found
-        return self.model_class()
+        return found if is_buildable(found) else self.model_class()
 
     def model_class(self) -> type:
         """Import the `module:Class` named by `model`: a class, or a `MappingError` naming the file."""
@@ -301,7 +294,7 @@ def import_object(spec: str, what: str, error: type[PortError] = PortError) -> A
                 f"`--module {spec}` on the command line, or its directory on sys.path in Python"
             )
         )
-        if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] == "flax":
+        if isinstance(e, ModuleNotFoundError) and missing == "flax":
             hint = "; it needs Flax: install port's flax extra (pip install 'port[flax]')"
         raise error(f"{what} {quoted(spec, 200)} cannot be imported ({one_line(str(e), 300)}){hint}") from None
     return found

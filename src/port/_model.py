@@ -23,6 +23,8 @@ is_model(TinyLM(...)), is_model(len)  # False, False: an instance, a function
 
 from __future__ import annotations
 
+import inspect
+import sys
 from typing import Any, Protocol, runtime_checkable
 
 DEFAULT_INPUT_KIND = "input_ids"
@@ -71,6 +73,23 @@ def is_model(obj: Any) -> bool:
     ```
     """
     return isinstance(obj, type) and isinstance(obj, Model) and callable(getattr(obj, "from_config", None))
+
+
+def is_nnx_class(obj: Any) -> bool:
+    """Whether `obj` is a Flax NNX module class (False, and nothing imported, when Flax is not in use)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(obj, type) and issubclass(obj, nnx.Module)
+
+
+def is_buildable(obj: Any) -> bool:
+    """Whether port can build `obj`, as a mapping's `model` may name it: a model class (`is_model`),
+    a Flax NNX module class, or a plain function (a factory taking the config.json dict).
+
+    ```python
+    is_buildable(GPT2), is_buildable(build), is_buildable(collections.OrderedDict)   # True, True, False
+    ```
+    """
+    return is_model(obj) or is_nnx_class(obj) or inspect.isfunction(obj)
 
 
 def input_kind(cls: type) -> str:

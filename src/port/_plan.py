@@ -419,9 +419,7 @@ def plan_problems(
     own_state = tuple(p for p in own if p not in filled)
     excluded = tuple(p for p in every if p not in targets and p not in own_state)
     for path in targets:
-        if path in own and path not in filled:  # the module's own state (an NNX Rngs' key): its own value
-            continue
-        if path not in filled:
+        if path not in filled and path not in own_state:  # own state (an NNX Rngs' key) keeps its own value
             if strict:
                 problems.append(f"{mapping.source}: leaf '{path}' of {mapping.model} has no mapping entry")
             else:
@@ -463,9 +461,15 @@ LAYER_COUNTS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 """The config.json keys Hugging Face configs keep their layer count in."""
 
 
+def layer_count_key(config: AnyMapping[str, Any]) -> str | None:
+    """The key of `LAYER_COUNTS` the config gives its layer count under (an integer), if any."""
+    return next((k for k in LAYER_COUNTS if type(config.get(k)) is int), None)
+
+
 def _layer_count(names: AnyMapping[str, Any]) -> int | None:
     """The config's layer count, if it gives one."""
-    return next((names[k] for k in LAYER_COUNTS if type(names.get(k)) is int), None)
+    key = layer_count_key(names)
+    return None if key is None else names[key]
 
 
 def _per_leaf(
@@ -499,12 +503,7 @@ def _per_leaf(
             problems.append(f"{where}: path '{param.path}' matches no leaf of {mapping.model}")
         return []
     layered = param.path_stack[0] == LAYER
-    group = None
-    if layered:
-        prefix = param.path.split(LAYER, 1)[0].rstrip("._")
-        group = next(
-            (ids for p, ids in layer_groups(skeleton).items() if prefix == p or prefix.startswith(p + ".")), None
-        )
+    group = _group_at(skeleton, param.path.split(LAYER, 1)[0].rstrip("._")) if layered else None
     for i, name in enumerate(param.path_stack):
         seen = sorted({r[i] for r in rows})
         if seen != list(range(len(seen))):
@@ -580,8 +579,13 @@ def _layer_group(skeleton: Any, param: Param) -> tuple[int, ...] | None:
     """The checkpoint layers the stack at `param.path` holds, when it is in a layer group."""
     if not param.stack or param.stack[0] != LAYER:
         return None
+    return _group_at(skeleton, param.path)
+
+
+def _group_at(skeleton: Any, path: str) -> tuple[int, ...] | None:
+    """The checkpoint layers of the layer group whose prefix `path` is, or lies under; None outside one."""
     for prefix, ids in layer_groups(skeleton).items():
-        if param.path == prefix or param.path.startswith(prefix + "."):
+        if path == prefix or path.startswith(prefix + "."):
             return tuple(ids)
     return None
 

@@ -36,7 +36,7 @@ from jax.core import Tracer
 
 from ._errors import ConfigError, MappingError, PortError
 from ._mapping import Mapping
-from ._model import is_model
+from ._model import is_model, is_nnx_class
 from ._targets import is_nnx, nnx, path_str, target_of
 from ._targets import leaves as leaves  # every leaf by its path, for a skeleton's reader
 from ._text import one_line
@@ -45,17 +45,6 @@ from ._text import one_line
 def describe_model(model: Any) -> str:
     """How messages name a model class or factory: `module:qualname`."""
     return f"{getattr(model, '__module__', '?')}:{getattr(model, '__qualname__', type(model).__name__)}"
-
-
-def _is_nnx_class(obj: Any) -> bool:
-    module = sys.modules.get("flax.nnx")
-    return module is not None and isinstance(obj, type) and issubclass(obj, module.Module)
-
-
-def is_buildable(model: Any) -> bool:
-    """Whether port can build `model`: a model class (`from_config`), a Flax NNX module class, or a
-    plain function (a factory)."""
-    return is_model(model) or _is_nnx_class(model) or inspect.isfunction(model)
 
 
 def builder(model: Any, config: AnyMapping[str, Any]) -> Callable[[], Any]:
@@ -69,7 +58,7 @@ def builder(model: Any, config: AnyMapping[str, Any]) -> Callable[[], Any]:
     config = dict(config)
     if is_model(model):
         return lambda: model.from_config(dict(config), key=jax.random.key(0))
-    if _is_nnx_class(model):
+    if is_nnx_class(model):
         return lambda: model(dict(config), rngs=nnx().Rngs(0))
     if isinstance(model, type):
         raise MappingError(

@@ -43,13 +43,13 @@ from .._fill import fill
 from .._mapping import import_object
 from .._memory import check_host_memory
 from .._meshes import mesh_spec
-from .._model import is_model
+from .._model import is_buildable, is_model
 from .._pipeline import ReadAhead
 from .._place import aligned_empty, assemble
 from .._place import boxes as _boxes
 from .._plan import check_include, partition, selects
 from .._runtime import as_mesh, as_shape
-from .._skeleton import is_buildable, own_state, skeleton
+from .._skeleton import own_state, skeleton
 from .._sources import Checkpoint, LocalCheckpoint, Region, TensorInfo
 from .._targets import target_of
 from .._text import one_line, quoted
