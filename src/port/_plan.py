@@ -390,9 +390,7 @@ def plan_problems(
                     f"'{param.path}' (name its logical axes, one per dimension)"
                 )
                 continue
-            param = dataclasses.replace(
-                param, axes=tuple(a if isinstance(a, str) else None for a in annotated[param.path])
-            )
+            param = dataclasses.replace(param, axes=annotated[param.path])
         leaf = _leaf(
             param,
             where,

@@ -447,11 +447,11 @@ def _tree(model: Any, added: set[str]) -> tuple[_Arrays, list[list[dict[str, Any
     own = set(target.own(model)) - added
     flat, _ = jax.tree_util.tree_flatten_with_path(target.tree(model), is_leaf=lambda x: x is None)
     for keypath, leaf in flat:
-        keys = [_key(k) for k in keypath]
-        if path_str(keypath) in own:
+        keys, path = [_key(k) for k in keypath], path_str(keypath)
+        if path in own:
             continue
         if isinstance(leaf, jax.Array):
-            arrays.append((path_str(keypath), keys, leaf))
+            arrays.append((path, keys, leaf))
         else:
             nones.append(keys)
     return arrays, nones
@@ -464,7 +464,7 @@ def _axes(mapping: Mapping, path: str, annotated: AnyMapping[str, tuple]) -> tup
     if entry is None:
         return None
     if entry.axes is None:
-        return tuple(a if isinstance(a, str) else None for a in annotated.get(path, ())) or None
+        return annotated.get(path)
     return entry.axes
 
 

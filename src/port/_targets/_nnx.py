@@ -77,8 +77,8 @@ class NNXTarget(Target):
         for keys, variable in flat:
             metadata = variable.get_metadata()
             names = next((metadata[m] for m in SHARDING_METADATA if metadata.get(m)), None)
-            if names is not None:
-                found[_path(keys)] = tuple(names)
+            if names is not None:  # a dimension named by several mesh axes has no one logical axis: None
+                found[_path(keys)] = tuple(name if isinstance(name, str) else None for name in names)
         return found
 
     def own(self, tree: Any) -> dict[str, str]:

@@ -33,7 +33,8 @@ class Target(abc.ABC):
         """A new `tree` with the leaves at the paths of `arrays` replaced (None: left out); `tree` is unchanged."""
 
     def axes(self, tree: Any) -> dict[str, tuple[str | None, ...]]:
-        """The logical axes the tree annotates its leaves with, by path ({} where it annotates none)."""
+        """The logical axes the tree annotates its leaves with, by path, one name (or None) a dimension
+        ({} where it annotates none)."""
         return {}
 
     def own(self, tree: Any) -> dict[str, str]:
