@@ -115,17 +115,37 @@ def test_interrupted_force_keeps_the_earlier_output(gpt2_small, tmp_path):
     assert leftovers(tmp_path) == []
 
 
+PAUSE_IN_EXPORT = """
+import os, time
+if "PORT_SUPERVISOR_FDS" in os.environ:  # the worker: a minute's pause once its first tensor file is open
+    _open = os.open
+    def open(path, flags, *rest, **kw):
+        fd = _open(path, flags, *rest, **kw)
+        if str(path) == "model.safetensors" and kw.get("dir_fd") is not None:
+            time.sleep(60)
+        return fd
+    os.open = open
+"""
+
+
 def test_interrupted_export_leaves_nothing_and_keeps_the_earlier_export(gpt2_small, tmp_path):
-    """`port export` of the 124M output, interrupted halfway through a --force replacement."""
+    """`port export` of the 124M output, interrupted while a --force replacement writes its tensors
+    (a hook holds the worker there, so the signal never races the swap under load): the earlier
+    export untouched, nothing hidden left."""
     converted, out = tmp_path / "jax", tmp_path / "hf"
     assert start("convert", gpt2_small, "--out", converted).wait(timeout=300) == 0
-    began = time.perf_counter()
     first = start("export", converted, "--out", out)
     assert first.wait(timeout=300) == 0, first.stderr.read()
-    duration = time.perf_counter() - began
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-    code, output = interrupt_at(0.6 * duration, "export", converted, "--out", out, "--force")
-    assert code == 130, output
+    process = start("export", converted, "--out", out, "--force", env=hooked(tmp_path / "hook", PAUSE_IN_EXPORT))
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".hf.port-partial-*/model.safetensors")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(tmp_path.glob(".hf.port-partial-*/model.safetensors")), "the export never began writing"
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    output = stdout + stderr
+    assert process.returncode == 130, output
     assert output.strip().splitlines()[-1] == "port: interrupted", output
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # the earlier export, untouched
     assert leftovers(tmp_path) == []
