@@ -113,7 +113,7 @@ def test_an_output_naming_another_module_is_refused_without_importing_it(out, ev
     [
         "os:system",
         "port._output:restore",
-        "port.models._config:MISSING",
+        "port.nn.config:MISSING",
         "port.models.gpt2.evil:Model",
         "port.models.evil:Model",
         "port.models.gpt2:_normal",

@@ -44,7 +44,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._errors import ConfigError
-from port.models._config import MAX_LAYERS, activation, get
+from port.nn.config import MAX_LAYERS, activation, get
 from port.nn import (
     MLP,
     Attention,

@@ -57,7 +57,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.models._config import MAX_LAYERS, activation, check, check_model_type, get
+from port.nn.config import MAX_LAYERS, activation, check, check_model_type, get
 from port.nn import (
     Cache,
     Decoder,

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from port._errors import ConfigError
-from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, get
+from port.nn.config import ACTIVATIONS, MAX_LAYERS, activation, get
 from port.nn import (
     Decoder,
     LayerNorm,

@@ -53,7 +53,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.models._config import MAX_LAYERS, check, check_model_type, get, read_kv_heads
+from port.nn.config import MAX_LAYERS, check, check_model_type, get, read_kv_heads
 from port.nn import (
     Attention,
     Decoder,

@@ -56,7 +56,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.models._config import (
+from port.nn.config import (
     MAX_LAYERS,
     activation,
     check,

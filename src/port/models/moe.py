@@ -59,7 +59,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.models._config import MAX_LAYERS, check_model_type, get
+from port.nn.config import MAX_LAYERS, check_model_type, get
 from port.models.llama import LlamaConfig, block
 from port.nn import Decoder, MoE, PreNormBlock, Tokens, embeddings, head, rms_norm, run_groups, stacked
 

@@ -44,7 +44,7 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.models._config import ACTIVATIONS, MAX_LAYERS, activation, check, get
+from port.nn.config import ACTIVATIONS, MAX_LAYERS, activation, check, get
 from port.nn import MLP, Attention, LayerNorm, Pooler, cast, normal, scan, stacked
 from port.nn._inputs import batch_first, check_pixels
 

@@ -6,6 +6,10 @@ DeltaNet linear attention (Qwen3-Next), the layer scan and layers of several kin
 inputs and masks, the key/value cache, greedy generation and the loss live here. Every layer works on batch-first arrays
 (`[batch, seq, embed]`); models accept `(batch, seq)` ids or one `(seq,)` sequence.
 
+Reading config.json is `port.nn.config` (public): `get`, `check`, `activation`,
+`check_model_type`, `read_kv_heads`, and `ConfigFields`, each module's declaration of the
+fields it runs (`IGNORED`: those that change nothing numerically).
+
 Axis names are one vocabulary (`AXES`, `REFINED`, `SHAPES`, written down in
 `port/nn/_axes.py`): a field annotated `Float[Array, "heads head_dim embed"]` is filled by
 a mapping entry whose `axes` are `["layers", "heads", "head_dim", "embed"]`. The test
@@ -63,3 +67,4 @@ from port.nn._rope import read_rope as read_rope
 from port.nn._scan import scan as scan
 from port.nn._tokens import Tokens as Tokens
 from port.nn._tokens import prepare as prepare
+from port.nn import config as config

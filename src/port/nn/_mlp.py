@@ -7,7 +7,7 @@ mlp = MLP(embd=768, inner=3072, activation="gelu", dtype=jnp.float32, key=key)
 y = mlp(x)                                  # down(gelu(up x + b) ) + b
 ```
 
-`activation` is a transformers `ACT2FN` name (`port.models._config.ACTIVATIONS`).
+`activation` is a transformers `ACT2FN` name (`port.nn.config.ACTIVATIONS`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from port.models._config import ACTIVATIONS
+from port.nn.config import ACTIVATIONS
 from port.nn._init import normal, zeros_if
 
 

@@ -27,7 +27,7 @@ from jaxtyping import Array, Float, Int
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.models._config import check
+from port.nn.config import check
 
 KINDS = ("default", "linear", "llama3", "yarn", "longrope")
 """The `rope_type`s port computes, as transformers' `ROPE_INIT_FUNCTIONS` does."""
@@ -172,22 +172,30 @@ def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
-def rope_parameters(config: dict) -> tuple[str, dict]:
+def rope_parameters(
+    config: dict, *, layer_type: str | None = None, default_theta: float = 10000.0
+) -> tuple[str, dict]:
     """The config.json key holding the RoPE settings, and the settings as transformers 5 standardises them.
 
-    transformers 5 writes `rope_parameters` (with `rope_theta` and `rope_type`);
-    transformers 4 wrote a top-level `rope_theta` and an optional `rope_scaling` (with
-    `rope_type` or the legacy `type`). As in transformers, `rope_scaling` wins, and a
-    top-level `original_max_position_embeddings` takes priority.
+    transformers 5 writes `rope_parameters` (with `rope_theta` and `rope_type`), or, for
+    families whose local and global layers rotate differently (Gemma 3, ModernBERT), one
+    such dict per layer type (`{"full_attention": {...}, "sliding_attention": {...}}`):
+    `layer_type` picks one. transformers 4 wrote a top-level `rope_theta` and an optional
+    `rope_scaling` (with `rope_type` or the legacy `type`). As in transformers,
+    `rope_scaling` wins, and a top-level `original_max_position_embeddings` takes priority.
+    `default_theta` is the config class's base where config.json names none.
     """
     key = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
     rope = config.get(key) or {}
-    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
-        raise ConfigError(
-            f"config.json: {key!r} must be one flat dict (per-layer-type RoPE is not supported), got {quoted(rope)}"
-        )
+    nested = isinstance(rope, dict) and any(isinstance(v, dict) for v in rope.values())
+    if nested and layer_type is not None and isinstance(rope.get(layer_type), dict):
+        key, rope = f"{key}.{layer_type}", rope[layer_type]
+        nested = any(isinstance(v, dict) for v in rope.values())
+    if not isinstance(rope, dict) or nested:
+        wanted = f"a dict for {layer_type!r}" if layer_type else "one flat dict (per-layer-type RoPE is not supported)"
+        raise ConfigError(f"config.json: {key!r} must be {wanted}, got {quoted(rope)}")
     rope = dict(rope)
-    rope["rope_theta"] = _first(rope.get("rope_theta"), config.get("rope_theta"), 10000.0)
+    rope["rope_theta"] = _first(rope.get("rope_theta"), config.get("rope_theta"), default_theta)
     rope["rope_type"] = _first(rope.get("rope_type"), rope.get("type"), "default")
     if "original_max_position_embeddings" in config:
         rope["original_max_position_embeddings"] = config["original_max_position_embeddings"]
@@ -203,6 +211,8 @@ def read_rope(
     max_position_embeddings: int,
     aliases: dict[str, str] | None = None,
     allow_partial: bool = False,
+    layer_type: str | None = None,
+    default_theta: float = 10000.0,
 ) -> Rope:
     """The `Rope` a config.json describes; `ConfigError` naming the key for anything unsupported.
 
@@ -215,6 +225,10 @@ def read_rope(
       length, and for longrope / yarn factors that config.json leaves out).
     - `aliases`: old names of a type (Phi-3: `{"su": "longrope"}`).
     - `allow_partial`: whether `partial_rotary_factor` may be below 1.
+    - `layer_type`: which of per-layer-type settings to read (`"sliding_attention"`,
+      `"full_attention"`), where config.json gives one dict per layer type.
+    - `default_theta`: the base where config.json names none: the family's config class
+      default (SmolLM3: 2e6), never silently 10000 for a family whose default differs.
 
     **Returns:** a `Rope`, its `rotary_dim` `int(head_dim * partial_rotary_factor)`.
 
@@ -227,7 +241,7 @@ def read_rope(
     # ConfigError: config.json: rope_scaling: rope type 'dynamic' is not supported (supported: default)
     ```
     """
-    key, rope = rope_parameters(config)
+    key, rope = rope_parameters(config, layer_type=layer_type, default_theta=default_theta)
     kind = (aliases or {}).get(rope["rope_type"], rope["rope_type"])
     if kind not in supported:
         raise ConfigError(
