@@ -51,6 +51,8 @@ AXES: dict[str, str] = {
     "channels": "an image's channels (num_channels)",
     "patch_height": "a ViT patch's rows (patch_size)",
     "patch_width": "a ViT patch's columns (patch_size)",
+    "per_layer": "Gemma 4's per-layer input (hidden_size_per_layer_input), or every layer's side by side",
+    "scalar": "an axis of size 1 holding one number per layer (Gemma 4's layer_scalar)",
 }
 """The logical axes of parameters, by name: what mappings write, and annotations too."""
 
@@ -63,6 +65,8 @@ REFINED: dict[str, str] = {
     "v_dim": "head_dim",  # a value head where its size is not the key's (DeepSeek-V3's v_head_dim; with_cache)
     "key_dim": "head_dim",  # Gated DeltaNet: a key head (linear_key_head_dim)
     "value_dim": "head_dim",  # Gated DeltaNet: a value head (linear_value_head_dim)
+    "per_layer_vocab": "vocab",  # Gemma 4: the per-layer embeddings' table (vocab_size_per_layer_input)
+    "per_layer_all": "per_layer",  # Gemma 4: every layer's per-layer input, packed (layers x per_layer)
 }
 """Annotation names for one of two sizes a mapping gives one logical axis: name -> that axis."""
 
@@ -85,5 +89,6 @@ SHAPES: dict[str, str] = {
     "dim": "a generic helper's last axis (l2norm, gated_rms_norm, causal_conv)",
     "rest": "a generic helper's leading axes (`*rest`)",
     "n": "a generic helper's square matrices (`... n n`)",
+    "carry": "a layer scan's carry: the hidden state and what rides along it (Gemma 4's per-layer inputs)",
 }
 """Axes of activations and generic helpers, never of a parameter: annotations only."""
