@@ -414,7 +414,7 @@ def test_config_defaults_follow_transformers():
         ("gemma", dict(rope_parameters=dict(rope_type="linear", factor=2.0)), "rope type 'linear'"),
         ("gemma", dict(head_dim="32"), "'head_dim' must be a positive integer"),
         ("gemma", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
-        ("gemma", dict(model_type="gemma3"), "'model_type' 'gemma3' is not supported"),
+        ("gemma", dict(model_type="gemma3n"), "'model_type' 'gemma3n' is not supported"),
     ],
 )
 def test_bad_config_values_are_one_line_errors(family, change, match):

@@ -9,6 +9,12 @@ tied = { "lm_head.weight" = "wte.weight" }  # may be present; a copy, never read
 aliases = { "LayerNorm.gamma" = "LayerNorm.weight" }  # legacy key endings
 reference = { class = "transformers:GPT2LMHeadModel", output = "logits" }  # for port verify
 
+[export.gemma3]                           # a multimodal model type whose language model the mapping
+config = "text_config"                    # loads: `port export` writes it as a text-only checkpoint,
+model_type = "gemma3_text"                # config.json the text config with this model_type and
+architectures = ["Gemma3ForCausalLM"]     # architectures, each key's first matching prefix replaced
+prefixes = { "language_model.model." = "model.", "model.language_model." = "model." }
+
 [rules]                                   # logical axis -> mesh axis (or list of them)
 embed = "data"
 heads = "model"
@@ -74,7 +80,8 @@ _DIGITS = re.compile(r"[0-9]+")
 MODULE_AXES = "module"
 """An entry's `axes` when they are the module's own annotations (an NNX variable's sharding names)."""
 _INDEX = r"(0|[1-9][0-9]{0,8})"
-_TOP = {"model", "model_types", "prefixes", "ignore", "tied", "aliases", "reference", "rules", "params"}
+_TOP = {"model", "model_types", "prefixes", "ignore", "tied", "aliases", "reference", "rules", "params", "export"}
+_EXPORT = {"config", "model_type", "architectures", "prefixes"}
 _PARAM = {"key", "path", "axes", "transforms", "optional"}
 MAX_MAPPING_BYTES = 16 * 2**20
 """Bytes a mapping file may have (the shipped ones take a few KB)."""
@@ -180,6 +187,33 @@ class Param:
 
 
 @dataclass(frozen=True)
+class TextExport:
+    """How `port export` writes the language model of a multimodal model type (a mapping's
+    `[export.<model_type>]`): as a checkpoint of the text-only class, which transformers
+    loads without a vision tower to initialise at random.
+
+    **Fields:** `config` (the key of the wrapper's config.json holding the language
+    model's), `model_type` and `architectures` (what the written config.json says),
+    `prefixes` (pairs: a key starting with the first is written with the second instead;
+    the first that matches, in order; a key none matches is written as it is).
+
+    ```python
+    entry = mapping.export["gemma3"]
+    entry.key("language_model.model.norm.weight")    # "model.norm.weight"
+    ```
+    """
+
+    config: str
+    model_type: str
+    architectures: tuple[str, ...]
+    prefixes: tuple[tuple[str, str], ...]
+
+    def key(self, key: str) -> str:
+        """The text-only class's name of the wrapper's checkpoint key `key`."""
+        return next((new + key[len(old) :] for old, new in self.prefixes if key.startswith(old)), key)
+
+
+@dataclass(frozen=True)
 class Mapping:
     """A parsed mapping file."""
 
@@ -194,6 +228,7 @@ class Mapping:
     params: tuple[Param, ...]
     aliases: dict[str, str]
     reference: dict[str, str]
+    export: dict[str, TextExport] = dataclasses.field(default_factory=dict)  # by the wrapper's model_type
 
     def key_name(self, key: str) -> str:
         """A checkpoint key as the entries name it: an optional prefix stripped, a legacy ending
@@ -367,6 +402,11 @@ def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
     if not isinstance(params, list) or not params:
         raise fail("no [[params]] entries")
     parsed = tuple(_param(entry, i, fail) for i, entry in enumerate(params))
+    model_types = strings("model_types")
+    exports = data.get("export", {})
+    if not isinstance(exports, dict):
+        raise fail("[export] must be a table of model_type = { config, model_type, architectures, prefixes }")
+    export = {name: _text_export(name, entry, model_types, fail) for name, entry in exports.items()}
     seen: dict[str, str] = {}
     for p in parsed:
         if p.path in seen:
@@ -376,7 +416,7 @@ def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
         source,
         text,
         model,
-        strings("model_types"),
+        model_types,
         strings("prefixes"),
         strings("ignore"),
         tied,
@@ -384,7 +424,26 @@ def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
         parsed,
         aliases,
         reference,
+        export,
     )
+
+
+def _text_export(name: str, entry: Any, model_types: tuple[str, ...], fail) -> TextExport:
+    """The `TextExport` of `[export.<name>]`; `fail(message)` makes the `MappingError` for anything wrong."""
+    where = f"export.{name}"
+    if name not in model_types:
+        raise fail(f"{where}: {quoted(name)} is not one of the mapping's model_types")
+    if not isinstance(entry, dict) or set(entry) != _EXPORT:
+        raise fail(f"{where} must be a table of exactly {', '.join(sorted(_EXPORT))}")
+    for field in ("config", "model_type"):
+        if not isinstance(entry[field], str) or not entry[field]:
+            raise fail(f"{where}.{field} must be a non-empty string")
+    architectures, prefixes = entry["architectures"], entry["prefixes"]
+    if not isinstance(architectures, list) or not architectures or not all(isinstance(a, str) for a in architectures):
+        raise fail(f"{where}.architectures must be a non-empty list of class names")
+    if not isinstance(prefixes, dict) or not all(isinstance(v, str) for v in prefixes.values()):
+        raise fail(f'{where}.prefixes must be a table of "wrapper prefix" = "text-only prefix"')
+    return TextExport(entry["config"], entry["model_type"], tuple(architectures), tuple(prefixes.items()))
 
 
 def _nesting(data: Any) -> int:

@@ -1,6 +1,8 @@
-"""Gemma and Gemma 2 (decoder-only, (1 + w) RMSNorm, RoPE, GeLU-gated MLP, GQA) as one Equinox model.
+"""Gemma, Gemma 2 and Gemma 3 (decoder-only, (1 + w) RMSNorm, RoPE, GeLU-gated MLP, GQA) as one Equinox model.
 
-One class serves the `model_type`s "gemma" and "gemma2". What both do, unlike Llama:
+One class serves the `model_type`s "gemma", "gemma2", "gemma3_text" and "gemma3" (the
+language model of a `Gemma3ForConditionalGeneration` checkpoint: its `text_config`). What
+all do, unlike Llama:
 RMSNorm scales by `1 + weight` (computed in float32, cast back after scaling), the token
 embeddings are multiplied by `sqrt(hidden_size)` (that constant rounded to the
 parameters' dtype first, as transformers does), the MLP is `down(gelu_tanh(gate x) * up x)`,
@@ -10,8 +12,17 @@ attention scores and of the final logits, the attention scale `query_pre_attn_sc
 a sliding window in the layers `layer_types` marks (by default every other layer, from
 the first), and two more norms per block: one on the attention output
 (`post_attn_norm`) and one on the MLP output (`post_mlp_norm`); both are None for Gemma.
-The two mappings (`mappings/gemma.toml`, `mappings/gemma2.toml`) differ only in which
-checkpoint norm fills which leaf.
+Gemma 3 has Gemma 2's block and adds a per-head (1 + w) RMSNorm of queries and keys
+before RoPE (`attn.q_norm`, `attn.k_norm`), and its local (sliding) and global layers
+rotate with their own RoPE (`local_rope`: `rope_parameters["sliding_attention"]`, base
+10000; `rope`: `["full_attention"]`, base 1e6, which may be scaled, linearly in the
+released 4B and larger); its sliding layers are `layer_types`, else five in six
+(`sliding_window_pattern`), and its soft-caps are off unless the config sets them. The
+language model of a `gemma3` checkpoint applies no final soft-cap (transformers'
+`Gemma3ForConditionalGeneration` does not), so such a config must not set one.
+The mappings (`mappings/gemma.toml`, `mappings/gemma2.toml`, `mappings/gemma3.toml`)
+differ in which checkpoint norm fills which leaf, and Gemma 3's in its q/k norms and
+the wrapper's key prefixes.
 
 Everything else comes from `port.nn`: the (1 + w) norm is `rms_norm(..., plus_one=True)`,
 attention is `Attention` (with `scale` and `softcap`), the MLP is `GatedMLP` with the
@@ -48,7 +59,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, final
+from typing import Any, ClassVar, final
 
 import equinox as eqx
 import jax
@@ -58,14 +69,6 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.nn.config import (
-    MAX_LAYERS,
-    activation,
-    check,
-    check_model_type,
-    get,
-    read_kv_heads,
-)
 from port.nn import (
     Attention,
     Decoder,
@@ -80,9 +83,21 @@ from port.nn import (
     stacked,
 )
 from port.nn._attention import KV
+from port.nn._rope import KINDS
+from port.nn.config import (
+    MAX_LAYERS,
+    ConfigFields,
+    activation,
+    check,
+    check_model_type,
+    get,
+    read_kv_heads,
+)
 
-MODEL_TYPES = ("gemma", "gemma2")
+MODEL_TYPES = ("gemma", "gemma2", "gemma3_text", "gemma3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+SANDWICH = ("gemma2", "gemma3_text")
+"""The model types whose blocks norm the attention and MLP outputs too (Gemma 2's block)."""
 
 # transformers' GemmaConfig / Gemma2Config defaults, used where config.json lacks the key.
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -93,8 +108,39 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "attn_logit_softcapping": 50.0,
         "final_logit_softcapping": 30.0,
         "sliding_window": 4096,
+        "sliding_window_pattern": 2,  # every other layer slides, from the first
+    },
+    "gemma3_text": {
+        "num_key_value_heads": 4,
+        "query_pre_attn_scalar": 256.0,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,  # five local layers, then a global one
+        "rope_theta": 1_000_000.0,  # the global layers' base (Gemma3TextConfig.default_theta)
+        "rope_local_base_freq": 10_000.0,  # the local layers'
     },
 }
+
+FIELDS = ConfigFields(
+    "port.models.gemma.Gemma",
+    read=(
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "hidden_act", "hidden_activation", "max_position_embeddings",
+        "rms_norm_eps", "tie_word_embeddings", "attention_bias", "rope_parameters", "rope_scaling", "rope_theta",
+        "rope_local_base_freq", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping",
+        "sliding_window", "layer_types", "sliding_window_pattern",
+        "_sliding_window_pattern",  # what transformers derives and writes; it reads `sliding_window_pattern`
+        "text_config",  # a gemma3 checkpoint's: the language model's config
+    ),
+    fixed={"use_bidirectional_attention": (None, False)},  # causal only
+    types={
+        "gemma3_text": {"use_bidirectional_attention": (False, None)},
+        "gemma3": {"use_bidirectional_attention": (False, None)},
+    },
+)  # fmt: skip
+"""The config.json fields `Gemma` reads, and the values it runs of those it does not (for
+"gemma3", of its `text_config`)."""
 
 
 def _optional(config: dict, key: str, kind: type, default: Any) -> Any:
@@ -131,17 +177,51 @@ def _rope(config: dict, head_dim: int) -> Rope:
     return read_rope(config, head_dim, supported=("default",), max_position_embeddings=8192)
 
 
-def _sliding_layers(config: dict, layers: int) -> tuple[bool, ...]:
-    """Gemma 2's sliding layers: `layer_types`, else every other layer from the first (as Gemma2Config).
+def _gemma3_ropes(config: dict, head_dim: int) -> tuple[Rope, Rope]:
+    """Gemma 3's global and local RoPE, as Gemma3TextConfig standardises them.
+
+    transformers 5 writes one dict per layer type in `rope_parameters`; transformers 4
+    wrote `rope_theta` (global), `rope_local_base_freq` (local) and `rope_scaling`, which
+    scales the global layers only. Either way a missing base is the config class's.
 
     ```python
-    _sliding_layers({}, 3)                                                  # (True, False, True)
-    _sliding_layers({"layer_types": ["full_attention"] * 2}, 2)             # (False, False)
+    glob, local = _gemma3_ropes({"rope_scaling": {"rope_type": "linear", "factor": 8.0}}, 256)
+    glob.kind, glob.theta, local.kind, local.theta    # ('linear', 1000000.0, 'default', 10000.0)
+    ```
+    """
+    defaults = _DEFAULTS["gemma3_text"]
+    given = config.get("rope_parameters")
+    given = given if isinstance(given, dict) else {}
+    per_type = {t: dict(given[t]) if isinstance(given.get(t), dict) else {"rope_type": "default"} for t in LAYER_TYPES}
+    if isinstance(config.get("rope_scaling"), dict):
+        per_type["full_attention"].update(config["rope_scaling"])
+    per_type["full_attention"].setdefault("rope_theta", config.get("rope_theta") or defaults["rope_theta"])
+    local_theta = config.get("rope_local_base_freq") or defaults["rope_local_base_freq"]
+    per_type["sliding_attention"].setdefault("rope_theta", local_theta)
+    for settings in per_type.values():
+        settings.pop("partial_rotary_factor", None)  # Gemma's rotary embedding rotates the whole head
+    length = get(config, "max_position_embeddings", int, 131_072)
+    ropes = (
+        read_rope(
+            {"rope_parameters": per_type}, head_dim, supported=KINDS, max_position_embeddings=length, layer_type=kind
+        )
+        for kind in ("full_attention", "sliding_attention")
+    )
+    return next(ropes), next(ropes)
+
+
+def _sliding_layers(config: dict, layers: int, pattern: int) -> tuple[bool, ...]:
+    """Gemma 2 and 3's sliding layers: `layer_types`, else all but every `pattern`-th (as
+    Gemma2Config, `pattern` 2, and Gemma3TextConfig, `sliding_window_pattern` or 6).
+
+    ```python
+    _sliding_layers({}, 3, 2)                                               # (True, False, True)
+    _sliding_layers({"layer_types": ["full_attention"] * 2}, 2, 2)          # (False, False)
     ```
     """
     layer_types = config.get("layer_types")
     if layer_types is None:
-        return tuple(i % 2 == 0 for i in range(layers))
+        return tuple(bool((i + 1) % pattern) for i in range(layers))
     if (
         not isinstance(layer_types, list)
         or len(layer_types) != layers
@@ -155,9 +235,9 @@ def _hidden_act(config: dict, model_type: str) -> str:
     """The MLP activation as transformers 5 picks it.
 
     Gemma reads `hidden_act` ("gelu", the legacy value of the released configs, means the
-    tanh approximation there); Gemma 2 reads `hidden_activation` and ignores `hidden_act`.
+    tanh approximation there); Gemma 2 and 3 read `hidden_activation` and ignore `hidden_act`.
     """
-    if model_type == "gemma2":
+    if model_type in SANDWICH:
         return activation(config, "hidden_activation", "gelu_pytorch_tanh")
     name = activation(config, "hidden_act", "gelu_pytorch_tanh")
     return "gelu_pytorch_tanh" if name == "gelu" else name
@@ -166,7 +246,7 @@ def _hidden_act(config: dict, model_type: str) -> str:
 @final
 @dataclasses.dataclass(frozen=True)
 class GemmaConfig:
-    """The hyperparameters of a Gemma or Gemma 2 model, as read from a config.json.
+    """The hyperparameters of a Gemma, Gemma 2 or Gemma 3 model, as read from a config.json.
 
     Field names are config.json's, so a mapping may name them in a reshape.
 
@@ -196,32 +276,37 @@ class GemmaConfig:
     final_logit_softcapping: float | None = None  # Gemma 2: cap * tanh(logits / cap)
     sliding_window: int | None = None  # attend to the last `sliding_window` positions...
     sliding_layers: tuple[bool, ...] = ()  # ...in the layers marked True here
+    local_rope: Rope | None = None  # Gemma 3: the sliding layers' own RoPE (None: they rotate as the others)
 
     @classmethod
     def from_hf(cls, config: dict) -> GemmaConfig:
-        """Build from a Hugging Face `config.json` dict; raises `ConfigError` if unsupported."""
+        """Build from a Hugging Face `config.json` dict (a "gemma3" one: its `text_config`);
+        raises `ConfigError` if unsupported."""
         model_type = check_model_type(config, MODEL_TYPES, "port.models.gemma", "gemma")
+        if model_type == "gemma3":
+            text = config.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError(f"config.json: 'text_config' must be a dict, got {quoted(text)}")
+            FIELDS.check(text, model_type)
+            if text.get("final_logit_softcapping") is not None:
+                # Gemma3ForConditionalGeneration's head applies none, Gemma3ForCausalLM's does: a text-only
+                # export of this model would compute other logits
+                raise ConfigError(
+                    f"config.json: text_config.final_logit_softcapping {quoted(text['final_logit_softcapping'])} "
+                    "is not supported by port.models.gemma.Gemma for model_type 'gemma3' (its head applies none)"
+                )
+            return cls.from_hf({**text, "model_type": "gemma3_text"})
+        FIELDS.check(config)
         defaults = _DEFAULTS[model_type]
         heads = get(config, "num_attention_heads", int)
         layers = get(config, "num_hidden_layers", int, maximum=MAX_LAYERS)
         kv_heads = read_kv_heads(config, heads, defaults.get("num_key_value_heads"))
-        if get(config, "use_bidirectional_attention", bool, False):
-            raise ConfigError("config.json: 'use_bidirectional_attention' true is not supported (causal only)")
-        fields: dict[str, Any] = {}
-        if model_type == "gemma2":
-            window = _optional(config, "sliding_window", int, defaults["sliding_window"])
-            fields = dict(
-                query_pre_attn_scalar=get(config, "query_pre_attn_scalar", float, defaults["query_pre_attn_scalar"]),
-                attn_logit_softcapping=_optional(
-                    config, "attn_logit_softcapping", float, defaults["attn_logit_softcapping"]
-                ),
-                final_logit_softcapping=_optional(
-                    config, "final_logit_softcapping", float, defaults["final_logit_softcapping"]
-                ),
-                sliding_window=window,
-                sliding_layers=_sliding_layers(config, layers) if window else (False,) * layers,
-            )
-        head_dim = get(config, "head_dim", int, 256)  # both config classes: 256
+        head_dim = get(config, "head_dim", int, 256)  # every config class: 256
+        fields = _sandwich_fields(config, model_type, layers) if model_type in SANDWICH else {}
+        if model_type == "gemma3_text":
+            fields["rope"], fields["local_rope"] = _gemma3_ropes(config, head_dim)
+        else:
+            fields["rope"] = _rope(config, head_dim)
         return cls(
             vocab_size=get(config, "vocab_size", int),
             hidden_size=get(config, "hidden_size", int),
@@ -234,15 +319,19 @@ class GemmaConfig:
             hidden_act=_hidden_act(config, model_type),
             tie_word_embeddings=get(config, "tie_word_embeddings", bool, True),
             attention_bias=get(config, "attention_bias", bool, False),
-            rope=_rope(config, head_dim),
             model_type=model_type,
             **fields,
         )
 
     @property
-    def gemma2(self) -> bool:
-        """Whether this is Gemma 2 (its blocks have the two extra norms)."""
-        return self.model_type == "gemma2"
+    def sandwich(self) -> bool:
+        """Whether the blocks norm the attention and MLP outputs too (Gemma 2 and 3)."""
+        return self.model_type in SANDWICH
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether queries and keys are normed per head before RoPE (Gemma 3)."""
+        return self.model_type == "gemma3_text"
 
     @property
     def scaling(self) -> float:
@@ -262,12 +351,33 @@ class GemmaConfig:
             o_bias=self.attention_bias,
             scale=self.scaling,
             softcap=self.attn_logit_softcapping,
+            qk_norm="head" if self.qk_norm else None,
+            plus_one=True,
+            norm_eps=self.rms_norm_eps,
         )
+
+
+def _sandwich_fields(config: dict, model_type: str, layers: int) -> dict[str, Any]:
+    """Gemma 2 and 3's config values beyond Gemma's: the attention scale, the soft-caps and the window."""
+    defaults = _DEFAULTS[model_type]
+    window = _optional(config, "sliding_window", int, defaults["sliding_window"])
+    pattern = defaults["sliding_window_pattern"]
+    if model_type == "gemma3_text":
+        pattern = get(config, "sliding_window_pattern", int, pattern)
+    return dict(
+        query_pre_attn_scalar=get(config, "query_pre_attn_scalar", float, defaults["query_pre_attn_scalar"]),
+        attn_logit_softcapping=_optional(config, "attn_logit_softcapping", float, defaults["attn_logit_softcapping"]),
+        final_logit_softcapping=_optional(
+            config, "final_logit_softcapping", float, defaults["final_logit_softcapping"]
+        ),
+        sliding_window=window,
+        sliding_layers=_sliding_layers(config, layers, pattern) if window else (False,) * layers,
+    )
 
 
 @final
 class Block(eqx.Module):
-    """One pre-RMSNorm decoder block; Gemma 2 also norms the attention and MLP outputs.
+    """One pre-RMSNorm decoder block; Gemma 2 and 3 also norm the attention and MLP outputs.
 
     Every norm is `(1 + weight)` (`rms_norm(..., plus_one=True)`); the post-norms are
     None for Gemma.
@@ -275,10 +385,10 @@ class Block(eqx.Module):
 
     attn_norm: Float[Array, " embed"]
     attn: Attention
-    post_attn_norm: Float[Array, " embed"] | None  # Gemma 2
+    post_attn_norm: Float[Array, " embed"] | None  # Gemma 2 and 3
     mlp_norm: Float[Array, " embed"]
     mlp: GatedMLP
-    post_mlp_norm: Float[Array, " embed"] | None  # Gemma 2
+    post_mlp_norm: Float[Array, " embed"] | None  # Gemma 2 and 3
     eps: float = eqx.field(static=True)
 
     def __init__(self, config: GemmaConfig, dtype: Any, *, key: PRNGKeyArray):
@@ -290,12 +400,12 @@ class Block(eqx.Module):
 
         self.attn_norm = norm()
         self.attn = c.attention(dtype, kattn)
-        self.post_attn_norm = norm() if c.gemma2 else None
+        self.post_attn_norm = norm() if c.sandwich else None
         self.mlp_norm = norm()
         self.mlp = GatedMLP(
             embd=c.hidden_size, inner=c.intermediate_size, activation=c.hidden_act, dtype=dtype, key=kmlp
         )
-        self.post_mlp_norm = norm() if c.gemma2 else None
+        self.post_mlp_norm = norm() if c.sandwich else None
         self.eps = c.rms_norm_eps
 
     def _norm(self, x: Array, weight: Array | None) -> Array:
@@ -320,7 +430,7 @@ class Block(eqx.Module):
 
 @final
 class Gemma(Decoder):
-    """Gemma / Gemma 2 causal LM. Arrays in `blocks` are stacked over layers.
+    """Gemma / Gemma 2 / Gemma 3 causal LM. Arrays in `blocks` are stacked over layers.
 
     Called as every `port.nn.Decoder`: `model(input_ids, *, attention_mask=None, positions=None,
     segment_ids=None, cache=None, dtype=None, remat=None)`.
@@ -331,6 +441,7 @@ class Gemma(Decoder):
     norm: Float[Array, " embed"]
     lm_head: Float[Array, "vocab embed"] | None  # None: tied to `embed` (the default)
     config: GemmaConfig = eqx.field(static=True)
+    FIELDS: ClassVar[ConfigFields] = FIELDS
 
     def __init__(self, config: GemmaConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
         kembed, kblocks = jax.random.split(key)
@@ -362,7 +473,10 @@ class Gemma(Decoder):
         # transformers holds sqrt(hidden_size) in float32 and rounds it to the weights' dtype.
         x = x * jnp.asarray(np.float32(c.hidden_size**0.5), dtype=x.dtype)
         cos, sin = c.rope.angles(tokens.positions, x.dtype)
-        x, kv = run_layers(self.blocks, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, remat=remat)
+        local = None if c.local_rope is None else c.local_rope.angles(tokens.positions, x.dtype)
+        x, kv = run_layers(
+            self.blocks, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, sliding_rope=local, remat=remat
+        )
         logits = head(rms_norm(x, self.norm, c.rms_norm_eps, plus_one=True), self.embed, self.lm_head)
         cap = c.final_logit_softcapping
         if cap is not None:  # cap * tanh(logits / cap), in the logits' dtype, as transformers
