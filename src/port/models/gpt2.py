@@ -31,7 +31,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, final
+from typing import Any, ClassVar, final
 
 import equinox as eqx
 import jax
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from port._errors import ConfigError
-from port.nn.config import ACTIVATIONS, MAX_LAYERS, activation, get
+from port.nn.config import ACTIVATIONS, MAX_LAYERS, ConfigFields, activation, get
 from port.nn import (
     Decoder,
     LayerNorm,
@@ -82,14 +82,13 @@ class GPT2Config:
     @classmethod
     def from_hf(cls, config: dict) -> GPT2Config:
         """Build from a Hugging Face `config.json` dict; raises `ConfigError` if unsupported."""
+        GPT2.FIELDS.check(config)
         n_embd = get(config, "n_embd", int)
         n_head = get(config, "n_head", int)
         if n_embd % n_head != 0:
             raise ConfigError(f"config.json: 'n_embd' ({n_embd}) must be divisible by 'n_head' ({n_head})")
         n_inner = get(config, "n_inner", int, 4 * n_embd)
         act = activation(config, "activation_function", "gelu_new")
-        if get(config, "add_cross_attention", bool, False):
-            raise ConfigError("config.json: 'add_cross_attention' is true; cross-attention GPT-2 is not supported")
         # `reorder_and_upcast_attn` only changes where the softmax is upcast; we
         # always compute the softmax in float32, so it needs no handling.
         get(config, "reorder_and_upcast_attn", bool, False)
@@ -243,6 +242,16 @@ class GPT2(Decoder):
     **Arguments:** `config` (a `GPT2Config`; `from_config` reads a config.json dict),
     `key`, `dtype` (the parameters').
     """
+
+    FIELDS: ClassVar[ConfigFields] = ConfigFields(
+        "port.models.gpt2.GPT2",
+        read=(
+            "vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
+            "layer_norm_epsilon", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+            "reorder_and_upcast_attn",  # where the softmax is upcast: port's is always float32
+        ),
+        fixed={"add_cross_attention": (False,), "tie_word_embeddings": (True,)},
+    )  # fmt: skip
 
     wte: Float[Array, "vocab embed"]
     wpe: Float[Array, "positions embed"]
