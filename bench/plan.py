@@ -7,8 +7,14 @@ For each model a checkpoint of its real shapes is written to a temporary directo
 config.json as the Hub's (reconstructed where noted), and bfloat16 safetensors shards in
 the Hub's key layout, each with a real header and data that is a hole (`os.truncate`: no
 byte allocated, so a 1.3 TB checkpoint takes a few MB of disk), plus the
-`model.safetensors.index.json` that lists them. Then the real command line,
-`python -m port plan DIR --mesh M`, runs `--repeats` times on each mesh (the model's own, or
+`model.safetensors.index.json` that lists them (one file: `model.safetensors`, no index).
+The key names and shapes come from transformers itself (`transformers_shapes`: the config's
+architecture built on the meta device, its state dict as `save_pretrained` writes it in the
+checkpoint's original layout: tied weights dropped, per-expert keys, multimodal prefixes), so a
+new model needs only its config.json; DeepSeek-V3 and Qwen3-Next keep hand-written shapes for
+their multi-token-prediction layers, which transformers does not build.
+
+Then the real command line, `python -m port plan DIR --mesh M`, runs `--repeats` times on each mesh (the model's own, or
 each of `--meshes`), each in a fresh wrapper process (`--measure`), which reports:
 
   seconds      wall time of the whole command (the supervisor, its worker, imports and
@@ -35,6 +41,14 @@ Models (bfloat16 copies of the weights, but for deepseek-v3-fp8):
   llama4-scout  meta-llama/Llama-4-Scout-17B-16E, the Hub's multimodal layout
                 (`language_model.model.*`, its vision tower `vision_model.*`), mesh 8x8
   qwen3-next    Qwen/Qwen3-Next-80B-A3B-Instruct, 48 layers, 512 experts, its `mtp.*` layer, mesh 8x8
+  gemma3-27b    google/gemma-3-27b-it, the Hub's multimodal layout (`language_model.model.*`, its
+                SigLIP tower `vision_tower.vision_model.*`, `multi_modal_projector.*`), head tied,
+                12 files, mesh 8x8
+  gemma4-31b    google/gemma-4-31B-it, the largest Gemma 4 (`model.language_model.*`,
+                `model.vision_tower.*`), reconstructed: see GEMMA4_31B, mesh 8x8
+  olmo2-32b     allenai/OLMo-2-0325-32B, 64 layers, mesh 8x8
+  modernbert-large  answerdotai/ModernBERT-large (ModernBertForMaskedLM), one file, mesh 2x2
+  xlm-roberta-large  FacebookAI/xlm-roberta-large (XLMRobertaForMaskedLM), one file, mesh 2x2
 
 `--quick` plans one model (qwen3-235b) once: a smoke check. `--breakdown` adds, per model, the
 worker's memory stage by stage, in one fresh process calling port's library the way
@@ -324,7 +338,221 @@ QWEN3_NEXT_80B = {
 }
 
 
+# google/gemma-3-27b-it's config.json (Gemma3ForConditionalGeneration: the text model under
+# `text_config`, its SigLIP vision tower under `vision_config`); the rest are transformers'
+# Gemma3 defaults: vocab 262208, rope_theta 1e6 (global) and 10000 (local), 5 local : 1 global.
+GEMMA3_27B = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 256,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0",
+    "text_config": {
+        "model_type": "gemma3_text",
+        "head_dim": 128,
+        "hidden_size": 5376,
+        "intermediate_size": 21504,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 62,
+        "num_key_value_heads": 16,
+        "query_pre_attn_scalar": 168,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "vision_config": {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+
+# google/gemma-4-31B-it, the largest Gemma 4 (dense; transformers' configuration_gemma4.py states
+# no sizes but its default, gemma-4-e2b, and names gemma-4-26B-A4B, the MoE, which is smaller):
+# reconstructed from the published sizes, its text model with K = V on the global layers (4 KV
+# heads of 512, the 5 local of every 6 16 of 256) and no per-layer embeddings, the vision tower
+# of about 550M. Its tensors count 31,273,088,876 parameters, the published checkpoint's.
+GEMMA4_31B = {
+    "architectures": ["Gemma4ForConditionalGeneration"],
+    "model_type": "gemma4",
+    "audio_config": None,
+    "tie_word_embeddings": True,
+    "dtype": "bfloat16",
+    "text_config": {
+        "model_type": "gemma4_text",
+        "attention_k_eq_v": True,
+        "enable_moe_block": False,
+        "final_logit_softcapping": 30.0,
+        "global_head_dim": 512,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 5376,
+        "hidden_size_per_layer_input": 0,
+        "intermediate_size": 21504,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 10,
+        "max_position_embeddings": 262144,
+        "num_attention_heads": 32,
+        "num_global_key_value_heads": 4,
+        "num_hidden_layers": 60,
+        "num_key_value_heads": 16,
+        "num_kv_shared_layers": 0,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "full_attention": {"partial_rotary_factor": 0.25, "rope_theta": 1000000.0, "rope_type": "proportional"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"},
+        },
+        "sliding_window": 1024,
+        "tie_word_embeddings": True,
+        "use_double_wide_mlp": False,
+        "vocab_size": 262144,
+        "vocab_size_per_layer_input": 262144,
+    },
+    "vision_config": {
+        "model_type": "gemma4_vision",
+        "head_dim": 72,
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "num_key_value_heads": 16,
+        "patch_size": 16,
+        "pooling_kernel_size": 3,
+        "position_embedding_size": 10240,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"rope_theta": 100.0, "rope_type": "default"},
+        "standardize": True,
+    },
+}
+
+# allenai/OLMo-2-0325-32B's config.json.
+OLMO2_32B = {
+    "architectures": ["Olmo2ForCausalLM"],
+    "model_type": "olmo2",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "eos_token_id": 100257,
+    "pad_token_id": 100277,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "initializer_range": 0.02,
+    "intermediate_size": 27648,
+    "max_position_embeddings": 4096,
+    "num_attention_heads": 40,
+    "num_hidden_layers": 64,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 500000,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 100352,
+}
+
+# answerdotai/ModernBERT-large's config.json (ModernBertForMaskedLM, the decoder tied to the
+# token embeddings; float32 on the Hub, a bfloat16 copy here).
+MODERNBERT_LARGE = {
+    "architectures": ["ModernBertForMaskedLM"],
+    "model_type": "modernbert",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 50281,
+    "cls_token_id": 50281,
+    "eos_token_id": 50282,
+    "sep_token_id": 50282,
+    "pad_token_id": 50283,
+    "classifier_activation": "gelu",
+    "classifier_bias": False,
+    "classifier_pooling": "mean",
+    "decoder_bias": True,
+    "global_attn_every_n_layers": 3,
+    "global_rope_theta": 160000.0,
+    "hidden_activation": "gelu",
+    "hidden_size": 1024,
+    "initializer_range": 0.02,
+    "intermediate_size": 2624,
+    "local_attention": 128,
+    "local_rope_theta": 10000.0,
+    "max_position_embeddings": 8192,
+    "mlp_bias": False,
+    "norm_bias": False,
+    "norm_eps": 1e-05,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 28,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "vocab_size": 50368,
+}
+
+# FacebookAI/xlm-roberta-large's config.json (XLMRobertaForMaskedLM: `roberta.` and `lm_head.`,
+# the decoder tied to the word embeddings; float32 on the Hub, a bfloat16 copy here).
+XLM_R_LARGE = {
+    "architectures": ["XLMRobertaForMaskedLM"],
+    "model_type": "xlm-roberta",
+    "attention_probs_dropout_prob": 0.1,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
+    "hidden_act": "gelu",
+    "hidden_dropout_prob": 0.1,
+    "hidden_size": 1024,
+    "initializer_range": 0.02,
+    "intermediate_size": 4096,
+    "layer_norm_eps": 1e-05,
+    "max_position_embeddings": 514,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 24,
+    "position_embedding_type": "absolute",
+    "type_vocab_size": 1,
+    "vocab_size": 250002,
+}
+
+
 # ---------------------------------------------------------------------------- the Hub's key layouts
+
+
+def transformers_model(config: dict):
+    """The model of config.json `config` as transformers builds it (class `architectures[0]`,
+    randomly initialised, on torch's default device: `with torch.device("meta")` for shapes only)."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = transformers.AutoConfig.for_model(config["model_type"], **fields)
+    model_class = getattr(transformers, config["architectures"][0])
+    if not (isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel)):
+        raise ValueError(f"architectures[0] {config['architectures'][0]!r} is not a transformers model class")
+    return model_class(hf_config)
+
+
+def transformers_shapes(config: dict) -> dict[str, list[int]]:
+    """Every tensor of `config`'s model as the Hub holds it, and its shape, from transformers itself.
+
+    The class `config["architectures"][0]` is built on the meta device (shapes, no memory); its
+    state dict loses what `save_pretrained` drops (a tied weight: the key its `_tied_weights_keys`
+    name, e.g. `lm_head.weight` beside `embed_tokens.weight`) and gets back the layout transformers
+    converts on load (per-expert keys its MoE classes fuse, the multimodal prefixes such as
+    `language_model.model.` and `vision_tower.vision_model.`): its conversion mapping reverted as
+    for a model loaded from such a checkpoint. A new model needs only its config.json."""
+    import torch
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    with torch.device("meta"):
+        model = transformers_model(config)
+    model._weight_conversions = get_model_conversion_mapping(model, add_legacy=False)  # pyright: ignore[reportArgumentType]
+    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    return {key: list(tensor.shape) for key, tensor in revert_weight_conversion(model, state).items()}
 
 
 def _experts(shapes, prefix, count, inner, hidden):
@@ -414,129 +642,6 @@ def deepseek_v3_fp8_shapes(c):
     return shapes
 
 
-def qwen3_moe_shapes(c):
-    """Every tensor of a Qwen3-MoE checkpoint (every layer MoE) and its shape."""
-    h, v, d = c["hidden_size"], c["vocab_size"], c["head_dim"]
-    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-    shapes = {"model.embed_tokens.weight": [v, h]}
-    for i in range(c["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": [h],
-                p + "post_attention_layernorm.weight": [h],
-                p + "self_attn.q_proj.weight": [q, h],
-                p + "self_attn.k_proj.weight": [kv, h],
-                p + "self_attn.v_proj.weight": [kv, h],
-                p + "self_attn.o_proj.weight": [h, q],
-                p + "self_attn.q_norm.weight": [d],
-                p + "self_attn.k_norm.weight": [d],
-                p + "mlp.gate.weight": [c["num_experts"], h],
-            }
-        )
-        _experts(shapes, p + "mlp.experts.", c["num_experts"], c["moe_intermediate_size"], h)
-    shapes.update({"model.norm.weight": [h], "lm_head.weight": [v, h]})
-    return shapes
-
-
-def gpt_oss_shapes(c):
-    """Every tensor of a gpt-oss checkpoint (bfloat16: fused `mlp.experts.gate_up_proj`) and its shape."""
-    h, i, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
-    e, heads, kv, d = (c[k] for k in ("num_local_experts", "num_attention_heads", "num_key_value_heads", "head_dim"))
-    shapes = {"model.embed_tokens.weight": [v, h]}
-    for n in range(c["num_hidden_layers"]):
-        p = f"model.layers.{n}."
-        shapes.update(
-            {
-                p + name: shape
-                for name, shape in {
-                    "input_layernorm.weight": [h],
-                    "post_attention_layernorm.weight": [h],
-                    "self_attn.q_proj.weight": [heads * d, h],
-                    "self_attn.q_proj.bias": [heads * d],
-                    "self_attn.k_proj.weight": [kv * d, h],
-                    "self_attn.k_proj.bias": [kv * d],
-                    "self_attn.v_proj.weight": [kv * d, h],
-                    "self_attn.v_proj.bias": [kv * d],
-                    "self_attn.o_proj.weight": [h, heads * d],
-                    "self_attn.o_proj.bias": [h],
-                    "self_attn.sinks": [heads],
-                    "mlp.router.weight": [e, h],
-                    "mlp.router.bias": [e],
-                    "mlp.experts.gate_up_proj": [e, h, 2 * i],
-                    "mlp.experts.gate_up_proj_bias": [e, 2 * i],
-                    "mlp.experts.down_proj": [e, i, h],
-                    "mlp.experts.down_proj_bias": [e, h],
-                }.items()
-            }
-        )
-    shapes.update({"model.norm.weight": [h], "lm_head.weight": [v, h]})
-    return shapes
-
-
-def llama4_shapes(config):
-    """Every tensor of Llama4ForConditionalGeneration as the Hub holds it: the text model under
-    `language_model.` (fused `feed_forward.experts.gate_up_proj`), the vision tower under
-    `vision_model.` and the projector (key names and shapes as transformers' Llama4VisionModel)."""
-    c, vc = config["text_config"], config["vision_config"]
-    h, inter, e, v = c["hidden_size"], c["intermediate_size"], c["num_local_experts"], c["vocab_size"]
-    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    shapes = {"language_model.model.embed_tokens.weight": [v, h]}
-    for i in range(c["num_hidden_layers"]):
-        p = f"language_model.model.layers.{i}."
-        shapes.update(
-            {
-                p + "input_layernorm.weight": [h],
-                p + "post_attention_layernorm.weight": [h],
-                p + "self_attn.q_proj.weight": [q, h],
-                p + "self_attn.k_proj.weight": [kv, h],
-                p + "self_attn.v_proj.weight": [kv, h],
-                p + "self_attn.o_proj.weight": [h, q],
-                p + "feed_forward.router.weight": [e, h],
-                p + "feed_forward.experts.gate_up_proj": [e, h, 2 * inter],
-                p + "feed_forward.experts.down_proj": [e, inter, h],
-                p + "feed_forward.shared_expert.gate_proj.weight": [inter, h],
-                p + "feed_forward.shared_expert.up_proj.weight": [inter, h],
-                p + "feed_forward.shared_expert.down_proj.weight": [h, inter],
-            }
-        )
-    shapes.update({"language_model.model.norm.weight": [h], "language_model.lm_head.weight": [v, h]})
-    vh, vi, patch = vc["hidden_size"], vc["intermediate_size"], vc["patch_size"]
-    positions = (vc["image_size"] // patch) ** 2 + 1
-    shapes.update(
-        {
-            "vision_model.class_embedding": [vh],
-            "vision_model.positional_embedding_vlm": [positions, vh],
-            "vision_model.patch_embedding.linear.weight": [vh, vc["num_channels"] * patch * patch],
-        }
-    )
-    for norm in ("layernorm_pre", "layernorm_post"):
-        shapes.update({f"vision_model.{norm}.weight": [vh], f"vision_model.{norm}.bias": [vh]})
-    for i in range(vc["num_hidden_layers"]):
-        p = f"vision_model.model.layers.{i}."
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            shapes.update({f"{p}self_attn.{name}.weight": [vh, vh], f"{p}self_attn.{name}.bias": [vh]})
-        shapes.update(
-            {
-                p + "mlp.fc1.weight": [vi, vh],
-                p + "mlp.fc1.bias": [vi],
-                p + "mlp.fc2.weight": [vh, vi],
-                p + "mlp.fc2.bias": [vh],
-            }
-        )
-        for norm in ("input_layernorm", "post_attention_layernorm"):
-            shapes.update({f"{p}{norm}.weight": [vh], f"{p}{norm}.bias": [vh]})
-    out = vc["vision_output_dim"]
-    shapes.update(
-        {
-            "vision_model.vision_adapter.mlp.fc1.weight": [out, vi],
-            "vision_model.vision_adapter.mlp.fc2.weight": [out, out],
-            "multi_modal_projector.linear_1.weight": [h, out],
-        }
-    )
-    return shapes
-
-
 def qwen3_next_shapes(c):
     """Every tensor of Qwen3-Next and its shape, with the Hub's multi-token-prediction layer `mtp.*`."""
     h, v = c["hidden_size"], c["vocab_size"]
@@ -600,14 +705,20 @@ def qwen3_next_shapes(c):
     return shapes
 
 
-# name: (what, config.json, its tensors, mesh, shard files as on the Hub; None: at most 5 GB each)
+# name: (what, config.json, its tensors, mesh, shard files as on the Hub; None: at most 5 GB each,
+# and one file named model.safetensors, without an index, as `save_pretrained` writes it)
 MODELS = {
     "deepseek-v3": ("DeepSeek-V3 671B", DEEPSEEK_V3, deepseek_v3_shapes, "32x16", 163),
     "deepseek-v3-fp8": ("DeepSeek-V3 671B FP8", DEEPSEEK_V3_FP8, deepseek_v3_fp8_shapes, "32x16", 163),
-    "qwen3-235b": ("Qwen3-235B-A22B", QWEN3_235B, qwen3_moe_shapes, "8x8", 118),
-    "gpt-oss-120b": ("gpt-oss-120b (bf16)", GPT_OSS_120B, gpt_oss_shapes, "8x8", None),
-    "llama4-scout": ("Llama-4-Scout-17B-16E", SCOUT, llama4_shapes, "8x8", 50),
+    "qwen3-235b": ("Qwen3-235B-A22B", QWEN3_235B, transformers_shapes, "8x8", 118),
+    "gpt-oss-120b": ("gpt-oss-120b (bf16)", GPT_OSS_120B, transformers_shapes, "8x8", None),
+    "llama4-scout": ("Llama-4-Scout-17B-16E", SCOUT, transformers_shapes, "8x8", 50),
     "qwen3-next": ("Qwen3-Next-80B-A3B", QWEN3_NEXT_80B, qwen3_next_shapes, "8x8", 41),
+    "gemma3-27b": ("Gemma-3-27B-it", GEMMA3_27B, transformers_shapes, "8x8", 12),
+    "gemma4-31b": ("Gemma-4-31B-it", GEMMA4_31B, transformers_shapes, "8x8", None),
+    "olmo2-32b": ("OLMo-2-0325-32B", OLMO2_32B, transformers_shapes, "8x8", None),
+    "modernbert-large": ("ModernBERT-large", MODERNBERT_LARGE, transformers_shapes, "2x2", None),
+    "xlm-roberta-large": ("XLM-RoBERTa-large", XLM_R_LARGE, transformers_shapes, "2x2", None),
 }
 QUICK = "qwen3-235b"
 
@@ -620,8 +731,9 @@ ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
 
 def write_sparse_checkpoint(directory: Path, config: dict, shapes: dict, shards: int | None) -> tuple[int, int]:
     """config.json, `shards` safetensors files (consecutive keys, about equal bytes; None: at most
-    5 GB each) whose data is a hole, and model.safetensors.index.json. -> (bytes, files). Each
-    key's tensor is of its shape in `shapes`, bfloat16, or of (dtype, shape)."""
+    5 GB each) whose data is a hole, and model.safetensors.index.json (one file: model.safetensors,
+    no index). -> (bytes, files). Each key's tensor is of its shape in `shapes`, bfloat16, or of
+    (dtype, shape)."""
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     typed = {key: entry if isinstance(entry[0], str) else ("BF16", entry) for key, entry in shapes.items()}
@@ -637,7 +749,7 @@ def write_sparse_checkpoint(directory: Path, config: dict, shapes: dict, shards:
     width = 6 if len(groups) > 99 and config["model_type"] == "deepseek_v3" else 5  # DeepSeek's -of-000163
     weight_map, on_disk = {}, 0
     for number, keys in enumerate(groups, 1):
-        name = f"model-{number:05d}-of-{len(groups):0{width}d}.safetensors"
+        name = f"model-{number:05d}-of-{len(groups):0{width}d}.safetensors" if len(groups) > 1 else "model.safetensors"
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for key in keys:
             dtype, shape = typed[key]
@@ -650,8 +762,9 @@ def write_sparse_checkpoint(directory: Path, config: dict, shapes: dict, shards:
         path.write_bytes(struct.pack("<Q", len(text)) + text)
         os.truncate(path, 8 + len(text) + offset)
         on_disk += 8 + len(text) + offset
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return on_disk, len(groups)
 
 
