@@ -41,8 +41,8 @@ import numpy as np
 from .._convert import Progress
 from .._destination import check_destination, check_free, make_partial, partial_path, put_in_place, writing
 from .._dtypes import dtype as dtype_named
-from .._errors import CheckpointError, OutputError, PlanError, PortError, RunError
-from .._mapping import Mapping, mapping_for
+from .._errors import CheckpointError, ConfigError, OutputError, PlanError, PortError, RunError
+from .._mapping import Mapping, TextExport, mapping_for
 from .._model import is_model
 from .._output import Output, port_version, read_output
 from .._output._restore import model_class
@@ -405,13 +405,19 @@ def _export(
             raise PlanError([f"model leaf '{leaf.path}' is {type(array).__name__}, not an array to write"])
     dtype = None if dtype is None else dtype_named(dtype)
     inverse = invert(recipe, headers, mapping.source, dtype)
+    text_only = mapping.export.get(str(config.get("model_type")))  # a wrapper's language model: written text-only
+    source_tensors = found.tensors
+    if text_only is not None:
+        inverse = inverse.renamed(text_only.key, mapping.source)
+        source_tensors = None if found.tensors is None else {text_only.key(k): t for k, t in found.tensors.items()}
     quantization = None
     if block is not None:
         tied = [*mapping.tied, *mapping.tied.values()]
-        quantization = plan_fp8(inverse, block, config, tied, found.tensors)
+        quantization = plan_fp8(inverse, block, config, tied, source_tensors)
     layout = inverse.tensors if quantization is None else quantization.layout(inverse.tensors)
     nbytes = sum(t.nbytes for t in layout)
-    written_config = {k: v for k, v in config.items() if k != "quantization_config"}  # the tensors are not
+    written_config = config if text_only is None else _text_only_config(config, text_only)
+    written_config = {k: v for k, v in written_config.items() if k != "quantization_config"}  # the tensors are not
     if quantization is not None:
         written_config["quantization_config"] = quantization.settings
     if dtype is not None:
@@ -479,6 +485,27 @@ def _export(
             put_in_place(partial, out, force, ours=is_export, what=_EXPORT)
         exchange("export-done", "", "word that the export is in place")
     return out
+
+
+_CARRIED = ("dtype", "torch_dtype", "transformers_version")
+"""What a text-only export's config.json takes from the wrapper's where its text config lacks it."""
+
+
+def _text_only_config(config: AnyMapping[str, Any], text_only: TextExport) -> dict[str, Any]:
+    """The config.json of the text-only checkpoint a wrapper's language model is written as: the
+    wrapper's text config, saying the text-only class's `model_type` and `architectures`.
+
+    ```python
+    _text_only_config({"model_type": "gemma3", "dtype": "bfloat16", "text_config": {"hidden_size": 8}},
+                      mapping.export["gemma3"])
+    # {"dtype": "bfloat16", "hidden_size": 8, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    ```
+    """
+    text = config.get(text_only.config)
+    if not isinstance(text, dict):
+        raise ConfigError(f"config.json: {text_only.config!r} must be a dict, got {quoted(text)}")
+    carried = {k: config[k] for k in _CARRIED if k in config}
+    return {**carried, **text, "model_type": text_only.model_type, "architectures": list(text_only.architectures)}
 
 
 def _share_bytes(mine: list[Block], specs: AnyMapping[str, OutTensor], quantization: Quantization | None) -> int:

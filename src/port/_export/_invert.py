@@ -15,6 +15,8 @@ inverse.parts["h.0.attn.c_attn.weight"]   # the leaves (and layer) q, k and v co
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,26 @@ class Inverse:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    def renamed(self, name: Callable[[str], str], source: str = "mapping") -> Inverse:
+        """The same tensors written under `name(key)` (a multimodal checkpoint's language model in
+        its text-only class's layout); `PlanError` where two keys get one name.
+
+        ```python
+        inverse.renamed(mapping.export["gemma3"].key)    # language_model.model.* -> model.*
+        ```
+        """
+        names = {t.key: name(t.key) for t in self.tensors}
+        taken: dict[str, str] = {}
+        for key, new in names.items():
+            if new in taken:
+                raise PlanError([f"{source}: tensors '{taken[new]}' and '{key}' would both be written as '{new}'"])
+            taken[new] = key
+        return Inverse(
+            tuple(dataclasses.replace(t, key=names[t.key]) for t in self.tensors),
+            {names[k]: parts for k, parts in self.parts.items()},
+            {names[k]: d for k, d in self.source_dtypes.items()},
+        )
 
 
 def _fused_at(chain: Any) -> int | None:

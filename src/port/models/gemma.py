@@ -17,7 +17,9 @@ before RoPE (`attn.q_norm`, `attn.k_norm`), and its local (sliding) and global l
 rotate with their own RoPE (`local_rope`: `rope_parameters["sliding_attention"]`, base
 10000; `rope`: `["full_attention"]`, base 1e6, which may be scaled, linearly in the
 released 4B and larger); its sliding layers are `layer_types`, else five in six
-(`sliding_window_pattern`), and its soft-caps are off unless the config sets them. The
+(`sliding_window_pattern`); its final soft-cap is off unless the config sets one, and its
+attention applies no soft-cap whatever `attn_logit_softcapping` says (transformers'
+`Gemma3Attention` keeps the value but does not pass it to the attention function). The
 language model of a `gemma3` checkpoint applies no final soft-cap (transformers'
 `Gemma3ForConditionalGeneration` does not), so such a config must not set one.
 The mappings (`mappings/gemma.toml`, `mappings/gemma2.toml`, `mappings/gemma3.toml`)
@@ -366,7 +368,10 @@ def _sandwich_fields(config: dict, model_type: str, layers: int) -> dict[str, An
         pattern = get(config, "sliding_window_pattern", int, pattern)
     return dict(
         query_pre_attn_scalar=get(config, "query_pre_attn_scalar", float, defaults["query_pre_attn_scalar"]),
-        attn_logit_softcapping=_optional(config, "attn_logit_softcapping", float, defaults["attn_logit_softcapping"]),
+        # Gemma 3's attention does not pass its `attn_logit_softcapping` on (transformers 5.24): no cap
+        attn_logit_softcapping=None
+        if model_type == "gemma3_text"
+        else _optional(config, "attn_logit_softcapping", float, defaults["attn_logit_softcapping"]),
         final_logit_softcapping=_optional(
             config, "final_logit_softcapping", float, defaults["final_logit_softcapping"]
         ),
