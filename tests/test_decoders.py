@@ -191,6 +191,25 @@ FAMILIES = {
             shared_expert_intermediate_size=40,
         ),
     ),
+    # Gemma 3: q/k norms, local layers (window 4, their own RoPE base) around a global one
+    # with linear RoPE scaling, query_pre_attn_scalar unlike head_dim, a final soft-cap.
+    "gemma3_text": (
+        "Gemma3ForCausalLM",
+        "Gemma3TextConfig",
+        dict(
+            LLAMA,
+            num_hidden_layers=3,
+            head_dim=16,
+            query_pre_attn_scalar=24,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+            final_logit_softcapping=5.0,
+        ),
+    ),
 }
 # Families whose layers carry a recurrent state: packed `segment_ids` are refused.
 NO_SEGMENTS = {"qwen3_next"}
