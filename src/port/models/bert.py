@@ -168,13 +168,13 @@ ENCODER_FIELDS = ConfigFields(
         "max_position_embeddings",
         "type_vocab_size",
         "layer_norm_eps",
+        "tie_word_embeddings",  # the masked-LM head's, which port does not build: any value runs alike
     ),
     fixed={
         "position_embedding_type": ("absolute",),  # older configs; relative_key(_query) is gone from transformers
         "is_decoder": (False,),
         "add_cross_attention": (False,),
         "is_encoder_decoder": (False,),
-        "tie_word_embeddings": (True, False),  # the masked-LM head's, which port does not build
     },
 )
 

@@ -59,11 +59,12 @@ class DistilBert(eqx.Module):
             "activation",
             "max_position_embeddings",
             "sinusoidal_pos_embds",
+            # the heads' (masked LM, classifiers), which port does not build: any value runs alike
+            "tie_word_embeddings",
+            "qa_dropout",
+            "seq_classif_dropout",
         ),
-        fixed={
-            "is_encoder_decoder": (False,),
-            "tie_word_embeddings": (True, False),  # the masked-LM head's, which port does not build
-        },
+        fixed={"is_encoder_decoder": (False,)},
     )
 
     bert: Bert
