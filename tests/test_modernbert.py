@@ -22,6 +22,8 @@ from jax.sharding import PartitionSpec as P
 import port
 from port._errors import ConfigError
 from port.models.modernbert import ModernBert, ModernBertConfig
+from port.nn import prepare
+from port.nn._window import local_window
 
 from helpers import REPO, one_line, perturbed, run_port, transformers_or_skip, write_sparse_checkpoint
 
@@ -184,6 +186,24 @@ def test_masked_lm_checkpoint_loads_its_encoder(checkpoint, tmp_path):
     assert recipe.ignored and all(k.startswith(("head.", "decoder.")) for k in recipe.ignored)
     out = np.asarray(run(port.load(tmp_path), IDS, MASK))
     assert np.abs(out - expected["eager"]).max() < 1e-4
+
+
+@pytest.mark.parametrize("radius", [0, 2, 11])
+def test_local_window_is_transformers_bidirectional_sliding_window(radius):
+    """`port.nn`'s local window: transformers' bidirectional sliding-window mask function (keys within
+    `radius` slots either side) and its padding mask, on a padded batch."""
+    import torch
+
+    transformers_or_skip()
+    from transformers import masking_utils
+
+    window = masking_utils.sliding_window_bidirectional_mask_function(radius)
+    padding = masking_utils.padding_mask_function(torch.tensor(MASK).bool())
+    b, q, k = torch.arange(2)[:, None, None], torch.arange(12)[None, :, None], torch.arange(12)[None, None, :]
+    theirs = (window(b, 0, q, k) & padding(b, 0, q, k)).numpy()
+    tokens = local_window(prepare(IDS, attention_mask=MASK, causal=False), radius)
+    np.testing.assert_array_equal(np.asarray(tokens.sliding), theirs)
+    np.testing.assert_array_equal(np.asarray(tokens.mask), np.broadcast_to(REAL[:, None, :], (2, 12, 12)))
 
 
 # ---------------------------------------------------------------- training
