@@ -247,7 +247,7 @@ def mapping_refused(path: Path, expected: str, model_class: bool = False) -> Non
         ),
         (
             lambda p: p.write_text(nested(port._mapping.MAX_NESTING - 1)),  # the top table and 31 arrays: read
-            "unknown key 'x' (expected aliases, ignore, model, model_types, params, prefixes, reference, rules, tied)",
+            "unknown key 'x' (expected aliases, export, ignore, model, model_types, params, prefixes, reference, rules, tied)",
         ),
         (lambda p: os.mkfifo(p), "not a regular file (a FIFO); a mapping is a TOML file"),
         (lambda p: p.mkdir(), "not a regular file (a directory); a mapping is a TOML file"),
