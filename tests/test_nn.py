@@ -16,7 +16,7 @@ import pytest
 
 import port
 from port.models.llama import Llama, LlamaConfig
-from port.nn import Cache, attend, cast, generate, prepare, read_rope, scan
+from port.nn import Cache, attend, cast, generate, prepare, read_rope, rms_norm, scan
 
 from helpers import LLAMA_CONFIG, transformers_or_skip
 
@@ -379,30 +379,117 @@ def test_run_groups_refuses_a_kind_without_blocks_or_cache(mistral4):
         regrouped(mistral4, ("a", "b", "a", "b"), ids, cache)
 
 
-@pytest.mark.parametrize("plus_one", [False, True])
-def test_pre_norm_block_is_the_residual_formula(plus_one):
-    """PreNormBlock: x + attn(norm(x)), then + mlp(norm(x)), with RMSNorms whose weights start at
-    1 (or at 0 for `(1 + w)` norms) and the attention's keys and values handed back."""
-    import equinox as eqx
-
-    from port.nn import Attention, GatedMLP, PreNormBlock, rms_norm
+@pytest.mark.parametrize(
+    "norms, plus_one, float32_scale",
+    [("pre", False, False), ("pre", True, False), ("post", False, True), ("sandwich", True, False)],
+    ids=["pre", "pre-plus-one", "post-float32", "sandwich"],
+)
+def test_block_is_the_residual_formula(norms, plus_one, float32_scale):
+    """Block: x + post(attn(pre(x))), then + post(mlp(pre(x))), with the norms its layout
+    has (weights starting at 1, or at 0 for `(1 + w)` norms) and the attention's keys and
+    values handed back."""
+    from port.nn import Attention, Block, GatedMLP, rms_norm
 
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     attn = Attention(heads=4, kv_heads=2, head_dim=8, embd=24, dtype=jnp.float32, key=k1)
     mlp = GatedMLP(embd=24, inner=40, activation="silu", dtype=jnp.float32, key=k2)
-    block = PreNormBlock(attn, mlp, embd=24, eps=1e-5, dtype=jnp.float32, plus_one=plus_one)
-    assert float(block.attn_norm[0]) == float(block.mlp_norm[0]) == (0.0 if plus_one else 1.0)
-    block = eqx.tree_at(
-        lambda b: (b.attn_norm, b.mlp_norm),
-        block,
-        (jax.random.normal(k3, (24,)), jax.random.normal(jax.random.fold_in(k3, 1), (24,))),
+    block = Block(
+        attn, mlp, embd=24, eps=1e-5, dtype=jnp.float32, norms=norms, plus_one=plus_one, float32_scale=float32_scale
     )
-    x = jax.random.normal(jax.random.fold_in(k3, 2), (2, 5, 24))
+    names = ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
+    present = [n for n in names if getattr(block, n) is not None]
+    assert (
+        present
+        == {
+            "pre": ["attn_norm", "mlp_norm"],
+            "post": ["post_attn_norm", "post_mlp_norm"],
+            "sandwich": list(names),
+        }[norms]
+    )
+    assert all(float(getattr(block, n)[0]) == (0.0 if plus_one else 1.0) for n in present)
+    block = eqx.tree_at(
+        lambda b: tuple(getattr(b, n) for n in present),
+        block,
+        tuple(jax.random.normal(jax.random.fold_in(k3, i), (24,)) for i in range(len(present))),
+    )
+
+    def norm(x, name):
+        w = getattr(block, name)
+        return x if w is None else rms_norm(x, w, 1e-5, plus_one=plus_one, float32_scale=float32_scale)
+
+    x = jax.random.normal(jax.random.fold_in(k3, 9), (2, 5, 24))
     mask = prepare(np.ones((2, 5), np.int32)).mask
     y, kv = block(x, mask, cos=None, sin=None, kv=None, index=None)
-    h, kv_attn = attn(rms_norm(x, block.attn_norm, 1e-5, plus_one=plus_one), mask)
-    expected = x + h
-    expected = expected + mlp(rms_norm(expected, block.mlp_norm, 1e-5, plus_one=plus_one))
+    h, kv_attn = attn(norm(x, "attn_norm"), mask)
+    expected = x + norm(h, "post_attn_norm")
+    expected = expected + norm(mlp(norm(expected, "mlp_norm")), "post_mlp_norm")
     np.testing.assert_allclose(y, expected, atol=1e-6, rtol=0)
     for a, b in zip(jax.tree.leaves(kv), jax.tree.leaves(kv_attn)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_rms_norm_float32_scale_is_olmo2s():
+    """`float32_scale`: OLMo 2's RMSNorm, the weight applied in float32 before the cast to
+    bfloat16 (Llama's casts first: the two differ in the last bit)."""
+    torch = pytest.importorskip("torch")
+    transformers = transformers_or_skip()
+    norm = transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm(64, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64) * 3)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    theirs = norm(x).detach().float().numpy()
+    weight = jnp.asarray(norm.weight.detach().float().numpy(), jnp.bfloat16)
+    xs = jnp.asarray(x.float().numpy(), jnp.bfloat16)
+    ours = np.asarray(rms_norm(xs, weight, 1e-6, float32_scale=True).astype(jnp.float32))
+    np.testing.assert_array_equal(ours, theirs)
+    cast_first = np.asarray(rms_norm(xs, weight, 1e-6).astype(jnp.float32))
+    assert not np.array_equal(cast_first, theirs)
+
+
+def test_attention_norms_the_whole_projection():
+    """qk_norm="projection" (OLMo 2): one RMSNorm over every head's queries (and keys),
+    leaves `[heads, head_dim]`, against transformers' Olmo2Attention's q_norm/k_norm."""
+    from port.nn import Attention
+
+    attn = Attention(
+        heads=4, kv_heads=2, head_dim=8, embd=24, dtype=jnp.float32, key=jax.random.key(0), qk_norm="projection"
+    )
+    assert attn.q_norm is not None and attn.k_norm is not None
+    assert attn.q_norm.shape == (4, 8) and attn.k_norm.shape == (2, 8)
+    attn = eqx.tree_at(lambda a: a.q_norm, attn, jax.random.normal(jax.random.key(1), (4, 8)))
+    x = jax.random.normal(jax.random.key(2), (1, 3, 24))
+    q, _, _ = attn.project(x, None, None)
+    raw = jnp.einsum("bte,hde->bthd", x, attn.wq).reshape(1, 3, 32)
+    expected = rms_norm(raw, attn.q_norm.reshape(32), 1e-6).reshape(1, 3, 4, 8)
+    np.testing.assert_allclose(q, expected, atol=1e-6, rtol=0)
+    per_head = rms_norm(raw.reshape(1, 3, 4, 8), attn.q_norm, 1e-6)
+    assert not np.allclose(q, per_head, atol=1e-3)
+
+
+def test_run_layers_skips_rotary_on_the_layers_rope_layers_marks():
+    """rope_layers=(True, False, True): the middle layer runs as if given no cos/sin (a NoPE
+    layer, SmolLM3), bit for bit; the others rotate."""
+    from port.nn import Attention, Block, GatedMLP, Rope, run_layers, stacked
+
+    def make(key):
+        k1, k2 = jax.random.split(key)
+        attn = Attention(heads=2, kv_heads=1, head_dim=8, embd=16, dtype=jnp.float32, key=k1)
+        mlp = GatedMLP(embd=16, inner=24, activation="silu", dtype=jnp.float32, key=k2)
+        return Block(attn, mlp, embd=16, eps=1e-6, dtype=jnp.float32)
+
+    blocks = stacked(make, jax.random.key(0), 3)
+    # Sharper scores than the initialisation's, so that rotating or not shows.
+    blocks = eqx.tree_at(lambda b: (b.attn.wq, b.attn.wk), blocks, (blocks.attn.wq * 30, blocks.attn.wk * 30))
+    tokens = prepare(np.zeros((2, 5), np.int32))
+    x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+    cos, sin = Rope(theta=10000.0, rotary_dim=8).angles(tokens.positions, jnp.float32)
+    y, _ = run_layers(blocks, x, tokens, cos=cos, sin=sin, rope_layers=(True, False, True))
+    expected = x
+    for i, rotates in enumerate((True, False, True)):
+        block = jax.tree.map(lambda a, i=i: a[i] if eqx.is_array(a) else a, blocks)
+        expected, _ = block(
+            expected, tokens.mask, cos=cos if rotates else None, sin=sin if rotates else None, kv=None, index=None
+        )
+    np.testing.assert_allclose(y, expected, atol=1e-5, rtol=0)
+    everywhere, _ = run_layers(blocks, x, tokens, cos=cos, sin=sin)
+    assert np.abs(everywhere - expected).max() > 1e-2

@@ -57,13 +57,12 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.nn.config import MAX_LAYERS, activation, check, check_model_type, get
 from port.nn import (
+    Block,
     Cache,
     Decoder,
     GatedMLP,
     MoE,
-    PreNormBlock,
     Rope,
     Tokens,
     embeddings,
@@ -75,6 +74,7 @@ from port.nn import (
 )
 from port.nn._mla import LatentAttention
 from port.nn._rope import rope_parameters
+from port.nn.config import MAX_LAYERS, activation, check, check_model_type, get
 
 MODEL_TYPES = ("deepseek_v3",)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -303,10 +303,10 @@ def _scale(config: dict, rope: Rope, qk_head_dim: int) -> float:
     return scale
 
 
-def block(c: DeepseekV3Config, kind: str, dtype: Any, *, key: PRNGKeyArray) -> PreNormBlock:
+def block(c: DeepseekV3Config, kind: str, dtype: Any, *, key: PRNGKeyArray) -> Block:
     """One layer: latent attention, then a dense MLP (`kind` "dense") or the experts ("moe")."""
     kattn, kmlp = jax.random.split(key)
-    return PreNormBlock(
+    return Block(
         c.attention(dtype, kattn), c.mlp(kind, dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype
     )
 
@@ -326,8 +326,8 @@ class DeepseekV3(Decoder):
     """
 
     embed: Float[Array, "vocab embed"]
-    dense: PreNormBlock | None
-    moe: PreNormBlock | None
+    dense: Block | None
+    moe: Block | None
     norm: Float[Array, " embed"]
     lm_head: Float[Array, "vocab embed"] | None
     config: DeepseekV3Config = eqx.field(static=True)

@@ -53,12 +53,11 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.nn.config import MAX_LAYERS, check, check_model_type, get, read_kv_heads
 from port.nn import (
     Attention,
+    Block,
     Decoder,
     MoE,
-    PreNormBlock,
     Rope,
     Tokens,
     embeddings,
@@ -68,6 +67,7 @@ from port.nn import (
     run_layers,
     stacked,
 )
+from port.nn.config import MAX_LAYERS, check, check_model_type, get, read_kv_heads
 
 MODEL_TYPES = ("gpt_oss",)
 ROPE_TYPES = ("default", "yarn")
@@ -219,7 +219,7 @@ def _rope(config: dict, head_dim: int) -> Rope:
     return read_rope(config, head_dim, supported=ROPE_TYPES, max_position_embeddings=maximum)
 
 
-def block(c: GptOssConfig, dtype: Any, *, key: PRNGKeyArray) -> PreNormBlock:
+def block(c: GptOssConfig, dtype: Any, *, key: PRNGKeyArray) -> Block:
     """One gpt-oss layer: attention with sinks and biases, then the mixture of experts."""
     kattn, kmlp = jax.random.split(key)
     attn = Attention(
@@ -233,7 +233,7 @@ def block(c: GptOssConfig, dtype: Any, *, key: PRNGKeyArray) -> PreNormBlock:
         o_bias=c.attention_bias,
         sinks=True,
     )
-    return PreNormBlock(attn, c.mlp(dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
+    return Block(attn, c.mlp(dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
 
 
 @final
@@ -250,7 +250,7 @@ class GptOss(Decoder):
     """
 
     embed: Float[Array, "vocab embed"]
-    blocks: PreNormBlock
+    blocks: Block
     norm: Float[Array, " embed"]
     lm_head: Float[Array, "vocab embed"] | None
     config: GptOssConfig = eqx.field(static=True)

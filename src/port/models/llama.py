@@ -48,20 +48,12 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.nn.config import (
-    MAX_LAYERS,
-    activation,
-    check,
-    check_model_type,
-    get,
-    read_kv_heads,
-)
 from port.nn import (
     Attention,
+    Block,
     Decoder,
     GatedMLP,
     MoE,
-    PreNormBlock,
     Rope,
     Tokens,
     embeddings,
@@ -70,6 +62,14 @@ from port.nn import (
     rms_norm,
     run_layers,
     stacked,
+)
+from port.nn.config import (
+    MAX_LAYERS,
+    activation,
+    check,
+    check_model_type,
+    get,
+    read_kv_heads,
 )
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
@@ -102,7 +102,7 @@ class LlamaConfig:
     c = LlamaConfig.from_hf({"model_type": "qwen3", "vocab_size": 101, "hidden_size": 64,
                              "intermediate_size": 128, "num_hidden_layers": 2,
                              "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 12})
-    c.qk_norm, c.rotary_dim    # (True, 12)
+    c.qk_norm, c.rotary_dim    # ('head', 12)
     ```
     """
 
@@ -120,7 +120,7 @@ class LlamaConfig:
     qkv_bias: bool = False  # q_proj, k_proj, v_proj
     o_bias: bool = False  # o_proj
     mlp_bias: bool = False  # gate_proj, up_proj, down_proj
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim of each query and key head
+    qk_norm: str | None = None  # "head": Qwen3's RMSNorm over head_dim of each query and key head
     rope: Rope = Rope(theta=10000.0, rotary_dim=128)  # rotary embeddings, as config.json describes them
     sliding_window: int | None = None  # attend to the last `sliding_window` positions...
     sliding_layers: tuple[bool, ...] = ()  # ...in the layers marked True here
@@ -163,7 +163,7 @@ class LlamaConfig:
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm="head" if model_type == "qwen3" else None,
             sliding_window=window,
             sliding_layers=sliding,
             rope=_rope(config, model_type, head_dim),
@@ -242,7 +242,7 @@ def block(
     *,
     key: PRNGKeyArray,
     mlp: Callable[[Any, PRNGKeyArray], GatedMLP | MoE] | None = None,
-) -> PreNormBlock:
+) -> Block:
     """One decoder layer: `c`'s attention and `c.mlp` (or `mlp(dtype, key)`: another feed-forward,
     such as a mixture of experts)."""
     kattn, kmlp = jax.random.split(key)
@@ -258,7 +258,7 @@ def block(
         qk_norm=c.qk_norm,
         norm_eps=c.rms_norm_eps,
     )
-    return PreNormBlock(
+    return Block(
         attn, (c.mlp if mlp is None else mlp)(dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype
     )
 
@@ -272,7 +272,7 @@ class Llama(Decoder):
     """
 
     embed: Float[Array, "vocab embed"]
-    blocks: PreNormBlock
+    blocks: Block
     norm: Float[Array, " embed"]
     lm_head: Float[Array, "vocab embed"] | None
     config: LlamaConfig = eqx.field(static=True)

@@ -59,9 +59,9 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.nn.config import MAX_LAYERS, check_model_type, get
 from port.models.llama import LlamaConfig, block
-from port.nn import Decoder, MoE, PreNormBlock, Tokens, embeddings, head, rms_norm, run_groups, stacked
+from port.nn import Block, Decoder, MoE, Tokens, embeddings, head, rms_norm, run_groups, stacked
+from port.nn.config import MAX_LAYERS, check_model_type, get
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -287,8 +287,8 @@ class Moe(Decoder):
     """
 
     embed: Float[Array, "vocab embed"]
-    blocks: PreNormBlock | None
-    dense: PreNormBlock | None
+    blocks: Block | None
+    dense: Block | None
     norm: Float[Array, " embed"]
     lm_head: Float[Array, "vocab embed"] | None
     config: LlamaConfig = eqx.field(static=True)

@@ -50,20 +50,13 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.nn.config import (
-    MAX_LAYERS,
-    activation,
-    check_model_type,
-    get,
-    read_kv_heads,
-)
 from port.nn import (
     Attention,
+    Block,
     Cache,
     Decoder,
     GatedMLP,
     MoE,
-    PreNormBlock,
     Rope,
     Tokens,
     embeddings,
@@ -74,6 +67,13 @@ from port.nn import (
     stacked,
 )
 from port.nn._deltanet import GatedDeltaNet, State
+from port.nn.config import (
+    MAX_LAYERS,
+    activation,
+    check_model_type,
+    get,
+    read_kv_heads,
+)
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 KINDS = {"linear_attention": "linear", "full_attention": "full"}
@@ -315,7 +315,7 @@ class LinearBlock(eqx.Module):
         return x + self.mlp(rms_norm(x, self.mlp_norm, self.eps, plus_one=True)), kv
 
 
-def full_block(c: Qwen3NextConfig, dtype: Any, *, key: PRNGKeyArray) -> PreNormBlock:
+def full_block(c: Qwen3NextConfig, dtype: Any, *, key: PRNGKeyArray) -> Block:
     """Gated full attention (per-head `(1 + w)` q/k norms, partial RoPE), then the feed-forward."""
     kattn, kmlp = jax.random.split(key)
     attn = Attention(
@@ -327,12 +327,12 @@ def full_block(c: Qwen3NextConfig, dtype: Any, *, key: PRNGKeyArray) -> PreNormB
         key=kattn,
         qkv_bias=c.attention_bias,
         o_bias=c.attention_bias,
-        qk_norm=True,
+        qk_norm="head",
         plus_one=True,
         norm_eps=c.rms_norm_eps,
         gate=True,
     )
-    return PreNormBlock(attn, c.mlp(dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype, plus_one=True)
+    return Block(attn, c.mlp(dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype, plus_one=True)
 
 
 @final
@@ -351,7 +351,7 @@ class Qwen3Next(Decoder):
 
     embed: Float[Array, "vocab embed"]
     linear: LinearBlock | None
-    full: PreNormBlock | None
+    full: Block | None
     norm: Float[Array, " embed"]
     lm_head: Float[Array, "vocab embed"] | None
     config: Qwen3NextConfig = eqx.field(static=True)

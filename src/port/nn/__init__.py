@@ -1,7 +1,10 @@
 """port's library of layers: what every model family is built from.
 
-A family file holds only what is new in it; norms, rotary embeddings, attention, MLPs,
-the pre-norm decoder layer, the routed mixture of experts, multi-head latent attention (DeepSeek-V3), Gated
+A family file holds only what is new in it; norms (`rms_norm`: Llama's, OLMo 2's
+`float32_scale`, Gemma's `plus_one`), rotary embeddings (`run_layers(rope_layers=...)` for
+layers without them), attention (`Attention`'s q/k norm per head or over the whole
+projection), MLPs, the decoder layer (`Block`: norms before, after or around each
+branch), the routed mixture of experts, multi-head latent attention (DeepSeek-V3), Gated
 DeltaNet linear attention (Qwen3-Next), the layer scan and layers of several kinds,
 inputs and masks, the key/value cache, greedy generation and the loss live here. Every layer works on batch-first arrays
 (`[batch, seq, embed]`); models accept `(batch, seq)` ids or one `(seq,)` sequence.
@@ -24,13 +27,14 @@ y, _ = attn(x, tokens.mask, cos=cos, sin=sin)
 ```
 """
 
+from port.nn import config as config
 from port.nn._attention import Attention as Attention
 from port.nn._attention import attend as attend
 from port.nn._attention import with_cache as with_cache
 from port.nn._axes import AXES as AXES
 from port.nn._axes import REFINED as REFINED
 from port.nn._axes import SHAPES as SHAPES
-from port.nn._block import PreNormBlock as PreNormBlock
+from port.nn._block import Block as Block
 from port.nn._cache import Cache as Cache
 from port.nn._decoder import Decoder as Decoder
 from port.nn._deltanet import GatedDeltaNet as GatedDeltaNet
@@ -67,4 +71,3 @@ from port.nn._rope import read_rope as read_rope
 from port.nn._scan import scan as scan
 from port.nn._tokens import Tokens as Tokens
 from port.nn._tokens import prepare as prepare
-from port.nn import config as config

@@ -8,8 +8,8 @@ attention does.
 
 `Attention` is multi-head, grouped-query or multi-query self-attention with torch
 `Linear` layouts split per head (`wq` `[heads, head_dim, embd]`, `wo` `[embd, heads,
-head_dim]`, so loading is a copy), optional biases, optional per-head RMSNorm of queries
-and keys (Qwen3, Gemma 3), RoPE, a key/value cache, a scale override, soft-capping and
+head_dim]`, so loading is a copy), optional biases, optional RMSNorm of queries and keys
+per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2 and 3), RoPE, a key/value cache, a scale override, soft-capping and
 sinks.
 
 ```python
@@ -20,7 +20,7 @@ y, _ = attn(x, tokens.mask, cos=cos, sin=sin)           # x: [batch, seq, 512]
 
 from __future__ import annotations
 
-from typing import Any, final
+from typing import Any, Literal, final
 
 import equinox as eqx
 import jax
@@ -32,6 +32,9 @@ from port.nn._cache import write
 from port.nn._init import normal, zeros_if
 from port.nn._norm import rms_norm
 from port.nn._rope import apply_rope
+
+QK_NORMS = (None, "head", "projection")
+"""`Attention`'s q/k norms: none, per head, or over the whole projection."""
 
 KV = tuple[Array, Array]
 """One layer's cached keys and values, `[batch, length, kv_heads, head_dim]` each."""
@@ -141,8 +144,12 @@ class Attention(eqx.Module):
     - `heads`, `kv_heads`, `head_dim`, `embd`: the sizes (kv_heads divides heads).
     - `dtype`, `key`: the parameters' dtype and initialisation key.
     - `qkv_bias`, `o_bias`: whether q/k/v and the output projection have biases.
-    - `qk_norm`: per-head RMSNorm of queries and keys before RoPE (Qwen3); `plus_one`
-      for Gemma's `(1 + w)` form; `norm_eps` its epsilon.
+    - `qk_norm`: RMSNorm of queries and keys before RoPE: `"head"` over each head's
+      `head_dim` (Qwen3, Gemma 3: `q_norm`, `k_norm` `[head_dim]`), `"projection"` over
+      the whole projection, every head at once (OLMo 2 and 3: `q_norm` `[heads, head_dim]`,
+      `k_norm` `[kv_heads, head_dim]`, checkpoints' `[heads * head_dim]` reshaped); None:
+      none. `plus_one` for Gemma's `(1 + w)` form, `float32_scale` for OLMo 2's weight
+      applied in float32 (as `rms_norm`); `norm_eps` their epsilon.
     - `scale`: the score scale (None: `head_dim**-0.5`); `softcap` as in `attend`.
     - `sinks`: whether there is a learned per-head sink logit (a `sinks` leaf `[heads]`,
       zeros at initialisation), used as in `attend` (gpt-oss).
@@ -171,8 +178,8 @@ class Attention(eqx.Module):
     bk: Float[Array, "kv_heads head_dim"] | None
     bv: Float[Array, "kv_heads head_dim"] | None
     bo: Float[Array, " embed"] | None
-    q_norm: Float[Array, " head_dim"] | None
-    k_norm: Float[Array, " head_dim"] | None
+    q_norm: Float[Array, " head_dim"] | Float[Array, "heads head_dim"] | None
+    k_norm: Float[Array, " head_dim"] | Float[Array, "kv_heads head_dim"] | None
     sinks: Float[Array, " heads"] | None
     wg: Float[Array, "heads head_dim embed"] | None
     bg: Float[Array, "heads head_dim"] | None
@@ -180,6 +187,7 @@ class Attention(eqx.Module):
     softcap: float | None = eqx.field(static=True)
     norm_eps: float = eqx.field(static=True)
     plus_one: bool = eqx.field(static=True)
+    float32_scale: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -192,8 +200,9 @@ class Attention(eqx.Module):
         key: PRNGKeyArray,
         qkv_bias: bool = False,
         o_bias: bool = False,
-        qk_norm: bool = False,
+        qk_norm: Literal["head", "projection"] | None = None,
         plus_one: bool = False,
+        float32_scale: bool = False,
         norm_eps: float = 1e-6,
         scale: float | None = None,
         softcap: float | None = None,
@@ -214,8 +223,12 @@ class Attention(eqx.Module):
             zeros_if(qkv_bias, (g, d), dtype),
         )
         self.bo = zeros_if(o_bias, (e,), dtype)
-        norm = (jnp.zeros if plus_one else jnp.ones)((d,), dtype) if qk_norm else None
-        self.q_norm, self.k_norm = norm, norm
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"`qk_norm` must be one of {QK_NORMS}, got {qk_norm!r}")
+        start = jnp.zeros if plus_one else jnp.ones
+        self.q_norm, self.k_norm = (
+            None if qk_norm is None else start((d,) if qk_norm == "head" else (n, d), dtype) for n in (h, g)
+        )
         self.sinks = jnp.zeros((h,), dtype) if sinks else None
         self.wg = normal(jax.random.fold_in(kq, 1), (h, d, e), dtype) if gate else None
         self.bg = zeros_if(gate and qkv_bias, (h, d), dtype)
@@ -223,6 +236,7 @@ class Attention(eqx.Module):
         self.softcap = softcap
         self.norm_eps = norm_eps
         self.plus_one = plus_one
+        self.float32_scale = float32_scale
 
     def project(
         self, x: Float[Array, "batch seq embed"], cos: Array | None, sin: Array | None
@@ -232,7 +246,12 @@ class Attention(eqx.Module):
         def linear(w: Array, b: Array | None, norm: Array | None) -> Array:
             y = jnp.einsum("bte,hde->bthd", x, w)
             y = y if b is None else y + b
-            return y if norm is None else rms_norm(y, norm, self.norm_eps, plus_one=self.plus_one)
+            if norm is None:
+                return y
+            whole = norm.ndim == 2  # "projection": one norm over every head's features
+            h = y.reshape(*y.shape[:2], -1) if whole else y
+            h = rms_norm(h, norm.reshape(-1), self.norm_eps, plus_one=self.plus_one, float32_scale=self.float32_scale)
+            return h.reshape(y.shape)
 
         q = linear(self.wq, self.bq, self.q_norm)
         k = linear(self.wk, self.bk, self.k_norm)

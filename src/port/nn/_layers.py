@@ -36,6 +36,7 @@ def run_layers(
     sin: Array | None = None,
     sliding: Sequence[bool] | None = None,
     sliding_rope: tuple[Array, Array] | None = None,
+    rope_layers: Sequence[bool] | None = None,
     remat: bool | str | Callable[..., bool] | None = None,
 ) -> tuple[Float[Array, "batch seq embed"], tuple[Array | None, Array | None]]:
     """Run stacked `blocks` over `x`.
@@ -51,6 +52,9 @@ def run_layers(
       window, when `prepare` was given one) rather than `tokens.mask`...
     - `sliding_rope`: ...and these `(cos, sin)` rather than `cos`, `sin` (a per-layer RoPE
       base, as Gemma 3's local layers have); None: every layer rotates alike.
+    - `rope_layers`: per layer, whether it rotates its queries and keys at all; a layer
+      marked False (a NoPE layer: SmolLM3's `no_rope_layers`) gets the identity rotation
+      (cos 1, sin 0), which leaves them exactly as they are. None: every layer rotates.
     - `remat`: as in `scan`.
 
     **Returns:** `(x, (keys, values))`: the last block's output `[batch, seq, embd]` and,
@@ -66,18 +70,22 @@ def run_layers(
     """
     layers = jnp.arange(jnp.shape(_first_leaf(blocks))[0])
     flags = jnp.asarray(sliding, bool) if sliding else jnp.zeros(layers.shape, bool)
+    rotates = None if rope_layers is None else jnp.asarray(rope_layers, bool)
     kv = None if tokens.cache is None else (tokens.cache.keys, tokens.cache.values)
     index = tokens.index
 
-    def layer(block: Any, x: Array, i: Array, slides: Array, kv: Any) -> tuple[Array, Any]:
+    def layer(block: Any, x: Array, i: Array, slides: Array, rotate: Array | None, kv: Any) -> tuple[Array, Any]:
         mask = tokens.mask if tokens.sliding is None else jnp.where(slides, tokens.sliding, tokens.mask)
         c, s = cos, sin
         if sliding_rope is not None:
             assert cos is not None and sin is not None, "sliding_rope replaces cos and sin on the local layers"
             c, s = (jnp.where(slides, local, default) for local, default in zip(sliding_rope, (cos, sin)))
+        if rotate is not None:
+            assert c is not None and s is not None, "rope_layers picks the layers that use cos and sin"
+            c, s = jnp.where(rotate, c, jnp.ones_like(c)), jnp.where(rotate, s, jnp.zeros_like(s))
         return block(x, mask, cos=c, sin=s, kv=kv, index=index, layer=i)
 
-    x, kv = scan(layer, x, blocks, layers, flags, kv, remat=remat)
+    x, kv = scan(layer, x, blocks, layers, flags, rotates, kv, remat=remat)
     return x, (None, None) if kv is None else kv
 
 

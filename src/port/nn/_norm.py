@@ -1,10 +1,11 @@
-"""Normalisation layers: RMSNorm (plain and Gemma's `1 + weight`) and LayerNorm.
+"""Normalisation layers: RMSNorm (Llama's, OLMo 2's float32 scale, Gemma's `1 + weight`) and LayerNorm.
 
 Statistics are always taken in float32 and the result cast back to the input's dtype,
 as transformers does, so bfloat16 activations normalise exactly as in PyTorch.
 
 ```python
 y = rms_norm(x, weight, 1e-6)                  # Llama: weight * normalised.astype(x.dtype)
+y = rms_norm(x, weight, 1e-6, float32_scale=True)  # OLMo 2: (weight * normalised), in float32, then cast
 y = rms_norm(x, weight, 1e-6, plus_one=True)    # Gemma: (1 + weight) * normalised, in float32
 norm = LayerNorm(768, eps=1e-5, dtype=jnp.float32)
 y = norm(x)                                     # any leading axes; normalises the last
@@ -22,7 +23,12 @@ from jaxtyping import Array, Float
 
 
 def rms_norm(
-    x: Float[Array, "*rest embed"], weight: Float[Array, " embed"], eps: float, *, plus_one: bool = False
+    x: Float[Array, "*rest embed"],
+    weight: Float[Array, " embed"],
+    eps: float,
+    *,
+    plus_one: bool = False,
+    float32_scale: bool = False,
 ) -> Float[Array, "*rest embed"]:
     """Root-mean-square normalisation over the last axis, scaled by `weight`.
 
@@ -33,6 +39,8 @@ def rms_norm(
     - `eps`: added to the mean square (config.json's `rms_norm_eps`).
     - `plus_one`: Gemma's form, `(1 + weight) * x_hat` computed in float32 and then cast;
       without it Llama's, `weight * x_hat.astype(x.dtype)`.
+    - `float32_scale`: OLMo 2's form, `weight * x_hat` computed in float32 and then cast
+      (`(self.weight * hidden_states).to(input_dtype)`); `plus_one` always scales so.
 
     **Returns:** an array of `x`'s shape and dtype.
 
@@ -44,6 +52,8 @@ def rms_norm(
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + eps)
     if plus_one:
         return (h * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    if float32_scale:
+        return (h * weight.astype(jnp.float32)).astype(x.dtype)
     return weight * h.astype(x.dtype)
 
 
