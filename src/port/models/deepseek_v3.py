@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, final
+from typing import Any, ClassVar, final
 
 import equinox as eqx
 import jax
@@ -74,7 +74,7 @@ from port.nn import (
 )
 from port.nn._mla import LatentAttention
 from port.nn._rope import rope_parameters
-from port.nn.config import MAX_LAYERS, activation, check, check_model_type, get
+from port.nn.config import MAX_LAYERS, ConfigFields, activation, check, check_model_type, get
 
 MODEL_TYPES = ("deepseek_v3",)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -169,6 +169,7 @@ class DeepseekV3Config:
         ```
         """
         check_model_type(config, MODEL_TYPES, "port.models.deepseek_v3")
+        DeepseekV3.FIELDS.check(config)
         c = {**_DEFAULTS, **{k: v for k, v in config.items() if v is not None or k == "q_lora_rank"}}
         if "n_routed_experts" not in config and config.get("num_local_experts") is not None:
             c["n_routed_experts"] = config["num_local_experts"]
@@ -324,6 +325,22 @@ class DeepseekV3(Decoder):
     logits, cache = model(ids, cache=model.init_cache(batch=ids.shape[0], length=64))
     ```
     """
+
+    FIELDS: ClassVar[ConfigFields] = ConfigFields(
+        "port.models.deepseek_v3.DeepseekV3",
+        read=(
+            "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts",
+            "num_local_experts", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+            "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
+            "first_k_dense_replace", "norm_topk_prob", "hidden_act", "max_position_embeddings",
+            "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_scaling", "rope_theta",
+            "rope_interleave", "attention_bias",
+            "head_dim", "qk_head_dim",  # derived: transformers recomputes both from the head sizes above
+            "num_nextn_predict_layers", "num_mtp_layers",  # multi-token prediction modules: not built
+        ),
+        fixed={"pretraining_tp": (1,)},
+    )  # fmt: skip
 
     embed: Float[Array, "vocab embed"]
     dense: Block | None

@@ -39,7 +39,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from port._errors import ConfigError
-from port.nn.config import ACTIVATIONS, MAX_LAYERS, ConfigFields, activation, get
 from port.nn import (
     Decoder,
     LayerNorm,
@@ -51,6 +50,7 @@ from port.nn import (
     with_cache,
 )
 from port.nn._attention import KV
+from port.nn.config import ACTIVATIONS, MAX_LAYERS, ConfigFields, activation, get
 
 
 @final
@@ -242,6 +242,16 @@ class GPT2(Decoder):
     **Arguments:** `config` (a `GPT2Config`; `from_config` reads a config.json dict),
     `key`, `dtype` (the parameters').
     """
+
+    FIELDS: ClassVar[ConfigFields] = ConfigFields(
+        "port.models.gpt2.GPT2",
+        read=(
+            "vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
+            "layer_norm_epsilon", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+            "reorder_and_upcast_attn",  # where the softmax is upcast: port's is always float32
+        ),
+        fixed={"add_cross_attention": (False,), "tie_word_embeddings": (True,)},
+    )  # fmt: skip
 
     FIELDS: ClassVar[ConfigFields] = ConfigFields(
         "port.models.gpt2.GPT2",

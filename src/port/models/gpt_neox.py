@@ -40,7 +40,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, final
+from typing import Any, ClassVar, final
 
 import equinox as eqx
 import jax
@@ -49,7 +49,6 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.nn.config import MAX_LAYERS, activation, check, check_model_type, get
 from port.nn import (
     MLP,
     Decoder,
@@ -67,6 +66,7 @@ from port.nn import (
     zeros_if,
 )
 from port.nn._attention import KV
+from port.nn.config import MAX_LAYERS, ConfigFields, activation, check, check_model_type, get
 
 MODEL_TYPES = ("gpt_neox",)
 
@@ -139,6 +139,8 @@ class GPTNeoXConfig:
     def from_hf(cls, config: dict) -> GPTNeoXConfig:
         """Build from a Hugging Face `config.json` dict; raises `ConfigError` if unsupported."""
         check_model_type(config, MODEL_TYPES, "port.models.gpt_neox", "gpt_neox")
+        GPTNeoX.FIELDS.check(config)
+        get(config, "is_decoder", bool, False)
         hidden = get(config, "hidden_size", int)
         heads = get(config, "num_attention_heads", int)
         if hidden % heads != 0:
@@ -267,6 +269,17 @@ class GPTNeoX(Decoder):
     **Arguments:** `config` (a `GPTNeoXConfig`; `from_config` reads a config.json dict),
     `key`, `dtype` (the parameters').
     """
+
+    FIELDS: ClassVar[ConfigFields] = ConfigFields(
+        "port.models.gpt_neox.GPTNeoX",
+        read=(
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "head_dim", "hidden_act", "layer_norm_eps", "use_parallel_residual", "attention_bias",
+            "tie_word_embeddings", "rope_parameters", "rope_scaling", "rotary_emb_base", "rotary_pct",
+            "max_position_embeddings",  # no learned table and default RoPE: positions are not bounded
+            "is_decoder",  # GPT-NeoX is causal either way
+        ),
+    )  # fmt: skip
 
     embed: Float[Array, "vocab embed"]
     blocks: Block

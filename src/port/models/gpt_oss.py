@@ -44,7 +44,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, final
+from typing import Any, ClassVar, final
 
 import equinox as eqx
 import jax
@@ -67,7 +67,7 @@ from port.nn import (
     run_layers,
     stacked,
 )
-from port.nn.config import MAX_LAYERS, check, check_model_type, get, read_kv_heads
+from port.nn.config import MAX_LAYERS, ConfigFields, check, check_model_type, get, read_kv_heads
 
 MODEL_TYPES = ("gpt_oss",)
 ROPE_TYPES = ("default", "yarn")
@@ -134,6 +134,7 @@ class GptOssConfig:
     def from_hf(cls, config: dict) -> GptOssConfig:
         """Build from a Hugging Face `config.json` dict; raises a one-line `ConfigError` if unsupported."""
         check_model_type(config, MODEL_TYPES, "port.models.gpt_oss")
+        GptOss.FIELDS.check(config)
         if config.get("num_local_experts") is None and config.get("num_experts") is not None:
             config = {**config, "num_local_experts": config["num_experts"]}  # GptOssConfig.attribute_map
         filled = {**_DEFAULTS, **{k: v for k, v in config.items() if v is not None or k == "sliding_window"}}
@@ -248,6 +249,18 @@ class GptOss(Decoder):
     logits = model(ids)                      # (batch, seq, vocab)
     ```
     """
+
+    FIELDS: ClassVar[ConfigFields] = ConfigFields(
+        "port.models.gpt_oss.GptOss",
+        read=(
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "num_local_experts", "num_experts", "num_experts_per_tok",
+            "rms_norm_eps", "attention_bias", "swiglu_alpha", "swiglu_limit", "tie_word_embeddings",
+            "rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings", "sliding_window",
+            "layer_types",
+            "hidden_act",  # unused by gpt-oss (its experts' clamped SwiGLU is its own), as in transformers
+        ),
+    )  # fmt: skip
 
     embed: Float[Array, "vocab embed"]
     blocks: Block

@@ -46,7 +46,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, final
+from typing import Any, ClassVar, final
 
 import equinox as eqx
 import jax
@@ -56,14 +56,6 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.nn.config import (
-    MAX_LAYERS,
-    activation,
-    check,
-    check_model_type,
-    get,
-    read_kv_heads,
-)
 from port.nn import (
     Attention,
     Cache,
@@ -83,6 +75,15 @@ from port.nn import (
 )
 from port.nn._attention import KV
 from port.nn._cache import check_sizes
+from port.nn.config import (
+    MAX_LAYERS,
+    ConfigFields,
+    activation,
+    check,
+    check_model_type,
+    get,
+    read_kv_heads,
+)
 
 MODEL_TYPES = ("llama4_text", "llama4")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -163,6 +164,7 @@ class Llama4Config:
             if not isinstance(text, dict):
                 raise ConfigError(f"config.json: 'text_config' must be a dict, got {quoted(text)}")
             return cls.from_hf({**text, "model_type": "llama4_text"})
+        Llama4.FIELDS.check(config)
         c = {**_DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
         layers = get(c, "num_hidden_layers", int, maximum=MAX_LAYERS)
         heads = get(c, "num_attention_heads", int)
@@ -427,6 +429,18 @@ class Llama4(Decoder):
     tokens = port.generate(model, ids, max_new_tokens=16)
     ```
     """
+
+    FIELDS: ClassVar[ConfigFields] = ConfigFields(
+        "port.models.llama4.Llama4",
+        read=(
+            "vocab_size", "hidden_size", "intermediate_size", "intermediate_size_mlp", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
+            "rms_norm_eps", "num_experts_per_tok", "num_local_experts", "moe_layers",
+            "interleave_moe_layer_step", "use_qk_norm", "no_rope_layers", "no_rope_layer_interval",
+            "attention_chunk_size", "layer_types", "attn_temperature_tuning", "floor_scale", "attn_scale",
+            "attention_bias", "tie_word_embeddings", "rope_parameters", "rope_scaling", "rope_theta",
+        ),
+    )  # fmt: skip
 
     embed: Float[Array, "vocab embed"]
     dense: Block | None

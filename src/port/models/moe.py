@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, final
+from typing import Any, ClassVar, final
 
 import equinox as eqx
 import jax
@@ -61,7 +61,7 @@ from port._errors import ConfigError
 from port._text import quoted
 from port.models.llama import LlamaConfig, block
 from port.nn import Block, Decoder, MoE, Tokens, embeddings, head, rms_norm, run_groups, stacked
-from port.nn.config import MAX_LAYERS, check_model_type, get
+from port.nn.config import MAX_LAYERS, ConfigFields, check_model_type, get
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -175,6 +175,7 @@ def read_config(config: dict) -> tuple[LlamaConfig, MoeConfig]:
     ```
     """
     model_type = check_model_type(config, MODEL_TYPES, "port.models.moe")
+    Moe.FIELDS.check(config)
     read = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}[model_type]
     llama, moe = read(config)
     if moe.num_experts_per_tok > moe.num_experts:
@@ -285,6 +286,18 @@ class Moe(Decoder):
                                              # {"blocks": (1, 3), "dense": (0, 2)}
     ```
     """
+
+    FIELDS: ClassVar[ConfigFields] = ConfigFields(
+        "port.models.moe.Moe",
+        read=(
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+            "tie_word_embeddings", "rope_parameters", "rope_scaling", "rope_theta", "sliding_window",
+            "use_sliding_window", "max_window_layers", "layer_types", "attention_bias", "qkv_bias",
+            "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+        ),
+    )  # fmt: skip
 
     embed: Float[Array, "vocab embed"]
     blocks: Block | None

@@ -44,9 +44,9 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.nn.config import ACTIVATIONS, MAX_LAYERS, activation, check, get
 from port.nn import MLP, Attention, LayerNorm, Pooler, cast, normal, scan, stacked
 from port.nn._inputs import batch_first, check_pixels
+from port.nn.config import ACTIVATIONS, MAX_LAYERS, ConfigFields, activation, check, check_model_type, get
 
 POOLER_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"tanh": jnp.tanh, **ACTIVATIONS}
 """The pooler's activations (`pooler_act`): transformers' default `tanh`, or any of `ACTIVATIONS`."""
@@ -97,6 +97,8 @@ class ViTConfig:
     @classmethod
     def from_hf(cls, config: dict) -> ViTConfig:
         """Build from a Hugging Face `config.json` dict; raises `ConfigError` if unsupported."""
+        check_model_type(config, ("vit",), "port.models.vit", "vit")
+        ViT.FIELDS.check(config)
         hidden = get(config, "hidden_size", int)
         heads = get(config, "num_attention_heads", int)
         head_dim = get(config, "head_dim", int, None)  # transformers: getattr(config, "head_dim", ...)
@@ -170,6 +172,14 @@ class ViT(eqx.Module):
     """
 
     input_kind: ClassVar[str] = "pixel_values"  # what `port verify` feeds it
+    FIELDS: ClassVar[ConfigFields] = ConfigFields(
+        "port.models.vit.ViT",
+        read=(
+            "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "intermediate_size",
+            "hidden_act", "layer_norm_eps", "image_size", "patch_size", "num_channels", "qkv_bias",
+            "pooler_output_size", "pooler_act",
+        ),
+    )  # fmt: skip
 
     patch_weight: Float[Array, "embed channels patch_height patch_width"]
     patch_bias: Float[Array, " embed"]

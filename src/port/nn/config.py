@@ -142,9 +142,10 @@ IGNORED: frozenset[str] = frozenset(
         "dropout", "embd_pdrop", "resid_pdrop", "attn_pdrop", "summary_first_dropout", "classifier_dropout",
         "embedding_dropout", "mlp_dropout", "initializer_range", "initializer_factor", "router_aux_loss_coef",
         "output_router_logits", "router_jitter_noise", "z_loss_coef", "gradient_checkpointing",
-        # heads port does not build (classification labels, GPT-2's multiple-choice summary)
+        # heads port does not build (classification labels, GPT-2's multiple-choice summary, ViT's
+        # masked-image decoder)
         "id2label", "label2id", "num_labels", "problem_type", "finetuning_task",
-        "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
+        "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "encoder_stride",
     }
 )
 """config.json fields that change nothing numerically in a loaded model (special token ids,
