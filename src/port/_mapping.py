@@ -13,7 +13,7 @@ reference = { class = "transformers:GPT2LMHeadModel", output = "logits" }  # for
 config = "text_config"                    # loads: `port export` writes it as a text-only checkpoint,
 model_type = "gemma3_text"                # config.json the text config with this model_type and
 architectures = ["Gemma3ForCausalLM"]     # architectures, each key's first matching prefix replaced
-prefixes = { "language_model.model." = "model.", "model.language_model." = "model." }
+prefixes = { "language_model.model." = "model.", "language_model." = "", "model.language_model." = "model." }
 
 [rules]                                   # logical axis -> mesh axis (or list of them)
 embed = "data"
