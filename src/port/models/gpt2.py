@@ -253,16 +253,6 @@ class GPT2(Decoder):
         fixed={"add_cross_attention": (False,), "tie_word_embeddings": (True,)},
     )  # fmt: skip
 
-    FIELDS: ClassVar[ConfigFields] = ConfigFields(
-        "port.models.gpt2.GPT2",
-        read=(
-            "vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
-            "layer_norm_epsilon", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
-            "reorder_and_upcast_attn",  # where the softmax is upcast: port's is always float32
-        ),
-        fixed={"add_cross_attention": (False,), "tie_word_embeddings": (True,)},
-    )  # fmt: skip
-
     wte: Float[Array, "vocab embed"]
     wpe: Float[Array, "positions embed"]
     blocks: Block
