@@ -43,6 +43,26 @@ FAMILIES = {
     "xlm-roberta": ("XLMRobertaModel", "XLMRobertaConfig", dict(ROBERTA, pad_token_id=3), 3, True),
     "distilbert": ("DistilBertModel", "DistilBertConfig", dict(DISTILBERT, activation="relu"), 0, False),
     "distilbert-sinusoidal": ("DistilBertModel", "DistilBertConfig", dict(DISTILBERT, sinusoidal_pos_embds=True), 0, False),
+    # ModernBERT: global, local, global (a window of 2 either side), a rotary base per layer type.
+    "modernbert": (
+        "ModernBertModel",
+        "ModernBertConfig",
+        dict(
+            BERT,
+            intermediate_size=80,
+            num_hidden_layers=3,
+            local_attention=4,
+            global_attn_every_n_layers=2,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
+            sep_token_id=2,
+            rope_parameters={"full_attention": {"rope_theta": 1000.0}, "sliding_attention": {"rope_theta": 50.0}},
+        ),
+        0,
+        False,
+    ),
 }
 NAMES = list(FAMILIES)
 
