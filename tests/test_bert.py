@@ -6,6 +6,8 @@ same hidden states and pooled output. The tests that build a `transformers` mode
 skip without PyTorch.
 """
 
+import json
+
 import equinox as eqx
 import jax
 import numpy as np
@@ -15,9 +17,9 @@ from safetensors.numpy import load_file, save_file
 
 import port
 from port._errors import PortError
-from port.models.bert import Bert, BertConfig
+from port.models.bert import Bert
 
-from helpers import BERT_CONFIG, cli, converted, torch_bert, transformers_or_skip
+from helpers import BERT_CONFIG, REPO, cli, converted, one_line, run_port, torch_bert, transformers_or_skip
 
 IDS = np.random.default_rng(1).integers(0, 101, (2, 12))
 TYPES = np.random.default_rng(2).integers(0, 2, (2, 12))
@@ -145,11 +147,88 @@ def test_stacked_field_shapes():
 @pytest.mark.parametrize(
     "change, match",
     [
-        (dict(position_embedding_type="relative_key"), "position_embedding_type"),
-        (dict(hidden_act="mish"), "hidden_act"),
-        (dict(is_decoder=True), "is_decoder"),
+        (
+            dict(position_embedding_type="relative_key"),
+            "config.json: position_embedding_type 'relative_key' is not supported by port.models.bert.Bert "
+            "(supported: 'absolute')",
+        ),
+        (dict(hidden_act="mish"), "config.json: 'hidden_act' 'mish' is not supported"),
+        (dict(is_decoder=True), "config.json: is_decoder True is not supported by port.models.bert.Bert"),
+        (dict(add_cross_attention=True), "config.json: add_cross_attention True is not supported"),
+        (
+            dict(model_type="roberta"),
+            "config.json: 'model_type' 'roberta' is not supported by port.models.bert.Bert (supported: bert)",
+        ),
+        (dict(hidden_size=66), "config.json: 'hidden_size' (66) must be divisible by 'num_attention_heads' (4)"),
     ],
 )
 def test_config_rejects_unsupported(change, match):
-    with pytest.raises(PortError, match=match):
-        BertConfig.from_hf({**BERT_CONFIG, **change})
+    with pytest.raises(PortError) as raised:
+        Bert.from_config({**BERT_CONFIG, **change}, key=jax.random.key(0))
+    assert str(raised.value).startswith(match), raised.value
+
+
+def test_position_ids_pick_the_position_rows(tmp_path):
+    """`position_ids` (transformers' argument of the same name) choose the rows of the position
+    table: the same states as transformers given them, and not those of the default 0, 1, ..."""
+    import torch
+
+    model = torch_bert()
+    positions = np.random.default_rng(3).integers(0, 32, IDS.shape)
+    with torch.no_grad():
+        theirs = model(
+            torch.tensor(IDS), attention_mask=torch.tensor(MASK), token_type_ids=torch.tensor(TYPES),
+            position_ids=torch.tensor(positions),
+        ).last_hidden_state.numpy()  # fmt: skip
+    ours = converted(model, tmp_path)
+    hidden = eqx.filter_jit(lambda m, p: m(IDS, MASK, TYPES, position_ids=p))(ours, positions)
+    assert np.abs(np.asarray(hidden) - theirs).max() < 1e-4
+    assert np.abs(np.asarray(run(ours, IDS, MASK, TYPES)[0]) - theirs).max() > 1e-2
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def bert_checkpoint(directory, **config):
+    """A small BertModel checkpoint whose config.json is changed by `config`, its tensors unread."""
+    torch_bert().save_pretrained(directory)
+    path = directory / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return directory
+
+
+@pytest.mark.slow
+def test_port_check_refuses_relative_positions(tmp_path):
+    """The issue's line, from `port check` and `port convert` alike, before any tensor is read: the
+    tensor data is overwritten with garbage, and nothing is left where the output would go."""
+    directory = bert_checkpoint(tmp_path / "bert", position_embedding_type="relative_key")
+    garble(directory / "model.safetensors")
+    expected = (
+        "port: error: config.json: position_embedding_type 'relative_key' is not supported by "
+        "port.models.bert.Bert (supported: 'absolute')"
+    )
+    assert one_line(run_port("check", REPO / "mappings" / "bert.toml", directory)) == expected
+    assert one_line(run_port("convert", directory, "--out", tmp_path / "out"), out=tmp_path / "out") == expected
+
+
+@pytest.mark.slow
+def test_port_check_refuses_a_roberta_checkpoint_with_the_bert_mapping(tmp_path):
+    """RoBERTa's positions are not BERT's: the BERT mapping's module refuses its model type at
+    `port check` (it used to say ok, and only `port verify` found the states off)."""
+    transformers = transformers_or_skip()
+    config = transformers.RobertaConfig(**BERT_CONFIG, type_vocab_size=1)
+    transformers.RobertaModel(config).save_pretrained(tmp_path / "roberta")
+    garble(tmp_path / "roberta" / "model.safetensors")
+    one_line(
+        run_port("check", REPO / "mappings" / "bert.toml", tmp_path / "roberta"),
+        "config.json: 'model_type' 'roberta' is not supported by port.models.bert.Bert (supported: bert)",
+    )
+
+
+def garble(path):
+    """Overwrite a safetensors file's tensor data (not its header) with NaN bytes: a read of any
+    tensor would give NaN, so a check that passes or fails on the config has read none."""
+    header = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    data = bytearray(path.read_bytes())
+    data[header:] = b"\xff" * (len(data) - header)
+    path.write_bytes(bytes(data))
