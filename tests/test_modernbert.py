@@ -24,8 +24,7 @@ from jax.sharding import PartitionSpec as P
 import port
 from port._errors import ConfigError
 from port.models.modernbert import ModernBert, ModernBertConfig
-from port.nn import prepare
-from port.nn._window import local_window
+from port.nn import local_window, prepare
 
 from helpers import REPO, one_line, perturbed, run_port, transformers_or_skip, write_sparse_checkpoint
 

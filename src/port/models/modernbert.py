@@ -58,9 +58,20 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.nn import Attention, GatedMLP, LayerNorm, Rope, cast, normal, prepare, read_rope, run_layers, stacked
+from port.nn import (
+    Attention,
+    GatedMLP,
+    LayerNorm,
+    Rope,
+    cast,
+    local_window,
+    normal,
+    prepare,
+    read_rope,
+    run_layers,
+    stacked,
+)
 from port.nn._rope import KINDS
-from port.nn._window import local_window
 from port.nn.config import MAX_LAYERS, ConfigFields, activation, check_model_type, get
 
 MODULE = "port.models.modernbert.ModernBert"

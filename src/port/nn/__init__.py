@@ -71,3 +71,4 @@ from port.nn._rope import read_rope as read_rope
 from port.nn._scan import scan as scan
 from port.nn._tokens import Tokens as Tokens
 from port.nn._tokens import prepare as prepare
+from port.nn._window import local_window as local_window
