@@ -27,9 +27,10 @@ differ in which checkpoint norm fills which leaf, and Gemma 3's in its q/k norms
 the wrapper's key prefixes.
 
 Everything else comes from `port.nn`: the (1 + w) norm is `rms_norm(..., plus_one=True)`,
-attention is `Attention` (with `scale` and `softcap`), the MLP is `GatedMLP` with the
-config's activation, and the layers run in `run_layers`, the sliding ones on `prepare`'s
-windowed mask. The model takes the arguments every port decoder takes (padding masks,
+attention is `Attention` (with `scale`, `softcap` and Gemma 3's `qk_norm="head"`), the MLP
+is `GatedMLP` with the config's activation, the layer is `Block` (norms `"pre"` for Gemma,
+`"sandwich"` for Gemma 2 and 3), and the layers run in `run_layers`, the sliding ones on
+`prepare`'s windowed mask and, for Gemma 3, with their own RoPE (`sliding_rope`). The model takes the arguments every port decoder takes (padding masks,
 positions, packed `segment_ids`, a `Cache` from `init_cache`, a compute `dtype`, `remat`).
 
 The transformer blocks are stored *stacked*: every array in `Gemma.blocks` has a leading
@@ -67,12 +68,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
 from port.nn import (
     Attention,
+    Block,
     Decoder,
     GatedMLP,
     Rope,
@@ -84,7 +86,6 @@ from port.nn import (
     run_layers,
     stacked,
 )
-from port.nn._attention import KV
 from port.nn._rope import KINDS
 from port.nn.config import (
     MAX_LAYERS,
@@ -340,6 +341,22 @@ class GemmaConfig:
         """What the attention scores are multiplied by: `query_pre_attn_scalar**-0.5` (Gemma 2) or `head_dim**-0.5`."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    def block(self, dtype: Any, key: PRNGKeyArray) -> Block:
+        """One decoder layer: `(1 + w)` norms before each branch (Gemma), also after it (Gemma 2 and 3)."""
+        kattn, kmlp = jax.random.split(key)
+        mlp = GatedMLP(
+            embd=self.hidden_size, inner=self.intermediate_size, activation=self.hidden_act, dtype=dtype, key=kmlp
+        )
+        return Block(
+            self.attention(dtype, kattn),
+            mlp,
+            embd=self.hidden_size,
+            eps=self.rms_norm_eps,
+            dtype=dtype,
+            norms="sandwich" if self.sandwich else "pre",
+            plus_one=True,
+        )
+
     def attention(self, dtype: Any, key: PRNGKeyArray) -> Attention:
         """One block's attention: GQA with its own `head_dim`, Gemma 2's scale and score soft-cap."""
         return Attention(
@@ -381,59 +398,6 @@ def _sandwich_fields(config: dict, model_type: str, layers: int) -> dict[str, An
 
 
 @final
-class Block(eqx.Module):
-    """One pre-RMSNorm decoder block; Gemma 2 and 3 also norm the attention and MLP outputs.
-
-    Every norm is `(1 + weight)` (`rms_norm(..., plus_one=True)`); the post-norms are
-    None for Gemma.
-    """
-
-    attn_norm: Float[Array, " embed"]
-    attn: Attention
-    post_attn_norm: Float[Array, " embed"] | None  # Gemma 2 and 3
-    mlp_norm: Float[Array, " embed"]
-    mlp: GatedMLP
-    post_mlp_norm: Float[Array, " embed"] | None  # Gemma 2 and 3
-    eps: float = eqx.field(static=True)
-
-    def __init__(self, config: GemmaConfig, dtype: Any, *, key: PRNGKeyArray):
-        kattn, kmlp = jax.random.split(key)
-        c = config
-
-        def norm():
-            return jnp.zeros((c.hidden_size,), dtype)  # (1 + 0): the identity scale
-
-        self.attn_norm = norm()
-        self.attn = c.attention(dtype, kattn)
-        self.post_attn_norm = norm() if c.sandwich else None
-        self.mlp_norm = norm()
-        self.mlp = GatedMLP(
-            embd=c.hidden_size, inner=c.intermediate_size, activation=c.hidden_act, dtype=dtype, key=kmlp
-        )
-        self.post_mlp_norm = norm() if c.sandwich else None
-        self.eps = c.rms_norm_eps
-
-    def _norm(self, x: Array, weight: Array | None) -> Array:
-        return x if weight is None else rms_norm(x, weight, self.eps, plus_one=True)
-
-    def __call__(
-        self,
-        x: Float[Array, "batch seq embed"],
-        mask: Bool[Array, "batch seq keys"],
-        *,
-        cos: Array,
-        sin: Array,
-        kv: KV | None,
-        index: Array | None,
-        layer: Array,
-    ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
-        h, kv = self.attn(self._norm(x, self.attn_norm), mask, cos=cos, sin=sin, kv=kv, index=index)
-        x = x + self._norm(h, self.post_attn_norm)
-        h = self.mlp(self._norm(x, self.mlp_norm))
-        return x + self._norm(h, self.post_mlp_norm), kv
-
-
-@final
 class Gemma(Decoder):
     """Gemma / Gemma 2 / Gemma 3 causal LM. Arrays in `blocks` are stacked over layers.
 
@@ -453,7 +417,7 @@ class Gemma(Decoder):
         self.embed, self.lm_head = embeddings(
             kembed, vocab=config.vocab_size, embd=config.hidden_size, dtype=dtype, tied=config.tie_word_embeddings
         )
-        self.blocks = stacked(lambda k: Block(config, dtype, key=k), kblocks, config.num_hidden_layers)
+        self.blocks = stacked(lambda k: config.block(dtype, k), kblocks, config.num_hidden_layers)
         self.norm = jnp.zeros((config.hidden_size,), dtype)  # (1 + 0): the identity scale
         self.config = config
 
