@@ -30,6 +30,7 @@ class Entry:
     axes: list[str]  # one logical axis per dimension of the leaf ("": unnamed)
     comments: list[str] = field(default_factory=list)
     module_axes: bool = False  # `axes` are the module's own sharding names: written `axes = "module"`
+    optional: str | None = None  # `optional = "model"`: drafted for a leaf this config.json leaves None
 
 
 @dataclass

@@ -59,6 +59,8 @@ def _entry_lines(entry: Entry, prefix: str = "") -> list[str]:
     lines = [*entry.comments, "[[params]]", f"key = {_toml(entry.key)}", f"path = {_toml(entry.path)}"]
     if entry.ops:
         lines.append(f"transforms = {ops_text(entry.ops)}")
+    if entry.optional:
+        lines.append(f"optional = {_toml(entry.optional)}")
     if entry.module_axes:
         lines.append(f"axes = {_toml(MODULE_AXES)}   # the module's sharding names: {_toml(entry.axes)}")
     else:
@@ -90,11 +92,13 @@ def _reference(config: AnyMapping[str, Any]) -> str | None:
 
 def _header(d: Draft) -> list[str]:
     n_unpaired = sum(len(g.keys) for g in d.unpaired)
+    n_optional = sum(e.optional is not None for e in d.entries)
+    drafted = f" (and {n_optional} optional, for leaves this config.json leaves None)" if n_optional else ""
     lines = [
         f"# Draft mapping made by port scaffold for {d.model}",
         f"# from the checkpoint {d.source} ({d.n_tensors} tensors; headers and config.json only).",
         "#",
-        f"# {len(d.entries)} entries paired, {n_unpaired} source keys unpaired ({len(d.unpaired)} patterns), "
+        f"# {len(d.entries) - n_optional} entries paired{drafted}, {n_unpaired} source keys unpaired ({len(d.unpaired)} patterns), "
         f"{len(d.free)} leaves unfilled; {len(d.ignore)} ignore patterns, {len(d.tied)} tied.",
         "# This is a draft: review every entry marked CHECK/TODO, then run `port plan` on it.",
         *d.warnings,

@@ -61,6 +61,7 @@ from ._keys import (
     unused_patterns,
 )
 from ._names import similarity
+from ._optional import Absent, absent_leaves, stored
 from ._pairing import (
     Candidate,
     Leaf,
@@ -204,6 +205,7 @@ def _draft(checkpoint: Checkpoint, skeleton: Any, model: str) -> Draft:
         if hint is not None:
             hint.entries = [_for_leaf(e, by_path[e.path], annotated.get(e.path)) for e in hint.entries]
     entries.sort(key=lambda e: order[e.path])
+    entries = _with_optional(entries, absent_leaves(skeleton), transposed, voters, config, dims)
     free.sort(key=lambda leaf: order[leaf.path])
     unpaired.sort(key=lambda g: (g.pattern, g.layer_group or ""))
     return Draft(
@@ -392,6 +394,31 @@ def _entry(
     return _for_leaf(
         Entry(c.group.pattern, c.leaf.path, ops, axes, comments + notes + literal_sizes(ops)), c.leaf, annotated
     )
+
+
+def _with_optional(
+    entries: list[Entry],
+    absent: Sequence[Absent],
+    transposed: bool,
+    voters: Sequence[str],
+    config: AnyMapping[str, Any],
+    dims: Dims,
+) -> list[Entry]:
+    """`entries` and, after its weight's (or at the end), an `optional = "model"` entry for each leaf
+    the module may hold but holds None with this config.json (a bias, an untied head), its key
+    guessed from its weight's (`_optional.stored`)."""
+    out = list(entries)
+    for leaf in absent:
+        found = stored(leaf, {e.path: e.key for e in entries})
+        if found is None or (c := candidate(found[0], found[1])) is None:
+            continue
+        source = f"its weight's, {printable(found[2])}" if found[2] else "its path"
+        check = f"# CHECK: optional: {leaf.path} is None with this config.json; its key guessed from {source}"
+        entry = _entry(c, (), transposed, voters, config, dims)
+        entry = replace(entry, comments=[check, *entry.comments], optional="model")
+        after = [i for i, e in enumerate(out) if found[2] and e.key == found[2]]
+        out.insert(after[0] + 1 if after else len(out), entry)
+    return out
 
 
 def _for_leaf(entry: Entry, leaf: Leaf, annotated: tuple[str | None, ...] | None) -> Entry:
