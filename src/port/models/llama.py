@@ -1,9 +1,14 @@
-"""Llama, Mistral, Qwen2, Qwen3 and Phi-3 (decoder-only, RMSNorm, RoPE, SwiGLU, GQA) as one Equinox model.
+"""Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, OLMo 3 and SmolLM3 (decoder-only, RMSNorm, RoPE,
+SwiGLU, GQA) as one Equinox model.
 
-One class serves the `model_type`s "llama", "mistral", "qwen2", "qwen3" and "phi3"; they
-differ in which projections carry biases, in sliding-window attention, in Qwen3's
-per-head RMSNorm of queries and keys (`q_norm`, `k_norm`, None elsewhere) and in Phi-3's
-RoPE (partial rotary dimensions, "longrope" scaling). Phi-3's fused `qkv_proj` and
+One class serves the `model_type`s "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2",
+"olmo3" and "smollm3"; they differ in which projections carry biases, in sliding-window
+attention, in Qwen3's per-head RMSNorm of queries and keys (`q_norm`, `k_norm`, None
+elsewhere), in Phi-3's RoPE (partial rotary dimensions, "longrope" scaling), in OLMo 2's
+layout (its norms after the attention and the MLP, `post_attn_norm` and `post_mlp_norm`,
+not before them; q/k norms over the whole projection; every RMSNorm applying its weight
+in float32), in OLMo 3's (OLMo 2's, with sliding-window layers by `layer_types`, each
+layer type with its own RoPE) and in SmolLM3's layers without RoPE (`no_rope_layers`). Phi-3's fused `qkv_proj` and
 `gate_up_proj` are cut into this module's separate leaves by its mapping. The transformer blocks
 are stored *stacked*: every array in `Llama.blocks` has a leading axis of size
 `num_hidden_layers`, and `port.nn.run_layers` scans them.
@@ -39,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, final
+from typing import Any, ClassVar, final
 
 import equinox as eqx
 import jax
@@ -65,6 +70,7 @@ from port.nn import (
 )
 from port.nn.config import (
     MAX_LAYERS,
+    ConfigFields,
     activation,
     check,
     check_model_type,
@@ -72,7 +78,9 @@ from port.nn.config import (
     read_kv_heads,
 )
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "olmo3", "smollm3")
+OLMO = ("olmo2", "olmo3")  # post-norm, q/k norm over the projection, float32 norm scale
+LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Phi-3's config accepts only these (Phi3Config.validate_rope); "su" and "yarn" are old
 # names of "longrope" there.
@@ -90,7 +98,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-5,
         "original_max_position_embeddings": 4096,
     },
+    "olmo2": {"max_position_embeddings": 2048, "sliding_window": None, "rms_norm_eps": 1e-5},
+    "olmo3": {"max_position_embeddings": 2048, "sliding_window": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0},
+    "smollm3": {"max_position_embeddings": 32768, "sliding_window": None, "rope_theta": 2000000.0},
 }
+# The default of tie_word_embeddings where it is not False.
+_TIED = {"smollm3": True}
 
 
 @final
@@ -120,14 +133,19 @@ class LlamaConfig:
     qkv_bias: bool = False  # q_proj, k_proj, v_proj
     o_bias: bool = False  # o_proj
     mlp_bias: bool = False  # gate_proj, up_proj, down_proj
-    qk_norm: str | None = None  # "head": Qwen3's RMSNorm over head_dim of each query and key head
+    qk_norm: str | None = None  # "head": Qwen3's RMSNorm per query and key head; "projection": OLMo's
+    norms: str = "pre"  # "post": OLMo's norms after the attention and the MLP
+    float32_scale: bool = False  # OLMo: every RMSNorm applies its weight in float32
     rope: Rope = Rope(theta=10000.0, rotary_dim=128)  # rotary embeddings, as config.json describes them
     sliding_window: int | None = None  # attend to the last `sliding_window` positions...
     sliding_layers: tuple[bool, ...] = ()  # ...in the layers marked True here
+    sliding_rope: Rope | None = None  # OLMo 3: the sliding layers' own RoPE (None: `rope`)
+    rope_layers: tuple[bool, ...] | None = None  # SmolLM3: the layers that rotate (None: all)
 
     @classmethod
     def from_hf(cls, config: dict) -> LlamaConfig:
         """Build from a Hugging Face `config.json` dict; raises `ConfigError` if unsupported."""
+        Llama.FIELDS.check(config, config.get("model_type", "llama"))
         model_type = check_model_type(config, MODEL_TYPES, "port.models.llama", "llama")
         defaults = _DEFAULTS[model_type]
         hidden = get(config, "hidden_size", int)
@@ -146,8 +164,13 @@ class LlamaConfig:
             "qwen2": (True, False, False),
             "qwen3": (attention_bias, attention_bias, False),
             "phi3": (False, False, False),
+            "olmo2": (attention_bias, attention_bias, False),
+            "olmo3": (attention_bias, attention_bias, False),
+            "smollm3": (attention_bias, attention_bias, mlp_bias),
         }[model_type]
-        window, sliding = _sliding(config, model_type, layers)
+        rope_layers = _rope_layers(config, layers) if model_type == "smollm3" else None
+        window, sliding = _sliding(config, model_type, layers, rope_layers)
+        olmo = model_type in OLMO
         return cls(
             vocab_size=get(config, "vocab_size", int),
             hidden_size=hidden,
@@ -158,15 +181,19 @@ class LlamaConfig:
             head_dim=head_dim,
             rms_norm_eps=get(config, "rms_norm_eps", float, defaults.get("rms_norm_eps", 1e-6)),
             hidden_act="silu",
-            tie_word_embeddings=get(config, "tie_word_embeddings", bool, False),
+            tie_word_embeddings=get(config, "tie_word_embeddings", bool, _TIED.get(model_type, False)),
             model_type=model_type,
             qkv_bias=qkv_bias,
             o_bias=o_bias,
             mlp_bias=mlp_bias,
-            qk_norm="head" if model_type == "qwen3" else None,
+            qk_norm="head" if model_type == "qwen3" else "projection" if olmo else None,
+            norms="post" if olmo else "pre",
+            float32_scale=olmo,
             sliding_window=window,
             sliding_layers=sliding,
             rope=_rope(config, model_type, head_dim),
+            sliding_rope=_sliding_rope(config, head_dim) if model_type == "olmo3" else None,
+            rope_layers=rope_layers,
         )
 
     def mlp(self, dtype: Any, key: PRNGKeyArray) -> GatedMLP | MoE:
@@ -182,42 +209,96 @@ class LlamaConfig:
         )
 
 
-def _sliding(config: dict, model_type: str, layers: int) -> tuple[int | None, tuple[bool, ...]]:
+def _sliding(
+    config: dict, model_type: str, layers: int, rope_layers: tuple[bool, ...] | None
+) -> tuple[int | None, tuple[bool, ...]]:
     """The sliding window (None: none) and which layers use it, as transformers reads them.
 
-    Llama has none; Mistral and Phi-3 slide in every layer when `sliding_window` is set;
-    Qwen2 and Qwen3 only with `use_sliding_window`, in the layers `_qwen2_sliding_layers` names.
+    Llama and OLMo 2 have none; Mistral and Phi-3 slide in every layer when `sliding_window`
+    is set; Qwen2 and Qwen3 only with `use_sliding_window`, in the layers `layer_types`
+    names (else those from `max_window_layers` on); SmolLM3 likewise (else its layers
+    without RoPE); OLMo 3 in the layers `layer_types` names (else three of every four).
     """
     window = config.get("sliding_window", _DEFAULTS[model_type]["sliding_window"])
-    qwen = model_type in ("qwen2", "qwen3")
-    if model_type == "llama" or (qwen and not get(config, "use_sliding_window", bool, False)):
+    typed = model_type in ("qwen2", "qwen3", "smollm3")
+    if model_type in ("llama", "olmo2") or (typed and not get(config, "use_sliding_window", bool, False)):
         window = None
     if window is None:
         return None, (False,) * layers
     window = check("sliding_window", window, int)
-    return window, _qwen2_sliding_layers(config, layers) if qwen else (True,) * layers
+    if model_type == "olmo3":
+        return window, _layer_types(config, layers, tuple((i + 1) % 4 != 0 for i in range(layers)))
+    if model_type == "smollm3":
+        assert rope_layers is not None, "SmolLM3's layers without RoPE are read first"
+        return window, _layer_types(config, layers, tuple(not r for r in rope_layers))
+    return window, _qwen2_sliding_layers(config, layers) if typed else (True,) * layers
 
 
 def _qwen2_sliding_layers(config: dict, layers: int) -> tuple[bool, ...]:
     """Qwen2's sliding layers: `layer_types`, else those from `max_window_layers` on."""
-    layer_types = config.get("layer_types")
-    if layer_types is None:
+    if config.get("layer_types") is None:
         first = config.get("max_window_layers", 28)
         if not isinstance(first, int) or isinstance(first, bool) or first < 0:
             raise ConfigError(f"config.json: 'max_window_layers' must be a non-negative integer, got {first!r}")
         return tuple(i >= first for i in range(layers))
-    kinds = ("full_attention", "sliding_attention")
-    if not isinstance(layer_types, list) or len(layer_types) != layers or any(t not in kinds for t in layer_types):
-        raise ConfigError(f"config.json: 'layer_types' must list {layers} of {kinds}, got {quoted(layer_types)}")
+    return _layer_types(config, layers, ())
+
+
+def _layer_types(config: dict, layers: int, default: tuple[bool, ...]) -> tuple[bool, ...]:
+    """The layers `layer_types` marks "sliding_attention" (absent or null: `default`).
+
+    ```python
+    _layer_types({"layer_types": ["sliding_attention", "full_attention"]}, 2, ())   # (True, False)
+    ```
+    """
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        return default
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != layers
+        or any(t not in LAYER_TYPES for t in layer_types)
+    ):
+        raise ConfigError(f"config.json: 'layer_types' must list {layers} of {LAYER_TYPES}, got {quoted(layer_types)}")
     return tuple(t == "sliding_attention" for t in layer_types)
+
+
+def _rope_layers(config: dict, layers: int) -> tuple[bool, ...]:
+    """SmolLM3's layers that rotate: `no_rope_layers` (1: RoPE, 0: none), else all but every
+    `no_rope_layer_interval`-th (SmolLM3Config's default: 4).
+
+    ```python
+    _rope_layers({}, 8)                                # (True, True, True, False) * 2
+    _rope_layers({"no_rope_layers": [1, 0]}, 2)        # (True, False)
+    ```
+    """
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = get(config, "no_rope_layer_interval", int, 4)
+        return tuple((i + 1) % interval != 0 for i in range(layers))
+    if (
+        not isinstance(flags, list)
+        or len(flags) != layers
+        or any(f not in (0, 1) or isinstance(f, bool) for f in flags)
+    ):
+        raise ConfigError(f"config.json: 'no_rope_layers' must list {layers} of 0 or 1, got {quoted(flags)}")
+    return tuple(f == 1 for f in flags)
 
 
 def _rope(config: dict, model_type: str, head_dim: int) -> Rope:
     """The RoPE of a Llama-family config.json: Phi-3 rotates part of each head and knows
     "longrope" (its old names "su" and "yarn" included); the rest take llama3, linear and yarn."""
     if model_type != "phi3":
-        maximum = get(config, "max_position_embeddings", int, _DEFAULTS[model_type]["max_position_embeddings"])
-        return read_rope(config, head_dim, supported=ROPE_TYPES, max_position_embeddings=maximum)
+        defaults = _DEFAULTS[model_type]
+        maximum = get(config, "max_position_embeddings", int, defaults["max_position_embeddings"])
+        return read_rope(
+            config,
+            head_dim,
+            supported=ROPE_TYPES,
+            max_position_embeddings=maximum,
+            layer_type="full_attention" if model_type == "olmo3" else None,
+            default_theta=defaults.get("rope_theta", 10000.0),
+        )
     # Phi3Config always has original_max_position_embeddings (4096 if absent); it wins.
     config = {
         **config,
@@ -234,6 +315,24 @@ def _rope(config: dict, model_type: str, head_dim: int) -> Rope:
         aliases={"su": "longrope", "yarn": "longrope"},
         allow_partial=True,
     )
+
+
+def _sliding_rope(config: dict, head_dim: int) -> Rope | None:
+    """OLMo 3's sliding layers' RoPE where it is not the full layers' (None where it is)."""
+    defaults = _DEFAULTS["olmo3"]
+    maximum = get(config, "max_position_embeddings", int, defaults["max_position_embeddings"])
+    read = {
+        layer_type: read_rope(
+            config,
+            head_dim,
+            supported=ROPE_TYPES,
+            max_position_embeddings=maximum,
+            layer_type=layer_type,
+            default_theta=defaults["rope_theta"],
+        )
+        for layer_type in LAYER_TYPES
+    }
+    return None if read["sliding_attention"] == read["full_attention"] else read["sliding_attention"]
 
 
 def block(
@@ -255,21 +354,42 @@ def block(
         key=kattn,
         qkv_bias=c.qkv_bias,
         o_bias=c.o_bias,
-        qk_norm=c.qk_norm,
+        qk_norm=c.qk_norm,  # pyright: ignore[reportArgumentType]
+        float32_scale=c.float32_scale,
         norm_eps=c.rms_norm_eps,
     )
     return Block(
-        attn, (c.mlp if mlp is None else mlp)(dtype, kmlp), embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype
+        attn,
+        (c.mlp if mlp is None else mlp)(dtype, kmlp),
+        embd=c.hidden_size,
+        eps=c.rms_norm_eps,
+        dtype=dtype,
+        norms=c.norms,  # pyright: ignore[reportArgumentType]
+        float32_scale=c.float32_scale,
     )
 
 
 @final
 class Llama(Decoder):
-    """Llama / Mistral / Qwen2 / Qwen3 / Phi-3 causal LM. Arrays in `blocks` are stacked over layers.
+    """Llama / Mistral / Qwen2 / Qwen3 / Phi-3 / OLMo 2 / OLMo 3 / SmolLM3 causal LM. Arrays in
+    `blocks` are stacked over layers.
 
     Called as every `port.nn.Decoder`: `model(input_ids, *, attention_mask=None, positions=None,
-    segment_ids=None, cache=None, dtype=None, remat=None)`.
+    segment_ids=None, cache=None, dtype=None, remat=None)`. `FIELDS` is the config.json it
+    runs: Llama's tensor-parallel split of its projections (`pretraining_tp`) only at 1.
     """
+
+    FIELDS: ClassVar[ConfigFields] = ConfigFields(
+        "port.models.llama.Llama",
+        read=(
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+            "tie_word_embeddings", "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor",
+            "original_max_position_embeddings", "attention_bias", "mlp_bias", "sliding_window",
+            "use_sliding_window", "max_window_layers", "layer_types", "no_rope_layers", "no_rope_layer_interval",
+        ),
+        types={"llama": {"pretraining_tp": (1,)}},
+    )  # fmt: skip
 
     embed: Float[Array, "vocab embed"]
     blocks: Block
@@ -296,5 +416,17 @@ class Llama(Decoder):
         c = self.config
         x = self.embed[tokens.ids]
         cos, sin = c.rope.angles(tokens.positions, x.dtype)
-        x, kv = run_layers(self.blocks, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, remat=remat)
-        return head(rms_norm(x, self.norm, c.rms_norm_eps), self.embed, self.lm_head), kv
+        local = None if c.sliding_rope is None else c.sliding_rope.angles(tokens.positions, x.dtype)
+        x, kv = run_layers(
+            self.blocks,
+            x,
+            tokens,
+            cos=cos,
+            sin=sin,
+            sliding=c.sliding_layers,
+            sliding_rope=local,
+            rope_layers=c.rope_layers,
+            remat=remat,
+        )
+        x = rms_norm(x, self.norm, c.rms_norm_eps, float32_scale=c.float32_scale)
+        return head(x, self.embed, self.lm_head), kv
