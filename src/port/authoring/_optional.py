@@ -63,7 +63,7 @@ def _walk(module: eqx.Module, path: str) -> Iterator[Absent]:
             yield from _walk(value, here)
         elif value is None and dims is not None and _optional(hints.get(f.name)):
             missing.append((here, dims))
-        elif dims is not None and hasattr(value, "shape") and len(value.shape) >= len(dims):
+        elif dims is not None and len(getattr(value, "shape", ())) >= len(dims) > 0:
             present.append((dims, value))
     sizes, lead, dtype = _sizes(present)
     for here, dims in missing:
@@ -88,8 +88,9 @@ def _array_dims(hint: Any) -> tuple[str, ...] | None:
     for arg in (hint, *typing.get_args(hint)):
         named = getattr(arg, "dims", None)
         if isinstance(getattr(arg, "dim_str", None), str) and isinstance(named, tuple):
-            names = tuple(getattr(d, "name", None) for d in named)
-            return names if all(isinstance(n, str) and n.isidentifier() for n in names) else None
+            names = [getattr(d, "name", None) for d in named]
+            plain = [n for n in names if isinstance(n, str) and n.isidentifier()]
+            return tuple(plain) if len(plain) == len(names) else None
     return None
 
 
