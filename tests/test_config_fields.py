@@ -17,6 +17,7 @@ Parametrised by model type (`-k gemma2` selects one). Needs transformers (no PyT
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -27,7 +28,10 @@ from port._errors import ConfigError
 from port._mapping import load_mapping, shipped_mappings
 from port.nn.config import IGNORED, ConfigFields
 
+from helpers import one_line, run_port
+
 transformers = pytest.importorskip("transformers")
+ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = 2
 SMALL = {
@@ -195,3 +199,18 @@ def test_each_fixed_field_is_refused_at_another_value(path, model_type):
         assert message.startswith(f"config.json: {key} ") and f"not supported by {fields.module} " in message
         refused.append(key)
     assert len(refused) == len(allowed_for(fields, model_type))
+
+
+# ---------------------------------------------------------------- the command line
+
+
+@pytest.mark.slow
+def test_port_refuses_a_field_the_module_does_not_run(tiny, tmp_path):
+    """`port check`, `port plan` and `port convert` of a GPT-2 whose config.json asks for
+    cross-attention: one line naming the field and the module, nothing written."""
+    directory = tiny(config={"add_cross_attention": True})
+    line = "config.json: add_cross_attention True is not supported by port.models.gpt2.GPT2 (supported: False)"
+    one_line(run_port("check", ROOT / "mappings" / "gpt2.toml", directory), line)
+    one_line(run_port("plan", directory), line)
+    out = tmp_path / "out"
+    one_line(run_port("convert", directory, "--out", out), line, out=out)
