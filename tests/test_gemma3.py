@@ -280,6 +280,21 @@ def test_transformers_4_configs_read_as_transformers_5_reads_them():
     assert bare.sliding_layers == (True, True, True)  # five local layers in six
 
 
+def test_absent_fields_are_gemma3_text_configs_defaults():
+    """A released config leaves out what Gemma3TextConfig defaults (gemma-3-27b-it: vocab_size): read as it reads them."""
+    transformers = transformers_or_skip()
+    theirs = transformers.Gemma3TextConfig()
+    ours = GemmaConfig.from_hf({"model_type": "gemma3_text"})
+    for name in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "query_pre_attn_scalar", "sliding_window", "rms_norm_eps",
+        "final_logit_softcapping", "tie_word_embeddings", "attention_bias",
+    ):  # fmt: skip
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.sliding_layers == tuple(t == "sliding_attention" for t in theirs.layer_types)
+    assert ours.hidden_act == theirs.hidden_activation
+
+
 UNTYPED = {k: v for k, v in TEXT.items() if k != "layer_types"}  # the pattern decides
 
 
@@ -330,3 +345,124 @@ def test_port_check_refuses_a_wrapper_whose_head_would_soft_cap(checkpoints, tmp
         run_port("check", MAPPING, directory),
         "final_logit_softcapping 30.0 is not supported by port.models.gemma.Gemma",
     )
+
+
+# ---------------------------------------------------------------- the full-size plan
+
+# google/gemma-3-27b-it's config.json (transformers 4's keys, as released; the vision tower's sizes).
+GEMMA3_27B = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "boi_token_index": 255999,
+    "eoi_token_index": 256000,
+    "eos_token_id": [1, 106],
+    "image_token_index": 262144,
+    "initializer_range": 0.02,
+    "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {
+        "head_dim": 128,
+        "hidden_size": 5376,
+        "intermediate_size": 21504,
+        "model_type": "gemma3_text",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 62,
+        "num_key_value_heads": 16,
+        "query_pre_attn_scalar": 168,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+    },
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0",
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 896,
+        "intermediate_size": 4304,
+        "model_type": "siglip_vision_model",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+        "vision_use_head": False,
+    },
+}
+
+
+def gemma3_27b_tensors(config: dict) -> dict[str, list[int]]:
+    """Every tensor of google/gemma-3-27b-it by key: its shape (the language model's, the SigLIP
+    tower's and the projector's, as the released checkpoint names them)."""
+    text, vision = config["text_config"], config["vision_config"]
+    e, i, v, d = text["hidden_size"], text["intermediate_size"], 262208, text["head_dim"]
+    q, kv = text["num_attention_heads"] * d, text["num_key_value_heads"] * d
+    shapes = {"language_model.model.embed_tokens.weight": [v, e], "language_model.model.norm.weight": [e]}
+    for layer in range(text["num_hidden_layers"]):
+        p = f"language_model.model.layers.{layer}."
+        shapes |= {
+            p + "input_layernorm.weight": [e],
+            p + "post_attention_layernorm.weight": [e],
+            p + "pre_feedforward_layernorm.weight": [e],
+            p + "post_feedforward_layernorm.weight": [e],
+            p + "self_attn.q_proj.weight": [q, e],
+            p + "self_attn.k_proj.weight": [kv, e],
+            p + "self_attn.v_proj.weight": [kv, e],
+            p + "self_attn.o_proj.weight": [e, q],
+            p + "self_attn.q_norm.weight": [d],
+            p + "self_attn.k_norm.weight": [d],
+            p + "mlp.gate_proj.weight": [i, e],
+            p + "mlp.up_proj.weight": [i, e],
+            p + "mlp.down_proj.weight": [e, i],
+        }
+    h, m, patch = vision["hidden_size"], vision["intermediate_size"], vision["patch_size"]
+    tower = "vision_tower.vision_model."
+    shapes |= {
+        tower + "embeddings.patch_embedding.weight": [h, 3, patch, patch],
+        tower + "embeddings.patch_embedding.bias": [h],
+        tower + "embeddings.position_embedding.weight": [(vision["image_size"] // patch) ** 2, h],
+        tower + "post_layernorm.weight": [h],
+        tower + "post_layernorm.bias": [h],
+        "multi_modal_projector.mm_input_projection_weight": [h, e],
+        "multi_modal_projector.mm_soft_emb_norm.weight": [h],
+    }
+    for layer in range(vision["num_hidden_layers"]):
+        p = f"{tower}encoder.layers.{layer}."
+        for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            shapes |= {p + f"self_attn.{name}.weight": [h, h], p + f"self_attn.{name}.bias": [h]}
+        shapes |= {p + "mlp.fc1.weight": [m, h], p + "mlp.fc1.bias": [m], p + "mlp.fc2.weight": [h, m]}
+        shapes |= {p + "mlp.fc2.bias": [h], p + "layer_norm1.weight": [h], p + "layer_norm1.bias": [h]}
+        shapes |= {p + "layer_norm2.weight": [h], p + "layer_norm2.bias": [h]}
+    return shapes
+
+
+@pytest.mark.slow
+def test_plan_of_the_full_size_gemma3_27b_reads_no_tensor(tmp_path):
+    """`port plan` on Gemma-3-27B's real shapes (a sparse file): its language model's 27B
+    parameters planned on 4x2, the vision tower and projector listed as ignored, no tensor read."""
+    import time
+
+    from port._skeleton import leaves
+
+    from helpers import recorded_reads, write_sparse_checkpoint
+
+    shapes = gemma3_27b_tensors(GEMMA3_27B)
+    directory = tmp_path / "gemma-3-27b-it"
+    write_sparse_checkpoint(directory, GEMMA3_27B, shapes)
+    text = {k: s for k, s in shapes.items() if k.startswith("language_model.")}
+    params = sum(int(np.prod(s)) for s in text.values())
+    assert round(params / 1e9, 1) == 27.0
+
+    with recorded_reads() as calls, port.open_checkpoint(directory) as ckpt:
+        mapping = port.mapping_for(ckpt.config)
+        skeleton = port.skeleton(mapping, ckpt.config)
+        recipe = port.plan(skeleton, mapping, ckpt.tensors, ckpt.config, {"data": 4, "model": 2})
+    assert calls == []
+    assert {leaf.path for leaf in recipe.leaves} == set(leaves(skeleton))
+    assert set(recipe.ignored) == shapes.keys() - text.keys()
+    assert recipe.read_bytes == 2 * params
+    assert skeleton.config.sliding_layers == tuple(bool((i + 1) % 6) for i in range(62))
+    assert (skeleton.config.rope.kind, skeleton.config.rope.factor) == ("linear", 8.0)
+
+    start = time.perf_counter()
+    result = run_port("plan", directory, "--mesh", "4x2")
+    took = time.perf_counter() - start
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ignored: vision_tower.vision_model." in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("27.01B params")
+    print(f"port plan of Gemma-3-27B (4x2): {took:.2f} s")

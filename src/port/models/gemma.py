@@ -89,6 +89,7 @@ from port.nn import (
 from port.nn._rope import KINDS
 from port.nn.config import (
     MAX_LAYERS,
+    MISSING,
     ConfigFields,
     activation,
     check,
@@ -114,6 +115,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "sliding_window_pattern": 2,  # every other layer slides, from the first
     },
     "gemma3_text": {
+        # the released configs leave out what the class defaults (gemma-3-27b-it: vocab_size)
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
         "num_key_value_heads": 4,
         "query_pre_attn_scalar": 256.0,
         "attn_logit_softcapping": None,
@@ -301,8 +308,8 @@ class GemmaConfig:
             return cls.from_hf({**text, "model_type": "gemma3_text"})
         FIELDS.check(config)
         defaults = _DEFAULTS[model_type]
-        heads = get(config, "num_attention_heads", int)
-        layers = get(config, "num_hidden_layers", int, maximum=MAX_LAYERS)
+        heads = get(config, "num_attention_heads", int, defaults.get("num_attention_heads", MISSING))
+        layers = get(config, "num_hidden_layers", int, defaults.get("num_hidden_layers", MISSING), maximum=MAX_LAYERS)
         kv_heads = read_kv_heads(config, heads, defaults.get("num_key_value_heads"))
         head_dim = get(config, "head_dim", int, 256)  # every config class: 256
         fields = _sandwich_fields(config, model_type, layers) if model_type in SANDWICH else {}
@@ -311,9 +318,9 @@ class GemmaConfig:
         else:
             fields["rope"] = _rope(config, head_dim)
         return cls(
-            vocab_size=get(config, "vocab_size", int),
-            hidden_size=get(config, "hidden_size", int),
-            intermediate_size=get(config, "intermediate_size", int),
+            vocab_size=get(config, "vocab_size", int, defaults.get("vocab_size", MISSING)),
+            hidden_size=get(config, "hidden_size", int, defaults.get("hidden_size", MISSING)),
+            intermediate_size=get(config, "intermediate_size", int, defaults.get("intermediate_size", MISSING)),
             num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
