@@ -357,3 +357,84 @@ def test_qwen3_5_language_model_matches_transformers(tmp_path, arch, extra):
     ours = port.load(tmp_path, mesh="4x2")
     assert ours.layer_groups == {"linear": (0, 1, 2), "full": (3,)}
     np.testing.assert_allclose(np.asarray(logits(ours, IDS)), expected, atol=ATOL, rtol=0)
+
+
+TEXT_ONLY = {
+    "qwen3_5_text": ("Qwen3_5", {}),
+    "qwen3_5_moe_text": (
+        "Qwen3_5Moe",
+        dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def text_only(tmp_path_factory):
+    """get(model_type): a `{arch}ForCausalLM` (the text-only class: config.json without
+    `text_config`, keys under `model.`) written by save_pretrained, the model, its float32 logits."""
+    made = {}
+
+    def get(model_type):
+        if model_type not in made:
+            transformers = transformers_or_skip()
+            import torch
+
+            arch, extra = TEXT_ONLY[model_type]
+            torch.manual_seed(0)
+            config = getattr(transformers, f"{arch}TextConfig")(**QWEN3_5_TEXT, **extra)
+            config._attn_implementation = "eager"
+            model = getattr(transformers, f"{arch}ForCausalLM")(config)
+            model = perturbed(model, lambda n: "norm" in n or n.endswith(("A_log", "dt_bias")), 0.2)
+            directory = tmp_path_factory.mktemp(model_type)
+            model.save_pretrained(directory)
+            assert json.loads((directory / "config.json").read_text())["model_type"] == model_type
+            made[model_type] = directory, model, torch_logits(model, IDS)
+        return made[model_type]
+
+    return get
+
+
+@pytest.mark.parametrize("model_type, mesh", [(t, m) for t in TEXT_ONLY for m in ("1x1", "4x2")])
+def test_text_only_qwen3_5_matches_transformers(text_only, model_type, mesh):
+    """Qwen3.5's text-only checkpoints (`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM`) load
+    through the shipped Qwen3.5 mappings and give transformers' float32 logits."""
+    directory, _, expected = text_only(model_type)
+    ours = port.load(directory, mesh=mesh)
+    assert ours.layer_groups == {"linear": (0, 1, 2), "full": (3,)}
+    np.testing.assert_allclose(np.asarray(logits(ours, IDS)), expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", TEXT_ONLY)
+def test_text_only_qwen3_5_bfloat16(tmp_path, text_only, model_type):
+    """In bfloat16 (weights and compute) within twice transformers' own bfloat16 error."""
+    import torch
+
+    directory, model, reference = text_only(model_type)
+    model = type(model).from_pretrained(directory, dtype=torch.bfloat16)
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(tmp_path)
+    expected = torch_logits(model, IDS)
+    rounding = np.abs(expected - reference).max()
+    ours = port.load(tmp_path, mesh="4x2")
+    out = logits(ours, IDS)
+    assert out.dtype == jnp.bfloat16
+    out = np.asarray(out).astype(np.float32)
+    assert np.abs(out - expected).max() <= 2 * rounding and np.abs(out - reference).max() <= 2 * rounding
+
+
+@pytest.mark.parametrize("model_type", TEXT_ONLY)
+def test_text_only_qwen3_5_export_round_trip(tmp_path, text_only, model_type):
+    """port.load on 4x2 -> port.export -> from_pretrained: the source's tensors bit for bit."""
+    import torch
+    from safetensors.numpy import load_file
+
+    directory, original, _ = text_only(model_type)
+    out = port.export(port.load(directory, mesh="4x2"), tmp_path / "hf", directory)
+    source, exported = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
+    assert exported.keys() == source.keys()
+    for key, value in source.items():
+        assert exported[key].dtype == value.dtype and exported[key].tobytes() == value.tobytes(), key
+    back, info = type(original).from_pretrained(out, output_loading_info=True)
+    for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        assert not info[what], f"{what}: {info[what]}"
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in original.state_dict().items())

@@ -14,9 +14,11 @@ order by `port.nn.run_groups`. What is new in the family:
   when `norm_topk_prob`, weights in the activations' dtype) with a sigmoid-gated shared
   expert; Qwen3.5, a SwiGLU MLP.
 
-Qwen3.5's checkpoints are vision-language models: the language model's config is
+Qwen3.5's released checkpoints are vision-language models: the language model's config is
 config.json's `text_config` and its keys are under `model.language_model.` (the
-mappings say so). The cache holds keys and values of the full layers and, for the
+mappings say so); those saved from the text-only classes (`Qwen3_5ForCausalLM`,
+`Qwen3_5MoeForCausalLM`: model types `qwen3_5_text`, `qwen3_5_moe_text`) have the same
+fields at the top of config.json and their keys under `model.`. The cache holds keys and values of the full layers and, for the
 linear ones, `states["linear"]` = (conv inputs, recurrent state) with a leading layer
 axis. Packed `segment_ids` are refused (the recurrence would cross segments).
 
@@ -41,7 +43,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, final
+from typing import Any, ClassVar, final
 
 import equinox as eqx
 import jax
@@ -69,13 +71,16 @@ from port.nn import (
 from port.nn._deltanet import GatedDeltaNet, State
 from port.nn.config import (
     MAX_LAYERS,
+    ConfigFields,
     activation,
     check_model_type,
     get,
     read_kv_heads,
 )
 
-MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
+# The text-only classes' model types, and the model (wrapper) whose language model they are.
+TEXT_ONLY = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 KINDS = {"linear_attention": "linear", "full_attention": "full"}
 
 # transformers' config class defaults (Qwen3NextConfig, Qwen3_5TextConfig, Qwen3_5MoeTextConfig).
@@ -148,11 +153,14 @@ class Qwen3NextConfig:
         """Build from a Hugging Face `config.json` dict (Qwen3.5's: its `text_config`); `ConfigError` if unsupported."""
         model_type = check_model_type(config, MODEL_TYPES, "port.models.qwen3_next")
         text = config
-        if model_type != "qwen3_next":
+        if model_type in TEXT_ONLY:
+            model_type = TEXT_ONLY[model_type]
+        elif model_type != "qwen3_next":
             text = config.get("text_config")
             if not isinstance(text, dict):
                 raise ConfigError(f"config.json: 'text_config' must be a dict, got {quoted(text)}")
             text = {"tie_word_embeddings": config.get("tie_word_embeddings", False), **text}
+        Qwen3Next.FIELDS.check(text, model_type)
         c = {**_DEFAULTS, **{k: v for k, v in text.items() if v is not None}}
         activation(c, "hidden_act", "silu", supported=("silu", "swish"))
         heads = get(c, "num_attention_heads", int)
@@ -348,6 +356,19 @@ class Qwen3Next(Decoder):
     logits, cache = model(ids, cache=model.init_cache(batch=1, length=32))
     ```
     """
+
+    FIELDS: ClassVar[ConfigFields] = ConfigFields(
+        "port.models.qwen3_next.Qwen3Next",
+        read=(
+            "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps",
+            "tie_word_embeddings", "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor",
+            "attention_bias", "layer_types", "full_attention_interval", "linear_conv_kernel_dim",
+            "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads",
+            "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+            "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+        ),
+    )  # fmt: skip
 
     embed: Float[Array, "vocab embed"]
     linear: LinearBlock | None
