@@ -42,7 +42,13 @@ FAMILIES = {
     "roberta": ("RobertaModel", "RobertaConfig", ROBERTA, 1, True),
     "xlm-roberta": ("XLMRobertaModel", "XLMRobertaConfig", dict(ROBERTA, pad_token_id=3), 3, True),
     "distilbert": ("DistilBertModel", "DistilBertConfig", dict(DISTILBERT, activation="relu"), 0, False),
-    "distilbert-sinusoidal": ("DistilBertModel", "DistilBertConfig", dict(DISTILBERT, sinusoidal_pos_embds=True), 0, False),
+    "distilbert-sinusoidal": (
+        "DistilBertModel",
+        "DistilBertConfig",
+        dict(DISTILBERT, sinusoidal_pos_embds=True),
+        0,
+        False,
+    ),
     # ModernBERT: global, local, global (a window of 2 either side), a rotary base per layer type.
     "modernbert": (
         "ModernBertModel",

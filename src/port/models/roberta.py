@@ -11,7 +11,7 @@ Example:
     ```python
     import jax
     import jax.numpy as jnp
-    from port.models.roberta import Roberta
+    from port.models.roberta import Roberta, positions
 
     config = {"model_type": "roberta", "vocab_size": 50265, "hidden_size": 64,
               "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
