@@ -50,6 +50,18 @@ def test_a_qwen3_without_biases_gets_the_shipped_optional_entries(qwen3, tmp_pat
     assert np.abs(np.asarray(logits(model, IDS)) - expected).max() <= 1e-4
 
 
+def test_a_qwen2_gets_the_o_proj_bias_it_lacks(tmp_path):
+    """Qwen2 has q/k/v biases and no o_proj bias: the draft has llama.toml's entry for it."""
+    torch_llama("Qwen2").save_pretrained(tmp_path / "qwen2")
+    text = scaffold(tmp_path / "qwen2", None, "port.models.llama:Llama")
+    assert "(and 1 optional, for leaves this config.json leaves None)" in text
+    drafted = params_by_path(port.parse_mapping(text, "draft.toml"))
+    shipped = params_by_path(port.load_mapping(ROOT / "mappings" / "llama.toml"))
+    assert {path for path, p in drafted.items() if p.optional} == {"blocks.attn.bo"}
+    assert drafted["blocks.attn.bo"] == shipped["blocks.attn.bo"]
+    assert drafted["blocks.attn.bq"].key == shipped["blocks.attn.bq"].key
+
+
 @pytest.mark.slow
 def test_port_scaffold_writes_the_optional_entries(qwen3, tmp_path):
     directory, *_ = qwen3
