@@ -247,6 +247,29 @@ FAMILIES = {
             final_logit_softcapping=5.0,
         ),
     ),
+    # OLMo 2: norms after each branch, q/k norm over the projection, float32 norm scale, biases.
+    "olmo2": ("Olmo2ForCausalLM", "Olmo2Config", dict(LLAMA, attention_bias=True)),
+    # OLMo 3: OLMo 2's layout, two sliding layers (window 4) with their own RoPE base, then a full one.
+    "olmo3": (
+        "Olmo3ForCausalLM",
+        "Olmo3Config",
+        dict(
+            LLAMA,
+            num_hidden_layers=3,
+            sliding_window=4,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            },
+        ),
+    ),
+    # SmolLM3: a layer without RoPE between two with, windowed (window 4), a tied head.
+    "smollm3": (
+        "SmolLM3ForCausalLM",
+        "SmolLM3Config",
+        dict(LLAMA, num_hidden_layers=3, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=4),
+    ),
 }
 # Families whose layers carry a recurrent state: packed `segment_ids` are refused.
 NO_SEGMENTS = {"qwen3_next"}
