@@ -80,7 +80,16 @@ from port.nn._cache import check_sizes
 from port.nn._init import normal, zeros_if
 from port.nn._mlp import linear
 from port.nn._rope import rope_parameters
-from port.nn.config import ACTIVATIONS, MAX_LAYERS, ConfigFields, activation, check, check_model_type, get, read_kv_heads
+from port.nn.config import (
+    ACTIVATIONS,
+    MAX_LAYERS,
+    ConfigFields,
+    activation,
+    check,
+    check_model_type,
+    get,
+    read_kv_heads,
+)
 
 MODEL_TYPES = ("gemma4_text", "gemma4")
 LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
@@ -189,7 +198,11 @@ def _layer_types(config: dict, layers: int) -> tuple[str, ...]:
     layer_types = config.get("layer_types")
     if layer_types is None:
         layer_types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
-    if not isinstance(layer_types, list) or len(layer_types) != layers or any(t not in LAYER_TYPES for t in layer_types):
+    if (
+        not isinstance(layer_types, list)
+        or len(layer_types) != layers
+        or any(t not in LAYER_TYPES for t in layer_types)
+    ):
         raise ConfigError(
             f"config.json: 'layer_types' must list {layers} of {tuple(LAYER_TYPES)}, got {quoted(layer_types)}"
         )
@@ -343,7 +356,11 @@ class Gemma4Config:
         top_k = get(c, "top_k_experts", int)
         if top_k > experts:
             raise ConfigError(f"config.json: 'top_k_experts' ({top_k}) is more than 'num_experts' ({experts})")
-        return {"num_experts": experts, "top_k_experts": top_k, "moe_intermediate_size": get(c, "moe_intermediate_size", int)}
+        return {
+            "num_experts": experts,
+            "top_k_experts": top_k,
+            "moe_intermediate_size": get(c, "moe_intermediate_size", int),
+        }
 
     @property
     def groups(self) -> dict[str, tuple[int, ...]]:
@@ -461,8 +478,11 @@ class Block(eqx.Module):
         kattn, kmlp, kmoe, kgate, kproj = jax.random.split(key, 5)
         e, moe, p = c.hidden_size, c.num_experts is not None, c.hidden_size_per_layer_input
 
-        def norm(present: bool = True) -> Array | None:
-            return jnp.ones((e,), dtype) if present else None
+        def norm() -> Array:
+            return jnp.ones((e,), dtype)
+
+        def norm_if(present: bool) -> Array | None:
+            return norm() if present else None
 
         self.attn_norm, self.post_attn_norm = norm(), norm()
         self.attn = Gemma4Attention(c, kind, dtype, key=kattn)
@@ -481,12 +501,12 @@ class Block(eqx.Module):
             if c.num_experts is not None
             else None
         )
-        self.router_scale = norm(moe)
+        self.router_scale = norm_if(moe)
         self.expert_scale = jnp.ones((c.num_experts,), dtype) if c.num_experts is not None else None
-        self.post_dense_norm, self.moe_norm, self.post_moe_norm = norm(moe), norm(moe), norm(moe)
+        self.post_dense_norm, self.moe_norm, self.post_moe_norm = norm_if(moe), norm_if(moe), norm_if(moe)
         self.per_layer_gate = normal(kgate, (p, e), dtype) if p else None
         self.per_layer_projection = normal(kproj, (e, p), dtype) if p else None
-        self.post_per_layer_norm = norm(bool(p))
+        self.post_per_layer_norm = norm_if(bool(p))
         self.layer_scalar = jnp.ones((1,), dtype)
         self.kind = kind
         self.rotary = (0, c.head_dim) if kind == "sliding" else (c.head_dim, c.head_dim + c.full_head_dim)
