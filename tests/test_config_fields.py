@@ -114,6 +114,8 @@ def shrink(values: dict[str, Any]) -> dict[str, Any]:
             tiny[key] = value[:LAYERS]
         elif isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
             tiny[key] = [i for i in value if i < LAYERS]  # layer indices (moe_layers, mlp_only_layers)
+        elif isinstance(value, dict) and value and all(isinstance(k, str) and k.isdigit() for k in value):
+            tiny[key] = {k: v for k, v in value.items() if int(k) < LAYERS}  # by layer (Gemma 4's per_layer_config)
     return tiny
 
 
@@ -133,7 +135,7 @@ def build(cls: type, config: dict[str, Any]) -> Any:
 
 
 def other_value(default: Any, allowed: tuple[Any, ...]) -> Any:
-    """A value of the default's kind that none of `allowed` is."""
+    """A value of the default's kind that none of `allowed` is (None if every candidate is)."""
     if isinstance(default, bool):
         candidates = [not default]
     elif isinstance(default, int):
@@ -148,7 +150,7 @@ def other_value(default: Any, allowed: tuple[Any, ...]) -> Any:
         candidates = [{**default, "unsupported": 1}]
     else:  # None
         candidates = [{"unsupported": 1}, 3, "unsupported"]
-    return next(c for c in candidates if not any(same(c, a) for a in allowed))
+    return next((c for c in candidates if not any(same(c, a) for a in allowed)), None)
 
 
 # ---------------------------------------------------------------- the declaration against transformers
@@ -192,6 +194,7 @@ def test_each_fixed_field_is_refused_at_another_value(path, model_type):
     refused = []
     for key, allowed in allowed_for(fields, model_type).items():
         value = other_value(allowed[0], allowed)
+        assert value is not None, f"{fields.module}: fixed {key} allows every value of its kind {allowed}: it is read"
         with pytest.raises(ConfigError) as raised:
             build(cls, tiny_config(model_type, **{key: value}))
         message = str(raised.value)
