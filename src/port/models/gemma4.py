@@ -124,13 +124,12 @@ FIELDS = ConfigFields(
         "num_experts",
         "top_k_experts",
         "moe_intermediate_size",
+        "use_double_wide_mlp",  # doubles the MLP of layers that share keys and values only: none here
     ),
     fixed={
         # "vision": image tokens attend both ways, text causally: text alone runs causally.
         "use_bidirectional_attention": (None, "vision"),
         "num_kv_shared_layers": (0,),
-        # Doubles the MLP of layers that share keys and values only: none here.
-        "use_double_wide_mlp": (False, True),
         "is_encoder_decoder": (False,),
     },
 )
@@ -319,6 +318,7 @@ class Gemma4Config:
                 f"'num_attention_heads' ({heads})"
             )
         experts = cls._experts(c)
+        get(c, "use_double_wide_mlp", bool, False)  # a boolean; without shared layers it changes nothing
         per_layer = c.get("hidden_size_per_layer_input", 256)
         per_layer = 0 if per_layer in (None, 0) else check("hidden_size_per_layer_input", per_layer, int)
         cap = c.get("final_logit_softcapping")
