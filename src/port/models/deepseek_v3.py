@@ -339,7 +339,13 @@ class DeepseekV3(Decoder):
             "head_dim", "qk_head_dim",  # derived: transformers recomputes both from the head sizes above
             "num_nextn_predict_layers", "num_mtp_layers",  # multi-token prediction modules: not built
         ),
-        fixed={"pretraining_tp": (1,)},
+        fixed={
+            "pretraining_tp": (1,),
+            # the released configs' own (DeepSeek's modelling code): transformers runs these values only
+            "scoring_func": ("sigmoid",),
+            "topk_method": ("noaux_tc",),
+            "moe_layer_freq": (1,),
+        },
     )  # fmt: skip
 
     embed: Float[Array, "vocab embed"]
