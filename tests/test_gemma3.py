@@ -240,6 +240,33 @@ def test_a_wrappers_language_model_exports_as_a_text_only_checkpoint(checkpoints
     assert again.config.model_type == "gemma3_text" and diff(again, checkpoints("wrapper").logits) < 1e-4
 
 
+def test_the_wrapper_classs_own_key_names_load_and_export_too(checkpoints, tmp_path):
+    """Keys as Gemma3ForConditionalGeneration names its modules (`model.language_model.`,
+    `model.vision_tower.`, `model.multi_modal_projector.`): the same model, exported text-only."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    source = checkpoints("wrapper").directory
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    shutil.copy(source / "config.json", renamed / "config.json")
+    tensors = load_file(source / "model.safetensors")
+    new = {
+        k.replace("language_model.model.", "model.language_model.", 1)
+        if k.startswith("language_model.")
+        else "model." + k: v
+        for k, v in tensors.items()
+    }
+    assert any(k.startswith("model.vision_tower.") for k in new)
+    save_file(new, renamed / "model.safetensors", metadata={"format": "pt"})
+    model = port.load(renamed)
+    assert diff(model, checkpoints("wrapper").logits) < 1e-4
+    out = port.export(model, tmp_path / "hf", renamed)
+    written = load_file(out / "model.safetensors")
+    assert written.keys() == {k.replace("language_model.", "", 1) for k in new if k.startswith("model.language_model.")}
+
+
 @pytest.mark.slow
 def test_port_export_of_a_converted_wrapper_is_text_only(checkpoints, tmp_path):
     """`port convert` of a gemma3 checkpoint, then `port export` of the output: a Gemma3ForCausalLM checkpoint."""
