@@ -270,6 +270,26 @@ FAMILIES = {
         "SmolLM3Config",
         dict(LLAMA, num_hidden_layers=3, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=4),
     ),
+    # Ministral 3: YaRN, queries scaled by position (original length 4: the scale steps within a prompt).
+    "ministral3": (
+        "Ministral3ForCausalLM",
+        "Ministral3Config",
+        dict(
+            LLAMA,
+            head_dim=8,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 2.0,
+                "original_max_position_embeddings": 4,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "llama_4_scaling_beta": 0.5,
+            },
+        ),
+    ),
 }
 # Families whose layers carry a recurrent state: packed `segment_ids` are refused.
 NO_SEGMENTS = {"qwen3_next"}

@@ -493,3 +493,23 @@ def test_run_layers_skips_rotary_on_the_layers_rope_layers_marks():
     np.testing.assert_allclose(y, expected, atol=1e-5, rtol=0)
     everywhere, _ = run_layers(blocks, x, tokens, cos=cos, sin=sin)
     assert np.abs(everywhere - expected).max() > 1e-2
+
+
+def test_attention_q_scale_multiplies_each_query():
+    """`q_scale` [batch, seq]: a factor per query after RoPE (Ministral 3); a constant 2 is the
+    attention with twice the score scale, and a factor of 1 on some queries leaves those rows."""
+    from port.nn import Attention, Rope
+
+    attn = Attention(heads=4, kv_heads=2, head_dim=8, embd=24, dtype=jnp.float32, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, 24)) * 5
+    tokens = prepare(np.ones((2, 5), np.int32))
+    cos, sin = Rope(theta=10000.0, rotary_dim=8).angles(tokens.positions, jnp.float32)
+    doubled, _ = attn(x, tokens.mask, cos=cos, sin=sin, q_scale=jnp.full((2, 5), 2.0))
+    q, k, v = attn.project(x, cos, sin)
+    sharper = jnp.einsum("bthd,ehd->bte", attend(q, k, v, tokens.mask, scale=attn.scale * 2), attn.wo)
+    np.testing.assert_allclose(doubled, sharper, atol=1e-5, rtol=0)
+    plain, _ = attn(x, tokens.mask, cos=cos, sin=sin)
+    mixed, _ = attn(x, tokens.mask, cos=cos, sin=sin, q_scale=jnp.asarray([[1.0, 1.0, 2.0, 2.0, 2.0]] * 2))
+    np.testing.assert_allclose(mixed[:, :2], plain[:, :2], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(mixed[:, 2:], doubled[:, 2:], atol=1e-6, rtol=0)
+    assert np.abs(doubled - plain).max() > 1e-3

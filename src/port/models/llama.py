@@ -1,14 +1,17 @@
-"""Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, OLMo 3 and SmolLM3 (decoder-only, RMSNorm, RoPE,
-SwiGLU, GQA) as one Equinox model.
+"""Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, OLMo 3, SmolLM3 and Ministral 3 (decoder-only,
+RMSNorm, RoPE, SwiGLU, GQA) as one Equinox model.
 
 One class serves the `model_type`s "llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2",
-"olmo3" and "smollm3"; they differ in which projections carry biases, in sliding-window
+"olmo3", "smollm3", "ministral3" and the language model of "mistral3" (Mistral 3's
+vision-language checkpoints: config.json's `text_config`, a Mistral or Ministral 3); they differ in which projections carry biases, in sliding-window
 attention, in Qwen3's per-head RMSNorm of queries and keys (`q_norm`, `k_norm`, None
 elsewhere), in Phi-3's RoPE (partial rotary dimensions, "longrope" scaling), in OLMo 2's
 layout (its norms after the attention and the MLP, `post_attn_norm` and `post_mlp_norm`,
 not before them; q/k norms over the whole projection; every RMSNorm applying its weight
 in float32), in OLMo 3's (OLMo 2's, with sliding-window layers by `layer_types`, each
-layer type with its own RoPE) and in SmolLM3's layers without RoPE (`no_rope_layers`). Phi-3's fused `qkv_proj` and
+layer type with its own RoPE), in SmolLM3's layers without RoPE (`no_rope_layers`) and in
+Ministral 3's queries scaled by position after RoPE (`1 + beta * log(1 + floor(position /
+original_max_position_embeddings))`, `rope_parameters.llama_4_scaling_beta`). Phi-3's fused `qkv_proj` and
 `gate_up_proj` are cut into this module's separate leaves by its mapping. The transformer blocks
 are stored *stacked*: every array in `Llama.blocks` has a leading axis of size
 `num_hidden_layers`, and `port.nn.run_layers` scans them.
@@ -68,6 +71,7 @@ from port.nn import (
     run_layers,
     stacked,
 )
+from port.nn._rope import rope_parameters
 from port.nn.config import (
     MAX_LAYERS,
     ConfigFields,
@@ -78,7 +82,9 @@ from port.nn.config import (
     read_kv_heads,
 )
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "olmo3", "smollm3")
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "olmo3", "smollm3", "ministral3", "mistral3")
+# A vision-language model whose language model this module runs: its text config's model types.
+WRAPPERS = {"mistral3": ("mistral", "ministral3")}
 OLMO = ("olmo2", "olmo3")  # post-norm, q/k norm over the projection, float32 norm scale
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -101,6 +107,25 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "olmo2": {"max_position_embeddings": 2048, "sliding_window": None, "rms_norm_eps": 1e-5},
     "olmo3": {"max_position_embeddings": 2048, "sliding_window": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0},
     "smollm3": {"max_position_embeddings": 32768, "sliding_window": None, "rope_theta": 2000000.0},
+    "ministral3": {
+        "max_position_embeddings": 262144,
+        "sliding_window": None,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+    },
+}
+# Ministral3Config's RoPE where config.json names none.
+_MINISTRAL3_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 1000000.0,
+    "factor": 16.0,
+    "original_max_position_embeddings": 16384,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale_all_dim": 1.0,
+    "mscale": 1.0,
+    "llama_4_scaling_beta": 0.1,
 }
 # The default of tie_word_embeddings where it is not False.
 _TIED = {"smollm3": True}
@@ -141,12 +166,18 @@ class LlamaConfig:
     sliding_layers: tuple[bool, ...] = ()  # ...in the layers marked True here
     sliding_rope: Rope | None = None  # OLMo 3: the sliding layers' own RoPE (None: `rope`)
     rope_layers: tuple[bool, ...] | None = None  # SmolLM3: the layers that rotate (None: all)
+    query_scale: tuple[float, int] | None = None  # Ministral 3: (beta, original length) of its query scale
 
     @classmethod
     def from_hf(cls, config: dict) -> LlamaConfig:
-        """Build from a Hugging Face `config.json` dict; raises `ConfigError` if unsupported."""
+        """Build from a Hugging Face `config.json` dict (a wrapper's: its `text_config`); raises
+        `ConfigError` if unsupported."""
+        if config.get("model_type") in WRAPPERS:
+            config = _language_model(config)
         Llama.FIELDS.check(config, config.get("model_type", "llama"))
-        model_type = check_model_type(config, MODEL_TYPES, "port.models.llama", "llama")
+        model_type = check_model_type(config, MODEL_TYPES[:-1], "port.models.llama", "llama")
+        if model_type == "ministral3" and not config.get("rope_parameters") and not config.get("rope_scaling"):
+            config = {**config, "rope_parameters": _MINISTRAL3_ROPE}
         defaults = _DEFAULTS[model_type]
         hidden = get(config, "hidden_size", int)
         heads = get(config, "num_attention_heads", int)
@@ -167,6 +198,7 @@ class LlamaConfig:
             "olmo2": (attention_bias, attention_bias, False),
             "olmo3": (attention_bias, attention_bias, False),
             "smollm3": (attention_bias, attention_bias, mlp_bias),
+            "ministral3": (False, False, False),
         }[model_type]
         rope_layers = _rope_layers(config, layers) if model_type == "smollm3" else None
         window, sliding = _sliding(config, model_type, layers, rope_layers)
@@ -194,6 +226,7 @@ class LlamaConfig:
             rope=_rope(config, model_type, head_dim),
             sliding_rope=_sliding_rope(config, head_dim) if model_type == "olmo3" else None,
             rope_layers=rope_layers,
+            query_scale=_query_scale(config) if model_type == "ministral3" else None,
         )
 
     def mlp(self, dtype: Any, key: PRNGKeyArray) -> GatedMLP | MoE:
@@ -317,6 +350,37 @@ def _rope(config: dict, model_type: str, head_dim: int) -> Rope:
     )
 
 
+def _language_model(config: dict) -> dict:
+    """A vision-language config.json's `text_config` (its model type one this module runs), with
+    the wrapper's `tie_word_embeddings` (Mistral3Config's default: true), which is what
+    transformers ties by, whatever the text config says."""
+    wrapper = config["model_type"]
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"config.json: 'text_config' must be a dict, got {quoted(text)}")
+    kinds = WRAPPERS[wrapper]
+    text = {"model_type": kinds[0], **text, "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+    if text["model_type"] not in kinds:
+        raise ConfigError(
+            f"config.json: text_config's 'model_type' {quoted(text['model_type'])} is not supported by "
+            f"port.models.llama in a {wrapper} checkpoint (supported: {', '.join(kinds)})"
+        )
+    return text
+
+
+def _query_scale(config: dict) -> tuple[float, int]:
+    """Ministral 3's query scale: `rope_parameters`' `llama_4_scaling_beta` and
+    `original_max_position_embeddings` (both required, as transformers reads them)."""
+    key, rope = rope_parameters(config)
+    for name in ("llama_4_scaling_beta", "original_max_position_embeddings"):
+        if rope.get(name) is None:
+            raise ConfigError(f"config.json: required key '{key}.{name}' is missing")
+    beta = rope["llama_4_scaling_beta"]
+    if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta >= 0:
+        raise ConfigError(f"config.json: '{key}.llama_4_scaling_beta' must be a number >= 0, got {quoted(beta)}")
+    return float(beta), check(f"{key}.original_max_position_embeddings", rope["original_max_position_embeddings"], int)
+
+
 def _sliding_rope(config: dict, head_dim: int) -> Rope | None:
     """OLMo 3's sliding layers' RoPE where it is not the full layers' (None where it is)."""
     defaults = _DEFAULTS["olmo3"]
@@ -417,6 +481,10 @@ class Llama(Decoder):
         x = self.embed[tokens.ids]
         cos, sin = c.rope.angles(tokens.positions, x.dtype)
         local = None if c.sliding_rope is None else c.sliding_rope.angles(tokens.positions, x.dtype)
+        q_scale = None
+        if c.query_scale is not None:  # in float32, cast to the queries' dtype by the attention
+            beta, original = c.query_scale
+            q_scale = 1.0 + beta * jnp.log1p(jnp.floor(tokens.positions.astype(jnp.float32) / original))
         x, kv = run_layers(
             self.blocks,
             x,
@@ -426,6 +494,7 @@ class Llama(Decoder):
             sliding=c.sliding_layers,
             sliding_rope=local,
             rope_layers=c.rope_layers,
+            q_scale=q_scale,
             remat=remat,
         )
         x = rms_norm(x, self.norm, c.rms_norm_eps, float32_scale=c.float32_scale)

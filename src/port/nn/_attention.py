@@ -157,9 +157,11 @@ class Attention(eqx.Module):
       with `qkv_bias`) projecting `x`; the attended values are multiplied by its sigmoid
       before `wo`.
 
-    Called as `attn(x, mask, cos=..., sin=..., kv=..., index=...)` -> `(y, kv)`: `x`
-    `[batch, seq, embd]`, `mask` from `Tokens`, `cos`/`sin` from `Rope.angles` (None: no
-    RoPE), `kv`/`index` this layer's cache and the first slot (None: no cache). `y` is
+    Called as `attn(x, mask, cos=..., sin=..., kv=..., index=..., q_scale=...)` -> `(y, kv)`:
+    `x` `[batch, seq, embd]`, `mask` from `Tokens`, `cos`/`sin` from `Rope.angles` (None: no
+    RoPE), `kv`/`index` this layer's cache and the first slot (None: no cache), `q_scale`
+    `[batch, seq]` a factor per query, applied (in the queries' dtype) after RoPE
+    (Ministral 3's position-dependent scale; None: none). `y` is
     `[batch, seq, embd]`; `kv` the updated cache (None without one).
 
     ```python
@@ -270,8 +272,11 @@ class Attention(eqx.Module):
         sin: Array | None = None,
         kv: KV | None = None,
         index: Array | None = None,
+        q_scale: Float[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         q, k, v = self.project(x, cos, sin)
+        if q_scale is not None:
+            q = q * q_scale[:, :, None, None].astype(q.dtype)
         k, v, kv = with_cache(k, v, kv, index)
         out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap, sinks=self.sinks)
         if self.wg is not None:

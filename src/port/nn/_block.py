@@ -53,7 +53,8 @@ class Block(eqx.Module):
     - `float32_scale`: the weight applied in float32 before the cast (OLMo 2's RMSNorm).
 
     **Returns** (of the call): `(x, kv)`, the layer's output and its keys and values
-    (what `port.nn.run_layers` threads through a cache).
+    (what `port.nn.run_layers` threads through a cache). A call's `q_scale` (from
+    `run_layers`) is handed to the attention (`Attention`'s per-query factor).
 
     The fields are the paths mappings name: `attn_norm`, `attn`, `post_attn_norm`,
     `mlp_norm`, `mlp`, `post_mlp_norm` (`blocks.attn_norm`, `blocks.mlp.experts.gate`);
@@ -120,7 +121,9 @@ class Block(eqx.Module):
         kv: Any,
         index: Array | None,
         layer: Array | None = None,
+        q_scale: Float[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], Any]:
-        h, kv = self.attn(self.norm(x, self.attn_norm), mask, cos=cos, sin=sin, kv=kv, index=index)
+        scaled = {} if q_scale is None else {"q_scale": q_scale}  # only an attention that takes one is given one
+        h, kv = self.attn(self.norm(x, self.attn_norm), mask, cos=cos, sin=sin, kv=kv, index=index, **scaled)
         x = x + self.norm(h, self.post_attn_norm)
         return x + self.norm(self.mlp(self.norm(x, self.mlp_norm)), self.post_mlp_norm), kv

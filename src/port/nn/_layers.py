@@ -37,6 +37,7 @@ def run_layers(
     sliding: Sequence[bool] | None = None,
     sliding_rope: tuple[Array, Array] | None = None,
     rope_layers: Sequence[bool] | None = None,
+    q_scale: Float[Array, "batch seq"] | None = None,
     remat: bool | str | Callable[..., bool] | None = None,
 ) -> tuple[Float[Array, "batch seq embed"], tuple[Array | None, Array | None]]:
     """Run stacked `blocks` over `x`.
@@ -55,6 +56,9 @@ def run_layers(
     - `rope_layers`: per layer, whether it rotates its queries and keys at all; a layer
       marked False (a NoPE layer: SmolLM3's `no_rope_layers`) gets the identity rotation
       (cos 1, sin 0), which leaves them exactly as they are. None: every layer rotates.
+    - `q_scale`: `[batch, seq]`, a factor on every layer's queries after RoPE, handed to
+      each block as `q_scale=` (Ministral 3's scale by position); None: none (and the
+      blocks are called without it).
     - `remat`: as in `scan`.
 
     **Returns:** `(x, (keys, values))`: the last block's output `[batch, seq, embd]` and,
@@ -83,7 +87,8 @@ def run_layers(
         if rotate is not None:
             assert c is not None and s is not None, "rope_layers picks the layers that use cos and sin"
             c, s = jnp.where(rotate, c, jnp.ones_like(c)), jnp.where(rotate, s, jnp.zeros_like(s))
-        return block(x, mask, cos=c, sin=s, kv=kv, index=index, layer=i)
+        scaled = {} if q_scale is None else {"q_scale": q_scale}
+        return block(x, mask, cos=c, sin=s, kv=kv, index=index, layer=i, **scaled)
 
     x, kv = scan(layer, x, blocks, layers, flags, rotates, kv, remat=remat)
     return x, (None, None) if kv is None else kv
