@@ -3,7 +3,7 @@
 A family file holds only what is new in it; norms (`rms_norm`: Llama's, OLMo 2's
 `float32_scale`, Gemma's `plus_one`), rotary embeddings (`run_layers(rope_layers=...)` for
 layers without them), attention (`Attention`'s q/k norm per head or over the whole
-projection), MLPs, the decoder layer (`Block`: norms before, after or around each
+projection, a per-query `q_scale`), MLPs, the decoder layer (`Block`: norms before, after or around each
 branch), the routed mixture of experts, multi-head latent attention (DeepSeek-V3), Gated
 DeltaNet linear attention (Qwen3-Next), the layer scan and layers of several kinds,
 inputs and masks, the key/value cache, greedy generation and the loss live here. Every layer works on batch-first arrays
