@@ -279,6 +279,16 @@ def test_port_export_of_a_converted_wrapper_is_text_only(checkpoints, tmp_path):
     assert config["model_type"] == "gemma3_text" and config["architectures"] == ["Gemma3ForCausalLM"]
 
 
+@pytest.mark.slow
+def test_port_verify_of_a_wrapper_draws_ids_from_its_text_config(checkpoints):
+    """`port verify` of a gemma3 checkpoint (no top-level vocab_size): ids from `text_config`'s
+    vocabulary, port's language model against transformers' wrapper, ok."""
+    result = run_port("verify", checkpoints("wrapper").directory)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": ok (tolerance " in result.stdout, result.stdout
+    assert "vs AutoModelForCausalLM.logits (float32 [2, 16, 100]" in result.stdout
+
+
 # ---------------------------------------------------------------- the config
 
 

@@ -139,9 +139,18 @@ def positions(config: dict) -> tuple[str, int] | None:
     return None
 
 
+def language(config: dict) -> dict:
+    """The config of the language model: config.json itself, or a multimodal wrapper's
+    `text_config` (Gemma 3, Llama 4, Mistral 3) when config.json has no `vocab_size` of its own."""
+    text = config.get("text_config")
+    return text if "vocab_size" not in config and isinstance(text, dict) else config
+
+
 def token_shape(config: dict, batch: int, seq: int) -> tuple[int, int]:
-    """The shape of `input_ids`' tokens, `(batch, seq)`, once `config` has an integer `vocab_size`
-    and `seq` is within its positions (`length=`, as verify's argument, names a `seq` beyond them)."""
+    """The shape of `input_ids`' tokens, `(batch, seq)`, once `config` (or its `text_config`) has
+    an integer `vocab_size` and `seq` is within its positions (`length=`, as verify's argument,
+    names a `seq` beyond them)."""
+    config = language(config)
     if type(config.get("vocab_size")) is not int:
         raise ConfigError("config.json: no integer 'vocab_size' to draw input ids from")
     limit = positions(config)
@@ -152,7 +161,8 @@ def token_shape(config: dict, batch: int, seq: int) -> tuple[int, int]:
 
 def input_ids(config: dict, batch: int = 2, seq: int = 16, seed: int = 0) -> np.ndarray:
     """Random token ids within the vocabulary of `config`, `(batch, seq)`; `seq` within its positions."""
-    return np.random.default_rng(seed).integers(0, config["vocab_size"], token_shape(config, batch, seq))
+    shape = token_shape(config, batch, seq)
+    return np.random.default_rng(seed).integers(0, language(config)["vocab_size"], shape)
 
 
 def _size_pair(config: dict, key: str, default: int) -> tuple[int, int]:
