@@ -274,6 +274,8 @@ def test_the_global_layers_sizes_are_read_as_gemma4_text_config_resolves_them():
     legacy |= {"global_head_dim": 16, "num_global_key_value_heads": 1}
     assert Gemma4Config.from_hf(legacy).sizes("full") == (1, 16)
     assert Gemma4Config.from_hf({**legacy, "attention_k_eq_v": False}).sizes("full") == (2, 16)
+    padded = Gemma4Config.from_hf(small(num_hidden_layers=12, layer_types=None, per_layer_config={"05": {}, "11": {}}))
+    assert padded.kinds == (*("sliding",) * 5, "full") * 2 and padded.full_head_dim == 12  # "05": layer 5
     c = Gemma4Config.from_hf({"model_type": "gemma4_text", "num_hidden_layers": 7})
     assert c.kinds == ("sliding",) * 5 + ("full", "full") and c.full_head_dim == 512 and c.head_dim == 256
     assert (c.local_rope.theta, c.local_rope.rotated, c.full_rope.theta, c.full_rope.rotated) == (1e4, 128, 1e6, 64)
@@ -290,6 +292,13 @@ def test_the_global_layers_sizes_are_read_as_gemma4_text_config_resolves_them():
         (dict(per_layer_config={"0": {"head_dim": 16}}), "'per_layer_config.0' changes a sliding layer"),
         (dict(per_layer_config={"2": {"sliding_window": 8}}), "'per_layer_config.2' may set only head_dim"),
         (dict(per_layer_config={"9": {"head_dim": 16}}), "'per_layer_config' names no layer: '9'"),
+        (
+            dict(
+                layer_types=["sliding_attention", "full_attention", "full_attention"],
+                per_layer_config={"1": {"head_dim": 16}},
+            ),
+            "'per_layer_config' gives global layers different sizes",
+        ),
         (dict(per_layer_config={"2": {"num_key_value_heads": 3}}), "global layers' 3 key/value heads must divide"),
         (
             dict(rope_parameters={**TEXT["rope_parameters"], "full_attention": {"rope_type": "yarn"}}),
@@ -328,3 +337,65 @@ def test_the_command_line_refuses_shared_key_value_layers_before_reading_a_tenso
     args = [MAPPING, directory] if command == "check" else [directory, "--mesh", "1x1"]
     line = one_line(run_port(command, *args), "config.json: num_kv_shared_layers 1 is not supported")
     assert "port.models.gemma4.Gemma4 (supported: 0)" in line
+
+
+# ---------------------------------------------------------------- Gemma-4-31B, planned only
+
+# Gemma-4-31B's language model as its model card and published conversions describe it (60
+# layers, 5 local to 1 global, hidden 5376, 32 query heads; local: 16 key/value heads of 256,
+# window 1024; global: 4 heads of 512 serving keys and values; MLP 21504; vocab 262144;
+# soft-cap 30; no per-layer embeddings): 30.70B parameters, the card's 30.7B.
+GEMMA4_31B = dict(
+    vocab_size=262144,
+    hidden_size=5376,
+    intermediate_size=21504,
+    num_hidden_layers=60,
+    num_attention_heads=32,
+    num_key_value_heads=16,
+    head_dim=256,
+    global_head_dim=512,
+    num_global_key_value_heads=4,
+    attention_k_eq_v=True,
+    sliding_window=1024,
+    hidden_size_per_layer_input=0,
+    final_logit_softcapping=30.0,
+    max_position_embeddings=262144,
+)
+
+
+@pytest.mark.slow
+def test_plan_of_a_gemma4_31b_shaped_checkpoint_reads_no_tensor(tmp_path):
+    """`port plan` on 61 GB of bfloat16 (a sparse file; its tensors' names and shapes those of
+    transformers' Gemma4ForCausalLM of GEMMA4_31B, built on the meta device): every leaf filled,
+    the global layers' heads of their own size, no tensor byte read."""
+    import math
+
+    import torch
+    from jax.sharding import PartitionSpec as P
+
+    from helpers import recorded_reads, write_sparse_checkpoint
+
+    transformers = transformers_or_skip()
+    config = transformers.Gemma4TextConfig(**GEMMA4_31B)
+    with torch.device("meta"):
+        shapes = {k: list(t.shape) for k, t in transformers.Gemma4ForCausalLM(config).state_dict().items()}
+    del shapes["lm_head.weight"]  # tied: save_pretrained writes no copy
+    directory = tmp_path / "gemma-4-31b"
+    write_sparse_checkpoint(directory, config.to_dict(), shapes)
+    params = sum(math.prod(s) for s in shapes.values())
+    assert round(params / 1e9, 2) == 30.70
+
+    with recorded_reads() as calls, port.open_checkpoint(directory) as ckpt:
+        mapping = port.mapping_for(ckpt.config)
+        skeleton = port.skeleton(mapping, ckpt.config)
+        recipe = port.plan(skeleton, mapping, ckpt.tensors, ckpt.config, {"data": 4, "model": 2})
+    assert calls == []
+    assert {leaf.path for leaf in recipe.leaves} == set(port._skeleton.leaves(skeleton))
+    assert recipe.read_bytes == 2 * params
+    wq = {leaf.path: leaf for leaf in recipe.leaves}
+    assert wq["full.attn.wq"].shape == (10, 32, 512, 5376) and wq["sliding.attn.wk"].shape == (50, 16, 256, 5376)
+    assert wq["full.attn.wk"].spec == P(None, "model", None, "data") and "full.attn.wv" not in wq
+
+    result = run_port("plan", directory, "--mesh", "4x2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().splitlines()[-1].startswith("30.70B params in ")

@@ -225,9 +225,14 @@ def _global_sizes(config: dict, kinds: tuple[str, ...], head_dim: int, kv_heads:
         return dim, check("num_global_key_value_heads", heads, int)
     if not isinstance(per_layer, dict):
         raise ConfigError(f"config.json: 'per_layer_config' must be a dict by layer, got {quoted(per_layer)}")
+    entries = {}
+    for key, entry in per_layer.items():  # transformers zero-pads the indices ("05")
+        if not (isinstance(key, str) and key.isdigit() and int(key) < len(kinds)):
+            raise ConfigError(f"config.json: 'per_layer_config' names no layer: {key!r} (not supported)")
+        entries[int(key)] = entry
     sizes = set()
     for i, kind in enumerate(kinds):
-        entry = per_layer.get(str(i), {})
+        entry = entries.get(i, {})
         if not isinstance(entry, dict) or set(entry) - {"head_dim", "num_key_value_heads"}:
             raise ConfigError(
                 f"config.json: 'per_layer_config.{i}' may set only head_dim and num_key_value_heads, got {quoted(entry)}"
@@ -240,10 +245,8 @@ def _global_sizes(config: dict, kinds: tuple[str, ...], head_dim: int, kv_heads:
             raise ConfigError(f"config.json: 'per_layer_config.{i}' changes a sliding layer (not supported)")
         if kind == "full":
             sizes.add(size)
-    unknown = set(per_layer) - {str(i) for i in range(len(kinds))}
-    if unknown or len(sizes) > 1:
-        what = f"names no layer: {sorted(unknown)[0]!r}" if unknown else "gives global layers different sizes"
-        raise ConfigError(f"config.json: 'per_layer_config' {what} (not supported)")
+    if len(sizes) > 1:
+        raise ConfigError("config.json: 'per_layer_config' gives global layers different sizes (not supported)")
     return sizes.pop()
 
 
