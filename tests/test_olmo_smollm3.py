@@ -17,6 +17,7 @@ Parity on meshes 1x1 and 4x2 in float32 and bfloat16, the export round trip thro
 
 import dataclasses
 import json
+import time
 
 import equinox as eqx
 import jax
@@ -36,9 +37,11 @@ from helpers import (
     one_line,
     perturbed,
     run_port,
+    run_port_measured,
     saved_once,
     torch_logits,
     transformers_or_skip,
+    write_sparse_checkpoint,
 )
 
 # name: (transformers' class prefix, config overrides on LLAMA_CONFIG)
@@ -258,3 +261,60 @@ def test_port_check_and_convert_refuse_a_bad_layer_list(checkpoints, tmp_path):
     line = "config.json: 'layer_types' must list 4 of"
     one_line(run_port("check", REPO / "mappings" / "olmo2.toml", bad), line)
     one_line(run_port("convert", bad, "--out", tmp_path / "out"), line, out=tmp_path / "out")
+
+
+# ---------------------------------------------------------------- a real model's plan
+
+OLMO2_32B = {
+    "model_type": "olmo2",
+    "architectures": ["Olmo2ForCausalLM"],
+    "vocab_size": 100352,
+    "hidden_size": 5120,
+    "intermediate_size": 27648,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 500000,
+    "tie_word_embeddings": False,
+}
+
+
+def olmo2_shapes(c: dict) -> dict:
+    """Olmo2ForCausalLM's tensors for config `c`."""
+    h, v, inter = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
+    head = h // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    shapes = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h], "lm_head.weight": [v, h]}
+    for i in range(c["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        shapes |= {
+            layer + "self_attn.q_proj.weight": [q, h],
+            layer + "self_attn.k_proj.weight": [kv, h],
+            layer + "self_attn.v_proj.weight": [kv, h],
+            layer + "self_attn.o_proj.weight": [h, q],
+            layer + "self_attn.q_norm.weight": [q],
+            layer + "self_attn.k_norm.weight": [kv],
+            layer + "post_attention_layernorm.weight": [h],
+            layer + "mlp.gate_proj.weight": [inter, h],
+            layer + "mlp.up_proj.weight": [inter, h],
+            layer + "mlp.down_proj.weight": [h, inter],
+            layer + "post_feedforward_layernorm.weight": [h],
+        }
+    return shapes
+
+
+@pytest.mark.slow
+def test_plan_olmo2_32b_reads_no_tensor(tmp_path):
+    """`port plan` on OLMo-2-0325-32B's real sizes (a ~64 GB sparse file): exit 0, the q/k norms
+    sharded with the heads, well under 1 GB read and of peak RSS in either process."""
+    size = write_sparse_checkpoint(tmp_path / "olmo2", OLMO2_32B, olmo2_shapes(OLMO2_32B))
+    assert size > 60e9
+    start = time.perf_counter()
+    result, rchar, peak = run_port_measured(tmp_path, "plan", tmp_path / "olmo2", "--mesh", "4x2")
+    took = time.perf_counter() - start
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "blocks.attn.q_norm" in result.stdout and "blocks.post_mlp_norm" in result.stdout
+    assert rchar < 1e9 and peak < 1e9, (rchar, peak)
+    print(f"port plan of OLMo-2-0325-32B: {took:.1f} s, peak RSS {peak / 2**20:.0f} MiB")
