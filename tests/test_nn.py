@@ -462,7 +462,7 @@ def test_attention_norms_the_whole_projection():
     raw = jnp.einsum("bte,hde->bthd", x, attn.wq).reshape(1, 3, 32)
     expected = rms_norm(raw, attn.q_norm.reshape(32), 1e-6).reshape(1, 3, 4, 8)
     np.testing.assert_allclose(q, expected, atol=1e-6, rtol=0)
-    per_head = rms_norm(raw.reshape(1, 3, 4, 8), attn.q_norm, 1e-6)
+    per_head = rms_norm(raw.reshape(1, 3, 4, 8), jnp.ones(8), 1e-6) * attn.q_norm  # each head alone
     assert not np.allclose(q, per_head, atol=1e-3)
 
 
