@@ -153,8 +153,8 @@ def test_stacked_field_shapes():
             "(supported: 'absolute')",
         ),
         (dict(hidden_act="mish"), "config.json: 'hidden_act' 'mish' is not supported"),
-        (dict(is_decoder=True), "config.json: is_decoder True is not supported by port.models.bert.Bert"),
-        (dict(add_cross_attention=True), "config.json: add_cross_attention True is not supported"),
+        (dict(is_decoder=True), "config.json: is_decoder true is not supported by port.models.bert.Bert"),
+        (dict(add_cross_attention=True), "config.json: add_cross_attention true is not supported"),
         (
             dict(model_type="roberta"),
             "config.json: 'model_type' 'roberta' is not supported by port.models.bert.Bert (supported: bert)",

@@ -212,7 +212,7 @@ def test_port_refuses_a_field_the_module_does_not_run(tiny, tmp_path):
     """`port check`, `port plan` and `port convert` of a GPT-2 whose config.json asks for
     cross-attention: one line naming the field and the module, nothing written."""
     directory = tiny(config={"add_cross_attention": True})
-    line = "config.json: add_cross_attention True is not supported by port.models.gpt2.GPT2 (supported: False)"
+    line = "config.json: add_cross_attention true is not supported by port.models.gpt2.GPT2 (supported: false)"
     one_line(run_port("check", ROOT / "mappings" / "gpt2.toml", directory), line)
     one_line(run_port("plan", directory), line)
     out = tmp_path / "out"

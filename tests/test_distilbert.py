@@ -81,7 +81,7 @@ def test_no_token_types_and_no_pooler():
         ),
         (
             dict(is_encoder_decoder=True),
-            "config.json: is_encoder_decoder True is not supported by port.models.distilbert",
+            "config.json: is_encoder_decoder true is not supported by port.models.distilbert",
         ),
     ],
 )

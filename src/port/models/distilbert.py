@@ -59,10 +59,8 @@ class DistilBert(eqx.Module):
             "activation",
             "max_position_embeddings",
             "sinusoidal_pos_embds",
-            # the heads' (masked LM, classifiers), which port does not build: any value runs alike
+            # the masked-LM head's, which port does not build: any value runs alike
             "tie_word_embeddings",
-            "qa_dropout",
-            "seq_classif_dropout",
         ),
         fixed={"is_encoder_decoder": (False,)},
     )

@@ -80,14 +80,6 @@ DEFAULT_THETA = {"full_attention": 160_000.0, "sliding_attention": 10_000.0}  # 
 OLD_THETA_KEYS = {"full_attention": "global_rope_theta", "sliding_attention": "local_rope_theta"}
 OLD_KEYS = (*OLD_THETA_KEYS.values(), "global_attn_every_n_layers", "rope_scaling")  # transformers 4's configs
 
-NOT_THE_ENCODER = (
-    # The heads' (ModernBertForMaskedLM's `head` and `decoder`, the classifiers'), which the
-    # module does not build, and flash attention's determinism and the initialisation: any
-    # value gives the same last hidden state.
-    "decoder_bias", "classifier_pooling", "classifier_bias", "classifier_activation", "sparse_prediction",
-    "sparse_pred_ignore_index", "tie_word_embeddings", "deterministic_flash_attn", "initializer_cutoff_factor",
-)  # fmt: skip
-
 
 def _sliding_layers(config: dict, layers: int) -> tuple[bool, ...]:
     """Which layers are local: `layer_types`, else all but every `global_attn_every_n_layers`-th
@@ -246,7 +238,7 @@ class ModernBert(eqx.Module):
         read=(
             "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
             "hidden_activation", "max_position_embeddings", "norm_eps", "norm_bias", "attention_bias", "mlp_bias",
-            "layer_types", "rope_parameters", "local_attention", *OLD_KEYS, *NOT_THE_ENCODER,
+            "layer_types", "rope_parameters", "local_attention", *OLD_KEYS, "tie_word_embeddings",
         ),
     )  # fmt: skip
 

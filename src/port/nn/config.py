@@ -22,9 +22,10 @@ FIELDS.check(config)   # before anything else is read: one line for a field it c
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, final
 
 import jax
 from jaxtyping import Array
@@ -142,21 +143,32 @@ IGNORED: frozenset[str] = frozenset(
         "dropout", "embd_pdrop", "resid_pdrop", "attn_pdrop", "summary_first_dropout", "classifier_dropout",
         "embedding_dropout", "mlp_dropout", "initializer_range", "initializer_factor", "router_aux_loss_coef",
         "output_router_logits", "router_jitter_noise", "z_loss_coef", "gradient_checkpointing",
+        "qa_dropout", "seq_classif_dropout", "initializer_cutoff_factor", "deterministic_flash_attn",
         # heads port does not build (classification labels, GPT-2's multiple-choice summary, ViT's
         # masked-image decoder)
         "id2label", "label2id", "num_labels", "problem_type", "finetuning_task",
         "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "encoder_stride",
+        # ModernBERT's masked-LM head and classifiers
+        "decoder_bias", "classifier_pooling", "classifier_bias", "classifier_activation", "sparse_prediction",
+        "sparse_pred_ignore_index",
     }
-)
+)  # fmt: skip
 """config.json fields that change nothing numerically in a loaded model (special token ids,
 `architectures`, `dtype`, generation settings, dropout and initialisation): no module
 declares them, and `ConfigFields.check` never looks at them."""
 
 
 def _shown(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else quoted(value)
+    """A config value as config.json writes it (`true`, `null`, `[1, 2]`), a string quoted as Python does."""
+    if isinstance(value, str):
+        return quoted(value)
+    try:
+        return quoted(json.dumps(value))[1:-1] if len(json.dumps(value)) <= 80 else quoted(value)
+    except (TypeError, ValueError):
+        return quoted(value)
 
 
+@final
 @dataclasses.dataclass(frozen=True)
 class ConfigFields:
     """Which `config.json` fields a model module runs, and the values it supports.
