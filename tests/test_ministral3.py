@@ -9,6 +9,7 @@ length of 4 and beta of 0.5 make that scale change three times over the 12 token
 """
 
 import dataclasses
+import json
 
 import equinox as eqx
 import jax
@@ -20,7 +21,17 @@ import port
 from port._errors import ConfigError
 from port.models.llama import Llama, LlamaConfig
 
-from helpers import LLAMA_CONFIG, VOCAB, logits, perturbed, saved_once, torch_logits, transformers_or_skip
+from helpers import (
+    LLAMA_CONFIG,
+    VOCAB,
+    logits,
+    one_line,
+    perturbed,
+    run_port,
+    saved_once,
+    torch_logits,
+    transformers_or_skip,
+)
 
 ROPE = {
     "rope_type": "yarn",
@@ -149,3 +160,26 @@ def test_bad_config_is_one_line(config, message):
     with pytest.raises(ConfigError) as raised:
         LlamaConfig.from_hf(config)
     assert str(raised.value) == message
+
+
+@pytest.mark.slow
+def test_port_plan_lists_the_vision_tower_as_ignored_and_refuses_a_bad_scale(checkpoints, tmp_path):
+    """`port plan` of a Mistral 3 checkpoint: its language model's leaves, the vision tower and
+    projector as ignored; a Ministral 3 config without its query scale's beta: one line."""
+    directory, _, _ = checkpoints("mistral3")
+    result = run_port("plan", directory, "--mesh", "1x1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "blocks.attn.wq" in result.stdout
+    assert "ignored: vision_tower.patch_conv.weight" in result.stdout
+    assert "ignored: multi_modal_projector.linear_1.weight" in result.stdout
+    source, _, _ = checkpoints("ministral3")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    config["rope_parameters"].pop("llama_4_scaling_beta")
+    (bad / "config.json").write_text(json.dumps(config))
+    (bad / "model.safetensors").symlink_to(source / "model.safetensors")
+    one_line(
+        run_port("plan", bad, "--mesh", "1x1"),
+        "config.json: required key 'rope_parameters.llama_4_scaling_beta' is missing",
+    )

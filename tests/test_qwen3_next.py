@@ -32,6 +32,7 @@ from helpers import (
     VOCAB,
     logits,
     perturbed,
+    run_port,
     run_port_measured,
     torch_logits,
     transformers_or_skip,
@@ -438,3 +439,13 @@ def test_text_only_qwen3_5_export_round_trip(tmp_path, text_only, model_type):
     for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         assert not info[what], f"{what}: {info[what]}"
     assert all(torch.equal(back.state_dict()[k], v) for k, v in original.state_dict().items())
+
+
+@pytest.mark.slow
+def test_port_plan_takes_a_text_only_qwen3_5_checkpoint(text_only):
+    """`port plan` of a Qwen3_5ForCausalLM checkpoint (model_type qwen3_5_text) finds the shipped
+    Qwen3.5 mapping (it used to answer: no mapping for model_type)."""
+    directory, _, _ = text_only("qwen3_5_text")
+    result = run_port("plan", directory, "--mesh", "1x1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "linear.attn.wq" in result.stdout and "full.attn.wq" in result.stdout
