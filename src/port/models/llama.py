@@ -134,7 +134,7 @@ _TIED = {"smollm3": True}
 @final
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """The hyperparameters of a Llama/Mistral/Qwen2/Qwen3/Phi-3 model, as read from a config.json.
+    """The hyperparameters of a Llama-family model (every model type of `MODEL_TYPES`), as read from a config.json.
 
     ```python
     c = LlamaConfig.from_hf({"model_type": "qwen3", "vocab_size": 101, "hidden_size": 64,
