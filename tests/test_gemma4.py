@@ -2,7 +2,8 @@
 
 Three checkpoints, each written by `save_pretrained`: a dense `Gemma4ForCausalLM` (biases,
 per-layer embeddings, global layers whose one key/value head serves keys and values
-(`attention_k_eq_v`), a final soft-cap that clips), a mixture-of-experts one (experts beside
+(`attention_k_eq_v`), its last two layers reusing the keys and values of the first two
+(`num_kv_shared_layers`) with MLPs twice as wide, a final soft-cap that clips), a mixture-of-experts one (experts beside
 the MLP, a global layer amid local ones), and the language model of a
 `Gemma4ForConditionalGeneration` (model_type gemma4: `text_config`, keys under
 `model.language_model.`, a vision tower port ignores). Every checkpoint has local layers
@@ -46,10 +47,13 @@ TEXT = dict(
 CONFIGS = {
     "dense": dict(
         TEXT,
+        num_hidden_layers=4,
         attention_bias=True,
         attention_k_eq_v=True,
         num_global_key_value_heads=1,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+        use_double_wide_mlp=True,
         hidden_size_per_layer_input=8,
         vocab_size_per_layer_input=97,
         final_logit_softcapping=3.0,
@@ -138,11 +142,13 @@ def test_logits_match_transformers(checkpoints, loaded, name, mesh):
     heads of their own size, stacks by kind."""
     model = loaded(name, mesh)
     assert diff(model, checkpoints(name).logits) < 1e-4
-    assert model.layer_groups == (
-        {"sliding": (0, 1), "full": (2,)} if name != "moe" else {"sliding": (0,), "full": (1, 2)}
-    )
+    shared = {"sliding": (0,), "full": (1,), "shared_sliding": (2,), "shared_full": (3,)}
+    assert model.layer_groups == (shared if name != "moe" else {"sliding": (0,), "full": (1, 2)})
     assert model.full.attn.wq.shape[-2:] == (16, 48) and model.sliding.attn.wq.shape[-2:] == (12, 48)
     assert (model.full.attn.wv is None) == (name != "moe")  # attention_k_eq_v: keys are the values
+    if name != "moe":  # the last two layers reuse layers 0's and 1's keys and values, MLPs twice as wide
+        assert model.shared_full.attn.wk is None and model.shared_sliding.attn.wv is None
+        assert model.shared_full.mlp.up.shape[-2] == 2 * model.full.mlp.up.shape[-2]
     assert (model.per_layer_embed is None) == (name == "moe") and (model.full.moe is None) == (name != "moe")
 
 
@@ -267,39 +273,48 @@ def test_the_global_layers_sizes_are_read_as_gemma4_text_config_resolves_them():
     and the defaults are Gemma4TextConfig's (5 local layers to 1 global, proportional RoPE on a
     quarter of the global head, bases 1e4 and 1e6)."""
     written = small()
-    assert written["per_layer_config"] == {"2": {"head_dim": 16, "num_key_value_heads": 1}}
+    global_layer = {"head_dim": 16, "num_key_value_heads": 1}
+    assert written["per_layer_config"] == {"1": global_layer, "3": global_layer}
     c = Gemma4Config.from_hf(written)
     assert (c.full_head_dim, c.full_kv_heads, c.head_dim, c.num_key_value_heads) == (16, 1, 12, 2)
     legacy = {k: v for k, v in written.items() if k != "per_layer_config"}
     legacy |= {"global_head_dim": 16, "num_global_key_value_heads": 1}
     assert Gemma4Config.from_hf(legacy).sizes("full") == (1, 16)
     assert Gemma4Config.from_hf({**legacy, "attention_k_eq_v": False}).sizes("full") == (2, 16)
-    padded = Gemma4Config.from_hf(small(num_hidden_layers=12, layer_types=None, per_layer_config={"05": {}, "11": {}}))
+    padded = Gemma4Config.from_hf(
+        small(num_hidden_layers=12, layer_types=None, num_kv_shared_layers=0, per_layer_config={"05": {}, "11": {}})
+    )
     assert padded.kinds == (*("sliding",) * 5, "full") * 2 and padded.full_head_dim == 12  # "05": layer 5
     c = Gemma4Config.from_hf({"model_type": "gemma4_text", "num_hidden_layers": 7})
     assert c.kinds == ("sliding",) * 5 + ("full", "full") and c.full_head_dim == 512 and c.head_dim == 256
     assert (c.local_rope.theta, c.local_rope.rotated, c.full_rope.theta, c.full_rope.rotated) == (1e4, 128, 1e6, 64)
     assert c.hidden_size_per_layer_input == 256 and c.num_experts is None and c.tie_word_embeddings
-    forced = Gemma4Config.from_hf({**written, "layer_types": ["sliding_attention"] * 3, "per_layer_config": None})
-    assert forced.kinds == ("sliding", "sliding", "full")
+    forced = {**written, "layer_types": ["sliding_attention"] * 4, "per_layer_config": None, "num_kv_shared_layers": 0}
+    assert Gemma4Config.from_hf(forced).kinds == ("sliding", "sliding", "sliding", "full")
+    shared = Gemma4Config.from_hf({**written, "num_kv_shared_layers": 1})
+    assert shared.kinds == ("sliding", "full", "sliding", "shared_full")
 
 
 @pytest.mark.parametrize(
     "change, match",
     [
-        (dict(num_kv_shared_layers=2), "num_kv_shared_layers 2 is not supported by port.models.gemma4.Gemma4"),
+        (dict(num_kv_shared_layers=3), "'num_kv_shared_layers' (3) must leave a layer of every type"),
+        (dict(num_kv_shared_layers=4), "'num_kv_shared_layers' (4) must leave a layer of every type"),
         (dict(use_bidirectional_attention="all"), "use_bidirectional_attention 'all' is not supported"),
         (dict(per_layer_config={"0": {"head_dim": 16}}), "'per_layer_config.0' changes a sliding layer"),
         (dict(per_layer_config={"2": {"sliding_window": 8}}), "'per_layer_config.2' may set only head_dim"),
         (dict(per_layer_config={"9": {"head_dim": 16}}), "'per_layer_config' names no layer: '9'"),
         (
             dict(
-                layer_types=["sliding_attention", "full_attention", "full_attention"],
+                layer_types=["sliding_attention", *["full_attention"] * 3],
                 per_layer_config={"1": {"head_dim": 16}},
             ),
             "'per_layer_config' gives global layers different sizes",
         ),
-        (dict(per_layer_config={"2": {"num_key_value_heads": 3}}), "global layers' 3 key/value heads must divide"),
+        (
+            dict(per_layer_config={"1": {"num_key_value_heads": 3}, "3": {"num_key_value_heads": 3}}),
+            "global layers' 3 key/value heads must divide",
+        ),
         (
             dict(rope_parameters={**TEXT["rope_parameters"], "full_attention": {"rope_type": "yarn"}}),
             "rope_parameters.full_attention: rope type 'yarn' is not supported",
@@ -309,11 +324,11 @@ def test_the_global_layers_sizes_are_read_as_gemma4_text_config_resolves_them():
             "'rope_parameters' must be a dict for 'sliding_attention'",
         ),
         (dict(enable_moe_block=True, num_experts=2, top_k_experts=3), "'top_k_experts' (3) is more than"),
-        (dict(layer_types=["full_attention"]), "'layer_types' must list 3 of"),
+        (dict(layer_types=["full_attention"]), "'layer_types' must list 4 of"),
         (dict(hidden_activation="gelu_bogus"), "'hidden_activation' 'gelu_bogus' is not supported"),
         (dict(model_type="gemma3n_text"), "'model_type' 'gemma3n_text' is not supported"),
         (dict(model_type="gemma4", text_config=None), "'text_config' must be a dict"),
-        (dict(model_type="gemma4", text_config={"num_kv_shared_layers": 1}), "num_kv_shared_layers 1"),
+        (dict(model_type="gemma4", text_config={"use_bidirectional_attention": "all"}), "use_bidirectional_attention"),
     ],
 )
 def test_bad_config_values_are_one_line_errors(change, match):
@@ -325,18 +340,18 @@ def test_bad_config_values_are_one_line_errors(change, match):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["check", "plan"])
-def test_the_command_line_refuses_shared_key_value_layers_before_reading_a_tensor(checkpoints, tmp_path, command):
-    """A checkpoint whose config.json sets `num_kv_shared_layers` (Gemma 4 E2B / E4B): `port check` and
-    `port plan` exit 1 with one line naming the field and its value, as a wrapper's text config does."""
+def test_the_command_line_refuses_bidirectional_attention_before_reading_a_tensor(checkpoints, tmp_path, command):
+    """A checkpoint whose config.json sets `use_bidirectional_attention` "all" (every token sees every
+    other): `port check` and `port plan` exit 1 with one line naming the field and its value."""
     source = checkpoints("dense").directory
     directory = tmp_path / "shared"
     directory.mkdir()
     (directory / "model.safetensors").symlink_to(source / "model.safetensors")
     config = json.loads((source / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "num_kv_shared_layers": 1}))
+    (directory / "config.json").write_text(json.dumps({**config, "use_bidirectional_attention": "all"}))
     args = [MAPPING, directory] if command == "check" else [directory, "--mesh", "1x1"]
-    line = one_line(run_port(command, *args), "config.json: num_kv_shared_layers 1 is not supported")
-    assert "port.models.gemma4.Gemma4 (supported: 0)" in line
+    line = one_line(run_port(command, *args), "config.json: use_bidirectional_attention 'all' is not supported")
+    assert "port.models.gemma4.Gemma4 (supported: null, 'vision')" in line
 
 
 # ---------------------------------------------------------------- Gemma-4-31B, planned only

@@ -26,8 +26,15 @@ What is new in the family, as transformers' `Gemma4Text*` classes compute it:
   embeddings by `sqrt(hidden_size)` in the parameters' dtype; the logits soft-capped by
   `final_logit_softcapping`.
 
-Layers that share keys and values (`num_kv_shared_layers`, Gemma 4 E2B / E4B) and
-bidirectional attention are refused, one line naming the field (`Gemma4.FIELDS`).
+- The last `num_kv_shared_layers` layers (Gemma 4 E2B / E4B) have no key or value
+  projection: each reuses the keys and values of the last earlier layer of its type
+  (stacks `shared_sliding`, `shared_full`), which ride along the hidden state in the scan;
+  with `use_double_wide_mlp` their MLPs are twice as wide. Each writes those keys and
+  values to its own rows of the cache, so its rows hold what transformers reads from
+  the earlier layer's (the cache is as large as without sharing).
+
+Bidirectional attention (`use_bidirectional_attention` "all") is refused, one line naming
+the field (`Gemma4.FIELDS`).
 
 Example:
     ```python
@@ -48,6 +55,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, ClassVar, final
 
 import equinox as eqx
@@ -93,6 +101,8 @@ from port.nn.config import (
 
 MODEL_TYPES = ("gemma4_text", "gemma4")
 LAYER_TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+KINDS = ("sliding", "full", "shared_sliding", "shared_full")
+"""The layer stacks: local and global layers, and those reusing an earlier layer's keys and values."""
 ROPE_TYPES = ("default", "proportional")
 
 FIELDS = ConfigFields(
@@ -124,12 +134,12 @@ FIELDS = ConfigFields(
         "num_experts",
         "top_k_experts",
         "moe_intermediate_size",
-        "use_double_wide_mlp",  # doubles the MLP of layers that share keys and values only: none here
+        "use_double_wide_mlp",
+        "num_kv_shared_layers",
     ),
     fixed={
         # "vision": image tokens attend both ways, text causally: text alone runs causally.
         "use_bidirectional_attention": (None, "vision"),
-        "num_kv_shared_layers": (0,),
         "is_encoder_decoder": (False,),
     },
 )
@@ -250,6 +260,23 @@ def _global_sizes(config: dict, kinds: tuple[str, ...], head_dim: int, kv_heads:
     return sizes.pop()
 
 
+def _shared(config: dict, kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """`kinds` with the last `num_kv_shared_layers` marked "shared_sliding" / "shared_full": layers
+    that reuse the keys and values of the last earlier layer of their type (Gemma4TextConfig's
+    `kv_sharing_modes`, which requires one for every type)."""
+    count = config.get("num_kv_shared_layers") or 0
+    if count == 0:
+        return kinds
+    count = check("num_kv_shared_layers", count, int)
+    first = len(kinds) - count
+    if first <= 0 or set(kinds[:first]) != set(kinds):
+        raise ConfigError(
+            f"config.json: 'num_kv_shared_layers' ({count}) must leave a layer of every type before the "
+            f"shared ones (layers 0-{max(first, 0) - 1} hold {sorted(set(kinds[:first]))})"
+        )
+    return (*kinds[:first], *(f"shared_{kind}" for kind in kinds[first:]))
+
+
 def _text_config(config: dict) -> dict:
     """config.json's language model: itself (`gemma4_text`), or `gemma4`'s `text_config` with the
     top level's `tie_word_embeddings` (which ties the wrapper's head)."""
@@ -303,6 +330,7 @@ class Gemma4Config:
     moe_intermediate_size: int = 1
     hidden_size_per_layer_input: int = 0  # 0: no per-layer embeddings
     vocab_size_per_layer_input: int = 0
+    use_double_wide_mlp: bool = False  # shared layers' MLPs twice as wide
 
     @classmethod
     def from_hf(cls, config: dict) -> Gemma4Config:
@@ -315,13 +343,13 @@ class Gemma4Config:
         head_dim = get(c, "head_dim", int, 256)
         kinds = _layer_types(c, layers)
         full_head_dim, full_kv_heads = _global_sizes(c, kinds, head_dim, kv_heads)
+        kinds = _shared(c, kinds)
         if heads % full_kv_heads:
             raise ConfigError(
                 f"config.json: the global layers' {full_kv_heads} key/value heads must divide "
                 f"'num_attention_heads' ({heads})"
             )
         experts = cls._experts(c)
-        get(c, "use_double_wide_mlp", bool, False)  # a boolean; without shared layers it changes nothing
         per_layer = c.get("hidden_size_per_layer_input", 256)
         per_layer = 0 if per_layer in (None, 0) else check("hidden_size_per_layer_input", per_layer, int)
         cap = c.get("final_logit_softcapping")
@@ -346,6 +374,7 @@ class Gemma4Config:
             attention_k_eq_v=get(c, "attention_k_eq_v", bool, False),
             final_logit_softcapping=None if cap is None else check("final_logit_softcapping", cap, float),
             hidden_size_per_layer_input=per_layer,
+            use_double_wide_mlp=get(c, "use_double_wide_mlp", bool, False),
             vocab_size_per_layer_input=get(c, "vocab_size_per_layer_input", int, 262144) if per_layer else 0,
             **experts,
         )
@@ -367,18 +396,31 @@ class Gemma4Config:
 
     @property
     def groups(self) -> dict[str, tuple[int, ...]]:
-        """`{"sliding": ids, "full": ids}`: the checkpoint layers of each kind (kinds with layers only)."""
-        ids = {kind: tuple(i for i, k in enumerate(self.kinds) if k == kind) for kind in ("sliding", "full")}
+        """`{"sliding": ids, "full": ids, "shared_sliding": ids, "shared_full": ids}`: the checkpoint
+        layers of each kind (kinds with layers only)."""
+        ids = {kind: tuple(i for i, k in enumerate(self.kinds) if k == kind) for kind in KINDS}
         return {kind: layers for kind, layers in ids.items() if layers}
 
     @property
     def sliding_layers(self) -> tuple[bool, ...]:
         """Per layer, whether it attends within `sliding_window`."""
-        return tuple(kind == "sliding" for kind in self.kinds)
+        return tuple(kind.endswith("sliding") for kind in self.kinds)
 
     def sizes(self, kind: str) -> tuple[int, int]:
         """`(kv_heads, head_dim)` of a layer of `kind`."""
-        return (self.full_kv_heads, self.full_head_dim) if kind == "full" else (self.num_key_value_heads, self.head_dim)
+        full = kind.endswith("full")
+        return (self.full_kv_heads, self.full_head_dim) if full else (self.num_key_value_heads, self.head_dim)
+
+    @property
+    def shared_slots(self) -> dict[str, int]:
+        """Where a type's keys (then its values, as many features) ride in the carry, for the
+        shared layers of that type: `{"sliding": offset, ...}`; empty without shared layers."""
+        offset, slots = self.hidden_size + self.num_hidden_layers * self.hidden_size_per_layer_input, {}
+        for kind in ("sliding", "full"):
+            if f"shared_{kind}" in self.kinds:
+                slots[kind] = offset
+                offset += 2 * math.prod(self.sizes(kind))
+        return slots
 
 
 def _norm(x: Array, weight: Array | None, eps: float) -> Array:
@@ -398,7 +440,7 @@ class Gemma4Attention(eqx.Module):
     """
 
     wq: Float[Array, "heads head_dim embed"]
-    wk: Float[Array, "kv_heads head_dim embed"]
+    wk: Float[Array, "kv_heads head_dim embed"] | None
     wv: Float[Array, "kv_heads head_dim embed"] | None
     wo: Float[Array, "embed heads head_dim"]
     bq: Float[Array, "heads head_dim"] | None
@@ -406,20 +448,21 @@ class Gemma4Attention(eqx.Module):
     bv: Float[Array, "kv_heads head_dim"] | None
     bo: Float[Array, " embed"] | None
     q_norm: Float[Array, " head_dim"]
-    k_norm: Float[Array, " head_dim"]
+    k_norm: Float[Array, " head_dim"] | None
     eps: float = eqx.field(static=True)
 
     def __init__(self, c: Gemma4Config, kind: str, dtype: Any, *, key: PRNGKeyArray):
         kq, kk, kv, ko = jax.random.split(key, 4)
         g, d = c.sizes(kind)
         h, e, bias = c.num_attention_heads, c.hidden_size, c.attention_bias
-        self.wq, self.wk = normal(kq, (h, d, e), dtype), normal(kk, (g, d, e), dtype)
-        values = not (c.attention_k_eq_v and kind == "full")
+        keys = not kind.startswith("shared")  # a shared layer reuses an earlier layer's keys and values
+        values = keys and not (c.attention_k_eq_v and kind == "full")
+        self.wq, self.wk = normal(kq, (h, d, e), dtype), normal(kk, (g, d, e), dtype) if keys else None
         self.wv = normal(kv, (g, d, e), dtype) if values else None
         self.wo = normal(ko, (e, h, d), dtype)
-        self.bq, self.bk = zeros_if(bias, (h, d), dtype), zeros_if(bias, (g, d), dtype)
+        self.bq, self.bk = zeros_if(bias, (h, d), dtype), zeros_if(bias and keys, (g, d), dtype)
         self.bv, self.bo = zeros_if(bias and values, (g, d), dtype), zeros_if(bias, (e,), dtype)
-        self.q_norm, self.k_norm = jnp.ones((d,), dtype), jnp.ones((d,), dtype)
+        self.q_norm, self.k_norm = jnp.ones((d,), dtype), jnp.ones((d,), dtype) if keys else None
         self.eps = c.rms_norm_eps
 
     def __call__(
@@ -431,27 +474,40 @@ class Gemma4Attention(eqx.Module):
         sin: Array,
         kv: KV | None,
         index: Array | None,
-    ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
+        shared: KV | None = None,
+    ) -> tuple[Float[Array, "batch seq embed"], KV | None, KV]:
+        """`(y, kv, (k, v))`: the output, the updated cache and this call's keys and values (normed
+        and rotated: `shared`, the earlier layer's, in a layer without key projection)."""
+
         def project(w: Array, b: Array | None) -> Array:
             y = jnp.einsum("bte,hde->bthd", x, w)
             return y if b is None else y + b
 
         q = apply_rope(_norm(project(self.wq, self.bq), self.q_norm, self.eps), cos, sin)
-        k = project(self.wk, self.bk)
-        v = k if self.wv is None else project(self.wv, self.bv)
-        k = apply_rope(_norm(k, self.k_norm, self.eps), cos, sin)
-        v = _norm(v, None, self.eps)
+        if self.wk is None:
+            assert shared is not None, "a layer without key projection takes an earlier layer's keys and values"
+            k, v = shared
+        else:
+            k = project(self.wk, self.bk)
+            v = k if self.wv is None else project(self.wv, self.bv)
+            k = apply_rope(_norm(k, self.k_norm, self.eps), cos, sin)
+            v = _norm(v, None, self.eps)
+        own = (k, v)
+        # A shared layer writes the same keys and values to its cache rows as the layer it shares
+        # with, so its rows hold that layer's: transformers reads them from that layer instead.
         k, v, kv = with_cache(k, v, kv, index)
         y = jnp.einsum("bthd,ehd->bte", attend(q, k, v, mask, scale=1.0), self.wo)
-        return (y if self.bo is None else y + self.bo), kv
+        return (y if self.bo is None else y + self.bo), kv, own
 
 
 @final
 class Block(eqx.Module):
-    """One Gemma 4 decoder layer of one kind (local or global); see the module's docstring.
+    """One Gemma 4 decoder layer of one kind (`KINDS`); see the module's docstring.
 
-    The carry `x` is `[batch, seq, hidden_size + per-layer inputs]`: the hidden state, then
-    (with per-layer embeddings) every layer's input, this layer reading its own slice.
+    The carry `x` is `[batch, seq, ...]`: the hidden state (`hidden_size`), then (with
+    per-layer embeddings) every layer's input, this layer reading its own slice, then (with
+    shared layers) each shared type's keys and values, flattened: every earlier layer of the
+    type writes its own there, a shared layer reads those of the last (`shared_slot`).
     """
 
     attn_norm: Float[Array, " embed"]
@@ -472,6 +528,8 @@ class Block(eqx.Module):
     layer_scalar: Float[Array, " scalar"]
     kind: str = eqx.field(static=True)
     rotary: tuple[int, int] = eqx.field(static=True)  # this kind's columns of the cos and sin given
+    shared_slot: int | None = eqx.field(static=True)  # where its type's keys ride in the carry (None: nowhere)
+    kv_shape: tuple[int, int] = eqx.field(static=True)  # (kv_heads, head_dim)
     embd: int = eqx.field(static=True)
     per_layer: int = eqx.field(static=True)
     activation: str = eqx.field(static=True)
@@ -490,7 +548,10 @@ class Block(eqx.Module):
         self.attn_norm, self.post_attn_norm = norm(), norm()
         self.attn = Gemma4Attention(c, kind, dtype, key=kattn)
         self.mlp_norm, self.post_mlp_norm = norm(), norm()
-        self.mlp = GatedMLP(embd=e, inner=c.intermediate_size, activation=c.hidden_activation, dtype=dtype, key=kmlp)
+        wide = 2 if c.use_double_wide_mlp and kind.startswith("shared") else 1
+        self.mlp = GatedMLP(
+            embd=e, inner=wide * c.intermediate_size, activation=c.hidden_activation, dtype=dtype, key=kmlp
+        )
         self.moe = (
             MoE(
                 embd=e,
@@ -512,7 +573,10 @@ class Block(eqx.Module):
         self.post_per_layer_norm = norm_if(bool(p))
         self.layer_scalar = jnp.ones((1,), dtype)
         self.kind = kind
-        self.rotary = (0, c.head_dim) if kind == "sliding" else (c.head_dim, c.head_dim + c.full_head_dim)
+        sliding = kind.endswith("sliding")
+        self.rotary = (0, c.head_dim) if sliding else (c.head_dim, c.head_dim + c.full_head_dim)
+        self.shared_slot = c.shared_slots.get("sliding" if sliding else "full")
+        self.kv_shape = c.sizes(kind)
         self.embd, self.per_layer, self.activation, self.eps = e, p, c.hidden_activation, c.rms_norm_eps
 
     def _experts(self, x: Array) -> Array:
@@ -545,14 +609,17 @@ class Block(eqx.Module):
     ) -> tuple[Float[Array, "batch seq carry"], KV | None]:
         x, inputs = x[..., : self.embd], x[..., self.embd :]
         start, stop = self.rotary
-        h, kv = self.attn(
+        h, kv, own = self.attn(
             _norm(x, self.attn_norm, self.eps),
             mask,
             cos=cos[..., start:stop],
             sin=sin[..., start:stop],
             kv=kv,
             index=index,
+            shared=self._carried(inputs) if self.attn.wk is None else None,
         )
+        if self.shared_slot is not None and self.attn.wk is not None:
+            inputs = self._carry(inputs, own)
         x = x + _norm(h, self.post_attn_norm, self.eps)
         h = self.mlp(_norm(x, self.mlp_norm, self.eps))
         if self.moe is not None:
@@ -561,12 +628,30 @@ class Block(eqx.Module):
         if self.per_layer:
             x = x + self._per_layer_input(x, inputs, layer)
         x = x * self.layer_scalar
-        return jnp.concatenate([x, inputs], axis=-1) if self.per_layer else x, kv
+        return jnp.concatenate([x, inputs], axis=-1) if inputs.shape[-1] else x, kv
+
+    def _slot(self) -> tuple[int, int]:
+        """The start (past the hidden state) and size of this type's keys in the carry."""
+        assert self.shared_slot is not None
+        return self.shared_slot - self.embd, math.prod(self.kv_shape)
+
+    def _carry(self, inputs: Array, kv: KV) -> Array:
+        """`inputs` with this layer's keys and values written in its type's slot."""
+        start, size = self._slot()
+        flat = [a.reshape(*a.shape[:-2], size).astype(inputs.dtype) for a in kv]
+        return jnp.concatenate([inputs[..., :start], *flat, inputs[..., start + 2 * size :]], axis=-1)
+
+    def _carried(self, inputs: Array) -> KV:
+        """The keys and values of the last earlier layer of this type, from the carry."""
+        start, size = self._slot()
+        k, v = inputs[..., start : start + size], inputs[..., start + size : start + 2 * size]
+        return k.reshape(*k.shape[:-1], *self.kv_shape), v.reshape(*v.shape[:-1], *self.kv_shape)
 
 
 @final
 class Gemma4(Decoder):
-    """Gemma 4's causal LM: local and global layers in two stacks (`sliding`, `full`; None where no
+    """Gemma 4's causal LM: local and global layers in stacks of their own (`sliding`, `full`, and
+    `shared_sliding`, `shared_full` for the layers reusing earlier keys and values; None where no
     layer has that kind), run in checkpoint order; optional per-layer embeddings (`per_layer_embed`,
     `per_layer_model_projection`, `per_layer_norm`; None without).
 
@@ -582,12 +667,14 @@ class Gemma4(Decoder):
     per_layer_norm: Float[Array, " per_layer"] | None
     sliding: Block | None
     full: Block | None
+    shared_sliding: Block | None
+    shared_full: Block | None
     norm: Float[Array, " embed"]
     lm_head: Float[Array, "vocab embed"] | None
     config: Gemma4Config = eqx.field(static=True)
 
     def __init__(self, config: Gemma4Config, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
-        kembed, kple, kproj, ksliding, kfull = jax.random.split(key, 5)
+        kembed, kple, kproj, kblocks = jax.random.split(key, 4)
         c = config
         self.embed, self.lm_head = embeddings(
             kembed, vocab=c.vocab_size, embd=c.hidden_size, dtype=dtype, tied=c.tie_word_embeddings
@@ -603,7 +690,12 @@ class Gemma4(Decoder):
                 return None
             return stacked(lambda key: Block(c, kind, dtype, key=key), k, len(groups[kind]))
 
+        ksliding, kfull, kshared_sliding, kshared_full = jax.random.split(kblocks, 4)
         self.sliding, self.full = make("sliding", ksliding), make("full", kfull)
+        self.shared_sliding, self.shared_full = (
+            make("shared_sliding", kshared_sliding),
+            make("shared_full", kshared_full),
+        )
         self.norm = jnp.ones((c.hidden_size,), dtype)
         self.config = config
 
@@ -614,7 +706,7 @@ class Gemma4(Decoder):
 
     @property
     def layer_groups(self) -> dict[str, tuple[int, ...]]:
-        """`{"sliding": ids, "full": ids}`: the checkpoint layers each stack holds (kinds with layers only)."""
+        """`{"sliding": ids, "full": ids, ...}`: the checkpoint layers each stack holds (kinds with layers only)."""
         return self.config.groups
 
     def init_cache(self, batch: int, length: int, dtype: Any = None) -> Cache:
@@ -645,10 +737,18 @@ class Gemma4(Decoder):
         x = x * jnp.asarray(np.float32(c.hidden_size**0.5), x.dtype)
         if self.per_layer_embed is not None:
             x = jnp.concatenate([x, self._per_layer_inputs(tokens.ids, x)], axis=-1)
+        slots = 2 * sum(math.prod(c.sizes(kind)) for kind in c.shared_slots)
+        if slots:  # room for the keys and values the shared layers reuse
+            x = jnp.concatenate([x, jnp.zeros((*x.shape[:-1], slots), x.dtype)], axis=-1)
         local = c.local_rope.angles(tokens.positions, x.dtype)
         full = c.full_rope.angles(tokens.positions, x.dtype)
         cos, sin = (jnp.concatenate(pair, axis=-1) for pair in zip(local, full))
-        blocks = {"sliding": self.sliding, "full": self.full}
+        blocks = {
+            "sliding": self.sliding,
+            "full": self.full,
+            "shared_sliding": self.shared_sliding,
+            "shared_full": self.shared_full,
+        }
         groups = {kind: blocks[kind] for kind in c.groups}
         x, cache = run_groups(groups, c.kinds, x, tokens, cos=cos, sin=sin, sliding=c.sliding_layers, remat=remat)
         x = _norm(x[..., : c.hidden_size], self.norm, c.rms_norm_eps)
