@@ -343,7 +343,7 @@ def wrapper_config(**text) -> dict:
     "config, match",
     [
         (wrapper_config(final_logit_softcapping=30.0), "text_config.final_logit_softcapping 30.0 is not supported"),
-        (wrapper_config(use_bidirectional_attention=True), "use_bidirectional_attention True is not supported"),
+        (wrapper_config(use_bidirectional_attention=True), "use_bidirectional_attention true is not supported"),
         ({"model_type": "gemma3", "text_config": [1]}, "'text_config' must be a dict"),
         (
             {

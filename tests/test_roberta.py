@@ -99,7 +99,7 @@ def test_longest_sequence_is_the_table_past_the_padding_id():
         (dict(pad_token_id=None), "config.json: 'pad_token_id' must be an integer from 0 to 30"),
         (dict(pad_token_id=31), "config.json: 'pad_token_id' must be an integer from 0 to 30"),
         (dict(model_type="bert"), "config.json: 'model_type' 'bert' is not supported by port.models.roberta.Roberta"),
-        (dict(is_decoder=True), "config.json: is_decoder True is not supported by port.models.roberta.Roberta"),
+        (dict(is_decoder=True), "config.json: is_decoder true is not supported by port.models.roberta.Roberta"),
         (
             dict(position_embedding_type="relative_key_query"),
             "config.json: position_embedding_type 'relative_key_query' is not supported by port.models.roberta.Roberta",

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from port.nn.config import ACTIVATIONS
 from port.nn._init import normal, zeros_if
+from port.nn.config import ACTIVATIONS
 
 
 def linear(x: Float[Array, "... in"], weight: Float[Array, "out in"], bias: Float[Array, " out"] | None) -> Array:

@@ -172,9 +172,7 @@ def _first(*values: Any) -> Any:
     return next((v for v in values if v is not None), None)
 
 
-def rope_parameters(
-    config: dict, *, layer_type: str | None = None, default_theta: float = 10000.0
-) -> tuple[str, dict]:
+def rope_parameters(config: dict, *, layer_type: str | None = None, default_theta: float = 10000.0) -> tuple[str, dict]:
     """The config.json key holding the RoPE settings, and the settings as transformers 5 standardises them.
 
     transformers 5 writes `rope_parameters` (with `rope_theta` and `rope_type`), or, for
