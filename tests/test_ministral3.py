@@ -183,3 +183,14 @@ def test_port_plan_lists_the_vision_tower_as_ignored_and_refuses_a_bad_scale(che
         run_port("plan", bad, "--mesh", "1x1"),
         "config.json: required key 'rope_parameters.llama_4_scaling_beta' is missing",
     )
+
+
+def test_a_null_head_dim_is_hidden_over_heads():
+    """`head_dim: null` is hidden_size / num_attention_heads, as Ministral3Config's post-init computes
+    it (transformers 5.24's strict field refuses the null before that, so it cannot be compared);
+    absent, transformers' default, 128."""
+    transformers = transformers_or_skip()
+    config = dict(TEXT, model_type="ministral3", head_dim=None)
+    assert LlamaConfig.from_hf(config).head_dim == LLAMA_CONFIG["hidden_size"] // LLAMA_CONFIG["num_attention_heads"]
+    absent = {k: v for k, v in config.items() if k != "head_dim"}
+    assert LlamaConfig.from_hf(absent).head_dim == transformers.Ministral3Config(**absent).head_dim == 128

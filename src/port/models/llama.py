@@ -183,7 +183,12 @@ class LlamaConfig:
         heads = get(config, "num_attention_heads", int)
         layers = get(config, "num_hidden_layers", int, maximum=MAX_LAYERS)
         kv_heads = read_kv_heads(config, heads, defaults.get("num_key_value_heads"))
-        head_dim = get(config, "head_dim", int, defaults.get("head_dim", hidden // heads))
+        # Absent: the config class's default; null: hidden / heads, as the config classes' post-init computes it.
+        head_dim = (
+            hidden // heads
+            if "head_dim" in config and config["head_dim"] is None
+            else get(config, "head_dim", int, defaults.get("head_dim", hidden // heads))
+        )
         activation(config, "hidden_act", "silu", supported=("silu", "swish"))
 
         attention_bias = get(config, "attention_bias", bool, False)
