@@ -25,7 +25,6 @@ What is new in the family, as transformers' `Gemma4Text*` classes compute it:
 - Each layer's output is multiplied by its `layer_scalar` (a checkpoint buffer); the
   embeddings by `sqrt(hidden_size)` in the parameters' dtype; the logits soft-capped by
   `final_logit_softcapping`.
-
 - The last `num_kv_shared_layers` layers (Gemma 4 E2B / E4B) have no key or value
   projection: each reuses the keys and values of the last earlier layer of its type
   (stacks `shared_sliding`, `shared_full`), which ride along the hidden state in the scan;
