@@ -83,18 +83,43 @@ PARAM = '\n[[params]]\nkey = "norm.weight"\npath = "norm"\naxes = ["embed"]\n'
 GOOD = 'config = "text_config"\nmodel_type = "gemma3_text"\narchitectures = ["Gemma3ForCausalLM"]\n'
 
 
+BY_TYPE = "(without model_type when architectures is a table by the text config's model_type)"
+
+
+def test_architectures_by_the_text_config_s_model_type(tmp_path):
+    """A wrapper holding several kinds of language model (Mistral 3): the written model_type and class
+    are the text config's own; a text model type the table does not name is one line."""
+    path = tmp_path / "m.toml"
+    table = (
+        '[export.gemma3]\nconfig = "text_config"\n'
+        'architectures = { gemma3_text = ["Gemma3ForCausalLM"], other = ["OtherForCausalLM"] }\nprefixes = {}\n'
+    )
+    path.write_text(TOP + table + PARAM)
+    entry = port.load_mapping(path).export["gemma3"]
+    assert entry.written({"model_type": "other"}) == ("other", ["OtherForCausalLM"])
+    with pytest.raises(port.ConfigError) as info:
+        entry.written({"model_type": "qwen2"})
+    assert str(info.value) == (
+        "config.json: text_config's 'model_type' 'qwen2' has no text-only class to export as "
+        "(the mapping names: gemma3_text, other)"
+    )
+
+
 @pytest.mark.parametrize(
     "table, expected",
     [
         ("[export.gemma3]\n" + GOOD + 'prefixes = { "language_model.model." = "model." }\n', None),
         ("[export.llama4]\n" + GOOD + "prefixes = {}\n", "export.llama4: 'llama4' is not one of the mapping's model_types"),
-        ("[export.gemma3]\n" + GOOD, "export.gemma3 must be a table of exactly architectures, config, model_type, prefixes"),
+        ("[export.gemma3]\n" + GOOD, "export.gemma3 must be a table of exactly architectures, config, model_type, prefixes " + BY_TYPE),
+        ("[export.gemma3]\n" + GOOD.replace('["Gemma3ForCausalLM"]', '{ gemma3_text = ["Gemma3ForCausalLM"] }') + "prefixes = {}\n", "export.gemma3 must be a table of exactly architectures, config, model_type, prefixes " + BY_TYPE),
+        ('[export.gemma3]\nconfig = "text_config"\narchitectures = {}\nprefixes = {}\n', "export.gemma3.architectures must name at least one text model_type"),
+        ('[export.gemma3]\nconfig = "text_config"\narchitectures = { gemma3_text = "Gemma3ForCausalLM" }\nprefixes = {}\n', "export.gemma3.architectures.gemma3_text must be a non-empty list of class names"),
         ("[export.gemma3]\n" + GOOD.replace('"text_config"', "3") + "prefixes = {}\n", "export.gemma3.config must be a non-empty string"),
         ("[export.gemma3]\n" + GOOD.replace('["Gemma3ForCausalLM"]', "[]") + "prefixes = {}\n", "export.gemma3.architectures must be a non-empty list of class names"),
         ("[export.gemma3]\n" + GOOD + 'prefixes = { "model." = 1 }\n', 'export.gemma3.prefixes must be a table of "wrapper prefix" = "text-only prefix"'),
         ('export = "gemma3"\n', "[export] must be a table of model_type = { config, model_type, architectures, prefixes }"),
     ],
-    ids=["good", "not-a-model-type", "missing-field", "config", "architectures", "prefixes", "not-a-table"],
+    ids=["good", "not-a-model-type", "missing-field", "by-type-with-model-type", "by-type-empty", "by-type-not-a-list", "config", "architectures", "prefixes", "not-a-table"],
 )  # fmt: skip
 def test_the_export_table_is_checked_when_the_mapping_is_read(tmp_path, table, expected):
     path = tmp_path / "m.toml"

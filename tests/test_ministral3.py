@@ -132,6 +132,30 @@ def test_export_round_trip(checkpoints, tmp_path):
     assert all(torch.equal(back.state_dict()[k], v) for k, v in original.state_dict().items())
 
 
+@pytest.mark.parametrize("name", ["mistral3", "mistral3-mistral"])
+def test_a_mistral3_language_model_exports_as_its_text_only_class(checkpoints, tmp_path, name):
+    """port export of a mistral3 checkpoint's language model: config.json is the text config under
+    its own model_type and class (Ministral 3 or Mistral), the head tied as the wrapper said;
+    transformers loads it with nothing missing or unexpected and computes port's logits."""
+    import torch
+
+    transformers = transformers_or_skip()
+    directory, _, expected = checkpoints(name)
+    model = port.load(directory)
+    out = port.export(model, tmp_path / "hf", directory)
+    config = json.loads((out / "config.json").read_text())
+    kind, cls = ("ministral3", "Ministral3ForCausalLM") if name == "mistral3" else ("mistral", "MistralForCausalLM")
+    assert (config["model_type"], config["architectures"]) == (kind, [cls])
+    assert config["tie_word_embeddings"] is (model.lm_head is None)
+    back, info = getattr(transformers, cls).from_pretrained(out, output_loading_info=True)
+    for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        assert not info[what], f"{what}: {info[what]}"
+    back.config._attn_implementation = "eager"
+    with torch.no_grad():
+        theirs = back(torch.tensor(IDS)).logits.numpy()
+    assert np.abs(theirs - expected).max() <= 1e-4
+
+
 @pytest.mark.parametrize(
     "config, message",
     [

@@ -193,9 +193,12 @@ class TextExport:
     loads without a vision tower to initialise at random.
 
     **Fields:** `config` (the key of the wrapper's config.json holding the language
-    model's), `model_type` and `architectures` (what the written config.json says),
-    `prefixes` (pairs: a key starting with the first is written with the second instead;
-    the first that matches, in order; a key none matches is written as it is).
+    model's), `model_type` and `architectures` (what the written config.json says;
+    `architectures` may instead be a table by the text config's own `model_type`, for a
+    wrapper that holds several kinds of language model, as Mistral 3 holds a Mistral or a
+    Ministral 3; `model_type` is then omitted: the text config's own), `prefixes` (pairs:
+    a key starting with the first is written with the second instead; the first that
+    matches, in order; a key none matches is written as it is).
 
     ```python
     entry = mapping.export["gemma3"]
@@ -204,9 +207,28 @@ class TextExport:
     """
 
     config: str
-    model_type: str
-    architectures: tuple[str, ...]
+    model_type: str | None
+    architectures: tuple[str, ...] | dict[str, tuple[str, ...]]
     prefixes: tuple[tuple[str, str], ...]
+
+    def written(self, text: AnyMapping[str, Any]) -> tuple[str, list[str]]:
+        """The `model_type` and `architectures` the text-only config.json says, for the wrapper's
+        text config `text`; `ConfigError` for a text model type the mapping does not name.
+
+        ```python
+        mapping.export["mistral3"].written({"model_type": "ministral3"})   # ("ministral3", ["Ministral3ForCausalLM"])
+        ```
+        """
+        if isinstance(self.architectures, tuple):
+            assert self.model_type is not None, "a fixed architecture comes with its model_type"
+            return self.model_type, list(self.architectures)
+        kind = text.get("model_type")
+        if not isinstance(kind, str) or kind not in self.architectures:
+            raise ConfigError(
+                f"config.json: {self.config}'s 'model_type' {quoted(kind)} has no text-only class to export as "
+                f"(the mapping names: {', '.join(self.architectures)})"
+            )
+        return kind, list(self.architectures[kind])
 
     def key(self, key: str) -> str:
         """The text-only class's name of the wrapper's checkpoint key `key`."""
@@ -433,17 +455,33 @@ def _text_export(name: str, entry: Any, model_types: tuple[str, ...], fail) -> T
     where = f"export.{name}"
     if name not in model_types:
         raise fail(f"{where}: {quoted(name)} is not one of the mapping's model_types")
-    if not isinstance(entry, dict) or set(entry) != _EXPORT:
-        raise fail(f"{where} must be a table of exactly {', '.join(sorted(_EXPORT))}")
-    for field in ("config", "model_type"):
+    by_type = isinstance(entry, dict) and isinstance(entry.get("architectures"), dict)
+    wanted = _EXPORT - {"model_type"} if by_type else _EXPORT
+    if not isinstance(entry, dict) or set(entry) != wanted:
+        raise fail(
+            f"{where} must be a table of exactly {', '.join(sorted(_EXPORT))} "
+            "(without model_type when architectures is a table by the text config's model_type)"
+        )
+    for field in sorted(wanted & {"config", "model_type"}):
         if not isinstance(entry[field], str) or not entry[field]:
             raise fail(f"{where}.{field} must be a non-empty string")
-    architectures, prefixes = entry["architectures"], entry["prefixes"]
-    if not isinstance(architectures, list) or not architectures or not all(isinstance(a, str) for a in architectures):
-        raise fail(f"{where}.architectures must be a non-empty list of class names")
+    prefixes = entry["prefixes"]
+
+    def classes(value: Any, at: str) -> tuple[str, ...]:
+        if not isinstance(value, list) or not value or not all(isinstance(a, str) and a for a in value):
+            raise fail(f"{at} must be a non-empty list of class names")
+        return tuple(value)
+
+    architectures: tuple[str, ...] | dict[str, tuple[str, ...]] = (
+        {kind: classes(v, f"{where}.architectures.{kind}") for kind, v in entry["architectures"].items()}
+        if by_type
+        else classes(entry["architectures"], f"{where}.architectures")
+    )
+    if by_type and not architectures:
+        raise fail(f"{where}.architectures must name at least one text model_type")
     if not isinstance(prefixes, dict) or not all(isinstance(v, str) for v in prefixes.values()):
         raise fail(f'{where}.prefixes must be a table of "wrapper prefix" = "text-only prefix"')
-    return TextExport(entry["config"], entry["model_type"], tuple(architectures), tuple(prefixes.items()))
+    return TextExport(entry["config"], entry.get("model_type"), architectures, tuple(prefixes.items()))
 
 
 def _nesting(data: Any) -> int:

@@ -407,6 +407,8 @@ def _export(
     inverse = invert(recipe, headers, mapping.source, dtype)
     text_only = mapping.export.get(str(config.get("model_type")))  # a wrapper's language model: written text-only
     source_tensors = found.tensors
+    # Whether the head is tied, as this model holds it: the tied keys (lm_head) written or not.
+    tied_head = bool(mapping.tied) and not {mapping.key_name(t.key) for t in inverse.tensors} & set(mapping.tied)
     if text_only is not None:
         inverse = inverse.renamed(text_only.key, mapping.source)
         source_tensors = None if found.tensors is None else {text_only.key(k): t for k, t in found.tensors.items()}
@@ -416,7 +418,7 @@ def _export(
         quantization = plan_fp8(inverse, block, config, tied, source_tensors)
     layout = inverse.tensors if quantization is None else quantization.layout(inverse.tensors)
     nbytes = sum(t.nbytes for t in layout)
-    written_config = config if text_only is None else _text_only_config(config, text_only)
+    written_config = config if text_only is None else _text_only_config(config, text_only, tied_head)
     written_config = {k: v for k, v in written_config.items() if k != "quantization_config"}  # the tensors are not
     if quantization is not None:
         written_config["quantization_config"] = quantization.settings
@@ -491,21 +493,31 @@ _CARRIED = ("dtype", "torch_dtype", "transformers_version")
 """What a text-only export's config.json takes from the wrapper's where its text config lacks it."""
 
 
-def _text_only_config(config: AnyMapping[str, Any], text_only: TextExport) -> dict[str, Any]:
+def _text_only_config(config: AnyMapping[str, Any], text_only: TextExport, tied_head: bool) -> dict[str, Any]:
     """The config.json of the text-only checkpoint a wrapper's language model is written as: the
-    wrapper's text config, saying the text-only class's `model_type` and `architectures`.
+    wrapper's text config, saying the text-only class's `model_type` and `architectures`, and
+    `tie_word_embeddings` as the model holds its head (a wrapper's own flag, which Mistral 3's
+    head follows, is not the text config's).
 
     ```python
     _text_only_config({"model_type": "gemma3", "dtype": "bfloat16", "text_config": {"hidden_size": 8}},
-                      mapping.export["gemma3"])
-    # {"dtype": "bfloat16", "hidden_size": 8, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+                      mapping.export["gemma3"], tied_head=True)
+    # {"dtype": "bfloat16", "hidden_size": 8, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
+    #  "tie_word_embeddings": True}
     ```
     """
     text = config.get(text_only.config)
     if not isinstance(text, dict):
         raise ConfigError(f"config.json: {text_only.config!r} must be a dict, got {quoted(text)}")
+    model_type, architectures = text_only.written(text)
     carried = {k: config[k] for k in _CARRIED if k in config}
-    return {**carried, **text, "model_type": text_only.model_type, "architectures": list(text_only.architectures)}
+    return {
+        **carried,
+        **text,
+        "model_type": model_type,
+        "architectures": architectures,
+        "tie_word_embeddings": tied_head,
+    }
 
 
 def _share_bytes(mine: list[Block], specs: AnyMapping[str, OutTensor], quantization: Quantization | None) -> int:
