@@ -172,10 +172,16 @@ def _annotated(module, path):
     hints = {}
     for cls in reversed(type(module).__mro__):
         hints.update(getattr(cls, "__annotations__", {}))
-    match = ANNOTATION.search(str(hints.get(field, "")))
-    assert match, f"{type(module).__qualname__}.{field} ({path}) has no jaxtyping annotation"
-    names = [n.lstrip("*#_") for n in match[1].split()]
-    return [port.nn.REFINED.get(n, n) for n in names]
+    matches = ANNOTATION.findall(str(hints.get(field, "")))
+    assert matches, f"{type(module).__qualname__}.{field} ({path}) has no jaxtyping annotation"
+    # A union (`Float[Array, " head_dim"] | Float[Array, "heads head_dim"]`): every alternative.
+    return [[port.nn.REFINED.get(n, n) for n in (n.lstrip("*#_") for n in m.split())] for m in matches]
+
+
+def _stacked(axes: list, annotated: list) -> int:
+    """How many leading axes of `axes` a mapping stacks (`layers`, `experts`) in front of `annotated`."""
+    front = axes[: max(len(axes) - len(annotated), 0)]
+    return len(front) if set(front) <= {"layers", "experts"} else -1
 
 
 def test_each_leaf_s_annotation_names_the_axes_its_mapping_gives_it():
@@ -189,10 +195,15 @@ def test_each_leaf_s_annotation_names_the_axes_its_mapping_gives_it():
         mapping = port.mapping_for(config)
         skeleton = port.skeleton(mapping, config)
         for param in mapping.params:
-            annotated = _annotated(skeleton, param.path)
-            if annotated is None:
+            alternatives = _annotated(skeleton, param.path)
+            if alternatives is None:
                 continue
             axes = list(param.axes)
+            # The alternative the leaf is: the one with as many axes as it has besides stacking ones.
+            leaf = skeleton
+            for name in param.path.split("."):
+                leaf = getattr(leaf, name)
+            annotated = next((a for a in alternatives if len(a) == leaf.ndim - _stacked(axes, a)), alternatives[0])
             stacking, own = axes[: len(axes) - len(annotated)], axes[len(axes) - len(annotated) :]
             where = f"{mapping.source}: {param.path}"
             assert set(stacking) <= {"layers", "experts"}, f"{where}: {axes} against the annotation {annotated}"
