@@ -2,12 +2,17 @@
 
     python bench/parity.py [--cases gpt2,llama-gqa,...] [--meshes 1x1,2x2,4x2,8x1] [--dtype bfloat16]
     python bench/parity.py --cases 2026 --meshes 1x1,4x2,data=2,expert=2,model=2
+    python bench/parity.py --cases encoders-and-dense --meshes 1x1,4x2
 
 Each case writes a random-init checkpoint with `transformers` (float32) into a
 temporary directory and runs `port.verify` on it: convert onto the mesh, run the
 jitted JAX model and the PyTorch model on the same random token ids [2, 16], and
 take the largest absolute difference of the logits (the last hidden state for BERT
 and ViT, whose inputs are random pixel values [2, channels, height, width]).
+
+`--cases encoders-and-dense` runs issue 35's: RoBERTa, XLM-R, DistilBERT (sinusoidal),
+ModernBERT (global and local layers), Gemma 3, Gemma 4 (dense with shared keys and values,
+and MoE), OLMo 2, OLMo 3, SmolLM3 and Ministral 3, as tests/test_decoders.py configures them.
 
 `--cases 2026` runs the 2026 families (Qwen3-MoE with a dense layer among MoE layers,
 DeepSeek-V3 with and without `q_lora_rank` and group-limited routing, gpt-oss, Llama 4,
@@ -47,6 +52,14 @@ LLAMA3 = dict(
     low_freq_factor=1.0,
     high_freq_factor=4.0,
     original_max_position_embeddings=8,
+)
+BERT_SMALL = dict(
+    vocab_size=101,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    initializer_range=0.2,
 )
 DEEPSEEK = dict(
     LLAMA,
@@ -100,19 +113,7 @@ CASES = {
     ),
     "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig, dict(LLAMA, sliding_window=4)),
     "qwen2-biases": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, LLAMA),
-    "bert": (
-        transformers.BertModel,
-        transformers.BertConfig,
-        dict(
-            vocab_size=101,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-            max_position_embeddings=32,
-            initializer_range=0.2,
-        ),
-    ),
+    "bert": (transformers.BertModel, transformers.BertConfig, dict(BERT_SMALL, max_position_embeddings=32)),
     "gemma-gqa3-bias": (
         transformers.GemmaForCausalLM,
         transformers.GemmaConfig,
@@ -277,7 +278,89 @@ CASES = {
             shared_expert_intermediate_size=40,
         ),
     ),
-}
+    # The encoders and dense decoders of issue 35 (`--cases encoders-and-dense`).
+    "roberta": (
+        transformers.RobertaModel,
+        transformers.RobertaConfig,
+        dict(BERT_SMALL, pad_token_id=1, max_position_embeddings=40),
+    ),
+    "xlm-roberta": (
+        transformers.XLMRobertaModel,
+        transformers.XLMRobertaConfig,
+        dict(BERT_SMALL, pad_token_id=1, max_position_embeddings=40),
+    ),
+    "distilbert-sinusoidal": (
+        transformers.DistilBertModel,
+        transformers.DistilBertConfig,
+        dict(vocab_size=101, dim=64, hidden_dim=128, n_layers=2, n_heads=4, max_position_embeddings=32,
+             sinusoidal_pos_embds=True, initializer_range=0.2, pad_token_id=0),
+    ),
+    "modernbert-global-local": (
+        transformers.ModernBertModel,
+        transformers.ModernBertConfig,
+        dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+             max_position_embeddings=64, local_attention=4, global_attn_every_n_layers=2, initializer_range=0.2,
+             pad_token_id=0, bos_token_id=0, eos_token_id=0, cls_token_id=0, sep_token_id=0),
+    ),
+    "gemma3-local-global": (
+        transformers.Gemma3ForCausalLM,
+        transformers.Gemma3TextConfig,
+        dict(LLAMA, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
+             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+             final_logit_softcapping=5.0),
+    ),
+    "gemma4-dense-shared-kv": (
+        transformers.Gemma4ForCausalLM,
+        transformers.Gemma4TextConfig,
+        dict(LLAMA, num_hidden_layers=4, head_dim=8, global_head_dim=16, num_global_key_value_heads=1,
+             attention_k_eq_v=True, sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+             num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+             vocab_size_per_layer_input=101, final_logit_softcapping=5.0),
+    ),
+    "gemma4-moe": (
+        transformers.Gemma4ForCausalLM,
+        transformers.Gemma4TextConfig,
+        dict(LLAMA, num_hidden_layers=3, head_dim=8, global_head_dim=16, sliding_window=4,
+             layer_types=["sliding_attention", "full_attention", "full_attention"], hidden_size_per_layer_input=0,
+             enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=24),
+    ),
+    "olmo2-bias": (transformers.Olmo2ForCausalLM, transformers.Olmo2Config, dict(LLAMA, attention_bias=True)),
+    "olmo3-sliding": (
+        transformers.Olmo3ForCausalLM,
+        transformers.Olmo3Config,
+        dict(LLAMA, num_hidden_layers=3, sliding_window=4,
+             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+             rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+    ),
+    "smollm3-nope": (
+        transformers.SmolLM3ForCausalLM,
+        transformers.SmolLM3Config,
+        dict(LLAMA, num_hidden_layers=3, no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=4, pad_token_id=0),
+    ),
+    "ministral3-yarn-scaled": (
+        transformers.Ministral3ForCausalLM,
+        transformers.Ministral3Config,
+        dict(LLAMA, head_dim=8, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+             "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
+             "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}),
+    ),
+}  # fmt: skip
+ENCODERS_AND_DENSE = [
+    "roberta",
+    "xlm-roberta",
+    "distilbert-sinusoidal",
+    "modernbert-global-local",
+    "gemma3-local-global",
+    "gemma4-dense-shared-kv",
+    "gemma4-moe",
+    "olmo2-bias",
+    "olmo3-sliding",
+    "smollm3-nope",
+    "ministral3-yarn-scaled",
+]
 NEW_2026 = [
     "qwen3-moe-dense-layer",
     "deepseek-v3-lora-groups",
@@ -286,7 +369,7 @@ NEW_2026 = [
     "llama4-nope-chunked",
     "qwen3-next-hybrid",
 ]
-DEFAULT = [c for c in CASES if c != "gpt2-small-124M" and c not in NEW_2026]
+DEFAULT = [c for c in CASES if c != "gpt2-small-124M" and c not in NEW_2026 + ENCODERS_AND_DENSE]
 
 
 def split_meshes(text: str) -> list[str]:
@@ -314,7 +397,7 @@ def main() -> None:
     parser.add_argument(
         "--cases",
         default=",".join(DEFAULT),
-        help=f"'2026', 'all' (the default cases and 2026's), or from {', '.join(CASES)}",
+        help=f"'2026', 'encoders-and-dense', 'all' (every group), or from {', '.join(CASES)}",
     )
     parser.add_argument(
         "--meshes",
@@ -325,7 +408,8 @@ def main() -> None:
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     meshes = split_meshes(args.meshes)
-    cases = {"2026": NEW_2026, "all": DEFAULT + NEW_2026}.get(args.cases) or args.cases.split(",")
+    groups = {"2026": NEW_2026, "encoders-and-dense": ENCODERS_AND_DENSE}
+    cases = {**groups, "all": DEFAULT + NEW_2026 + ENCODERS_AND_DENSE}.get(args.cases) or args.cases.split(",")
     print("| case | params | max abs reference | " + " | ".join(f"error {m}" for m in meshes) + " |")
     print("|---|---|---|" + "---|" * len(meshes))
     for case in cases:
