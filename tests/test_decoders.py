@@ -314,6 +314,12 @@ BY_SLOT = {"llama4"}
 # of an earlier 3-layer dense case; a sharding error is of order 1): 4x2 is held to 1x1 within 20
 # times the common 1e-5.
 LOOSER = {"qwen3_next": (20.0, 500.0), "gemma4": (1.0, 20.0), "gemma4_moe": (1.0, 20.0)}
+# The absolute floor of the 4x2 train step's gradients against 1x1's, for a gradient that is zero
+# but for rounding: 1e-7 (GPT-2's key bias, which softmax cancels). Gemma 4's last layer scales the
+# residual stream by its `layer_scalar` just before the final RMSNorm, which cancels the scale: that
+# scalar's gradient is the norm's epsilon's, 3.1e-7 on 1x1, and 4x2's rounding gave 9.3e-9 on JAX
+# 0.12.0.1 (CI, Python 3.12): held within 1e-6.
+ROUNDING = {"gemma4": 1e-6}
 NAMES = [pytest.param(name, marks=pytest.mark.xdist_group(name)) for name in FAMILIES]
 """Each family's tests run on one test worker (`--dist loadgroup`, pyproject's addopts): its
 model is built and saved once, and its tests share their compiles."""
@@ -564,7 +570,7 @@ def test_train_step_on_4x2_equals_1x1_and_keeps_shardings(family, name):
         np.testing.assert_allclose(
             np.asarray(g),
             np.asarray(g1),
-            atol=LOOSER.get(name, (1.0, 1.0))[1] * 1e-5 * np.abs(np.asarray(g1)).max() + 1e-7,
+            atol=LOOSER.get(name, (1.0, 1.0))[1] * 1e-5 * np.abs(np.asarray(g1)).max() + ROUNDING.get(name, 1e-7),
         )
     for p, s in zip(jax.tree.leaves(eqx.filter(updated, eqx.is_array)), jax.tree.leaves(shardings)):
         assert p.sharding.is_equivalent_to(s, p.ndim)
