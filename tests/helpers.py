@@ -156,6 +156,20 @@ def equations(jaxpr):
                     yield from equations(inner)
 
 
+def loaded_once(checkpoints):
+    """get(name, mesh): `port.load` of `checkpoints(name)` (a `saved_once` getter) on the mesh, one load each."""
+    import port
+
+    made = {}
+
+    def get(name, mesh):
+        if (name, mesh) not in made:
+            made[name, mesh] = port.load(checkpoints(name).directory, mesh=mesh)
+        return made[name, mesh]
+
+    return get
+
+
 def saved_once(tmp_path_factory, build, ids=INPUT_IDS, written=None):
     """get(name): a `Saved` of the PyTorch model `build(name)`, made on the first call for each name.
 

@@ -24,7 +24,7 @@ import port
 from port._errors import ConfigError
 from port.models.gemma import GemmaConfig
 
-from helpers import logits, one_line, perturbed, run_port, saved_once, torch_logits, transformers_or_skip
+from helpers import loaded_once, logits, one_line, perturbed, run_port, saved_once, torch_logits, transformers_or_skip
 
 TEXT = dict(
     vocab_size=100,
@@ -92,14 +92,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(checkpoints):
-    made = {}
-
-    def get(name, mesh):
-        if (name, mesh) not in made:
-            made[name, mesh] = port.load(checkpoints(name).directory, mesh=mesh)
-        return made[name, mesh]
-
-    return get
+    return loaded_once(checkpoints)
 
 
 def diff(model, expected: np.ndarray) -> float:

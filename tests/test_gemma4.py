@@ -25,7 +25,7 @@ import port
 from port._errors import ConfigError
 from port.models.gemma4 import Gemma4Config
 
-from helpers import logits, one_line, perturbed, run_port, saved_once, torch_logits, transformers_or_skip
+from helpers import loaded_once, logits, one_line, perturbed, run_port, saved_once, torch_logits, transformers_or_skip
 
 TEXT = dict(
     vocab_size=97,
@@ -116,15 +116,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def loaded(checkpoints):
-    """get(name, mesh): port.load of the checkpoint on the mesh (one load each)."""
-    made = {}
-
-    def get(name, mesh):
-        if (name, mesh) not in made:
-            made[name, mesh] = port.load(checkpoints(name).directory, mesh=mesh)
-        return made[name, mesh]
-
-    return get
+    return loaded_once(checkpoints)
 
 
 def diff(model, expected: np.ndarray) -> float:
