@@ -1,4 +1,4 @@
-"""Mixtral, Qwen2-MoE and Qwen3-MoE: port's Llama blocks with a routed mixture of experts.
+"""Mixtral, Qwen2-MoE, Qwen3-MoE and MiniMax-M2: port's Llama blocks with a routed mixture of experts.
 
 Only what is new in these families lives here: reading their config.json (`read_config`)
 into a `LlamaConfig` (attention, norms, RoPE and the dense layers' MLP, as Llama's) and a
@@ -9,7 +9,7 @@ those run, as grouped matmuls over the (token, expert) pairs sorted by expert: t
 follows top-k, not the expert count. The experts are stacked on an axis after the layers' (`blocks.mlp.experts.gate`
 is [layers, experts, intermediate, embed]). Layers with a dense MLP among the sparse
 ones (`mlp_only_layers`, `decoder_sparse_step` > 1) are stacked apart, in `dense`, and
-the model's `layer_groups` says which checkpoint layers each stack holds. Three
+the model's `layer_groups` says which checkpoint layers each stack holds. Four
 `model_type`s:
 
 - "mixtral": softmax routing, the top-k weights renormalised to sum to 1 and kept
@@ -22,6 +22,14 @@ the model's `layer_groups` says which checkpoint layers each stack holds. Three
 - "qwen3_moe": Qwen3's attention (per-head q/k RMSNorm, `attention_bias`), the sliding
   window on every layer when `use_sliding_window`; Qwen2-MoE's routing without a shared
   expert.
+- "minimax_m2" (MiniMax-M2, M2.1): Mixtral's experts and keys with a sigmoid router whose
+  `e_score_correction_bias` (the MoE's `selection_bias`) is added to choose the top k, not
+  to weight them, the chosen scores renormalised; q/k RMSNorm over the whole projection
+  (OLMo 2's, before RoPE, without its float32 scale); RoPE on the first `rotary_dim`
+  dimensions of each head (`partial_rotary_factor`, which wins, else the legacy
+  `rotary_dim` / `head_dim`, as transformers reads them). The Hub's config.json fields that
+  transformers does not read (`use_qk_norm`, `qk_norm_type`, `scoring_func`,
+  `use_routing_bias`, `shared_intermediate_size`, `attn_type_list`) are held to what it runs.
 
 Example:
     ```python
@@ -59,11 +67,12 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port._text import quoted
-from port.models.llama import LlamaConfig, block
-from port.nn import Block, Decoder, MoE, Tokens, embeddings, head, rms_norm, run_groups, stacked
-from port.nn.config import MAX_LAYERS, ConfigFields, check_model_type, get
+from port.models.llama import ROPE_TYPES, LlamaConfig, block
+from port.nn import Block, Decoder, MoE, Tokens, embeddings, head, read_rope, rms_norm, run_groups, stacked
+from port.nn._rope import rope_parameters
+from port.nn.config import MAX_LAYERS, ConfigFields, check, check_model_type, get
 
-MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "minimax_m2")
 
 # transformers' config class defaults, used where config.json omits a key (as port's Llama,
 # a null num_key_value_heads means one kv head per query head).
@@ -96,6 +105,15 @@ _QWEN2_MOE_DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": 16,
     "max_window_layers": 28,
 }
+_MINIMAX_M2_DEFAULTS: dict[str, Any] = {
+    "num_local_experts": 256,
+    "num_experts_per_tok": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 196608,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 5000000.0,
+}
 
 
 @final
@@ -105,7 +123,9 @@ class MoeConfig:
     `LlamaConfig` (attention, norms, RoPE, the dense layers' MLP) does not hold.
 
     `moe_intermediate_size` is each routed expert's hidden size; `shared_intermediate_size`
-    the shared expert's, or None without one. `weights_in_input_dtype`: the top-k weights
+    the shared expert's, or None without one. `scoring`: the router's "softmax" or
+    "sigmoid" (MiniMax-M2); `selection_bias`: whether a learned bias is added to the scores
+    to choose the experts (MiniMax-M2's `e_score_correction_bias`). `weights_in_input_dtype`: the top-k weights
     are cast to the activations' dtype before weighting (Qwen2-MoE) rather than kept
     float32 (Mixtral); the same in float32. `sparse_layers`: per layer, whether its MLP
     is the mixture of experts (True) or the `LlamaConfig`'s dense SwiGLU.
@@ -126,6 +146,8 @@ class MoeConfig:
     shared_intermediate_size: int | None
     weights_in_input_dtype: bool
     sparse_layers: tuple[bool, ...]
+    scoring: str = "softmax"
+    selection_bias: bool = False
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -151,7 +173,8 @@ class MoeConfig:
             activation=llama.hidden_act,
             dtype=dtype,
             key=key,
-            scoring="softmax",
+            scoring=self.scoring,
+            selection_bias=self.selection_bias,
             renormalise=self.norm_topk_prob,
             shared_inner=self.shared_intermediate_size,
             shared_gate=self.shared_intermediate_size is not None,
@@ -160,7 +183,7 @@ class MoeConfig:
 
 
 def read_config(config: dict) -> tuple[LlamaConfig, MoeConfig]:
-    """A Hugging Face `config.json` dict (model_type mixtral, qwen2_moe or qwen3_moe) read into
+    """A Hugging Face `config.json` dict (model_type mixtral, qwen2_moe, qwen3_moe or minimax_m2) read into
     its attention side and its experts; raises `ConfigError` if unsupported.
 
     **Arguments:** `config`, the config.json dict.
@@ -176,10 +199,10 @@ def read_config(config: dict) -> tuple[LlamaConfig, MoeConfig]:
     """
     model_type = check_model_type(config, MODEL_TYPES, "port.models.moe")
     Moe.FIELDS.check(config)
-    read = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}[model_type]
-    llama, moe = read(config)
+    read = {"mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "minimax_m2": _minimax_m2}
+    llama, moe = read[model_type](config)
     if moe.num_experts_per_tok > moe.num_experts:
-        key = "num_local_experts" if model_type == "mixtral" else "num_experts"
+        key = "num_local_experts" if model_type in ("mixtral", "minimax_m2") else "num_experts"
         raise ConfigError(
             f"config.json: 'num_experts_per_tok' ({moe.num_experts_per_tok}) is more than {key!r} ({moe.num_experts})"
         )
@@ -203,6 +226,51 @@ def _mixtral(config: dict) -> tuple[LlamaConfig, MoeConfig]:
         shared_intermediate_size=None,
         weights_in_input_dtype=False,
         sparse_layers=(True,) * attention.num_hidden_layers,
+    )
+    return attention, moe
+
+
+def _minimax_m2(config: dict) -> tuple[LlamaConfig, MoeConfig]:
+    """MiniMax-M2: Mixtral's attention and experts, q/k norms over the projection, partial RoPE,
+    a sigmoid router with a selection bias."""
+    filled = _with_defaults(config, _MINIMAX_M2_DEFAULTS)
+    if filled.get("sliding_window") is not None:  # transformers' MiniMaxM2 attends to every position
+        raise ConfigError(
+            f"config.json: sliding_window {quoted(filled['sliding_window'])} is not supported by "
+            "port.models.moe.Moe for minimax_m2 (supported: null)"
+        )
+    kinds = filled.get("attn_type_list")
+    if kinds is not None and (not isinstance(kinds, list) or any(k != 1 or isinstance(k, bool) for k in kinds)):
+        raise ConfigError(
+            f"config.json: 'attn_type_list' must list only 1 (softmax attention: port.models.moe.Moe runs no "
+            f"linear attention), got {quoted(kinds)}"
+        )
+    key, rope = rope_parameters(filled, default_theta=_MINIMAX_M2_DEFAULTS["rope_theta"])
+    full = LlamaConfig.from_hf(
+        {**filled, "model_type": "mistral", "sliding_window": None, key: {**rope, "partial_rotary_factor": 1.0}}
+    )
+    if filled.get("partial_rotary_factor") is None and filled.get("rotary_dim") is not None:
+        # transformers' MiniMaxM2Config: the legacy `rotary_dim` below both partial_rotary_factors
+        filled["partial_rotary_factor"] = check("rotary_dim", filled["rotary_dim"], int) / full.head_dim
+    partial = read_rope(
+        filled,
+        full.head_dim,
+        supported=ROPE_TYPES,
+        max_position_embeddings=get(filled, "max_position_embeddings", int),
+        allow_partial=True,
+        default_theta=_MINIMAX_M2_DEFAULTS["rope_theta"],
+    )
+    attention = dataclasses.replace(full, qk_norm="projection", rope=partial)
+    moe = MoeConfig(
+        num_experts=get(filled, "num_local_experts", int),
+        num_experts_per_tok=get(filled, "num_experts_per_tok", int),
+        moe_intermediate_size=attention.intermediate_size,
+        norm_topk_prob=True,
+        shared_intermediate_size=None,
+        weights_in_input_dtype=False,
+        sparse_layers=(True,) * attention.num_hidden_layers,
+        scoring="sigmoid",
+        selection_bias=True,
     )
     return attention, moe
 
@@ -271,7 +339,7 @@ def _sparse_layers(config: dict, layers: int) -> tuple[bool, ...]:
 
 @final
 class Moe(Decoder):
-    """Mixtral / Qwen2-MoE / Qwen3-MoE causal LM: Llama blocks whose `mlp` is a `port.nn.MoE`.
+    """Mixtral / Qwen2-MoE / Qwen3-MoE / MiniMax-M2 causal LM: Llama blocks whose `mlp` is a `port.nn.MoE`.
 
     Called as every `port.nn.Decoder` (masks, positions, segments, the cache, `dtype`,
     `remat`). `blocks` holds the sparse layers, stacked; `dense` the layers with a dense
@@ -296,7 +364,15 @@ class Moe(Decoder):
             "use_sliding_window", "max_window_layers", "layer_types", "attention_bias", "qkv_bias",
             "num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
             "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers",
+            "partial_rotary_factor", "rotary_dim", "attn_type_list",
         ),
+        # MiniMax-M2's Hub config.json describes what transformers' MiniMaxM2 always runs
+        types={
+            "minimax_m2": {
+                "use_qk_norm": (True,), "qk_norm_type": ("per_layer",), "scoring_func": ("sigmoid",),
+                "use_routing_bias": (True,), "shared_intermediate_size": (0,),
+            },
+        },
     )  # fmt: skip
 
     embed: Float[Array, "vocab embed"]
@@ -321,8 +397,8 @@ class Moe(Decoder):
 
     @classmethod
     def from_config(cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32) -> Moe:
-        """Randomly initialise from a Hugging Face `config.json` dict (model_type mixtral, qwen2_moe
-        or qwen3_moe).
+        """Randomly initialise from a Hugging Face `config.json` dict (model_type mixtral, qwen2_moe,
+        qwen3_moe or minimax_m2).
 
         **Arguments:** `config` (the config.json dict), `key`, `dtype` (of the parameters).
         """
