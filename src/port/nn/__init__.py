@@ -36,6 +36,7 @@ from port.nn._axes import REFINED as REFINED
 from port.nn._axes import SHAPES as SHAPES
 from port.nn._block import Block as Block
 from port.nn._cache import Cache as Cache
+from port.nn._compressed import CompressedAttention as CompressedAttention
 from port.nn._decoder import Decoder as Decoder
 from port.nn._deltanet import GatedDeltaNet as GatedDeltaNet
 from port.nn._deltanet import causal_conv as causal_conv
@@ -48,6 +49,8 @@ from port.nn._embedding import head as head
 from port.nn._generate import decode_step as decode_step
 from port.nn._generate import generate as generate
 from port.nn._generate import prefill as prefill
+from port.nn._hyper import HyperConnection as HyperConnection
+from port.nn._hyper import HyperHead as HyperHead
 from port.nn._init import normal as normal
 from port.nn._init import stacked as stacked
 from port.nn._init import zeros_if as zeros_if
@@ -69,6 +72,9 @@ from port.nn._rope import Rope as Rope
 from port.nn._rope import apply_rope as apply_rope
 from port.nn._rope import read_rope as read_rope
 from port.nn._scan import scan as scan
+from port.nn._sparse import Indexer as Indexer
+from port.nn._sparse import SparseLatentAttention as SparseLatentAttention
+from port.nn._sparse import sparse_attend as sparse_attend
 from port.nn._tokens import Tokens as Tokens
 from port.nn._tokens import prepare as prepare
 from port.nn._window import local_window as local_window

@@ -53,6 +53,17 @@ AXES: dict[str, str] = {
     "patch_width": "a ViT patch's columns (patch_size)",
     "per_layer": "Gemma 4's per-layer input (hidden_size_per_layer_input), or every layer's side by side",
     "scalar": "an axis of size 1 holding one number per layer (Gemma 4's layer_scalar)",
+    "hc": "DeepSeek-V4's hyper-connection streams (hc_mult)",
+    "hc_mix": "DeepSeek-V4's hyper-connection weights per token: pre, post and comb ((2 + hc_mult) * hc_mult)",
+    "hc_embed": "DeepSeek-V4's streams flattened (hc_mult * hidden_size)",
+    "hc_scale": "DeepSeek-V4's hyper-connection scales: pre, post and comb (3)",
+    "o_groups": "DeepSeek-V4's groups of heads in the grouped output projection (o_groups)",
+    "group_in": "DeepSeek-V4's features of one group of heads (num_attention_heads / o_groups * head_dim)",
+    "comp_dim": "DeepSeek-V4's compressor projections (head_dim, or two series of it)",
+    "rate": "DeepSeek-V4's tokens pooled into one compressed entry (compress_rates)",
+    "index_heads": "DeepSeek-V4's indexer query heads (index_n_heads)",
+    "index_q": "DeepSeek-V4's indexer queries, heads by features (index_n_heads * index_head_dim)",
+    "hash_experts": "DeepSeek-V4's experts a hash-routed token takes (num_experts_per_tok)",
 }
 """The logical axes of parameters, by name: what mappings write, and annotations too."""
 
@@ -67,6 +78,8 @@ REFINED: dict[str, str] = {
     "value_dim": "head_dim",  # Gated DeltaNet: a value head (linear_value_head_dim)
     "per_layer_vocab": "vocab",  # Gemma 4: the per-layer embeddings' table (vocab_size_per_layer_input)
     "per_layer_all": "per_layer",  # Gemma 4: every layer's per-layer input, packed (layers x per_layer)
+    "o_rank": "lora",  # DeepSeek-V4: a group's output bottleneck (o_lora_rank)
+    "o_in": "lora",  # DeepSeek-V4: every group's bottleneck side by side (o_groups * o_lora_rank)
 }
 """Annotation names for one of two sizes a mapping gives one logical axis: name -> that axis."""
 

@@ -76,6 +76,7 @@ class GatedMLP(eqx.Module):
     - `bias`: biases on all three projections.
     - `limit`, `alpha`: with a `limit`, gpt-oss's clamped SwiGLU (`clamped_swiglu`, the
       sigmoid's gain `alpha`) replaces `act(gate x) * up x`; `activation` is then unused.
+      `alpha` None: DeepSeek-V4's, `act(min(gate x, limit)) * clip(up x, -limit, limit)`.
 
     Called on `x` `[..., embd]`, returns `[..., embd]`. The leaves `gate`, `up`
     `[inner, embd]` and `down` `[embd, inner]` are torch `Linear` weights, biases
@@ -95,7 +96,7 @@ class GatedMLP(eqx.Module):
     bdown: Float[Array, " embed"] | None
     activation: str = eqx.field(static=True)
     limit: float | None = eqx.field(static=True)
-    alpha: float = eqx.field(static=True)
+    alpha: float | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -107,7 +108,7 @@ class GatedMLP(eqx.Module):
         key: PRNGKeyArray,
         bias: bool = False,
         limit: float | None = None,
-        alpha: float = 1.0,
+        alpha: float | None = 1.0,
     ):
         kg, ku, kd = jax.random.split(key, 3)
         self.gate, self.up = normal(kg, (inner, embd), dtype), normal(ku, (inner, embd), dtype)
@@ -124,6 +125,9 @@ class GatedMLP(eqx.Module):
         h = mlp.glu(linear(x, mlp.gate, mlp.bgate), linear(x, mlp.up, mlp.bup))
         ```
         """
+        if self.limit is not None and self.alpha is None:
+            limit = jnp.asarray(self.limit, gate.dtype)
+            return ACTIVATIONS[self.activation](jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
         if self.limit is not None:
             return clamped_swiglu(gate, up, alpha=self.alpha, limit=self.limit)
         return ACTIVATIONS[self.activation](gate) * up

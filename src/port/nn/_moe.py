@@ -41,6 +41,14 @@ def grouped(
     return jax.lax.ragged_dot_general(x, weights, sizes, _GROUPED)
 
 
+SCORES = {
+    "softmax": lambda logits: jax.nn.softmax(logits, axis=-1),
+    "sigmoid": jax.nn.sigmoid,
+    "sqrtsoftplus": lambda logits: jnp.sqrt(jax.nn.softplus(logits)),
+}
+"""The routers' scoring functions, by transformers' `scoring_func` name."""
+
+
 def route(
     logits: Float[ArrayLike, "tokens experts"],
     top_k: int,
@@ -51,6 +59,7 @@ def route(
     groups: int = 1,
     top_groups: int = 1,
     scale: float = 1.0,
+    chosen: Int[ArrayLike, "tokens top_k"] | None = None,
 ) -> tuple[Float[Array, "tokens top_k"], Int[Array, "tokens top_k"]]:
     """Each token's `top_k` experts and their weights (float32), as transformers' routers choose them.
 
@@ -58,8 +67,8 @@ def route(
 
     - `logits`: the router's output.
     - `top_k`: experts per token.
-    - `scoring`: "softmax" (probabilities over all experts) or "sigmoid" (each expert's
-      own score, DeepSeek-V3).
+    - `scoring`: "softmax" (probabilities over all experts), "sigmoid" (each expert's
+      own score, DeepSeek-V3) or "sqrtsoftplus" (`sqrt(softplus(logit))`, DeepSeek-V4).
     - `renormalise`: divide the chosen weights by their sum.
     - `selection_bias`: added to the scores to choose experts, not to weight them
       (DeepSeek-V3's `e_score_correction_bias`).
@@ -67,6 +76,8 @@ def route(
       each group scored by the sum of its two best experts, and only the `top_groups`
       best groups may be chosen from.
     - `scale`: multiplies the weights (`routed_scaling_factor`).
+    - `chosen`: the experts, given (DeepSeek-V4's hash routing: a table by token id);
+      only their weights are computed.
 
     **Returns:** `(weights, experts)`, `[tokens, top_k]` each.
 
@@ -75,7 +86,7 @@ def route(
     ```
     """
     logits = jnp.asarray(logits).astype(jnp.float32)
-    scores = jax.nn.softmax(logits, axis=-1) if scoring == "softmax" else jax.nn.sigmoid(logits)
+    scores = SCORES[scoring](logits)
     choice = scores if selection_bias is None else scores + jnp.asarray(selection_bias).astype(jnp.float32)
     if groups > 1:
         tokens, experts = choice.shape
@@ -85,11 +96,11 @@ def route(
         allowed = jnp.zeros((tokens, groups), bool).at[jnp.arange(tokens)[:, None], best].set(True)
         allowed = jnp.repeat(allowed, experts // groups, axis=-1)
         choice = jnp.where(allowed, choice, -jnp.inf)  # a closed group's experts are never chosen
-    _, index = jax.lax.top_k(choice, top_k)
+    _, index = jax.lax.top_k(choice, top_k) if chosen is None else (None, jnp.asarray(chosen))
     weights = jnp.take_along_axis(scores, index, axis=-1)
     if renormalise:
         denominator = weights.sum(axis=-1, keepdims=True)
-        weights = weights / (denominator + 1e-20 if scoring == "sigmoid" else denominator)
+        weights = weights / (denominator if scoring == "softmax" else denominator + 1e-20)
     return weights * scale, index
 
 
@@ -115,7 +126,7 @@ class MoE(eqx.Module):
     - `weight_inputs`: multiply each chosen expert's *input* by its weight, not its
       output (Llama 4: `sigmoid` scoring, top 1, no renormalising).
     - `bias`: biases on the experts' projections (`experts.bgate`, `bup`, `bdown`,
-      `[experts, ...]`); `limit`, `alpha`: the experts' clamped SwiGLU, as `GatedMLP`'s.
+      `[experts, ...]`); `limit`, `alpha`: the experts' (and the shared expert's) clamped SwiGLU, as `GatedMLP`'s.
 
     Called on `x` `[..., embd]`, returns the same shape. The leaves are
     `router` `[experts, embd]`, the optional `router_bias`, `experts` (a `GatedMLP` stacked by `stacked`, arrays
@@ -167,7 +178,7 @@ class MoE(eqx.Module):
         weight_inputs: bool = False,
         bias: bool = False,
         limit: float | None = None,
-        alpha: float = 1.0,
+        alpha: float | None = 1.0,
     ):
         krouter, kexperts, kshared, kgate = jax.random.split(key, 4)
         self.router = normal(krouter, (experts, embd), dtype)
@@ -183,7 +194,9 @@ class MoE(eqx.Module):
         self.shared = (
             None
             if shared_inner is None
-            else GatedMLP(embd=embd, inner=shared_inner, activation=activation, dtype=dtype, key=kshared)
+            else GatedMLP(
+                embd=embd, inner=shared_inner, activation=activation, dtype=dtype, key=kshared, limit=limit, alpha=alpha
+            )
         )
         self.shared_gate = normal(kgate, (embd,), dtype) if shared_inner is not None and shared_gate else None
         self.top_k, self.scoring, self.renormalise = top_k, scoring, renormalise
@@ -191,7 +204,10 @@ class MoE(eqx.Module):
         self.weights_in_input_dtype = weights_in_input_dtype
         self.weight_inputs = weight_inputs
 
-    def __call__(self, x: Float[Array, "... embed"]) -> Float[Array, "... embed"]:
+    def __call__(
+        self, x: Float[Array, "... embed"], chosen: Int[Array, "... top_k"] | None = None
+    ) -> Float[Array, "... embed"]:
+        """`chosen`: each token's experts, given (hash routing); None: the router chooses."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, index = route(
@@ -203,6 +219,7 @@ class MoE(eqx.Module):
             groups=self.groups,
             top_groups=self.top_groups,
             scale=self.scale,
+            chosen=None if chosen is None else chosen.reshape(-1, self.top_k),
         )
         if self.weights_in_input_dtype:
             weights = weights.astype(x.dtype)
