@@ -293,6 +293,13 @@ FAMILIES = {
             },
         ),
     ),
+    # MiniMax-M2: a sigmoid router with a selection bias, q/k norms over the projection, RoPE
+    # on 8 of each head's 16 dimensions (the legacy `rotary_dim`).
+    "minimax_m2": (
+        "MiniMaxM2ForCausalLM",
+        "MiniMaxM2Config",
+        dict(LLAMA, head_dim=16, intermediate_size=24, num_local_experts=6, num_experts_per_tok=2, rotary_dim=8),
+    ),
 }
 # Families whose layers carry a recurrent state: packed `segment_ids` are refused.
 NO_SEGMENTS = {"qwen3_next"}
