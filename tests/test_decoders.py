@@ -293,6 +293,27 @@ FAMILIES = {
             },
         ),
     ),
+    # Partial rotary (the default 0.5 of a head of 16, not hidden / heads), per-head q/k norm, q/k/v
+    # biases, one dense layer before two with DeepSeek-V3's group-limited sigmoid routing.
+    "glm4_moe": (
+        "Glm4MoeForCausalLM",
+        "Glm4MoeConfig",
+        dict(
+            LLAMA,
+            num_hidden_layers=3,
+            head_dim=16,
+            attention_bias=True,
+            use_qk_norm=True,
+            moe_intermediate_size=20,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            n_shared_experts=2,
+            routed_scaling_factor=1.7,
+        ),
+    ),
     # MiniMax-M2: a sigmoid router with a selection bias, q/k norms over the projection, RoPE
     # on 8 of each head's 16 dimensions (the legacy `rotary_dim`).
     "minimax_m2": (
