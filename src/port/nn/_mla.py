@@ -145,22 +145,30 @@ class LatentAttention(eqx.Module):
 
     def _rotate(self, x: Array, cos: Array | None, sin: Array | None) -> Array:
         """RoPE on the rotary part `x` `[..., heads, rope_dim]`, pairs de-interleaved first."""
-        if cos is None:
-            return x
-        assert sin is not None, "cos and sin come as a pair"
-        if self.interleave:
-            x = jnp.concatenate((x[..., 0::2], x[..., 1::2]), axis=-1)
-        return apply_rope(x, cos, sin)
+        return rotate(x, cos, sin, interleave=self.interleave)
 
-    def queries(self, x: Float[Array, "batch seq embed"], cos: Array | None, sin: Array | None) -> Array:
-        """Queries `[batch, seq, heads, nope_dim + rope_dim]`, their rotary part rotated."""
+    def q_latent(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq q_rank"] | None:
+        """The queries' normed low-rank latent (`q_a_layernorm(q_a_proj(x))`); None without `q_rank`."""
+        if self.wq is not None:
+            return None
+        assert self.q_norm is not None, "without wq, the low-rank wq_a, q_norm and wq_b are set"
+        a = jnp.einsum("bte,re->btr", x, self.wq_a)
+        a = a if self.bq_a is None else a + self.bq_a
+        return rms_norm(a, self.q_norm, self.norm_eps)
+
+    def queries(
+        self,
+        x: Float[Array, "batch seq embed"],
+        cos: Array | None,
+        sin: Array | None,
+        latent: Array | None = None,
+    ) -> Array:
+        """Queries `[batch, seq, heads, nope_dim + rope_dim]`, their rotary part rotated
+        (`latent`: `q_latent(x)` where the caller has it already)."""
         if self.wq is not None:
             q = jnp.einsum("bte,hde->bthd", x, self.wq)
         else:
-            assert self.q_norm is not None, "without wq, the low-rank wq_a, q_norm and wq_b are set"
-            a = jnp.einsum("bte,re->btr", x, self.wq_a)
-            a = a if self.bq_a is None else a + self.bq_a
-            q = jnp.einsum("btr,hdr->bthd", rms_norm(a, self.q_norm, self.norm_eps), self.wq_b)
+            q = jnp.einsum("btr,hdr->bthd", self.q_latent(x) if latent is None else latent, self.wq_b)
         return jnp.concatenate((q[..., : self.nope_dim], self._rotate(q[..., self.nope_dim :], cos, sin)), axis=-1)
 
     def latents(self, x: Float[Array, "batch seq embed"], cos: Array | None, sin: Array | None) -> KV:
@@ -185,13 +193,40 @@ class LatentAttention(eqx.Module):
         q = self.queries(x, cos, sin)
         latent, rope = self.latents(x, cos, sin)
         latent, rope, kv = with_cache(latent, rope, kv, index)
+        return self.attend(q, latent, rope, mask), kv
+
+    def attend(
+        self,
+        q: Float[Array, "batch seq heads qk_dim"],
+        latent: Float[Array, "batch keys 1 kv_rank"],
+        rope: Float[Array, "batch keys 1 rope_dim"],
+        mask: Bool[Array, "batch seq keys"],
+    ) -> Float[Array, "batch seq embed"]:
+        """The layer's output for queries `q` over the keys' latents and rotary keys (this
+        call's, or the cache's), where `mask` allows."""
         latent, rope = latent[:, :, 0].astype(q.dtype), rope.astype(q.dtype)
         k_nope = jnp.einsum("bsr,hdr->bshd", latent, self.wk_b)
         v = jnp.einsum("bsr,hdr->bshd", latent, self.wv_b)
         k = jnp.concatenate((k_nope, jnp.broadcast_to(rope, (*k_nope.shape[:-1], self.rope_dim))), axis=-1)
-        out = _attend_padded(q, k, v, mask, self.scale)
-        y = jnp.einsum("bthd,ehd->bte", out, self.wo)
-        return (y if self.bo is None else y + self.bo), kv
+        return self.output(_attend_padded(q, k, v, mask, self.scale))
+
+    def output(self, heads: Float[Array, "batch seq heads v_dim"]) -> Float[Array, "batch seq embed"]:
+        """The output projection (`o_proj`) of the attended values per head."""
+        y = jnp.einsum("bthd,ehd->bte", heads, self.wo)
+        return y if self.bo is None else y + self.bo
+
+
+def rotate(x: Array, cos: Array | None, sin: Array | None, *, interleave: bool) -> Array:
+    """RoPE on the first `cos.shape[-1]` dimensions of each head of `x` `[..., heads, dim]`
+    (the rest pass); `interleave`: those dimensions are pairs `(x0, x1), ...`, laid out
+    evens first, then odds, before rotating (transformers' `apply_rotary_pos_emb_interleave`)."""
+    if cos is None:
+        return x
+    assert sin is not None, "cos and sin come as a pair"
+    if interleave:
+        n = cos.shape[-1]
+        x = jnp.concatenate((x[..., 0:n:2], x[..., 1:n:2], x[..., n:]), axis=-1)
+    return apply_rope(x, cos, sin)
 
 
 def _attend_padded(q: Array, k: Array, v: Array, mask: Array, scale: float) -> Array:
