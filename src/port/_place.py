@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from ._copy import copy
 from ._pipeline import ReadAhead
 from ._plan import LeafPlan, Plan
 from ._sources import Checkpoint, Region
@@ -104,7 +105,7 @@ def read_key(checkpoint: Checkpoint, parts: list[Part]) -> None:
     checkpoint.read_into(parts[0].key, requests)
     for part, buffer in zip(parts, buffers):
         if part.source is None:
-            np.copyto(part.target, part.leaf.chain.apply(buffer, part.regions), casting="unsafe")
+            copy(part.target, part.leaf.chain.apply(buffer, part.regions))
 
 
 def plan_reads(

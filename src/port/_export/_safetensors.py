@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from .._copy import contiguous
 from .._disk import pwrite_all, pwrite_rows
 from .._dtypes import SAFETENSORS
 from .._errors import OutputError, PortError
@@ -394,7 +395,7 @@ class Writer:
         try:
             name, offset = self.offsets[key]
             if spec.nbytes:
-                flat = (data if data.flags.c_contiguous else np.ascontiguousarray(data)).reshape(-1).view(np.uint8)
+                flat = contiguous(data).reshape(-1).view(np.uint8)
                 what = f"tensor {quoted(key, 200)}"
                 _pwrite_all(self._fds[name], memoryview(flat), offset, self.directory / name, what)  # pyright: ignore[reportArgumentType]  # an ndarray is a buffer: numpy's stubs say so only for Python >= 3.12
         finally:
@@ -440,7 +441,7 @@ class Writer:
                 d -= 1
             strides = [math.prod(spec.shape[i + 1 :]) for i in range(len(spec.shape))]
             run = extents[d] * strides[d] if region else 1
-            rows = (data if data.flags.c_contiguous else np.ascontiguousarray(data)).reshape(-1).view(np.uint8)
+            rows = contiguous(data).reshape(-1).view(np.uint8)
             rows = rows.reshape(-1, run * spec.dtype.itemsize)
             grid = itertools.product(*(range(a, b) for a, b in region[:d]))
             name, offset = self.offsets[key]
