@@ -167,8 +167,11 @@ class DeepseekV4Config:
         layers = get(c, "num_hidden_layers", int, maximum=MAX_LAYERS)
         heads, head_dim = get(c, "num_attention_heads", int), get(c, "head_dim", int)
         groups = get(c, "o_groups", int)
-        if heads % groups:
-            raise ConfigError(f"config.json: 'o_groups' ({groups}) must divide 'num_attention_heads' ({heads})")
+        if (heads * head_dim) % groups:
+            raise ConfigError(
+                f"config.json: 'o_groups' ({groups}) must divide the {heads * head_dim} features of all heads "
+                "('num_attention_heads' x 'head_dim')"
+            )
         experts, top_k = get(c, "n_routed_experts", int), get(c, "num_experts_per_tok", int)
         if top_k > experts:
             raise ConfigError(
@@ -277,17 +280,21 @@ def _ropes(config: dict, c: dict, head_dim: int) -> tuple[Rope, Rope]:
         }
         if compress["rope_type"] == "yarn":
             compress.setdefault("attention_factor", 1.0)
-    rope = read_rope(
-        {"rope_parameters": main}, head_dim, supported=("default",), max_position_embeddings=maximum, allow_partial=True
-    )
-    compress_rope = read_rope(
-        {"rope_parameters": compress},
-        head_dim,
-        supported=("default", "yarn"),
-        max_position_embeddings=maximum,
-        allow_partial=True,
-    )
+    rope = _read_rope(main, head_dim, ("default",), maximum)
+    compress_rope = _read_rope(compress, head_dim, ("default", "yarn"), maximum)
     return rope, compress_rope
+
+
+def _read_rope(params: dict, head_dim: int, supported: tuple[str, ...], maximum: int) -> Rope:
+    """One of the two RoPEs. A plain one is built as transformers builds it, whatever its size:
+    `int(head_dim * partial_rotary_factor)` features, rounded up to whole pairs (`_half`)."""
+    if params.get("rope_type", "default") == "default":
+        factor = check("rope_parameters.partial_rotary_factor", params.get("partial_rotary_factor", 1.0), float)
+        theta = check("rope_parameters.rope_theta", params.get("rope_theta", 10000.0), float)
+        return Rope(theta=theta, rotary_dim=max(1, min(head_dim, int(head_dim * factor))))
+    return read_rope(
+        {"rope_parameters": params}, head_dim, supported=supported, max_position_embeddings=maximum, allow_partial=True
+    )
 
 
 @final
@@ -383,7 +390,7 @@ class Context(eqx.Module):
 def _half(rope: Rope, positions: Array, dtype: Any) -> tuple[Array, Array]:
     """`rope`'s cos and sin, one per interleaved pair (`rotary_dim // 2`)."""
     cos, sin = rope.angles(positions, dtype)
-    half = rope.rotary_dim // 2
+    half = (rope.rotary_dim + 1) // 2  # transformers' `arange(0, dim, 2)`
     return cos[..., :half], sin[..., :half]
 
 
@@ -426,13 +433,11 @@ class DeepseekV4(Decoder):
             "qk_rope_head_dim",  # derived: transformers writes head_dim * partial_rotary_factor
             "norm_topk_prob",  # transformers' V4 router renormalises whatever it says
             "num_nextn_predict_layers",  # multi-token prediction modules: not built
+            # transformers' V4 runs one shared key/value head, one shared expert and unbiased
+            # attention projections whatever these say
+            "num_key_value_heads", "n_shared_experts", "attention_bias",
         ),
-        fixed={
-            "num_key_value_heads": (1,),
-            "n_shared_experts": (1,),
-            "attention_bias": (False,),
-            "mlp_bias": (False,),
-        },
+        fixed={"mlp_bias": (False,)},
     )  # fmt: skip
 
     embed: Float[Array, "vocab embed"]
