@@ -184,7 +184,7 @@ def convert(
     with PeakMemory() as peak, contextlib.ExitStack() as stack:
         ckpt = open_checkpoint(checkpoint) if owned else checkpoint
         try:
-            mapping = mapping_for(ckpt.config, mapping)
+            mapping = mapping_for(ckpt.config, mapping, keys=ckpt.tensors)
             config = with_layers(ckpt.config, layers)
             built = skeleton is None
             if built:

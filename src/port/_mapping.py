@@ -60,12 +60,13 @@ import os
 import re
 import stat
 import tomllib
+from collections.abc import Iterable
 from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._errors import ConfigError, MappingError, PortError
+from ._errors import CheckpointError, ConfigError, MappingError, PortError
 from ._files import file_kind
 from ._model import is_buildable, is_model
 from ._text import one_line, quoted
@@ -77,6 +78,8 @@ STACKS = (LAYER, EXPERT)
 """The placeholders that stack keys on leading axes of a leaf, outermost first: `layers.{layer}.experts.{expert}.w1`
 fills a leaf [layers, experts, ...]."""
 _DIGITS = re.compile(r"[0-9]+")
+TEXT_CONFIG = "text_config"
+"""The key of a multimodal wrapper's config.json that holds its language model's config."""
 MODULE_AXES = "module"
 """An entry's `axes` when they are the module's own annotations (an NNX variable's sharding names)."""
 _INDEX = r"(0|[1-9][0-9]{0,8})"
@@ -265,6 +268,21 @@ class Mapping:
             if name.endswith(legacy):
                 return name[: -len(legacy)] + modern
         return name
+
+    def model_config(self, config: AnyMapping[str, Any]) -> AnyMapping[str, Any]:
+        """The config the model is built from: `config` itself, or, for a multimodal wrapper whose
+        own `model_type` this mapping does not serve but whose `text_config`'s it does (Kimi
+        K2.5's `kimi_k25` around a `deepseek_v3`), that `text_config`.
+
+        ```python
+        mapping.model_config({"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3"}})
+        # {"model_type": "deepseek_v3"}   (mappings/deepseek_v3.toml)
+        ```
+        """
+        text = config.get(TEXT_CONFIG)
+        if config.get("model_type") in self.model_types or not isinstance(text, dict):
+            return config
+        return text if text.get("model_type") in self.model_types else config
 
     def entry(self, path: str) -> Param | None:
         """The entry that fills the leaf at `path`: the one naming it, or the one whose path with
@@ -615,33 +633,149 @@ def shipped_mappings() -> list[Path]:
     return []
 
 
-def mapping_for(config: AnyMapping[str, Any], mapping: str | os.PathLike | Mapping | None = None) -> Mapping:
+def mapping_for(
+    config: AnyMapping[str, Any],
+    mapping: str | os.PathLike | Mapping | None = None,
+    *,
+    keys: Iterable[str] | None = None,
+) -> Mapping:
     """The mapping to use for a checkpoint: `mapping` if given, else the shipped one for its `model_type`.
 
     **Arguments:**
 
     - `config`: the checkpoint's `config.json` as a dict.
     - `mapping`: a `Mapping`, a mapping file, or None for the shipped mapping that
-      lists `config["model_type"]` (a `MappingError` if none does).
+      lists `config["model_type"]` (a `MappingError` if none does), or, for a multimodal
+      wrapper none lists, the one that lists its `text_config`'s `model_type`.
+    - `keys`: the checkpoint's tensor names. Given them, the mapping of a wrapper's language
+      model (its `text_config`'s model type, not the wrapper's) is fitted to the wrapper's
+      layout (`language_model`): the prefixes of its keys and the towers to ignore are
+      derived from them.
 
     ```python
     mapping = port.mapping_for({"model_type": "gpt2"})   # mappings/gpt2.toml
+    port.mapping_for(kimi_config, keys=ckpt.tensors).prefixes   # ("language_model.model.", "language_model.")
     ```
     """
     if isinstance(mapping, Mapping):
-        return mapping
-    if mapping is not None:
-        return load_mapping(mapping)
+        found = mapping
+    elif mapping is not None:
+        found = load_mapping(mapping)
+    else:
+        found = _shipped_for(config)
+    return found if keys is None else language_model(found, config, keys)
+
+
+def _shipped_for(config: AnyMapping[str, Any]) -> Mapping:
+    """The shipped mapping that lists `config`'s model_type, else its `text_config`'s; a `MappingError` otherwise."""
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise MappingError("config.json: no 'model_type'; give a mapping with mapping=")
-    known = []
+    text = config.get(TEXT_CONFIG)
+    text_type = text.get("model_type") if isinstance(text, dict) else None
+    known: list[str] = []
+    by_text = None
     for path in shipped_mappings():
         mapping = load_mapping(path)
         if model_type in mapping.model_types:
             return mapping
+        if by_text is None and text_type in mapping.model_types:
+            by_text = mapping
         known.extend(mapping.model_types)
+    if by_text is not None:
+        return by_text
+    nor = "" if text is None else f", nor has its {TEXT_CONFIG}'s model_type {quoted(text_type)}"
     raise MappingError(
-        f"config.json: model_type '{model_type}' has no mapping (known: {', '.join(sorted(known)) or 'none'}); "
-        "give one with mapping="
+        f"config.json: model_type {quoted(model_type)} has no mapping{nor} "
+        f"(known: {', '.join(sorted(known)) or 'none'}); give one with mapping="
     )
+
+
+def language_model(mapping: Mapping, config: AnyMapping[str, Any], keys: Iterable[str]) -> Mapping:
+    """`mapping` fitted to a multimodal wrapper holding its model as the language model, where
+    `config` is such a wrapper's (`Mapping.model_config` gives its `text_config`); else `mapping`.
+
+    Derived from the checkpoint's `keys`, nothing written per family: `prefixes` are the
+    key prefixes under which the mapping's entries are found (the one holding most of them,
+    `language_model.model.` or `model.language_model.`, and any holding entries that one
+    lacks, such as the head's `language_model.` or none); every other group of keys (a
+    vision tower, a projector) is ignored, by the shortest leading names no prefix shares
+    (`vision_tower.*`, `model.visual.*`); and `export[<wrapper's model_type>]` writes the
+    language model as a text-only checkpoint of the text config's model type, its keys
+    under the mapping's own first prefix (`model.`) and the others' at the top
+    (`lm_head.weight`). A `CheckpointError` when the language model's keys are found
+    under two prefixes.
+    """
+    text = mapping.model_config(config)
+    if text is config:
+        return mapping
+    wrapper, text_type = str(config.get("model_type")), str(text.get("model_type"))
+    main, others = _text_prefixes(mapping, list(keys), wrapper)
+    prefixes = [main, *others]
+    towers = sorted({_group(key, prefixes) for key in keys if not _under(key, prefixes, mapping)})
+    named = text.get("architectures")  # the text config's own, where it keeps them; else none is written
+    architectures = tuple(named) if isinstance(named, list) and all(isinstance(a, str) for a in named) else ()
+    renames = ((main, mapping.prefixes[0] if mapping.prefixes else ""), *((p, "") for p in others if p))
+    export = TextExport(TEXT_CONFIG, text_type, architectures, renames)
+    return dataclasses.replace(
+        mapping,
+        prefixes=tuple(sorted((p for p in prefixes if p), key=lambda p: (-len(p), p))),
+        ignore=(*mapping.ignore, *(f"{group}.*" for group in towers)),
+        export={**mapping.export, wrapper: export},
+    )
+
+
+def _text_prefixes(mapping: Mapping, keys: list[str], wrapper: str) -> tuple[str, list[str]]:
+    """The prefix under which most of `mapping`'s entries are found among `keys`, and those under
+    which entries it lacks are (the head's); `CheckpointError` for the same entries under two."""
+    names = re.compile("|".join([*(p.regex(named=False) for p in mapping.params), *map(re.escape, mapping.tied)]))
+    found: dict[str, set[str]] = {}
+    for key in keys:
+        for at in [0, *(i + 1 for i, c in enumerate(key) if c == ".")]:
+            if names.fullmatch(key, at):
+                found.setdefault(key[:at], set()).add(key[at:])
+    if not found:
+        raise CheckpointError(
+            f"config.json: model_type {quoted(wrapper)} wraps a {mapping.model_types[0]} language model, "
+            f"but no key of the checkpoint is one {mapping.source} names, under any prefix"
+        )
+    ranked = sorted(found, key=lambda p: (-len(found[p]), p))
+    main = ranked[0]
+    twin = next((p for p in ranked[1:] if found[p] == found[main]), None)
+    if twin is not None:
+        raise CheckpointError(
+            f"checkpoint: the {mapping.model_types[0]} language model of {quoted(wrapper)} is found under two "
+            f"prefixes, {quoted(main)} and {quoted(twin)} ({len(found[main])} keys each): one model, one prefix"
+        )
+    others: dict[str, str] = {}
+    for prefix in ranked[1:]:
+        if found[prefix] & found[main]:
+            continue  # another tower with some of the same names (a vision model's layers)
+        for name in found[prefix]:
+            if name in others:
+                raise CheckpointError(
+                    f"checkpoint: {quoted(name)} of the {mapping.model_types[0]} language model of {quoted(wrapper)} "
+                    f"is found under two prefixes, {quoted(others[name])} and {quoted(prefix)}"
+                )
+            others[name] = prefix
+    return main, sorted(set(others.values()), key=lambda p: (-len(p), p))
+
+
+def _under(key: str, prefixes: list[str], mapping: Mapping) -> bool:
+    """Whether `key` is the language model's: under one of its non-empty `prefixes`, or, where
+    one is empty (a head at the top), itself a name of the mapping's."""
+    if any(p and key.startswith(p) for p in prefixes):
+        return True
+    return "" in prefixes and (key in mapping.tied or any(p.pattern().match(key) for p in mapping.params))
+
+
+def _group(key: str, prefixes: list[str]) -> str:
+    """The shortest leading names of `key` that begin no prefix of the language model's:
+    `vision_tower` of `vision_tower.blocks.0.w`, `model.visual` of `model.visual.w` beside
+    `model.language_model.`."""
+    parts = key.split(".")
+    for n in range(1, len(parts)):
+        head = ".".join(parts[:n]) + "."
+        if not any(p.startswith(head) for p in prefixes):
+            return head[:-1]
+    return key

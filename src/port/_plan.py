@@ -307,6 +307,7 @@ def plan_problems(
     A pattern of `include` that selects no leaf raises `PortError` (one line), as `plan` does.
     """
     problems: list[str] = []
+    config = mapping.model_config(config)  # a wrapper's language model: names are its text_config's
     mesh_shape = dict(mesh_shape)
     target_dtype = None if dtype is None else dtype_named(dtype)
     if target_dtype is not None:

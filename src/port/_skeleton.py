@@ -104,6 +104,8 @@ def skeleton(model: Mapping | Any, config: AnyMapping[str, Any]) -> Any:
     skel.blocks.attn.wq          # ShapeDtypeStruct(shape=(12, 768, 12, 64), dtype=float32)
     ```
     """
+    if isinstance(model, Mapping):
+        config = model.model_config(config)  # a wrapper's language model: its text_config
     target = model.model_object() if isinstance(model, Mapping) else model
     make = builder(target, config)
     name = describe_model(target)
@@ -189,6 +191,8 @@ def own_state(model: Mapping | Any, config: AnyMapping[str, Any], paths: list[st
     own_state(mapping, config, ["rngs.default.key"], NamedSharding(mesh, PartitionSpec()))
     ```
     """
+    if isinstance(model, Mapping):
+        config = model.model_config(config)  # a wrapper's language model: its text_config
     target = model.model_object() if isinstance(model, Mapping) else model
     make = builder(target, config)
     wanted = set(paths)

@@ -262,7 +262,8 @@ def _expected(model: Any, mapping: Mapping, config: AnyMapping[str, Any], output
         return dict(output.leaves), f"the output {output.directory}"
     else:
         built = model_class(output)
-    expected = {p: leaf for p, leaf in leaves(skeleton(built, config)).items() if hasattr(leaf, "shape")}
+    built_from = mapping.model_config(config)  # a wrapper's language model: its text_config
+    expected = {p: leaf for p, leaf in leaves(skeleton(built, built_from)).items() if hasattr(leaf, "shape")}
     return expected, f"the module {describe_model(built)} that the config builds"
 
 
@@ -391,7 +392,7 @@ def _export(
     headers = found.headers
     config = dict(found.config if config is None else config)
     kept = found.output if mapping is None else None  # the output's own mapping: its `model` is not imported
-    mapping = mapping_for(config, mapping if kept is None else kept.mapping)
+    mapping = mapping_for(config, mapping if kept is None else kept.mapping, keys=headers)
     inputs = (source,) if isinstance(source, (str, os.PathLike)) and Path(source).exists() else ()
     out = check_destination(out, force, inputs, ours=is_export, what=_EXPORT)
     _check_fits(model, mapping, config, source, kept)
@@ -515,9 +516,8 @@ def _text_only_config(config: AnyMapping[str, Any], text_only: TextExport, tied_
         **carried,
         **text,
         "model_type": model_type,
-        "architectures": architectures,
         "tie_word_embeddings": tied_head,
-    }
+    } | ({"architectures": architectures} if architectures else {})  # none the text config or mapping names
 
 
 def _share_bytes(mine: list[Block], specs: AnyMapping[str, OutTensor], quantization: Quantization | None) -> int:

@@ -135,7 +135,11 @@ def restore(
     check_host_memory(device_bytes, mesh, f"mesh {mesh_spec(dict(mesh.shape))}")
     arrays = dict(_read_arrays(output, chunks, checkpoint, mesh, specs))
     own = [path for path in target_of(skel).own(skel) if path not in output.leaves and path in absent]
-    state = own_state(cls, output.config, own, NamedSharding(mesh, PartitionSpec())) if own else {}
+    state = (
+        own_state(cls, output.mapping.model_config(output.config), own, NamedSharding(mesh, PartitionSpec()))
+        if own
+        else {}
+    )
     return fill(skel, arrays | {path: None for path in absent if path not in state} | state)
 
 
@@ -305,7 +309,7 @@ def _check_config(output: Output) -> None:
 def _build(cls: type, output: Output) -> Any:
     """The skeleton of `cls` built from the output's config (shapes and dtypes, no memory)."""
     try:
-        return skeleton(cls, output.config)
+        return skeleton(cls, output.mapping.model_config(output.config))
     except PortError as e:
         raise OutputError(f"{output.where}: config: {one_line(str(e)).removeprefix('config.json: ')}") from None
     except Exception as e:  # jax or the model on values it does not expect

@@ -72,7 +72,7 @@ def check(
     owned = not isinstance(checkpoint, Checkpoint)
     ckpt = open_checkpoint(checkpoint) if owned else checkpoint
     try:
-        parsed = mapping_for(ckpt.config, parsed)
+        parsed = mapping_for(ckpt.config, parsed, keys=ckpt.tensors)
         result = plan_problems(skeleton(parsed, ckpt.config), parsed, ckpt.tensors, ckpt.config, shape, dtype)
         headers = {key: (info.shape, info.dtype) for key, info in ckpt.tensors.items()}
     finally:

@@ -413,7 +413,7 @@ def verify(
     directory = resolve(model)
     with open_checkpoint(directory) as ckpt:
         config = ckpt.config
-        mapping = mapping_for(config, mapping)
+        mapping = mapping_for(config, mapping, keys=ckpt.tensors)
         if not mapping.reference:
             raise MappingError(f"{mapping.source}: no 'reference' (the PyTorch class to compare with)")
         _refuse_quantized(config)
