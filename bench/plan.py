@@ -47,6 +47,7 @@ Models (bfloat16 copies of the weights, but for deepseek-v3-fp8):
   gemma4-31b    google/gemma-4-31B-it, the largest Gemma 4 (`model.language_model.*`,
                 `model.vision_tower.*`), reconstructed: see GEMMA4_31B, mesh 8x8
   olmo2-32b     allenai/OLMo-2-0325-32B, 64 layers, mesh 8x8
+  minimax-m2    MiniMaxAI/MiniMax-M2 (a bf16 copy), 62 layers, 256 experts, mesh 32x16
   modernbert-large  answerdotai/ModernBERT-large (ModernBertForMaskedLM), one file, mesh 2x2
   xlm-roberta-large  FacebookAI/xlm-roberta-large (XLMRobertaForMaskedLM), one file, mesh 2x2
 
@@ -517,6 +518,41 @@ XLM_R_LARGE = {
 }
 
 
+# MiniMaxAI/MiniMax-M2's config.json, without its FP8 `quantization_config` and `auto_map` (a
+# bfloat16 copy). Sure: the sizes (hidden 3072, 62 layers, 48 heads, 8 kv heads, head_dim 128,
+# 256 experts of 1536, 8 per token, vocab 200064), rotary_dim 64, rope_theta 5e6, use_qk_norm,
+# qk_norm_type, scoring_func, use_routing_bias; from memory: attn_type_list (all 1), the MTP
+# fields (transformers builds no MTP layer, and none is written here).
+MINIMAX_M2 = {
+    "architectures": ["MiniMaxM2ForCausalLM"],
+    "model_type": "minimax_m2",
+    "attn_type_list": [1] * 62,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 3072,
+    "intermediate_size": 1536,
+    "max_position_embeddings": 196608,
+    "mtp_transformer_layers": 1,
+    "num_attention_heads": 48,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 62,
+    "num_key_value_heads": 8,
+    "num_local_experts": 256,
+    "num_mtp_modules": 3,
+    "qk_norm_type": "per_layer",
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 5000000,
+    "rotary_dim": 64,
+    "scoring_func": "sigmoid",
+    "shared_intermediate_size": 0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_mtp": True,
+    "use_qk_norm": True,
+    "use_routing_bias": True,
+    "vocab_size": 200064,
+}
+
 # ---------------------------------------------------------------------------- the Hub's key layouts
 
 
@@ -717,6 +753,7 @@ MODELS = {
     "gemma3-27b": ("Gemma-3-27B-it", GEMMA3_27B, transformers_shapes, "8x8", 12),
     "gemma4-31b": ("Gemma-4-31B-it", GEMMA4_31B, transformers_shapes, "8x8", None),
     "olmo2-32b": ("OLMo-2-0325-32B", OLMO2_32B, transformers_shapes, "8x8", None),
+    "minimax-m2": ("MiniMax-M2 230B", MINIMAX_M2, transformers_shapes, "32x16", None),
     "modernbert-large": ("ModernBERT-large", MODERNBERT_LARGE, transformers_shapes, "2x2", None),
     "xlm-roberta-large": ("XLM-RoBERTa-large", XLM_R_LARGE, transformers_shapes, "2x2", None),
 }
