@@ -36,6 +36,9 @@ Models (bfloat16 copies of the weights, but for deepseek-v3-fp8):
                 `weight_scale_inv` (one scale per 128x128 block: ceil(M/128) x ceil(N/128)) and
                 config.json's `quantization_config`; embeddings, head, norms and the routers'
                 gates bfloat16, `e_score_correction_bias` float32; 163 files, mesh 32x16
+  deepseek-v32  deepseek-ai/DeepSeek-V3.2-Exp, 685B: DeepSeek-V3's layers and MTP layer, each with its
+                lightning indexer (64 heads of 128, top 2048), 163 files, mesh 32x16
+  glm5          zai-org/GLM-5, 78 layers + the MTP layer 78, 256 experts, indexer 32 heads of 128, mesh 32x16
   qwen3-235b    Qwen/Qwen3-235B-A22B, 94 layers, 128 experts, mesh 8x8
   gpt-oss-120b  openai/gpt-oss-120b (a bf16 copy: fused `mlp.experts.gate_up_proj`), mesh 8x8
   llama4-scout  meta-llama/Llama-4-Scout-17B-16E, the Hub's multimodal layout
@@ -48,6 +51,8 @@ Models (bfloat16 copies of the weights, but for deepseek-v3-fp8):
                 `model.vision_tower.*`), reconstructed: see GEMMA4_31B, mesh 8x8
   olmo2-32b     allenai/OLMo-2-0325-32B, 64 layers, mesh 8x8
   minimax-m2    MiniMaxAI/MiniMax-M2 (a bf16 copy), 62 layers, 256 experts, mesh 32x16
+  kimi-k25      moonshotai/Kimi-K2.5 (a bf16 copy), DeepSeek-V3's text model with 384 experts and
+                64 heads under `language_model.model.*`, its vision tower `vision_tower.*`, mesh 32x16
   modernbert-large  answerdotai/ModernBERT-large (ModernBertForMaskedLM), one file, mesh 2x2
   xlm-roberta-large  FacebookAI/xlm-roberta-large (XLMRobertaForMaskedLM), one file, mesh 2x2
 
@@ -518,6 +523,60 @@ XLM_R_LARGE = {
 }
 
 
+# deepseek-ai/DeepSeek-V3.2-Exp's config.json: DeepSeek-V3's (sure: the same sizes, FP8 left out as
+# above) and its sparse attention (sure: index_n_heads 64, index_head_dim 128, index_topk 2048).
+DEEPSEEK_V32 = {
+    **DEEPSEEK_V3,
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+}
+
+# zai-org/GLM-5's config.json, from memory, checked against GlmMoeDsaConfig's fields (whose defaults
+# are these sizes). Sure: 78 layers + one MTP layer, hidden 6144, 64 heads, q/kv latents 2048/512,
+# qk 192 + 64, v 256, 256 experts of 2048 (8 active, 1 shared), 3 dense layers of 12288, vocab
+# 154880, the indexer's 32 heads of 128 and top 2048. Unsure: rope_theta (1e6), rms_norm_eps (1e-5),
+# routed_scaling_factor (2.5), max_position_embeddings (202752): none changes a tensor's shape.
+GLM5 = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "model_type": "glm_moe_dsa",
+    "vocab_size": 154880,
+    "hidden_size": 6144,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 78,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 2048,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "qk_nope_head_dim": 192,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+    "max_position_embeddings": 202752,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000,
+    "index_topk": 2048,
+    "index_head_dim": 128,
+    "index_n_heads": 32,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "attention_bias": False,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+
 # MiniMaxAI/MiniMax-M2's config.json, without its FP8 `quantization_config` and `auto_map` (a
 # bfloat16 copy). Sure: the sizes (hidden 3072, 62 layers, 48 heads, 8 kv heads, head_dim 128,
 # 256 experts of 1536, 8 per token, vocab 200064), rotary_dim 64, rope_theta 5e6, use_qk_norm,
@@ -552,6 +611,66 @@ MINIMAX_M2 = {
     "use_routing_bias": True,
     "vocab_size": 200064,
 }
+
+# moonshotai/Kimi-K2.5's config.json (Kimi_K25ForConditionalGeneration: DeepSeek-V3's text model
+# under `text_config`, a MoonViT vision tower and its projector), a bfloat16 copy: the Hub's
+# routed experts are INT4 (compressed-tensors), its `quantization_config` left out. Sure: Kimi K2's
+# text sizes (hidden 7168, 61 layers, the first dense, 64 heads, q/kv latents 1536/512, qk 128 + 64,
+# v 128, 384 experts of 2048, 8 per token, one shared, one expert group, vocab 163840, untied head).
+# From memory: routed_scaling_factor 2.827, rope_theta 50000, the YaRN factor 64 over 4096,
+# max_position_embeddings 262144, the token ids; the vision tower and projector are transformers'
+# Kimi_K25 defaults (1152 wide, 27 layers; none of them is read). No MTP layer is written.
+KIMI_K25 = {
+    "architectures": ["Kimi_K25ForConditionalGeneration"],
+    "model_type": "kimi_k25",
+    "text_config": {
+        "model_type": "deepseek_v3",
+        "vocab_size": 163840,
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 61,
+        "num_nextn_predict_layers": 0,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 64,
+        "n_shared_experts": 1,
+        "n_routed_experts": 384,
+        "routed_scaling_factor": 2.827,
+        "kv_lora_rank": 512,
+        "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "qk_nope_head_dim": 128,
+        "topk_method": "noaux_tc",
+        "n_group": 1,
+        "topk_group": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 1,
+        "norm_topk_prob": True,
+        "scoring_func": "sigmoid",
+        "hidden_act": "silu",
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 50000.0,
+            "factor": 64.0,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "bos_token_id": 163584,
+        "eos_token_id": 163585,
+    },
+    "vision_config": {"model_type": "kimi_k25_vision"},
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+}
+
 
 # ---------------------------------------------------------------------------- the Hub's key layouts
 
@@ -664,6 +783,14 @@ UNQUANTIZED = ("embed_tokens.weight", "lm_head.weight", "shared_head.head.weight
 """DeepSeek-V3's 2-D weights its FP8 checkpoint keeps in bfloat16: embeddings, heads, the routers' gates."""
 
 
+def kimi_k25_shapes(c):
+    """Kimi K2.5's tensors as the Hub holds them: transformers' (`transformers_shapes`), whose
+    reverted `blocks` -> `layers` rename (meant for the vision tower's `vision_tower.encoder.blocks`)
+    also turns the language model's layers into `blocks`; the Hub keeps DeepSeek-V3's `layers`."""
+    old, new = "language_model.model.blocks.", "language_model.model.layers."
+    return {(new + k[len(old) :] if k.startswith(old) else k): s for k, s in transformers_shapes(c).items()}
+
+
 def deepseek_v3_fp8_shapes(c):
     """DeepSeek-V3's tensors as its FP8 checkpoint holds them, each (dtype, shape): every 2-D weight
     but the embeddings, heads and gates in F8_E4M3 with its F32 `weight_scale_inv` (a scale per
@@ -675,6 +802,25 @@ def deepseek_v3_fp8_shapes(c):
             continue
         shapes[key] = ("F8_E4M3", shape)
         shapes[key + "_scale_inv"] = ("F32", [-(-n // BLOCK) for n in shape])
+    return shapes
+
+
+def deepseek_v32_shapes(c):
+    """DeepSeek-V3's tensors (`deepseek_v3_shapes`, the MTP layer included) and each layer's
+    lightning indexer: `wq_b`, `wk`, `k_norm` (weight and bias), `weights_proj`."""
+    shapes = deepseek_v3_shapes(c)
+    h, heads, dim = c["hidden_size"], c["index_n_heads"], c["index_head_dim"]
+    for i in range(c["num_hidden_layers"] + c["num_nextn_predict_layers"]):
+        p = f"model.layers.{i}.self_attn.indexer."
+        shapes.update(
+            {
+                p + "wq_b.weight": [heads * dim, c["q_lora_rank"]],
+                p + "wk.weight": [dim, h],
+                p + "k_norm.weight": [dim],
+                p + "k_norm.bias": [dim],
+                p + "weights_proj.weight": [heads, h],
+            }
+        )
     return shapes
 
 
@@ -746,6 +892,8 @@ def qwen3_next_shapes(c):
 MODELS = {
     "deepseek-v3": ("DeepSeek-V3 671B", DEEPSEEK_V3, deepseek_v3_shapes, "32x16", 163),
     "deepseek-v3-fp8": ("DeepSeek-V3 671B FP8", DEEPSEEK_V3_FP8, deepseek_v3_fp8_shapes, "32x16", 163),
+    "deepseek-v32": ("DeepSeek-V3.2-Exp 685B", DEEPSEEK_V32, deepseek_v32_shapes, "32x16", 163),
+    "glm5": ("GLM-5", GLM5, deepseek_v32_shapes, "32x16", None),
     "qwen3-235b": ("Qwen3-235B-A22B", QWEN3_235B, transformers_shapes, "8x8", 118),
     "gpt-oss-120b": ("gpt-oss-120b (bf16)", GPT_OSS_120B, transformers_shapes, "8x8", None),
     "llama4-scout": ("Llama-4-Scout-17B-16E", SCOUT, transformers_shapes, "8x8", 50),
@@ -754,6 +902,7 @@ MODELS = {
     "gemma4-31b": ("Gemma-4-31B-it", GEMMA4_31B, transformers_shapes, "8x8", None),
     "olmo2-32b": ("OLMo-2-0325-32B", OLMO2_32B, transformers_shapes, "8x8", None),
     "minimax-m2": ("MiniMax-M2 230B", MINIMAX_M2, transformers_shapes, "32x16", None),
+    "kimi-k25": ("Kimi-K2.5 (bf16)", KIMI_K25, kimi_k25_shapes, "32x16", None),
     "modernbert-large": ("ModernBERT-large", MODERNBERT_LARGE, transformers_shapes, "2x2", None),
     "xlm-roberta-large": ("XLM-RoBERTa-large", XLM_R_LARGE, transformers_shapes, "2x2", None),
 }
