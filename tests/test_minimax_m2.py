@@ -132,7 +132,7 @@ def test_save_pretrained_writes_mixtral_keys_the_selection_bias_and_projection_n
 def test_logits_match_transformers(checkpoints, loaded, name, mesh):
     _, _, expected = checkpoints(name)
     model = loaded(name, mesh)
-    assert isinstance(model, Moe) and model.layer_groups == {}
+    assert isinstance(model, Moe) and model.blocks is not None and model.layer_groups == {}
     assert model.config.rope.rotary_dim == (8 if name == "rotary-dim" else 4)
     ours = logits(model, IDS)
     assert ours.shape == (*IDS.shape, VOCAB) and ours.dtype == np.float32
