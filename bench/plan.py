@@ -51,6 +51,7 @@ Models (bfloat16 copies of the weights, but for deepseek-v3-fp8):
                 `model.vision_tower.*`), reconstructed: see GEMMA4_31B, mesh 8x8
   olmo2-32b     allenai/OLMo-2-0325-32B, 64 layers, mesh 8x8
   minimax-m2    MiniMaxAI/MiniMax-M2 (a bf16 copy), 62 layers, 256 experts, mesh 32x16
+  glm4.6        zai-org/GLM-4.6, 355B, 92 layers + the MTP layer 92, 160 experts, mesh 32x16
   kimi-k25      moonshotai/Kimi-K2.5 (a bf16 copy), DeepSeek-V3's text model with 384 experts and
                 64 heads under `language_model.model.*`, its vision tower `vision_tower.*`, mesh 32x16
   modernbert-large  answerdotai/ModernBERT-large (ModernBertForMaskedLM), one file, mesh 2x2
@@ -887,6 +888,59 @@ def qwen3_next_shapes(c):
     return shapes
 
 
+# zai-org/GLM-4.6's config.json (a bfloat16 checkpoint). Sure: hidden 5120, 92 layers, 96 heads of
+# head_dim 128, 8 kv heads, 160 experts of 1536, 8 per token, one shared expert, the first 3 layers
+# dense (intermediate 12288), partial_rotary_factor 0.5, use_qk_norm, attention_bias, vocab 151552,
+# one MTP layer (`model.layers.92.*`); from memory: routed_scaling_factor 2.5, rope_theta 1e6,
+# max_position_embeddings 202752, one expert group, the token ids.
+GLM_4_6 = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "attention_bias": True,
+    "eos_token_id": [151329, 151336, 151338],
+    "first_k_dense_replace": 3,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 202752,
+    "moe_intermediate_size": 1536,
+    "n_group": 1,
+    "n_routed_experts": 160,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 92,
+    "num_key_value_heads": 8,
+    "num_nextn_predict_layers": 1,
+    "pad_token_id": 151329,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "torch_dtype": "bfloat16",
+    "use_qk_norm": True,
+    "vocab_size": 151552,
+}
+
+
+def glm4_moe_shapes(c):
+    """GLM-4.5/4.6's tensors: transformers' (`transformers_shapes`), and the MTP layer the Hub stores
+    after the last (`model.layers.{num_hidden_layers}.*`: a copy of a MoE layer, with `enorm`, `hnorm`,
+    `eh_proj` and `shared_head.norm`), which transformers does not build."""
+    shapes = transformers_shapes(c)
+    last, mtp, h = c["num_hidden_layers"] - 1, c["num_hidden_layers"], c["hidden_size"]
+    old, new = f"model.layers.{last}.", f"model.layers.{mtp}."
+    shapes.update({new + k[len(old) :]: s for k, s in shapes.items() if k.startswith(old)})
+    shapes.update({new + k: [h] for k in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")})
+    shapes[new + "eh_proj.weight"] = [h, 2 * h]
+    return shapes
+
+
 # name: (what, config.json, its tensors, mesh, shard files as on the Hub; None: at most 5 GB each,
 # and one file named model.safetensors, without an index, as `save_pretrained` writes it)
 MODELS = {
@@ -902,6 +956,7 @@ MODELS = {
     "gemma4-31b": ("Gemma-4-31B-it", GEMMA4_31B, transformers_shapes, "8x8", None),
     "olmo2-32b": ("OLMo-2-0325-32B", OLMO2_32B, transformers_shapes, "8x8", None),
     "minimax-m2": ("MiniMax-M2 230B", MINIMAX_M2, transformers_shapes, "32x16", None),
+    "glm4.6": ("GLM-4.6 355B", GLM_4_6, glm4_moe_shapes, "32x16", None),
     "kimi-k25": ("Kimi-K2.5 (bf16)", KIMI_K25, kimi_k25_shapes, "32x16", None),
     "modernbert-large": ("ModernBERT-large", MODERNBERT_LARGE, transformers_shapes, "2x2", None),
     "xlm-roberta-large": ("XLM-RoBERTa-large", XLM_R_LARGE, transformers_shapes, "2x2", None),
