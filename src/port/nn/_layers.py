@@ -107,6 +107,7 @@ def run_groups(
     cos: Array | None = None,
     sin: Array | None = None,
     sliding: Sequence[bool] | None = None,
+    q_scale: Float[Array, "batch seq"] | None = None,
     remat: bool | str | Callable[..., bool] | None = None,
 ) -> tuple[Float[Array, "batch seq embed"], tuple[Any, Any, Any]]:
     """Run layers of several kinds, each kind's blocks stacked apart, in the checkpoint's order.
@@ -122,8 +123,8 @@ def run_groups(
     - `groups`: kind -> its stacked blocks (arrays `[its layers, ...]`, in layer order),
       or None for a kind no layer has. Each block is called as in `run_layers`.
     - `kinds`: each layer's kind, in order (`len(kinds)` layers).
-    - `x`, `tokens`, `cos`, `sin`, `remat`: as in `run_layers`; `sliding` per layer, in
-      the order of `kinds`.
+    - `x`, `tokens`, `cos`, `sin`, `q_scale`, `remat`: as in `run_layers`; `sliding` per
+      layer, in the order of `kinds`.
 
     With a cache, a block of kind `g` gets its layers' rows of the cache's `keys` and
     `values` (arrays over every layer, when every layer caches alike), or `(keys[g],
@@ -142,7 +143,9 @@ def run_groups(
     kinds = tuple(kinds)
     n = len(kinds)
     if len(set(kinds)) == 1 and (tokens.cache is None or not isinstance(tokens.cache.keys, Mapping)):
-        x, (keys, values) = run_layers(groups[kinds[0]], x, tokens, cos=cos, sin=sin, sliding=sliding, remat=remat)
+        x, (keys, values) = run_layers(
+            groups[kinds[0]], x, tokens, cos=cos, sin=sin, sliding=sliding, q_scale=q_scale, remat=remat
+        )
         return x, (keys, values, None if tokens.cache is None else tokens.cache.states)
     flags = jnp.asarray(sliding if sliding else (False,) * n, bool)
     cache = tokens.cache
@@ -165,7 +168,8 @@ def run_groups(
 
     def layer(block: Any, x: Array, i: Array, slides: Array, entry: Any) -> tuple[Array, Any]:
         mask = tokens.mask if tokens.sliding is None else jnp.where(slides, tokens.sliding, tokens.mask)
-        return block(x, mask, cos=cos, sin=sin, kv=entry, index=index, layer=i)
+        scaled = {} if q_scale is None else {"q_scale": q_scale}
+        return block(x, mask, cos=cos, sin=sin, kv=entry, index=index, layer=i, **scaled)
 
     period = _period(kinds)
     out: dict[str, Any] = {}
