@@ -25,6 +25,7 @@ import port
 from helpers import VOCAB, loaded_once, logits, one_line, perturbed, run_port, torch_logits, transformers_or_skip
 
 IDS = np.random.default_rng(0).integers(3, VOCAB, (2, 16))
+MAPPINGS = Path(__file__).resolve().parents[1] / "mappings"
 KIMI_VISION = dict(
     hidden_size=16,
     intermediate_size=32,
@@ -185,6 +186,46 @@ def test_export_writes_a_text_only_deepseek_v3(kimi, loaded, layout, tmp_path):
         assert not info[what], f"{what}: {info[what]}"
     assert type(exported).__name__ == "DeepseekV3ForCausalLM"
     np.testing.assert_allclose(torch_logits(exported.eval(), IDS), kimi[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["gemma3", "llama4", "qwen3_5", "qwen3_5_moe", "ministral3"])
+def test_the_shipped_wrappers_write_no_wrapper_prefix(name):
+    """The wrappers port already read (tests/test_gemma3.py, test_llama4.py, test_qwen3_next.py,
+    test_ministral3.py, test_export_text_only.py load and export them) write only their text
+    model's own prefix: the wrapper's prefixes, towers and export renames are derived."""
+    mapping = port.load_mapping(MAPPINGS / f"{name}.toml")
+    assert mapping.prefixes == ("model.",)
+    assert not [p for p in mapping.ignore if p.split(".")[0] in ("vision_tower", "vision_model", "visual")]
+    assert mapping.export and all(not entry.prefixes for entry in mapping.export.values())
+
+
+def test_a_shipped_wrappers_prefixes_are_derived_from_its_keys():
+    """Gemma 3 in either layout: the derived prefixes, towers and export renames."""
+    config = {"model_type": "gemma3", "text_config": {"model_type": "gemma3_text"}}
+    hub = ["language_model.model.embed_tokens.weight", "language_model.model.layers.0.mlp.up_proj.weight"]
+    hub += ["language_model.lm_head.weight", "vision_tower.vision_model.x.weight", "multi_modal_projector.w"]
+    own = ["model.language_model.embed_tokens.weight", "model.language_model.layers.0.mlp.up_proj.weight"]
+    own += ["lm_head.weight", "model.vision_tower.vision_model.x.weight", "model.multi_modal_projector.w"]
+    for keys, prefixes, towers, renames in [
+        (
+            hub,
+            ("language_model.model.", "language_model."),
+            ("multi_modal_projector.*", "vision_tower.*"),
+            (("language_model.model.", "model."), ("language_model.", "")),
+        ),
+        (
+            own,
+            ("model.language_model.",),
+            ("model.multi_modal_projector.*", "model.vision_tower.*"),
+            (("model.language_model.", "model."),),
+        ),
+    ]:
+        mapping = port.mapping_for(config, keys=keys)
+        assert Path(mapping.source).name == "gemma3.toml"
+        assert mapping.prefixes == prefixes and mapping.ignore[-len(towers) :] == towers
+        export = mapping.export["gemma3"]
+        assert export.prefixes == renames and export.architectures == ("Gemma3ForCausalLM",)
+        assert port.mapping_for(config, mapping, keys=keys) == mapping  # fitted once
 
 
 # ---------------------------------------------------------------- bad input

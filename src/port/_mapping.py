@@ -254,6 +254,7 @@ class Mapping:
     aliases: dict[str, str]
     reference: dict[str, str]
     export: dict[str, TextExport] = dataclasses.field(default_factory=dict)  # by the wrapper's model_type
+    fitted: str = ""  # the wrapper's model_type `language_model` fitted it to the keys of, if any
 
     def key_name(self, key: str) -> str:
         """A checkpoint key as the entries name it: an optional prefix stripped, a legacy ending
@@ -475,15 +476,16 @@ def _text_export(name: str, entry: Any, model_types: tuple[str, ...], fail) -> T
         raise fail(f"{where}: {quoted(name)} is not one of the mapping's model_types")
     by_type = isinstance(entry, dict) and isinstance(entry.get("architectures"), dict)
     wanted = _EXPORT - {"model_type"} if by_type else _EXPORT
-    if not isinstance(entry, dict) or set(entry) != wanted:
+    if not isinstance(entry, dict) or not wanted - {"prefixes"} <= set(entry) <= wanted:
         raise fail(
             f"{where} must be a table of exactly {', '.join(sorted(_EXPORT))} "
-            "(without model_type when architectures is a table by the text config's model_type)"
+            "(without model_type when architectures is a table by the text config's model_type; "
+            "prefixes may be left to port, which derives them from the checkpoint's keys)"
         )
     for field in sorted(wanted & {"config", "model_type"}):
         if not isinstance(entry[field], str) or not entry[field]:
             raise fail(f"{where}.{field} must be a non-empty string")
-    prefixes = entry["prefixes"]
+    prefixes = entry.get("prefixes", {})
 
     def classes(value: Any, at: str) -> tuple[str, ...]:
         if not isinstance(value, list) or not value or not all(isinstance(a, str) and a for a in value):
@@ -693,7 +695,8 @@ def _shipped_for(config: AnyMapping[str, Any]) -> Mapping:
 
 def language_model(mapping: Mapping, config: AnyMapping[str, Any], keys: Iterable[str]) -> Mapping:
     """`mapping` fitted to a multimodal wrapper holding its model as the language model, where
-    `config` is such a wrapper's (`Mapping.model_config` gives its `text_config`); else `mapping`.
+    `config` is such a wrapper's: one whose `text_config`'s model type the mapping serves, or
+    whose own it exports (`[export.<model_type>]`); else `mapping`. Idempotent.
 
     Derived from the checkpoint's `keys`, nothing written per family: `prefixes` are the
     key prefixes under which the mapping's entries are found (the one holding most of them,
@@ -703,37 +706,58 @@ def language_model(mapping: Mapping, config: AnyMapping[str, Any], keys: Iterabl
     (`vision_tower.*`, `model.visual.*`); and `export[<wrapper's model_type>]` writes the
     language model as a text-only checkpoint of the text config's model type, its keys
     under the mapping's own first prefix (`model.`) and the others' at the top
-    (`lm_head.weight`). A `CheckpointError` when the language model's keys are found
-    under two prefixes.
+    (`lm_head.weight`); a mapping's `[export.<model_type>]` gives the class to write (and may
+    give the prefixes). A `CheckpointError` when the language model's keys are found under
+    two prefixes.
     """
-    text = mapping.model_config(config)
-    if text is config:
+    text = config.get(TEXT_CONFIG)
+    wrapper = config.get("model_type")
+    if not isinstance(text, dict) or not isinstance(wrapper, str) or text.get("model_type") == wrapper:
         return mapping
-    wrapper, text_type = str(config.get("model_type")), str(text.get("model_type"))
-    main, others = _text_prefixes(mapping, list(keys), wrapper)
+    if text.get("model_type") not in mapping.model_types and wrapper not in mapping.export or mapping.fitted:
+        return mapping
+    keys = list(keys)
+    found, main, others = _text_prefixes(mapping, keys, wrapper)
     prefixes = [main, *others]
-    towers = sorted({_group(key, prefixes) for key in keys if not _under(key, prefixes, mapping)})
-    named = text.get("architectures")  # the text config's own, where it keeps them; else none is written
-    architectures = tuple(named) if isinstance(named, list) and all(isinstance(a, str) for a in named) else ()
-    renames = ((main, mapping.prefixes[0] if mapping.prefixes else ""), *((p, "") for p in others if p))
-    export = TextExport(TEXT_CONFIG, text_type, architectures, renames)
+    top = found.get("", set())
+    towers = sorted({_group(key, prefixes) for key in keys if not _under(key, prefixes, top)})
+    renames = ((main, mapping.prefixes[-1] if mapping.prefixes else ""), *((p, "") for p in others if p))
+    declared = mapping.export.get(wrapper)  # its model_type and architectures; prefixes derived unless it gives them
+    if declared is not None:
+        export = declared if declared.prefixes else dataclasses.replace(declared, prefixes=renames)
+    else:
+        named = text.get("architectures")  # the text config's own, where it keeps them; else none is written
+        architectures = tuple(named) if isinstance(named, list) and all(isinstance(a, str) for a in named) else ()
+        export = TextExport(TEXT_CONFIG, str(text.get("model_type")), architectures, renames)
     return dataclasses.replace(
         mapping,
         prefixes=tuple(sorted((p for p in prefixes if p), key=lambda p: (-len(p), p))),
-        ignore=(*mapping.ignore, *(f"{group}.*" for group in towers)),
+        ignore=tuple(dict.fromkeys((*mapping.ignore, *(f"{group}.*" for group in towers)))),
         export={**mapping.export, wrapper: export},
+        fitted=wrapper,
     )
 
 
-def _text_prefixes(mapping: Mapping, keys: list[str], wrapper: str) -> tuple[str, list[str]]:
-    """The prefix under which most of `mapping`'s entries are found among `keys`, and those under
-    which entries it lacks are (the head's); `CheckpointError` for the same entries under two."""
+def _text_prefixes(mapping: Mapping, keys: list[str], wrapper: str) -> tuple[dict[str, set[str]], str, list[str]]:
+    """Each prefix under which `mapping`'s entries are found among `keys` -> the names found under
+    it (numbers blanked); the one holding most, and those holding only names it lacks (the
+    head's); `CheckpointError` for the same entries under two prefixes.
+
+    The keys are matched by their shapes (`layers.#.mlp.experts.#.up_proj.weight`): a few
+    hundred, however many layers and experts a checkpoint has."""
     names = re.compile("|".join([*(p.regex(named=False) for p in mapping.params), *map(re.escape, mapping.tied)]))
-    found: dict[str, set[str]] = {}
+    by_shape: dict[str, list[str]] = {}
     for key in keys:
-        for at in [0, *(i + 1 for i, c in enumerate(key) if c == ".")]:
-            if names.fullmatch(key, at):
-                found.setdefault(key[:at], set()).add(key[at:])
+        by_shape.setdefault(_DIGITS.sub("#", key), []).append(key)
+    found: dict[str, set[str]] = {}
+    for shape, same in by_shape.items():
+        probe = shape.replace("#", "0")
+        for depth, at in enumerate([0, *(i + 1 for i, c in enumerate(probe) if c == ".")]):
+            if names.fullmatch(probe, at):
+                head = shape[:at]  # the prefix, unless it holds numbers: then each key's own
+                keyed = {".".join(key.split(".")[:depth]) + "." for key in same} if "#" in head else {head}
+                for prefix in keyed:
+                    found.setdefault(prefix, set()).add(shape[at:])
     if not found:
         raise CheckpointError(
             f"config.json: model_type {quoted(wrapper)} wraps a {mapping.model_types[0]} language model, "
@@ -745,7 +769,7 @@ def _text_prefixes(mapping: Mapping, keys: list[str], wrapper: str) -> tuple[str
     if twin is not None:
         raise CheckpointError(
             f"checkpoint: the {mapping.model_types[0]} language model of {quoted(wrapper)} is found under two "
-            f"prefixes, {quoted(main)} and {quoted(twin)} ({len(found[main])} keys each): one model, one prefix"
+            f"prefixes, {quoted(main)} and {quoted(twin)}: one model, one prefix"
         )
     others: dict[str, str] = {}
     for prefix in ranked[1:]:
@@ -758,15 +782,13 @@ def _text_prefixes(mapping: Mapping, keys: list[str], wrapper: str) -> tuple[str
                     f"is found under two prefixes, {quoted(others[name])} and {quoted(prefix)}"
                 )
             others[name] = prefix
-    return main, sorted(set(others.values()), key=lambda p: (-len(p), p))
+    return found, main, sorted(set(others.values()), key=lambda p: (-len(p), p))
 
 
-def _under(key: str, prefixes: list[str], mapping: Mapping) -> bool:
-    """Whether `key` is the language model's: under one of its non-empty `prefixes`, or, where
-    one is empty (a head at the top), itself a name of the mapping's."""
-    if any(p and key.startswith(p) for p in prefixes):
-        return True
-    return "" in prefixes and (key in mapping.tied or any(p.pattern().match(key) for p in mapping.params))
+def _under(key: str, prefixes: list[str], top: set[str]) -> bool:
+    """Whether `key` is the language model's: under one of its non-empty `prefixes`, or, where one
+    is empty (a head at the top), one of the names found there (`top`, numbers blanked)."""
+    return any(p and key.startswith(p) for p in prefixes) or ("" in prefixes and _DIGITS.sub("#", key) in top)
 
 
 def _group(key: str, prefixes: list[str]) -> str:

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec
 from ._dtypes import dtype as dtype_named
 from ._dtypes import floating
 from ._errors import PlanError, PortError
-from ._mapping import LAYER, Mapping, Param
+from ._mapping import LAYER, Mapping, Param, language_model
 from ._sources import Region, TensorInfo
 from ._sources._quantized import QuantizedInfo, describe
 from ._targets import target_of
@@ -307,6 +307,7 @@ def plan_problems(
     A pattern of `include` that selects no leaf raises `PortError` (one line), as `plan` does.
     """
     problems: list[str] = []
+    mapping = language_model(mapping, config, tensors)  # a wrapper's: its prefixes and towers, from the keys
     config = mapping.model_config(config)  # a wrapper's language model: names are its text_config's
     mesh_shape = dict(mesh_shape)
     target_dtype = None if dtype is None else dtype_named(dtype)
