@@ -321,6 +321,44 @@ FAMILIES = {
         "MiniMaxM2Config",
         dict(LLAMA, head_dim=16, intermediate_size=24, num_local_experts=6, num_experts_per_tok=2, rotary_dim=8),
     ),
+    # Mistral Large 4's language model under its multimodal wrapper: sparse attention keeping 4
+    # keys per query (8 indexer heads: a key ties at 0 only if all 8 ReLUs are 0), queries
+    # scaled by log position, LeRoPE, a dense layer between softmax group-routed MoE layers,
+    # soft-capped logits.
+    "mistral_large4": (
+        "MistralLarge4ForConditionalGeneration",
+        "MistralLarge4Config",
+        dict(
+            text_config=dict(
+                LLAMA,
+                num_hidden_layers=3,
+                num_key_value_heads=6,
+                moe_intermediate_size=20,
+                n_routed_experts=8,
+                num_experts_per_tok=3,
+                n_group=4,
+                topk_group=2,
+                mlp_layer_types=["sparse", "dense", "sparse"],
+                kv_lora_rank=16,
+                qk_nope_head_dim=8,
+                qk_rope_head_dim=6,
+                v_head_dim=10,
+                index_topk=4,
+                index_head_dim=8,
+                index_n_heads=8,
+                n_shared_experts=2,
+                routed_scaling_factor=1.5,
+                no_rope_layers=[1, 1, 1],
+                final_logit_softcapping=5.0,
+                rope_parameters=dict(
+                    rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16
+                ),
+            ),
+            vision_config=dict(
+                hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2, image_size=28
+            ),
+        ),
+    ),
 }
 # Families whose layers carry a recurrent state: packed `segment_ids` are refused.
 NO_SEGMENTS = {"qwen3_next"}
@@ -341,7 +379,14 @@ BY_SLOT = {"llama4"}
 # largest entry, 4x2's as much, and the two differ by up to 1.5e-5 (up to 5.7e-5 in the remat step
 # of an earlier 3-layer dense case; a sharding error is of order 1): 4x2 is held to 1x1 within 20
 # times the common 1e-5.
-LOOSER = {"qwen3_next": (20.0, 500.0), "gemma4": (1.0, 20.0), "gemma4_moe": (1.0, 20.0)}
+# Mistral Large 4's query scale by position: its slope's gradient sums log(position + 1) times
+# the queries' over every token; 4x2 sums in another order (1.1e-5 of the largest entry apart).
+LOOSER = {
+    "qwen3_next": (20.0, 500.0),
+    "gemma4": (1.0, 20.0),
+    "gemma4_moe": (1.0, 20.0),
+    "mistral_large4": (1.0, 3.0),
+}
 # The absolute floor of the 4x2 train step's gradients against 1x1's, for a gradient that is zero
 # but for rounding: 1e-7 (GPT-2's key bias, which softmax cancels). Gemma 4's last layer scales the
 # residual stream by its `layer_scalar` just before the final RMSNorm, which cancels the scale: that
