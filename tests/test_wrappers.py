@@ -188,6 +188,18 @@ def test_export_writes_a_text_only_deepseek_v3(kimi, loaded, layout, tmp_path):
     np.testing.assert_allclose(torch_logits(exported.eval(), IDS), kimi[1], atol=1e-5, rtol=0)
 
 
+def test_a_converted_language_model_restores_and_exports(kimi, tmp_path):
+    """`port.convert(out=...)` keeps the wrapper's config.json; `port.restore` builds the language
+    model from its text_config, with the same logits, and exports it text-only from the output."""
+    directory = kimi[2]["own"]
+    port.convert(directory, mesh="2x2", out=tmp_path / "out")
+    restored = port.restore(tmp_path / "out", "4x2")
+    np.testing.assert_allclose(np.asarray(logits(restored, IDS)), kimi[1], atol=1e-4, rtol=0)
+    out = port.export(restored, tmp_path / "hf", tmp_path / "out")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
+    assert "lm_head.weight" in load_file(out / "model.safetensors")
+
+
 @pytest.mark.parametrize("name", ["gemma3", "llama4", "qwen3_5", "qwen3_5_moe", "ministral3"])
 def test_the_shipped_wrappers_write_no_wrapper_prefix(name):
     """The wrappers port already read (tests/test_gemma3.py, test_llama4.py, test_qwen3_next.py,
