@@ -283,6 +283,18 @@ def test_port_plan_refuses_a_nope_layer_in_one_line(checkpoints, tmp_path):
     assert result.returncode != 0 and "'no_rope_layers' [1, 0, 1] is not supported" in line, line
 
 
+@pytest.mark.slow
+def test_port_plan_loads_the_wrappers_language_model_and_lists_the_towers_ignored(checkpoints):
+    """The wrapper (`mistral_large4`) loads by its `text_config`'s mapping, keys at the top
+    level; the vision encoder and the projector are derived as ignored and listed."""
+    directory, _, _ = checkpoints("base")
+    result = run_port("plan", directory, "--mesh", "4x2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "port.models.mistral_large4:MistralLarge4" in result.stdout
+    for ignored in ("vision_encoder.patch_conv.weight", "patch_merger.merging_layer.weight", "pre_mm_projector_norm"):
+        assert f"ignored: {ignored}" in result.stdout, result.stdout
+
+
 def test_mlp_layer_types_pick_the_stacks():
     text = {**TEXT, "model_type": "mistral_large4_text", "mlp_layer_types": ["sparse", "dense", "sparse"]}
     c = MistralLarge4Config.from_hf(text)
