@@ -4,7 +4,7 @@ Tiny random `MistralLarge4ForConditionalGeneration`s written by `save_pretrained
 own key names, one tensor per expert, a one-layer vision tower the mapping ignores) and
 loaded by `port.load`: the logits are transformers' on one device, on 4x2 and with the
 experts on an `expert` axis, in float32 and bfloat16. The case has a dense layer before
-two MoE layers, group-limited softmax routing (4 groups, 2 open, top 3), two shared experts,
+two MoE layers (the last a NoPE layer), group-limited softmax routing (4 groups, 2 open, top 3), two shared experts,
 a `routed_scaling_factor` of 1.5, LeRoPE's `alpha`, the queries' scale by position and the
 norms perturbed (each shown to matter), YaRN and the logits' soft cap; sparse attention
 keeps 3 keys per query of sequences of 8 (`index_topk`, shown to matter). `port.export`
@@ -66,7 +66,7 @@ TEXT = dict(
     index_topk=TOP_K,
     index_head_dim=8,
     index_n_heads=8,  # a key scores exactly 0 (a tie) only when all 8 ReLUs are 0
-    no_rope_layers=[1, 1, 1],
+    no_rope_layers=[1, 1, 0],  # the last layer NoPE
     max_position_embeddings=64,
     initializer_range=0.2,
     rms_norm_eps=1e-5,
@@ -142,7 +142,8 @@ def test_save_pretrained_writes_mistrals_own_key_names(checkpoints):
 def test_logits_match_transformers(checkpoints, loaded, mesh):
     _, _, expected = checkpoints("base")
     model = loaded("base", mesh)
-    assert model.layer_groups == {"dense": (0,), "moe": (1, 2)}
+    assert model.layer_groups == {"dense": (0,), "moe": (1,), "dense_nope": (), "moe_nope": (2,)}
+    assert model.dense_nope is None and model.moe_nope.attn.mla.wk_rope.shape == (1, 0, 48)
     ours = np.asarray(logits(model, IDS))
     assert ours.shape == (*IDS.shape, VOCAB) and ours.dtype == np.float32
     print(f"float32 on {mesh}: max |ours - transformers| {np.abs(ours - expected).max():.3g}")
@@ -253,7 +254,7 @@ def test_export_round_trip(checkpoints, loaded, tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (dict(no_rope_layers=[1, 1, 0]), "'no_rope_layers' [1, 1, 0] is not supported by port.models.mistral_large4"),
+        (dict(no_rope_layers=[1, 1, 2]), "'no_rope_layers' must be a list of at least 3 0 or 1"),
         (dict(kv_source_layers=[0, 0, 2]), "'kv_source_layers' [0, 0, 2] is not supported"),
         (dict(indexer_types=["full", "shared", "full"]), "an indexer shared across layers ('shared')"),
         (dict(layer_types=["full_attention"] * 3), "only 'indexed_attention' layers are supported"),
@@ -272,15 +273,15 @@ def test_config_refuses_in_one_line(change, message):
 
 
 @pytest.mark.slow
-def test_port_plan_refuses_a_nope_layer_in_one_line(checkpoints, tmp_path):
+def test_port_plan_refuses_a_shared_latent_cache_in_one_line(checkpoints, tmp_path):
     source, _, _ = checkpoints("base")
     shutil.copytree(source, tmp_path / "bad")
     config = json.loads((source / "config.json").read_text())
-    config["text_config"]["no_rope_layers"] = [1, 0, 1]
+    config["text_config"]["kv_source_layers"] = [0, 0, 2]
     (tmp_path / "bad" / "config.json").write_text(json.dumps(config))
     result = run_port("plan", tmp_path / "bad", "--mesh", "4x2")
     line = one_line(result)
-    assert result.returncode != 0 and "'no_rope_layers' [1, 0, 1] is not supported" in line, line
+    assert result.returncode != 0 and "'kv_source_layers' [0, 0, 2] is not supported" in line, line
 
 
 @pytest.mark.slow
@@ -298,6 +299,8 @@ def test_port_plan_loads_the_wrappers_language_model_and_lists_the_towers_ignore
 def test_mlp_layer_types_pick_the_stacks():
     text = {**TEXT, "model_type": "mistral_large4_text", "mlp_layer_types": ["sparse", "dense", "sparse"]}
     c = MistralLarge4Config.from_hf(text)
-    assert c.kinds == ("moe", "dense", "moe") and c.softcap == 3.0 and not c.tie_word_embeddings
+    assert c.kinds == ("moe", "dense", "moe_nope") and c.softcap == 3.0 and not c.tie_word_embeddings
     abstract = eqx.filter_eval_shape(MistralLarge4, c, key=jax.random.key(0))
-    assert abstract.moe.mlp.experts.gate.shape == (2, 8, 20, 48) and abstract.rope_alpha.shape == (3,)
+    assert abstract.moe.mlp.experts.gate.shape == (1, 8, 20, 48) and abstract.rope_alpha.shape == (3,)
+    # A NoPE layer's keys and queries are all non-rotary: 8 + 6 of them.
+    assert abstract.moe_nope.attn.mla.wk_b.shape == (1, 4, 14, 16) and abstract.moe.attn.mla.wk_b.shape == (1, 4, 8, 16)

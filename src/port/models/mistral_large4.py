@@ -19,8 +19,11 @@ What is new in the family, all else from `port.nn` and DeepSeek-V3's module:
   while a call sees at most `index_topk`. The cache keeps the indexer's keys beside the
   rotary key.
 
-Refused in one line before any tensor is read: NoPE layers (a 0 in `no_rope_layers`),
-layers sharing another's latent cache (`kv_source_layers`), indexers shared across layers
+- NoPE layers (a 0 in `no_rope_layers`: every 4th by default): no RoPE in the layer's
+  attention nor its indexer, each head's key and query all non-rotary
+  (`qk_nope_head_dim + qk_rope_head_dim`), its own stacks (`dense_nope`, `moe_nope`).
+
+Refused in one line before any tensor is read: layers sharing another's latent cache (`kv_source_layers`), indexers shared across layers
 (`indexer_types` "shared"), and any other `layer_types` than "indexed_attention".
 
 The checkpoints are Mistral's own layout (what transformers' `save_pretrained` writes and
@@ -36,10 +39,10 @@ Example:
     from port.models.mistral_large4 import MistralLarge4
 
     config = {"model_type": "mistral_large4", "text_config": {"model_type": "mistral_large4_text",
-              "num_hidden_layers": 4, "no_rope_layers": [1, 1, 1, 1]}}
+              "num_hidden_layers": 8}}
     abstract = eqx.filter_eval_shape(MistralLarge4.from_config, config, key=jax.random.key(0))
-    abstract.moe.mlp.experts.gate.shape       # (3, 128, 6144, 6144)
-    abstract.layer_groups["dense"]            # (0,)
+    abstract.moe.mlp.experts.gate.shape       # (5, 128, 6144, 6144)
+    abstract.layer_groups["moe_nope"]         # (3, 7): every 4th layer is NoPE
     ```
 """
 
@@ -86,6 +89,8 @@ from port.nn.config import MAX_LAYERS, ConfigFields, activation, check, check_mo
 MODEL_TYPES = ("mistral_large4_text",)
 WRAPPERS = ("mistral_large4",)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+KINDS = ("dense", "moe", "dense_nope", "moe_nope")
+"""The layer stacks: a dense MLP or the experts, with RoPE or without (NoPE)."""
 
 # MistralLarge4TextConfig's defaults (Mistral-Large-4-1T-A52B), used where config.json omits a key.
 _DEFAULTS: dict[str, Any] = {
@@ -132,9 +137,8 @@ class MistralLarge4Config:
     (the wrapper's `text_config`, transformers' names).
 
     ```python
-    c = MistralLarge4Config.from_hf({"model_type": "mistral_large4_text", "num_hidden_layers": 2,
-                                     "no_rope_layers": [1, 1]})
-    c.kinds, c.index_topk          # (('dense', 'moe'), 2048)
+    c = MistralLarge4Config.from_hf({"model_type": "mistral_large4_text", "num_hidden_layers": 4})
+    c.kinds, c.index_topk          # (('dense', 'moe', 'moe', 'moe_nope'), 2048)
     ```
     """
 
@@ -154,7 +158,7 @@ class MistralLarge4Config:
     n_group: int
     topk_group: int
     routed_scaling_factor: float
-    kinds: tuple[str, ...]  # each layer's "dense" or "moe"
+    kinds: tuple[str, ...]  # each layer's "dense" or "moe", "_nope" added where it does not rotate
     index_topk: int
     index_n_heads: int
     index_head_dim: int
@@ -212,7 +216,7 @@ class MistralLarge4Config:
             n_group=groups,
             topk_group=top_groups,
             routed_scaling_factor=get(c, "routed_scaling_factor", float),
-            kinds=_kinds(c, layers),
+            kinds=tuple(k if r else f"{k}_nope" for k, r in zip(_kinds(c, layers), _rope_layers(config, layers))),
             index_topk=get(c, "index_topk", int),
             index_n_heads=get(c, "index_n_heads", int),
             index_head_dim=get(c, "index_head_dim", int),
@@ -239,10 +243,9 @@ def _language_model(config: dict) -> dict:
 
 
 def _check_layers(config: dict, layers: int) -> None:
-    """Refuse the per-layer options this module does not run: NoPE layers, shared latent
-    caches, shared indexers, other attention kinds."""
+    """Refuse the per-layer options this module does not run: shared latent caches, shared
+    indexers, other attention kinds."""
     runs = {
-        "no_rope_layers": (1, "a NoPE layer (0) is not supported: every layer must rotate (1)"),
         "kv_source_layers": (None, "a layer sharing another layer's latent cache is not supported"),
         "indexer_types": ("full", "an indexer shared across layers ('shared') is not supported"),
         "layer_types": ("indexed_attention", "only 'indexed_attention' layers are supported"),
@@ -258,6 +261,20 @@ def _check_layers(config: dict, layers: int) -> None:
             raise ConfigError(
                 f"config.json: {key!r} {quoted(given)} is not supported by port.models.mistral_large4: {why}"
             )
+
+
+def _rope_layers(config: dict, layers: int) -> tuple[bool, ...]:
+    """Whether each layer rotates: `no_rope_layers` (1: RoPE, 0: NoPE), by default every
+    layer but every 4th (transformers' `no_rope_layer_interval`)."""
+    given = config.get("no_rope_layers")
+    if given is None:
+        return tuple((i + 1) % 4 != 0 for i in range(layers))
+    if not isinstance(given, list) or len(given) < layers or any(isinstance(v, bool) or v not in (0, 1) for v in given):
+        raise ConfigError(
+            f"config.json: 'no_rope_layers' must be a list of at least {layers} 0 or 1 ('num_hidden_layers'), "
+            f"got {quoted(given)}"
+        )
+    return tuple(v == 1 for v in given[:layers])
 
 
 def _kinds(config: dict, layers: int) -> tuple[str, ...]:
@@ -351,6 +368,8 @@ class ScaledLatentAttention(eqx.Module):
     whose queries, after RoPE, are scaled per head by position, `q * (q_scale_slope[h] *
     log(position + 1) + q_scale_bias[h])` (see `scaled`), over the keys its
     `MistralLarge4Indexer` picks (every key while they are at most `index_topk`).
+    `rotates` False: a NoPE layer, every query and key dimension non-rotary, nothing rotated
+    (the latent attention's `rope_dim` 0).
 
     Called as a `port.nn.Block`'s attention, with `q_scale` `[batch, seq]` the log of each
     query's position plus one (from `port.nn.run_groups`). The cache holds the latent
@@ -360,16 +379,18 @@ class ScaledLatentAttention(eqx.Module):
     q_scale_slope: Float[Array, " heads"]
     q_scale_bias: Float[Array, " heads"]
     indexer: MistralLarge4Indexer
+    rotates: bool = eqx.field(static=True)
 
-    def __init__(self, c: MistralLarge4Config, dtype: Any, key: PRNGKeyArray):
+    def __init__(self, c: MistralLarge4Config, dtype: Any, key: PRNGKeyArray, *, rotates: bool = True):
         kattn, kindex = jax.random.split(key)
+        rope = c.qk_rope_head_dim if rotates else 0
         self.mla = LatentAttention(
             heads=c.num_attention_heads,
             embd=c.hidden_size,
             q_rank=None,
             kv_rank=c.kv_lora_rank,
-            nope_dim=c.qk_nope_head_dim,
-            rope_dim=c.qk_rope_head_dim,
+            nope_dim=c.qk_nope_head_dim + c.qk_rope_head_dim - rope,
+            rope_dim=rope,
             v_dim=c.v_head_dim,
             dtype=dtype,
             key=kattn,
@@ -382,6 +403,7 @@ class ScaledLatentAttention(eqx.Module):
         self.indexer = MistralLarge4Indexer(
             heads=c.index_n_heads, dim=c.index_head_dim, embd=c.hidden_size, top_k=c.index_topk, dtype=dtype, key=kindex
         )
+        self.rotates = rotates
 
     @property
     def cache_sizes(self) -> tuple[int, int, int]:
@@ -401,6 +423,8 @@ class ScaledLatentAttention(eqx.Module):
         q_scale: Float[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         assert q_scale is not None, "the queries' scale needs each position's log (q_scale)"
+        if not self.rotates:  # a NoPE layer: neither the attention nor the indexer rotates
+            cos = sin = None
         mla = self.mla
         q = scaled(mla.queries(x, cos, sin), self.q_scale_slope, self.q_scale_bias, q_scale)
         latent, rope = mla.latents(x, cos, sin)
@@ -414,9 +438,10 @@ class ScaledLatentAttention(eqx.Module):
 
 
 def block(c: MistralLarge4Config, kind: str, dtype: Any, *, key: PRNGKeyArray) -> Block:
-    """One layer: the scaled latent attention, then a dense MLP (`kind` "dense") or the experts ("moe")."""
+    """One layer: the scaled latent attention (without RoPE for a `kind` ending "_nope"), then a
+    dense MLP (`kind` "dense...") or the experts ("moe...")."""
     kattn, kmlp = jax.random.split(key)
-    if kind == "dense":
+    if kind.startswith("dense"):
         mlp: GatedMLP | MoE = GatedMLP(
             embd=c.hidden_size, inner=c.intermediate_size, activation=c.hidden_act, dtype=dtype, key=kmlp
         )
@@ -436,13 +461,15 @@ def block(c: MistralLarge4Config, kind: str, dtype: Any, *, key: PRNGKeyArray) -
             scale=c.routed_scaling_factor,
             shared_inner=c.moe_intermediate_size * c.n_shared_experts or None,
         )
-    return Block(ScaledLatentAttention(c, dtype, kattn), mlp, embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
+    attn = ScaledLatentAttention(c, dtype, kattn, rotates=not kind.endswith("_nope"))
+    return Block(attn, mlp, embd=c.hidden_size, eps=c.rms_norm_eps, dtype=dtype)
 
 
 @final
 class MistralLarge4(Decoder):
-    """Mistral Large 4's language model: `dense` and `moe` stacks of blocks (None where a kind
-    has no layer), LeRoPE's `rope_alpha`, soft-capped logits.
+    """Mistral Large 4's language model: `dense` and `moe` stacks of blocks, and their NoPE
+    layers' `dense_nope` and `moe_nope` (None where a kind has no layer), LeRoPE's
+    `rope_alpha`, soft-capped logits.
 
     Called as every `port.nn.Decoder`: `model(input_ids, *, attention_mask=None, positions=None,
     segment_ids=None, cache=None, dtype=None, remat=None)`.
@@ -467,22 +494,25 @@ class MistralLarge4(Decoder):
     rope_alpha: Float[Array, " half_rotary"]
     dense: Block | None
     moe: Block | None
+    dense_nope: Block | None
+    moe_nope: Block | None
     norm: Float[Array, " embed"]
     lm_head: Float[Array, "vocab embed"] | None
     config: MistralLarge4Config = eqx.field(static=True)
 
     def __init__(self, config: MistralLarge4Config, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
-        kembed, kdense, kmoe = jax.random.split(key, 3)
+        kembed, kdense, kmoe, kdense_nope, kmoe_nope = jax.random.split(key, 5)
         self.embed, self.lm_head = embeddings(
             kembed, vocab=config.vocab_size, embd=config.hidden_size, dtype=dtype, tied=config.tie_word_embeddings
         )
         self.rope_alpha = jnp.zeros((config.qk_rope_head_dim // 2,), jnp.float32)
-        counts = {kind: config.kinds.count(kind) for kind in ("dense", "moe")}
+        counts = {kind: config.kinds.count(kind) for kind in KINDS}
 
         def make(kind, k):
             return stacked(lambda kk: block(config, kind, dtype, key=kk), k, counts[kind]) if counts[kind] else None
 
         self.dense, self.moe = make("dense", kdense), make("moe", kmoe)
+        self.dense_nope, self.moe_nope = make("dense_nope", kdense_nope), make("moe_nope", kmoe_nope)
         self.norm = jnp.ones((config.hidden_size,), dtype)
         self.config = config
 
@@ -494,9 +524,9 @@ class MistralLarge4(Decoder):
 
     @property
     def layer_groups(self) -> dict[str, tuple[int, ...]]:
-        """The checkpoint layers each stack holds, by `mlp_layer_types`."""
+        """The checkpoint layers each stack holds, by `mlp_layer_types` and `no_rope_layers`."""
         kinds = self.config.kinds
-        return {kind: tuple(i for i, k in enumerate(kinds) if k == kind) for kind in ("dense", "moe")}
+        return {kind: tuple(i for i, k in enumerate(kinds) if k == kind) for kind in KINDS}
 
     def init_cache(self, batch: int, length: int, dtype: Any = None) -> Cache:
         """An empty cache by layer kind: per layer, the latent (`kv_lora_rank`) as keys, the
@@ -508,8 +538,9 @@ class MistralLarge4(Decoder):
         keys, values = {}, {}
         for kind, ids in self.layer_groups.items():
             if ids:
+                rope = 0 if kind.endswith("_nope") else c.qk_rope_head_dim
                 keys[kind] = jnp.zeros((len(ids), batch, length, 1, c.kv_lora_rank), dtype)
-                values[kind] = jnp.zeros((len(ids), batch, length, 1, c.qk_rope_head_dim + c.index_head_dim), dtype)
+                values[kind] = jnp.zeros((len(ids), batch, length, 1, rope + c.index_head_dim), dtype)
         return Cache.of(keys, values, batch=batch, length=length)
 
     def angles(self, positions: Array, dtype: Any) -> tuple[Array, Array]:
@@ -528,7 +559,7 @@ class MistralLarge4(Decoder):
         x = self.embed[tokens.ids]
         cos, sin = self.angles(tokens.positions, x.dtype)
         log_positions = jnp.log(tokens.positions.astype(jnp.float32) + 1)
-        groups = {"dense": self.dense, "moe": self.moe}
+        groups = {"dense": self.dense, "moe": self.moe, "dense_nope": self.dense_nope, "moe_nope": self.moe_nope}
         x, cache = run_groups(groups, c.kinds, x, tokens, cos=cos, sin=sin, q_scale=log_positions, remat=remat)
         logits = head(rms_norm(x, self.norm, c.rms_norm_eps), self.embed, self.lm_head)
         if c.softcap is not None:
