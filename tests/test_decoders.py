@@ -359,9 +359,43 @@ FAMILIES = {
             ),
         ),
     ),
+    # DeepSeek-V4: every layer_types value (a sliding window of 4; compressed sparse every 2
+    # tokens, the indexer keeping 3 entries; heavily compressed every 4), a hash-routed layer,
+    # 3 hyper-connection streams. No cache (refused in one line): generation is not run.
+    "deepseek_v4": (
+        "DeepseekV4ForCausalLM",
+        "DeepseekV4Config",
+        dict(
+            BASE,
+            hidden_size=48,
+            moe_intermediate_size=24,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            head_dim=16,
+            q_lora_rank=24,
+            partial_rotary_factor=0.5,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+            mlp_layer_types=["hash_moe", "moe", "moe"],
+            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+            hc_mult=3,
+            hc_sinkhorn_iters=4,
+            sliding_window=4,
+            o_groups=2,
+            o_lora_rank=12,
+            index_n_heads=8,  # ties of relu's zeros (which top-k breaks as it likes) made unlikely
+            index_head_dim=8,
+            index_topk=3,
+        ),
+    ),
 }
-# Families whose layers carry a recurrent state: packed `segment_ids` are refused.
-NO_SEGMENTS = {"qwen3_next"}
+# Families whose layers carry a recurrent state (or DeepSeek-V4's compressors, pooling windows of
+# slots): packed `segment_ids` are refused.
+NO_SEGMENTS = {"qwen3_next", "deepseek_v4"}
+# Families without a key/value cache (DeepSeek-V4's compressors' running windows): `init_cache`,
+# hence generation, is refused in one line.
+NO_CACHE = {"deepseek_v4"}
 # Llama 4 places its attention chunks (and NoPE layers' temperature) as transformers does for
 # its own inputs: chunks by position, the temperature by slot. transformers chunks by slot
 # whatever `position_ids` say, and has no packed sequences; port's chunks follow positions, so
@@ -409,6 +443,10 @@ def torch_model(name):
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"  # torch's grouped_mm needs 16-byte strides
     model = getattr(transformers, arch)(config)
+    with torch.no_grad():  # DeepSeek-V4's hash-routing tables (initialised to zeros): experts at random
+        for key, table in model.named_buffers():
+            if key.endswith("tid2eid"):
+                table.copy_(torch.randint(0, config.n_routed_experts, table.shape))
     return perturbed(model, lambda key: "norm" in key or "ln" in key or key.endswith("bias"), 0.2)
 
 
@@ -545,6 +583,8 @@ def test_gradients_match_pytorch(family, name, tmp_path):
     assert float(loss) == pytest.approx(out.loss.item(), rel=1e-5)
     # Exported by the mapping (checkpoint names) and read back by transformers (its own names,
     # experts fused as it holds them), so every parameter is compared with its own gradient.
+    # Integer buffers (DeepSeek-V4's hash table) have none: exported as the model holds them.
+    grads = eqx.combine(grads, eqx.filter(model, lambda a: eqx.is_array(a) and not eqx.is_inexact_array(a)))
     port.export(grads, tmp_path / "grads", directory)
     arch = FAMILIES[name][0]
     ours = getattr(transformers_or_skip(), arch).from_pretrained(tmp_path / "grads").state_dict()
@@ -637,7 +677,9 @@ def test_train_step_on_4x2_equals_1x1_and_keeps_shardings(family, name):
     loss, grads, updated = step(model, ids_d, mask_d)
     loss1, grads1 = loss_and_grads(single, ids, mask)
     assert float(loss) == pytest.approx(float(loss1), rel=1e-5)
-    for g, g1, s in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1), jax.tree.leaves(shardings)):
+    # Gradients of the floating parameters only (an integer buffer, DeepSeek-V4's hash table, has none).
+    differentiable = jax.tree.map(lambda a: a.sharding, eqx.filter(model, eqx.is_inexact_array))
+    for g, g1, s in zip(jax.tree.leaves(grads), jax.tree.leaves(grads1), jax.tree.leaves(differentiable)):
         assert g.sharding.is_equivalent_to(s, g.ndim)
         # + 1e-7: a gradient that is zero but for rounding (GPT-2's key bias, which softmax cancels)
         np.testing.assert_allclose(
@@ -656,6 +698,11 @@ def test_greedy_generation_matches_transformers(family, name):
 
     torch_lm, _, model = family(name)
     ids, mask = padded("left", lengths=(9, 4), width=9, seed=3)
+    if name in NO_CACHE:
+        with pytest.raises(ValueError, match="has no key/value cache") as error:
+            port.generate(model, ids, max_new_tokens=32, attention_mask=mask)
+        assert "\n" not in str(error.value)
+        return
     torch_lm.generation_config.eos_token_id = None
     with torch.no_grad():
         expected = torch_lm.generate(
