@@ -57,6 +57,8 @@ Models (bfloat16 copies of the weights, but for deepseek-v3-fp8):
   mistral-large4  transformers' MistralLarge4 at its config's defaults (Mistral-Large-4-1T-A52B's sizes:
                 72 layers, 128 experts, sparse attention keeping 2048), Mistral's own key names, its
                 Pixtral tower `vision_encoder.*`; every layer rotating (see MISTRAL_LARGE4), mesh 32x16
+  deepseek-v4-pro  DeepSeek-V4-Pro as transformers' DeepseekV4Config describes it (a bf16 copy: 61 layers,
+                384 experts, CSA / HCA layers, hash-routed first 3; see DEEPSEEK_V4_PRO), mesh 32x16
   modernbert-large  answerdotai/ModernBERT-large (ModernBertForMaskedLM), one file, mesh 2x2
   xlm-roberta-large  FacebookAI/xlm-roberta-large (XLMRobertaForMaskedLM), one file, mesh 2x2
 
@@ -963,6 +965,56 @@ def glm4_moe_shapes(c):
     return shapes
 
 
+# DeepSeek-V4's largest, V4-Pro, as transformers' DeepseekV4Config describes it: sure (its docstring)
+# of hidden_size 7168, 128 heads of 512, o_groups 16 of o_lora_rank 1024, and of the V4 family's
+# shared values (one key/value head, 64 of 512 rotated, sliding window 128, compress rates 4 / 128,
+# 4 hyper-connection streams, 20 Sinkhorn iterations, 6 experts a token, 3 hash-routed layers,
+# sqrtsoftplus scoring, SwiGLU limit 10, indexer 64 heads of 128); not sure of 61 layers, 384 experts
+# of 3072, q_lora_rank 1536 and index_topk 1024 (from memory of the release: 1.6T parameters, which
+# these give), nor of its layer schedule (transformers' default: two HCA layers, then HCA and CSA
+# in turn). A bfloat16 copy; the hash tables int64 as transformers writes them.
+DEEPSEEK_V4_PRO = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "moe_intermediate_size": 3072,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "q_lora_rank": 1536,
+    "partial_rotary_factor": 0.125,
+    "n_routed_experts": 384,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "routed_scaling_factor": 2.5,
+    "o_groups": 16,
+    "o_lora_rank": 1024,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 1024,
+    "sliding_window": 128,
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "swiglu_limit": 10.0,
+    "max_position_embeddings": 1048576,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536},
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+
+
+def deepseek_v4_shapes(c):
+    """transformers' tensors of DeepSeek-V4 (`transformers_shapes`), its hash tables `gate.tid2eid` int64."""
+    shapes = transformers_shapes(c)
+    return {k: ("I64", s) if k.endswith(".tid2eid") else s for k, s in shapes.items()}
+
+
 # name: (what, config.json, its tensors, mesh, shard files as on the Hub; None: at most 5 GB each,
 # and one file named model.safetensors, without an index, as `save_pretrained` writes it)
 MODELS = {
@@ -980,6 +1032,7 @@ MODELS = {
     "minimax-m2": ("MiniMax-M2 230B", MINIMAX_M2, transformers_shapes, "32x16", None),
     "glm4.6": ("GLM-4.6 355B", GLM_4_6, glm4_moe_shapes, "32x16", None),
     "kimi-k25": ("Kimi-K2.5 (bf16)", KIMI_K25, kimi_k25_shapes, "32x16", None),
+    "deepseek-v4-pro": ("DeepSeek-V4-Pro (bf16)", DEEPSEEK_V4_PRO, deepseek_v4_shapes, "32x16", None),
     "mistral-large4": ("Mistral-Large-4 (every layer rotating)", MISTRAL_LARGE4, transformers_shapes, "32x16", None),
     "modernbert-large": ("ModernBERT-large", MODERNBERT_LARGE, transformers_shapes, "2x2", None),
     "xlm-roberta-large": ("XLM-RoBERTa-large", XLM_R_LARGE, transformers_shapes, "2x2", None),
@@ -990,7 +1043,7 @@ QUICK = "qwen3-235b"
 # ---------------------------------------------------------------------------- the sparse checkpoint
 
 
-ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+ITEMSIZE = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "I64": 8}
 
 
 def write_sparse_checkpoint(directory: Path, config: dict, shapes: dict, shards: int | None) -> tuple[int, int]:
