@@ -128,7 +128,7 @@ class GatedMLP(eqx.Module):
         if self.limit is not None and self.alpha is None:
             limit = jnp.asarray(self.limit, gate.dtype)
             return ACTIVATIONS[self.activation](jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
-        if self.limit is not None:
+        if self.limit is not None and self.alpha is not None:
             return clamped_swiglu(gate, up, alpha=self.alpha, limit=self.limit)
         return ACTIVATIONS[self.activation](gate) * up
 
