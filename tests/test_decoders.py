@@ -389,6 +389,54 @@ FAMILIES = {
             index_topk=3,
         ),
     ),
+    # DeepSeek sparse attention: each query keeps the top 4 positions its indexer scores (of
+    # prompts of 9 to 11 and 32 new tokens, cached); a dense layer between MoE layers
+    # (`mlp_layer_types`); GLM-5's indexer rotates interleaved pairs.
+    "deepseek_v32": (
+        "DeepseekV32ForCausalLM",
+        "DeepseekV32Config",
+        dict(
+            LLAMA,
+            num_hidden_layers=3,
+            num_key_value_heads=6,
+            moe_intermediate_size=20,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            mlp_layer_types=["sparse", "dense", "sparse"],
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=6,
+            v_head_dim=10,
+            index_topk=4,
+            index_head_dim=16,
+            index_n_heads=16,
+            n_shared_experts=2,
+        ),
+    ),
+    "glm_moe_dsa": (
+        "GlmMoeDsaForCausalLM",
+        "GlmMoeDsaConfig",
+        dict(
+            LLAMA,
+            num_hidden_layers=2,
+            num_key_value_heads=6,
+            moe_intermediate_size=20,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=6,
+            v_head_dim=10,
+            index_topk=4,
+            index_head_dim=16,
+            index_n_heads=8,
+        ),
+    ),
 }
 # Families whose layers carry a recurrent state (or DeepSeek-V4's compressors, pooling windows of
 # slots): packed `segment_ids` are refused.
