@@ -28,14 +28,14 @@ Example:
     from port.models.deepseek_v4 import DeepseekV4
 
     small = {"model_type": "deepseek_v4", "vocab_size": 100, "hidden_size": 48, "moe_intermediate_size": 32,
-             "num_hidden_layers": 3, "num_attention_heads": 4, "head_dim": 16, "q_lora_rank": 24,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 16, "q_lora_rank": 24,
              "partial_rotary_factor": 0.5, "n_routed_experts": 4, "num_experts_per_tok": 2, "hc_mult": 2,
              "o_groups": 2, "o_lora_rank": 12, "index_n_heads": 2, "index_head_dim": 8, "index_topk": 2,
              "sliding_window": 4, "compress_rates": {"compressed_sparse_attention": 2,
                                                      "heavily_compressed_attention": 4}}
     model = DeepseekV4.from_config(small, key=jax.random.key(0))
     model(jnp.zeros((1, 8), dtype=jnp.int32)).shape          # (1, 8, 100)
-    model.layer_groups                                        # {'hca_hash': (0, 1), 'csa_hash': (2,)}
+    model.layer_groups                                        # {'hca_hash': (0, 1, 2), 'csa_moe': (3,)}
     ```
 """
 

@@ -21,9 +21,9 @@ slots from the start of the row, as transformers counts them (`DeepseekV4HCAComp
 `DeepseekV4CSACompressor`, `DeepseekV4Indexer`, `DeepseekV4Attention`, eager, no cache).
 
 ```python
-attn = CompressedAttention(heads=4, head_dim=16, rope_dim=8, embd=48, q_rank=24, groups=2, group_rank=12,
-                           rate=4, overlap=False, index=None, eps=1e-6, dtype=jnp.float32, key=key)
-y = attn(x, tokens, sliding_rope=(cos, sin), compress_rope=(ccos, csin), compress_angles=angles)
+attn = CompressedAttention(heads=4, head_dim=16, embd=48, q_rank=24, groups=2, group_rank=12, rate=4,
+                           overlap=False, index=None, eps=1e-6, dtype=jnp.float32, key=key)
+y = attn(x, tokens.sliding, tokens.positions, (cos, sin), angles)   # x: [batch, seq, 48] -> y: the same
 ```
 """
 
@@ -174,9 +174,20 @@ class CompressedAttention(eqx.Module):
     """DeepSeek-V4's attention (see the module docstring); `compressor` and `indexer` None as the
     layer type needs (sliding: neither; HCA: a compressor; CSA: both).
 
+    **Arguments:** `heads`, `head_dim`, `embd`, `q_rank` (`q_lora_rank`), `groups` and
+    `group_rank` (`o_groups`, `o_lora_rank`), `rate` (the compression rate; None: a sliding
+    layer), `overlap` (CSA's overlapping windows), `index` (the indexer's `heads`, `dim` and
+    `topk`; None: no indexer), `eps` (`rms_norm_eps`), `dtype`, `key`.
+
     Leaves: `wq_a` `[q_rank, embed]`, `q_norm` `[q_rank]`, `wq_b` `[heads, head_dim, q_rank]`,
     `wkv` `[head_dim, embed]`, `kv_norm` `[head_dim]`, `wo_a` `[groups, group_rank, heads / groups
     * head_dim]`, `wo_b` `[embed, groups * group_rank]`, `sinks` `[heads]` (float32).
+
+    ```python
+    attn = CompressedAttention(heads=4, head_dim=16, embd=48, q_rank=24, groups=2, group_rank=12, rate=4,
+                               overlap=False, index=None, eps=1e-6, dtype=jnp.float32, key=key)
+    y = attn(x, tokens.sliding, tokens.positions, (cos, sin), angles)   # x: [batch, seq, 48] -> y: the same
+    ```
     """
 
     wq_a: Float[Array, "q_rank embed"]

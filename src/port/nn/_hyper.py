@@ -47,6 +47,12 @@ class HyperConnection(eqx.Module):
     **Arguments:** `streams` (`hc_mult`), `embd`, `iterations` (`hc_sinkhorn_iters`), `eps`
     (`hc_eps`), `norm_eps` (`rms_norm_eps`, the streams' normalisation), `key`; the leaves
     are float32, as transformers keeps them.
+
+    ```python
+    hc = HyperConnection(streams=4, embd=64, iterations=20, eps=1e-6, norm_eps=1e-6, key=key)
+    post, comb, collapsed = hc(x)             # x: [batch, seq, 4, 64] -> collapsed [batch, seq, 64]
+    x = hc.mix(x, branch(collapsed), post, comb)
+    ```
     """
 
     fn: Float[Array, "hc_mix hc_embed"]
@@ -98,7 +104,15 @@ class HyperConnection(eqx.Module):
 @final
 class HyperHead(eqx.Module):
     """The last collapse of the streams, before the final norm. Leaves: `fn` `[hc, hc * embed]`,
-    `base` `[hc]`, `scale` `[1]` (transformers' `hc_head.hc_fn` / `hc_base` / `hc_scale`)."""
+    `base` `[hc]`, `scale` `[1]` (transformers' `hc_head.hc_fn` / `hc_base` / `hc_scale`).
+
+    **Arguments:** `streams` (`hc_mult`), `embd`, `eps` (`hc_eps`), `norm_eps` (`rms_norm_eps`), `key`.
+
+    ```python
+    head = HyperHead(streams=4, embd=64, eps=1e-6, norm_eps=1e-6, key=key)
+    x = head(streams)                         # [batch, seq, 4, 64] -> [batch, seq, 64]
+    ```
+    """
 
     fn: Float[Array, "hc hc_embed"]
     base: Float[Array, " hc"]
