@@ -286,8 +286,8 @@ def test_port_plan_refuses_a_shared_latent_cache_in_one_line(checkpoints, tmp_pa
 
 @pytest.mark.slow
 def test_port_plan_loads_the_wrappers_language_model_and_lists_the_towers_ignored(checkpoints):
-    """The wrapper (`mistral_large4`) loads by its `text_config`'s mapping, keys at the top
-    level; the vision encoder and the projector are derived as ignored and listed."""
+    """The wrapper (`mistral_large4`) loads its language model, keys at the top level; the
+    vision encoder and the projector are ignored and listed."""
     directory, _, _ = checkpoints("base")
     result = run_port("plan", directory, "--mesh", "4x2")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -151,6 +151,7 @@ class MistralLarge4Config:
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
+    qk_head_dim: int  # both: a NoPE layer's non-rotary key and query size (the mapping names it)
     v_head_dim: int
     num_local_experts: int
     num_experts_per_tok: int
@@ -209,6 +210,7 @@ class MistralLarge4Config:
             kv_lora_rank=get(c, "kv_lora_rank", int),
             qk_nope_head_dim=nope,
             qk_rope_head_dim=rope_dim,
+            qk_head_dim=nope + rope_dim,
             v_head_dim=get(c, "v_head_dim", int),
             num_local_experts=experts,
             num_experts_per_tok=top_k,
