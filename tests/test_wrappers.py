@@ -274,3 +274,15 @@ def test_the_language_model_under_two_prefixes_is_refused(kimi, tmp_path):
     save_file(both, directory / "model.safetensors", metadata={"format": "pt"})
     result = run_port("plan", str(directory))
     one_line(result, "found under two prefixes", "'language_model.model.'", "'model.language_model.'")
+
+
+@pytest.mark.slow
+def test_a_text_config_field_the_model_does_not_honour_is_refused(kimi, tmp_path):
+    """The text model's own declaration (DeepseekV3.FIELDS) checks the wrapper's text_config:
+    one line naming the field, before any tensor byte is read."""
+
+    def softmax(config):
+        config["text_config"]["scoring_func"] = "softmax"
+
+    directory = with_config(kimi[2]["hub"], tmp_path / "ckpt", softmax)
+    one_line(run_port("convert", str(directory), "--out", str(tmp_path / "out")), "scoring_func", "'softmax'")
