@@ -93,6 +93,7 @@ SHAPES: dict[str, str] = {
     "top_k": "the experts each token is routed to",
     "rows": "(token, expert) pairs sorted by expert (grouped matmuls)",
     "rotary": "the rotated features of a head (RoPE's cos and sin)",
+    "entries": "DeepSeek-V4's compressed entries: one per window of `rate` tokens",
     "height": "an image's rows of pixels",
     "width": "an image's columns of pixels",
     "patches": "an image's patches, flattened",
