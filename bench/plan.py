@@ -55,8 +55,8 @@ Models (bfloat16 copies of the weights, but for deepseek-v3-fp8):
   kimi-k25      moonshotai/Kimi-K2.5 (a bf16 copy), DeepSeek-V3's text model with 384 experts and
                 64 heads under `language_model.model.*`, its vision tower `vision_tower.*`, mesh 32x16
   mistral-large4  transformers' MistralLarge4 at its config's defaults (Mistral-Large-4-1T-A52B's sizes:
-                72 layers, 128 experts, sparse attention keeping 2048), Mistral's own key names, its
-                Pixtral tower `vision_encoder.*`; every layer rotating (see MISTRAL_LARGE4), mesh 32x16
+                72 layers, every 4th NoPE, 128 experts, sparse attention keeping 2048), Mistral's own
+                key names, its Pixtral tower `vision_encoder.*`, mesh 32x16
   deepseek-v4-pro  DeepSeek-V4-Pro as transformers' DeepseekV4Config describes it (a bf16 copy: 61 layers,
                 384 experts, CSA / HCA layers, hash-routed first 3; see DEEPSEEK_V4_PRO), mesh 32x16
   modernbert-large  answerdotai/ModernBERT-large (ModernBertForMaskedLM), one file, mesh 2x2
@@ -685,14 +685,12 @@ KIMI_K25 = {
 # one shared, the first layer dense, kv_lora_rank 512, indexer 32 heads of 128 keeping 2048, vocab
 # 204800), and the Pixtral tower MistralLarge4Config builds by default. Not sure: that a Hub
 # checkpoint ships these exact values (Mistral-Large-3-675B-Instruct-2512's own config.json, a
-# DeepSeek-V3 text model with a q_lora_rank, is not this class). Changed: transformers' default
-# makes every 4th layer NoPE, which port does not run yet (refused in one line), so here every
-# layer rotates: each of the 18 NoPE layers' wkv_a would be 64 rows shorter and its wkv_b 64 x 64
-# rows longer (1.7M more weights a layer, 31M of the 1050B).
+# DeepSeek-V3 text model with a q_lora_rank, is not this class). Every 4th layer NoPE, as the
+# default config makes it.
 MISTRAL_LARGE4 = {
     "architectures": ["MistralLarge4ForConditionalGeneration"],
     "model_type": "mistral_large4",
-    "text_config": {"model_type": "mistral_large4_text", "no_rope_layers": [1] * 72},
+    "text_config": {"model_type": "mistral_large4_text"},
     "tie_word_embeddings": False,
     "dtype": "bfloat16",
 }
@@ -1033,7 +1031,7 @@ MODELS = {
     "glm4.6": ("GLM-4.6 355B", GLM_4_6, glm4_moe_shapes, "32x16", None),
     "kimi-k25": ("Kimi-K2.5 (bf16)", KIMI_K25, kimi_k25_shapes, "32x16", None),
     "deepseek-v4-pro": ("DeepSeek-V4-Pro (bf16)", DEEPSEEK_V4_PRO, deepseek_v4_shapes, "32x16", None),
-    "mistral-large4": ("Mistral-Large-4 (every layer rotating)", MISTRAL_LARGE4, transformers_shapes, "32x16", None),
+    "mistral-large4": ("Mistral-Large-4-1T-A52B", MISTRAL_LARGE4, transformers_shapes, "32x16", None),
     "modernbert-large": ("ModernBERT-large", MODERNBERT_LARGE, transformers_shapes, "2x2", None),
     "xlm-roberta-large": ("XLM-RoBERTa-large", XLM_R_LARGE, transformers_shapes, "2x2", None),
 }
