@@ -8,7 +8,8 @@ What is new in the family, all else from `port.nn` and DeepSeek-V3's module:
   `MistralLarge4TextSoftmaxScaling`, the checkpoint's `ssmax_scaling.s` / `.b`).
 - LeRoPE: one learned vector `alpha` (`lerope.alpha`) scales YaRN's inverse
   frequencies by `exp(alpha)`, the same for every layer.
-- The MoE router: a softmax over the experts in float32, group-limited top-k,
+- The MoE router: a softmax over the experts (`port.nn.route`'s, in float32; transformers
+  also computes the router's logits in float32), group-limited top-k,
   the chosen weights renormalised and times `routed_scaling_factor`; one ungated shared
   expert; the dense layers are those `mlp_layer_types` names "dense" (a stack each kind,
   `layer_groups`, run in order by `port.nn.run_groups`).
@@ -18,13 +19,13 @@ What is new in the family, all else from `port.nn` and DeepSeek-V3's module:
   with queries from the hidden state, scaled by position as the attention's); every key
   while a call sees at most `index_topk`. The cache keeps the indexer's keys beside the
   rotary key.
-
 - NoPE layers (a 0 in `no_rope_layers`: every 4th by default): no RoPE in the layer's
   attention nor its indexer, each head's key and query all non-rotary
   (`qk_nope_head_dim + qk_rope_head_dim`), its own stacks (`dense_nope`, `moe_nope`).
 
-Refused in one line before any tensor is read: layers sharing another's latent cache (`kv_source_layers`), indexers shared across layers
-(`indexer_types` "shared"), and any other `layer_types` than "indexed_attention".
+Refused in one line before any tensor is read: layers sharing another's latent cache
+(`kv_source_layers`), indexers shared across layers (`indexer_types` "shared"), and any
+other `layer_types` than "indexed_attention".
 
 The checkpoints are Mistral's own layout (what transformers' `save_pretrained` writes and
 the Hub holds): `tok_embeddings`, `layers.N.attention.wq`, `wkv_a_with_mqa`, `kv_a_norm`,
