@@ -8,8 +8,8 @@ What is new in the family, all else from `port.nn` and DeepSeek-V3's module:
   `MistralLarge4TextSoftmaxScaling`, the checkpoint's `ssmax_scaling.s` / `.b`).
 - LeRoPE: one learned vector `alpha` (`lerope.alpha`) scales YaRN's inverse
   frequencies by `exp(alpha)`, the same for every layer.
-- The MoE router: a softmax over the experts (`port.nn.route`'s, in float32; transformers
-  also computes the router's logits in float32), group-limited top-k,
+- The MoE router: a softmax over the experts in float32 (its logits in the compute dtype,
+  where transformers computes them in float32: within bfloat16's noise), group-limited top-k,
   the chosen weights renormalised and times `routed_scaling_factor`; one ungated shared
   expert; the dense layers are those `mlp_layer_types` names "dense" (a stack each kind,
   `layer_groups`, run in order by `port.nn.run_groups`).
