@@ -183,8 +183,8 @@ class DeepseekV3Config:
             )
         experts, top_k = get(c, "n_routed_experts", int), get(c, "num_experts_per_tok", int)
         groups, top_groups = get(c, "n_group", int), get(c, "topk_group", int)
-        _check_routing(experts, top_k, groups, top_groups)
-        dense = _non_negative(c, "first_k_dense_replace")
+        check_routing(experts, top_k, groups, top_groups)
+        dense = non_negative(c, "first_k_dense_replace")
         if dense > layers:
             raise ConfigError(
                 f"config.json: 'first_k_dense_replace' ({dense}) is beyond the {layers} layers ('num_hidden_layers')"
@@ -208,14 +208,14 @@ class DeepseekV3Config:
             v_head_dim=get(c, "v_head_dim", int),
             num_local_experts=experts,
             num_experts_per_tok=top_k,
-            n_shared_experts=_non_negative(c, "n_shared_experts"),
+            n_shared_experts=non_negative(c, "n_shared_experts"),
             n_group=groups,
             topk_group=top_groups,
             first_k_dense_replace=dense,
             norm_topk_prob=get(c, "norm_topk_prob", bool),
             routed_scaling_factor=get(c, "routed_scaling_factor", float),
             rope=rope,
-            scale=_scale(config, rope, nope + rope_dim),
+            scale=latent_scale(config, rope, nope + rope_dim),
             rope_interleave=get(c, "rope_interleave", bool),
             attention_bias=get(c, "attention_bias", bool),
             hidden_act=activation(c, "hidden_act", "silu"),
@@ -266,14 +266,15 @@ class DeepseekV3Config:
         )
 
 
-def _non_negative(config: dict, key: str) -> int:
+def non_negative(config: dict, key: str) -> int:
+    """config.json's `key` as a non-negative integer, or a one-line error naming it."""
     value = config.get(key)
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"config.json: {key!r} must be a non-negative integer, got {quoted(value)}")
     return value
 
 
-def _check_routing(experts: int, top_k: int, groups: int, top_groups: int) -> None:
+def check_routing(experts: int, top_k: int, groups: int, top_groups: int) -> None:
     """Group-limited routing that transformers' router can run."""
     if experts % groups:
         raise ConfigError(f"config.json: 'n_group' ({groups}) must divide 'n_routed_experts' ({experts})")
@@ -291,7 +292,7 @@ def _check_routing(experts: int, top_k: int, groups: int, top_groups: int) -> No
         )
 
 
-def _scale(config: dict, rope: Rope, qk_head_dim: int) -> float:
+def latent_scale(config: dict, rope: Rope, qk_head_dim: int) -> float:
     """transformers' `yarn_apply_mscale`: `qk_head_dim**-0.5`, times `mscale(factor,
     mscale_all_dim)**2` when the RoPE is scaled and `mscale_all_dim` is set."""
     scale = qk_head_dim**-0.5

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._errors import ConfigError
-from port.models.deepseek_v3 import _check_routing, _non_negative  # pyright: ignore[reportPrivateUsage]
+from port.models.deepseek_v3 import check_routing, non_negative
 from port.models.llama import LlamaConfig, block
 from port.nn import Block, Decoder, GatedMLP, MoE, Tokens, embeddings, head, read_rope, rms_norm, run_groups, stacked
 from port.nn.config import MAX_LAYERS, ConfigFields, activation, check_model_type, get, read_kv_heads
@@ -174,8 +174,8 @@ def read_config(config: dict) -> tuple[LlamaConfig, Glm4MoeExperts]:
     )  # fmt: skip
     experts, top_k = get(c, "n_routed_experts", int), get(c, "num_experts_per_tok", int)
     groups, top_groups = get(c, "n_group", int), get(c, "topk_group", int)
-    _check_routing(experts, top_k, groups, top_groups)
-    dense = _non_negative(c, "first_k_dense_replace")
+    check_routing(experts, top_k, groups, top_groups)
+    dense = non_negative(c, "first_k_dense_replace")
     if dense > layers:
         raise ConfigError(
             f"config.json: 'first_k_dense_replace' ({dense}) is beyond the {layers} layers ('num_hidden_layers')"
@@ -204,7 +204,7 @@ def read_config(config: dict) -> tuple[LlamaConfig, Glm4MoeExperts]:
         num_hidden_layers=layers,
         num_local_experts=experts,
         num_experts_per_tok=top_k,
-        n_shared_experts=_non_negative(c, "n_shared_experts"),
+        n_shared_experts=non_negative(c, "n_shared_experts"),
         n_group=groups,
         topk_group=top_groups,
         first_k_dense_replace=dense,

@@ -61,9 +61,9 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from port._errors import ConfigError
 from port._text import quoted
 from port.models.deepseek_v3 import (  # DeepSeek-V3's readers, shared
-    _check_routing,  # pyright: ignore[reportPrivateUsage]
-    _non_negative,  # pyright: ignore[reportPrivateUsage]
-    _scale,  # pyright: ignore[reportPrivateUsage]
+    check_routing,
+    latent_scale,
+    non_negative,
 )
 from port.nn import (
     Block,
@@ -193,7 +193,7 @@ class MistralLarge4Config:
             )
         experts, top_k = get(c, "n_routed_experts", int), get(c, "num_experts_per_tok", int)
         groups, top_groups = get(c, "n_group", int), get(c, "topk_group", int)
-        _check_routing(experts, top_k, groups, top_groups)
+        check_routing(experts, top_k, groups, top_groups)
         _check_layers(config, layers)
         rope_dim, nope = get(c, "qk_rope_head_dim", int), get(c, "qk_nope_head_dim", int)
         rope_config = {**config, "rope_parameters": c["rope_parameters"]}
@@ -215,7 +215,7 @@ class MistralLarge4Config:
             v_head_dim=get(c, "v_head_dim", int),
             num_local_experts=experts,
             num_experts_per_tok=top_k,
-            n_shared_experts=_non_negative(c, "n_shared_experts"),
+            n_shared_experts=non_negative(c, "n_shared_experts"),
             n_group=groups,
             topk_group=top_groups,
             routed_scaling_factor=get(c, "routed_scaling_factor", float),
@@ -224,7 +224,7 @@ class MistralLarge4Config:
             index_n_heads=get(c, "index_n_heads", int),
             index_head_dim=get(c, "index_head_dim", int),
             rope=rope,
-            scale=_scale(rope_config, rope, nope + rope_dim),
+            scale=latent_scale(rope_config, rope, nope + rope_dim),
             softcap=None if softcap is None else check("final_logit_softcapping", softcap, float),
             hidden_act=activation(c, "hidden_act", "silu"),
             rms_norm_eps=get(c, "rms_norm_eps", float),
@@ -285,7 +285,7 @@ def _kinds(config: dict, layers: int) -> tuple[str, ...]:
     first `first_k_dense_replace` dense and the rest MoE."""
     types = config.get("mlp_layer_types")
     if types is None:
-        dense = min(_non_negative(config, "first_k_dense_replace"), layers)
+        dense = min(non_negative(config, "first_k_dense_replace"), layers)
         return ("dense",) * dense + ("moe",) * (layers - dense)
     if not isinstance(types, list) or len(types) != layers or any(t not in ("dense", "sparse") for t in types):
         raise ConfigError(
@@ -306,13 +306,13 @@ class MistralLarge4Indexer(eqx.Module):
     `weights` `[heads, embd]` (`weights_proj`), `q_scale_slope` / `q_scale_bias` `[heads]`
     (`ssmax_scaling.s` / `.b`). RoPE on the first `rope_dim` dimensions, interleaved pairs."""
 
-    wq: Float[Array, "heads dim embed"]
+    wq: Float[Array, "index_heads index_dim embed"]
     q_norm: LayerNorm
-    wk: Float[Array, "dim embed"]
+    wk: Float[Array, "index_dim embed"]
     k_norm: LayerNorm
-    weights: Float[Array, "heads embed"]
-    q_scale_slope: Float[Array, " heads"]
-    q_scale_bias: Float[Array, " heads"]
+    weights: Float[Array, "index_heads embed"]
+    q_scale_slope: Float[Array, " index_heads"]
+    q_scale_bias: Float[Array, " index_heads"]
     top_k: int = eqx.field(static=True)
 
     def __init__(self, *, heads: int, dim: int, embd: int, top_k: int, dtype: Any, key: PRNGKeyArray):
@@ -338,7 +338,7 @@ class MistralLarge4Indexer(eqx.Module):
     def select(
         self,
         x: Float[Array, "batch seq embed"],
-        keys: Float[Array, "batch keys dim"],
+        keys: Float[Array, "batch keys index_dim"],
         mask: Bool[Array, "batch seq keys"],
         cos: Array | None,
         sin: Array | None,

@@ -61,7 +61,7 @@ AXES: dict[str, str] = {
     "group_in": "DeepSeek-V4's features of one group of heads (num_attention_heads / o_groups * head_dim)",
     "comp_dim": "DeepSeek-V4's compressor projections (head_dim, or two series of it)",
     "rate": "DeepSeek-V4's tokens pooled into one compressed entry (compress_rates)",
-    "index_heads": "DeepSeek-V4's indexer query heads (index_n_heads)",
+    "index_heads": "an indexer's query heads (index_n_heads): DeepSeek-V4's; Mistral Large 4's, kept whole",
     "index_q": "DeepSeek-V4's indexer queries, heads by features (index_n_heads * index_head_dim)",
     "hash_experts": "DeepSeek-V4's experts a hash-routed token takes (num_experts_per_tok)",
 }
@@ -79,6 +79,8 @@ REFINED: dict[str, str] = {
     "per_layer_vocab": "vocab",  # Gemma 4: the per-layer embeddings' table (vocab_size_per_layer_input)
     "per_layer_all": "per_layer",  # Gemma 4: every layer's per-layer input, packed (layers x per_layer)
     "o_rank": "lora",  # DeepSeek-V4: a group's output bottleneck (o_lora_rank)
+    "index_dim": "head_dim",  # DeepSeek sparse attention: an indexer head's features (index_head_dim)
+    "half_rotary": "head_dim",  # Mistral Large 4: LeRoPE's learned alpha, one per rotary frequency
     "o_in": "lora",  # DeepSeek-V4: every group's bottleneck side by side (o_groups * o_lora_rank)
 }
 """Annotation names for one of two sizes a mapping gives one logical axis: name -> that axis."""
@@ -91,6 +93,7 @@ SHAPES: dict[str, str] = {
     "total": "a generated sequence: the prompt and the new tokens",
     "tokens": "batch x seq tokens, flattened (routing)",
     "top_k": "the experts each token is routed to",
+    "top": "the keys each query attends to in sparse attention (index_topk)",
     "rows": "(token, expert) pairs sorted by expert (grouped matmuls)",
     "rotary": "the rotated features of a head (RoPE's cos and sin)",
     "entries": "DeepSeek-V4's compressed entries: one per window of `rate` tokens",

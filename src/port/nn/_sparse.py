@@ -73,8 +73,8 @@ class Indexer(eqx.Module):
     ```
     """
 
-    wq: Float[Array, "heads dim q_rank"]
-    wk: Float[Array, "dim embed"]
+    wq: Float[Array, "heads index_dim q_rank"]
+    wk: Float[Array, "index_dim embed"]
     k_norm: LayerNorm
     weights: Float[Array, "heads embed"]
     rope_dim: int = eqx.field(static=True)
@@ -119,7 +119,7 @@ class Indexer(eqx.Module):
         self,
         x: Float[Array, "batch seq embed"],
         q_latent: Float[Array, "batch seq q_rank"],
-        keys: Float[Array, "batch keys dim"],
+        keys: Float[Array, "batch keys index_dim"],
         mask: Bool[Array, "batch seq keys"],
         cos: Array | None,
         sin: Array | None,
@@ -201,7 +201,26 @@ def sparse_attend(
 ) -> Float[Array, "batch seq embed"]:
     """`mla`'s output for queries `q`, each over its `chosen` keys only (those `mask` hides
     stay hidden): the keys' latents and rotary keys gathered per query, `kv_b_proj` absorbed
-    into the queries (scores) and the output (values). Softmax in float32."""
+    into the queries (scores) and the output (values). Softmax in float32.
+
+    **Arguments:**
+
+    - `mla`: the latent attention whose projections and scale are used.
+    - `q`: the queries, rotated (`mla.queries`).
+    - `latent`, `rope`: every key's latent and rotated shared key (`mla.latents`, or the cache's).
+    - `mask`: which keys each query may see.
+    - `chosen`: each query's keys (`Indexer.select`), indices into `keys`.
+
+    **Returns:** the attention's output, after `o_proj`.
+
+    ```python
+    q = mla.queries(x, cos, sin)                            # [batch, seq, heads, qk_dim]
+    latent, rope = mla.latents(x, cos, sin)                 # [batch, keys, 1, kv_rank], [..., rope_dim]
+    keys = indexer.keys(x, cos, sin)                        # [batch, keys, index_dim]
+    chosen = indexer.select(x, mla.q_latent(x), keys, mask, cos, sin)   # [batch, seq, top]
+    y = sparse_attend(mla, q, latent, rope, mask, chosen)   # [batch, seq, embed]
+    ```
+    """
     dtype = q.dtype
     gather = jax.vmap(lambda a, i: a[i])  # per sequence: [keys, ...] at [seq, top] -> [seq, top, ...]
     latents = gather(latent[:, :, 0].astype(dtype), chosen)  # [batch, seq, top, kv_rank]
