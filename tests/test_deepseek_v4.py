@@ -277,6 +277,27 @@ def test_config_refuses_in_one_line(change, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+def test_an_older_configs_names_are_read_as_transformers_reads_them():
+    """A config.json in DeepSeek-V4's older names (`compress_ratios` one per layer and one for
+    the MTP layer, `compress_rate_csa` / `_hca`, `num_hash_layers`, `qk_rope_head_dim`) gives
+    the schedule, rates and rotary size transformers' `DeepseekV4Config` derives from it."""
+    transformers = transformers_or_skip()
+    legacy = {k: v for k, v in CONFIG.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates")}
+    del legacy["partial_rotary_factor"]
+    legacy.update(compress_ratios=[128, 4, 0, 4], compress_rate_csa=2, compress_rate_hca=4, num_hash_layers=2,
+                  qk_rope_head_dim=4)  # fmt: skip
+    theirs = transformers.DeepseekV4Config(**legacy)
+    ours = DeepseekV4Config.from_hf({"model_type": "deepseek_v4", **legacy})
+    assert list(ours.layer_types) == theirs.layer_types == [
+        "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
+    ]  # fmt: skip
+    assert list(ours.mlp_layer_types) == theirs.mlp_layer_types == ["hash_moe", "hash_moe", "moe"]
+    assert dict(ours.compress_rates) == theirs.compress_rates
+    assert ours.compress_rope.rotary_dim == theirs.qk_rope_head_dim == 4
+    with pytest.raises(ConfigError, match="'compress_ratios' must list 0, 4 or 128"):
+        DeepseekV4Config.from_hf({"model_type": "deepseek_v4", **legacy, "compress_ratios": [8, 4, 0]})
+
+
 def test_a_refused_field_reads_no_tensor_byte(checkpoints, tmp_path):
     """The checkpoint's mapping and skeleton refuse config.json from its headers alone."""
     source, _, _ = checkpoints("tiny")

@@ -166,6 +166,7 @@ class DeepseekV4Config:
             c["n_routed_experts"] = config["num_local_experts"]
         layers = get(c, "num_hidden_layers", int, maximum=MAX_LAYERS)
         heads, head_dim = get(c, "num_attention_heads", int), get(c, "head_dim", int)
+        c = _legacy(c, head_dim)
         groups = get(c, "o_groups", int)
         if (heads * head_dim) % groups:
             raise ConfigError(
@@ -227,6 +228,38 @@ class DeepseekV4Config:
         return dict(self.compress_rates).get(layer_type)
 
 
+_RATIO_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+"""An older config's `compress_ratios` entry -> its `layer_types` value (transformers' table)."""
+
+
+def _legacy(c: dict, head_dim: int) -> dict:
+    """Older DeepSeek-V4 configs' fields folded in as transformers' `DeepseekV4Config` folds them:
+    `compress_rate_csa` / `compress_rate_hca` into `compress_rates`, `compress_ratios` (0, 4 or
+    128 per layer) into `layer_types`, `num_hash_layers` into `mlp_layer_types`,
+    `qk_rope_head_dim` into `partial_rotary_factor`; a field of the new name wins."""
+    c = dict(c)
+    rates = c.get("compress_rates")
+    for key, layer_type in (("compress_rate_csa", "compressed_sparse_attention"),
+                            ("compress_rate_hca", "heavily_compressed_attention")):  # fmt: skip
+        if key in c:
+            rates = {**(rates if isinstance(rates, dict) else {}), layer_type: c[key]}
+    if rates is not None:
+        c["compress_rates"] = rates
+    ratios = c.get("compress_ratios")
+    if "layer_types" not in c and ratios is not None:
+        if not isinstance(ratios, list) or any(type(r) is not int or r not in _RATIO_TYPES for r in ratios):
+            raise ConfigError(
+                f"config.json: 'compress_ratios' must list 0, 4 or 128 for each layer, got {quoted(ratios)}"
+            )
+        c["layer_types"] = [_RATIO_TYPES[r] for r in ratios]
+    if "mlp_layer_types" not in c and "num_hash_layers" in c:
+        layers, hashed = c["num_hidden_layers"], get(c, "num_hash_layers", int)
+        c["mlp_layer_types"] = ["hash_moe"] * min(layers, hashed) + ["moe"] * max(0, layers - hashed)
+    if "partial_rotary_factor" not in c and "qk_rope_head_dim" in c:
+        c["partial_rotary_factor"] = get(c, "qk_rope_head_dim", int) / head_dim
+    return c
+
+
 def _default_layer_types(layers: int) -> list[str]:
     """transformers' default: two HCA layers, then HCA and CSA in turn."""
     rest = [
@@ -243,6 +276,8 @@ def _default_mlp_types(layers: int) -> list[str]:
 def _schedule(c: dict, key: str, allowed: dict[str, str], default: list[str], layers: int) -> tuple[str, ...]:
     """A per-layer list of `allowed` values, `layers` long."""
     value = c.get(key, default)
+    if isinstance(value, list):
+        value = value[:layers]  # transformers cuts a longer list (one naming the MTP layer too)
     if not isinstance(value, list) or len(value) != layers or any(v not in allowed for v in value):
         raise ConfigError(
             f"config.json: {key!r} must list one of {', '.join(allowed)} for each of the {layers} layers, "
@@ -430,7 +465,8 @@ class DeepseekV4(Decoder):
             "hc_sinkhorn_iters", "hc_eps", "mlp_layer_types", "swiglu_limit", "sliding_window", "o_groups",
             "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "hidden_act", "rms_norm_eps",
             "tie_word_embeddings", "rope_parameters", "partial_rotary_factor",
-            "qk_rope_head_dim",  # derived: transformers writes head_dim * partial_rotary_factor
+            # older configs' names, folded in as transformers folds them (_legacy)
+            "qk_rope_head_dim", "compress_ratios", "compress_rate_csa", "compress_rate_hca", "num_hash_layers",
             "norm_topk_prob",  # transformers' V4 router renormalises whatever it says
             "num_nextn_predict_layers",  # multi-token prediction modules: not built
             # transformers' V4 runs one shared key/value head, one shared expert and unbiased
