@@ -77,6 +77,9 @@ PUBLISHED = {
     "olmo2-32b": (32.2e9, 0.05e9),
     "modernbert-large": (396e6, 1e6),
     "xlm-roberta-large": (561e6, 1e6),
+    "glm4.6": (355e9, 2e9),  # zai-org/GLM-4.6: "355B" with its MTP layer
+    "minimax-m2": (230e9, 2e9),  # MiniMaxAI/MiniMax-M2: "230B"
+    "deepseek-v32": (685e9, 1e9),  # deepseek-ai/DeepSeek-V3.2-Exp: "685B" with its MTP layer
 }
 
 
