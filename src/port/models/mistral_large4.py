@@ -83,7 +83,7 @@ from port.nn import (
 from port.nn._attention import KV, with_cache
 from port.nn._init import normal
 from port.nn._mla import LatentAttention, rotate
-from port.nn._norm import LayerNorm
+from port.nn._norm import LayerNorm, layer_norm
 from port.nn._sparse import sparse_attend
 from port.nn.config import MAX_LAYERS, ConfigFields, activation, check, check_model_type, get
 
@@ -302,14 +302,16 @@ class MistralLarge4Indexer(eqx.Module):
     (before RoPE and the ReLU of the scores).
 
     Leaves (torch layouts): `wq` `[heads, dim, embd]` (`wq_b`), `q_norm` (a `LayerNorm`
-    `[embd]`, `q_input_norm`), `wk` `[dim, embd]`, `k_norm` (a `LayerNorm` `[dim]`),
-    `weights` `[heads, embd]` (`weights_proj`), `q_scale_slope` / `q_scale_bias` `[heads]`
-    (`ssmax_scaling.s` / `.b`). RoPE on the first `rope_dim` dimensions, interleaved pairs."""
+    `[embd]`, `q_input_norm`), `wk` `[dim, embd]`, `k_norm`, `k_norm_bias` `[dim]` (a
+    LayerNorm's `weight` and `bias`, eps 1e-6), `weights` `[heads, embd]` (`weights_proj`),
+    `q_scale_slope` / `q_scale_bias` `[heads]` (`ssmax_scaling.s` / `.b`). RoPE on the
+    first `rope_dim` dimensions, interleaved pairs."""
 
     wq: Float[Array, "index_heads index_dim embed"]
     q_norm: LayerNorm
     wk: Float[Array, "index_dim embed"]
-    k_norm: LayerNorm
+    k_norm: Float[Array, " index_dim"]
+    k_norm_bias: Float[Array, " index_dim"]
     weights: Float[Array, "index_heads embed"]
     q_scale_slope: Float[Array, " index_heads"]
     q_scale_bias: Float[Array, " index_heads"]
@@ -320,7 +322,7 @@ class MistralLarge4Indexer(eqx.Module):
         self.wq = normal(kq, (heads, dim, embd), dtype)
         self.q_norm = LayerNorm(embd, eps=1e-6, dtype=dtype)
         self.wk = normal(kk, (dim, embd), dtype)
-        self.k_norm = LayerNorm(dim, eps=1e-6, dtype=dtype)
+        self.k_norm, self.k_norm_bias = jnp.ones((dim,), dtype), jnp.zeros((dim,), dtype)
         self.weights = normal(kw, (heads, embd), dtype)
         self.q_scale_slope, self.q_scale_bias = jnp.zeros((heads,), dtype), jnp.ones((heads,), dtype)
         self.top_k = top_k
@@ -332,7 +334,7 @@ class MistralLarge4Indexer(eqx.Module):
 
     def keys(self, x: Float[Array, "batch seq embed"], cos: Array | None, sin: Array | None) -> Array:
         """The indexer's key of each token, `[batch, seq, dim]`: normed, then rotated."""
-        k = self.k_norm(jnp.einsum("bte,de->btd", x, self.wk))
+        k = layer_norm(jnp.einsum("bte,de->btd", x, self.wk), self.k_norm, self.k_norm_bias, 1e-6)
         return rotate(k[:, :, None], cos, sin, interleave=True)[:, :, 0]
 
     def select(

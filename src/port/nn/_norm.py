@@ -1,4 +1,5 @@
-"""Normalisation layers: RMSNorm (Llama's, OLMo 2's float32 scale, Gemma's `1 + weight`) and LayerNorm.
+"""Normalisation layers: RMSNorm (Llama's, OLMo 2's float32 scale, Gemma's `1 + weight`) and LayerNorm
+(as a function over given leaves, `layer_norm`, and as a module, `LayerNorm`).
 
 Statistics are always taken in float32 and the result cast back to the input's dtype,
 as transformers does, so bfloat16 activations normalise exactly as in PyTorch.
@@ -7,6 +8,7 @@ as transformers does, so bfloat16 activations normalise exactly as in PyTorch.
 y = rms_norm(x, weight, 1e-6)                  # Llama: weight * normalised.astype(x.dtype)
 y = rms_norm(x, weight, 1e-6, float32_scale=True)  # OLMo 2: (weight * normalised), in float32, then cast
 y = rms_norm(x, weight, 1e-6, plus_one=True)    # Gemma: (1 + weight) * normalised, in float32
+y = layer_norm(x, weight, bias, 1e-6)           # LayerNorm over leaves a module keeps (bias may be None)
 norm = LayerNorm(768, eps=1e-5, dtype=jnp.float32)
 y = norm(x)                                     # any leading axes; normalises the last
 ```
@@ -57,6 +59,39 @@ def rms_norm(
     return weight * h.astype(x.dtype)
 
 
+def layer_norm(
+    x: Float[Array, "*rest dim"],
+    weight: Float[Array, " dim"],
+    bias: Float[Array, " dim"] | None,
+    eps: float,
+) -> Float[Array, "*rest dim"]:
+    """Layer normalisation over the last axis, scaled by `weight` and shifted by `bias`.
+
+    Statistics, scale and shift in float32, the result in `x`'s dtype (transformers'
+    `nn.LayerNorm`). For norms whose size is not the hidden size, kept as plain leaves
+    annotated with their own axis (the sparse-attention indexers' `k_norm`).
+
+    **Arguments:**
+
+    - `x`: the activations; the last axis is normalised.
+    - `weight`, `bias`: the learned scale and shift (`bias` None: no shift).
+    - `eps`: added to the variance.
+
+    **Returns:** an array of `x`'s shape and dtype.
+
+    ```python
+    layer_norm(jnp.arange(8.0), jnp.ones(8), jnp.zeros(8), 1e-6)   # mean 0, variance ~1
+    ```
+    """
+    h = x.astype(jnp.float32)
+    mean = jnp.mean(h, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
+    h = (h - mean) * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)
+    if bias is not None:
+        h = h + bias.astype(jnp.float32)
+    return h.astype(x.dtype)
+
+
 @final
 class LayerNorm(eqx.Module):
     """Layer normalisation over the last axis, with an optional bias.
@@ -88,10 +123,4 @@ class LayerNorm(eqx.Module):
         self.eps = eps
 
     def __call__(self, x: Float[Array, "*rest embed"]) -> Float[Array, "*rest embed"]:
-        h = x.astype(jnp.float32)
-        mean = jnp.mean(h, axis=-1, keepdims=True)
-        var = jnp.mean(jnp.square(h - mean), axis=-1, keepdims=True)
-        h = (h - mean) * jax.lax.rsqrt(var + self.eps) * self.weight.astype(jnp.float32)
-        if self.bias is not None:
-            h = h + self.bias.astype(jnp.float32)
-        return h.astype(x.dtype)
+        return layer_norm(x, self.weight, self.bias, self.eps)

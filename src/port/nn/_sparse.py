@@ -46,7 +46,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from port.nn._attention import KV, with_cache
 from port.nn._init import normal
 from port.nn._mla import LatentAttention, rotate
-from port.nn._norm import LayerNorm
+from port.nn._norm import layer_norm
 
 
 @final
@@ -63,8 +63,8 @@ class Indexer(eqx.Module):
     - `interleave`: RoPE on interleaved pairs (GLM-5) rather than halves (DeepSeek-V3.2).
 
     Leaves (torch layouts): `wq` `[heads, dim, q_rank]` (`wq_b`), `wk` `[dim, embd]`,
-    `k_norm` (a `LayerNorm`: `weight`, `bias` `[dim]`), `weights` `[heads, embd]`
-    (`weights_proj`).
+    `k_norm`, `k_norm_bias` `[dim]` (a LayerNorm's `weight` and `bias`, eps 1e-6),
+    `weights` `[heads, embd]` (`weights_proj`).
 
     ```python
     indexer = Indexer(heads=4, dim=16, q_rank=24, embd=64, rope_dim=4, top_k=3, dtype=jnp.float32, key=key)
@@ -75,7 +75,8 @@ class Indexer(eqx.Module):
 
     wq: Float[Array, "heads index_dim q_rank"]
     wk: Float[Array, "index_dim embed"]
-    k_norm: LayerNorm
+    k_norm: Float[Array, " index_dim"]
+    k_norm_bias: Float[Array, " index_dim"]
     weights: Float[Array, "heads embed"]
     rope_dim: int = eqx.field(static=True)
     top_k: int = eqx.field(static=True)
@@ -101,7 +102,7 @@ class Indexer(eqx.Module):
         kq, kk, kw = jax.random.split(key, 3)
         self.wq = normal(kq, (heads, dim, q_rank), dtype)
         self.wk = normal(kk, (dim, embd), dtype)
-        self.k_norm = LayerNorm(dim, eps=1e-6, dtype=dtype)
+        self.k_norm, self.k_norm_bias = jnp.ones((dim,), dtype), jnp.zeros((dim,), dtype)
         self.weights = normal(kw, (heads, embd), dtype)
         self.rope_dim, self.top_k, self.interleave = rope_dim, top_k, interleave
 
@@ -112,7 +113,7 @@ class Indexer(eqx.Module):
 
     def keys(self, x: Float[Array, "batch seq embed"], cos: Array | None, sin: Array | None) -> Array:
         """The indexer's key of each token, `[batch, seq, dim]`: normed, then rotated."""
-        k = self.k_norm(jnp.einsum("bte,de->btd", x, self.wk))
+        k = layer_norm(jnp.einsum("bte,de->btd", x, self.wk), self.k_norm, self.k_norm_bias, 1e-6)
         return rotate(k[:, :, None], cos, sin, interleave=self.interleave)[:, :, 0]
 
     def select(
