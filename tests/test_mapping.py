@@ -331,3 +331,15 @@ def test_bad_mappings_are_one_line_through_the_command(tmp_path, write, expected
     path = tmp_path / "bad.toml"
     write(path)
     one_line(run_port("plan", EXAMPLE, "--mapping", path, timeout=120), f"{path}: {expected}")
+
+
+def test_a_leaf_without_elements_is_replicated():
+    """A leaf with an empty axis (Mistral Large 4's NoPE layers' rotary key, [layers, 0, embed])
+    has nothing to divide: replicated whatever its axes' rules, said in its notes; a leaf with
+    elements is sharded by the same rules."""
+    from port._plan import partition
+
+    rules, mesh = {"embed": ("data",), "heads": ("model",)}, {"data": 4, "model": 2}
+    spec, notes = partition((3, 0, 8), ("layers", "heads", "embed"), rules, mesh)
+    assert spec == P(None, None, None) and notes == ("no elements: replicated",)
+    assert partition((3, 2, 8), ("layers", "heads", "embed"), rules, mesh) == (P(None, "model", "data"), ())

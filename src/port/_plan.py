@@ -197,7 +197,10 @@ def partition(
     """The PartitionSpec for logical `axes`, replicating what a mesh axis does not divide.
 
     A logical axis with no rule that is the name of a mesh axis (an NNX module annotated
-    with mesh axes, `(None, "model")`) is placed on that mesh axis."""
+    with mesh axes, `(None, "model")`) is placed on that mesh axis. A leaf without elements
+    (a NoPE layer's empty rotary key) has nothing to divide: it is replicated."""
+    if 0 in shape:
+        return PartitionSpec(*(None,) * len(shape)), ("no elements: replicated",)
     used: set[str] = set()
     spec, notes = [], []
     for dim, axis in zip(shape, axes):
