@@ -87,13 +87,13 @@ CLASSES = {"deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa"}
 IDS = np.random.default_rng(0).integers(3, VOCAB, (2, 16))
 
 
-def torch_model(name, dtype=None):
+def torch_model(name, dtype=None, **change):
     """The seeded `{DeepseekV32,GlmMoeDsa}ForCausalLM`, eager attention, norms and the selection bias perturbed."""
     transformers = transformers_or_skip()
     import torch
 
     torch.manual_seed(0)
-    config = getattr(transformers, CLASSES[name] + "Config")(**CONFIG)
+    config = getattr(transformers, CLASSES[name] + "Config")(**{**CONFIG, **change})
     config._attn_implementation = "eager"
     config._experts_implementation = "eager"
     model = perturbed(getattr(transformers, CLASSES[name] + "ForCausalLM")(config), lambda n: "norm" in n, 0.2)
@@ -169,8 +169,12 @@ def test_logits_match_transformers_with_experts_on_an_expert_axis(checkpoints):
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_bfloat16_end_to_end(tmp_path, name, mesh):
     """A bfloat16 checkpoint stays bfloat16, as near transformers' own bfloat16 logits as those
-    are to the same weights' float32 logits (twice that at most)."""
-    model = torch_model(name, dtype="bfloat16")
+    are to the same weights' float32 logits (twice that at most, and on the mean). Every
+    position kept (`index_topk` 16): the indexer's choice is discrete, and bfloat16 rounding
+    flips near-tied positions wherever its reduction order differs (in transformers too: its
+    own bfloat16 logits then move up to 0.65 from its float32 ones), so the selection is held
+    to transformers' in float32 above and the numerics of every layer here."""
+    model = torch_model(name, dtype="bfloat16", index_topk=IDS.shape[1])
     model.save_pretrained(tmp_path)
     ours = port.load(tmp_path, mesh=mesh if "=" not in mesh else port.make_mesh(mesh))
     assert ours.moe.attn.indexer.wq.dtype == ours.embed.dtype == np.dtype(ml_dtypes.bfloat16)
@@ -182,10 +186,7 @@ def test_bfloat16_end_to_end(tmp_path, name, mesh):
         f"{name} bfloat16 on {mesh}: max |ours - transformers| {error.max():.3g} (mean {error.mean():.3g}), "
         f"transformers' own noise {noise.max():.3g} (mean {noise.mean():.3g})"
     )
-    # The top-k selection is discrete: bfloat16 rounding flips near-tied positions (a query then
-    # attends to another key), so transformers' own bfloat16 logits move far from its float32
-    # ones where it does; the bounds are that noise's, on the largest and on the mean difference.
-    assert error.max() <= 3 * noise.max() and error.mean() <= 3 * noise.mean(), (error.max(), noise.max())
+    assert error.max() <= 2 * noise.max() and error.mean() <= 2 * noise.mean(), (error.max(), noise.max())
 
 
 # ---------------------------------------------------------------- export
