@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, final
+from typing import Any, ClassVar, Protocol, final, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -242,28 +242,7 @@ class DeepseekV3Config:
 
     def mlp(self, kind: str, dtype: Any, key: PRNGKeyArray) -> GatedMLP | MoE:
         """One layer's feed-forward: a SwiGLU ("dense") or the routed experts ("moe")."""
-        if kind == "dense":
-            return GatedMLP(
-                embd=self.hidden_size, inner=self.intermediate_size, activation=self.hidden_act, dtype=dtype, key=key
-            )
-        shared = self.moe_intermediate_size * self.n_shared_experts
-        return MoE(
-            embd=self.hidden_size,
-            inner=self.moe_intermediate_size,
-            experts=self.num_local_experts,
-            top_k=self.num_experts_per_tok,
-            activation=self.hidden_act,
-            dtype=dtype,
-            key=key,
-            scoring="sigmoid",
-            renormalise=self.norm_topk_prob,
-            selection_bias=True,
-            groups=self.n_group,
-            top_groups=self.topk_group,
-            scale=self.routed_scaling_factor,
-            shared_inner=shared or None,
-            shared_gate=False,
-        )
+        return feed_forward(self, kind, dtype, key)
 
 
 def non_negative(config: dict, key: str) -> int:
@@ -290,6 +269,60 @@ def check_routing(experts: int, top_k: int, groups: int, top_groups: int) -> Non
             f"config.json: 'num_experts_per_tok' ({top_k}) is more than the {top_groups * (experts // groups)} "
             f"experts of 'topk_group' ({top_groups}) groups of {experts // groups}"
         )
+
+
+@runtime_checkable
+class RoutedSizes(Protocol):
+    """What DeepSeek-V3's feed-forward is built from (a `DeepseekV3Config`, GLM-4.5's `Glm4MoeExperts`): read-only sizes."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def moe_intermediate_size(self) -> int: ...
+    @property
+    def num_local_experts(self) -> int: ...
+    @property
+    def num_experts_per_tok(self) -> int: ...
+    @property
+    def n_shared_experts(self) -> int: ...
+    @property
+    def n_group(self) -> int: ...
+    @property
+    def topk_group(self) -> int: ...
+    @property
+    def norm_topk_prob(self) -> bool: ...
+    @property
+    def routed_scaling_factor(self) -> float: ...
+    @property
+    def hidden_act(self) -> str: ...
+
+
+def feed_forward(c: RoutedSizes, kind: str, dtype: Any, key: PRNGKeyArray) -> GatedMLP | MoE:
+    """One layer's feed-forward as DeepSeek-V3 builds it: a SwiGLU of `intermediate_size`
+    ("dense"), or sigmoid group-limited routed experts with `e_score_correction_bias` choosing,
+    `routed_scaling_factor` and `n_shared_experts` ungated shared experts ("moe")."""
+    if kind == "dense":
+        return GatedMLP(embd=c.hidden_size, inner=c.intermediate_size, activation=c.hidden_act, dtype=dtype, key=key)
+    shared = c.moe_intermediate_size * c.n_shared_experts
+    return MoE(
+        embd=c.hidden_size,
+        inner=c.moe_intermediate_size,
+        experts=c.num_local_experts,
+        top_k=c.num_experts_per_tok,
+        activation=c.hidden_act,
+        dtype=dtype,
+        key=key,
+        scoring="sigmoid",
+        renormalise=c.norm_topk_prob,
+        selection_bias=True,
+        groups=c.n_group,
+        top_groups=c.topk_group,
+        scale=c.routed_scaling_factor,
+        shared_inner=shared or None,
+        shared_gate=False,
+    )
 
 
 def latent_scale(config: dict, rope: Rope, qk_head_dim: int) -> float:

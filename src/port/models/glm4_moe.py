@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from port._errors import ConfigError
-from port.models.deepseek_v3 import check_routing, non_negative
+from port.models.deepseek_v3 import check_routing, feed_forward, non_negative
 from port.models.llama import LlamaConfig, block
 from port.nn import Block, Decoder, GatedMLP, MoE, Tokens, embeddings, head, read_rope, rms_norm, run_groups, stacked
 from port.nn.config import MAX_LAYERS, ConfigFields, activation, check_model_type, get, read_kv_heads
@@ -122,29 +122,8 @@ class Glm4MoeExperts:
         return ("dense",) * k + ("moe",) * (self.num_hidden_layers - k)
 
     def mlp(self, kind: str, dtype: Any, key: PRNGKeyArray) -> GatedMLP | MoE:
-        """One layer's feed-forward: a SwiGLU ("dense") or the routed experts ("moe")."""
-        if kind == "dense":
-            return GatedMLP(
-                embd=self.hidden_size, inner=self.intermediate_size, activation=self.hidden_act, dtype=dtype, key=key
-            )
-        shared = self.moe_intermediate_size * self.n_shared_experts
-        return MoE(
-            embd=self.hidden_size,
-            inner=self.moe_intermediate_size,
-            experts=self.num_local_experts,
-            top_k=self.num_experts_per_tok,
-            activation=self.hidden_act,
-            dtype=dtype,
-            key=key,
-            scoring="sigmoid",
-            renormalise=self.norm_topk_prob,
-            selection_bias=True,
-            groups=self.n_group,
-            top_groups=self.topk_group,
-            scale=self.routed_scaling_factor,
-            shared_inner=shared or None,
-            shared_gate=False,
-        )
+        """One layer's feed-forward: a SwiGLU ("dense") or DeepSeek-V3's routed experts ("moe")."""
+        return feed_forward(self, kind, dtype, key)
 
 
 def read_config(config: dict) -> tuple[LlamaConfig, Glm4MoeExperts]:
