@@ -361,7 +361,7 @@ FAMILIES = {
     ),
     # DeepSeek-V4: every layer_types value (a sliding window of 4; compressed sparse every 2
     # tokens, the indexer keeping 3 entries; heavily compressed every 4), a hash-routed layer,
-    # 3 hyper-connection streams. No cache (refused in one line): generation is not run.
+    # 3 hyper-connection streams.
     "deepseek_v4": (
         "DeepseekV4ForCausalLM",
         "DeepseekV4Config",
@@ -441,9 +441,8 @@ FAMILIES = {
 # Families whose layers carry a recurrent state (or DeepSeek-V4's compressors, pooling windows of
 # slots): packed `segment_ids` are refused.
 NO_SEGMENTS = {"qwen3_next", "deepseek_v4"}
-# Families without a key/value cache (DeepSeek-V4's compressors' running windows): `init_cache`,
-# hence generation, is refused in one line.
-NO_CACHE = {"deepseek_v4"}
+# Families without a key/value cache: `init_cache`, hence generation, is refused in one line.
+NO_CACHE: set[str] = set()
 # Llama 4 places its attention chunks (and NoPE layers' temperature) as transformers does for
 # its own inputs: chunks by position, the temperature by slot. transformers chunks by slot
 # whatever `position_ids` say, and has no packed sequences; port's chunks follow positions, so

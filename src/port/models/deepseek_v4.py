@@ -17,9 +17,11 @@ What is new in the family, all else from `port.nn`:
   their experts from a table by token id (`tid2eid`) instead of the router's top k.
 - Layers are stacked by kind: attention type x MLP type (`sliding_hash`, `csa_moe`, ...).
 
-No cache: `init_cache` is refused in one line (the compressors' running windows are not
-kept), and so are packed `segment_ids` (windows are counted in slots from the row's start,
-as transformers counts them).
+The cache (`init_cache`) keeps what transformers' `DeepseekV4HCACache` / `DeepseekV4CSACache`
+keep, in fixed-size buffers: every layer's sliding keys, and each compressor's (and
+indexer's) slots of its last whole window and unfinished one, and the entries made so far.
+Packed `segment_ids` are refused in one line (windows are counted in slots from the row's
+start, as transformers counts them).
 
 Example:
     ```python
@@ -53,6 +55,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from port._errors import ConfigError
 from port._text import quoted
 from port.nn import Cache, Decoder, MoE, Rope, Tokens, embeddings, head, read_rope, rms_norm, scan, stacked
+from port.nn._cache import check_sizes
 from port.nn._compressed import CompressedAttention
 from port.nn._hyper import HyperConnection, HyperHead
 from port.nn.config import MAX_LAYERS, ConfigFields, activation, check, check_model_type, get
@@ -393,13 +396,25 @@ class DeepseekV4Block(eqx.Module):
         self.kind, self.eps = kind, c.rms_norm_eps
 
     def __call__(
-        self, x: Float[Array, "batch seq hc embed"], mask: Bool[Array, "batch seq keys"], ctx: Context
-    ) -> Float[Array, "batch seq hc embed"]:
-        """The streams after this layer; `mask` the sliding window's."""
+        self, x: Float[Array, "batch seq hc embed"], mask: Bool[Array, "batch seq keys"], ctx: Context, kv: Any = None
+    ) -> tuple[Float[Array, "batch seq hc embed"], Any]:
+        """The streams after this layer, and this layer's cache after them (`kv`: its sliding
+        keys and compressors' state, from `init_cache`; None: no cache, None back); `mask`
+        the sliding window's."""
         rope = ctx.sliding if self.kind.startswith("sliding") else ctx.compressed
         post, comb, h = self.attn_hc(x)
         h = rms_norm(h, self.attn_norm, self.eps, float32_scale=True)
-        x = HyperConnection.mix(x, self.attn(h, mask, ctx.positions, rope, ctx.angles), post, comb)
+        if kv is None or ctx.start is None:
+            out = self.attn(h, mask, ctx.positions, rope, ctx.angles)
+        else:
+            keys, state = kv
+            out, keys, state = self.attn.cached(h, mask, ctx.positions, rope, ctx.angles, keys, state, ctx.start)
+            kv = (keys, state)
+        x = HyperConnection.mix(x, out, post, comb)
+        return self.mlp_part(x, ctx), kv
+
+    def mlp_part(self, x: Float[Array, "batch seq hc embed"], ctx: Context) -> Float[Array, "batch seq hc embed"]:
+        """The hyper-connected MoE (hash-routed by the token ids where the layer is)."""
         post, comb, h = self.ffn_hc(x)
         h = rms_norm(h, self.ffn_norm, self.eps, float32_scale=True)
         chosen = None if self.tid2eid is None else self.tid2eid[ctx.ids]
@@ -416,6 +431,7 @@ class Context(eqx.Module):
     compressed: tuple[Array, Array]
     compress_rope: Rope = eqx.field(static=True)
     dtype: Any = eqx.field(static=True)
+    start: Int[Array, ""] | None = None  # with a cache: the first slot of the call's tokens
 
     def angles(self, positions: Int[Array, "batch n"]) -> tuple[Array, Array]:
         """The compressed RoPE's half-size `(cos, sin)` at `positions`."""
@@ -436,23 +452,39 @@ def run_kinds(
     mask: Bool[Array, "batch seq keys"] | None,
     ctx: Context,
     remat: Any,
-) -> Array:
-    """The layers in order: each run of one kind a scan over its stack's layers."""
+    cache: tuple[dict[str, Array], dict[str, Any]] | None = None,
+) -> tuple[Array, tuple[dict[str, Array], dict[str, Any]] | None]:
+    """The layers in order: each run of one kind a scan over its stack's layers; with a
+    `cache` (keys and states by kind, as `DeepseekV4.init_cache` makes them), each layer's
+    entries read and written back."""
     taken = dict.fromkeys(groups, 0)
+    keys, states = (None, None) if cache is None else (dict(cache[0]), dict(cache[1]))
     for kind, run in itertools.groupby(kinds):
         length, first = len(list(run)), taken[kind]
         params, static = eqx.partition(groups[kind], eqx.is_array)
-        blocks = eqx.combine(jax.tree.map(lambda a, i=first, n=length: a[i : i + n], params), static)
-        x, _ = scan(lambda block, h: (block(h, mask, ctx), None), x, blocks, remat=remat)
+        rows = lambda tree, i=first, n=length: jax.tree.map(lambda a: a[i : i + n], tree)  # noqa: E731
+        blocks = eqx.combine(rows(params), static)
+        if keys is None or states is None:
+            x, _ = scan(lambda block, h: (block(h, mask, ctx)[0], None), x, blocks, remat=remat)
+        else:
+            x, (k, s) = scan(
+                lambda block, h, kv: block(h, mask, ctx, kv),
+                x,
+                blocks,
+                (rows(keys[kind]), rows(states[kind])),
+                remat=remat,
+            )
+            put = lambda whole, part, i=first: whole.at[i : i + part.shape[0]].set(part)  # noqa: E731
+            keys[kind], states[kind] = put(keys[kind], k), jax.tree.map(put, states[kind], s)
         taken[kind] += length
-    return x
+    return x, None if keys is None or states is None else (keys, states)
 
 
 @final
 class DeepseekV4(Decoder):
     """DeepSeek-V4 causal LM: one stack of blocks per layer kind (`KINDS`; None where no layer has it).
 
-    Called as every `port.nn.Decoder`, without a cache or packed `segment_ids` (one-line refusals).
+    Called as every `port.nn.Decoder`, without packed `segment_ids` (a one-line refusal).
     """
 
     FIELDS: ClassVar[ConfigFields] = ConfigFields(
@@ -522,11 +554,22 @@ class DeepseekV4(Decoder):
         return c.num_hidden_layers, 1, c.head_dim
 
     def init_cache(self, batch: int, length: int, dtype: Any = None) -> Cache:
-        """Refused: the compressors' running windows and the indexer's keys are not cached yet."""
-        raise ValueError(
-            "port.models.deepseek_v4 has no key/value cache: its compressed attention's running windows are not "
-            "kept (run the whole sequence without `cache`)"
-        )
+        """An empty cache by layer kind: every layer's sliding keys (which are its values;
+        every slot kept, `[layers, batch, length, head_dim]`) as `keys`, and as `states` its
+        compressors' (the slots of their last whole window and unfinished one, and room for
+        every entry: `CompressedAttention.empty_state`); fixed sizes, so a decode step
+        compiles once."""
+        check_sizes(batch, length)
+        if dtype is None:
+            dtype = self.embed.dtype
+        keys, states = {}, {}
+        for kind in self.layer_groups:
+            block = getattr(self, kind)
+            count = len(self.layer_groups[kind])
+            keys[kind] = jnp.zeros((count, batch, length, self.config.head_dim), dtype)
+            one = block.attn.empty_state(batch, length, dtype)  # a stack's statics are one layer's
+            states[kind] = jax.tree.map(lambda a, n=count: jnp.broadcast_to(a, (n, *a.shape)), one)
+        return Cache.of(keys, None, states, batch=batch, length=length)
 
     def __call__(self, input_ids: Any, *, segment_ids: Any = None, **kwargs: Any) -> Any:
         if segment_ids is not None:
@@ -536,7 +579,7 @@ class DeepseekV4(Decoder):
             )
         return super().__call__(input_ids, **kwargs)
 
-    def logits(self, tokens: Tokens, remat: Any) -> tuple[Array, tuple[Any, Any]]:
+    def logits(self, tokens: Tokens, remat: Any) -> tuple[Array, tuple[Any, ...]]:
         """Embed into `hc_mult` streams, the layers in order, the last collapse, the norm and the head."""
         c = self.config
         x = self.embed[tokens.ids]
@@ -547,8 +590,12 @@ class DeepseekV4(Decoder):
             compressed=_half(c.compress_rope, tokens.positions, x.dtype),
             compress_rope=c.compress_rope,
             dtype=x.dtype,
+            start=tokens.index,
         )
         streams = jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], c.hc_mult, x.shape[-1]))
-        streams = run_kinds({kind: getattr(self, kind) for kind in KINDS}, c.kinds, streams, tokens.sliding, ctx, remat)
+        cache = None if tokens.cache is None else (tokens.cache.keys, tokens.cache.states)
+        groups = {kind: getattr(self, kind) for kind in KINDS}
+        streams, cache = run_kinds(groups, c.kinds, streams, tokens.sliding, ctx, remat, cache)
         x = rms_norm(self.hc_head(streams), self.norm, c.rms_norm_eps, float32_scale=True)
-        return head(x, self.embed, self.lm_head), (None, None)
+        keys, states = (None, None) if cache is None else cache
+        return head(x, self.embed, self.lm_head), (keys, None, states)

@@ -18,7 +18,10 @@ and a grouped low-rank output projection (`o_groups` blocks of heads, each to
 
 A query at position `p` sees the entries `w < (p + 1) // rate`; windows are counted in
 slots from the start of the row, as transformers counts them (`DeepseekV4HCACompressor`,
-`DeepseekV4CSACompressor`, `DeepseekV4Indexer`, `DeepseekV4Attention`, eager, no cache).
+`DeepseekV4CSACompressor`, `DeepseekV4Indexer`, `DeepseekV4Attention`, eager). With a cache
+(`CompressedAttention.cached`), each compressor keeps the projections of its last whole
+window's and unfinished window's slots and every entry made so far, in fixed-size buffers
+(`Compressor.empty_state`, `Compressor.step`).
 
 ```python
 attn = CompressedAttention(heads=4, head_dim=16, embd=48, q_rank=24, groups=2, group_rank=12, rate=4,
@@ -92,21 +95,76 @@ class Compressor(eqx.Module):
         self.norm = jnp.ones((dim,), jnp.float32)
         self.rate, self.overlap, self.eps = rate, overlap, eps
 
-    def __call__(self, x: Float[Array, "batch seq embed"], angles: Angles) -> Float[Array, "batch entries head_dim"]:
-        """The entries of the row's whole windows (`seq // rate` of them), rotated at their first slot."""
-        batch, seq, _ = x.shape
-        n, r, dim = seq // self.rate, self.rate, self.norm.shape[0]
-        kv = linear(x[:, : n * r], self.wkv, None).reshape(batch, n, r, -1)
-        gate = linear(x[:, : n * r], self.wgate, None).reshape(batch, n, r, -1) + self.ape
-        if self.overlap:  # window w's second series, after window w - 1's first (none before window 0)
-            first_kv = jnp.pad(kv[:, :-1, :, :dim], ((0, 0), (1, 0), (0, 0), (0, 0)))
-            first_gate = jnp.pad(gate[:, :-1, :, :dim], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
-            kv = jnp.concatenate((first_kv, kv[..., dim:]), axis=2)
-            gate = jnp.concatenate((first_gate, gate[..., dim:]), axis=2)
+    def project(self, x: Float[Array, "batch seq embed"]) -> tuple[Array, Array]:
+        """Each token's `(kv, gate)`, `[batch, seq, series * dim]` each (the gate without `ape`):
+        what the cache keeps of the slots of unfinished windows."""
+        return linear(x, self.wkv, None), linear(x, self.wgate, None)
+
+    def pool(
+        self, kv: Array, gate: Array, first: Int[Array, ""] | int, angles: Angles
+    ) -> Float[Array, "batch entries head_dim"]:
+        """The entries of windows `first, first + 1, ...` from `project`'s `(kv, gate)` of their
+        slots after one window before them (`[batch, (entries + 1) * rate, ...]`; with
+        `overlap`, its first series is read, its gate -inf where there is none), each rotated at
+        its first slot."""
+        batch, r, dim = kv.shape[0], self.rate, self.norm.shape[0]
+        n = kv.shape[1] // r - 1
+        kv = kv.reshape(batch, n + 1, r, -1)
+        gate = gate.reshape(batch, n + 1, r, -1) + self.ape
+        if self.overlap:  # window w's second series, after window w - 1's first
+            kv = jnp.concatenate((kv[:, :-1, :, :dim], kv[:, 1:, :, dim:]), axis=2)
+            gate = jnp.concatenate((gate[:, :-1, :, :dim], gate[:, 1:, :, dim:]), axis=2)
+        else:
+            kv, gate = kv[:, 1:], gate[:, 1:]
         weights = jax.nn.softmax(gate.astype(jnp.float32), axis=2).astype(kv.dtype)
         pooled = rms_norm((kv * weights).sum(axis=2), self.norm, self.eps, float32_scale=True)
-        cos, sin = angles(jnp.broadcast_to(jnp.arange(n) * r, (batch, n)))
+        cos, sin = angles(jnp.broadcast_to((first + jnp.arange(n)) * r, (batch, n)))
         return interleaved_rope(pooled[:, :, None, :], cos, sin)[:, :, 0, :]
+
+    def __call__(self, x: Float[Array, "batch seq embed"], angles: Angles) -> Float[Array, "batch entries head_dim"]:
+        """The entries of the row's whole windows (`seq // rate` of them), rotated at their first slot."""
+        n = x.shape[1] // self.rate
+        kv, gate = self.project(x[:, : n * self.rate])
+        before = ((0, 0), (self.rate, 0), (0, 0))  # no window before the first
+        return self.pool(jnp.pad(kv, before), jnp.pad(gate, before, constant_values=-jnp.inf), 0, angles)
+
+    def empty_state(self, batch: int, length: int, dtype: Any) -> dict[str, Array]:
+        """An empty cache of this compressor: the `(kv, gate)` of the last whole window and the
+        unfinished one (`[batch, 2 * rate, series * dim]`; no window before the first: gate
+        -inf) and room for every entry `length` slots make (`[batch, max(length // rate, 1), dim]`)."""
+        width = self.wkv.shape[-2]  # [-2] and [-1]: also for a stack's (one layer's sizes)
+        gate = jnp.zeros((batch, 2 * self.rate, width), dtype).at[:, : self.rate].set(-jnp.inf)
+        entries = jnp.zeros((batch, max(length // self.rate, 1), self.norm.shape[-1]), dtype)
+        return {"kv": jnp.zeros((batch, 2 * self.rate, width), dtype), "gate": gate, "entries": entries}
+
+    def step(
+        self, x: Float[Array, "batch seq embed"], state: dict[str, Array], start: Int[Array, ""], angles: Angles
+    ) -> dict[str, Array]:
+        """`state` after the tokens `x` at slots `start, start + 1, ...`: every window they
+        finish pooled into `entries`, the slots of the last whole window and the unfinished
+        one kept (fixed sizes: one compile per `x` shape)."""
+        batch, seq, _ = x.shape
+        r = self.rate
+        window = start // r  # the unfinished window; state["kv"] holds it after the one before
+        size = r * (3 + -(-seq // r))
+        kv, gate = self.project(x)
+        run_kv = jnp.zeros((batch, size, kv.shape[-1]), state["kv"].dtype).at[:, : 2 * r].set(state["kv"])
+        run_gate = jnp.zeros((batch, size, kv.shape[-1]), state["gate"].dtype).at[:, : 2 * r].set(state["gate"])
+        run_kv = jax.lax.dynamic_update_slice_in_dim(run_kv, kv.astype(run_kv.dtype), r + start % r, axis=1)
+        run_gate = jax.lax.dynamic_update_slice_in_dim(run_gate, gate.astype(run_gate.dtype), r + start % r, axis=1)
+        made = self.pool(run_kv, run_gate, window, angles)
+        index = window + jnp.arange(made.shape[1])
+        finished = (index + 1) * r <= start + seq
+        entries = state["entries"]
+        entries = entries.at[:, jnp.where(finished, index, entries.shape[1])].set(
+            made.astype(entries.dtype), mode="drop"
+        )
+        keep = ((start + seq) // r - window) * r  # from the last whole window on
+        return {
+            "kv": jax.lax.dynamic_slice_in_dim(run_kv, keep, 2 * r, axis=1),
+            "gate": jax.lax.dynamic_slice_in_dim(run_gate, keep, 2 * r, axis=1),
+            "entries": entries,
+        }
 
 
 @final
@@ -151,6 +209,20 @@ class Indexer(eqx.Module):
     ) -> Bool[Array, "batch seq entries"]:
         """Which entries each query keeps: its `topk` best among those it may see."""
         keys = self.compressor(x, angles)
+        return self.select(
+            x, q_latent, positions, keys, visible(positions, keys.shape[1], self.compressor.rate), angles
+        )
+
+    def select(
+        self,
+        x: Float[Array, "batch seq embed"],
+        q_latent: Float[Array, "batch seq q_rank"],
+        positions: Int[Array, "batch seq"],
+        keys: Float[Array, "batch entries index_dim"],
+        allowed: Bool[Array, "batch seq entries"],
+        angles: Angles,
+    ) -> Bool[Array, "batch seq entries"]:
+        """The `topk` best of the compressed `keys` each query is `allowed`."""
         batch, seq, _ = x.shape
         entries, dim = keys.shape[1], keys.shape[2]
         q = linear(q_latent, self.wq_b, None).reshape(batch, seq, self.heads, dim)
@@ -158,7 +230,6 @@ class Indexer(eqx.Module):
         scores = jax.nn.relu(jnp.einsum("bshd,btd->bsht", q.astype(jnp.float32), keys.astype(jnp.float32)))
         weights = linear(x, self.weights_proj, None).astype(jnp.float32) * self.heads**-0.5
         scores = jnp.einsum("bsht,bsh->bst", scores * dim**-0.5, weights)
-        allowed = visible(positions, entries, self.compressor.rate)
         scores = jnp.where(allowed, scores, -jnp.inf)
         _, best = jax.lax.top_k(scores, min(self.topk, entries))
         chosen = (
@@ -248,21 +319,86 @@ class CompressedAttention(eqx.Module):
     ) -> Float[Array, "batch seq embed"]:
         """`mask`: the sliding window's; `rope`: this layer's `(cos, sin)` at `positions` (half
         size); `angles`: the compressed RoPE, for the entries and the indexer's queries."""
-        batch, seq, _ = x.shape
-        heads, head_dim = self.wq_b.shape[0], self.wq_b.shape[1]
-        q_latent = rms_norm(linear(x, self.wq_a, None), self.q_norm, self.eps, float32_scale=True)
-        q = unweighted_rms_norm(jnp.einsum("bsr,hdr->bshd", q_latent, self.wq_b), self.eps)
-        q = interleaved_rope(q, *rope)
-        kv = rms_norm(linear(x, self.wkv, None), self.kv_norm, self.eps, float32_scale=True)
-        kv = interleaved_rope(kv[:, :, None, :], *rope)[:, :, 0, :]
+        q_latent, q, kv = self.queries_and_keys(x, rope)
         keys, allowed = kv, mask
-        if self.compressor is not None and seq >= self.compressor.rate:
+        if self.compressor is not None and x.shape[1] >= self.compressor.rate:
             entries = self.compressor(x, angles)
             seen = visible(positions, entries.shape[1], self.compressor.rate)
             if self.indexer is not None:
                 seen = self.indexer(x, q_latent, positions, angles)
             keys = jnp.concatenate((kv, entries), axis=1)
             allowed = jnp.concatenate((mask, seen), axis=-1)
+        return self.attend(q, keys, allowed, rope)
+
+    def empty_state(self, batch: int, length: int, dtype: Any) -> dict[str, dict[str, Array]]:
+        """The cache of this layer besides its sliding keys: each compressor's (see
+        `Compressor.empty_state`), by name (`compressor`, `indexer`; none on a sliding layer)."""
+        state = {}
+        if self.compressor is not None:
+            state["compressor"] = self.compressor.empty_state(batch, length, dtype)
+        if self.indexer is not None:
+            state["indexer"] = self.indexer.compressor.empty_state(batch, length, dtype)
+        return state
+
+    def cached(
+        self,
+        x: Float[Array, "batch seq embed"],
+        mask: Bool[Array, "batch seq length"],
+        positions: Int[Array, "batch seq"],
+        rope: tuple[Array, Array],
+        angles: Angles,
+        keys: Float[Array, "batch length head_dim"],
+        state: dict[str, dict[str, Array]],
+        start: Int[Array, ""],
+    ) -> tuple[Float[Array, "batch seq embed"], Array, dict[str, dict[str, Array]]]:
+        """As a call, with a cache: the tokens `x` take slots `start, start + 1, ...`; `mask`
+        over the cache's `keys` (`[batch, length, head_dim]`, the sliding keys, every slot
+        kept) and `state` (`empty_state`). Returns the output, the keys and the state after
+        `x`. The entries a query sees, as transformers' `DeepseekV4HCACache` /
+        `DeepseekV4CSACache` give them: those of windows finished by its call's slots and
+        `w < (position + 1) // rate`, or every finished one for a single heavily compressed
+        token; the indexer picks among the former."""
+        q_latent, q, kv = self.queries_and_keys(x, rope)
+        keys = jax.lax.dynamic_update_slice_in_dim(keys, kv.astype(keys.dtype), start, axis=1)
+        every, allowed = keys, mask
+        if self.compressor is not None:
+            state = dict(state)
+            rate, seq = self.compressor.rate, x.shape[1]
+            state["compressor"] = self.compressor.step(x, state["compressor"], start, angles)
+            entries = state["compressor"]["entries"]
+            finished = jnp.arange(entries.shape[1]) < (start + seq) // rate
+            seen = visible(positions, entries.shape[1], rate) & finished
+            if self.indexer is not None:
+                state["indexer"] = self.indexer.compressor.step(x, state["indexer"], start, angles)
+                seen = self.indexer.select(x, q_latent, positions, state["indexer"]["entries"], seen, angles)
+            elif seq == 1:  # transformers' single token sees every finished window
+                seen = jnp.broadcast_to(finished, seen.shape)
+            every = jnp.concatenate((keys, entries.astype(keys.dtype)), axis=1)
+            allowed = jnp.concatenate((mask, seen), axis=-1)
+        return self.attend(q, every.astype(q.dtype), allowed, rope), keys, state
+
+    def queries_and_keys(
+        self, x: Float[Array, "batch seq embed"], rope: tuple[Array, Array]
+    ) -> tuple[Array, Array, Array]:
+        """The query latent (the indexer reads it), the rotated queries `[batch, seq, heads,
+        head_dim]` and the rotated shared key/value `[batch, seq, head_dim]`."""
+        q_latent = rms_norm(linear(x, self.wq_a, None), self.q_norm, self.eps, float32_scale=True)
+        q = unweighted_rms_norm(jnp.einsum("bsr,hdr->bshd", q_latent, self.wq_b), self.eps)
+        q = interleaved_rope(q, *rope)
+        kv = rms_norm(linear(x, self.wkv, None), self.kv_norm, self.eps, float32_scale=True)
+        kv = interleaved_rope(kv[:, :, None, :], *rope)[:, :, 0, :]
+        return q_latent, q, kv
+
+    def attend(
+        self,
+        q: Array,
+        keys: Float[Array, "batch keys head_dim"],
+        allowed: Bool[Array, "batch seq keys"],
+        rope: tuple[Array, Array],
+    ) -> Float[Array, "batch seq embed"]:
+        """Attention over `keys` (which are the values) where `allowed`, with the sinks, the
+        conjugate rotation and the grouped output projection."""
+        batch, seq, heads, head_dim = q.shape
         scores = jnp.einsum("bshd,btd->bhst", q, keys) * jnp.asarray(head_dim**-0.5, q.dtype)
         scores = jnp.where(allowed[:, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
         sinks = jnp.broadcast_to(self.sinks.astype(jnp.float32)[None, :, None, None], (batch, heads, seq, 1))
