@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from abc import abstractmethod
 from typing import Any, ClassVar, Protocol, final, runtime_checkable
 
 import equinox as eqx
@@ -273,29 +274,40 @@ def check_routing(experts: int, top_k: int, groups: int, top_groups: int) -> Non
 
 @runtime_checkable
 class RoutedSizes(Protocol):
-    """What DeepSeek-V3's feed-forward is built from (a `DeepseekV3Config`, GLM-4.5's `Glm4MoeExperts`): read-only sizes."""
+    """What DeepSeek-V3's feed-forward is built from (a `DeepseekV3Config`, GLM-4.5's `Glm4MoeExperts`): read-only sizes (abstract: any object with these fields answers it)."""
 
     @property
+    @abstractmethod
     def hidden_size(self) -> int: ...
     @property
+    @abstractmethod
     def intermediate_size(self) -> int: ...
     @property
+    @abstractmethod
     def moe_intermediate_size(self) -> int: ...
     @property
+    @abstractmethod
     def num_local_experts(self) -> int: ...
     @property
+    @abstractmethod
     def num_experts_per_tok(self) -> int: ...
     @property
+    @abstractmethod
     def n_shared_experts(self) -> int: ...
     @property
+    @abstractmethod
     def n_group(self) -> int: ...
     @property
+    @abstractmethod
     def topk_group(self) -> int: ...
     @property
+    @abstractmethod
     def norm_topk_prob(self) -> bool: ...
     @property
+    @abstractmethod
     def routed_scaling_factor(self) -> float: ...
     @property
+    @abstractmethod
     def hidden_act(self) -> str: ...
 
 
