@@ -9,7 +9,8 @@ hash table perturbed: logits equal transformers' on one device, on 4x2 and with 
 an `expert` axis, in float32 and bfloat16; `port.export` gives the checkpoint back bit for bit;
 a field the module does not run, or a malformed schedule, is refused in one line before any
 tensor byte is read; packed sequences are refused in one line; a cached prefill and decode
-steps give the full forward's logits.
+steps give the full forward's logits; a decoding step's compressed sparse attention costs
+(XLA's cost analysis) what its `index_topk` gathered entries do, not what every entry would.
 
 Gradients, padding, positions, remat, bfloat16 compute and the 4x2 train step are
 tests/test_decoders.py's contract, which runs it on this family as on every decoder.
@@ -156,6 +157,7 @@ def test_logits_match_transformers(checkpoints, loaded, mesh):
     if mesh == "4x2":
         assert model.csa_moe.mlp.experts.gate.sharding.spec == P(None, "model", None, "data")
         assert model.csa_moe.attn.wq_b.sharding.spec == P(None, "model", None, None)
+        assert model.csa_moe.attn.wo_a.sharding.spec == P(None, "model", None, None)  # o_groups
 
 
 def with_field(module, name, value):
@@ -247,6 +249,44 @@ def test_packed_sequences_are_refused_in_one_line(loaded):
     with pytest.raises(ValueError, match="`segment_ids` is not supported") as error:
         model(jnp.asarray(IDS), segment_ids=jnp.zeros(IDS.shape, jnp.int32))
     assert "\n" not in str(error.value)
+
+
+# ---------------------------------------------------------------- the cost follows index_topk
+
+
+def decode_flops(length: int, top_k: int | None) -> float:
+    """XLA's FLOPs for one decoding step of one compressed sparse layer (CSA every 4 slots)
+    over a cache of `length` slots; `top_k` None: the same layer without compressed entries
+    (a sliding one), whose cost the difference leaves out."""
+    from port.nn._compressed import CompressedAttention
+
+    attn = CompressedAttention(
+        heads=16, head_dim=64, embd=256, q_rank=64, groups=2, group_rank=32, rate=None if top_k is None else 4,
+        overlap=True, index=None if top_k is None else {"heads": 4, "dim": 32, "topk": top_k}, eps=1e-6,
+        dtype=jnp.float32, key=jax.random.key(0),
+    )  # fmt: skip
+    x, mask, positions = jnp.zeros((1, 1, 256)), jnp.ones((1, 1, length), bool), jnp.full((1, 1), length - 1)
+    rope = (jnp.ones((1, 1, 8)), jnp.zeros((1, 1, 8)))
+    angles = lambda p: (jnp.ones((*p.shape, 8)), jnp.zeros((*p.shape, 8)))  # noqa: E731
+    keys, state = jnp.zeros((1, length, 64)), attn.empty_state(1, length, jnp.float32)
+    start = jnp.int32(length - 1)
+    step = jax.jit(lambda a, x, k, s: a.cached(x, mask, positions, rope, angles, k, s, start)[0])
+    return float(step.lower(attn, x, keys, state).compile().cost_analysis()["flops"])
+
+
+def test_the_compressed_sparse_attention_cost_follows_index_topk():
+    """The compressed entries' share of a decoding step (the layer's FLOPs less a sliding
+    layer's over the same cache) grows from 2048 to 8192 cached slots (512 to 2048 entries)
+    with the same `index_topk` only by the indexer's scores of every entry: much less than
+    attending to every entry (`index_topk` = the entries) grows."""
+    sliding = {n: decode_flops(n, None) for n in (2048, 8192)}
+    rows = {(n, k): decode_flops(n, k) - sliding[n] for n, k in ((2048, 64), (8192, 64), (2048, 512), (8192, 2048))}
+    for (n, k), flops in rows.items():
+        print(
+            f"compressed sparse decode step: slots {n}, index_topk {k}: {flops:.4g} FLOPs (+ sliding {sliding[n]:.4g})"
+        )
+    assert rows[8192, 64] < 0.2 * rows[8192, 2048]
+    assert rows[8192, 64] - rows[2048, 64] < 0.15 * (rows[8192, 2048] - rows[2048, 512])
 
 
 # ---------------------------------------------------------------- export
