@@ -14,7 +14,10 @@ and a grouped low-rank output projection (`o_groups` blocks of heads, each to
 - CSA (`overlap=True`): two series per token; entry `w` pools window `w`'s second series
   with window `w - 1`'s first (width `2 * rate`, stride `rate`). A lightning `Indexer`
   (its own compressor, query heads and per-head weights: `sum_h w_h relu(q_h . k)`)
-  keeps the `index_topk` best entries per query.
+  keeps the `index_topk` best entries per query, and the query attends to those alone,
+  gathered (its cost follows `index_topk`, not the number of entries; only the indexer's
+  scores see every entry). Where fewer than `index_topk` are visible, the hidden ones
+  chosen besides stay hidden (zero weight).
 
 A query at position `p` sees the entries `w < (p + 1) // rate`; windows are counted in
 slots from the start of the row, as transformers counts them (`DeepseekV4HCACompressor`,
@@ -69,6 +72,11 @@ def unweighted_rms_norm(x: Array, eps: float) -> Array:
 def visible(positions: Int[Array, "batch seq"], entries: int, rate: int) -> Bool[Array, "batch seq entries"]:
     """Which compressed entries each query may see: `w < (position + 1) // rate`."""
     return jnp.arange(entries)[None, None, :] < ((positions + 1) // rate)[:, :, None]
+
+
+def gather(entries: Float[Array, "batch entries dim"], chosen: Int[Array, "batch seq top"]) -> Array:
+    """Each query's `chosen` entries, `[batch, seq, top, dim]`."""
+    return jax.vmap(lambda a, i: a[i])(entries, chosen)
 
 
 @final
@@ -206,8 +214,8 @@ class Indexer(eqx.Module):
         q_latent: Float[Array, "batch seq q_rank"],
         positions: Int[Array, "batch seq"],
         angles: Angles,
-    ) -> Bool[Array, "batch seq entries"]:
-        """Which entries each query keeps: its `topk` best among those it may see."""
+    ) -> tuple[Int[Array, "batch seq top"], Bool[Array, "batch seq top"]]:
+        """Which entries each query keeps: its `topk` best among those it may see (see `select`)."""
         keys = self.compressor(x, angles)
         return self.select(
             x, q_latent, positions, keys, visible(positions, keys.shape[1], self.compressor.rate), angles
@@ -221,8 +229,10 @@ class Indexer(eqx.Module):
         keys: Float[Array, "batch entries index_dim"],
         allowed: Bool[Array, "batch seq entries"],
         angles: Angles,
-    ) -> Bool[Array, "batch seq entries"]:
-        """The `topk` best of the compressed `keys` each query is `allowed`."""
+    ) -> tuple[Int[Array, "batch seq top"], Bool[Array, "batch seq top"]]:
+        """The `min(topk, entries)` best of the compressed `keys` each query is `allowed`:
+        their indices into `keys`' axis 1, and whether each is allowed (those that are not
+        are chosen only where fewer are allowed than `topk`)."""
         batch, seq, _ = x.shape
         entries, dim = keys.shape[1], keys.shape[2]
         q = linear(q_latent, self.wq_b, None).reshape(batch, seq, self.heads, dim)
@@ -232,12 +242,7 @@ class Indexer(eqx.Module):
         scores = jnp.einsum("bsht,bsh->bst", scores * dim**-0.5, weights)
         scores = jnp.where(allowed, scores, -jnp.inf)
         _, best = jax.lax.top_k(scores, min(self.topk, entries))
-        chosen = (
-            jnp.zeros((batch, seq, entries), bool)
-            .at[jnp.arange(batch)[:, None, None], jnp.arange(seq)[None, :, None], best]
-            .set(True)
-        )
-        return chosen & allowed
+        return best, jnp.take_along_axis(allowed, best, axis=-1)
 
 
 @final
@@ -323,11 +328,11 @@ class CompressedAttention(eqx.Module):
         keys, allowed = kv, mask
         if self.compressor is not None and x.shape[1] >= self.compressor.rate:
             entries = self.compressor(x, angles)
-            seen = visible(positions, entries.shape[1], self.compressor.rate)
             if self.indexer is not None:
-                seen = self.indexer(x, q_latent, positions, angles)
+                chosen, seen = self.indexer(x, q_latent, positions, angles)
+                return self.attend(q, kv, mask, rope, (gather(entries, chosen), seen))
             keys = jnp.concatenate((kv, entries), axis=1)
-            allowed = jnp.concatenate((mask, seen), axis=-1)
+            allowed = jnp.concatenate((mask, visible(positions, entries.shape[1], self.compressor.rate)), axis=-1)
         return self.attend(q, keys, allowed, rope)
 
     def empty_state(self, batch: int, length: int, dtype: Any) -> dict[str, dict[str, Array]]:
@@ -370,8 +375,10 @@ class CompressedAttention(eqx.Module):
             seen = visible(positions, entries.shape[1], rate) & finished
             if self.indexer is not None:
                 state["indexer"] = self.indexer.compressor.step(x, state["indexer"], start, angles)
-                seen = self.indexer.select(x, q_latent, positions, state["indexer"]["entries"], seen, angles)
-            elif seq == 1:  # transformers' single token sees every finished window
+                chosen, kept = self.indexer.select(x, q_latent, positions, state["indexer"]["entries"], seen, angles)
+                picked = (gather(entries.astype(keys.dtype), chosen).astype(q.dtype), kept)
+                return self.attend(q, keys.astype(q.dtype), mask, rope, picked), keys, state
+            if seq == 1:  # transformers' single token sees every finished window
                 seen = jnp.broadcast_to(finished, seen.shape)
             every = jnp.concatenate((keys, entries.astype(keys.dtype)), axis=1)
             allowed = jnp.concatenate((mask, seen), axis=-1)
@@ -395,15 +402,29 @@ class CompressedAttention(eqx.Module):
         keys: Float[Array, "batch keys head_dim"],
         allowed: Bool[Array, "batch seq keys"],
         rope: tuple[Array, Array],
+        picked: tuple[Float[Array, "batch seq top head_dim"], Bool[Array, "batch seq top"]] | None = None,
     ) -> Float[Array, "batch seq embed"]:
-        """Attention over `keys` (which are the values) where `allowed`, with the sinks, the
-        conjugate rotation and the grouped output projection."""
+        """Attention over `keys` (which are the values) where `allowed`, and over each query's
+        own `picked` entries (gathered, and whether each is allowed) in the same softmax, with
+        the sinks, the conjugate rotation and the grouped output projection."""
         batch, seq, heads, head_dim = q.shape
-        scores = jnp.einsum("bshd,btd->bhst", q, keys) * jnp.asarray(head_dim**-0.5, q.dtype)
-        scores = jnp.where(allowed[:, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+        scale, low = jnp.asarray(head_dim**-0.5, q.dtype), jnp.finfo(jnp.float32).min
+        scores = jnp.einsum("bshd,btd->bhst", q, keys) * scale
+        scores = jnp.where(allowed[:, None], scores.astype(jnp.float32), low)
         sinks = jnp.broadcast_to(self.sinks.astype(jnp.float32)[None, :, None, None], (batch, heads, seq, 1))
-        probs = jax.nn.softmax(jnp.concatenate((scores, sinks), axis=-1), axis=-1)[..., :-1]
-        out = jnp.einsum("bhst,btd->bshd", probs.astype(keys.dtype), keys)
+        if picked is None:
+            probs = jax.nn.softmax(jnp.concatenate((scores, sinks), axis=-1), axis=-1)[..., :-1]
+            out = jnp.einsum("bhst,btd->bshd", probs.astype(keys.dtype), keys)
+        else:
+            entries, kept = picked
+            own = jnp.einsum("bshd,bskd->bhsk", q, entries) * scale
+            own = jnp.where(kept[:, None], own.astype(jnp.float32), low)
+            probs = jax.nn.softmax(jnp.concatenate((scores, own, sinks), axis=-1), axis=-1)
+            # the values in `keys`' dtype, summed in float32 (one rounding, as one product would)
+            f32, n, weights = jnp.float32, keys.shape[1], probs.astype(keys.dtype).astype(jnp.float32)
+            out = jnp.einsum("bhst,btd->bshd", weights[..., :n], keys.astype(f32))
+            own_out = jnp.einsum("bhsk,bskd->bshd", weights[..., n:-1], entries.astype(f32))
+            out = (out + own_out).astype(keys.dtype)
         cos, sin = rope
         out = interleaved_rope(out, cos, -sin)
         grouped = out.reshape(batch, seq, self.wo_a.shape[0], -1)
