@@ -59,6 +59,21 @@ def transformers_or_skip():
     return pytest.importorskip("transformers", exc_type=ImportError)
 
 
+def expert_mapping(path):
+    """The shipped mapping at `path` with the experts on an `expert` mesh axis."""
+    import dataclasses
+
+    import port
+
+    shipped = port.load_mapping(path)
+    return dataclasses.replace(shipped, rules={**shipped.rules, "experts": ("expert",)})
+
+
+def error_of(ours, expected) -> float:
+    """The largest |ours - expected|, in float32."""
+    return float(np.abs(np.asarray(ours).astype(np.float32) - expected).max())
+
+
 def perturbed(model, names, scale):
     """`model` in eval mode, with `scale`-sized noise added to the parameters `names` picks."""
     import torch

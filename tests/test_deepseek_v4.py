@@ -17,7 +17,6 @@ tests/test_decoders.py's contract, which runs it on this family as on every deco
 """
 
 import copy
-import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -37,6 +36,8 @@ from port.models.deepseek_v4 import DeepseekV4, DeepseekV4Config
 
 from helpers import (
     VOCAB,
+    error_of,
+    expert_mapping,
     loaded_once,
     logits,
     one_line,
@@ -118,16 +119,6 @@ def loaded(checkpoints):
     return loaded_once(checkpoints)
 
 
-def expert_mapping():
-    """The shipped mapping with the experts on an `expert` axis."""
-    shipped = port.load_mapping(MAPPINGS / "deepseek_v4.toml")
-    return dataclasses.replace(shipped, rules={**shipped.rules, "experts": ("expert",)})
-
-
-def error_of(ours, expected) -> float:
-    return float(np.abs(np.asarray(ours).astype(np.float32) - expected).max())
-
-
 # ---------------------------------------------------------------- parity
 
 
@@ -188,7 +179,7 @@ def test_logits_match_transformers_with_experts_on_an_expert_axis(checkpoints):
     """The shipped mapping with `experts = "expert"` on a `data=2,expert=2,model=2` mesh."""
     directory, _, expected = checkpoints("tiny")
     mesh = port.make_mesh(EXPERT_MESH)
-    model = port.load(directory, mesh=mesh, mapping=expert_mapping())
+    model = port.load(directory, mesh=mesh, mapping=expert_mapping(MAPPINGS / "deepseek_v4.toml"))
     assert model.hca_moe.mlp.experts.gate.sharding.spec == P(None, "expert", "model", "data")
     assert model.sliding_hash.mlp.router.sharding.spec == P(None, "expert", "data")
     ours = logits(model, jax.device_put(IDS, NamedSharding(mesh, P("data", None))))
@@ -208,7 +199,11 @@ def test_bfloat16_end_to_end_on_each_mesh(tmp_path):
     noise = np.abs(expected - torch_logits(model.float(), IDS))
     bf16_noise = noise.max()
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    for mesh, mapping in (("1x1", None), ("4x2", None), (port.make_mesh(EXPERT_MESH), expert_mapping())):
+    for mesh, mapping in (
+        ("1x1", None),
+        ("4x2", None),
+        (port.make_mesh(EXPERT_MESH), expert_mapping(MAPPINGS / "deepseek_v4.toml")),
+    ):
         ours = port.load(tmp_path, mesh=mesh, mapping=mapping)
         assert ours.hca_moe.mlp.experts.gate.dtype == ours.embed.dtype == bf16
         out = logits(ours, IDS)

@@ -34,6 +34,8 @@ from port.nn import Rope
 
 from helpers import (
     VOCAB,
+    error_of,
+    expert_mapping,
     loaded_once,
     logits,
     one_line,
@@ -103,16 +105,6 @@ def loaded(checkpoints):
     return loaded_once(checkpoints)
 
 
-def expert_mapping():
-    """The shipped mapping with the experts on an `expert` axis."""
-    shipped = port.load_mapping(MAPPINGS / "minimax_m2.toml")
-    return dataclasses.replace(shipped, rules={**shipped.rules, "experts": ("expert",)})
-
-
-def error_of(ours, expected) -> float:
-    return float(np.abs(np.asarray(ours).astype(np.float32) - expected).max())
-
-
 # ---------------------------------------------------------------- parity
 
 
@@ -170,7 +162,7 @@ def test_logits_match_transformers_with_experts_on_an_expert_axis(checkpoints):
     """The shipped mapping with `experts = "expert"` on a `data=2,expert=2,model=2` mesh."""
     directory, _, expected = checkpoints("rotary-dim")
     mesh = port.make_mesh(EXPERT_MESH)
-    model = port.load(directory, mesh=mesh, mapping=expert_mapping())
+    model = port.load(directory, mesh=mesh, mapping=expert_mapping(MAPPINGS / "minimax_m2.toml"))
     mlp = model.blocks.mlp
     assert mlp.experts.gate.sharding.spec == P(None, "expert", "model", "data")
     assert mlp.experts.down.sharding.spec == P(None, "expert", "data", "model")
@@ -188,7 +180,11 @@ def test_bfloat16_end_to_end_on_each_mesh(tmp_path):
     expected = torch_logits(model, IDS)
     bf16_noise = np.abs(expected - torch_logits(model.float(), IDS)).max()
     bf16 = np.dtype(ml_dtypes.bfloat16)
-    for mesh, mapping in (("1x1", None), ("4x2", None), (port.make_mesh(EXPERT_MESH), expert_mapping())):
+    for mesh, mapping in (
+        ("1x1", None),
+        ("4x2", None),
+        (port.make_mesh(EXPERT_MESH), expert_mapping(MAPPINGS / "minimax_m2.toml")),
+    ):
         ours = port.load(tmp_path, mesh=mesh, mapping=mapping)
         assert ours.blocks.mlp.experts.gate.dtype == ours.blocks.attn.q_norm.dtype == ours.embed.dtype == bf16
         out = logits(ours, IDS)
