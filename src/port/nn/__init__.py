@@ -5,7 +5,8 @@ A family file holds only what is new in it; norms (`rms_norm`: Llama's, OLMo 2's
 layers without them), attention (`Attention`'s q/k norm per head or over the whole
 projection, a per-query `q_scale`), MLPs, the decoder layer (`Block`: norms before, after or around each
 branch), the routed mixture of experts, multi-head latent attention (DeepSeek-V3), Gated
-DeltaNet linear attention (Qwen3-Next), the layer scan and layers of several kinds,
+DeltaNet linear attention (Qwen3-Next), low-rank adapters (`LoRA`, merged layer by
+layer in the scan), the layer scan and layers of several kinds,
 inputs and masks, the key/value cache, greedy generation and the loss live here. Every layer works on batch-first arrays
 (`[batch, seq, embed]`); models accept `(batch, seq)` ids or one `(seq,)` sequence.
 
@@ -56,6 +57,9 @@ from port.nn._init import stacked as stacked
 from port.nn._init import zeros_if as zeros_if
 from port.nn._layers import run_groups as run_groups
 from port.nn._layers import run_layers as run_layers
+from port.nn._lora import LoRA as LoRA
+from port.nn._lora import merged as merged
+from port.nn._lora import trainable as trainable
 from port.nn._loss import next_token_loss as next_token_loss
 from port.nn._mla import LatentAttention as LatentAttention
 from port.nn._mlp import MLP as MLP

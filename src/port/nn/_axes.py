@@ -43,6 +43,7 @@ AXES: dict[str, str] = {
     "mlp": "an MLP's or an expert's hidden size (intermediate_size, moe_intermediate_size, n_inner)",
     "experts": "routed experts (num_experts, num_local_experts, n_routed_experts)",
     "lora": "a low-rank bottleneck (DeepSeek-V3's q_lora_rank, kv_lora_rank)",
+    "rank": "a LoRA adapter's rank (PEFT's r): the axis between `a` and `b`",
     "linear_heads": "Gated DeltaNet's key heads (linear_num_key_heads)",
     "linear_v_heads": "Gated DeltaNet's value heads (linear_num_value_heads)",
     "kernel": "a causal convolution's taps (linear_conv_kernel_dim)",

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from port.nn._lora import merged
 from port.nn._scan import checkpointed, scan
 from port.nn._tokens import Tokens
 
@@ -195,7 +196,7 @@ def run_groups(
             seen = dict.fromkeys(entries, 0)
             new = {kind: [] for kind in entries}
             for j, kind in enumerate(pattern):
-                block = eqx.combine(jax.tree.map(lambda a, s=seen[kind]: a[s], params[kind]), static[kind])
+                block = merged(eqx.combine(jax.tree.map(lambda a, s=seen[kind]: a[s], params[kind]), static[kind]))
                 entry = None if caches[kind] is None else jax.tree.map(lambda a, s=seen[kind]: a[s], caches[kind])
                 x, entry = layer(block, x, i[j], slides[j], entry)
                 new[kind].append(entry)

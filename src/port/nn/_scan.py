@@ -16,6 +16,8 @@ from typing import Any, cast
 import equinox as eqx
 import jax
 
+from port.nn._lora import merged
+
 REMAT = {
     "full": None,  # jax.checkpoint's default: save nothing, recompute the layer
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -38,7 +40,8 @@ def scan(
 
     - `layer`: one layer's step.
     - `carry`: the hidden state passed from layer to layer.
-    - `blocks`: a module whose arrays have a leading `[layers]` axis.
+    - `blocks`: a module whose arrays have a leading `[layers]` axis. Its adapters
+      (`LoRA`) are merged layer by layer: `layer` gets plain weights.
     - `per_layer`: pytrees with the same leading axis (per-layer flags, cache slices),
       or None.
     - `remat`: None or False (keep every activation for the backward pass), True or
@@ -64,7 +67,7 @@ def scan(
 
     def step(carry: Any, xs: tuple[Any, ...]) -> tuple[Any, Any]:
         block_params, *rest = xs
-        return layer(eqx.combine(block_params, static), carry, *rest)
+        return layer(merged(eqx.combine(block_params, static)), carry, *rest)
 
     return jax.lax.scan(checkpointed(step, remat), carry, (params, *per_layer))
 
