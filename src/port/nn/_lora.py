@@ -31,14 +31,14 @@ from typing import Any, final
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray
+from jaxtyping import Array, PRNGKeyArray
 
 
 @final
 class LoRA(eqx.Module):
     """One weight with a low-rank adapter: `base + scale * b @ a` (DoRA: rescaled per output).
 
-    **Arguments (fields):**
+    **Fields:**
 
     - `base`: the frozen weight, `[*stack, *out, *in]` (`[*stack, *in, *out]` when
       `transposed`).
@@ -56,10 +56,10 @@ class LoRA(eqx.Module):
     ```
     """
 
-    base: Float[Array, "..."]
-    a: Float[Array, "..."]
-    b: Float[Array, "..."]
-    magnitude: Float[Array, "..."] | None
+    base: Array
+    a: Array
+    b: Array
+    magnitude: Array | None
     scale: float = eqx.field(static=True)
     inputs: int = eqx.field(static=True)
     transposed: bool = eqx.field(static=True)
@@ -126,7 +126,7 @@ class LoRA(eqx.Module):
         first = stack if self.transposed else stack + own - self.inputs
         return tuple(range(first, first + self.inputs))
 
-    def delta(self) -> Float[Array, "..."]:
+    def delta(self) -> Array:
         """`scale * b @ a` in `base`'s layout, in float32.
 
         ```python
@@ -143,12 +143,12 @@ class LoRA(eqx.Module):
             d = jnp.moveaxis(d, tuple(range(s, s + outs)), tuple(range(d.ndim - outs, d.ndim)))
         return d
 
-    def norm(self, weight: Array) -> Float[Array, "..."]:
+    def norm(self, weight: Array) -> Array:
         """The norm of `weight` (in `base`'s layout) per output, over its inputs: DoRA's `||W||_c`."""
         w = weight.astype(jnp.float32)
         return jnp.sqrt(jnp.sum(w * w, axis=self._in_axes(weight)))
 
-    def merged(self) -> Float[Array, "..."]:
+    def merged(self) -> Array:
         """The weight the layer uses, `base`'s shape and dtype: `base + delta` (summed in
         float32); with DoRA, that times `magnitude / norm` per output, the norm taken as a
         constant in the backward pass as PEFT does.
