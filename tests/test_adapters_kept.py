@@ -1,0 +1,105 @@
+"""Adapters kept as `port.nn.LoRA` leaves: their layout in each family's leaves, keep mode
+against PEFT, `port.lora` and `port.export_adapter`.
+
+Tiny random bases written with transformers, adapters with PEFT (`init_lora_weights=False`:
+non-zero A and B), in tmp_path; nothing is downloaded.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import port
+from port._adapters._layout import layout
+from port._errors import PlanError
+from port._transforms import Chain
+from port.nn import LoRA
+
+from helpers import transformers_or_skip
+
+LINEAR = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "c_fc",
+    "c_proj",
+    "dense",
+    "dense_h_to_4h",
+    "dense_4h_to_h",
+)
+"""Module names of the projections PEFT users target (GPT-NeoX's `dense`, GPT-2's `c_fc`, `c_proj`)."""
+FUSED = ("c_attn", "query_key_value", "qkv_proj", "gate_up_proj")
+
+
+def _weights(name):
+    """The family's tiny torch model's config (a dict) and its 2-d weights by key, as numpy."""
+    import torch
+    from test_decoders import FAMILIES
+
+    transformers = transformers_or_skip()
+    arch, config_class, config = FAMILIES[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(getattr(transformers, config_class)(**config))
+    weights = {k: v.detach().numpy() for k, v in model.state_dict().items() if v.ndim == 2}
+    return model.config.to_dict(), weights
+
+
+def _full(chain, x):
+    """`chain` applied to the whole of `x`."""
+    return chain.apply(x, chain.regions(tuple((0, n) for n in chain.shape)))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "qwen3", "phi3", "gemma2", "gpt_neox", "mixtral", "deepseek_v3"])
+def test_every_unfused_projection_has_a_layout_whose_delta_is_peft_s(name):
+    """For each linear-like entry of the family's mapping, a layout is found unless the entry
+    cuts a fused tensor (refused in one line saying "load it merged"), and the LoRA built
+    from PEFT's factors reshaped by it gives the leaf that the chain makes of `B @ A`."""
+    from port._plan import config_names
+    from port._skeleton import skeleton
+
+    config, weights = _weights(name)
+    mapping = port.mapping_for(config, keys=weights)
+    names = config_names(skeleton(mapping, config), config)
+    conv1d = name == "gpt2"
+    found = refused = 0
+    rng = np.random.default_rng(0)
+    for key, w in weights.items():
+        module = key.removesuffix(".weight")
+        leaf_name = module.rsplit(".", 1)[-1]
+        if not key.endswith(".weight") or leaf_name not in LINEAR + FUSED:
+            continue
+        param = next(p for p in mapping.params if p.pattern().match(mapping.key_name(key)))
+        fused = any(t.name in ("split", "stride") for t in param.transforms)
+        if fused:
+            with pytest.raises(PlanError, match=f"^{module}: .*load it merged"):
+                layout(param, names, w.shape, "conv1d" if conv1d else "linear", module)
+            refused += 1
+            continue
+        lay = layout(param, names, w.shape, "conv1d" if conv1d else "linear", module)
+        out_size, in_size = (w.shape[1], w.shape[0]) if conv1d else w.shape
+        assert (lay.fan_out, lay.fan_in) == (out_size, in_size), key
+        rank = 3
+        a = rng.standard_normal((rank, in_size)).astype(np.float32)
+        b = rng.standard_normal((out_size, rank)).astype(np.float32)
+        delta = b @ a  # [out, in], torch Linear's layout
+        source = delta.T if conv1d else delta
+
+        chain = Chain.build(param.build(names), w.shape)
+        expected = _full(chain, np.ascontiguousarray(source))
+        node = LoRA(
+            jnp.zeros(expected.shape),
+            jnp.asarray(a.reshape(lay.a_shape(rank))),
+            jnp.asarray(b.reshape(lay.b_shape(rank))),
+            None,
+            1.0,
+            lay.inputs,
+            lay.transposed,
+        )
+        np.testing.assert_allclose(np.asarray(node.delta()), expected, rtol=1e-5, atol=1e-5, err_msg=key)
+        found += 1
+    assert found >= 2 * int(config.get("num_hidden_layers", config.get("n_layer", 1)))
+    assert refused == 0 or name in ("gpt2", "gpt_neox", "phi3")
