@@ -1,0 +1,159 @@
+"""`MergedCheckpoint`: a base checkpoint read as if a LoRA adapter had been merged into it.
+
+Composed around the opened base and an opened `Adapter`: the same config, the same
+tensors (keys, shapes, dtypes), so plan, place, sharding and the output see the base's
+checkpoint. Reading a region of an adapted weight reads that region of the base, plus
+only the rows of `lora_B` and the columns of `lora_A` the region covers, and writes
+`base + scale * B[rows] @ A[:, cols]` into the caller's buffer, summed in float32 and
+rounded once to the tensor's dtype (`[in, out]` weights, GPT-2's `Conv1D`, and
+embeddings take the product transposed). A `modules_to_save` weight reads the adapter's
+replacement instead. DoRA rescales each output's merged row by `magnitude / norm`: the
+norm needs the whole row, so a block holding part of a row reads the base's whole rows
+(and the whole of `lora_A`). `bytes_read` counts the base's bytes and the adapter's.
+
+```python
+with open_checkpoint("tiny-llama") as base:
+    ckpt = MergedCheckpoint(base, open_adapter("tiny-llama-lora", base))
+    ckpt.read("model.layers.0.self_attn.q_proj.weight", ((0, 8), (0, 16)))   # merged rows 0..7
+```
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import final
+
+import numpy as np
+
+from .._sources import Checkpoint, Region
+from .._sources._checkpoint import check_buffer
+from ._peft import Adapter, Target
+
+_TRANSPOSED = ("conv1d", "embedding")
+"""Target kinds whose base weight holds inputs first (`[in, out]`, `[vocab, dim]`)."""
+
+
+@final
+class MergedCheckpoint(Checkpoint):
+    """`base` with `adapter` merged into its weights as they are read (see the module)."""
+
+    def __init__(self, base: Checkpoint, adapter: Adapter) -> None:
+        self.base = base
+        self.adapter = adapter
+        self.directory = base.directory
+        self.config = base.config
+        self.tensors = base.tensors
+
+    @property
+    def bytes_read(self) -> int:  # pyright: ignore[reportIncompatibleVariableOverride]  # both checkpoints' counts
+        return self.base.bytes_read + self.adapter.checkpoint.bytes_read
+
+    def expect(self, reads: Mapping[str, Collection[Region]]) -> None:
+        """Tell the base and the adapter the regions each will be asked for."""
+        base: dict[str, set[Region]] = {}
+        adapter: dict[str, set[Region]] = {}
+        for key, regions in reads.items():
+            if key in self.adapter.saved:
+                adapter.setdefault(self.adapter.saved[key], set()).update(regions)
+                continue
+            target = self.adapter.targets.get(key)
+            for region in regions:
+                if target is None:
+                    base.setdefault(key, set()).add(region)
+                    continue
+                outs, ins = _oriented(target, region)
+                if target.magnitude is not None:  # DoRA: whole rows, for the norm
+                    shape = self.tensors[key].shape
+                    region, ins = _whole_rows(target, shape, outs), (0, _inputs(target, shape))
+                    adapter.setdefault(target.magnitude, set()).add((outs,))
+                base.setdefault(key, set()).add(region)
+                for factor, part in _factor_regions(target, outs, ins):
+                    adapter.setdefault(factor, set()).add(part)
+        self.base.expect(base)
+        self.adapter.checkpoint.expect(adapter)
+
+    def read_into(self, key: str, requests: Sequence[tuple[Region, np.ndarray]]) -> None:
+        """Read regions of tensor `key` (see `Checkpoint.read_into`): an adapted weight's merged,
+        a replaced one's from the adapter, any other the base's."""
+        info = self.tensors[key]
+        for region, out in requests:
+            check_buffer(info, region, out)
+        if key in self.adapter.saved:
+            self._replaced(self.adapter.saved[key], requests)
+            return
+        target = self.adapter.targets.get(key)
+        if target is None:
+            self.base.read_into(key, requests)
+            return
+        if target.magnitude is not None:
+            for region, out in requests:
+                self._dora(target, region, out)
+            return
+        self.base.read_into(key, requests)
+        for region, out in requests:
+            if out.size:
+                delta = self._delta(target, *_oriented(target, region))
+                out[...] = (out.astype(np.float32) + delta).astype(out.dtype)
+
+    def _replaced(self, key: str, requests: Sequence[tuple[Region, np.ndarray]]) -> None:
+        """Regions of the adapter's replacement tensor `key`, rounded once to the buffers' dtype if it differs."""
+        info = self.adapter.checkpoint.tensors[key]
+        for region, out in requests:
+            if out.dtype == info.dtype:
+                self.adapter.checkpoint.read_into(key, [(region, out)])
+            else:
+                out[...] = self.adapter.checkpoint.read(key, region).astype(out.dtype)
+
+    def _delta(self, target: Target, outs: tuple[int, int], ins: tuple[int, int]) -> np.ndarray:
+        """`scale * B[outs] @ A[:, ins]` in float32, in the base weight's layout (transposed for `[in, out]`)."""
+        (_, b_region), (_, a_region) = _factor_regions(target, outs, ins)
+        b = self.adapter.checkpoint.read(target.b, b_region).astype(np.float32)
+        a = self.adapter.checkpoint.read(target.a, a_region).astype(np.float32)
+        delta = np.float32(target.scale) * (b @ a)
+        return delta.T if target.kind in _TRANSPOSED else delta
+
+    def _dora(self, target: Target, region: Region, out: np.ndarray) -> None:
+        """A DoRA weight's region: the whole merged rows of its outputs, each rescaled by
+        `magnitude / norm` (PEFT's merge), then the region's columns."""
+        shape = self.tensors[target.weight].shape
+        outs, ins = _oriented(target, region)
+        if not out.size:
+            return
+        rows = self.base.read(target.weight, _whole_rows(target, shape, outs)).astype(np.float32)
+        delta = self._delta(target, outs, (0, _inputs(target, shape)))
+        merged = rows + delta
+        oriented = merged.T if target.kind in _TRANSPOSED else merged
+        assert target.magnitude is not None
+        magnitude = self.adapter.checkpoint.read(target.magnitude, (outs,)).astype(np.float32)
+        oriented = oriented * (magnitude / np.linalg.norm(oriented, axis=1))[:, None]
+        block = oriented[:, ins[0] : ins[1]]
+        out[...] = (block.T if target.kind in _TRANSPOSED else block).astype(out.dtype)
+
+    def close(self) -> None:
+        """Close the base and the adapter."""
+        try:
+            self.adapter.checkpoint.close()
+        finally:
+            self.base.close()
+
+
+def _oriented(target: Target, region: Region) -> tuple[tuple[int, int], tuple[int, int]]:
+    """A region of `target`'s base weight as (outputs, inputs) ranges."""
+    first, second = region
+    return (second, first) if target.kind in _TRANSPOSED else (first, second)
+
+
+def _whole_rows(target: Target, shape: tuple[int, ...], outs: tuple[int, int]) -> Region:
+    """The region of the base weight holding outputs `outs` whole (every input)."""
+    return ((0, shape[0]), outs) if target.kind in _TRANSPOSED else (outs, (0, shape[1]))
+
+
+def _inputs(target: Target, shape: tuple[int, ...]) -> int:
+    """How many inputs `target`'s base weight of `shape` has."""
+    return shape[0] if target.kind in _TRANSPOSED else shape[1]
+
+
+def _factor_regions(target: Target, outs: tuple[int, int], ins: tuple[int, int]) -> list[tuple[str, Region]]:
+    """The regions of `lora_B` (rows `outs`) and `lora_A` (columns `ins`) a block needs."""
+    rank = (0, target.rank)
+    return [(target.b, (outs, rank)), (target.a, (rank, ins))]
