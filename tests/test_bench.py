@@ -52,6 +52,22 @@ SMOKE = {
     "quantized.py": ["--formats", "fp8", "--size", "tiny", "--repeats", "1", "--workdir", "{tmp}"],
     "cold.py": ["--sizes", "tiny", "--repeats", "1", "--warm", "--workdir", "{tmp}"],
     "targets.py": ["--size", "tiny", "--repeats", "1", "--workdir", "{tmp}"],
+    "lora.py": [
+        "--size",
+        "tiny",
+        "--repeats",
+        "1",
+        "--mesh",
+        "2x2",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--steps",
+        "1",
+        "--workdir",
+        "{tmp}",
+    ],
 }
 
 
