@@ -57,6 +57,7 @@ COMPLETE_VAR = "_PORT_COMPLETE"  # set (to complete_bash, complete_zsh, ...), `p
 Cast = Literal["float32", "bfloat16", "float16"]
 CASTS = ", ".join(typing.get_args(Cast)[:-1]) + " or " + typing.get_args(Cast)[-1]
 Quantize = Literal["fp8"]  # `_export._quantize_args.METHODS` (a test checks)
+AdapterMode = Literal["merge", "keep"]  # `_convert.ADAPTER_MODES` (a test checks)
 
 
 P = typing.TypeVar("P", bound="click.Parameter | None")
@@ -403,6 +404,24 @@ def _convert(
             help="convert only the checkpoint's layers START to STOP-1 (e.g. 0:12); the output's config says how many",
         ),
     ] = None,
+    adapter: Annotated[
+        str | None,
+        typer.Option(
+            "--adapter",
+            metavar="ADAPTER",
+            help="a PEFT LoRA adapter for MODEL (directory, repo id or URL): merged into the weights as they are "
+            "read, or kept with --adapter-mode keep",
+        ),
+    ] = None,
+    adapter_mode: Annotated[
+        AdapterMode | None,
+        typer.Option(
+            "--adapter-mode",
+            metavar="MODE",
+            help="merge (default: the adapter merged into the weights) or keep (the factors as trainable "
+            "port.nn.LoRA leaves); needs --adapter",
+        ),
+    ] = None,
     force: Annotated[
         bool, typer.Option("--force", help="replace --out (and --report) if it is an earlier port output")
     ] = False,
@@ -413,6 +432,8 @@ def _convert(
     process_id: ProcessId = None,
     timeout: Timeout = DEFAULT_TIMEOUT,
 ) -> argparse.Namespace:
+    if adapter_mode is not None and adapter is None:
+        raise clicks.UsageError("--adapter-mode needs --adapter")
     return _args(convert, locals())
 
 
@@ -473,6 +494,14 @@ def _export(
         ),
     ] = "1x1",
     force: Annotated[bool, typer.Option("--force", help="replace --out if it is an earlier port export")] = False,
+    adapter_only: Annotated[
+        bool,
+        typer.Option(
+            "--adapter-only",
+            help="write only DIR's adapter (converted with --adapter-mode keep) as a PEFT adapter: "
+            "adapter_config.json and adapter_model.safetensors",
+        ),
+    ] = False,
     module: Annotated[
         str | None,
         typer.Option(
@@ -492,6 +521,10 @@ def _export(
 ) -> argparse.Namespace:
     if quantize_block is not None and quantize is None:
         raise clicks.UsageError("--quantize-block needs --quantize")
+    if adapter_only:
+        for given, flag in ((quantize, "--quantize"), (dtype, "--dtype")):
+            if given is not None:
+                raise clicks.UsageError(f"--adapter-only writes the adapter as it is: it takes no {flag}")
     return _args(export_command, locals())
 
 

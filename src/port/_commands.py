@@ -17,7 +17,7 @@ import secrets
 import shutil
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
@@ -282,7 +282,8 @@ def convert(args: argparse.Namespace) -> int:
     layers = _layers(args.layers)
     from ._output import check_out  # NumPy's (the output's layout): after the flags
 
-    check_out(args.out, args.force, inputs=(args.model,) if Path(args.model).exists() else ())
+    inputs = tuple(name for name in (args.model, args.adapter) if name is not None and Path(name).exists())
+    check_out(args.out, args.force, inputs=inputs)
     _check_report(args)
     processes, count, simulated = _join(args)
 
@@ -318,6 +319,8 @@ def convert(args: argparse.Namespace) -> int:
             progress=progress,
             include=_patterns(args.include),
             layers=layers,
+            adapter=args.adapter,
+            adapter_mode=args.adapter_mode or "merge",
         )
     except PortError as e:  # the API's words for a range, as the flag was given
         if layers is not None:
@@ -331,8 +334,12 @@ def convert(args: argparse.Namespace) -> int:
         return 0
     figures = result.report
     who = f"process {figures.process}/{figures.num_processes}: " if figures.num_processes > 1 else ""
+    adapted = ""
+    if figures.adapter is not None:
+        how = "merged" if figures.adapter_mode == "merge" else "kept"
+        adapted = f" with adapter {figures.adapter} ({how}, {size_text(figures.adapter_bytes_read)} read from it)"
     say(
-        f"{who}converted {_shown(args.model)}: {count_text(figures.params)} params onto mesh {args.mesh} in "
+        f"{who}converted {_shown(args.model)}{adapted}: {count_text(figures.params)} params onto mesh {args.mesh} in "
         f"{figures.seconds:.1f} s (placing {figures.place_seconds:.1f} s, writing {figures.save_seconds:.1f} s); "
         f"read {size_text(figures.bytes_read)}, {size_text(max(figures.device_bytes.values(), default=0))} per device, "
         f"peak host memory {size_text(figures.peak_host_bytes)} -> {figures.out}"
@@ -454,6 +461,11 @@ def export_command(args: argparse.Namespace) -> int:
     _processes(args)
     _check_report(args)
     output = read_output(args.dir)  # not a port output: told before a model is built
+    if args.adapter_only and not _adapted(output.leaves):
+        raise PortError(
+            f"{args.dir}: holds no adapter (convert with --adapter ADAPTER --adapter-mode keep): "
+            "--adapter-only has nothing to write"
+        )
     _join(args)
     from ._export import export  # JAX's, as restore is: after every check of the flags and the output's metadata
     from ._output import restore
@@ -477,6 +489,8 @@ def export_command(args: argparse.Namespace) -> int:
         model = restore(
             output, args.mesh, model=_model_class(args.module, factory=True)
         )  # its metadata read once, here
+        if args.adapter_only:
+            return _export_adapter_only(args, output, model)
         try:
             out = export(
                 model,
@@ -526,6 +540,24 @@ def export_command(args: argparse.Namespace) -> int:
         f"{who}exported {args.dir}: {len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
         f"{size_text(size)}{share} -> {out}"
     )
+    return 0
+
+
+def _adapted(leaves: Collection[str]) -> bool:
+    """Whether an output's leaves (paths) hold a kept adapter: a `P.base` beside its `P.a` and `P.b`."""
+    return any(path.endswith(".base") and {path[:-4] + "a", path[:-4] + "b"} <= set(leaves) for path in leaves)
+
+
+def _export_adapter_only(args: argparse.Namespace, output, model) -> int:
+    """`port export DIR --adapter-only`: DIR's kept adapter written as a PEFT adapter directory."""
+    from ._adapters._export import export_adapter
+
+    out = export_adapter(model, args.out, output if args.source is None else args.source, force=args.force)
+    files = sorted(p.name for p in out.iterdir())
+    summary = {"schema": "port.export-adapter/1", "directory": str(output.directory), "out": str(out), "files": files}
+    if _summarize(summary, _report_file(args), out, args.json):
+        return 0
+    say(f"exported the adapter of {args.dir}: {', '.join(files)} -> {out}")
     return 0
 
 

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ._adapters import Adapter, MergedCheckpoint, open_adapter
 from ._destination import check_free
 from ._dtypes import floating
 from ._errors import PortError
@@ -84,6 +85,9 @@ class Report:
     kept: tuple[str, ...] = ()  # leaves not filled from the checkpoint (strict=False): the model's own values
     unused: tuple[str, ...] = ()  # checkpoint keys the mapping does not use (strict=False)
     port_version: str = ""  # the version of port that ran it (and wrote `out`'s metadata)
+    adapter: str | None = None  # the PEFT adapter loaded onto the checkpoint (`adapter=`), as named
+    adapter_mode: str | None = None  # how: "merge" or "keep"
+    adapter_bytes_read: int = 0  # of `bytes_read`, the bytes read from the adapter
 
     def to_json(self) -> dict[str, Any]:
         """The report as `port convert --report` writes it."""
@@ -146,6 +150,8 @@ def convert(
     include: Sequence[str] | None = None,
     layers: range | None = None,
     strict: bool = True,
+    adapter: str | os.PathLike | None = None,
+    adapter_mode: str = "merge",
 ) -> Conversion:
     """Convert a checkpoint into a sharded model, and save it to `out` if given.
 
@@ -172,6 +178,13 @@ def convert(
       lacks, keep their values (placed on the mesh: sharded by their mapping entry's
       axes if they have one, else replicated), and checkpoint keys the mapping does not
       use are allowed. `report.kept` and `report.unused` list both.
+    - `adapter`: a PEFT LoRA adapter (a directory with `adapter_config.json` and
+      `adapter_model.safetensors`, a Hub id or a URL) applied to the checkpoint; it is
+      checked against the checkpoint's headers before any tensor byte is read.
+    - `adapter_mode`: `"merge"` (default) reads each adapted weight's blocks merged,
+      `base + scale * B @ A`, from only the factor rows and columns each block needs;
+      `"keep"` gives the model `port.nn.LoRA` nodes at the adapted weights (the base
+      frozen, the factors trainable). See docs/adapters.md.
 
     Returns a `Conversion`: `.model`, `.plan`, `.report`.
 
@@ -180,17 +193,24 @@ def convert(
     ```
     """
     start = time.perf_counter()
+    check_adapter_mode(adapter_mode)
     owned = not isinstance(checkpoint, Checkpoint)
     with PeakMemory() as peak, contextlib.ExitStack() as stack:
         ckpt = open_checkpoint(checkpoint) if owned else checkpoint
+        base, opened = ckpt, None
         try:
+            if adapter is not None:
+                opened = open_adapter(adapter, base, base_name=str(checkpoint) if owned else None)
             mapping = mapping_for(ckpt.config, mapping, keys=ckpt.tensors)
             config = with_layers(ckpt.config, layers)
             built = skeleton is None
             if built:
                 skeleton = make_skeleton(mapping, config)
+            if opened is not None:
+                mapping, ckpt, skeleton = with_adapter(mapping, config, base, opened, adapter_mode, skeleton)
             if out is not None:
-                out = check_out(out, force, inputs=(ckpt.directory,))
+                inputs = (base.directory,) if opened is None else (base.directory, opened.checkpoint.directory)
+                out = check_out(out, force, inputs=inputs)
             mesh = as_mesh(mesh)
             include = None if include is None else list(include)
             recipe = plan(
@@ -219,7 +239,8 @@ def convert(
                     "include": include,
                     "layers": None if layers is None else [layers.start, layers.stop],
                     "strict": strict,
-                    "checkpoint": fingerprint(ckpt),
+                    "checkpoint": fingerprint(base),
+                    "adapter": None if opened is None else [adapter_mode, fingerprint(opened.checkpoint)],
                 }
             )
             count, placed, writing = len(recipe.leaves), 0, None
@@ -266,8 +287,10 @@ def convert(
                 )
             done = time.perf_counter()
         finally:
+            if opened is not None:
+                opened.checkpoint.close()
             if owned:
-                ckpt.close()
+                base.close()
     device_bytes: dict[str, int] = {}
     for array in arrays.values():
         for shard in array.addressable_shards if array is not None else ():
@@ -288,8 +311,35 @@ def convert(
         kept=recipe.kept,
         unused=recipe.unused,
         port_version=port_version(),
+        adapter=None if opened is None else opened.source,
+        adapter_mode=None if opened is None else adapter_mode,
+        adapter_bytes_read=0 if opened is None else opened.checkpoint.bytes_read,
     )
     return Conversion(model, recipe, report)
+
+
+ADAPTER_MODES = ("merge", "keep")
+"""How `adapter=` is loaded: merged into the weights as they are read, or kept as `port.nn.LoRA` nodes."""
+
+
+def check_adapter_mode(mode: Any) -> None:
+    """A PortError naming `adapter_mode=` unless it is one of `ADAPTER_MODES`."""
+    if mode not in ADAPTER_MODES:
+        raise PortError(f"adapter_mode={mode!r}: expected 'merge' or 'keep'")
+
+
+def with_adapter(
+    mapping: Mapping, config: AnyMapping[str, Any], base: Checkpoint, adapter: Adapter, mode: str, skeleton: Any
+) -> tuple[Mapping, Checkpoint, Any]:
+    """The mapping, checkpoint and skeleton a load with `adapter` runs on: merged, the base's mapping and
+    skeleton over a `MergedCheckpoint`; kept, the mapping extended with the factors (`keep`), the union of
+    both checkpoints, and the skeleton with `port.nn.LoRA` nodes at the adapted leaves."""
+    if mode == "merge":
+        return mapping, MergedCheckpoint(base, adapter), skeleton
+    from ._adapters._kept import keep
+
+    kept = keep(mapping, config, base, adapter)
+    return kept.mapping, kept.checkpoint, kept.skeleton(skeleton)
 
 
 def with_layers(config: AnyMapping[str, Any], layers: range | None) -> dict[str, Any]:
@@ -368,6 +418,8 @@ def load(
     include: Sequence[str] | None = None,
     layers: range | None = None,
     skeleton: Any = None,
+    adapter: str | os.PathLike | None = None,
+    adapter_mode: str = "merge",
 ) -> Any:
     """A pretrained model from a checkpoint, sharded on `mesh`: `convert(...).model`.
 
@@ -384,11 +436,25 @@ def load(
       (a Linen or MaxText parameter dict), an Equinox or Flax NNX module from `eval_shape`;
       its key paths are what the mapping's paths name. Default: what the mapping's `model`
       builds from `config.json`.
+    - `adapter`: a PEFT LoRA adapter (directory, Hub id or URL) applied to the checkpoint.
+    - `adapter_mode`: `"merge"` (default: merged into the weights as they are read) or
+      `"keep"` (`port.nn.LoRA` nodes at the adapted weights, the factors trainable).
 
     ```python
     model = load("gpt2", mesh="4x2")
+    tuned = load("tiny-llama", mesh="4x2", adapter="tiny-llama-lora")              # merged
     stage = load("gpt2", mesh="4x2", layers=range(0, 6), include=["blocks"])
     params = load("ckpt/llama", "4x2", mapping="linen.toml", skeleton=shapes)   # the same dict, of arrays
     ```
     """
-    return convert(model, skeleton, mapping=mapping, mesh=mesh, dtype=dtype, include=include, layers=layers).model
+    return convert(
+        model,
+        skeleton,
+        mapping=mapping,
+        mesh=mesh,
+        dtype=dtype,
+        include=include,
+        layers=layers,
+        adapter=adapter,
+        adapter_mode=adapter_mode,
+    ).model
