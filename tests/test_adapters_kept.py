@@ -103,3 +103,82 @@ def test_every_unfused_projection_has_a_layout_whose_delta_is_peft_s(name):
         found += 1
     assert found >= 2 * int(config.get("num_hidden_layers", config.get("n_layer", 1)))
     assert refused == 0 or name in ("gpt2", "gpt_neox", "phi3")
+
+
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _peft(base, directory, **lora):
+    """`base` (a torch model) with a random PEFT adapter (A and B non-zero), saved at `directory`; the PeftModel."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    settings = dict(r=4, lora_alpha=8, target_modules=PROJECTIONS, init_lora_weights=False) | lora
+    model = get_peft_model(base, LoraConfig(**settings))
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama_adapter(tmp_path_factory):
+    """A tiny Llama base, saved; a random LoRA on every projection (rank 4, one layer's q_proj rank 4 too), saved."""
+    from helpers import torch_llama
+
+    root = tmp_path_factory.mktemp("llama-lora")
+    base = torch_llama()
+    base.save_pretrained(root / "base")
+    peft_model = _peft(base, root / "adapter")
+    return root / "base", root / "adapter", peft_model
+
+
+def _kept_model(base_dir, adapter_dir, mesh="4x2"):
+    """The base at `base_dir` with the adapter at `adapter_dir` kept, through the pipeline (no `adapter=` wiring)."""
+    from port._adapters import open_adapter
+    from port._adapters._kept import keep
+
+    with port.open_checkpoint(base_dir) as base:
+        adapter = open_adapter(adapter_dir, base)
+        kept = keep(None, base.config, base, adapter)
+        skeleton = kept.skeleton(port.skeleton(kept.mapping, base.config))
+        try:
+            return port.convert(kept.checkpoint, skeleton, kept.mapping, mesh=mesh).model, kept
+        finally:
+            adapter.checkpoint.close()
+
+
+def test_kept_adapter_gives_peft_s_logits_and_its_factors_bit_for_bit_sharded_by_the_leaf_s_axes(llama_adapter):
+    """Keep mode: the model's logits equal the PeftModel's (float32); each `a`, `b` is the adapter's
+    lora_A, lora_B reshaped, bit for bit, sharded on 4x2 as the leaf's axes say; merging it
+    gives the model the adapter merged into the base gives."""
+    from safetensors.numpy import load_file
+
+    from helpers import INPUT_IDS, logits, torch_logits
+
+    base_dir, adapter_dir, peft_model = llama_adapter
+    model, _ = _kept_model(base_dir, adapter_dir)
+    wq = model.blocks.attn.wq
+    assert isinstance(wq, LoRA) and wq.scale == 2.0 and wq.inputs == 1 and not wq.transposed
+    assert wq.a.shape == (2, 4, 64) and wq.b.shape == (2, 4, 16, 4)
+    assert tuple(wq.base.sharding.spec) == (None, "model", None, "data")
+    assert tuple(wq.a.sharding.spec) == (None, None, "data")  # layers, rank, embed
+    assert tuple(wq.b.sharding.spec) == (None, "model", None, None)  # layers, heads, head_dim, rank
+    assert tuple(model.blocks.mlp.down.a.sharding.spec) == (None, None, "model")  # down: in = mlp
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    for layer in range(2):
+        stem = f"base_model.model.model.layers.{layer}.self_attn.q_proj"
+        np.testing.assert_array_equal(np.asarray(wq.a[layer]), tensors[f"{stem}.lora_A.weight"])
+        np.testing.assert_array_equal(np.asarray(wq.b[layer]), tensors[f"{stem}.lora_B.weight"].reshape(4, 16, 4))
+    ours = np.asarray(logits(model, INPUT_IDS))
+    np.testing.assert_allclose(ours, torch_logits(peft_model, INPUT_IDS), rtol=1e-4, atol=1e-4)
+    merged = port.nn.merged(model)
+    np.testing.assert_allclose(np.asarray(logits(merged, INPUT_IDS)), ours, rtol=1e-5, atol=1e-5)
+
+
+def test_the_extended_mapping_s_text_parses_back_to_it(llama_adapter):
+    """The kept mapping is a real mapping: its text parses to the same entries and rules."""
+    _, kept = _kept_model(*llama_adapter[:2], mesh="1x1")
+    again = port.parse_mapping(kept.mapping.text, "again")
+    assert again.params == kept.mapping.params and again.rules == kept.mapping.rules
+    assert kept.mapping.rules["rank"] == ()
+    assert {p.path for p in again.params} >= {"blocks.attn.wq.base", "blocks.attn.wq.a", "blocks.attn.wq.b"}
