@@ -182,3 +182,86 @@ def test_the_extended_mapping_s_text_parses_back_to_it(llama_adapter):
     assert again.params == kept.mapping.params and again.rules == kept.mapping.rules
     assert kept.mapping.rules["rank"] == ()
     assert {p.path for p in again.params} >= {"blocks.attn.wq.base", "blocks.attn.wq.a", "blocks.attn.wq.b"}
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        dict(use_dora=True, target_modules=["q_proj", "down_proj"]),
+        dict(use_rslora=True, target_modules=["v_proj", "up_proj"], rank_pattern={"v_proj": 2}),
+    ],
+    ids=["dora", "rslora-rank-pattern"],
+)
+def test_dora_and_rslora_with_a_rank_pattern_are_kept_with_peft_s_logits(tmp_path, lora):
+    """DoRA's magnitude is kept (`[layers, *out]`), rsLoRA's scale and a per-module rank too."""
+    from helpers import INPUT_IDS, logits, torch_llama, torch_logits
+
+    base = torch_llama()
+    base.save_pretrained(tmp_path / "base")
+    peft_model = _peft(base, tmp_path / "adapter", **lora)
+    model, _ = _kept_model(tmp_path / "base", tmp_path / "adapter")
+    if lora.get("use_dora"):
+        assert model.blocks.attn.wq.magnitude.shape == (2, 4, 16)
+    else:
+        assert model.blocks.attn.wv.rank == 2 and model.blocks.attn.wv.scale == 8 / 2**0.5
+    ours = np.asarray(logits(model, INPUT_IDS))
+    np.testing.assert_allclose(ours, torch_logits(peft_model, INPUT_IDS), rtol=1e-4, atol=1e-4)
+
+
+def test_gpt2_s_conv1d_projections_are_kept_transposed_with_peft_s_logits(tmp_path):
+    """GPT-2's `Conv1D` weights (`[in, out]`, fan_in_fan_out): the leaf is inputs first (`transposed`)."""
+    from helpers import INPUT_IDS, logits, torch_gpt2, torch_logits
+
+    base = torch_gpt2()
+    base.save_pretrained(tmp_path / "base")
+    peft_model = _peft(base, tmp_path / "adapter", target_modules=["c_fc", "c_proj"], fan_in_fan_out=True)
+    model, _ = _kept_model(tmp_path / "base", tmp_path / "adapter")
+    assert model.blocks.mlp.w_fc.transposed and model.blocks.mlp.w_fc.a.shape == (2, 4, 64)
+    ours = np.asarray(logits(model, INPUT_IDS))
+    np.testing.assert_allclose(ours, torch_logits(peft_model, INPUT_IDS), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("lora", "message"),
+    [
+        (dict(target_modules=["embed_tokens"]), "^model.embed_tokens: 'embed' is the model's own leaf.*load it merged"),
+        (dict(modules_to_save=["lm_head"]), "modules_to_save replaces .*lm_head.* load it merged"),
+        (dict(layers_to_transform=[1]), "adapts 1 of the 2 weights 'blocks.attn.wq'.*load it merged"),
+        (dict(alpha_pattern={"layers.1.self_attn.q_proj": 3}), r"scale 0.75 differ.*'blocks.attn.wq'.*load it merged"),
+    ],
+    ids=["embedding", "modules-to-save", "some-layers", "alpha-pattern-within-a-stack"],
+)
+def test_what_keep_mode_cannot_hold_is_refused_in_one_line(tmp_path, lora, message):
+    """An embedding target, modules_to_save, a stack adapted in some layers only or with two
+    scales: one line naming the module, saying to load it merged."""
+    from port._adapters import open_adapter
+    from port._adapters._kept import keep
+
+    from helpers import torch_llama
+
+    base = torch_llama()
+    base.save_pretrained(tmp_path / "base")
+    _peft(base, tmp_path / "adapter", **({"target_modules": ["q_proj"]} | lora))
+    with port.open_checkpoint(tmp_path / "base") as ckpt:
+        adapter = open_adapter(tmp_path / "adapter", ckpt)
+        with pytest.raises(port.PlanError, match=message) as raised:
+            keep(None, ckpt.config, ckpt, adapter)
+        adapter.checkpoint.close()
+    assert "\n" not in str(raised.value)
+
+
+def test_a_fused_gpt2_c_attn_is_refused_in_keep_mode(tmp_path):
+    """GPT-2's `c_attn` is cut into wq, wk, wv: one shared `a` cannot be kept; load it merged."""
+    from port._adapters import open_adapter
+    from port._adapters._kept import keep
+
+    from helpers import torch_gpt2
+
+    base = torch_gpt2()
+    base.save_pretrained(tmp_path / "base")
+    _peft(base, tmp_path / "adapter", target_modules=["c_attn"], fan_in_fan_out=True)
+    with port.open_checkpoint(tmp_path / "base") as ckpt:
+        adapter = open_adapter(tmp_path / "adapter", ckpt)
+        with pytest.raises(port.PlanError, match=r"^transformer.h.0.attn.c_attn: .*splits its tensor.*load it merged"):
+            keep(None, ckpt.config, ckpt, adapter)
+        adapter.checkpoint.close()
