@@ -265,3 +265,81 @@ def test_a_fused_gpt2_c_attn_is_refused_in_keep_mode(tmp_path):
         with pytest.raises(port.PlanError, match=r"^transformer.h.0.attn.c_attn: .*splits its tensor.*load it merged"):
             keep(None, ckpt.config, ckpt, adapter)
         adapter.checkpoint.close()
+
+
+def test_a_kept_adapter_exported_again_is_the_same_files_byte_for_byte(llama_adapter, tmp_path):
+    """Round trip: PEFT's adapter loaded kept, then `export_adapter`, gives PEFT's safetensors file
+    and adapter_config.json back, byte for byte."""
+    base_dir, adapter_dir, _ = llama_adapter
+    model, kept = _kept_model(base_dir, adapter_dir)
+    out = port.export_adapter(model, tmp_path / "again", base_dir, adapter_config=kept.adapter_config)
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (out / name).read_bytes() == (adapter_dir / name).read_bytes(), name
+
+
+def test_port_lora_attaches_fresh_sharded_adapters_that_peft_loads_back_with_port_s_logits(llama_adapter, tmp_path):
+    """`port.lora` puts a LoRA on each leaf PEFT's target names pick (every layer's q_proj and
+    v_proj), the model unchanged until trained, the factors sharded as the leaf's axes say and the
+    only trainable leaves; once changed, `export_adapter` writes what `PeftModel.from_pretrained`
+    loads with the same logits; `port.export` of the model writes it merged, with those logits too."""
+    import equinox as eqx
+    import jax
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from helpers import INPUT_IDS, logits, torch_logits
+
+    base_dir = llama_adapter[0]
+    base = port.load(base_dir, mesh="4x2")
+    model = port.lora(base, base_dir, rank=4, alpha=8, targets=["q_proj", "v_proj"], key=jax.random.key(0))
+    adapted = [p for p in ("wq", "wk", "wv", "wo") if isinstance(getattr(model.blocks.attn, p), LoRA)]
+    assert adapted == ["wq", "wv"] and not isinstance(model.blocks.mlp.up, LoRA)
+    wq = model.blocks.attn.wq
+    assert wq.a.shape == (2, 4, 64) and wq.scale == 2.0 and not np.asarray(wq.b).any()
+    assert tuple(wq.a.sharding.spec) == (None, None, "data") and tuple(wq.b.sharding.spec) == (
+        None,
+        "model",
+        None,
+        None,
+    )
+    before = np.asarray(logits(base, INPUT_IDS))
+    np.testing.assert_array_equal(np.asarray(logits(model, INPUT_IDS)), before)
+    params, _ = eqx.partition(model, port.nn.trainable(model))
+    assert len(jax.tree.leaves(params)) == 4  # a and b of wq and wv
+    rng = np.random.default_rng(3)
+    model = eqx.tree_at(
+        lambda m: (m.blocks.attn.wq.b, m.blocks.attn.wv.b),
+        model,
+        (rng.standard_normal(wq.b.shape, np.float32), rng.standard_normal(model.blocks.attn.wv.b.shape, np.float32)),
+    )
+    ours = np.asarray(logits(model, INPUT_IDS))
+    assert np.abs(ours - before).max() > 1e-2
+    out = port.export_adapter(model, tmp_path / "mine", base_dir)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out)
+    np.testing.assert_allclose(torch_logits(peft_model, INPUT_IDS), ours, rtol=1e-4, atol=1e-4)
+    port.export(model, tmp_path / "merged", base_dir)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    np.testing.assert_allclose(torch_logits(merged, INPUT_IDS), ours, rtol=1e-4, atol=1e-4)
+
+
+def test_export_adapter_refuses_a_model_without_adapters_and_replaces_only_its_own_output(llama_adapter, tmp_path):
+    """No adapter: one line. `out` holding something else: refused even with force, nothing
+    written; an earlier adapter export: refused without force, replaced with it."""
+    base_dir, adapter_dir, _ = llama_adapter
+    base = port.load(base_dir)
+    with pytest.raises(port.PortError, match="holds no adapter"):
+        port.export_adapter(base, tmp_path / "none", base_dir)
+    assert not (tmp_path / "none").exists()
+    model, kept = _kept_model(base_dir, adapter_dir, mesh="1x1")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(port.OutputError):
+        port.export_adapter(model, other, base_dir, force=True)
+    assert [p.name for p in other.iterdir()] == ["notes.txt"]
+    out = port.export_adapter(model, tmp_path / "adapter", base_dir)
+    with pytest.raises(port.OutputError):
+        port.export_adapter(model, out, base_dir)
+    again = port.export_adapter(model, out, base_dir, force=True, adapter_config=kept.adapter_config)
+    assert (again / "adapter_config.json").read_bytes() == (adapter_dir / "adapter_config.json").read_bytes()

@@ -35,6 +35,9 @@ _EXPORTS = {
     "save": "._output",
     "restore": "._output",
     "export": "._export",
+    # adapters: PEFT LoRA adapters attached (`port.nn.LoRA`) and written back
+    "lora": "._adapters._lora",
+    "export_adapter": "._adapters._export",
     # the whole pipeline, meshes, runs
     "convert": "._convert",
     "load": "._convert",
@@ -65,6 +68,8 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:  # what the names are, for type checkers and IDEs; at run time they are imported when first used
+    from ._adapters._export import export_adapter
+    from ._adapters._lora import lora
     from ._convert import Conversion, Progress, Report, convert, load
     from ._errors import CheckpointError, ConfigError, MappingError, OutputError, PlanError, PortError, RunError
     from ._export import export
@@ -103,11 +108,13 @@ __all__ = [  # the names of _EXPORTS, sorted: a literal list, so type checkers a
     "check",
     "convert",
     "export",
+    "export_adapter",
     "fill",
     "generate",
     "initialize",
     "load",
     "load_mapping",
+    "lora",
     "make_mesh",
     "mapping_for",
     "mesh_shape",

@@ -52,6 +52,7 @@ from .._skeleton import describe_model, skeleton
 from .._sources import Checkpoint, TensorInfo, open_checkpoint, raw_header
 from .._targets import is_nnx, leaves, target_of
 from .._text import quoted
+from ..nn._lora import merged
 from ._blocks import Block, block_data, blocks, extent, gather, local_shards
 from ._invert import Inverse, invert
 from ._quantize import Quantization, Target, plan_fp8, scales_reader, write_quantized
@@ -328,7 +329,9 @@ def export(
     **Arguments:**
 
     - `model`: the module to write, as `port.load` or `port.restore` made it (and as
-      training may have changed it); its arrays may be sharded over any mesh.
+      training may have changed it); its arrays may be sharded over any mesh. Adapters
+      attached to it (`port.nn.LoRA`) are merged into their weights (`port.nn.merged`)
+      and written so; `port.export_adapter` writes the adapters alone.
     - `out`: the directory to write (`config.json`, `model.safetensors` or numbered
       shards with `model.safetensors.index.json`, as `save_pretrained` writes them).
     - `source`: where the tensors' names, shapes and dtypes come from (no tensor data
@@ -363,6 +366,7 @@ def export(
     port.export(port.load("tiny-deepseek-fp8"), "again-fp8", "tiny-deepseek-fp8", quantize="fp8")
     ```
     """
+    model = merged(model)  # a model with adapters attached (port.nn.LoRA): written merged
     limit = parse_size(max_shard_size)
     if quantize is None and quantize_block is not None:
         raise PortError(f"quantize_block={quoted(quantize_block, 40)} needs quantize='fp8'")
