@@ -16,7 +16,7 @@ each in alternating rounds, each run in a fresh process after the page cache was
 bench/quantized.py's: seconds, peak anonymous memory (`RssAnon`, sampled every 2 ms) above
 its value when the load started, that peak minus the arrays produced (on CPU the arrays
 live in host memory: what is left is the load's own working memory), bytes read (the
-report's) and the plan's bytes to read, the bytes on the most loaded device. Under the
+report's; of them, those read from the adapter) and the plan's bytes to read, the bytes on the most loaded device. Under the
 table, the issue's bounds: the merged load within 1.15x the base load's time, its memory
 above the arrays within 1x the largest tensor.
 
@@ -158,6 +158,7 @@ def measure_load(spec: dict) -> dict:
         "seconds": seconds,
         "peak_above_start": peak,
         "bytes_read": run.report.bytes_read,
+        "adapter_bytes_read": run.report.adapter_bytes_read,
         "plan_read_bytes": run.plan.read_bytes,
         "device_bytes": max(run.report.device_bytes.values()),
         "total_device_bytes": sum(run.report.device_bytes.values()),
@@ -291,6 +292,7 @@ def load_table(size: str, mesh: str, results: dict, adapter_bytes: int, largest:
         "peak anon memory above start",
         "memory above the arrays",
         "bytes read",
+        "of which from the adapter",
         "plan: bytes to read",
         "bytes per device",
         "x base (time)",
@@ -309,6 +311,7 @@ def load_table(size: str, mesh: str, results: dict, adapter_bytes: int, largest:
                 _measure.mb(r["peak_above_start"]),
                 _measure.mb(r["peak_above_start"] - r["total_device_bytes"]),
                 _measure.mb(r["bytes_read"]),
+                _measure.mb(r["adapter_bytes_read"]),
                 _measure.mb(r["plan_read_bytes"]),
                 _measure.mb(r["device_bytes"]),
                 ratio,
@@ -329,8 +332,9 @@ def load_table(size: str, mesh: str, results: dict, adapter_bytes: int, largest:
             f"merged: {ratio:.2f} x the base load's time (bound {TIME_BOUND}: {_holds(ratio, TIME_BOUND)}); "
             f"memory above the arrays {_measure.mb(above)} against the largest tensor {_measure.mb(largest)} "
             f"(bound {MEMORY_BOUND:g}x: {_holds(above, MEMORY_BOUND * largest)}); bytes read "
-            f"{merged['bytes_read'] - base['bytes_read']:+,} B against the base load's (the adapter is "
-            f"{adapter_bytes:,} B).",
+            f"{merged['bytes_read'] - base['bytes_read']:+,} B against the base load's, "
+            f"{merged['adapter_bytes_read']:,} B of them from the adapter (its file {adapter_bytes:,} B: "
+            "each device's block reads the rows of B and the columns of A it needs).",
         ]
     return "\n".join(lines)
 
