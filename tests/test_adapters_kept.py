@@ -343,3 +343,38 @@ def test_export_adapter_refuses_a_model_without_adapters_and_replaces_only_its_o
         port.export_adapter(model, out, base_dir)
     again = port.export_adapter(model, out, base_dir, force=True, adapter_config=kept.adapter_config)
     assert (again / "adapter_config.json").read_bytes() == (adapter_dir / "adapter_config.json").read_bytes()
+
+
+def test_a_kept_output_restores_with_its_adapter_and_exports_it_or_the_merged_model(llama_adapter, tmp_path):
+    """An output written with the adapter kept records it: `port.restore` (onto another mesh) gives
+    the LoRA nodes back; `export_adapter` from the output alone writes PEFT's files byte for byte;
+    `port.export` from it writes the merged model, which transformers loads with PEFT's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from port._adapters import open_adapter
+    from port._adapters._kept import keep
+
+    from helpers import INPUT_IDS, torch_logits
+
+    base_dir, adapter_dir, peft_model = llama_adapter
+    with port.open_checkpoint(base_dir) as base:
+        adapter = open_adapter(adapter_dir, base)
+        kept = keep(None, base.config, base, adapter)
+        skeleton = kept.skeleton(port.skeleton(kept.mapping, base.config))
+        port.convert(kept.checkpoint, skeleton, kept.mapping, mesh="4x2", out=tmp_path / "out")
+        adapter.checkpoint.close()
+    model = port.restore(tmp_path / "out", mesh="2x4")
+    assert isinstance(model.blocks.mlp.down, LoRA) and tuple(model.blocks.mlp.down.a.sharding.spec) == (
+        None,
+        None,
+        "model",
+    )
+    again = port.export_adapter(model, tmp_path / "again", tmp_path / "out")
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        assert (again / name).read_bytes() == (adapter_dir / name).read_bytes(), name
+    port.export(model, tmp_path / "merged", tmp_path / "out")
+    assert "port_adapter" not in (tmp_path / "merged" / "config.json").read_text()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    np.testing.assert_allclose(
+        torch_logits(merged, INPUT_IDS), torch_logits(peft_model, INPUT_IDS), rtol=1e-4, atol=1e-4
+    )

@@ -39,6 +39,7 @@ from .._mapping import Mapping, Param, mapping_for
 from .._output import Output
 from .._sources import Checkpoint, raw_header
 from .._targets import path_str
+from ._kept import ADAPTER, recorded
 from ._lora import modules
 
 CONFIG = "adapter_config.json"
@@ -108,7 +109,7 @@ def export_adapter(
 
     found = _read_source(source, None)
     source = source.directory if isinstance(source, Output) else source
-    config = dict(found.config if config is None else config)
+    config = {k: v for k, v in (found.config if config is None else config).items() if k != ADAPTER}
     kept = found.output if mapping is None else None
     mapping = mapping_for(config, mapping if kept is None else kept.mapping, keys=found.headers)
     flat = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_lora)[0]
@@ -123,6 +124,9 @@ def export_adapter(
             for name, data in _factors(node, index).items():
                 tensors[f"{PREFIX}{module}.{name}"] = data
             settings[module] = (node.rank, node.scale, node.magnitude is not None)
+    if adapter_config is None:  # the one a kept adapter was loaded with, as an output (or kept checkpoint) records it
+        record = recorded(found.config, str(source))
+        adapter_config = None if record is None else record["adapter_config"]
     written = dict(adapter_config) if adapter_config is not None else _peft_config(settings, config, source)
     inputs = (source,) if isinstance(source, (str, os.PathLike)) and Path(source).exists() else ()
     out = check_destination(out, force, inputs, ours=is_adapter_export, what=_WHAT)

@@ -37,7 +37,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import PlanError
+from .._errors import OutputError, PlanError
 from .._mapping import Mapping, Param, mapping_for, parse_mapping
 from .._plan import config_names
 from .._skeleton import skeleton as make_skeleton
@@ -52,6 +52,10 @@ RANK = "rank"
 SUFFIXES = {"a": ".lora_A.weight", "b": ".lora_B.weight", "magnitude": ".lora_magnitude_vector"}
 """What a kept factor's key is named in the union checkpoint: the adapted weight's module name plus these."""
 _MERGED = "load it merged (adapter_mode='merged')"
+ADAPTER = "port_adapter"
+"""The key of the kept checkpoint's config (so of an output's recorded config) that holds the kept
+adapter: its `adapter_config.json` and each `LoRA`'s static fields, which `restore` and
+`export_adapter` read back (the model built from the config ignores it)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +113,95 @@ class Kept:
         return eqx.filter_eval_shape(make)
 
 
+def recorded(config: AnyMapping[str, Any], where: str) -> dict[str, Any] | None:
+    """The adapter an output's `config` records (`Kept.output_config`), checked: None if none;
+    an `OutputError` naming `where` for one that is malformed (an output is untrusted)."""
+    value = config.get(ADAPTER)
+    if value is None:
+        return None
+    nodes = value.get("nodes") if isinstance(value, dict) else None
+    if not isinstance(value, dict) or not isinstance(value.get("adapter_config"), dict) or not isinstance(nodes, dict):
+        raise OutputError(f"{where}: config: '{ADAPTER}' must hold 'adapter_config' and 'nodes' tables")
+    for path, node in nodes.items():
+        scale = node.get("scale") if isinstance(node, dict) else None
+        inputs = node.get("inputs") if isinstance(node, dict) else None
+        if not (
+            isinstance(node, dict)
+            and isinstance(scale, (int, float))
+            and not isinstance(scale, bool)
+            and math.isfinite(scale)
+            and isinstance(inputs, int)
+            and not isinstance(inputs, bool)
+            and inputs >= 1
+            and isinstance(node.get("transposed"), bool)
+        ):
+            raise OutputError(
+                f"{where}: config: '{ADAPTER}' node {quoted(path, 200)} must be {{scale, inputs, transposed}}"
+            )
+    return value
+
+
+def restored_skeleton(skeleton: Any, config: AnyMapping[str, Any], shapes: AnyMapping[str, Any], where: str) -> Any:
+    """`skeleton` with the `LoRA` nodes an output's `config` records (see `recorded`), their
+    factors' shapes and dtypes from `shapes` (the output's leaves by path: `.shape`, `.dtype`);
+    `skeleton` itself where it records none. An `OutputError` naming `where` for a node the
+    skeleton or the output's leaves do not hold."""
+    from ..nn import LoRA
+
+    adapter = recorded(config, where)
+    if adapter is None:
+        return skeleton
+    found = leaves(skeleton)
+    replacements = []
+    for path, node in adapter["nodes"].items():
+        base, a, b = found.get(path), shapes.get(f"{path}.a"), shapes.get(f"{path}.b")
+        magnitude = shapes.get(f"{path}.magnitude")
+        if base is None or a is None or b is None or not 0 < node["inputs"] < len(base.shape):
+            raise OutputError(
+                f"{where}: config: '{ADAPTER}' names an adapter at {quoted(path, 200)}, which it does not hold"
+            )
+
+        def make(base=base, a=a, b=b, magnitude=magnitude, node=node) -> LoRA:
+            w, fa, fb = (jnp.zeros(x.shape, x.dtype) for x in (base, a, b))
+            m = None if magnitude is None else jnp.zeros(magnitude.shape, magnitude.dtype)
+            return LoRA(w, fa, fb, m, float(node["scale"]), node["inputs"], node["transposed"])
+
+        replacements.append(eqx.filter_eval_shape(make))
+    paths = list(adapter["nodes"])
+    return eqx.tree_at(lambda m: [_at(m, path) for path in paths], skeleton, replacements)
+
+
+def plain(mapping: Mapping, headers: AnyMapping[str, Any], config: AnyMapping[str, Any]) -> tuple[Mapping, dict, dict]:
+    """A kept mapping, source headers and config as the base's alone (what `port export` writes a
+    model with its adapters merged by): `P.base` entries back at `P`, the factors' entries and
+    tensors and the recorded adapter dropped. Those of a base come back as they are."""
+    factors = [
+        p
+        for p in mapping.params
+        if p.path.rsplit(".", 1)[-1] in SUFFIXES
+        and any(q.path == p.path.rsplit(".", 1)[0] + ".base" for q in mapping.params)
+    ]
+    config = {k: v for k, v in config.items() if k != ADAPTER}
+    if not factors:
+        return mapping, dict(headers), config
+    data = tomllib.loads(mapping.text)
+    dropped = {(p.key, p.path) for p in factors}
+    entries = []
+    for entry in data.get("params", []):
+        path = entry["path"].replace("/", ".")
+        if (entry["key"], path) in dropped:
+            continue
+        if path.endswith(".base"):
+            entry["path"] = path.removesuffix(".base")
+        entries.append(entry)
+    data["params"] = entries
+    base = parse_mapping(render_toml(data), mapping.source)
+    base = dataclasses.replace(base, prefixes=mapping.prefixes, ignore=mapping.ignore, export=mapping.export)
+    patterns = [p.pattern() for p in factors]
+    kept = {k: v for k, v in headers.items() if not any(r.match(mapping.key_name(k)) for r in patterns)}
+    return base, kept, config
+
+
 def _at(tree: Any, path: str) -> Any:
     """The node of `tree` at dotted `path` (attributes, or indices of lists and tuples)."""
     for part in path.split("."):
@@ -162,7 +255,17 @@ def keep(mapping: Mapping | None, config: AnyMapping[str, Any], base: Checkpoint
                     renames[stem + suffix] = (key, field)
     text = _extended_text(mapping, grouped, nodes)
     extended = parse_mapping(text, mapping.source)
-    return Kept(extended, UnionCheckpoint(base, adapter.checkpoint, renames), nodes, dict(adapter.config))
+    recorded = {**base.config, ADAPTER: _record(adapter.config, nodes)}
+    return Kept(extended, UnionCheckpoint(base, adapter.checkpoint, renames, recorded), nodes, dict(adapter.config))
+
+
+def _record(adapter_config: AnyMapping[str, Any], nodes: AnyMapping[str, Node]) -> dict[str, Any]:
+    """What an output records of a kept adapter (see `ADAPTER`, `recorded`)."""
+    fields = {
+        path: {"scale": n.scale, "inputs": n.layout.inputs, "transposed": n.layout.transposed}
+        for path, n in nodes.items()
+    }
+    return {"adapter_config": dict(adapter_config), "nodes": fields}
 
 
 def _entry(mapping: Mapping, target: Target) -> tuple[Param, tuple[int, ...]]:
@@ -306,13 +409,16 @@ def _value(value: Any) -> str:
 @final
 class UnionCheckpoint(Checkpoint):
     """The base checkpoint's tensors and an adapter's under one set of names: `renames` gives each
-    adapter tensor's name here -> (its key in the adapter, what it is)."""
+    adapter tensor's name here -> (its key in the adapter, what it is); `config`, the base's config
+    with what an output records of the adapter (`ADAPTER`)."""
 
-    def __init__(self, base: Checkpoint, adapter: Checkpoint, renames: AnyMapping[str, tuple[str, str]]) -> None:
+    def __init__(
+        self, base: Checkpoint, adapter: Checkpoint, renames: AnyMapping[str, tuple[str, str]], config: dict
+    ) -> None:
         self.base, self.adapter = base, adapter
         self.renames = {name: key for name, (key, _) in renames.items()}
         self.directory = base.directory
-        self.config = base.config
+        self.config = config
         clash = next((name for name in self.renames if name in base.tensors), None)
         if clash is not None:
             raise PlanError([f"{quoted(clash, 200)}: the base checkpoint already has a tensor of that name"])

@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._adapters._kept import plain
 from .._convert import Progress
 from .._destination import check_destination, check_free, make_partial, partial_path, put_in_place, writing
 from .._dtypes import dtype as dtype_named
@@ -397,6 +398,7 @@ def _export(
     config = dict(found.config if config is None else config)
     kept = found.output if mapping is None else None  # the output's own mapping: its `model` is not imported
     mapping = mapping_for(config, mapping if kept is None else kept.mapping, keys=headers)
+    mapping, headers, config = plain(mapping, headers, config)  # an adapter kept: the merged model's base
     inputs = (source,) if isinstance(source, (str, os.PathLike)) and Path(source).exists() else ()
     out = check_destination(out, force, inputs, ours=is_export, what=_EXPORT)
     _check_fits(model, mapping, config, source, kept)

@@ -124,6 +124,9 @@ def restore(
     chunks, checkpoint = _open_arrays(output)  # every declared byte is in a file of the output
     _check_config(output)
     skel = _build(cls, output)
+    from .._adapters._kept import restored_skeleton  # an output of a model with an adapter kept: its LoRA nodes
+
+    skel = restored_skeleton(skel, output.config, output.leaves, output.where)
     absent = _check_skeleton(skel, output, cls)
     if include is not None:
         check_include(output.leaves, include, f"the output {output.directory}")
