@@ -300,6 +300,16 @@ def test_not_an_adapter_directory(cases, tmp_path):
             open_adapter(base_dir, base)
 
 
+def test_the_command_line_s_modes_are_the_library_s():
+    """`--adapter-mode`'s choices are `adapter_mode=`'s (spelled in `_cli` so `--help` imports no NumPy)."""
+    import typing
+
+    from port._cli import AdapterMode
+    from port._convert import ADAPTER_MODES
+
+    assert typing.get_args(AdapterMode) == ADAPTER_MODES
+
+
 def test_a_bad_adapter_mode_is_refused(cases):
     base_dir, adapter_dir, _, _ = cases("linear")
     with pytest.raises(PortError, match="adapter_mode='merged': expected 'merge' or 'keep'"):

@@ -110,6 +110,8 @@ def test_run_parses_in_this_process(capsys):
         "deadline": None,
         "include": None,
         "layers": None,
+        "adapter": None,
+        "adapter_mode": None,
         "force": False,
         "progress": False,
         "json": False,

@@ -231,6 +231,7 @@ CONVERT = "Convert and export"
 INSPECT = "Inspect"
 AUTHOR = "Author a mapping"
 PROCESSES = "Multi-process run"
+ADAPTERS = "PEFT adapter"
 
 app = typer.Typer(
     name="port",
@@ -411,6 +412,7 @@ def _convert(
             metavar="ADAPTER",
             help="a PEFT LoRA adapter for MODEL (directory, repo id or URL): merged into the weights as they are "
             "read, or kept with --adapter-mode keep",
+            rich_help_panel=ADAPTERS,
         ),
     ] = None,
     adapter_mode: Annotated[
@@ -420,6 +422,7 @@ def _convert(
             metavar="MODE",
             help="merge (default: the adapter merged into the weights) or keep (the factors as trainable "
             "port.nn.LoRA leaves); needs --adapter",
+            rich_help_panel=ADAPTERS,
         ),
     ] = None,
     force: Annotated[
