@@ -18,7 +18,12 @@ its value when the load started, that peak minus the arrays produced (on CPU the
 live in host memory: what is left is the load's own working memory), bytes read (the
 report's; of them, those read from the adapter) and the plan's bytes to read, the bytes on the most loaded device. Under the
 table, the issue's bounds: the merged load within 1.15x the base load's time, its memory
-above the arrays within 1x the largest tensor.
+above the arrays within 1x the largest tensor. Two more rows: the merged load with
+`OPENBLAS_NUM_THREADS=1` (each of port's reading threads then multiplies `B @ A` on its
+own thread: NumPy's OpenBLAS otherwise starts its own threads per product, many more than
+2 cores), and the merge's arithmetic alone (`measure_product`: every adapted weight already
+in memory, merged by NumPy on one thread in bands of rows; no read, no placement), the
+floor the merged load's extra time is measured against.
 
 `train`: one jitted step (forward with `remat="full"`, `port.nn.next_token_loss`,
 `jax.value_and_grad`, an optax Adam update, parameters and optimizer state donated) of a
@@ -61,6 +66,7 @@ MEMORY_BOUND = 1.0  # memory above the arrays, at most this times the largest te
 RANK, ALPHA = 16, 32
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LEARNING_RATE = 1e-3
+BAND = 256  # rows merged at a time by the product's floor (measure_product)
 
 # The loaded model (bfloat16) and the trained one (float32), by --size.
 LOAD = {"1gb": quantized.LLAMA["1gb"] | {"layers": 9}, "tiny": quantized.LLAMA["tiny"]}
@@ -163,6 +169,38 @@ def measure_load(spec: dict) -> dict:
         "device_bytes": max(run.report.device_bytes.values()),
         "total_device_bytes": sum(run.report.device_bytes.values()),
     }
+
+
+def measure_product(spec: dict) -> dict:
+    """The merge's own arithmetic, in this fresh process, as a floor for the merged load's extra
+    time: every adapted weight, already in memory, merged by NumPy in bands of `BAND` rows into
+    reused buffers (`base + (scale * B) @ A`, summed in float32, rounded once to bfloat16), on one
+    thread, with no read, no placement and no sharding."""
+    import numpy as np
+    from safetensors import safe_open
+
+    import port
+
+    config = json.loads((Path(spec["adapter"]) / "adapter_config.json").read_text())
+    scale = np.float32(config["lora_alpha"] / config["r"])
+    factors: dict[str, dict[str, np.ndarray]] = {}
+    with safe_open(str(Path(spec["adapter"]) / "adapter_model.safetensors"), "np") as f:
+        for key in f.keys():
+            module, factor = key.removeprefix("base_model.model.").rsplit(".", 2)[:2]
+            factors.setdefault(module + ".weight", {})[factor] = f.get_tensor(key)
+    with port.open_checkpoint(spec["base"]) as base:
+        weights = {key: base.read(key, tuple((0, n) for n in base.tensors[key].shape)) for key in factors}
+    clock = time.perf_counter()
+    for key, weight in weights.items():
+        b, a = factors[key]["lora_B"] * scale, factors[key]["lora_A"]
+        band = np.empty((min(BAND, weight.shape[0]), weight.shape[1]), np.float32)
+        for start in range(0, weight.shape[0], BAND):
+            rows = slice(start, start + BAND)
+            part = band[: len(weight[rows])]
+            np.matmul(b[rows], a, out=part)
+            part += weight[rows].astype(np.float32)
+            weight[rows] = part.astype(weight.dtype)
+    return {"seconds": time.perf_counter() - clock}
 
 
 def factor_specs(weight, inputs: int):
@@ -297,13 +335,16 @@ def load_table(size: str, mesh: str, results: dict, adapter_bytes: int, largest:
         "bytes per device",
         "x base (time)",
     ]
-    base = results["base alone"]
+    base = results[BASE]
     rows = []
     for label, r in results.items():
         if not isinstance(r, dict):
             rows.append([label, f"failed: {r}"])
             continue
         ratio = f"{r['seconds'] / base['seconds']:.2f}" if isinstance(base, dict) else ""
+        if "peak_above_start" not in r:  # the arithmetic alone: seconds only
+            rows.append([label, f"{r['seconds']:.3f}", *["-"] * 6, ratio])
+            continue
         rows.append(
             [
                 label,
@@ -323,13 +364,14 @@ def load_table(size: str, mesh: str, results: dict, adapter_bytes: int, largest:
         f"rank-{RANK} adapter on every projection ({_measure.mb(adapter_bytes)}); mesh {mesh}"
     )
     lines = [title, "", _measure.markdown(header, rows)]
-    merged = results["base + adapter (merged)"]
-    if isinstance(merged, dict) and isinstance(base, dict):
+    for label, merged in results.items():
+        if not (label.startswith(MERGED) and isinstance(merged, dict) and isinstance(base, dict)):
+            continue
         ratio = merged["seconds"] / base["seconds"]
         above = merged["peak_above_start"] - merged["total_device_bytes"]
         lines += [
             "",
-            f"merged: {ratio:.2f} x the base load's time (bound {TIME_BOUND}: {_holds(ratio, TIME_BOUND)}); "
+            f"{label}: {ratio:.2f} x the base load's time (bound {TIME_BOUND}: {_holds(ratio, TIME_BOUND)}); "
             f"memory above the arrays {_measure.mb(above)} against the largest tensor {_measure.mb(largest)} "
             f"(bound {MEMORY_BOUND:g}x: {_holds(above, MEMORY_BOUND * largest)}); bytes read "
             f"{merged['bytes_read'] - base['bytes_read']:+,} B against the base load's, "
@@ -339,19 +381,47 @@ def load_table(size: str, mesh: str, results: dict, adapter_bytes: int, largest:
     return "\n".join(lines)
 
 
+# The load rows: (kind, with the adapter, environment of the measured process).
+ONE_THREAD = {"OPENBLAS_NUM_THREADS": "1"}  # NumPy's BLAS on one thread in each reading thread
+MERGED, BASE = "base + adapter (merged)", "base alone"
+LOADS = {
+    MERGED: ("load", True, {}),
+    f"{MERGED}, OPENBLAS_NUM_THREADS=1": ("load", True, ONE_THREAD),
+    BASE: ("load", False, {}),
+    "the merge's arithmetic alone (NumPy, in memory, one thread)": ("product", True, ONE_THREAD),
+}
+
+
+def isolated(spec: dict, env: dict[str, str]) -> dict | str:
+    """`_measure.isolated` of this script with `env` added to the measured process's environment."""
+    saved = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        return _measure.isolated(__file__, spec, timeout=900)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def measured_load(paths: dict, size: str, mesh: str, repeats: int) -> str:
     base, adapter = paths["base"], paths["adapter"]
     bench.warm(*quantized.files_of(base), *quantized.files_of(adapter))
-    runs: dict[str, list] = {"base + adapter (merged)": [], "base alone": []}
+    runs: dict[str, list] = {label: [] for label in LOADS}
     before = os.getloadavg()[0]
     for _ in range(repeats):
-        for label, with_adapter in (("base + adapter (merged)", str(adapter)), ("base alone", None)):
-            spec = {"kind": "load", "base": str(base), "adapter": with_adapter, "mesh": mesh}
-            r = _measure.isolated(__file__, spec, timeout=900)
+        for label, (kind, with_adapter, env) in LOADS.items():
+            spec = {"kind": kind, "base": str(base), "adapter": str(adapter) if with_adapter else None, "mesh": mesh}
+            r = isolated(spec, env)
             runs[label].append(r)
-            shown = r if isinstance(r, str) else f"{r['seconds']:.3f} s, {_measure.mb(r['peak_above_start'])}"
+            shown = r if isinstance(r, str) else f"{r['seconds']:.3f} s"
             print(f"  {label}: {shown}", file=sys.stderr, flush=True)
-    results = {label: bench.median_run(rs, ("peak_above_start",)) for label, rs in runs.items()}
+    results = {
+        label: bench.median_run(rs, ("peak_above_start",) if LOADS[label][0] == "load" else ())
+        for label, rs in runs.items()
+    }
     adapter_bytes = sum(p.stat().st_size for p in quantized.files_of(adapter))
     load = f"Load average (1 minute) before the runs {before:.2f}, after {os.getloadavg()[0]:.2f}."
     return load_table(size, mesh, results, adapter_bytes, quantized.largest_tensor(base)) + "\n\n" + load
@@ -434,7 +504,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.measure:
         spec = json.loads(args.measure)
-        print(json.dumps(measure_load(spec) if spec["kind"] == "load" else measure_train(spec)))
+        measures = {"load": measure_load, "product": measure_product, "train": measure_train}
+        print(json.dumps(measures[spec["kind"]](spec)))
         return
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in ("load", "train")]
