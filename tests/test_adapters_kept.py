@@ -378,3 +378,84 @@ def test_a_kept_output_restores_with_its_adapter_and_exports_it_or_the_merged_mo
     np.testing.assert_allclose(
         torch_logits(merged, INPUT_IDS), torch_logits(peft_model, INPUT_IDS), rtol=1e-4, atol=1e-4
     )
+
+
+@pytest.fixture(scope="module")
+def gpt2_base(tmp_path_factory):
+    """A tiny GPT-2 checkpoint and port's model of it."""
+    from helpers import torch_gpt2
+
+    directory = tmp_path_factory.mktemp("gpt2-base")
+    torch_gpt2().save_pretrained(directory)
+    return directory, port.load(directory)
+
+
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        (["nothing_here"], r"^targets=\['nothing_here'\]: no module of .* matches them"),
+        (["wte"], r"^transformer.wte: 'wte' is not a stacked layer weight"),
+        (["c_attn"], r"^transformer.h.0.attn.c_attn: mapping entry .* splits its tensor"),
+        (["h.0.mlp.c_fc"], r"^transformer.h.0.mlp.c_fc: the targets pick it but not 'transformer.h.1.mlp.c_fc'"),
+        ("c_fc", r"^targets='c_fc': expected a list of module names"),
+    ],
+    ids=["no-match", "embedding", "fused", "one-layer", "a-string"],
+)
+def test_port_lora_refuses_targets_it_cannot_adapt_in_one_line(gpt2_base, targets, message):
+    """A target naming nothing, the embedding, a fused tensor, one layer of a stack, or a string
+    where a list is expected: one line, the model untouched."""
+    import jax
+
+    directory, model = gpt2_base
+    with pytest.raises(port.PortError, match=message) as raised:
+        port.lora(model, directory, rank=2, alpha=4, targets=targets, key=jax.random.key(0), fan_in_fan_out=True)
+    assert "\n" not in str(raised.value)
+
+
+def test_port_lora_on_gpt2_s_conv1d_weights_exports_what_peft_loads(gpt2_base, tmp_path):
+    """`fan_in_fan_out`: GPT-2's `[in, out]` weights take `transposed` adapters; once changed,
+    `PeftModel.from_pretrained` of the export gives port's logits."""
+    import equinox as eqx
+    import jax
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from helpers import INPUT_IDS, logits, torch_logits
+
+    directory, base = gpt2_base
+    model = port.lora(
+        base, directory, rank=2, alpha=4, targets=["c_fc", "c_proj"], key=jax.random.key(1), fan_in_fan_out=True
+    )
+    assert model.blocks.mlp.w_fc.transposed and model.blocks.attn.wo.a.shape == (
+        2,
+        2,
+        4,
+        16,
+    )  # wo: in = heads x head_dim
+    rng = np.random.default_rng(0)
+    bs = [model.blocks.mlp.w_fc.b, model.blocks.mlp.w_proj.b, model.blocks.attn.wo.b]
+    model = eqx.tree_at(
+        lambda m: (m.blocks.mlp.w_fc.b, m.blocks.mlp.w_proj.b, m.blocks.attn.wo.b),
+        model,
+        tuple(rng.standard_normal(b.shape, np.float32) for b in bs),
+    )
+    out = port.export_adapter(model, tmp_path / "gpt2-lora", directory)
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(directory), out)
+    ours = np.asarray(logits(model, INPUT_IDS))
+    np.testing.assert_allclose(torch_logits(peft_model, INPUT_IDS), ours, rtol=1e-4, atol=1e-4)
+
+
+def test_an_output_s_malformed_adapter_record_is_refused_in_one_line(tmp_path):
+    """An output is untrusted: a `port_adapter` record that is not the tables port writes, or
+    names an adapter at a leaf the output does not hold, is one `OutputError` line."""
+    from port._adapters._kept import restored_skeleton
+    from port._errors import OutputError
+
+    skeleton = {"w": jnp.zeros((2, 3))}
+    for record, message in [
+        ([], "must hold 'adapter_config' and 'nodes'"),
+        ({"adapter_config": {}, "nodes": {"w": {"scale": "2", "inputs": 1, "transposed": False}}}, "must be {scale"),
+        ({"adapter_config": {}, "nodes": {"v": {"scale": 2.0, "inputs": 1, "transposed": False}}}, "does not hold"),
+    ]:
+        with pytest.raises(OutputError, match=f"^out/port/metadata: config: 'port_adapter'.*{message}"):
+            restored_skeleton(skeleton, {"port_adapter": record}, {}, "out/port/metadata")
