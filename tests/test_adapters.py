@@ -358,3 +358,29 @@ def test_adapter_flags_misused(cases, tmp_path):
     assert run_port("convert", base_dir, "--out", plain).returncode == 0
     out = tmp_path / "exported"
     one_line(run_port("export", plain, "--adapter-only", "--out", out), "holds no adapter", out=out)
+
+
+def test_load_keeps_the_adapter_with_the_peft_model_s_logits(cases):
+    """`adapter_mode="keep"`: the adapted leaves are `port.nn.LoRA` nodes holding PEFT's factors, and the
+    model gives the `PeftModel`'s logits."""
+    from port.nn import LoRA
+
+    base_dir, adapter_dir, expected, _ = cases("dora")
+    model = port.load(base_dir, mesh=port.make_mesh("4x2"), adapter=adapter_dir, adapter_mode="keep")
+    assert isinstance(model.blocks.attn.wq, LoRA) and model.blocks.attn.wq.magnitude is not None
+    np.testing.assert_allclose(np.asarray(logits(model, INPUT_IDS)), expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_kept_then_exported_the_adapter_is_byte_identical(cases, tmp_path):
+    """`port convert --adapter-mode keep` then `port export --adapter-only` writes the adapter's
+    safetensors file back byte for byte."""
+    base_dir, adapter_dir, _, _ = cases("dora")
+    out, exported = tmp_path / "out", tmp_path / "exported"
+    result = run_port("convert", base_dir, "--adapter", adapter_dir, "--adapter-mode", "keep", "--out", out)
+    assert result.returncode == 0, result.stderr
+    assert "(kept, " in result.stderr + result.stdout
+    result = run_port("export", out, "--adapter-only", "--out", exported)
+    assert result.returncode == 0, result.stderr
+    written = (exported / "adapter_model.safetensors").read_bytes()
+    assert written == (adapter_dir / "adapter_model.safetensors").read_bytes()

@@ -208,6 +208,7 @@ def convert(
                 skeleton = make_skeleton(mapping, config)
             if opened is not None:
                 mapping, ckpt, skeleton = with_adapter(mapping, config, base, opened, adapter_mode, skeleton)
+                config = with_layers(ckpt.config, layers)  # a kept adapter is recorded in it, for restore
             if out is not None:
                 inputs = (base.directory,) if opened is None else (base.directory, opened.checkpoint.directory)
                 out = check_out(out, force, inputs=inputs)
