@@ -1,8 +1,8 @@
 """Every block of code in README.md and docs/ runs as written, in the conditions it states.
 
 A page is run as a reader follows it: its blocks in order, in one working directory
-holding what a clone of port holds that the blocks use (`examples/tiny-gpt2`,
-`examples/nnx_llama`, `mappings/`), so a block may use what an earlier one wrote. A block's language says
+holding what a clone of port holds that the blocks use (`examples/tiny-gpt2`, its adapter
+`examples/tiny-gpt2-lora`, `examples/nnx_llama`, `mappings/`), so a block may use what an earlier one wrote. A block's language says
 what it is and how it is run:
 
 - `sh`: `port` commands, one a line (a trailing `\\` continues one), each through the real
@@ -59,7 +59,8 @@ HUB = {
     "sentence-transformers/all-MiniLM-L6-v2": lambda d: torch_bert().save_pretrained(d),
 }
 LOCAL = {"/tmp/gpt2-small": EXAMPLE}  # absolute paths the pages read, and what stands in for them
-EXAMPLES = [EXAMPLE, REPO / "examples" / "nnx_llama"]  # what of examples/ the working directory holds
+# what of examples/ the working directory holds
+EXAMPLES = [EXAMPLE, REPO / "examples" / "tiny-gpt2-lora", REPO / "examples" / "nnx_llama"]
 EXAMPLE_MAPPINGS = [REPO / "examples" / "nnx_llama" / "llama.toml"]  # mappings the pages quote beside mappings/
 
 # Checks appended to a Python block (found by a line of it): what its prose says of the process it runs in.
