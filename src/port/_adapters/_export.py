@@ -116,6 +116,8 @@ def export_adapter(
     nodes = {path_str(keypath): node for keypath, node in flat if is_lora(node)}
     if not nodes:
         raise PortError("`model` holds no adapter (port.nn.LoRA) to export")
+    if any(not getattr(x, "is_fully_addressable", True) for n in nodes.values() for x in (n.a, n.b, n.magnitude)):
+        raise PortError("export_adapter: the adapters are spread over several processes; export them from one process")
     tensors: dict[str, np.ndarray] = {}
     settings: dict[str, tuple[int, float, bool]] = {}
     for path, node in nodes.items():
