@@ -10,6 +10,7 @@ adapter is refused in one line before any tensor byte is read.
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from port._errors import PortError
 
 from helpers import INPUT_IDS, logits, one_line, run_port, torch_gpt2, torch_llama, torch_logits, usage_error
 
+REPO = Path(__file__).resolve().parents[1]
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 CASES = {
@@ -384,3 +386,42 @@ def test_kept_then_exported_the_adapter_is_byte_identical(cases, tmp_path):
     assert result.returncode == 0, result.stderr
     written = (exported / "adapter_model.safetensors").read_bytes()
     assert written == (adapter_dir / "adapter_model.safetensors").read_bytes()
+
+
+def test_an_adapter_is_read_from_a_url(cases):
+    """An adapter named by an `http://` URL is read in place by byte range: the same merged model,
+    the adapter's bytes counted; a URL with no adapter there is one line."""
+    from test_remote import start_server
+
+    base_dir, adapter_dir, expected, _ = cases("embedding_and_saved_head")
+    server = start_server(adapter_dir.parent)
+    try:
+        run = port.convert(base_dir, adapter=f"{server.base}/adapter")
+        np.testing.assert_allclose(np.asarray(logits(run.model, INPUT_IDS)), expected, atol=2e-5, rtol=1e-5)
+        assert run.report.adapter == f"{server.base}/adapter" and run.report.adapter_bytes_read > 0
+        with pytest.raises(PortError, match="no adapter_config.json"):
+            port.load(base_dir, adapter=f"{server.base}/base")
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.slow
+def test_an_adapter_repo_id_resolves_through_the_hub_cache(tmp_path):
+    """`--adapter someone/tiny-gpt2-lora` (a repo id) is read from the Hugging Face cache, offline; a
+    repo id neither there nor a directory is one line."""
+    example = REPO / "examples" / "tiny-gpt2-lora"
+    entry = tmp_path / "hub" / "models--someone--tiny-gpt2-lora"
+    shutil.copytree(example, entry / "snapshots" / ("0" * 40))
+    (entry / "refs").mkdir(parents=True)
+    (entry / "refs" / "main").write_text("0" * 40)
+    out = tmp_path / "out"
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub")}
+    result = run_port(
+        "convert", REPO / "examples" / "tiny-gpt2", "--adapter", "someone/tiny-gpt2-lora", "--out", out, env=env
+    )
+    assert result.returncode == 0, result.stderr
+    assert "with adapter someone/tiny-gpt2-lora (merged" in result.stderr
+    missing = run_port(
+        "convert", REPO / "examples" / "tiny-gpt2", "--adapter", "someone/absent", "--out", tmp_path / "o", env=env
+    )
+    one_line(missing, "someone/absent: no such directory", out=tmp_path / "o")
