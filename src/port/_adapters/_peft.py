@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from .._dtypes import floating
 from .._errors import CheckpointError, ConfigError
 from .._files import read_small
 from .._sources import Checkpoint, LocalCheckpoint, TensorInfo, is_url
-from .._sources._directory import read_safetensors, resolve
+from .._sources._directory import _REPO_ID, read_safetensors, resolve
 from .._sources._safetensors import MAX_CONFIG, MAX_HEADER, load_json
 from .._sources._urls import redact
 from .._text import first_line, quoted
@@ -46,8 +46,8 @@ WEIGHTS = "adapter_model.safetensors"
 """The adapter's tensors, as PEFT writes them."""
 PREFIX = "base_model.model."
 """What PEFT puts before every module name in the adapter's keys."""
-MAX_PATTERNS = 100_000
-"""Entries `rank_pattern` / `alpha_pattern` may have, at most."""
+MAX_PATTERNS = 10_000
+"""Entries `rank_pattern`, `alpha_pattern` and `modules_to_save` may have, at most (PEFT's hold a few)."""
 
 _UNMERGED = (
     "lora_bias",
@@ -174,12 +174,9 @@ def _open_remote(url: str) -> tuple[dict, Checkpoint]:
 
 
 def _directory(source: str | os.PathLike) -> Path:
-    """A local adapter directory, or a Hub repo id's snapshot of its two files."""
-    path = Path(str(source)) if not is_url(source) else None
-    if path is not None and (path.exists() or not re.match(r"^[\w.-]+(/[\w.-]+)?$", str(source))):
+    """A local adapter directory (or a `file://` URL), or a Hub repo id's snapshot of its two files."""
+    if is_url(source) or Path(str(source)).exists() or not _REPO_ID.match(str(source)):
         return resolve(source)
-    if path is None:
-        return resolve(source)  # a file:// URL
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -228,7 +225,7 @@ def _check_config(config: Mapping[str, Any], where: str) -> None:
             if not valid(value):
                 raise ConfigError(f"{where}: {name}[{quoted(key, 200)}] is {quoted(value)}, expected {expected}")
             try:
-                re.compile(key)
+                re.compile(rf"(.*\.)?({key})$")
             except re.error:
                 raise ConfigError(f"{where}: {name} key {quoted(key, 200)} is not a valid pattern") from None
     if config.get("bias", "none") != "none":
@@ -237,8 +234,8 @@ def _check_config(config: Mapping[str, Any], where: str) -> None:
         if config.get(name):
             raise ConfigError(f"{where}: field {quoted(name)} is set; port does not merge that LoRA variant")
     saved = config.get("modules_to_save") or []
-    if not isinstance(saved, list) or not all(isinstance(m, str) for m in saved):
-        raise ConfigError(f"{where}: field 'modules_to_save' must be a list of module names")
+    if not isinstance(saved, list) or len(saved) > MAX_PATTERNS or not all(isinstance(m, str) for m in saved):
+        raise ConfigError(f"{where}: field 'modules_to_save' must be a list of at most {MAX_PATTERNS} module names")
 
 
 def _check_base_name(config: Mapping[str, Any], base_name: str, where: str) -> None:
@@ -246,9 +243,10 @@ def _check_base_name(config: Mapping[str, Any], base_name: str, where: str) -> N
     named = config.get("base_model_name_or_path")
     if not isinstance(named, str) or not named.strip() or not base_name.strip():
         return
-    if _last_part(named) != _last_part(base_name):
+    if _last_part(named).lower() != _last_part(base_name).lower():
         raise ConfigError(
-            f"{where}: base_model_name_or_path is {quoted(named, 200)}, but the base loaded is {quoted(base_name, 200)}"
+            f"{where}: base_model_name_or_path is {quoted(named, 200)}, but the base loaded is {quoted(base_name, 200)} "
+            "(if they are the same model, name it so in the adapter's config)"
         )
 
 
@@ -257,10 +255,19 @@ def _last_part(name: str) -> str:
     return name.rstrip("/").rsplit("/", 1)[-1].split("@", 1)[0]
 
 
-def _pattern_value(pattern: Mapping[str, Any], module: str, default: Any) -> Any:
+Patterns = list[tuple[re.Pattern[str], Any]]
+"""A `rank_pattern` or `alpha_pattern`, compiled: each key as PEFT matches it, and its value."""
+
+
+def _compiled(config: Mapping[str, Any], name: str) -> Patterns:
+    """The config's `name` pattern (checked by `_check_config`), each key compiled once."""
+    return [(re.compile(rf"(.*\.)?({key})$"), value) for key, value in (config.get(name) or {}).items()]
+
+
+def _pattern_value(patterns: Patterns, module: str, default: Any) -> Any:
     """PEFT's `get_pattern_key`: the value of the first key matching the end of `module` on a dot, else `default`."""
-    for key, value in pattern.items():
-        if re.match(rf"(.*\.)?({key})$", module):
+    for pattern, value in patterns:
+        if pattern.match(module):
             return value
     return default
 
@@ -276,6 +283,7 @@ def _targets(
     file = f"{shown}/{WEIGHTS}"
     modules: dict[str, dict[str, str]] = {}
     saved: dict[str, str] = {}
+    saved_modules = frozenset(config.get("modules_to_save") or ())
     for key in tensors:
         if not key.startswith(PREFIX):
             raise CheckpointError(f"{file}: tensor {quoted(key, 200)} does not start with {PREFIX!r} as PEFT's keys do")
@@ -287,13 +295,14 @@ def _targets(
             if suffix.startswith(".lora_embedding"):
                 part = "embedding_" + part
             modules.setdefault(module, {})[part] = key
-        elif name.endswith(".weight") and _saved_module(name, config):
+        elif name.endswith(".weight") and _saved_module(name, saved_modules):
             saved[_base_key(name[: -len(".weight")], base, file, key)] = key
         else:
             raise CheckpointError(f"{file}: tensor {quoted(key, 200)} is not a LoRA tensor PEFT writes")
     targets = {}
+    patterns = _compiled(config, "rank_pattern"), _compiled(config, "alpha_pattern")
     for module, parts in modules.items():
-        target = _target(module, parts, config, tensors, base, file)
+        target = _target(module, parts, config, patterns, tensors, base, file)
         targets[target.weight] = target
     for weight, key in saved.items():
         if tensors[key].shape != base[weight].shape:
@@ -306,10 +315,11 @@ def _targets(
     return targets, saved
 
 
-def _saved_module(name: str, config: Mapping[str, Any]) -> bool:
-    """Whether `name` (a key less PEFT's prefix) is a module of `modules_to_save`'s replacement weight."""
-    module = name[: -len(".weight")]
-    return any(module == m or module.endswith("." + m) for m in config.get("modules_to_save") or [])
+def _saved_module(name: str, saved: Collection[str]) -> bool:
+    """Whether `name` (a key less PEFT's prefix) is the weight of a module `saved` names (its name, or
+    the end of it on a dot): `modules_to_save`'s replacement."""
+    parts = name[: -len(".weight")].split(".")
+    return any(".".join(parts[i:]) in saved for i in range(len(parts)))
 
 
 def _base_key(module: str, base: Mapping[str, TensorInfo], file: str, key: str) -> str:
@@ -328,6 +338,7 @@ def _target(
     module: str,
     parts: Mapping[str, str],
     config: Mapping[str, Any],
+    patterns: tuple[Patterns, Patterns],
     tensors: Mapping[str, TensorInfo],
     base: Mapping[str, TensorInfo],
     file: str,
@@ -349,8 +360,8 @@ def _target(
             f"{file}: tensor {quoted(parts[extra[0]], 200)} does not go with module {quoted(module, 200)}'s other tensors"
         )
     weight = _base_key(module, base, file, a)
-    rank = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
-    alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
+    rank = _pattern_value(patterns[0], module, config["r"])
+    alpha = _pattern_value(patterns[1], module, config["lora_alpha"])
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     shape = base[weight].shape
     kind = "embedding" if embedding else "conv1d" if config.get("fan_in_fan_out") else "linear"
