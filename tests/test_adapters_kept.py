@@ -156,7 +156,7 @@ def test_kept_adapter_gives_peft_s_logits_and_its_factors_bit_for_bit_sharded_by
     from helpers import INPUT_IDS, logits, torch_logits
 
     base_dir, adapter_dir, peft_model = llama_adapter
-    model, _ = _kept_model(base_dir, adapter_dir)
+    model = port.load(base_dir, adapter=adapter_dir, adapter_mode="keep", mesh="4x2")
     wq = model.blocks.attn.wq
     assert isinstance(wq, LoRA) and wq.scale == 2.0 and wq.inputs == 1 and not wq.transposed
     assert wq.a.shape == (2, 4, 64) and wq.b.shape == (2, 4, 16, 4)
