@@ -448,14 +448,23 @@ def test_port_lora_on_gpt2_s_conv1d_weights_exports_what_peft_loads(gpt2_base, t
 def test_an_output_s_malformed_adapter_record_is_refused_in_one_line(tmp_path):
     """An output is untrusted: a `port_adapter` record that is not the tables port writes, or
     names an adapter at a leaf the output does not hold, is one `OutputError` line."""
+    import jax
+
     from port._adapters._kept import restored_skeleton
     from port._errors import OutputError
 
-    skeleton = {"w": jnp.zeros((2, 3))}
+    skeleton = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}
+    factors = {"w.a": jax.ShapeDtypeStruct((4, 3), jnp.float32), "w.b": jax.ShapeDtypeStruct((2, 4), jnp.float32)}
     for record, message in [
         ([], "must hold 'adapter_config' and 'nodes'"),
         ({"adapter_config": {}, "nodes": {"w": {"scale": "2", "inputs": 1, "transposed": False}}}, "must be {scale"),
         ({"adapter_config": {}, "nodes": {"v": {"scale": 2.0, "inputs": 1, "transposed": False}}}, "does not hold"),
+        (
+            {"adapter_config": {}, "nodes": {"w": {"scale": 2.0, "inputs": 1, "transposed": True}}},
+            "do not fit the leaf",
+        ),
     ]:
         with pytest.raises(OutputError, match=f"^out/port/metadata: config: 'port_adapter'.*{message}"):
-            restored_skeleton(skeleton, {"port_adapter": record}, {}, "out/port/metadata")
+            restored_skeleton(skeleton, {"port_adapter": record}, factors, "out/port/metadata")
+    fine = {"adapter_config": {}, "nodes": {"w": {"scale": 2.0, "inputs": 1, "transposed": False}}}
+    assert isinstance(restored_skeleton(skeleton, {"port_adapter": fine}, factors, "out")["w"], LoRA)

@@ -160,6 +160,11 @@ def restored_skeleton(skeleton: Any, config: AnyMapping[str, Any], shapes: AnyMa
             raise OutputError(
                 f"{where}: config: '{ADAPTER}' names an adapter at {quoted(path, 200)}, which it does not hold"
             )
+        if not _fits(tuple(base.shape), tuple(a.shape), tuple(b.shape), magnitude, node["inputs"], node["transposed"]):
+            raise OutputError(
+                f"{where}: config: '{ADAPTER}' node {quoted(path, 200)}: factors {list(a.shape)} and "
+                f"{list(b.shape)} do not fit the leaf {list(base.shape)}"
+            )
 
         def make(base=base, a=a, b=b, magnitude=magnitude, node=node) -> LoRA:
             w, fa, fb = (jnp.zeros(x.shape, x.dtype) for x in (base, a, b))
@@ -169,6 +174,20 @@ def restored_skeleton(skeleton: Any, config: AnyMapping[str, Any], shapes: AnyMa
         replacements.append(eqx.filter_eval_shape(make))
     paths = list(adapter["nodes"])
     return eqx.tree_at(lambda m: [_at(m, path) for path in paths], skeleton, replacements)
+
+
+def _fits(
+    base: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...], magnitude: Any, inputs: int, transposed: bool
+) -> bool:
+    """Whether factors `a` `[*stack, rank, *in]`, `b` `[*stack, *out, rank]` (and a magnitude `[*stack, *out]`)
+    fit a leaf `base` with `inputs` input axes, inputs first when `transposed`."""
+    stack = len(a) - 1 - inputs
+    if stack < 0 or len(b) < stack + 2 or a[:stack] != b[:stack] or a[stack] != b[-1]:
+        return False
+    ins, outs = a[stack + 1 :], b[stack:-1]
+    if base != a[:stack] + (ins + outs if transposed else outs + ins):
+        return False
+    return magnitude is None or tuple(magnitude.shape) == a[:stack] + outs
 
 
 def plain(mapping: Mapping, headers: AnyMapping[str, Any], config: AnyMapping[str, Any]) -> tuple[Mapping, dict, dict]:
@@ -203,9 +222,12 @@ def plain(mapping: Mapping, headers: AnyMapping[str, Any], config: AnyMapping[st
 
 
 def _at(tree: Any, path: str) -> Any:
-    """The node of `tree` at dotted `path` (attributes, or indices of lists and tuples)."""
+    """The node of `tree` at dotted `path` (attributes, keys of dicts, or indices of lists and tuples)."""
     for part in path.split("."):
-        tree = tree[int(part)] if isinstance(tree, (list, tuple)) else getattr(tree, part)
+        if isinstance(tree, dict):
+            tree = tree[part]
+        else:
+            tree = tree[int(part)] if isinstance(tree, (list, tuple)) else getattr(tree, part)
     return tree
 
 
