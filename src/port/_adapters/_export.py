@@ -118,13 +118,13 @@ def export_adapter(
         raise PortError("`model` holds no adapter (port.nn.LoRA) to export")
     if any(not getattr(x, "is_fully_addressable", True) for n in nodes.values() for x in (n.a, n.b, n.magnitude)):
         raise PortError("export_adapter: the adapters are spread over several processes; export them from one process")
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, tuple[Any, tuple[int, ...], str, tuple[int, ...]]] = {}  # key -> node, index, factor, shape
     settings: dict[str, tuple[int, float, bool]] = {}
     for path, node in nodes.items():
         param = _base_entry(mapping, path)
         for index, module in sorted(modules(mapping, list(found.headers), param).items()):
-            for name, data in _factors(node, index).items():
-                tensors[f"{PREFIX}{module}.{name}"] = data
+            for name, shape in _factor_shapes(node).items():
+                tensors[f"{PREFIX}{module}.{name}"] = (node, index, name, shape)
             settings[module] = (node.rank, node.scale, node.magnitude is not None)
     if adapter_config is None:  # the one a kept adapter was loaded with, as an output (or kept checkpoint) records it
         record = recorded(found.config, str(source))
@@ -132,15 +132,17 @@ def export_adapter(
     written = dict(adapter_config) if adapter_config is not None else _peft_config(settings, config, source)
     inputs = (source,) if isinstance(source, (str, os.PathLike)) and Path(source).exists() else ()
     out = check_destination(out, force, inputs, ours=is_adapter_export, what=_WHAT)
-    layout = [OutTensor(key, tuple(data.shape), data.dtype) for key, data in tensors.items()]
+    layout = [
+        OutTensor(key, shape, np.dtype(_FIELDS[name](node).dtype)) for key, (node, _, name, shape) in tensors.items()
+    ]
     check_free(out, sum(t.nbytes for t in layout))
     partial = partial_path(out)
     with contextlib.ExitStack() as cleanup, writing(out, partial, "the adapter export"):
         make_partial(partial, cleanup)
         (partial / CONFIG).write_text(json.dumps(written, indent=2, sort_keys=True))
         with Writer(partial, layout, 2**62, metadata={"format": "pt"}) as writer:
-            for key, data in tensors.items():
-                writer.write(key, data)
+            for key, (node, index, name, shape) in tensors.items():  # one tensor on the host at a time
+                writer.write(key, _factor(node, index, name, shape))
         os.rename(partial / SINGLE, partial / WEIGHTS)
         put_in_place(partial, out, force, ours=is_adapter_export, what=_WHAT)
     return out
@@ -154,19 +156,28 @@ def _base_entry(mapping: Mapping, path: str) -> Param:
     return param
 
 
-def _factors(node: Any, index: tuple[int, ...]) -> dict[str, np.ndarray]:
-    """One layer's (and expert's) factors of `node` in PEFT's layout: `lora_A` `[rank, in]`, `lora_B` `[out, rank]`."""
+_FIELDS = {
+    "lora_A.weight": lambda n: n.a,
+    "lora_B.weight": lambda n: n.b,
+    "lora_magnitude_vector": lambda n: n.magnitude,
+}
+"""PEFT's name of each factor (after the module's), and the `LoRA` field holding it."""
+
+
+def _factor_shapes(node: Any) -> dict[str, tuple[int, ...]]:
+    """Each factor of one layer (and expert) of `node` by PEFT's name, in PEFT's layout: `lora_A`
+    `[rank, in]`, `lora_B` `[out, rank]`, DoRA's `lora_magnitude_vector` `[out]`."""
+    s, rank = node.stack, node.rank
+    fan_in, fan_out = math.prod(node.a.shape[s + 1 :]), math.prod(node.b.shape[s:-1])
+    shapes = {"lora_A.weight": (rank, fan_in), "lora_B.weight": (fan_out, rank)}
+    return shapes | ({"lora_magnitude_vector": (fan_out,)} if node.magnitude is not None else {})
+
+
+def _factor(node: Any, index: tuple[int, ...], name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Factor `name` of `node` at stack `index`, gathered to the host in PEFT's layout."""
+    array = _FIELDS[name](node)
     at = tuple(index[: node.stack])
-    a = np.asarray(node.a[at] if at else node.a)
-    b = np.asarray(node.b[at] if at else node.b)
-    factors: dict[str, np.ndarray] = {
-        "lora_A.weight": a.reshape(node.rank, -1),
-        "lora_B.weight": b.reshape(-1, node.rank),
-    }
-    if node.magnitude is not None:
-        magnitude = np.asarray(node.magnitude[at] if at else node.magnitude)
-        factors["lora_magnitude_vector"] = magnitude.reshape(-1)
-    return {name: np.ascontiguousarray(x) for name, x in factors.items()}
+    return np.ascontiguousarray(np.asarray(array[at] if at else array).reshape(shape))
 
 
 def _peft_config(settings: AnyMapping[str, tuple[int, float, bool]], config: AnyMapping[str, Any], source: Any) -> dict:
