@@ -173,6 +173,12 @@ def test_kept_adapter_gives_peft_s_logits_and_its_factors_bit_for_bit_sharded_by
     np.testing.assert_allclose(ours, torch_logits(peft_model, INPUT_IDS), rtol=1e-4, atol=1e-4)
     merged = port.nn.merged(model)
     np.testing.assert_allclose(np.asarray(logits(merged, INPUT_IDS)), ours, rtol=1e-5, atol=1e-5)
+    loaded = port.load(base_dir, adapter=adapter_dir, mesh="4x2")  # merged as read
+    ours_merged, theirs = port._targets.leaves(merged), port._targets.leaves(loaded)
+    assert ours_merged.keys() == theirs.keys()
+    for path, leaf in theirs.items():
+        assert leaf.sharding == ours_merged[path].sharding, path
+        np.testing.assert_allclose(np.asarray(ours_merged[path]), np.asarray(leaf), rtol=1e-6, atol=1e-6, err_msg=path)
 
 
 def test_the_extended_mapping_s_text_parses_back_to_it(llama_adapter):
