@@ -425,3 +425,19 @@ def test_an_adapter_repo_id_resolves_through_the_hub_cache(tmp_path):
         "convert", REPO / "examples" / "tiny-gpt2", "--adapter", "someone/absent", "--out", tmp_path / "o", env=env
     )
     one_line(missing, "someone/absent: no such directory", out=tmp_path / "o")
+
+
+def test_an_adapter_merges_onto_a_quantized_base(cases, tmp_path):
+    """An FP8 base (dequantized as it is read, into bfloat16 blocks) takes an adapter as the plain
+    base does: the model is the dequantized checkpoint's with the adapter merged."""
+    import jax
+    from test_quantized_fp8 import write_fp8
+
+    base_dir, adapter_dir, _, _ = cases("bfloat16")
+    fp8, dequantized = write_fp8(base_dir, tmp_path / "fp8")
+    adapter_dir = _edited(adapter_dir, tmp_path, config={"base_model_name_or_path": None})  # names neither
+    ours = port.load(fp8, adapter=adapter_dir, mesh=port.make_mesh("2x2"))
+    theirs = port.load(dequantized, adapter=adapter_dir)
+    assert ours.blocks.attn.wq.dtype == np.dtype("bfloat16")
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

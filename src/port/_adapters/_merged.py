@@ -25,6 +25,7 @@ from typing import final
 
 import numpy as np
 
+from .._dtypes import floating
 from .._sources import Checkpoint, Region
 from .._sources._checkpoint import check_buffer
 from ._peft import Adapter, Target
@@ -74,10 +75,8 @@ class MergedCheckpoint(Checkpoint):
 
     def read_into(self, key: str, requests: Sequence[tuple[Region, np.ndarray]]) -> None:
         """Read regions of tensor `key` (see `Checkpoint.read_into`): an adapted weight's merged,
-        a replaced one's from the adapter, any other the base's."""
-        info = self.tensors[key]
-        for region, out in requests:
-            check_buffer(info, region, out)
+        a replaced one's from the adapter, any other the base's. The base checks the buffers (a
+        quantized base's may be of a narrower floating dtype: the sum is rounded once to it)."""
         if key in self.adapter.saved:
             self._replaced(self.adapter.saved[key], requests)
             return
@@ -87,6 +86,7 @@ class MergedCheckpoint(Checkpoint):
             return
         if target.magnitude is not None:
             for region, out in requests:
+                check_buffer(self.tensors[key], region, out, (out.dtype,) if floating(out.dtype) else ())
                 self._dora(target, region, out)
             return
         self.base.read_into(key, requests)
@@ -99,6 +99,7 @@ class MergedCheckpoint(Checkpoint):
         """Regions of the adapter's replacement tensor `key`, rounded once to the buffers' dtype if it differs."""
         info = self.adapter.checkpoint.tensors[key]
         for region, out in requests:
+            check_buffer(info, region, out, (out.dtype,) if floating(out.dtype) else ())
             if out.dtype == info.dtype:
                 self.adapter.checkpoint.read_into(key, [(region, out)])
             else:
