@@ -92,8 +92,9 @@ class MergedCheckpoint(Checkpoint):
         self.base.read_into(key, requests)
         for region, out in requests:
             if out.size:
-                delta = self._delta(target, *_oriented(target, region))
-                out[...] = (out.astype(np.float32) + delta).astype(out.dtype)
+                merged = self._delta(target, *_oriented(target, region))
+                merged += out  # in float32, the block's one temporary; rounded once into `out`
+                out[...] = merged
 
     def _replaced(self, key: str, requests: Sequence[tuple[Region, np.ndarray]]) -> None:
         """Regions of the adapter's replacement tensor `key`, rounded once to the buffers' dtype if it differs."""
@@ -110,7 +111,8 @@ class MergedCheckpoint(Checkpoint):
         (_, b_region), (_, a_region) = _factor_regions(target, outs, ins)
         b = self.adapter.checkpoint.read(target.b, b_region).astype(np.float32)
         a = self.adapter.checkpoint.read(target.a, a_region).astype(np.float32)
-        delta = np.float32(target.scale) * (b @ a)
+        delta = b @ a
+        delta *= np.float32(target.scale)
         return delta.T if target.kind in _TRANSPOSED else delta
 
     def _dora(self, target: Target, region: Region, out: np.ndarray) -> None:
