@@ -296,13 +296,13 @@ class Reshape(Transform, name="reshape"):
             target[target.index(-1)] = math.prod(in_shape) // known
         if math.prod(target) != math.prod(in_shape):
             raise ValueError(f"cannot reshape {list(in_shape)} to {target}")
-        _groups(tuple(in_shape), tuple(target))  # raises for a regrouping
+        reshape_groups(tuple(in_shape), tuple(target))  # raises for a regrouping
         return tuple(target)
 
     def region(self, in_shape: Shape, out: Region) -> Region:
         target = self.shape(in_shape)
         source: list[tuple[int, int]] = []
-        for src, dst in _groups(tuple(in_shape), target):
+        for src, dst in reshape_groups(tuple(in_shape), target):
             sizes = [target[j] for j in dst]
             boxes = [out[j] for j in dst]
             if len(src) == 1 and len(dst) == 1:
@@ -318,7 +318,7 @@ class Reshape(Transform, name="reshape"):
     def apply(self, block: np.ndarray, in_shape: Shape, out: Region) -> np.ndarray:
         target = self.shape(in_shape)
         pos = 0
-        for src, dst in _groups(tuple(in_shape), target):
+        for src, dst in reshape_groups(tuple(in_shape), target):
             sizes = [target[j] for j in dst]
             boxes = [out[j] for j in dst]
             if len(src) == 1 and len(dst) == 1:
@@ -624,7 +624,7 @@ def _merge_box(a: int, b: int, sizes: Sequence[int]) -> list[tuple[int, int]]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _groups(src: Shape, dst: Shape) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+def reshape_groups(src: Shape, dst: Shape) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     """Pair runs of input axes with runs of output axes of equal size."""
     if 0 in src or 0 in dst:
         raise ValueError(f"reshape of an empty tensor {list(src)} -> {list(dst)}")

@@ -103,11 +103,11 @@ def export_adapter(
     peft.PeftModel.from_pretrained(base, "my-lora")
     ```
     """
-    from .._export._export import _read_source
+    from .._export._export import read_source
     from .._export._safetensors import SINGLE, OutTensor, Writer
     from ..nn._lora import is_lora
 
-    found = _read_source(source, None)
+    found = read_source(source, None)
     source = source.directory if isinstance(source, Output) else source
     config = {k: v for k, v in (found.config if config is None else config).items() if k != ADAPTER}
     kept = found.output if mapping is None else None

@@ -94,7 +94,7 @@ class Kept:
         found = leaves(skeleton)
         paths = list(self.nodes)
         replacements = [self._lora(found[path], self.nodes[path]) for path in paths]
-        return eqx.tree_at(lambda m: [_at(m, path) for path in paths], skeleton, replacements)
+        return eqx.tree_at(lambda m: [node_at(m, path) for path in paths], skeleton, replacements)
 
     @staticmethod
     def _lora(base: Any, node: Node) -> Any:
@@ -173,7 +173,7 @@ def restored_skeleton(skeleton: Any, config: AnyMapping[str, Any], shapes: AnyMa
 
         replacements.append(eqx.filter_eval_shape(make))
     paths = list(adapter["nodes"])
-    return eqx.tree_at(lambda m: [_at(m, path) for path in paths], skeleton, replacements)
+    return eqx.tree_at(lambda m: [node_at(m, path) for path in paths], skeleton, replacements)
 
 
 def _fits(
@@ -221,7 +221,7 @@ def plain(mapping: Mapping, headers: AnyMapping[str, Any], config: AnyMapping[st
     return base, kept, config
 
 
-def _at(tree: Any, path: str) -> Any:
+def node_at(tree: Any, path: str) -> Any:
     """The node of `tree` at dotted `path` (attributes, keys of dicts, or indices of lists and tuples)."""
     for part in path.split("."):
         if isinstance(tree, dict):

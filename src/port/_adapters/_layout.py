@@ -24,7 +24,7 @@ from typing import Any
 
 from .._errors import PlanError, PortError
 from .._mapping import Param
-from .._transforms import Cast, Chain, Reshape, Transpose, _groups
+from .._transforms import Cast, Chain, Reshape, Transpose, reshape_groups
 
 KINDS = ("linear", "conv1d")
 """The torch weights a layout is found for: `Linear` (`[out, in]`) and `Conv1D` (`[in, out]`)."""
@@ -126,7 +126,7 @@ def _step(t: Any, shape: tuple[int, ...], labels: list[str], module: str, key: s
         return moved
     if isinstance(t, Reshape):
         out: list[str] = []
-        for src, dst in _groups(tuple(shape), t.shape(shape)):
+        for src, dst in reshape_groups(tuple(shape), t.shape(shape)):
             names = {labels[i] for i in src}
             if len(names) > 1:
                 raise PlanError([_refusal(module, key, "merges inputs with outputs")])

@@ -35,7 +35,7 @@ from .._output import Output
 from .._plan import config_names, partition
 from .._sources import Checkpoint
 from .._text import quoted
-from ._kept import RANK, _at
+from ._kept import RANK, node_at
 from ._layout import Layout, layout
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -99,12 +99,12 @@ def lora(
     model = port.lora(model, "gpt2", rank=4, alpha=8, targets=["c_fc"], key=key, fan_in_fan_out=True)
     ```
     """
-    from .._export._export import _read_source
+    from .._export._export import read_source
     from ..nn import LoRA
     from ..nn._lora import is_lora
 
     _check(rank, alpha, targets, dtype)
-    found = _read_source(source, None)
+    found = read_source(source, None)
     kept = found.output if mapping is None else None
     mapping = mapping_for(found.config, mapping if kept is None else kept.mapping, keys=found.headers)
     names = config_names(model, mapping.model_config(found.config))
@@ -116,7 +116,7 @@ def lora(
     paths = list(chosen)
     nodes = []
     for (path, (param, lay)), k in zip(chosen.items(), jax.random.split(key, len(chosen))):
-        leaf = _at(model, path)
+        leaf = node_at(model, path)
         if is_lora(leaf):
             raise PortError(f"'{path}' already holds an adapter: merge it first (port.nn.merged)")
         node = LoRA.attach(
@@ -124,7 +124,7 @@ def lora(
             transposed=lay.transposed, dora=dora, dtype=dtype,
         )  # fmt: skip
         nodes.append(_sharded(node, param, lay, leaf, rules))
-    return eqx.tree_at(lambda m: [_at(m, path) for path in paths], model, nodes)
+    return eqx.tree_at(lambda m: [node_at(m, path) for path in paths], model, nodes)
 
 
 def _check(rank: Any, alpha: Any, targets: Any, dtype: Any) -> None:

@@ -218,7 +218,7 @@ class _Source:
     checkpoint: Checkpoint | None = None
 
 
-def _read_source(source: Any, opened: contextlib.ExitStack | None) -> _Source:
+def read_source(source: Any, opened: contextlib.ExitStack | None) -> _Source:
     """The source's headers and config (see `_Source`); a checkpoint it opens is closed at once,
     or kept open in `opened`."""
     if isinstance(source, Checkpoint):
@@ -375,7 +375,7 @@ def export(
         check_method(quantize)
     block = None if quantize is None else parse_block(DEFAULT_BLOCK if quantize_block is None else quantize_block)
     with contextlib.ExitStack() as opened:  # the source checkpoint, open while its FP8 scales may be read
-        found = _read_source(source, opened if block is not None else None)
+        found = read_source(source, opened if block is not None else None)
         source = source.directory if isinstance(source, Output) else source  # as messages name it
         return _export(model, out, source, found, config, mapping, limit, dtype, block, force, progress)
 
