@@ -441,3 +441,27 @@ def test_an_adapter_merges_onto_a_quantized_base(cases, tmp_path):
     assert ours.blocks.attn.wq.dtype == np.dtype("bfloat16")
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 1), (5632, 16, 2048), (64, 256, 3000), (3, 40000, 2)])
+def test_the_product_is_tiled_to_stay_on_the_calling_thread(shape, monkeypatch):
+    """`_product` gives `b @ a`, each NumPy product in it below OpenBLAS's threading threshold (so
+    port's reading threads do not each start BLAS threads)."""
+    from port._adapters import _merged
+
+    rows, rank, columns = shape
+    rng = np.random.default_rng(0)
+    b = rng.standard_normal((rows, rank), dtype=np.float32)
+    a = rng.standard_normal((rank, columns), dtype=np.float32)
+    sizes = []
+    matmul = np.matmul
+
+    def counted(x, y, out):
+        sizes.append(x.shape[0] * x.shape[1] * y.shape[1])
+        return matmul(x, y, out=out)
+
+    monkeypatch.setattr(_merged.np, "matmul", counted)
+    got = _merged._product(b, a)
+    monkeypatch.undo()
+    np.testing.assert_allclose(got, b @ a, rtol=1e-5, atol=1e-4)
+    assert max(sizes) <= max(_merged.SMALL_PRODUCT, rank)

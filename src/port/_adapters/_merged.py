@@ -111,7 +111,7 @@ class MergedCheckpoint(Checkpoint):
         (_, b_region), (_, a_region) = _factor_regions(target, outs, ins)
         b = self.adapter.checkpoint.read(target.b, b_region).astype(np.float32)
         a = self.adapter.checkpoint.read(target.a, a_region).astype(np.float32)
-        delta = b @ a
+        delta = _product(b, a)
         delta *= np.float32(target.scale)
         return delta.T if target.kind in _TRANSPOSED else delta
 
@@ -138,6 +138,25 @@ class MergedCheckpoint(Checkpoint):
             self.adapter.checkpoint.close()
         finally:
             self.base.close()
+
+
+SMALL_PRODUCT = 262_143
+"""Multiply-adds (rows x columns x rank) of one product below which OpenBLAS computes it on the calling
+thread (its `GEMM_MULTITHREAD_THRESHOLD` of 4 x 65536): larger ones start its own threads, which in each
+of port's reading threads oversubscribe the cores (9x slower measured on 2 cores, docs/benchmarks.md)."""
+
+
+def _product(b: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """`b @ a` (float32 `[out, rank] @ [rank, in]`) in tiles small enough to stay on this thread."""
+    rows, rank = b.shape
+    columns = a.shape[1]
+    out = np.empty((rows, columns), np.float32)
+    width = min(columns, max(1, SMALL_PRODUCT // (rank * 8)))
+    height = max(1, SMALL_PRODUCT // (width * rank))
+    for c in range(0, columns, width):
+        for r in range(0, rows, height):
+            np.matmul(b[r : r + height], a[:, c : c + width], out=out[r : r + height, c : c + width])
+    return out
 
 
 def _oriented(target: Target, region: Region) -> tuple[tuple[int, int], tuple[int, int]]:
