@@ -35,7 +35,7 @@ from .._dtypes import floating
 from .._errors import CheckpointError, ConfigError
 from .._files import read_small
 from .._sources import Checkpoint, LocalCheckpoint, TensorInfo, is_url
-from .._sources._directory import _REPO_ID, read_safetensors, resolve
+from .._sources._directory import REPO_ID, read_safetensors, resolve
 from .._sources._safetensors import MAX_CONFIG, MAX_HEADER, load_json
 from .._sources._urls import redact
 from .._text import first_line, quoted
@@ -154,18 +154,18 @@ def _open_files(source: str | os.PathLike) -> tuple[dict, Checkpoint]:
 
 def _open_remote(url: str) -> tuple[dict, Checkpoint]:
     """The adapter config and tensors (headers only) of the adapter directory at `url`, read by byte range."""
-    from .._sources._remote import RemoteCheckpoint, _headers, _small, transport_for
+    from .._sources._remote import RemoteCheckpoint, remote_headers, small_file, transport_for
 
     transport = transport_for(url)
     checkpoint = RemoteCheckpoint(transport.display, {}, {}, transport=transport)
     try:
-        raw = _small(transport, CONFIG, MAX_CONFIG, CONFIG)
+        raw = small_file(transport, CONFIG, MAX_CONFIG, CONFIG)
         if raw is None:
             raise CheckpointError(f"{transport.display}: no {CONFIG} (not a PEFT adapter directory)")
         config = load_json(raw, transport.url(CONFIG))
         if not isinstance(config, dict):
             raise CheckpointError(f"{transport.url(CONFIG)}: expected a JSON object")
-        checkpoint.config, checkpoint.tensors = config, _headers(checkpoint, [WEIGHTS], {})
+        checkpoint.config, checkpoint.tensors = config, remote_headers(checkpoint, [WEIGHTS], {})
         transport.setup(max((info.nbytes for info in checkpoint.tensors.values()), default=0))
         return config, checkpoint
     except BaseException:
@@ -175,7 +175,7 @@ def _open_remote(url: str) -> tuple[dict, Checkpoint]:
 
 def _directory(source: str | os.PathLike) -> Path:
     """A local adapter directory (or a `file://` URL), or a Hub repo id's snapshot of its two files."""
-    if is_url(source) or Path(str(source)).exists() or not _REPO_ID.match(str(source)):
+    if is_url(source) or Path(str(source)).exists() or not REPO_ID.match(str(source)):
         return resolve(source)
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError

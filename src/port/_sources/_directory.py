@@ -44,7 +44,8 @@ from ._safetensors import (
 )
 from ._urls import is_url, redact
 
-_REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
+"""What a Hugging Face repo id looks like (`gpt2`, `org/name`), when it names no directory and is no URL."""
 _BIN_INDEX = "pytorch_model.bin.index.json"
 _BIN_SINGLE = "pytorch_model.bin"
 
@@ -83,7 +84,7 @@ def resolve(model: str | os.PathLike) -> Path:
             raise CheckpointError(f"{model}: not a directory (give the checkpoint's directory)")
         return path
     text = str(model)
-    if not _REPO_ID.match(text):
+    if not REPO_ID.match(text):
         raise CheckpointError(f"{model}: no such directory, and not a Hugging Face repo id")
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError

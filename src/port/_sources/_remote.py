@@ -286,7 +286,7 @@ def _scatter_from(base: int, offsets: np.ndarray, lengths: np.ndarray, addresses
         ctypes.memmove(address, base + offset, length)
 
 
-def _small(transport: Transport, name: str, limit: int, what: str) -> bytes | None:
+def small_file(transport: Transport, name: str, limit: int, what: str) -> bytes | None:
     """A small file whole, or None when it is not there."""
     try:
         return retried(transport.url(name), lambda: _present(transport.small, name, limit, what))
@@ -310,7 +310,7 @@ def _shards(ckpt: RemoteCheckpoint) -> tuple[list[str], dict[str, tuple[bytes, i
     """The safetensors files: the index's, else `model.safetensors`, else those a listing shows;
     and the first bytes of any file already asked for."""
     t = ckpt.transport
-    raw = _small(t, INDEX, MAX_INDEX, "safetensors index")
+    raw = small_file(t, INDEX, MAX_INDEX, "safetensors index")
     if raw is not None:
         return shard_names_in(raw, t.url(INDEX)), {}
     try:
@@ -325,7 +325,7 @@ def _shards(ckpt: RemoteCheckpoint) -> tuple[list[str], dict[str, tuple[bytes, i
     return listed, {}
 
 
-def _headers(ckpt: RemoteCheckpoint, names: list[str], known: dict) -> dict[str, TensorInfo]:
+def remote_headers(ckpt: RemoteCheckpoint, names: list[str], known: dict) -> dict[str, TensorInfo]:
     """Every file's tensors: all header lengths checked (each, and their total) before any header is read."""
     t = ckpt.transport
 
@@ -375,14 +375,14 @@ def open_remote(url: str, requests: int = REQUESTS) -> RemoteCheckpoint:
     transport = transport_for(url)
     ckpt = RemoteCheckpoint(transport.display, {}, {}, transport=transport, requests=requests)
     try:
-        raw = _small(transport, "config.json", MAX_CONFIG, "config.json")
+        raw = small_file(transport, "config.json", MAX_CONFIG, "config.json")
         if raw is None:
             raise CheckpointError(f"{transport.display}: no config.json")
         config = load_json(raw, transport.url("config.json"))
         if not isinstance(config, dict):
             raise CheckpointError(f"{transport.url('config.json')}: expected a JSON object")
         names, known = _shards(ckpt)
-        ckpt.config, ckpt.tensors = config, _headers(ckpt, names, known)
+        ckpt.config, ckpt.tensors = config, remote_headers(ckpt, names, known)
         transport.setup(max((info.nbytes for info in ckpt.tensors.values()), default=0))
         return ckpt
     except BaseException:
