@@ -51,7 +51,7 @@ RANK = "rank"
 """The logical axis of a factor's rank: replicated unless the mapping's rules say otherwise."""
 SUFFIXES = {"a": ".lora_A.weight", "b": ".lora_B.weight", "magnitude": ".lora_magnitude_vector"}
 """What a kept factor's key is named in the union checkpoint: the adapted weight's module name plus these."""
-_MERGED = "load it merged (adapter_mode='merged')"
+_MERGED = "load it merged (adapter_mode='merge', the default)"
 ADAPTER = "port_adapter"
 """The key of the kept checkpoint's config (so of an output's recorded config) that holds the kept
 adapter: its `adapter_config.json` and each `LoRA`'s static fields, which `restore` and

@@ -139,5 +139,5 @@ def _step(t: Any, shape: tuple[int, ...], labels: list[str], module: str, key: s
 def _refusal(module: str, key: str, why: str) -> str:
     return (
         f"{module}: mapping entry '{key}' {why}, so one adapter cannot be kept on its leaf; "
-        "load it merged (adapter_mode='merged')"
+        "load it merged (adapter_mode='merge', the default)"
     )
