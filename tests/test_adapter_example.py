@@ -32,3 +32,12 @@ def test_port_reads_the_shipped_adapter_as_peft_does(mode):
     got = np.asarray(model(IDS))
     np.testing.assert_allclose(got, expected, atol=2e-5)
     assert np.abs(expected - plain).max() > 0.1  # the adapter changes the logits
+
+
+def test_progress_counts_the_base_s_bytes_against_the_plan_s_total():
+    events = []
+    done = port.convert(BASE, mesh="4x2", adapter=ADAPTER, progress=events.append)
+    reads = [e for e in events if e.phase == "read"]
+    assert reads and all(e.done <= e.total for e in reads)
+    assert reads[-1].done == reads[-1].total  # every base byte the plan counts, and no more
+    assert done.report.adapter_bytes_read > 0  # the adapter's bytes, reported apart

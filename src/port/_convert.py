@@ -258,8 +258,9 @@ def convert(
                 placed += 1
                 if saving is not None:  # written while the next leaves are placed
                     saving.add(leaf.path, array)
-                if progress is not None:
-                    progress(Progress("read", ckpt.bytes_read, recipe.read_bytes, placed, count))
+                if progress is not None:  # the plan's total counts the base's bytes: a merged adapter's are apart
+                    done = ckpt.base.bytes_read if isinstance(ckpt, MergedCheckpoint) else ckpt.bytes_read
+                    progress(Progress("read", done, recipe.read_bytes, placed, count))
 
             if progress is not None:
                 progress(Progress("read", 0, recipe.read_bytes, 0, count))
