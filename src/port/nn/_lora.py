@@ -111,6 +111,23 @@ class LoRA(eqx.Module):
         return node
 
     @property
+    def shape(self) -> tuple[int, ...]:
+        """The weight's shape, `base`'s: a layer that sizes something by a weight outside the
+        layer loop (DeepSeek-V4's `init_cache` reads a compressor's `wkv.shape`) reads it
+        through an adapter as through the plain weight."""
+        return self.base.shape
+
+    @property
+    def dtype(self) -> Any:
+        """The weight's dtype, `base`'s (that of the merged weight)."""
+        return self.base.dtype
+
+    @property
+    def ndim(self) -> int:
+        """The weight's number of axes, `base`'s."""
+        return self.base.ndim
+
+    @property
     def stack(self) -> int:
         """How many leading axes the factors are stacked over (layers, experts)."""
         return self.a.ndim - 1 - self.inputs
