@@ -38,22 +38,7 @@ SCALE = ALPHA / RANK
 # `adapter_mode="keep"` refuses such an adapter (no base weight of that name), so their tests run
 # on the nodes the test attaches itself.
 RENAMED = {"mistral_large4", "deepseek_v4"}
-# Families whose layers run in groups (dense and MoE layers, sliding and full, DeltaNet and
-# attention: a leaf stacks some layers only): `adapter_mode="keep"` fails on them (it looks a
-# group's rows up by checkpoint layer index, StopIteration in port._adapters._kept._node), so
-# their tests, too, run on the nodes the test attaches.
-GROUPED = {
-    "qwen3_moe",
-    "deepseek_v3",
-    "llama4",
-    "qwen3_next",
-    "gemma4",
-    "gemma4_moe",
-    "glm4_moe",
-    "deepseek_v32",
-    "glm_moe_dsa",
-}
-KEEP_FAILS = RENAMED | GROUPED
+KEEP_FAILS = RENAMED
 
 
 @dataclass(frozen=True)
@@ -326,8 +311,6 @@ KEEP_NAMES = [
         + (
             [pytest.mark.xfail(strict=True, raises=port.CheckpointError, reason="checkpoint names unlike PEFT's")]
             if name in RENAMED
-            else [pytest.mark.xfail(strict=True, reason="keep mode fails on layer groups")]
-            if name in GROUPED
             else []
         ),
     )

@@ -39,7 +39,7 @@ import numpy as np
 
 from .._errors import OutputError, PlanError
 from .._mapping import Mapping, Param, mapping_for, parse_mapping
-from .._plan import config_names
+from .._plan import config_names, layer_groups
 from .._skeleton import skeleton as make_skeleton
 from .._sources import Checkpoint, Region, TensorInfo
 from .._targets import leaves
@@ -260,14 +260,15 @@ def keep(mapping: Mapping | None, config: AnyMapping[str, Any], base: Checkpoint
     skeleton = make_skeleton(mapping, config)
     names = config_names(skeleton, config)
     shapes = leaves(skeleton)
+    groups = layer_groups(skeleton)
     grouped: dict[Param, dict[tuple[int, ...], Target]] = {}
     for target in adapter.targets.values():
-        param, index = _entry(mapping, target)
+        param, index = _entry(mapping, target, groups)
         grouped.setdefault(param, {})[index] = target
     nodes: dict[str, Node] = {}
     renames: dict[str, tuple[str, str]] = {}
     for param, targets in grouped.items():
-        node = _node(param, targets, names, shapes, base, adapter)
+        node = _node(param, targets, names, shapes, base, adapter, _group(groups, param))
         nodes[param.path] = node
         for target in targets.values():
             stem = target.weight.removesuffix(".weight")
@@ -290,12 +291,27 @@ def _record(adapter_config: AnyMapping[str, Any], nodes: AnyMapping[str, Node]) 
     return {"adapter_config": dict(adapter_config), "nodes": fields}
 
 
-def _entry(mapping: Mapping, target: Target) -> tuple[Param, tuple[int, ...]]:
-    """The stacked mapping entry filling `target`'s weight, and the weight's index in its stack."""
+def _group(groups: AnyMapping[str, Sequence[int]], param: Param) -> tuple[int, ...] | None:
+    """The checkpoint layers the stack at `param.path` holds when it is in a layer group (see
+    `port._plan.layer_groups`), in row order; None for a stack of every layer."""
+    if not param.stack or param.stack[0] != "{layer}":
+        return None
+    for prefix, ids in groups.items():
+        if param.path == prefix or param.path.startswith(prefix + "."):
+            return tuple(ids)
+    return None
+
+
+def _entry(mapping: Mapping, target: Target, groups: AnyMapping[str, Sequence[int]]) -> tuple[Param, tuple[int, ...]]:
+    """The stacked mapping entry filling `target`'s weight, and the weight's checkpoint index in its
+    stack; of the entries one key pattern names (a layer group's each), the one whose group holds the layer."""
     name = mapping.key_name(target.weight)
     for param in mapping.params:
         match = param.pattern().match(name)
         if match is None:
+            continue
+        ids = _group(groups, param)
+        if ids is not None and param.index(match)[0] not in ids:
             continue
         if target.kind == "embedding" or not param.stacked:
             raise PlanError(
@@ -322,20 +338,24 @@ def _node(
     shapes: AnyMapping[str, Any],
     base: Checkpoint,
     adapter: Adapter,
+    ids: tuple[int, ...] | None = None,
 ) -> Node:
-    """The kept `LoRA` of one stacked entry: every layer (and expert) adapted alike."""
+    """The kept `LoRA` of one stacked entry: every layer (and expert) adapted alike; `ids`: the
+    checkpoint layers of its rows, for a layer group's stack (`targets` are keyed by checkpoint index)."""
     first = next(iter(targets.values()))
     leaf = shapes.get(param.path)
     if leaf is None:
         raise PlanError([f"{first.module}: the model has no leaf '{param.path}' for an adapter"])
     stack = tuple(leaf.shape[: len(param.stack)])
     grid = math.prod(stack)
-    if len(targets) != grid:
-        missing = next(i for i in np.ndindex(*stack) if tuple(i) not in targets)
+    indices = [tuple(i) if ids is None else (ids[i[0]], *i[1:]) for i in np.ndindex(*stack)]
+    if len(targets) != grid or any(i not in targets for i in indices):
+        missing = next((i for i in indices if i not in targets), None)
+        which = "" if missing is None else f" ({quoted(param.key_at(tuple(missing)), 200)} not)"
         raise PlanError(
             [
-                f"{first.module}: the adapter adapts {len(targets)} of the {grid} weights '{param.path}' stacks "
-                f"({quoted(param.key_at(tuple(missing)), 200)} not), and a kept adapter covers all; {_MERGED}"
+                f"{first.module}: the adapter adapts {len(targets)} weights where '{param.path}' stacks {grid}"
+                f"{which}, and a kept adapter covers all, each once; {_MERGED}"
             ]
         )
     for target in targets.values():
