@@ -35,10 +35,10 @@ from .._dtypes import floating
 from .._errors import CheckpointError, ConfigError
 from .._files import read_small
 from .._sources import Checkpoint, LocalCheckpoint, TensorInfo, is_url
-from .._sources._directory import REPO_ID, read_safetensors, resolve
+from .._sources._directory import REPO_ID, read_safetensors, resolve, snapshot
 from .._sources._safetensors import MAX_CONFIG, MAX_HEADER, load_json
 from .._sources._urls import redact
-from .._text import first_line, quoted
+from .._text import quoted
 
 CONFIG = "adapter_config.json"
 """The adapter's configuration, as PEFT writes it."""
@@ -177,17 +177,7 @@ def _directory(source: str | os.PathLike) -> Path:
     """A local adapter directory (or a `file://` URL), or a Hub repo id's snapshot of its two files."""
     if is_url(source) or Path(str(source)).exists() or not REPO_ID.match(str(source)):
         return resolve(source)
-    import huggingface_hub
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        return Path(huggingface_hub.snapshot_download(str(source), allow_patterns=[CONFIG, WEIGHTS]))
-    except LocalEntryNotFoundError:
-        raise CheckpointError(
-            f"{source}: no such directory, and not in the Hugging Face cache (offline or no network)"
-        ) from None
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise CheckpointError(f"{source}: no such directory, and the Hugging Face Hub said: {first_line(e)}") from None
+    return snapshot(str(source), [CONFIG, WEIGHTS])
 
 
 def _positive_int(value: Any) -> bool:

@@ -86,22 +86,26 @@ def resolve(model: str | os.PathLike) -> Path:
     text = str(model)
     if not REPO_ID.match(text):
         raise CheckpointError(f"{model}: no such directory, and not a Hugging Face repo id")
+    found = snapshot(text, ["config.json", "*.safetensors", INDEX])
+    if not any(found.glob("*.safetensors")):  # a repo with PyTorch weights only
+        found = snapshot(text, ["config.json", _BIN_SINGLE, "pytorch_model-*.bin", _BIN_INDEX])
+    return found
+
+
+def snapshot(repo: str, patterns: list[str]) -> Path:
+    """The snapshot of Hub repo `repo`'s files that `patterns` match, through the Hugging Face
+    cache (offline: what the cache holds); a one-line `CheckpointError` when there is none."""
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
     try:
-        snapshot = huggingface_hub.snapshot_download(text, allow_patterns=["config.json", "*.safetensors", INDEX])
-        if not any(Path(snapshot).glob("*.safetensors")):  # a repo with PyTorch weights only
-            snapshot = huggingface_hub.snapshot_download(
-                text, allow_patterns=["config.json", _BIN_SINGLE, "pytorch_model-*.bin", _BIN_INDEX]
-            )
+        return Path(huggingface_hub.snapshot_download(repo, allow_patterns=patterns))
     except LocalEntryNotFoundError:
         raise CheckpointError(
-            f"{model}: no such directory, and not in the Hugging Face cache (offline or no network)"
+            f"{repo}: no such directory, and not in the Hugging Face cache (offline or no network)"
         ) from None
     except (HfHubHTTPError, OSError, ValueError) as e:
-        raise CheckpointError(f"{model}: no such directory, and the Hugging Face Hub said: {first_line(e)}") from None
-    return Path(snapshot)
+        raise CheckpointError(f"{repo}: no such directory, and the Hugging Face Hub said: {first_line(e)}") from None
 
 
 def shard_names(index: Path) -> list[str]:
