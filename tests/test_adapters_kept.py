@@ -5,6 +5,8 @@ Tiny random bases written with transformers, adapters with PEFT (`init_lora_weig
 non-zero A and B), in tmp_path; nothing is downloaded.
 """
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -446,6 +448,7 @@ def test_port_lora_on_gpt2_s_conv1d_weights_exports_what_peft_loads(gpt2_base, t
         tuple(rng.standard_normal(b.shape, np.float32) for b in bs),
     )
     out = port.export_adapter(model, tmp_path / "gpt2-lora", directory)
+    assert json.loads((out / "adapter_config.json").read_text())["fan_in_fan_out"] is True  # as PEFT writes it
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(directory), out)
     ours = np.asarray(logits(model, INPUT_IDS))
     np.testing.assert_allclose(torch_logits(peft_model, INPUT_IDS), ours, rtol=1e-4, atol=1e-4)

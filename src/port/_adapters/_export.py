@@ -120,16 +120,18 @@ def export_adapter(
         raise PortError("export_adapter: the adapters are spread over several processes; export them from one process")
     tensors: dict[str, tuple[Any, tuple[int, ...], str, tuple[int, ...]]] = {}  # key -> node, index, factor, shape
     settings: dict[str, tuple[int, float, bool]] = {}
+    conv1d = False  # some weight is `[in, out]` (GPT-2's Conv1D): PEFT's fan_in_fan_out
     for path, node in nodes.items():
         param = _base_entry(mapping, path)
         for index, module in sorted(modules(mapping, list(found.headers), param).items()):
             for name, shape in _factor_shapes(node).items():
                 tensors[f"{PREFIX}{module}.{name}"] = (node, index, name, shape)
             settings[module] = (node.rank, node.scale, node.magnitude is not None)
+            conv1d |= _conv1d(found.headers.get(f"{module}.weight"), node)
     if adapter_config is None:  # the one a kept adapter was loaded with, as an output (or kept checkpoint) records it
         record = recorded(found.config, str(source))
         adapter_config = None if record is None else record["adapter_config"]
-    written = dict(adapter_config) if adapter_config is not None else _peft_config(settings, config, source)
+    written = dict(adapter_config) if adapter_config is not None else _peft_config(settings, config, source, conv1d)
     inputs = (source,) if isinstance(source, (str, os.PathLike)) and Path(source).exists() else ()
     out = check_destination(out, force, inputs, ours=is_adapter_export, what=_WHAT)
     layout = [
@@ -180,8 +182,19 @@ def _factor(node: Any, index: tuple[int, ...], name: str, shape: tuple[int, ...]
     return np.ascontiguousarray(np.asarray(array[at] if at else array).reshape(shape))
 
 
-def _peft_config(settings: AnyMapping[str, tuple[int, float, bool]], config: AnyMapping[str, Any], source: Any) -> dict:
-    """An `adapter_config.json` as PEFT writes one for these modules (module -> rank, scale, DoRA):
+def _conv1d(header: tuple[tuple[int, ...], Any] | None, node: Any) -> bool:
+    """Whether the base weight `header` describes is `[in, out]` (GPT-2's Conv1D), not torch
+    `Linear`'s `[out, in]`, by the factors' sizes (a square weight says neither)."""
+    shapes = _factor_shapes(node)
+    (_, fan_in), (fan_out, _) = shapes["lora_A.weight"], shapes["lora_B.weight"]
+    return header is not None and fan_in != fan_out and tuple(header[0]) == (fan_in, fan_out)
+
+
+def _peft_config(
+    settings: AnyMapping[str, tuple[int, float, bool]], config: AnyMapping[str, Any], source: Any, conv1d: bool
+) -> dict:
+    """An `adapter_config.json` as PEFT writes one for these modules (module -> rank, scale, DoRA;
+    `conv1d`: some weight is `[in, out]`, PEFT's `fan_in_fan_out`):
     the commonest rank and alpha as `r` and `lora_alpha`, the others per module by pattern."""
     ranks = collections.Counter(rank for rank, _, _ in settings.values())
     r = ranks.most_common(1)[0][0]
@@ -198,7 +211,7 @@ def _peft_config(settings: AnyMapping[str, tuple[int, float, bool]], config: Any
         "alpha_pattern": alpha_pattern,
         "base_model_name_or_path": str(config.get("_name_or_path") or source),
         "bias": "none",
-        "fan_in_fan_out": False,  # PEFT sets it itself for a Conv1D base (GPT-2)
+        "fan_in_fan_out": conv1d,
         "inference_mode": True,
         "init_lora_weights": True,
         "layers_to_transform": None,
