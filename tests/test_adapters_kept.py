@@ -286,6 +286,28 @@ def test_a_kept_adapter_exported_again_is_the_same_files_byte_for_byte(llama_ada
         assert (out / name).read_bytes() == (adapter_dir / name).read_bytes(), name
 
 
+def _meets_vllm_s_rules(directory):
+    """What vLLM's adapter loader asks of a PEFT adapter, as its source states it (vllm/lora/peft_helper.py:
+    `r`, `lora_alpha` and `target_modules` given, no `modules_to_save`, no DoRA, `bias` "none"; and its
+    tensor names, `base_model.model.<module>.lora_A.weight` [r, in] / `.lora_B.weight` [out, r]).
+    vLLM itself needs CUDA, which this suite does not have."""
+    import re
+
+    from safetensors import safe_open
+
+    config = json.loads((directory / "adapter_config.json").read_text())
+    assert {"r", "lora_alpha", "target_modules"} <= set(config) and config["target_modules"]
+    assert not config.get("modules_to_save") and not config.get("use_dora") and config.get("bias", "none") == "none"
+    with safe_open(directory / "adapter_model.safetensors", "np") as f:
+        keys = list(f.keys())
+        assert keys
+        for key in keys:
+            match = re.fullmatch(r"base_model\.model\.(.+)\.lora_([AB])\.weight", key)
+            assert match, key
+            shape = f.get_slice(key).get_shape()
+            assert len(shape) == 2 and shape[0 if match.group(2) == "A" else 1] == config["r"], (key, shape)
+
+
 def test_port_lora_attaches_fresh_sharded_adapters_that_peft_loads_back_with_port_s_logits(llama_adapter, tmp_path):
     """`port.lora` puts a LoRA on each leaf PEFT's target names pick (every layer's q_proj and
     v_proj), the model unchanged until trained, the factors sharded as the leaf's axes say and the
@@ -324,6 +346,7 @@ def test_port_lora_attaches_fresh_sharded_adapters_that_peft_loads_back_with_por
     ours = np.asarray(logits(model, INPUT_IDS))
     assert np.abs(ours - before).max() > 1e-2
     out = port.export_adapter(model, tmp_path / "mine", base_dir)
+    _meets_vllm_s_rules(out)
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), out)
     np.testing.assert_allclose(torch_logits(peft_model, INPUT_IDS), ours, rtol=1e-4, atol=1e-4)
     port.export(model, tmp_path / "merged", base_dir)
