@@ -354,7 +354,7 @@ def _node(
         which = "" if missing is None else f" ({quoted(param.key_at(tuple(missing)), 200)} not)"
         raise PlanError(
             [
-                f"{first.module}: the adapter adapts {len(targets)} weights where '{param.path}' stacks {grid}"
+                f"{first.module}: the adapter adapts {len(targets)} of the {grid} weights '{param.path}' stacks"
                 f"{which}, and a kept adapter covers all, each once; {_MERGED}"
             ]
         )
