@@ -8,7 +8,7 @@ loaded merged only); port's model, loaded from the same base checkpoint, gets `L
 nodes holding the same factors in the leaf's layout, read off the plan's chain (a probe
 of source indices through the transforms). Then, differentiating the adapters only
 (`eqx.partition(model, port.nn.trainable(model))`): the next-token loss and every
-`lora_A` / `lora_B` gradient equal PEFT's; remat recomputes to the same gradients;
+`lora_A` / `lora_B` gradient equal PEFT's; (on a family of each mechanism, `MECHANISMS`) remat recomputes to the same gradients;
 bfloat16 compute runs near the float32 loss with float32 gradients; greedy generation
 with adapters attached equals generation after `port.nn.merged` and PEFT's merged model's
 token for token; an optax step on 4x2 keeps every sharding and equals 1x1.
@@ -304,6 +304,24 @@ def test_adapter_gradients_match_peft(adapted, name):
     assert len(jax.tree.leaves(params)) == 2 * len({s.path for s in case.sites})
 
 
+# The slow checks (remat, generation, a 4x2 train step) run on a family of each mechanism the
+# layer loop merges adapters in, not on all 29: the adapters merge in one place (port.nn.scan,
+# run_groups), and every family's gradients and bfloat16 are held above; the whole list passed
+# them when written (2026-11-28), which CI's 90 minutes do not fit twice over.
+MECHANISMS = {
+    "gpt2",  # Conv1D weights, learned positions, run_layers
+    "llama",  # the plain decoder
+    "gemma2",  # soft-capping, sliding layers
+    "mixtral",  # routed experts in run_layers
+    "deepseek_v3",  # latent attention, dense and MoE groups (run_groups)
+    "qwen3_next",  # Gated DeltaNet among attention layers, a recurrent cache
+    "gemma4",  # per-layer inputs, groups of two head sizes
+    "gpt_oss",  # attention sinks, clamped SwiGLU experts
+    "deepseek_v4",  # compressed attention and hyper-connections (its cache sized by a weight's shape)
+}
+SOME_NAMES = [p for p in NAMES if p.values[0] in MECHANISMS]
+
+
 KEEP_NAMES = [
     pytest.param(
         name,
@@ -330,7 +348,7 @@ def test_keep_mode_holds_the_factors_in_the_leaf_layout(adapted, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SOME_NAMES)
 def test_remat_gives_the_same_adapter_gradients(adapted, name):
     """Recomputing the layers (`remat=True`) in the backward pass changes no adapter gradient."""
     case = adapted(name)
@@ -362,7 +380,7 @@ def test_bfloat16_compute_with_adapters(adapted, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SOME_NAMES)
 def test_generation_with_adapters_equals_merged_and_peft(adapted, name):
     """Greedy generation with the adapters attached equals generation after `merged` and
     PEFT's merged model's `generate`, token for token, for a left-padded batch."""
@@ -410,7 +428,7 @@ def _on_mesh(model, mesh):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", SOME_NAMES)
 def test_adapter_train_step_on_4x2_keeps_shardings(adapted, name):
     """An optax step of the adapters only on 4x2 (batch on `data`, layers recomputed): the same
     loss and gradients as 1x1, and every factor and base leaf keeps its sharding."""
