@@ -370,7 +370,7 @@ def plan_problems(
             continue  # an optional leaf the model lacks: its keys must be tied or ignored
         matches = {}
         pattern = param.pattern()
-        group = _layer_group(skeleton, param)
+        group = layer_group(skeleton, param)
         rows = None if group is None else {layer: row for row, layer in enumerate(group)}
         for name, key in stripped.items():
             if m := pattern.match(name):
@@ -578,7 +578,7 @@ def layer_groups(skeleton: Any) -> dict[str, tuple[int, ...]]:
     return dict(groups) if isinstance(groups, AnyMapping) else {}
 
 
-def _layer_group(skeleton: Any, param: Param) -> tuple[int, ...] | None:
+def layer_group(skeleton: Any, param: Param) -> tuple[int, ...] | None:
     """The checkpoint layers the stack at `param.path` holds, when it is in a layer group."""
     if not param.stack or param.stack[0] != LAYER:
         return None

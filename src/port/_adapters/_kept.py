@@ -39,7 +39,7 @@ import numpy as np
 
 from .._errors import OutputError, PlanError
 from .._mapping import Mapping, Param, mapping_for, parse_mapping
-from .._plan import config_names, layer_groups
+from .._plan import config_names, layer_group
 from .._skeleton import skeleton as make_skeleton
 from .._sources import Checkpoint, Region, TensorInfo
 from .._targets import leaves
@@ -260,15 +260,14 @@ def keep(mapping: Mapping | None, config: AnyMapping[str, Any], base: Checkpoint
     skeleton = make_skeleton(mapping, config)
     names = config_names(skeleton, config)
     shapes = leaves(skeleton)
-    groups = layer_groups(skeleton)
     grouped: dict[Param, dict[tuple[int, ...], Target]] = {}
     for target in adapter.targets.values():
-        param, index = _entry(mapping, target, groups)
+        param, index = _entry(mapping, target, skeleton)
         grouped.setdefault(param, {})[index] = target
     nodes: dict[str, Node] = {}
     renames: dict[str, tuple[str, str]] = {}
     for param, targets in grouped.items():
-        node = _node(param, targets, names, shapes, base, adapter, _group(groups, param))
+        node = _node(param, targets, names, shapes, base, adapter, layer_group(skeleton, param))
         nodes[param.path] = node
         for target in targets.values():
             stem = target.weight.removesuffix(".weight")
@@ -291,18 +290,7 @@ def _record(adapter_config: AnyMapping[str, Any], nodes: AnyMapping[str, Node]) 
     return {"adapter_config": dict(adapter_config), "nodes": fields}
 
 
-def _group(groups: AnyMapping[str, Sequence[int]], param: Param) -> tuple[int, ...] | None:
-    """The checkpoint layers the stack at `param.path` holds when it is in a layer group (see
-    `port._plan.layer_groups`), in row order; None for a stack of every layer."""
-    if not param.stack or param.stack[0] != "{layer}":
-        return None
-    for prefix, ids in groups.items():
-        if param.path == prefix or param.path.startswith(prefix + "."):
-            return tuple(ids)
-    return None
-
-
-def _entry(mapping: Mapping, target: Target, groups: AnyMapping[str, Sequence[int]]) -> tuple[Param, tuple[int, ...]]:
+def _entry(mapping: Mapping, target: Target, skeleton: Any) -> tuple[Param, tuple[int, ...]]:
     """The stacked mapping entry filling `target`'s weight, and the weight's checkpoint index in its
     stack; of the entries one key pattern names (a layer group's each), the one whose group holds the layer."""
     name = mapping.key_name(target.weight)
@@ -310,7 +298,7 @@ def _entry(mapping: Mapping, target: Target, groups: AnyMapping[str, Sequence[in
         match = param.pattern().match(name)
         if match is None:
             continue
-        ids = _group(groups, param)
+        ids = layer_group(skeleton, param)
         if ids is not None and param.index(match)[0] not in ids:
             continue
         if target.kind == "embedding" or not param.stacked:
