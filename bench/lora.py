@@ -141,36 +141,6 @@ def checkpoints(work: Path, size: str, parts: list[str]) -> dict[str, Path]:
 # ---------------------------------------------------------------- measured processes
 
 
-def measure_load(spec: dict) -> dict:
-    """`port.convert(base, mesh=..., [adapter=...])` once in this fresh process: its figures."""
-    mesh = _measure.started(spec["mesh"])
-    import jax
-
-    import port
-
-    files = [*quantized.files_of(Path(spec["base"]))]
-    if spec["adapter"]:
-        files += quantized.files_of(Path(spec["adapter"]))
-    _measure.back_memory(2 * sum(path.stat().st_size for path in files))
-    os.sync()
-    kwargs = {"adapter": spec["adapter"]} if spec["adapter"] else {}  # the base load: the call without it
-    stop = _measure.peak_memory(0.002)
-    start = time.perf_counter()
-    run = port.convert(spec["base"], mesh=mesh, **kwargs)
-    jax.block_until_ready(run.model)
-    seconds = time.perf_counter() - start
-    peak = stop()
-    return {
-        "seconds": seconds,
-        "peak_above_start": peak,
-        "bytes_read": run.report.bytes_read,
-        "adapter_bytes_read": run.report.adapter_bytes_read,
-        "plan_read_bytes": run.plan.read_bytes,
-        "device_bytes": max(run.report.device_bytes.values()),
-        "total_device_bytes": sum(run.report.device_bytes.values()),
-    }
-
-
 def measure_product(spec: dict) -> dict:
     """The merge's own arithmetic, in this fresh process, as a floor for the merged load's extra
     time: every adapted weight, already in memory, merged by NumPy in bands of `BAND` rows into
@@ -188,7 +158,7 @@ def measure_product(spec: dict) -> dict:
         for key in f.keys():
             module, factor = key.removeprefix("base_model.model.").rsplit(".", 2)[:2]
             factors.setdefault(module + ".weight", {})[factor] = f.get_tensor(key)
-    with port.open_checkpoint(spec["base"]) as base:
+    with port.open_checkpoint(spec["dir"]) as base:
         weights = {key: base.read(key, tuple((0, n) for n in base.tensors[key].shape)) for key in factors}
     clock = time.perf_counter()
     for key, weight in weights.items():
@@ -413,7 +383,7 @@ def measured_load(paths: dict, size: str, mesh: str, repeats: int) -> str:
     before = os.getloadavg()[0]
     for _ in range(repeats):
         for label, (kind, with_adapter, env) in LOADS.items():
-            spec = {"kind": kind, "base": str(base), "adapter": str(adapter) if with_adapter else None, "mesh": mesh}
+            spec = {"kind": kind, "dir": str(base), "adapter": str(adapter) if with_adapter else None, "mesh": mesh}
             r = isolated(spec, env)
             runs[label].append(r)
             shown = r if isinstance(r, str) else f"{r['seconds']:.3f} s"
@@ -504,7 +474,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.measure:
         spec = json.loads(args.measure)
-        measures = {"load": measure_load, "product": measure_product, "train": measure_train}
+        measures = {"load": quantized.measure, "product": measure_product, "train": measure_train}
         print(json.dumps(measures[spec["kind"]](spec)))
         return
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]

@@ -442,17 +442,21 @@ def digest(model) -> str:
 
 
 def measure(spec: dict) -> dict:
-    """Load `spec["dir"]` once with `port.load` (as `port.convert(...)`) in this fresh process: its figures."""
+    """Load `spec["dir"]` once with `port.load` (as `port.convert(...)`) in this fresh process: its
+    figures. With `spec["adapter"]` (bench/lora.py), that PEFT adapter merged onto it."""
     mesh = _measure.started(spec["mesh"])
     import jax
 
     import port
 
-    _measure.back_memory(2 * sum(path.stat().st_size for path in files_of(Path(spec["dir"]))))
+    adapter = spec.get("adapter")
+    files = [*files_of(Path(spec["dir"])), *(files_of(Path(adapter)) if adapter else [])]
+    _measure.back_memory(2 * sum(path.stat().st_size for path in files))
     os.sync()
+    kwargs = {"adapter": adapter} if adapter else {}  # without one: the call as any other benchmark makes it
     stop = _measure.peak_memory(0.002)
     start = time.perf_counter()
-    run = port.convert(spec["dir"], mesh=mesh)
+    run = port.convert(spec["dir"], mesh=mesh, **kwargs)
     jax.block_until_ready(run.model)
     seconds = time.perf_counter() - start
     peak = stop()
@@ -460,6 +464,7 @@ def measure(spec: dict) -> dict:
         "seconds": seconds,
         "peak_above_start": peak,
         "bytes_read": run.report.bytes_read,
+        "adapter_bytes_read": run.report.adapter_bytes_read,
         "plan_read_bytes": run.plan.read_bytes,
         "device_bytes": max(run.report.device_bytes.values()),
         "total_device_bytes": sum(run.report.device_bytes.values()),
