@@ -37,9 +37,9 @@ FAMILY_FILES = {
     *(
         f"test_{name}.py"
         for name in (
-            "bert deepseek_v3 deepseek_v32 deepseek_v4 distilbert gemma gemma3 gemma4 glm4_moe gpt2 gpt_neox "
+            "bert clip deepseek_v3 deepseek_v32 deepseek_v4 dinov2 distilbert gemma gemma3 gemma4 glm4_moe gpt2 gpt_neox "
             "gpt_oss llama llama4 minimax_m2 ministral3 mistral_large4 modernbert moe olmo_smollm3 phi3 qwen3 "
-            "qwen3_next roberta vit"
+            "qwen3_next roberta siglip t5 vit whisper"
         ).split()
     ),
 }
