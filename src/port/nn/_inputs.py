@@ -82,18 +82,24 @@ PIXEL_SHAPES = {4: "(batch, channels, height, width)", 3: "(channels, height, wi
 """The accepted ranks of `pixel_values` and how messages name them."""
 
 
-def check_pixels(pixel_values: Any, *, channels: int, size: tuple[int, int]) -> bool:
+def check_pixels(
+    pixel_values: Any, *, channels: int, size: tuple[int, int] | None, patch: tuple[int, int] = (1, 1)
+) -> bool:
     """Check floating `pixel_values` of `channels` x `size` (height, width); return whether batched.
 
     `(batch, channels, height, width)` is batched, `(channels, height, width)` not.
-    Raises `ValueError` for another rank, channel count or image size (one line naming
-    config.json's `num_channels` or `image_size`), `TypeError` for a non-floating dtype.
+    `size` None takes any image of at least one `patch` (a model that interpolates its
+    position embeddings). Raises `ValueError` for another rank, channel count or image
+    size (one line naming config.json's `num_channels`, `image_size` or `patch_size`),
+    `TypeError` for a non-floating dtype.
 
     ```python
     check_pixels(jnp.zeros((2, 3, 224, 224)), channels=3, size=(224, 224))  # True
     check_pixels(jnp.zeros((3, 224, 224)), channels=3, size=(224, 224))     # False
     check_pixels(jnp.zeros((2, 3, 256, 256)), channels=3, size=(224, 224))
     # ValueError: `pixel_values`: image of 256x256 pixels, but config.json's image_size is 224x224
+    check_pixels(jnp.zeros((3, 10, 20)), channels=3, size=None, patch=(14, 14))
+    # ValueError: `pixel_values`: image of 10x20 pixels, smaller than config.json's patch_size 14x14
     ```
     """
     shape = _shape(pixel_values)
@@ -108,7 +114,11 @@ def check_pixels(pixel_values: Any, *, channels: int, size: tuple[int, int]) -> 
             f"`pixel_values` has {c} channels (axis {len(shape) - 3} of {shape}), "
             f"but config.json's num_channels is {channels}"
         )
-    if (h, w) != tuple(size):
+    if size is None and (h < patch[0] or w < patch[1]):
+        raise ValueError(
+            f"`pixel_values`: image of {h}x{w} pixels, smaller than config.json's patch_size {patch[0]}x{patch[1]}"
+        )
+    if size is not None and (h, w) != tuple(size):
         raise ValueError(
             f"`pixel_values`: image of {h}x{w} pixels, but config.json's image_size is "
             f"{size[0]}x{size[1]} (position embeddings are not interpolated)"
