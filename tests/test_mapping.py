@@ -60,6 +60,17 @@ ROOT = Path(__file__).parents[1]
             'model = "m:C"\n[[params]]\nkey="a"\npath="b"\naxes=[]\n[[params]]\nkey="c"\npath="b"\naxes=[]',
             "path 'b' is filled by both",
         ),
+        ('model = "m:C"\nconfig = 3\n[[params]]\nkey="a"\npath="b"\naxes=[]', "'config' must be the config.json key"),
+        (
+            'model = "m:C"\nmodel_types = ["t5"]\narchitectures = { mt5 = ["MT5EncoderModel"] }\n'
+            '[[params]]\nkey="a"\npath="b"\naxes=[]',
+            r"architectures.mt5: 'mt5' is not one of the mapping's model_types",
+        ),
+        (
+            'model = "m:C"\nmodel_types = ["t5"]\narchitectures = { t5 = "T5EncoderModel" }\n'
+            '[[params]]\nkey="a"\npath="b"\naxes=[]',
+            r"architectures.t5 must be a non-empty list of class names",
+        ),
     ],
 )
 def test_malformed_mappings(text, message):
@@ -72,6 +83,55 @@ def test_shipped_mapping_is_found_by_model_type():
     assert port.mapping_for({"model_type": "gpt2"}).model == "port.models.gpt2:GPT2"
     with pytest.raises(port.PortError, match="model_type 'bert-ish' has no mapping"):
         port.mapping_for({"model_type": "bert-ish"})
+
+
+FULL = 'model = "m:Full"\nmodel_types = ["pair"]\narchitectures = { pair = ["PairModel"] }\n'
+TOWER = (
+    'model = "m:Tower"\nmodel_types = ["pair_vision", "pair"]\nconfig = "vision_config"\n'
+    'architectures = { pair = ["PairVisionModel"], pair_vision = ["PairVisionModel"] }\n'
+)
+ENTRY = '[[params]]\nkey="a"\npath="b"\naxes=[]\n'
+
+
+def test_several_mappings_of_one_model_type_are_chosen_by_the_class_config_json_names(tmp_path, monkeypatch):
+    """Shipped mappings listing one model_type (a dual model and its tower): the one whose
+    `architectures` name config.json's class, else the first by file name; by name, any."""
+    (tmp_path / "pair.toml").write_text(FULL + ENTRY)
+    (tmp_path / "pair_vision.toml").write_text(TOWER + ENTRY)
+    monkeypatch.setattr(port._mapping, "shipped_mappings", lambda: sorted(tmp_path.glob("*.toml")))
+    pick = lambda **config: port.mapping_for({"model_type": "pair", **config}).model  # noqa: E731
+    assert pick(architectures=["PairModel"]) == "m:Full"
+    assert pick(architectures=["PairVisionModel"]) == "m:Tower"
+    assert pick() == pick(architectures=["SomethingElse"]) == "m:Full"
+    assert port.mapping_for({"model_type": "pair"}, "pair_vision").model == "m:Tower"
+    assert port.load_mapping("pair_vision").source == str(tmp_path / "pair_vision.toml")
+    with pytest.raises(port.MappingError, match=r"^pair_visio: no such mapping file, nor a shipped mapping of that "):
+        port.load_mapping("pair_visio")
+
+
+def test_a_tower_is_built_from_and_written_as_its_own_config():
+    """`config` names the dual model's key holding the tower's config; an export writes that,
+    saying the tower's class; a standalone tower's config.json is its own."""
+    tower = port.parse_mapping(TOWER + ENTRY, "tower.toml")
+    dual = {
+        "model_type": "pair",
+        "architectures": ["PairModel"],
+        "dtype": "float32",
+        "text_config": {"model_type": "pair_text", "hidden_size": 8},
+        "vision_config": {"model_type": "pair_vision", "hidden_size": 4},
+    }
+    assert tower.model_config(dual) == {"model_type": "pair_vision", "hidden_size": 4}
+    assert port.mapping_for(dual, tower, keys=["vision_model.a", "text_model.a"]) is tower  # not fitted as a wrapper
+    assert tower.written_config(dual) == {
+        "model_type": "pair_vision",
+        "hidden_size": 4,
+        "dtype": "float32",
+        "architectures": ["PairVisionModel"],
+    }
+    alone = {"model_type": "pair_vision", "architectures": ["Other"], "hidden_size": 4}
+    assert tower.model_config(alone) is alone
+    assert tower.written_config(alone) == alone | {"architectures": ["PairVisionModel"]}
+    assert port.parse_mapping('model = "m:C"\n' + ENTRY, "plain.toml").written_config(alone) is None
 
 
 def test_wheel_carries_the_mappings(tmp_path):
@@ -247,7 +307,7 @@ def mapping_refused(path: Path, expected: str, model_class: bool = False) -> Non
         ),
         (
             lambda p: p.write_text(nested(port._mapping.MAX_NESTING - 1)),  # the top table and 31 arrays: read
-            "unknown key 'x' (expected aliases, export, ignore, model, model_types, params, prefixes, reference, rules, tied)",
+            "unknown key 'x' (expected aliases, architectures, config, export, ignore, model, model_types, params, prefixes, reference, rules, tied)",
         ),
         (lambda p: os.mkfifo(p), "not a regular file (a FIFO); a mapping is a TOML file"),
         (lambda p: p.mkdir(), "not a regular file (a directory); a mapping is a TOML file"),

@@ -8,6 +8,10 @@ ignore = ["h.*.attn.bias"]                # buffers, never read
 tied = { "lm_head.weight" = "wte.weight" }  # may be present; a copy, never read
 aliases = { "LayerNorm.gamma" = "LayerNorm.weight" }  # legacy key endings
 reference = { class = "transformers:GPT2LMHeadModel", output = "logits" }  # for port verify
+config = "vision_config"                  # a tower of a dual model: its own config is this key's
+architectures = { clip = ["CLIPVisionModel"] }  # by the source's model_type: the class the model is
+                                          # (chosen by config.json's architectures among the shipped
+                                          # mappings of one model_type; what `port export` writes)
 
 [export.gemma3]                           # a multimodal model type whose language model the mapping
 config = "text_config"                    # loads: `port export` writes it as a text-only checkpoint,
@@ -47,6 +51,7 @@ axes = ["vocab", "embed"]
 ```python
 mapping = load_mapping("mappings/gpt2.toml")
 mapping = mapping_for({"model_type": "gpt2"})   # the shipped one
+mapping = load_mapping("t5_encoder")            # a shipped mapping by name (mappings/t5_encoder.toml)
 ```
 """
 
@@ -83,7 +88,15 @@ TEXT_CONFIG = "text_config"
 MODULE_AXES = "module"
 """An entry's `axes` when they are the module's own annotations (an NNX variable's sharding names)."""
 _INDEX = r"(0|[1-9][0-9]{0,8})"
-_TOP = {"model", "model_types", "prefixes", "ignore", "tied", "aliases", "reference", "rules", "params", "export"}
+_TOP = {
+    "model", "model_types", "prefixes", "ignore", "tied", "aliases", "reference", "rules", "params", "export",
+    "config", "architectures",
+}  # fmt: skip
+CARRIED = ("dtype", "torch_dtype", "transformers_version")
+"""What a config.json written for part of a model (a language model, a tower) takes from the whole
+model's where its own lacks it."""
+_SHIPPED_NAME = re.compile(r"[a-z0-9_]{1,64}")
+"""A shipped mapping's name (its file's stem): what `mapping=` may give instead of a file."""
 _EXPORT = {"config", "model_type", "architectures", "prefixes"}
 _PARAM = {"key", "path", "axes", "transforms", "optional"}
 MAX_MAPPING_BYTES = 16 * 2**20
@@ -255,6 +268,40 @@ class Mapping:
     reference: dict[str, str]
     export: dict[str, TextExport] = dataclasses.field(default_factory=dict)  # by the wrapper's model_type
     fitted: str = ""  # the wrapper's model_type `language_model` fitted it to the keys of, if any
+    config: str = ""  # the key of a dual model's config.json holding this model's own config ("": none)
+    architectures: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # by the source model_type
+
+    def serves(self, config: AnyMapping[str, Any]) -> bool:
+        """Whether this mapping's model is the class `config.json` names: its `architectures`
+        for the config's model_type holds config.json's first `architectures`.
+
+        ```python
+        port.load_mapping("t5_encoder").serves({"model_type": "t5", "architectures": ["T5EncoderModel"]})  # True
+        ```
+        """
+        named = config.get("architectures")
+        first = named[0] if isinstance(named, list) and named else None
+        return isinstance(first, str) and first in self.architectures.get(str(config.get("model_type")), ())
+
+    def written_config(self, config: AnyMapping[str, Any]) -> dict[str, Any] | None:
+        """The config.json `port export` writes for this mapping's model, converted from a checkpoint
+        whose config.json is `config`: `model_config(config)` (a tower's own, from a dual model's),
+        with the `model_type` it has and the mapping's `architectures` for the source's model_type;
+        None where the mapping declares neither `config` nor `architectures` (`config` is
+        written as it is).
+
+        ```python
+        port.load_mapping("clip_vision").written_config(clip_config)
+        # clip_config["vision_config"] | {"model_type": "clip_vision_model", "architectures": ["CLIPVisionModel"]}
+        ```
+        """
+        if not self.config and not self.architectures:
+            return None
+        own = dict(self.model_config(config))
+        if own is not config:
+            own = {k: config[k] for k in CARRIED if k in config} | own
+        classes = self.architectures.get(str(config.get("model_type")))
+        return own | ({"architectures": list(classes)} if classes else {})
 
     def key_name(self, key: str) -> str:
         """A checkpoint key as the entries name it: an optional prefix stripped, a legacy ending
@@ -271,7 +318,8 @@ class Mapping:
         return name
 
     def model_config(self, config: AnyMapping[str, Any]) -> AnyMapping[str, Any]:
-        """The config the model is built from: `config` itself, or, for a multimodal wrapper whose
+        """The config the model is built from: a dual model's config.json's key the mapping's
+        `config` names (a tower's own config, where present), `config` itself, or, for a multimodal wrapper whose
         own `model_type` this mapping does not serve but whose `text_config`'s it does (Kimi
         K2.5's `kimi_k25` around a `deepseek_v3`), that `text_config`.
 
@@ -280,6 +328,9 @@ class Mapping:
         # {"model_type": "deepseek_v3"}   (mappings/deepseek_v3.toml)
         ```
         """
+        own = config.get(self.config) if self.config else None
+        if isinstance(own, dict):
+            return own  # a tower of a dual model (`config = "vision_config"`)
         text = config.get(TEXT_CONFIG)
         if config.get("model_type") in self.model_types or not isinstance(text, dict):
             return config
@@ -448,6 +499,10 @@ def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
     if not isinstance(exports, dict):
         raise fail("[export] must be a table of model_type = { config, model_type, architectures, prefixes }")
     export = {name: _text_export(name, entry, model_types, fail) for name, entry in exports.items()}
+    own_config = data.get("config", "")
+    if not isinstance(own_config, str) or (own_config and not own_config.isidentifier()):
+        raise fail(f"'config' must be the config.json key holding the model's own config, got {quoted(own_config)}")
+    architectures = _architectures(data.get("architectures", {}), model_types, fail)
     seen: dict[str, str] = {}
     for p in parsed:
         if p.path in seen:
@@ -466,7 +521,28 @@ def parse_mapping(text: str, source: str = "<mapping>") -> Mapping:
         aliases,
         reference,
         export,
+        config=own_config,
+        architectures=architectures,
     )
+
+
+def _architectures(value: Any, model_types: tuple[str, ...], fail) -> dict[str, tuple[str, ...]]:
+    """The `architectures` table: each of the mapping's model_types -> a list of class names."""
+    shape = 'a table of model_type = ["Class", ...]'
+    if not isinstance(value, dict):
+        raise fail(f"'architectures' must be {shape}")
+    found = {}
+    for kind, classes in value.items():
+        if kind not in model_types:
+            raise fail(f"architectures.{kind}: {quoted(kind)} is not one of the mapping's model_types")
+        if (
+            not isinstance(classes, list)
+            or not classes
+            or not all(isinstance(c, str) and c.isidentifier() for c in classes)
+        ):
+            raise fail(f"architectures.{kind} must be a non-empty list of class names ({shape})")
+        found[kind] = tuple(classes)
+    return found
 
 
 def _text_export(name: str, entry: Any, model_types: tuple[str, ...], fail) -> TextExport:
@@ -576,7 +652,8 @@ def load_mapping(path: str | os.PathLike) -> Mapping:
 
     **Arguments:**
 
-    - `path`: the mapping's TOML file.
+    - `path`: the mapping's TOML file, or the name of a shipped one (`"t5_encoder"`:
+      `mappings/t5_encoder.toml`) where no file of that name exists.
 
     Returns a `Mapping`; a `MappingError` names the file and what is wrong with it.
 
@@ -584,8 +661,21 @@ def load_mapping(path: str | os.PathLike) -> Mapping:
     mapping = port.load_mapping("mappings/gpt2.toml")
     ```
     """
-    path = Path(path)
-    return parse_mapping(_read(path), str(path))
+    return parse_mapping(_read(_named(path)), str(_named(path)))
+
+
+def _named(path: str | os.PathLike) -> Path:
+    """`path`, or, where no such file exists and it is a plain name (`t5_encoder`), the shipped
+    mapping of that name; a `MappingError` for a name that is neither."""
+    given = Path(path)
+    if given.exists() or not _SHIPPED_NAME.fullmatch(str(path)):
+        return given
+    shipped = {p.stem: p for p in shipped_mappings()}
+    if str(path) in shipped:
+        return shipped[str(path)]
+    raise MappingError(
+        f"{path}: no such mapping file, nor a shipped mapping of that name (shipped: {', '.join(sorted(shipped))})"
+    )
 
 
 def _read(path: Path) -> str:
@@ -646,9 +736,11 @@ def mapping_for(
     **Arguments:**
 
     - `config`: the checkpoint's `config.json` as a dict.
-    - `mapping`: a `Mapping`, a mapping file, or None for the shipped mapping that
-      lists `config["model_type"]` (a `MappingError` if none does), or, for a multimodal
-      wrapper none lists, the one that lists its `text_config`'s `model_type`.
+    - `mapping`: a `Mapping`, a mapping file (or a shipped mapping's name), or None for
+      the shipped mapping that lists `config["model_type"]` (a `MappingError` if none
+      does; of several, the one whose `architectures` name config.json's class, else the
+      first by file name), or, for a multimodal wrapper none lists, the one that lists its
+      `text_config`'s `model_type`.
     - `keys`: the checkpoint's tensor names. Given them, the mapping of a wrapper's language
       model (its `text_config`'s model type, not the wrapper's) is fitted to the wrapper's
       layout (`language_model`): the prefixes of its keys and the towers to ignore are
@@ -677,13 +769,16 @@ def _shipped_for(config: AnyMapping[str, Any]) -> Mapping:
     text_type = text.get("model_type") if isinstance(text, dict) else None
     known: list[str] = []
     by_text = None
+    listing: list[Mapping] = []
     for path in shipped_mappings():
         mapping = load_mapping(path)
         if model_type in mapping.model_types:
-            return mapping
+            listing.append(mapping)
         if by_text is None and text_type in mapping.model_types:
             by_text = mapping
         known.extend(mapping.model_types)
+    if listing:  # several (a full model, its encoder, its towers): the one config.json's class is, else the first
+        return next((m for m in listing if m.serves(config)), listing[0])
     if by_text is not None:
         return by_text
     nor = "" if text is None else f", nor has its {TEXT_CONFIG}'s model_type {quoted(text_type)}"
@@ -713,6 +808,8 @@ def language_model(mapping: Mapping, config: AnyMapping[str, Any], keys: Iterabl
     text = config.get(TEXT_CONFIG)
     wrapper = config.get("model_type")
     if not isinstance(text, dict) or not isinstance(wrapper, str) or text.get("model_type") == wrapper:
+        return mapping
+    if mapping.config:  # a dual model's tower: its keys named by the mapping itself
         return mapping
     if text.get("model_type") not in mapping.model_types and wrapper not in mapping.export or mapping.fitted:
         return mapping

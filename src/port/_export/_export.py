@@ -43,7 +43,7 @@ from .._convert import Progress
 from .._destination import check_destination, check_free, make_partial, partial_path, put_in_place, writing
 from .._dtypes import dtype as dtype_named
 from .._errors import CheckpointError, ConfigError, OutputError, PlanError, PortError, RunError
-from .._mapping import Mapping, TextExport, mapping_for
+from .._mapping import CARRIED, Mapping, TextExport, mapping_for
 from .._model import is_model
 from .._output import Output, port_version, read_output
 from .._output._restore import model_class
@@ -425,7 +425,10 @@ def _export(
         quantization = plan_fp8(inverse, block, config, tied, source_tensors)
     layout = inverse.tensors if quantization is None else quantization.layout(inverse.tensors)
     nbytes = sum(t.nbytes for t in layout)
-    written_config = config if text_only is None else _text_only_config(config, text_only, tied_head)
+    own = mapping.written_config(config)  # a tower, an encoder alone: config.json says the class it is
+    written_config = (
+        (config if own is None else own) if text_only is None else _text_only_config(config, text_only, tied_head)
+    )
     written_config = {k: v for k, v in written_config.items() if k != "quantization_config"}  # the tensors are not
     if quantization is not None:
         written_config["quantization_config"] = quantization.settings
@@ -496,10 +499,6 @@ def _export(
     return out
 
 
-_CARRIED = ("dtype", "torch_dtype", "transformers_version")
-"""What a text-only export's config.json takes from the wrapper's where its text config lacks it."""
-
-
 def _text_only_config(config: AnyMapping[str, Any], text_only: TextExport, tied_head: bool) -> dict[str, Any]:
     """The config.json of the text-only checkpoint a wrapper's language model is written as: the
     wrapper's text config, saying the text-only class's `model_type` and `architectures`, and
@@ -517,7 +516,7 @@ def _text_only_config(config: AnyMapping[str, Any], text_only: TextExport, tied_
     if not isinstance(text, dict):
         raise ConfigError(f"config.json: {text_only.config!r} must be a dict, got {quoted(text)}")
     model_type, architectures = text_only.written(text)
-    carried = {k: config[k] for k in _CARRIED if k in config}
+    carried = {k: config[k] for k in CARRIED if k in config}
     return {
         **carried,
         **text,
