@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any, ClassVar, final
+from typing import Any, ClassVar, Protocol, final, runtime_checkable
 
 import equinox as eqx
 import jax
@@ -63,6 +63,24 @@ def _pair(config: dict, key: str, default: int) -> tuple[int, int]:
         return check(key, value[0], int), check(key, value[1], int)
     size = check(key, value, int)
     return size, size
+
+
+def patches(
+    pixels: Float[Array, "batch channels height width"],
+    weight: Float[Array, "embed channels patch_height patch_width"],
+    grid: tuple[int, int],
+) -> Float[Array, "batch patches embed"]:
+    """A Conv2d of kernel = stride = patch size, without bias, as patches times the flattened kernel.
+
+    `grid` is the patches per column and per row; pixels a partial patch would need are
+    dropped, as the strided convolution drops them. Patches go row by row (torch's
+    `flatten(2)` of the (embd, rows, columns) output).
+    """
+    (gh, gw), (ph, pw) = grid, weight.shape[2:]
+    b, ch = pixels.shape[:2]
+    cells = pixels[:, :, : gh * ph, : gw * pw].reshape(b, ch, gh, ph, gw, pw)
+    out = jnp.einsum("bcipjq,ecpq->bije", cells, weight)
+    return out.reshape(b, gh * gw, -1)
 
 
 @final
@@ -129,6 +147,27 @@ class ViTConfig:
         )
 
 
+@runtime_checkable
+class LayerSizes(Protocol):
+    """What `Layer` reads of a config: `ViTConfig`, and the configs of other pre-LayerNorm encoders
+    (CLIP's towers, `port.models.clip`)."""
+
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def num_attention_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def hidden_act(self) -> str: ...
+    @property
+    def qkv_bias(self) -> bool: ...
+    @property
+    def layer_norm_eps(self) -> float: ...
+
+
 @final
 class Layer(eqx.Module):
     """One pre-LayerNorm encoder layer: `x + attn(layernorm_before(x))`, then `x + mlp(layernorm_after(x))`."""
@@ -138,7 +177,7 @@ class Layer(eqx.Module):
     mlp_norm: LayerNorm
     mlp: MLP
 
-    def __init__(self, config: ViTConfig, dtype: Any, *, key: PRNGKeyArray):
+    def __init__(self, config: LayerSizes, dtype: Any, *, key: PRNGKeyArray):
         kattn, kmlp = jax.random.split(key)
         c, e = config, config.hidden_size
         self.attn_norm = LayerNorm(e, eps=c.layer_norm_eps, dtype=dtype)
