@@ -194,7 +194,11 @@ def _sizes(x: Any) -> bool:
 
 
 def _value(x: Size, config: Mapping[str, Any]) -> int:
-    value = config.get(x) if isinstance(x, str) else x
+    """A size: an integer, or a config.json key, dotted for a sub-config's (`"vision_config.hidden_size"`:
+    a dual model's mapping names its towers' sizes so)."""
+    value: Any = config if isinstance(x, str) else x
+    for part in x.split(".") if isinstance(x, str) else ():
+        value = value.get(part) if isinstance(value, Mapping) else None
     if not _int(value):
         raise ConfigError(f"config.json has no integer '{x}'")
     return value
