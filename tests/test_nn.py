@@ -183,6 +183,21 @@ def test_generate_refuses_a_mask_of_another_shape_and_a_model_without_cache(llam
         generate(llama, np.ones((2, 3), np.int32), max_new_tokens=2, attention_mask=np.ones((2, 4)))
     with pytest.raises(TypeError, match=r"`model` must be a port decoder with init_cache"):
         generate(lambda ids: ids, np.ones((1, 3), np.int32), max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"`decoder_input_ids` is for an encoder-decoder; Llama is a decoder"):
+        generate(llama, np.ones((1, 3), np.int32), max_new_tokens=2, decoder_input_ids=np.ones((1, 1), np.int32))
+
+
+def test_seq2seq_loss_is_transformers_cross_entropy_skipping_minus_100():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, 5, 11)).astype(np.float32)
+    labels = rng.integers(0, 11, (2, 5))
+    labels[0, 3:] = -100
+    theirs = torch.nn.functional.cross_entropy(torch.tensor(logits).reshape(-1, 11), torch.tensor(labels).reshape(-1))
+    assert abs(float(port.nn.seq2seq_loss(logits, labels)) - float(theirs)) < 1e-6
+    assert float(port.nn.seq2seq_loss(logits[0], labels[0])) == pytest.approx(
+        float(torch.nn.functional.cross_entropy(torch.tensor(logits[0]), torch.tensor(labels[0]))), abs=1e-6
+    )
 
 
 def test_a_full_cache_is_an_error_not_a_silent_overwrite(llama):

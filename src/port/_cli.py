@@ -296,7 +296,11 @@ DtypeFlag = Annotated[
 ]
 MappingFlag = Annotated[
     Path | None,
-    typer.Option("--mapping", metavar="FILE", help="mapping file (default: the shipped one for model_type)"),
+    typer.Option(
+        "--mapping",
+        metavar="FILE",
+        help="mapping file, or a shipped mapping's name such as t5_encoder (default: the shipped one for model_type)",
+    ),
 ]
 _MODULE_TAIL = (
     ", imported from the working directory if not installed (e.g. mymodel:MyModel); nothing else is imported from there"

@@ -7,7 +7,7 @@ projection, a per-query `q_scale`), MLPs, the decoder layer (`Block`: norms befo
 branch), the routed mixture of experts, multi-head latent attention (DeepSeek-V3), Gated
 DeltaNet linear attention (Qwen3-Next), low-rank adapters (`LoRA`, merged layer by
 layer in the scan), the layer scan and layers of several kinds,
-inputs and masks, the key/value cache, greedy generation and the loss live here. Every layer works on batch-first arrays
+inputs and masks, the key/value cache, greedy generation (decoders and encoder-decoders) and the losses live here. Every layer works on batch-first arrays
 (`[batch, seq, embed]`); models accept `(batch, seq)` ids or one `(seq,)` sequence.
 
 Reading config.json is `port.nn.config` (public): `get`, `check`, `activation`,
@@ -61,6 +61,7 @@ from port.nn._lora import LoRA as LoRA
 from port.nn._lora import merged as merged
 from port.nn._lora import trainable as trainable
 from port.nn._loss import next_token_loss as next_token_loss
+from port.nn._loss import seq2seq_loss as seq2seq_loss
 from port.nn._mla import LatentAttention as LatentAttention
 from port.nn._mlp import MLP as MLP
 from port.nn._mlp import GatedMLP as GatedMLP

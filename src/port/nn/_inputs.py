@@ -29,12 +29,13 @@ def _shape(value: Any) -> tuple[int, ...]:
     return tuple(jnp.shape(value))
 
 
-def check_ids(input_ids: Any, *, limit: tuple[str, int] | None = None) -> bool:
+def check_ids(input_ids: Any, *, limit: tuple[str, int] | None = None, name: str = "input_ids") -> bool:
     """Check `input_ids` is integer `(batch, seq)` or `(seq,)`; return whether it is batched.
 
     `limit` is a config key and its value bounding the sequence length, e.g.
     `("max_position_embeddings", 512)`. Raises `ValueError` for a bad shape or a
-    sequence over the limit, `TypeError` for a non-integer dtype.
+    sequence over the limit, `TypeError` for a non-integer dtype; messages call the
+    argument `name` (`decoder_input_ids`).
 
     ```python
     check_ids(jnp.zeros((2, 8), jnp.int32))  # True
@@ -45,12 +46,12 @@ def check_ids(input_ids: Any, *, limit: tuple[str, int] | None = None) -> bool:
     """
     shape = _shape(input_ids)
     if len(shape) not in SHAPES:
-        raise ValueError(f"`input_ids` must have shape {SHAPES[2]} or {SHAPES[1]}, got {shape}")
+        raise ValueError(f"`{name}` must have shape {SHAPES[2]} or {SHAPES[1]}, got {shape}")
     dtype = jnp.result_type(input_ids)
     if not jnp.issubdtype(dtype, jnp.integer):
-        raise TypeError(f"`input_ids` must have an integer dtype, got {dtype}")
+        raise TypeError(f"`{name}` must have an integer dtype, got {dtype}")
     if limit is not None and shape[-1] > limit[1]:
-        raise ValueError(f"`input_ids`: sequence length {shape[-1]} exceeds {limit[0]} ({limit[1]})")
+        raise ValueError(f"`{name}`: sequence length {shape[-1]} exceeds {limit[0]} ({limit[1]})")
     return len(shape) == 2
 
 
