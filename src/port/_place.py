@@ -126,7 +126,8 @@ def plan_reads(
             targets = out.reshape(math.prod(out.shape[:k]), *out.shape[k:])  # one per key, in `keys` order (a view)
             shape = tuple(b - a for a, b in region)
             in_place = len(targets) > 0 and direct(leaf, region, regions, targets[0])  # alike for every layer
-            for key, target in zip(keys, targets):
+            for key, i in zip(keys, range(len(targets))):
+                target = targets[i, ...]  # a view, 0-d for a scalar leaf (`targets[i]` would be a copy: a numpy scalar)
                 part = Part(leaf, key, region, regions, target, target.reshape(shape) if in_place else None)
                 by_key.setdefault(key, []).append(part)
     return blocks, list(by_key.values())
