@@ -49,6 +49,7 @@ def attend(
     scale: float,
     softcap: float | None = None,
     sinks: Float[ArrayLike, " heads"] | None = None,
+    bias: Float[ArrayLike, "#batch heads seq keys"] | None = None,
 ) -> Float[Array, "batch seq heads head_dim"]:
     """Softmax attention of `q` over `k`/`v` where `mask` allows; query head h uses kv head
     h // (heads / kv_heads).
@@ -63,6 +64,8 @@ def attend(
     - `softcap`: `softcap * tanh(scores / softcap)` before the mask (Gemma 2); None: none.
     - `sinks`: `[heads]`, a learned logit per head that joins every softmax and is then
       dropped (gpt-oss); None: none.
+    - `bias`: `[batch or 1, heads, seq, keys]`, added to the scaled scores before the mask
+      (T5's relative position bias); None: none.
 
     **Returns:** the attended values, `q`'s shape and dtype. The softmax is in float32
     (without `softcap` and `sinks` the scores are too; with either, as in transformers'
@@ -78,7 +81,11 @@ def attend(
     """
     q, k, v, mask = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask)
     if softcap is None and sinks is None:
-        return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale)
+        if bias is not None:
+            bias = jnp.asarray(bias).astype(q.dtype)
+        return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask[:, None], scale=scale)
+    if bias is not None:
+        raise ValueError("`bias` cannot be combined with `softcap` or `sinks`")
     # Written out: dot_product_attention has no soft-capping and no sinks.
     batch, seq, heads, dim = q.shape
     kv_heads = k.shape[2]
@@ -161,7 +168,8 @@ class Attention(eqx.Module):
     `x` `[batch, seq, embd]`, `mask` from `Tokens`, `cos`/`sin` from `Rope.angles` (None: no
     RoPE), `kv`/`index` this layer's cache and the first slot (None: no cache), `q_scale`
     `[batch, seq]` a factor per query, applied (in the queries' dtype) after RoPE
-    (Ministral 3's position-dependent scale; None: none). `y` is
+    (Ministral 3's position-dependent scale; None: none), `bias` an additive score bias as
+    in `attend` (T5's relative positions; None: none). `y` is
     `[batch, seq, embd]`; `kv` the updated cache (None without one).
 
     ```python
@@ -273,12 +281,13 @@ class Attention(eqx.Module):
         kv: KV | None = None,
         index: Array | None = None,
         q_scale: Float[Array, "batch seq"] | None = None,
+        bias: Float[Array, "#batch heads seq keys"] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], KV | None]:
         q, k, v = self.project(x, cos, sin)
         if q_scale is not None:
             q = q * q_scale[:, :, None, None].astype(q.dtype)
         k, v, kv = with_cache(k, v, kv, index)
-        out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap, sinks=self.sinks)
+        out = attend(q, k, v, mask, scale=self.scale, softcap=self.softcap, sinks=self.sinks, bias=bias)
         if self.wg is not None:
             g = jnp.einsum("bte,hde->bthd", x, self.wg)
             out = out * jax.nn.sigmoid(g if self.bg is None else g + self.bg)
