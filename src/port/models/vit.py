@@ -83,6 +83,22 @@ def patches(
     return out.reshape(b, gh * gw, -1)
 
 
+def patch_embeddings(
+    pixels: Float[Array, "batch channels height width"],
+    weight: Float[Array, "embed channels patch_height patch_width"],
+    bias: Float[Array, " embed"],
+) -> Float[Array, "batch patches embed"]:
+    """`patches` on the grid the pixels' own size gives (`height // patch`, `width // patch`), plus the bias:
+    the patch embeddings of a model that takes images of any size (DINOv2) or checks the size first (SigLIP).
+
+    ```python
+    patch_embeddings(jnp.zeros((2, 3, 18, 16)), jnp.zeros((8, 3, 4, 4)), jnp.zeros(8)).shape  # (2, 16, 8)
+    ```
+    """
+    (ph, pw), (h, w) = weight.shape[2:], pixels.shape[2:]
+    return patches(pixels, weight, (h // ph, w // pw)) + bias
+
+
 @final
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
