@@ -501,7 +501,7 @@ def _normalised(x: Float[Array, "batch projection"]) -> Float[Array, "batch proj
     return x / jnp.sqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True))
 
 
-def contrastive_loss(logits_per_image: Float[Array, "images texts"]) -> Float[Array, ""]:
+def contrastive_loss(logits_per_image: Float[ArrayLike, "images texts"]) -> Float[Array, ""]:
     """CLIP's loss (`CLIPModel(..., return_loss=True)`): the mean of the image-to-text and
     text-to-image cross entropies, image i's text being text i, in float32.
 
