@@ -180,3 +180,28 @@ def test_a_round_trip_names_the_tensors_that_differ(tmp_path):
         changed = _roundtrip(eqx.tree_at(lambda m: m.ln_f.weight, model, model.ln_f.weight + 1), ckpt, mapping)
     assert exact.exact and exact.same == len(ckpt.tensors) and exact.not_written == ()
     assert not changed.exact and changed.differing == ("transformer.ln_f.weight",) and changed.same == exact.same - 1
+
+
+def test_verify_draws_every_input_a_call_takes_without_a_default():
+    """Besides its first input, verify gives both models each input the module's call cannot do
+    without: an encoder-decoder's decoder ids, a dual model's images; Whisper's features have the
+    one length its encoder takes; a dual model's images are its vision config's size."""
+    from port.authoring._verify import also_taken, draw
+
+    class Seq2Seq:
+        def __call__(self, input_ids, decoder_input_ids, *, attention_mask=None, decoder_attention_mask=None): ...
+
+    class Dual:
+        def __call__(self, input_ids, pixel_values, attention_mask=None): ...
+
+    assert also_taken(Seq2Seq.__call__, "input_ids") == ["decoder_input_ids"]
+    assert also_taken(Dual.__call__, "input_ids") == ["pixel_values"]
+    whisper = {"num_mel_bins": 8, "max_source_positions": 16, "vocab_size": 50, "max_target_positions": 6}
+    assert draw("input_features", whisper, 2, 16).shape == (2, 8, 32)
+    ids = draw("decoder_input_ids", whisper, 2, 16)
+    assert ids.shape == (2, 6) and ids.max() < 50
+    dual = {"text_config": {"vocab_size": 30}, "vision_config": {"image_size": 12, "num_channels": 3}}
+    assert draw("pixel_values", dual, 2, 16).shape == (2, 3, 12, 12)
+    assert draw("input_ids", dual, 2, 5).shape == (2, 5)
+    with pytest.raises(port.PortError, match=r"config.json: 'num_mel_bins' must be a positive integer"):
+        draw("input_features", {"max_source_positions": 4}, 2, 16)

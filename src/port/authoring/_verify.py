@@ -178,8 +178,17 @@ def _size_pair(config: dict, key: str, default: int) -> tuple[int, int]:
     raise ConfigError(f"config.json: {key!r} must be a positive integer or a list of two to draw pixel values")
 
 
+def vision(config: dict) -> dict:
+    """The config of the vision model: config.json itself, or a dual model's `vision_config`
+    (CLIP, SigLIP) when config.json has no `image_size` of its own."""
+    tower = config.get("vision_config")
+    return tower if "image_size" not in config and isinstance(tower, dict) else config
+
+
 def pixel_shape(config: dict, batch: int) -> tuple[int, int, int, int]:
-    """The shape of `pixel_values`' images: (batch, num_channels, height, width) of `config`."""
+    """The shape of `pixel_values`' images: (batch, num_channels, height, width) of `config`
+    (or its `vision_config`)."""
+    config = vision(config)
     channels = config.get("num_channels", 3)
     if not isinstance(channels, int) or isinstance(channels, bool) or channels <= 0:
         raise ConfigError("config.json: 'num_channels' must be a positive integer to draw pixel values")
@@ -202,10 +211,64 @@ def pixel_values(config: dict, batch: int = 2, seed: int = 0) -> np.ndarray:
     return rng.standard_normal(pixel_shape(config, batch)).astype(np.float32)
 
 
-INPUTS: dict[str, Callable[[dict, int], np.ndarray]] = {"input_ids": input_ids, "pixel_values": pixel_values}
-"""The inputs verify can draw, by the name a model class gives as `input_kind` (and the reference takes)."""
-INPUT_DTYPES = {"input_ids": np.int64, "pixel_values": np.float32}
+def _positive(config: dict, key: str, what: str) -> int:
+    value = config.get(key)
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"config.json: {key!r} must be a positive integer to draw {what}")
+    return value
+
+
+def feature_shape(config: dict, batch: int) -> tuple[int, int, int]:
+    """The shape of Whisper's `input_features`: (batch, num_mel_bins, 2 * max_source_positions),
+    the only length its encoder takes."""
+    mels = _positive(config, "num_mel_bins", "input features")
+    return batch, mels, 2 * _positive(config, "max_source_positions", "input features")
+
+
+def input_features(config: dict, batch: int = 2, seed: int = 0) -> np.ndarray:
+    """Random float32 log-mel features, (batch, num_mel_bins, 2 * max_source_positions) of `config`.
+
+    ```python
+    input_features({"num_mel_bins": 8, "max_source_positions": 16}).shape   # (2, 8, 32)
+    ```
+    """
+    return np.random.default_rng(seed).standard_normal(feature_shape(config, batch)).astype(np.float32)
+
+
+def decoder_input_ids(config: dict, batch: int = 2, seq: int = 16, seed: int = 1) -> np.ndarray:
+    """Random decoder token ids of an encoder-decoder, `(batch, seq)`, within its `vocab_size`;
+    `seq` no more than its decoder's positions (`max_target_positions`, where it has them)."""
+    limit = config.get("max_target_positions")
+    seq = min(seq, limit) if type(limit) is int and limit > 0 else seq
+    return np.random.default_rng(seed).integers(0, _positive(config, "vocab_size", "decoder ids"), (batch, seq))
+
+
+INPUTS: dict[str, Callable[..., np.ndarray]] = {
+    "input_ids": input_ids,
+    "pixel_values": pixel_values,
+    "input_features": input_features,
+    "decoder_input_ids": decoder_input_ids,
+}
+"""The inputs verify can draw, by the name a model class gives as `input_kind` (and the reference
+takes), or a parameter of its call without a default (an encoder-decoder's `decoder_input_ids`,
+a dual model's `pixel_values`)."""
+INPUT_DTYPES = {"input_ids": np.int64, "pixel_values": np.float32, "input_features": np.float32,
+                "decoder_input_ids": np.int64}  # fmt: skip
 """The dtype of each of `INPUTS`."""
+TOKENS = ("input_ids", "decoder_input_ids")
+"""The `INPUTS` that are token ids (drawn `length` long)."""
+
+
+def draw(kind: str, config: dict, batch: int, length: int) -> np.ndarray:
+    """Random inputs of `kind` (one of `INPUTS`) for `config`."""
+    return INPUTS[kind](config, batch, length) if kind in TOKENS else INPUTS[kind](config, batch)
+
+
+def also_taken(call: Callable, first: str) -> list[str]:
+    """The `INPUTS` a model's call takes besides its `first` (`input_kind`): its parameters
+    without a default named as one of them (T5's `decoder_input_ids`, CLIP's `pixel_values`)."""
+    params = list(inspect.signature(call).parameters.values())[1:]  # self
+    return [p.name for p in params if p.default is inspect.Parameter.empty and p.name in INPUTS and p.name != first]
 
 
 def input_kind(model_class: type) -> str:
@@ -356,7 +419,10 @@ def verify(
     """Convert a checkpoint onto a mesh, run it and the PyTorch reference on the same inputs, compare.
 
     Needs PyTorch and `transformers`; the inputs are random token ids (`input_ids`), or
-    random images (`pixel_values`) for a model class whose `input_kind` says so.
+    random images (`pixel_values`) or log-mel features (`input_features`) for a model class
+    whose `input_kind` says so; and, given to both models, every other of those its call
+    takes without a default (an encoder-decoder's `decoder_input_ids`, a dual model's
+    `pixel_values`).
 
     **Arguments:**
 
@@ -420,13 +486,15 @@ def verify(
         _check_labels(config, available_host_bytes())
         built = mapping.model_object()
         kind = input_kind(built)
+        own = dict(mapping.model_config(config))  # a tower's own config, of a dual model's
         # A bad config, and what the flags ask of memory, are told before anything is allocated.
         if kind == "input_ids":
-            shape, named = token_shape(config, batch, length), f"batch={batch} and length={length}"
+            shape, named = token_shape(own, batch, length), f"batch={batch} and length={length}"
         else:
             if padding is not None:
                 raise PortError(f"padding={padding!r}: {mapping.model} takes {kind}, not token ids")
-            shape, named = pixel_shape(config, batch), f"batch={batch}"
+            shapes = {"pixel_values": pixel_shape, "input_features": feature_shape}
+            shape, named = shapes[kind](own, batch), f"batch={batch}"
         skel = skeleton(mapping, config)
         if not callable(skel):
             raise PortError(
@@ -435,10 +503,12 @@ def verify(
         takes = inspect.signature(type(skel).__call__).parameters
         if padding is not None and "attention_mask" not in takes:
             raise PortError(f"padding={padding!r}: {mapping.model} takes no attention_mask")
+        extras = {name: draw(name, own, batch, length) for name in also_taken(type(skel).__call__, kind)}
         given = jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(INPUT_DTYPES[kind]))  # int32 without x64
-        output = eqx.filter_eval_shape(lambda m, x: m(x), skel, given).shape
-        _check_memory(ckpt, mesh, config, shape, output, named, padding is not None, available_host_bytes())
-        inputs = input_ids(config, batch, length) if kind == "input_ids" else INPUTS[kind](config, batch)
+        abstract = {k: jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype)) for k, v in extras.items()}
+        output = eqx.filter_eval_shape(lambda m, x, e: m(x, **e), skel, given, abstract).shape
+        _check_memory(ckpt, mesh, own, shape, output, named, padding is not None, available_host_bytes())
+        inputs = draw(kind, own, batch, length)
         mask = None if padding is None else padding_mask(inputs.shape, padding)
         # A decoder numbers a padded batch's positions as transformers' `generate` does (the mask's
         # cumulative sum, less one); its reference is given the same, which its forward alone would not.
@@ -461,8 +531,10 @@ def verify(
     def call_model(model) -> np.ndarray:
         with jax.default_matmul_precision("highest"):
             if mask is None:
-                return np.asarray(eqx.filter_jit(lambda m, x: m(x))(model, inputs))
-            return np.asarray(eqx.filter_jit(lambda m, x, a: m(x, attention_mask=a))(model, inputs, mask))
+                return np.asarray(eqx.filter_jit(lambda m, x, e: m(x, **e))(model, inputs, extras))
+            return np.asarray(
+                eqx.filter_jit(lambda m, x, a, e: m(x, attention_mask=a, **e))(model, inputs, mask, extras)
+            )
 
     ours = call_model(converted)
     torch_dtype = getattr(torch, str(ours.dtype)) if str(ours.dtype) in CASTS else torch.float32
@@ -470,6 +542,7 @@ def verify(
     def run() -> np.ndarray:
         with torch.no_grad():
             given = {kind: torch.tensor(inputs)} | ({} if mask is None else {"attention_mask": torch.tensor(mask)})
+            given |= {name: torch.tensor(value) for name, value in extras.items()}
             given |= {} if positions is None else {"position_ids": torch.tensor(positions)}
             return _output(reference(**given), mapping, reference_cls, torch).float().numpy()
 
