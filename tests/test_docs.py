@@ -256,7 +256,7 @@ def check_mapping_excerpt(block: Block, path: Path) -> None:
         assert param in main.params, f"{block}: {param.key} is not {main.source}'s entry"
     for rule, axes in excerpt.rules.items():
         assert main.rules.get(rule) == axes, f"{block}: rule {rule}"
-    for name in ("model_types", "prefixes", "ignore", "tied", "reference"):
+    for name in ("model_types", "prefixes", "ignore", "tied", "reference", "config", "architectures"):
         assert getattr(excerpt, name) == getattr(main, name), f"{block}: {name}"
     for alias in excerpt.aliases.items():
         assert any(alias in m.aliases.items() for m in shipped), f"{block}: alias {alias}"
