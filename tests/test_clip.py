@@ -27,7 +27,8 @@ import port
 from port._errors import ConfigError
 from port.models.clip import CLIP, CLIPText, CLIPTextConfig, CLIPVision, CLIPVisionConfig, contrastive_loss
 
-from helpers import one_line, perturbed, run_port, transformers_or_skip
+from helpers import hooked, one_line, perturbed, run_port, transformers_or_skip
+from test_vit import READ_RECORDER
 
 TEXT = dict(
     vocab_size=100,
@@ -417,5 +418,8 @@ def test_port_convert_refuses_a_config_it_cannot_run_before_reading(twins, tmp_p
     config["vision_config"]["hidden_act"] = "mish"
     (bad / "config.json").write_text(json.dumps(config))
     (bad / "model.safetensors").symlink_to(directory / "model.safetensors")
-    out = tmp_path / "out"
-    one_line(run_port("convert", bad, "--out", out), "config.json", "'hidden_act' 'mish' is not supported", out=out)
+    out, reads = tmp_path / "out", tmp_path / "reads.json"
+    env = hooked(tmp_path / "recorder", READ_RECORDER) | {"READS_FILE": str(reads)}
+    result = run_port("convert", bad, "--out", out, env=env)
+    one_line(result, "config.json", "'hidden_act' 'mish' is not supported", out=out)
+    assert json.loads(reads.read_text()) == []  # the recorder ran, and saw no read

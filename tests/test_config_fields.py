@@ -72,12 +72,14 @@ def fields_of(path) -> ConfigFields:
     return fields
 
 
-def hf_config(model_type: str) -> tuple[Any, str | None]:
-    """The config the module reads for `model_type` (a wrapper's text config), and the wrapper's
+def hf_config(model_type: str, path=None) -> tuple[Any, str | None]:
+    """The config the module reads for `model_type` (a wrapper's text config, or the sub-config
+    the mapping at `path` names with `config`: a dual model's tower), and the wrapper's
     sub-config key for it (None if `model_type` is not a wrapper)."""
     config = transformers.AutoConfig.for_model(model_type)
-    if "text_config" in type(config).sub_configs:
-        return config.text_config, "text_config"
+    key = (load_mapping(path).config if path is not None else "") or "text_config"
+    if key in type(config).sub_configs:
+        return getattr(config, key), key
     return config, None
 
 
@@ -88,9 +90,9 @@ def defined_fields(config: Any) -> dict[str, Any]:
     return {k: v for k, v in config.to_dict().items() if k not in base and k not in subs}
 
 
-def allowed_for(fields: ConfigFields, model_type: str) -> dict[str, tuple[Any, ...]]:
+def allowed_for(fields: ConfigFields, model_type: str, path=None) -> dict[str, tuple[Any, ...]]:
     """The fixed fields for `model_type` and, for a wrapper, for its text config's type."""
-    text, _ = hf_config(model_type)
+    text, _ = hf_config(model_type, path)
     return {**fields.fixed_for(text.model_type), **fields.fixed_for(model_type)}
 
 
@@ -119,10 +121,10 @@ def shrink(values: dict[str, Any]) -> dict[str, Any]:
     return tiny
 
 
-def tiny_config(model_type: str, **text_fields: Any) -> dict[str, Any]:
+def tiny_config(model_type: str, path=None, **text_fields: Any) -> dict[str, Any]:
     """A valid tiny config.json for `model_type` from transformers' defaults; `text_fields` set on
     the config the module reads (a wrapper's `text_config`)."""
-    text, sub = hf_config(model_type)
+    text, sub = hf_config(model_type, path)
     body = {**shrink(text.to_dict()), **text_fields}
     if sub is None:
         return body
@@ -159,10 +161,10 @@ def other_value(default: Any, allowed: tuple[Any, ...]) -> Any:
 @pytest.mark.parametrize("path, model_type", CASES)
 def test_every_field_is_read_fixed_or_ignored(path, model_type):
     fields = fields_of(path)
-    allowed = allowed_for(fields, model_type)
+    allowed = allowed_for(fields, model_type, path)
     assert not set(fields.read) & set(allowed), "a field is both read and fixed"
     assert not (set(fields.read) | set(allowed)) & IGNORED, "a declared field is also IGNORED"
-    text, _ = hf_config(model_type)
+    text, _ = hf_config(model_type, path)
     undeclared = sorted(set(defined_fields(text)) - set(fields.read) - set(allowed) - IGNORED)
     assert not undeclared, f"{fields.module} declares nothing for {undeclared} ({model_type})"
 
@@ -170,11 +172,11 @@ def test_every_field_is_read_fixed_or_ignored(path, model_type):
 @pytest.mark.parametrize("path, model_type", CASES)
 def test_fixed_fields_run_at_transformers_default(path, model_type):
     fields = fields_of(path)
-    text, _ = hf_config(model_type)
+    text, _ = hf_config(model_type, path)
     defaults = defined_fields(text)
     wrong = {
         k: (defaults[k], v[0])
-        for k, v in allowed_for(fields, model_type).items()
+        for k, v in allowed_for(fields, model_type, path).items()
         if k in defaults and not same(defaults[k], v[0])
     }
     assert not wrong, f"{fields.module}: fixed fields whose first value is not transformers' default: {wrong}"
@@ -183,7 +185,7 @@ def test_fixed_fields_run_at_transformers_default(path, model_type):
 @pytest.mark.parametrize("path, model_type", CASES)
 def test_transformers_defaults_build(path, model_type):
     fields_of(path)
-    model = build(model_class(path), tiny_config(model_type))
+    model = build(model_class(path), tiny_config(model_type, path))
     assert jax.tree_util.tree_leaves(model)
 
 
@@ -192,16 +194,16 @@ def test_each_fixed_field_is_refused_at_another_value(path, model_type):
     fields = fields_of(path)
     cls = model_class(path)
     refused = []
-    for key, allowed in allowed_for(fields, model_type).items():
+    for key, allowed in allowed_for(fields, model_type, path).items():
         value = other_value(allowed[0], allowed)
         assert value is not None, f"{fields.module}: fixed {key} allows every value of its kind {allowed}: it is read"
         with pytest.raises(ConfigError) as raised:
-            build(cls, tiny_config(model_type, **{key: value}))
+            build(cls, tiny_config(model_type, path, **{key: value}))
         message = str(raised.value)
         assert "\n" not in message
         assert message.startswith(f"config.json: {key} ") and f"not supported by {fields.module} " in message
         refused.append(key)
-    assert len(refused) == len(allowed_for(fields, model_type))
+    assert len(refused) == len(allowed_for(fields, model_type, path))
 
 
 # ---------------------------------------------------------------- the command line
