@@ -69,7 +69,7 @@ from port.nn.config import MAX_LAYERS, ConfigFields, activation, check_model_typ
 MODEL_TYPES = ("dinov2", "dinov2_with_registers")
 
 
-def swiglu_size(hidden_size: int, mlp_ratio: float) -> int:
+def swiglu_size(hidden_size: int, mlp_ratio: int | float) -> int:
     """The SwiGLU feed-forward's hidden size: two thirds of `hidden_size * mlp_ratio`, rounded up to a multiple of 8.
 
     ```python
