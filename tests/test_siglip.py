@@ -30,7 +30,7 @@ import pytest
 import port
 from port._errors import ConfigError
 from port._transforms import Reshape
-from port.models.siglip import Siglip, SiglipText, SiglipVision, TextConfig, VisionConfig, sigmoid_loss
+from port.models.siglip import Siglip, SiglipVision, TextConfig, VisionConfig, sigmoid_loss
 from port.models.siglip2 import Siglip2, Siglip2Vision, resize_positions
 from port.models.siglip2 import VisionConfig as NaFlexConfig
 
