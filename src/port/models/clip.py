@@ -55,6 +55,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any, ClassVar, final
 
@@ -97,8 +98,12 @@ def tower_config(config: dict, key: str, model_type: str) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class TowerConfig:
-    """What both towers read: the sizes ViT's `Layer` takes, and the projection's size."""
+class TowerConfig(abc.ABC):
+    """What both towers read: the sizes ViT's `Layer` takes, and the projection's size.
+
+    Abstract: each tower's config (`CLIPTextConfig`, `CLIPVisionConfig`) adds its own fields
+    and reads them with `from_hf`.
+    """
 
     hidden_size: int
     intermediate_size: int
@@ -115,6 +120,11 @@ class TowerConfig:
     @property
     def qkv_bias(self) -> bool:
         return True
+
+    @classmethod
+    @abc.abstractmethod
+    def from_hf(cls, config: dict) -> TowerConfig:
+        """Build from the tower's config.json, or a dual model's."""
 
     @staticmethod
     def sizes(config: dict, defaults: dict[str, Any]) -> dict[str, Any]:

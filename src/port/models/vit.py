@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol, final, runtime_checkable
 
@@ -166,21 +167,28 @@ class ViTConfig:
 @runtime_checkable
 class LayerSizes(Protocol):
     """What `Layer` reads of a config: `ViTConfig`, and the configs of other pre-LayerNorm encoders
-    (CLIP's towers, `port.models.clip`)."""
+    (CLIP's towers, `port.models.clip`): read-only sizes (abstract: any object with these fields answers it)."""
 
     @property
+    @abstractmethod
     def hidden_size(self) -> int: ...
     @property
+    @abstractmethod
     def num_attention_heads(self) -> int: ...
     @property
+    @abstractmethod
     def head_dim(self) -> int: ...
     @property
+    @abstractmethod
     def intermediate_size(self) -> int: ...
     @property
+    @abstractmethod
     def hidden_act(self) -> str: ...
     @property
+    @abstractmethod
     def qkv_bias(self) -> bool: ...
     @property
+    @abstractmethod
     def layer_norm_eps(self) -> float: ...
 
 
