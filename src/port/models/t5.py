@@ -260,7 +260,7 @@ class Layer(eqx.Module):
         self.relative_bias = normal(kbias, table, dtype) if config.per_layer_bias else None
         self.eps = config.eps
 
-    def cross_kv(self, encoded: Float[Array, "batch src embed"]) -> tuple[Array, Array]:
+    def cross_kv(self, encoded: Float[Array, "batch source embed"]) -> tuple[Array, Array]:
         """The cross-attention keys and values of the encoder's output, `[batch, src, heads, d_kv]` each."""
         assert self.cross is not None, "an encoder layer has no cross-attention"
         k = jnp.einsum("bse,hde->bshd", encoded, self.cross.wk)
@@ -275,7 +275,7 @@ class Layer(eqx.Module):
         kv: Any = None,
         index: Any = None,
         cross: tuple[Array, Array] | None = None,
-        cross_mask: Bool[Array, "batch seq src"] | None = None,
+        cross_mask: Bool[Array, "batch seq source"] | None = None,
     ) -> tuple[Float[Array, "batch seq embed"], Any]:
         y, kv = self.attn(rms_norm(x, self.attn_norm, self.eps), mask, kv=kv, index=index, bias=bias.astype(x.dtype))
         x = x + y
@@ -308,7 +308,7 @@ class Stack(eqx.Module):
         self.final_norm = jnp.ones((config.d_model,), dtype)
         self.config, self.decoder = config, decoder
 
-    def cross_kv(self, encoded: Float[Array, "batch src embed"]) -> tuple[Array, Array]:
+    def cross_kv(self, encoded: Float[Array, "batch source embed"]) -> tuple[Array, Array]:
         """Every decoder layer's cross-attention keys and values, `[layers, batch, src, heads, d_kv]` each."""
         _, kv = scan(lambda layer, carry: (carry, layer.cross_kv(encoded)), None, self.layers)
         return kv
@@ -323,7 +323,7 @@ class Stack(eqx.Module):
         kv: Any = None,
         index: Any = None,
         cross: Any = None,
-        cross_mask: Bool[Array, "batch seq src"] | None = None,
+        cross_mask: Bool[Array, "batch seq source"] | None = None,
         remat: Any = None,
     ) -> tuple[Float[Array, "batch seq embed"], Any]:
         c = self.config
@@ -366,7 +366,6 @@ _COMMON = (
     "dense_act_fn",
     "is_gated_act",
     "dropout_rate",  # training only: port runs without dropout
-    "decoder_start_token_id",
     "is_encoder_decoder",  # which module runs is the mapping's choice, not this field's
     "tie_word_embeddings",  # the head: `lm_head.weight` when the checkpoint has one, else `shared`
     "scale_decoder_outputs",
@@ -490,7 +489,7 @@ class T5(eqx.Module):
 
     def encode(
         self, input_ids: ArrayLike, *, attention_mask: Any = None, dtype: Any = None, remat: Any = None
-    ) -> Float[Array, "*batch src embed"]:
+    ) -> Float[Array, "*batch seq embed"]:
         """The encoder's last hidden state, as `T5Encoder.__call__` gives it.
 
         ```python
@@ -510,7 +509,7 @@ class T5(eqx.Module):
         decoder_attention_mask: Any = None,
         dtype: Any = None,
         remat: Any = None,
-    ) -> Float[Array, "*batch tgt vocab"]:
+    ) -> Float[Array, "*batch seq vocab"]:
         """The logits `[batch, tgt, vocab]` of `decoder_input_ids` given `input_ids`.
 
         **Arguments:**
@@ -554,7 +553,7 @@ class T5(eqx.Module):
         self,
         batch: int,
         length: int,
-        encoded: Float[ArrayLike, "batch src embed"],
+        encoded: Float[ArrayLike, "batch source embed"],
         *,
         attention_mask: Any = None,
         dtype: Any = None,

@@ -95,6 +95,7 @@ SHAPES: dict[str, str] = {
     "batch": "sequences in a batch",
     "seq": "positions of this call's tokens",
     "keys": "positions attended to: the sequence's, or the cache's slots",
+    "source": "an encoder's positions, which a decoder's cross-attention attends to (T5)",
     "length": "a key/value cache's slots",
     "total": "a generated sequence: the prompt and the new tokens",
     "tokens": "batch x seq tokens, flattened (routing)",
