@@ -32,22 +32,22 @@ Example:
               "num_attention_heads": 12, "image_size": 224, "patch_size": 32}
     ids = jnp.array([[49406, 320, 1125, 49407, 0], [49406, 320, 49407, 0, 0]])
     mask = (jnp.arange(5) < jnp.array([[4], [3]])).astype(jnp.int32)   # right padding
-    pixels = jnp.zeros((3, 3, 224, 224))                                  # (images, channels, h, w)
+    pixels = jnp.zeros((2, 3, 224, 224))                                  # (images, channels, h, w)
 
     tower = CLIPText.from_config(text, key=jax.random.key(0))
     hidden = eqx.filter_jit(tower)(ids, attention_mask=mask)   # (2, 5, 512)
     pooled = tower.pooled(hidden, ids)                          # (2, 512): at the end-of-text token
 
     tower = CLIPVision.from_config(vision, key=jax.random.key(0))
-    hidden = tower(pixels)                                      # (3, 50, 768): class token + 7 x 7
-    pooled = tower.pooled(hidden)                               # (3, 768): post_layernorm(class)
+    hidden = tower(pixels)                                      # (2, 50, 768): class token + 7 x 7
+    pooled = tower.pooled(hidden)                               # (2, 768): post_layernorm(class)
 
     config = {"model_type": "clip", "projection_dim": 512, "text_config": text, "vision_config": vision}
     model = CLIP.from_config(config, key=jax.random.key(0))
-    logits = model(ids, pixels, attention_mask=mask)            # logits_per_image, (3, 2)
-    loss = contrastive_loss(logits)                             # transformers' return_loss
+    logits = model(ids, pixels, attention_mask=mask)            # logits_per_image, (2 images, 2 texts)
+    loss = contrastive_loss(logits)                             # transformers' return_loss (image i, text i)
     text_embeds = model.text_features(ids, attention_mask=mask) # (2, 512), not normalised
-    image_embeds = model.image_features(pixels)                 # (3, 512), not normalised
+    image_embeds = model.image_features(pixels)                 # (2, 512), not normalised
     # bfloat16 compute on float32 parameters, each layer recomputed in the backward pass:
     logits = model(ids, pixels, attention_mask=mask, dtype=jnp.bfloat16, remat=True)
     ```
