@@ -62,7 +62,7 @@ CASES = {
     ),
     "bare": ("WhisperModel", {}),  # keys without `model.`; the logits are its states times the embeddings
 }
-PARITY = [("tied", "1x1"), ("tied", "4x2"), ("untied", "4x2"), ("bare", "1x1")]
+PARITY = [("tied", "1x1"), ("untied", "4x2"), ("bare", "1x1")]
 
 
 def inputs():
@@ -176,9 +176,9 @@ def test_bfloat16_compute_within_transformers_own_error(twins, loaded):
     1.5 times what transformers' own bfloat16 model is."""
     import torch
 
-    model, _ = twins("tied")
+    model, _ = twins("untied")
     features, ids, mask = inputs()
-    half = run(loaded("tied", "4x2"), features, ids, mask, jnp.bfloat16)
+    half = run(loaded("untied", "4x2"), features, ids, mask, jnp.bfloat16)
     assert half.dtype == jnp.bfloat16
     full = torch_logits(model, features, ids, mask)
     theirs = torch_logits(copy.deepcopy(model).to(torch.bfloat16), features, ids, mask)
@@ -186,20 +186,19 @@ def test_bfloat16_compute_within_transformers_own_error(twins, loaded):
     assert np.abs(ours - full).max() <= 1.5 * np.abs(theirs - full).max()
 
 
-@pytest.mark.parametrize("case", ["tied", "untied"])
-def test_gradients_match_pytorch(twins, case, tmp_path):
+def test_gradients_match_pytorch(twins, loaded, tmp_path):
     """jax.grad of port.nn.seq2seq_loss equals PyTorch's backward of `labels=`'s loss for every
     parameter, by checkpoint name (through port.export); the encoder's sinusoidal positions are
     frozen in both (transformers: requires_grad False; port: a zero gradient)."""
     import torch
 
-    model, directory = twins(case)
+    model, directory = twins("tied")
     features, ids, _ = inputs()
     labels = np.concatenate([ids[:, 1:], np.array([[EOS], [-100]])], axis=1)
     model.zero_grad()
     out = model(torch.from_numpy(features), decoder_input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels))
     out.loss.backward()
-    ours = port.load(directory, mesh=port.make_mesh("1x1"))
+    ours = loaded("tied", "1x1")
     loss = lambda m: seq2seq_loss(m(features, ids), labels)  # noqa: E731
     value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(ours)
     assert float(value) == pytest.approx(out.loss.item(), rel=1e-5)
@@ -227,7 +226,7 @@ def test_greedy_generation_equals_transformers(twins, loaded):
     import torch
     from transformers import GenerationConfig, GenerationMixin
 
-    model, _ = twins("tied")
+    model, _ = twins("untied")
     features, ids, _ = inputs()
     prompt = ids[:, :4]
     settings = GenerationConfig(
@@ -238,7 +237,12 @@ def test_greedy_generation_equals_transformers(twins, loaded):
             model, torch.from_numpy(features), decoder_input_ids=torch.from_numpy(prompt), generation_config=settings
         ).numpy()
     ours = generate(
-        loaded("tied", "4x2"), features, max_new_tokens=32, decoder_input_ids=prompt, eos_token_id=EOS, pad_token_id=PAD
+        loaded("untied", "4x2"),
+        features,
+        max_new_tokens=32,
+        decoder_input_ids=prompt,
+        eos_token_id=EOS,
+        pad_token_id=PAD,
     )
     assert theirs.shape == (2, 36)
     np.testing.assert_array_equal(np.asarray(ours), theirs)
@@ -248,15 +252,15 @@ def test_greedy_generation_equals_transformers(twins, loaded):
 # ---------------------------------------------------------------- port export and port verify
 
 
-@pytest.mark.parametrize("case", ["tied", "untied"])
-def test_export_round_trip(twins, loaded, case, tmp_path):
+@pytest.mark.parametrize("case, mesh", [("tied", "1x1"), ("untied", "4x2")])
+def test_export_round_trip(twins, loaded, case, mesh, tmp_path):
     """port.load on 4x2 -> port.export -> from_pretrained: the source's tensors bit for bit, no
     key missing, unexpected or mismatched; config.json names WhisperForConditionalGeneration."""
     import torch
 
     transformers = transformers_or_skip()
     model, directory = twins(case)
-    out = port.export(loaded(case, "4x2"), tmp_path / "hf", directory)
+    out = port.export(loaded(case, mesh), tmp_path / "hf", directory)
     source, exported = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert exported.keys() == source.keys()
     assert ("proj_out.weight" in source) == (case == "untied")
@@ -316,8 +320,8 @@ def test_bad_features_are_one_line(zeros_model, shape, dtype, error, match):
         (lambda m, f: m(f, jnp.zeros((3, 2), jnp.int32)), "`input_features` has a batch of 2, but"),
         (lambda m, f: m(f, jnp.zeros((2, 49), jnp.int32)), "sequence length 49 exceeds max_target_positions"),
         (lambda m, f: m.encode(f, attention_mask=jnp.ones((2, 32))), "Whisper's encoder takes no mask"),
-        (lambda m, f: m.init_cache(2, 49, m.encode(f)), "`length` 49 exceeds max_target_positions \\(48\\)"),
-        (lambda m, f: m.init_cache(3, 8, m.encode(f)), "`encoded` must have shape"),
+        (lambda m, f: m.init_cache(2, 49, jnp.zeros((2, 16, 32))), "`length` 49 exceeds max_target_positions \\(48\\)"),
+        (lambda m, f: m.init_cache(3, 8, jnp.zeros((2, 16, 32))), "`encoded` must have shape"),
     ],
 )
 def test_bad_calls_are_one_line(zeros_model, call, match):

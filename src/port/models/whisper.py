@@ -366,22 +366,23 @@ class Whisper(eqx.Module):
         logits = model(jnp.zeros((2, 80, 3000)), jnp.zeros((2, 4), jnp.int32))   # (2, 4, vocab)
         ```
         """
-        encoded = self.encode(input_features, dtype=dtype, remat=remat)
+        batched = check_features(input_features, self.config)
         tokens = prepare(
             decoder_input_ids,
             attention_mask=decoder_attention_mask,
             limit=("max_target_positions", self.config.max_target_positions),
         )
-        if tokens.batched != (encoded.ndim == 3):
+        if tokens.batched != batched:
             raise ValueError(
                 "`input_features` and `decoder_input_ids` must both have a batch axis or both have none, "
                 f"got shapes {tuple(jnp.shape(input_features))} and {tuple(jnp.shape(decoder_input_ids))}"
             )
-        (encoded,) = batch_first(tokens.batched, encoded)
-        if encoded.shape[0] != tokens.ids.shape[0]:
+        batch = jnp.shape(input_features)[0] if batched else 1
+        if batch != tokens.ids.shape[0]:
             raise ValueError(
-                f"`input_features` has a batch of {encoded.shape[0]}, but `decoder_input_ids` has {tokens.ids.shape[0]}"
+                f"`input_features` has a batch of {batch}, but `decoder_input_ids` has {tokens.ids.shape[0]}"
             )
+        (encoded,) = batch_first(batched, self.encode(input_features, dtype=dtype, remat=remat))
         model = cast(self, dtype)
 
         def layer(block: DecoderLayer, x: Array) -> tuple[Array, None]:
