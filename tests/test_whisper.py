@@ -14,6 +14,8 @@ and decoder ids through the command line; bad features and configs are one line.
 
 import copy
 import json
+import math
+import re
 import shutil
 
 import equinox as eqx
@@ -28,7 +30,7 @@ from port._errors import ConfigError
 from port.models.whisper import Whisper, WhisperConfig
 from port.nn import generate, seq2seq_loss
 
-from helpers import one_line, perturbed, run_port, transformers_or_skip
+from helpers import one_line, perturbed, run_port, transformers_or_skip, write_sparse_checkpoint
 
 VOCAB = 100
 START, LANGUAGE, TASK, NO_TIMESTAMPS, EOS, PAD = 98, 90, 91, 92, 99, 97
@@ -187,8 +189,8 @@ def test_bfloat16_compute_within_transformers_own_error(twins, loaded):
 
 
 def test_gradients_match_pytorch(twins, loaded, tmp_path):
-    """jax.grad of port.nn.seq2seq_loss equals PyTorch's backward of `labels=`'s loss for every
-    parameter, by checkpoint name (through port.export); the encoder's sinusoidal positions are
+    """jax.grad of port.nn.seq2seq_loss (each layer rematerialised) equals PyTorch's backward of
+    `labels=`'s loss for every parameter, by checkpoint name (through port.export); the encoder's sinusoidal positions are
     frozen in both (transformers: requires_grad False; port: a zero gradient)."""
     import torch
 
@@ -199,7 +201,7 @@ def test_gradients_match_pytorch(twins, loaded, tmp_path):
     out = model(torch.from_numpy(features), decoder_input_ids=torch.from_numpy(ids), labels=torch.from_numpy(labels))
     out.loss.backward()
     ours = loaded("tied", "1x1")
-    loss = lambda m: seq2seq_loss(m(features, ids), labels)  # noqa: E731
+    loss = lambda m: seq2seq_loss(m(features, ids, remat=True), labels)  # noqa: E731
     value, grads = eqx.filter_jit(eqx.filter_value_and_grad(loss))(ours)
     assert float(value) == pytest.approx(out.loss.item(), rel=1e-5)
     assert not np.asarray(grads.encoder_positions).any()
@@ -372,3 +374,101 @@ def test_convert_refuses_a_bad_config_in_one_line(twins, tmp_path, change, words
     (bad / "config.json").write_text(json.dumps({**config, **change}))
     out = tmp_path / "out"
     one_line(run_port("convert", bad, "--out", out), *words, out=out)
+
+
+# ---------------------------------------------------------------- full size: Whisper large-v3, planned
+
+
+WHISPER_LARGE_V3 = {  # openai/whisper-large-v3 config.json (the fields a load reads, and its sizes)
+    "architectures": ["WhisperForConditionalGeneration"],
+    "activation_function": "gelu",
+    "apply_spec_augment": False,
+    "begin_suppress_tokens": [220, 50257],
+    "bos_token_id": 50257,
+    "d_model": 1280,
+    "decoder_attention_heads": 20,
+    "decoder_ffn_dim": 5120,
+    "decoder_layers": 32,
+    "decoder_start_token_id": 50258,
+    "encoder_attention_heads": 20,
+    "encoder_ffn_dim": 5120,
+    "encoder_layers": 32,
+    "eos_token_id": 50257,
+    "is_encoder_decoder": True,
+    "mask_time_prob": 0.05,
+    "max_length": 448,
+    "max_source_positions": 1500,
+    "max_target_positions": 448,
+    "model_type": "whisper",
+    "num_hidden_layers": 32,
+    "num_mel_bins": 128,
+    "pad_token_id": 50256,
+    "scale_embedding": False,
+    "torch_dtype": "float16",
+    "vocab_size": 51866,
+}
+
+
+def whisper_shapes(config: dict) -> dict[str, list[int]]:
+    """Every tensor of a WhisperForConditionalGeneration of `config`'s sizes (tied: no proj_out)."""
+    E, V, M = config["d_model"], config["vocab_size"], config["num_mel_bins"]
+    shapes = {
+        "model.encoder.conv1.weight": [E, M, 3],
+        "model.encoder.conv1.bias": [E],
+        "model.encoder.conv2.weight": [E, E, 3],
+        "model.encoder.conv2.bias": [E],
+        "model.encoder.embed_positions.weight": [config["max_source_positions"], E],
+        "model.encoder.layer_norm.weight": [E],
+        "model.encoder.layer_norm.bias": [E],
+        "model.decoder.embed_tokens.weight": [V, E],
+        "model.decoder.embed_positions.weight": [config["max_target_positions"], E],
+        "model.decoder.layer_norm.weight": [E],
+        "model.decoder.layer_norm.bias": [E],
+    }
+    for side, attentions in (("encoder", ("self_attn",)), ("decoder", ("self_attn", "encoder_attn"))):
+        ffn = config[f"{side}_ffn_dim"]
+        for layer in range(config[f"{side}_layers"]):
+            prefix = f"model.{side}.layers.{layer}."
+            for attn in attentions:
+                for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+                    shapes[f"{prefix}{attn}.{proj}.weight"] = [E, E]
+                    if proj != "k_proj":
+                        shapes[f"{prefix}{attn}.{proj}.bias"] = [E]
+            for norm in (*(f"{a}_layer_norm" for a in attentions), "final_layer_norm"):
+                shapes[f"{prefix}{norm}.weight"] = shapes[f"{prefix}{norm}.bias"] = [E]
+            shapes.update({f"{prefix}fc1.weight": [ffn, E], f"{prefix}fc1.bias": [ffn]})
+            shapes.update({f"{prefix}fc2.weight": [E, ffn], f"{prefix}fc2.bias": [E]})
+    return shapes
+
+
+@pytest.mark.slow
+def test_plan_full_size_whisper_large_v3(tmp_path):
+    """`port plan --mesh 4x2` on Whisper large-v3's real sizes (float16): exit 0, every tensor
+    planned (1.54B parameters), the bytes per device the rules give, the convolutions and attention
+    sharded as they say."""
+    shapes = whisper_shapes(WHISPER_LARGE_V3)
+    write_sparse_checkpoint(tmp_path / "large-v3", WHISPER_LARGE_V3, shapes, dtype="F16")
+    result = run_port("plan", tmp_path / "large-v3", "--mesh", "4x2")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "Traceback" not in output
+    params = sum(math.prod(shape) for shape in shapes.values())
+    assert 1.54e9 < params < 1.55e9  # Whisper large-v3's published size
+    summary = output.strip().splitlines()[-1]
+    found = re.fullmatch(r"([\d.]+)B params in 50 leaves; ([\d.]+) GB to read, ([\d.]+) MB per device", summary)
+    assert found, summary
+    assert float(found[1]) == round(params / 1e9, 2) and float(found[2]) == round(2 * params / 1e9, 1)
+
+    def share(key, shape):  # of a tensor on each of the 8 devices: embed on data (4), heads, mlp, vocab on model (2)
+        if key.endswith("conv2.bias"):
+            return 1  # embed_out: replicated
+        if key.endswith(("q_proj.bias", "v_proj.bias", "fc1.bias")):
+            return 1 / 2
+        if len(shape) == 2 and not key.endswith("embed_positions.weight"):
+            return 1 / 8
+        return 1 / 4
+
+    per_device = sum(2 * math.prod(shape) * share(key, shape) for key, shape in shapes.items())
+    assert float(found[3]) == round(per_device / 1e6, 1)
+    assert re.search(r"decoder_layers\.cross\.wq\s+f16\[32,20,64,1280\]\s+\(-, model, -, data\)", output), output
+    assert re.search(r"conv1_weight\s+f16\[1280,128,3\]\s+\(data, -, -\)", output), output
