@@ -22,13 +22,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_vit import READ_RECORDER
 
 import port
 from port._errors import ConfigError
-from port.models.clip import CLIP, CLIPText, CLIPTextConfig, CLIPVision, CLIPVisionConfig, contrastive_loss
+from port.models.clip import (
+    CLIP,
+    CLIPText,
+    CLIPTextConfig,
+    CLIPTextWithProjection,
+    CLIPVision,
+    CLIPVisionConfig,
+    CLIPVisionWithProjection,
+    contrastive_loss,
+)
 
 from helpers import hooked, one_line, perturbed, run_port, transformers_or_skip
-from test_vit import READ_RECORDER
 
 TEXT = dict(
     vocab_size=100,
@@ -68,6 +77,8 @@ CASES = {
     "text": ("CLIPTextModel", TEXT),
     "text-legacy-eos": ("CLIPTextModel", {**TEXT, "eos_token_id": 2, "hidden_act": "gelu"}),
     "vision": ("CLIPVisionModel", VISION),
+    "text-projection": ("CLIPTextModelWithProjection", TEXT),
+    "vision-projection": ("CLIPVisionModelWithProjection", VISION),
     "dual": ("CLIPModel", dict(text_config=TEXT, vision_config=VISION, projection_dim=24)),
 }
 
@@ -78,7 +89,7 @@ def torch_clip(name: str):
     import torch
 
     class_name, arguments = CASES[name]
-    config_class = {"CLIPModel": "CLIPConfig"}.get(class_name, class_name.replace("Model", "Config"))
+    config_class = {"CLIPModel": "CLIPConfig"}.get(class_name, class_name.split("Model")[0] + "Config")
     config = getattr(transformers, config_class)(**arguments, initializer_factor=4.0)
     config._attn_implementation = "eager"
     for sub in ("text_config", "vision_config"):
@@ -205,6 +216,27 @@ def test_dual_model_matches_transformers(twins, loaded, mesh):
     assert largest_error(outputs, theirs) <= 1e-4
 
 
+@pytest.mark.parametrize("name, mesh", [("text-projection", "4x2"), ("vision-projection", "1x1")])
+def test_a_tower_with_its_projection_matches_transformers(twins, loaded, name, mesh):
+    """A `CLIP*ModelWithProjection` checkpoint gets the projection's mapping by its architectures,
+    and returns transformers' text_embeds / image_embeds."""
+    import torch
+
+    model, directory = twins(name)
+    ours = loaded(directory, mesh)
+    text = name.startswith("text")
+    assert type(ours) is (CLIPTextWithProjection if text else CLIPVisionWithProjection)
+    with torch.no_grad():
+        if text:
+            theirs = model(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK)).text_embeds
+            embeds = eqx.filter_jit(lambda m: m(IDS, MASK))(ours)
+        else:
+            theirs = model(pixel_values=torch.tensor(PIXELS)).image_embeds
+            embeds = eqx.filter_jit(lambda m: m(PIXELS))(ours)
+    assert embeds.shape == (3, 24)
+    assert np.abs(np.asarray(embeds) - theirs.numpy()).max() <= 1e-4
+
+
 def test_bfloat16_compute_within_transformers_own_error(twins, loaded):
     """dtype=bfloat16 on float32 parameters: the logits and features off transformers' float32
     ones by no more than 1.5 times what transformers' own bfloat16 model is."""
@@ -264,16 +296,23 @@ def test_contrastive_loss_is_transformers():
 # ---------------------------------------------------------------- a tower of the dual checkpoint
 
 
-@pytest.mark.parametrize("tower, cls", [("clip_vision", CLIPVision), ("clip_text", CLIPText)])
-def test_a_tower_loads_from_the_dual_checkpoint(twins, loaded, tower, cls):
-    """mapping="clip_vision" / "clip_text": the dual model's tower, leaf for leaf, built from its
-    sub-config; the other tower, the projections and the logit scale are ignored."""
+TOWERS = {  # a tower's mapping: its class, and what of the dual model it holds
+    "clip_vision": (CLIPVision, lambda dual: dual.vision),
+    "clip_text": (CLIPText, lambda dual: dual.text),
+    "clip_vision_projection": (CLIPVisionWithProjection, lambda dual: (dual.vision, dual.visual_projection)),
+    "clip_text_projection": (CLIPTextWithProjection, lambda dual: (dual.text, dual.text_projection)),
+}
+
+
+@pytest.mark.parametrize("tower", TOWERS)
+def test_a_tower_loads_from_the_dual_checkpoint(twins, loaded, tower):
+    """mapping="clip_vision" / "clip_text" (or their `_projection`s): the dual model's tower
+    (and projection), leaf for leaf, built from its sub-config; the rest is ignored."""
     _, directory = twins("dual")
+    cls, part = TOWERS[tower]
     alone = loaded(directory, "4x2", tower)
-    dual = loaded(directory, "4x2")
+    within = part(loaded(directory, "4x2"))
     assert type(alone) is cls
-    within = dual.vision if cls is CLIPVision else dual.text
-    assert alone.config == within.config
     for ours, theirs in zip(jax.tree.leaves(alone), jax.tree.leaves(within), strict=True):
         assert np.array_equal(np.asarray(ours), np.asarray(theirs))
     with port.open_checkpoint(directory) as ckpt:
@@ -281,32 +320,42 @@ def test_a_tower_loads_from_the_dual_checkpoint(twins, loaded, tower, cls):
         recipe = port.plan(
             port.skeleton(mapping, ckpt.config), mapping, ckpt.tensors, ckpt.config, {"data": 4, "model": 2}
         )
-    other = "text_model." if cls is CLIPVision else "vision_model."
-    assert {"logit_scale", "text_projection.weight", "visual_projection.weight"} <= set(recipe.ignored)
+    vision = "vision" in tower
+    held = {"visual_projection.weight" if vision else "text_projection.weight"} if "projection" in tower else set()
+    other = "text_model." if vision else "vision_model."
+    assert {"logit_scale", "text_projection.weight", "visual_projection.weight"} - held == set(recipe.ignored) - {
+        k for k in ckpt.tensors if k.startswith(other)
+    }
     assert all(k in recipe.ignored for k in ckpt.tensors if k.startswith(other))
 
 
-def test_the_vision_tower_of_the_dual_checkpoint_exports_as_clip_vision_model(twins, loaded, tmp_path):
-    """`port export` of the tower writes a `CLIPVisionModel` checkpoint: config.json its
-    vision_config with model_type clip_vision_model and architectures ["CLIPVisionModel"],
-    which transformers loads with no key missing or unexpected, equal to the dual model's tower."""
+@pytest.mark.parametrize(
+    "tower, arch", [("clip_vision", "CLIPVisionModel"), ("clip_text_projection", "CLIPTextModelWithProjection")]
+)
+def test_a_tower_of_the_dual_checkpoint_exports_as_its_class(twins, loaded, tower, arch, tmp_path):
+    """`port export` of a tower writes its class's checkpoint: config.json the tower's sub-config
+    with its model_type and architectures [the class], which transformers loads with no key
+    missing or unexpected, every tensor the dual model's."""
     import torch
 
     transformers = transformers_or_skip()
     model, directory = twins("dual")
-    out = port.export(loaded(directory, "4x2", "clip_vision"), tmp_path / "vision", directory, mapping="clip_vision")
+    out = port.export(loaded(directory, "4x2", tower), tmp_path / tower, directory, mapping=tower)
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "clip_vision_model" and config["architectures"] == ["CLIPVisionModel"]
-    assert config["hidden_size"] == 48 and "text_config" not in config
-    exported, info = transformers.CLIPVisionModel.from_pretrained(out, output_loading_info=True)
+    vision = "vision" in tower
+    assert config["model_type"] == ("clip_vision_model" if vision else "clip_text_model")
+    assert config["architectures"] == [arch]
+    assert config["hidden_size"] == (48 if vision else 32) and "text_config" not in config
+    exported, info = getattr(transformers, arch).from_pretrained(out, output_loading_info=True)
     for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         assert not info[what], f"{what}: {info[what]}"
-    theirs = model.vision_model.state_dict()
-    assert exported.state_dict().keys() == theirs.keys()
-    assert all(torch.equal(exported.state_dict()[k], theirs[k]) for k in theirs)
+    dual = model.state_dict()
+    theirs = exported.state_dict()
+    prefix = "vision_model." if vision else ""  # CLIPVisionModel's keys are its vision_model's
+    assert theirs and all(torch.equal(tensor, dual[prefix + key]) for key, tensor in theirs.items())
 
 
-@pytest.mark.parametrize("name", ["text", "vision", "dual"])
+@pytest.mark.parametrize("name", ["text", "vision", "dual", "text-projection", "vision-projection"])
 def test_export_round_trip(twins, loaded, name, tmp_path):
     """port.load on 4x2 -> port.export: the same tensors, bit for bit, under the same names, that
     the checkpoint's own class loads with no key missing or unexpected."""

@@ -17,7 +17,11 @@ every image against every text by the normalised embeddings' cosine times
 A tower loads from its own checkpoint (`CLIPTextModel`, `CLIPVisionModel`) or from a dual
 model's (`mapping="clip_text"` / `"clip_vision"`: config.json's `text_config` /
 `vision_config`, the other tower and the projections ignored; `port export` then writes
-the tower's class). The layers are stored *stacked*, run with `port.nn.scan`.
+the tower's class). `CLIPTextWithProjection` / `CLIPVisionWithProjection` are a tower and
+its projection (`CLIPTextModelWithProjection` / `CLIPVisionModelWithProjection`, chosen by
+config.json's `architectures`; from a dual model's checkpoint, `mapping="clip_text_projection"`
+/ `"clip_vision_projection"`); they return the projected pooled output. The layers are
+stored *stacked*, run with `port.nn.scan`.
 
 Example:
     ```python
@@ -382,6 +386,99 @@ class CLIPVision(eqx.Module):
                 f"`hidden` must have shape (batch, seq, embd) or (seq, embd), got {tuple(jnp.shape(hidden))}"
             )
         return cast(self.post_norm, jnp.result_type(hidden))(hidden[..., 0, :])
+
+
+@final
+class CLIPTextWithProjection(eqx.Module):
+    """`CLIPTextModelWithProjection`: the text tower and its `text_projection`; `__call__` returns
+    `text_embeds`, the projected pooled output (`tower` gives the hidden states).
+
+    Loaded from a `CLIPTextModelWithProjection` checkpoint (chosen by its `architectures`), or
+    from a dual model's with `mapping="clip_text_projection"`; exported as that class.
+    """
+
+    FIELDS: ClassVar[ConfigFields] = dataclasses.replace(
+        CLIPText.FIELDS, module="port.models.clip.CLIPTextWithProjection"
+    )
+
+    tower: CLIPText
+    projection: Float[Array, "projection embed"]
+    config: CLIPTextConfig = eqx.field(static=True)  # the tower's: what the mapping's reshapes name
+
+    def __init__(self, config: CLIPTextConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
+        ktower, kproj = jax.random.split(key)
+        self.tower = CLIPText(config, key=ktower, dtype=dtype)
+        self.projection = normal(kproj, (config.projection_dim, config.hidden_size), dtype)
+        self.config = config
+
+    @classmethod
+    def from_config(cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32) -> CLIPTextWithProjection:
+        """Randomly initialise from a `CLIPTextModelWithProjection` config.json, or a `CLIPModel`'s."""
+        return cls(CLIPTextConfig.from_hf(config), key=key, dtype=dtype)
+
+    def __call__(
+        self,
+        input_ids: ArrayLike,  # integer (batch, seq) or (seq,); checked by the tower
+        attention_mask: Any = None,
+        *,
+        position_ids: ArrayLike | None = None,
+        dtype: Any = None,
+        remat: Any = None,
+    ) -> Float[Array, "*batch projection"]:
+        """`text_embeds`, `(batch, projection_dim)`: the tower's pooled output projected (not normalised).
+
+        The arguments are the tower's (`CLIPText.__call__`).
+
+        ```python
+        embeds = model(ids, attention_mask=mask)   # (batch, projection_dim)
+        ```
+        """
+        hidden = self.tower(input_ids, attention_mask, position_ids=position_ids, dtype=dtype, remat=remat)
+        return self.tower.pooled(hidden, input_ids) @ cast(self.projection, dtype).T
+
+
+@final
+class CLIPVisionWithProjection(eqx.Module):
+    """`CLIPVisionModelWithProjection`: the vision tower and its `visual_projection`; `__call__`
+    returns `image_embeds`, the projected pooled output (`tower` gives the hidden states).
+
+    Loaded from a `CLIPVisionModelWithProjection` checkpoint (chosen by its `architectures`),
+    or from a dual model's with `mapping="clip_vision_projection"`; exported as that class.
+    """
+
+    input_kind: ClassVar[str] = "pixel_values"  # what `port verify` feeds it
+    FIELDS: ClassVar[ConfigFields] = dataclasses.replace(
+        CLIPVision.FIELDS, module="port.models.clip.CLIPVisionWithProjection"
+    )
+
+    tower: CLIPVision
+    projection: Float[Array, "projection embed"]
+    config: CLIPVisionConfig = eqx.field(static=True)  # the tower's: what the mapping's reshapes name
+
+    def __init__(self, config: CLIPVisionConfig, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
+        ktower, kproj = jax.random.split(key)
+        self.tower = CLIPVision(config, key=ktower, dtype=dtype)
+        self.projection = normal(kproj, (config.projection_dim, config.hidden_size), dtype)
+        self.config = config
+
+    @classmethod
+    def from_config(cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32) -> CLIPVisionWithProjection:
+        """Randomly initialise from a `CLIPVisionModelWithProjection` config.json, or a `CLIPModel`'s."""
+        return cls(CLIPVisionConfig.from_hf(config), key=key, dtype=dtype)
+
+    def __call__(
+        self, pixel_values: ArrayLike, *, dtype: Any = None, remat: Any = None
+    ) -> Float[Array, "*batch projection"]:
+        """`image_embeds`, `(batch, projection_dim)`: the tower's pooled output projected (not normalised).
+
+        The arguments are the tower's (`CLIPVision.__call__`).
+
+        ```python
+        embeds = model(pixels)   # (batch, projection_dim)
+        ```
+        """
+        pooled = self.tower.pooled(self.tower(pixel_values, dtype=dtype, remat=remat))
+        return pooled @ cast(self.projection, dtype).T
 
 
 @final
