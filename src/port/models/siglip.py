@@ -470,7 +470,11 @@ class Siglip(eqx.Module):
     `get_image_features` (the towers' pooled outputs, not normalised).
     """
 
-    FIELDS: ClassVar[ConfigFields] = ConfigFields("port.models.siglip.Siglip", read=("text_config", "vision_config"))
+    FIELDS: ClassVar[ConfigFields] = ConfigFields(
+        # its towers' fields, read from text_config (checked against these) and vision_config
+        "port.models.siglip.Siglip",
+        read=SiglipText.FIELDS.read,
+    )
 
     text: SiglipText
     vision: SiglipVision

@@ -283,7 +283,11 @@ class Siglip2(eqx.Module):
     `port.models.siglip.sigmoid_loss`.
     """
 
-    FIELDS: ClassVar[ConfigFields] = ConfigFields("port.models.siglip2.Siglip2", read=("text_config", "vision_config"))
+    FIELDS: ClassVar[ConfigFields] = ConfigFields(
+        # its towers' fields, read from text_config (checked against these) and vision_config
+        "port.models.siglip2.Siglip2",
+        read=SiglipText.FIELDS.read,
+    )
 
     text: SiglipText
     vision: Siglip2Vision
