@@ -289,6 +289,17 @@ def test_verify_draws_features_and_decoder_ids(twins):
     assert float(output.split("max abs difference ")[1].split()[0]) <= 1e-4
 
 
+def test_verify_in_bfloat16_and_round_trip(twins):
+    """port verify in bfloat16 (the reference's features cast to its dtype, as its convolution needs)
+    within its tolerance; --roundtrip's export bit for bit."""
+    _, directory = twins("tied")
+    result = port.verify(directory, "1x1", dtype="bfloat16")
+    assert result.dtype == "bfloat16" and result.reference_error is not None and result.reference_error > 0
+    assert result.max_abs_diff <= result.tolerance, (result.max_abs_diff, result.reference_error)
+    exact = port.verify(directory, "1x1", roundtrip=True).roundtrip
+    assert exact is not None and exact.exact and exact.same == 89 and not exact.not_written
+
+
 # ---------------------------------------------------------------- bad input and bad configs
 
 

@@ -541,7 +541,9 @@ def verify(
 
     def run() -> np.ndarray:
         with torch.no_grad():
-            given = {kind: torch.tensor(inputs)} | ({} if mask is None else {"attention_mask": torch.tensor(mask)})
+            first = torch.tensor(inputs)  # features in the reference's dtype: Whisper's conv1d does not cast them
+            first = first.to(next(reference.parameters()).dtype) if first.is_floating_point() else first
+            given = {kind: first} | ({} if mask is None else {"attention_mask": torch.tensor(mask)})
             given |= {name: torch.tensor(value) for name, value in extras.items()}
             given |= {} if positions is None else {"position_ids": torch.tensor(positions)}
             return _output(reference(**given), mapping, reference_cls, torch).float().numpy()
