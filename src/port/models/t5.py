@@ -175,7 +175,7 @@ def relative_buckets(
 
     ```python
     relative_buckets(jnp.arange(-3, 4)[None], bidirectional=True, num_buckets=8, max_distance=16)
-    # [[3, 2, 1, 0, 5, 6, 6]]
+    # [[2, 2, 1, 0, 5, 6, 6]]
     ```
     """
     buckets = jnp.zeros_like(relative)
