@@ -27,6 +27,7 @@ Example:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
+    import port
     from port.models.whisper import Whisper
 
     config = {"vocab_size": 100, "num_mel_bins": 8, "d_model": 32, "encoder_layers": 2,
@@ -40,7 +41,9 @@ Example:
     # bfloat16 compute on float32 parameters, each layer recomputed in the backward pass:
     logits = model(features, prompt, dtype=jnp.bfloat16, remat=True)
 
-    # Greedy decoding by hand (port.nn.generate does this, one compiled step):
+    # Greedy decoding from Whisper's forced prompt (start of transcript, language, task, no timestamps):
+    out = port.generate(model, features, max_new_tokens=4, decoder_input_ids=jnp.array([[98, 90, 91, 92]] * 2))
+    # out: (2, 8), the prompt then 4 new tokens. By hand, as port.generate runs it:
     encoded = model.encode(features)                   # (2, 16, 32)
     cache = model.init_cache(2, 8, encoded)
     logits, cache = model.decode(prompt, cache=cache)
