@@ -201,7 +201,7 @@ def test_text_tower_matches_transformers(twins, loaded, mesh):
         assert largest_error(alone, [o[1] for o in theirs]) <= 1e-4
 
 
-@pytest.mark.parametrize("name, mesh", [("dual", "1x1"), ("dual", "4x2"), ("headless-vision", "4x2")])
+@pytest.mark.parametrize("name, mesh", [("dual", "4x2"), ("headless-vision", "4x2")])
 def test_vision_tower_matches_transformers(twins, loaded, name, mesh):
     """The dual checkpoint's vision tower (`vision_model.` keys) with its attention pooling head,
     and a `SiglipVisionModel` of bare keys built without one (exact GELU)."""
@@ -219,7 +219,7 @@ def test_vision_tower_matches_transformers(twins, loaded, name, mesh):
         assert "\n" not in str(caught.value)
 
 
-@pytest.mark.parametrize("name, mesh", [("dual", "1x1"), ("dual", "4x2"), ("dual2", "1x1"), ("dual2", "4x2")])
+@pytest.mark.parametrize("name, mesh", [("dual", "1x1"), ("dual", "4x2"), ("dual2", "4x2")])
 def test_dual_model_matches_transformers(twins, loaded, name, mesh):
     """logits_per_image (images x texts), get_text_features and get_image_features."""
     model, directory = twins(name)
@@ -256,7 +256,7 @@ def test_positions_resize_as_torch_interpolate():
     import torch
 
     table = torch.randn(5, 5, 3, generator=torch.Generator().manual_seed(0))
-    for rows, columns in [(2, 3), (5, 5), (7, 3), (1, 9), (10, 10)]:
+    for rows, columns in [(2, 3), (7, 3), (10, 10)]:
         image = table.permute(2, 0, 1)[None]
         theirs = torch.nn.functional.interpolate(
             image, size=(rows, columns), mode="bilinear", align_corners=False, antialias=True
