@@ -145,7 +145,8 @@ class T5Config:
         gated, act = feed_forward(config)
         tied = get(config, "tie_word_embeddings", bool, True)
         scale = model_type != "mt5" and get(config, "scale_decoder_outputs", bool, tied)
-        pad = token_id(config, "pad_token_id", vocab, 0)
+        pad = config.get("pad_token_id")  # T5 starts decoding with its pad id where no start id is given
+        pad = pad if isinstance(pad, int) and not isinstance(pad, bool) and 0 <= pad < vocab else 0
         return cls(
             vocab_size=vocab,
             d_model=get(config, "d_model", int, 512),
