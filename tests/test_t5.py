@@ -27,9 +27,7 @@ from safetensors.numpy import load_file
 import port
 from port._errors import ConfigError
 from port.models.t5 import T5, T5Encoder, relative_buckets
-from port.nn import attend
-from port.nn._generate import generate
-from port.nn._loss import seq2seq_loss
+from port.nn import attend, generate, seq2seq_loss
 
 from helpers import one_line, perturbed, run_port, transformers_or_skip
 
