@@ -26,7 +26,7 @@ from safetensors.numpy import load_file
 
 import port
 from port._errors import ConfigError
-from port.models.t5 import T5, T5Encoder, relative_buckets
+from port.models.t5 import T5, T5Encoder, T5Model, relative_buckets
 from port.nn import attend, generate, seq2seq_loss
 
 from helpers import one_line, perturbed, run_port, transformers_or_skip
@@ -300,6 +300,32 @@ def test_encoder_of_a_full_checkpoint_exports_as_the_encoder_class(twins, loaded
     again = port.load(out)  # no mapping= : config.json's architectures choose t5_encoder
     assert isinstance(again, T5Encoder)
     assert np.abs(np.asarray(encoded(again, *batch()[:2])) - hidden).max() < 1e-4
+
+
+def test_a_model_without_a_head(tmp_path):
+    """A `T5Model` checkpoint (config.json's architectures choose `t5_model`) gives the decoder's last
+    hidden state on 4x2, and exports back bit for bit as `T5Model`, no key missing or unexpected."""
+    transformers = transformers_or_skip()
+    import torch
+
+    config = transformers.T5Config(**CONFIG, feed_forward_proj="gated-gelu", num_decoder_layers=1)
+    config._attn_implementation = "eager"
+    torch.manual_seed(2)
+    model = perturbed(transformers.T5Model(config), lambda n: "layer_norm" in n, 0.3)
+    model.save_pretrained(tmp_path / "bare")
+    ids, mask, dec, dec_mask = batch()
+    with torch.no_grad():
+        expected = model(*map(torch.tensor, (ids, mask, dec, dec_mask))).last_hidden_state.numpy()
+    ours = port.load(tmp_path / "bare", mesh=port.make_mesh("4x2"))
+    assert isinstance(ours, T5Model)
+    assert np.abs(np.asarray(logits(ours, ids, mask, dec, dec_mask)) - expected).max() < 1e-4
+    out = port.export(ours, tmp_path / "hf", tmp_path / "bare")
+    source, exported = load_file(tmp_path / "bare" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert exported.keys() == source.keys() and all(exported[k].tobytes() == source[k].tobytes() for k in source)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["T5Model"]
+    _, info = transformers.T5Model.from_pretrained(out, output_loading_info=True)
+    for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        assert not info[what], f"{what}: {info[what]}"
 
 
 # ---------------------------------------------------------------- the command line

@@ -1,4 +1,4 @@
-"""T5, mT5 and UMT5 in Equinox: the encoder alone (`T5Encoder`) and the encoder-decoder (`T5`).
+"""T5, mT5 and UMT5 in Equinox: the encoder (`T5Encoder`), the encoder-decoder (`T5`), and it headless (`T5Model`).
 
 Built from `port.nn`: its `Attention` (no biases, no 1/sqrt(d) scaling, `d_kv` x heads
 need not be `d_model`), `rms_norm` (T5's layer norm: no mean, no bias, the variance in
@@ -15,8 +15,9 @@ never in mT5). Dropout is not run.
 `T5Encoder` is `T5EncoderModel` (a checkpoint of one, or the encoder of a full
 checkpoint loaded with `mapping="t5_encoder"`, `"umt5_encoder"`); `T5` is
 `T5ForConditionalGeneration` (and the mT5 and UMT5 ones), whose `encode`, `init_cache`,
-`decode` and `decoder_start_token_id` are what greedy generation runs. Both keep the
-embedding table `shared` and the encoder's layers under the same paths.
+`decode` and `decoder_start_token_id` are what greedy generation runs; `T5Model` is
+`T5Model`, the decoder's last hidden state without a head (`mapping="t5_model"`,
+`"umt5_model"`). All keep the embedding table `shared` and the stacks under the same paths.
 
 Example:
     ```python
@@ -384,6 +385,8 @@ FIELDS = ConfigFields(
     read=(*_COMMON, "is_decoder"),  # transformers sets is_decoder per stack, whatever config.json says
 )
 
+MODEL_FIELDS = dataclasses.replace(FIELDS, module="port.models.t5.T5Model")
+
 
 def _unbatched(tokens: Tokens, other: Tokens, names: tuple[str, str]) -> None:
     """`ValueError` unless two inputs agree on having a batch axis and on its size."""
@@ -394,6 +397,24 @@ def _unbatched(tokens: Tokens, other: Tokens, names: tuple[str, str]) -> None:
             f"got shapes {tuple(tokens.ids.shape) if tokens.batched else tokens.ids.shape[1:]} and "
             f"{tuple(other.ids.shape) if other.batched else other.ids.shape[1:]}"
         )
+
+
+def decoded(
+    shared: Array, encoder: Stack, decoder: Stack, input_ids: Any, decoder_input_ids: Any, masks: tuple, remat: Any
+) -> tuple[Tokens, Float[Array, "batch seq embed"]]:
+    """The decoder's last hidden state (final norm applied) for `decoder_input_ids` given
+    `input_ids`, and the decoder's prepared tokens; `masks` the encoder's and the decoder's
+    attention masks (None: no padding)."""
+    source = prepare(input_ids, attention_mask=masks[0], causal=False)
+    target = prepare(decoder_input_ids, attention_mask=masks[1])
+    _unbatched(source, target, ("input_ids", "decoder_input_ids"))
+    encoded = encode(shared, encoder, source, remat)
+    batch, seq = target.ids.shape
+    cross_mask = jnp.broadcast_to(source.mask[:, :1, :], (batch, seq, source.ids.shape[1]))
+    slots = jnp.arange(seq)
+    cross = decoder.cross_kv(encoded)
+    x, _ = decoder(shared[target.ids], target.mask, slots, slots, cross=cross, cross_mask=cross_mask, remat=remat)
+    return target, x
 
 
 @final
@@ -531,23 +552,9 @@ class T5(eqx.Module):
         logits = model(ids, targets, attention_mask=mask)     # [2, 8], [2, 5] -> [2, 5, vocab]
         ```
         """
-        source = prepare(input_ids, attention_mask=attention_mask, causal=False)
-        target = prepare(decoder_input_ids, attention_mask=decoder_attention_mask)
-        _unbatched(source, target, ("input_ids", "decoder_input_ids"))
+        masks = (attention_mask, decoder_attention_mask)
         model = cast(self, dtype)
-        encoded = encode(model.shared, model.encoder, source, remat)
-        batch, seq = target.ids.shape
-        cross_mask = jnp.broadcast_to(source.mask[:, :1, :], (batch, seq, source.ids.shape[1]))
-        slots = jnp.arange(seq)
-        x, _ = model.decoder(
-            model.shared[target.ids],
-            target.mask,
-            slots,
-            slots,
-            cross=model.decoder.cross_kv(encoded),
-            cross_mask=cross_mask,
-            remat=remat,
-        )
+        target, x = decoded(model.shared, model.encoder, model.decoder, input_ids, decoder_input_ids, masks, remat)
         return target.output(model.logits(x))
 
     def init_cache(
@@ -635,3 +642,48 @@ class T5(eqx.Module):
             cross_mask=cross_mask,
         )
         return tokens.output(model.logits(x), keys_out, values_out, cache.states)
+
+
+@final
+class T5Model(eqx.Module):
+    """T5's encoder-decoder without a head (`T5Model`); `__call__` returns the decoder's last hidden state."""
+
+    FIELDS: ClassVar[ConfigFields] = MODEL_FIELDS
+
+    shared: Float[Array, "vocab embed"]
+    encoder: Stack
+    decoder: Stack
+    config: T5Config = eqx.field(static=True)
+
+    def __init__(self, config: T5Config, *, key: PRNGKeyArray, dtype: Any = jnp.float32):
+        kshared, kencoder, kdecoder = jax.random.split(key, 3)
+        self.shared = normal(kshared, (config.vocab_size, config.d_model), dtype)
+        self.encoder = Stack(config, dtype, decoder=False, key=kencoder)
+        self.decoder = Stack(config, dtype, decoder=True, key=kdecoder)
+        self.config = config
+
+    @classmethod
+    def from_config(cls, config: dict, *, key: PRNGKeyArray, dtype: Any = jnp.float32) -> T5Model:
+        """Randomly initialise from a Hugging Face `config.json` dict."""
+        return cls(T5Config.from_hf(config, cls.FIELDS), key=key, dtype=dtype)
+
+    def __call__(
+        self,
+        input_ids: ArrayLike,  # integer (batch, src) or (src,): checked by `prepare`, which names it
+        decoder_input_ids: ArrayLike,  # integer (batch, tgt) or (tgt,), as `input_ids`
+        *,
+        attention_mask: Any = None,
+        decoder_attention_mask: Any = None,
+        dtype: Any = None,
+        remat: Any = None,
+    ) -> Float[Array, "*batch seq embed"]:
+        """The decoder's last hidden state `[batch, tgt, d_model]`; the arguments are `T5.__call__`'s.
+
+        ```python
+        hidden = model(ids, targets, attention_mask=mask)     # [2, 8], [2, 5] -> [2, 5, d_model]
+        ```
+        """
+        masks = (attention_mask, decoder_attention_mask)
+        model = cast(self, dtype)
+        target, x = decoded(model.shared, model.encoder, model.decoder, input_ids, decoder_input_ids, masks, remat)
+        return target.output(x)
