@@ -500,10 +500,49 @@ def test_port_convert_refuses_a_config_it_cannot_run_before_reading(twins, tmp_p
 
 
 def test_a_dual_models_mapping_names_its_towers_sizes_by_dotted_keys():
-    """A SiglipModel's config.json keeps its towers' sizes in `text_config` / `vision_config`."""
-    config = {"text_config": {"num_attention_heads": 4, "hidden_size": 32}, "vision_config": 7}
+    """A SiglipModel's config.json keeps its towers' sizes in `text_config` / `vision_config`;
+    `=default` stands for a size it leaves out (null too), never for one it gives."""
+    config = {"text_config": {"num_attention_heads": 4, "hidden_size": 32, "vocab_size": None}, "vision_config": 7}
     reshape = Reshape(("text_config.num_attention_heads", -1, "text_config.hidden_size")).resolve(config)
     assert reshape.target == (4, -1, 32)
     for missing in ("vision_config.hidden_size", "text_config.vocab_size", "text_config"):
         with pytest.raises(ConfigError, match=f"config.json has no integer '{missing}'"):
             Reshape((missing, -1)).resolve(config)
+    defaults = ("text_config.num_attention_heads=12", "text_config.vocab_size=9", "vision_config.x=5", "nothing=3")
+    assert Reshape(defaults).resolve(config).target == (4, 9, 5, 3)
+    assert Reshape(("nothing=3",)).render() == '{ reshape = ["nothing=3"] }'
+
+
+SPARSE = {  # google/siglip-base-patch16-224's config.json: every size transformers' default
+    "architectures": ["SiglipModel"],
+    "initializer_factor": 1.0,
+    "model_type": "siglip",
+    "text_config": {"model_type": "siglip_text_model"},
+    "vision_config": {"model_type": "siglip_vision_model"},
+}
+
+
+@pytest.mark.parametrize("mapping", [None, "siglip_vision"])
+def test_plan_of_a_config_that_leaves_the_sizes_out(tmp_path, mapping):
+    """A Hub config.json whose towers give no sizes plans at transformers' defaults (base:
+    768 wide, 12 heads of 64, 196 patches), the whole model or one tower, no byte read."""
+    transformers = transformers_or_skip()
+    import torch
+
+    from helpers import write_sparse_checkpoint
+
+    with torch.device("meta"):
+        model = transformers.SiglipModel(transformers.SiglipConfig(**SPARSE))
+    shapes = {k: list(v.shape) for k, v in sorted(model.state_dict().items())}
+    write_sparse_checkpoint(tmp_path / "base", SPARSE, shapes, dtype="F32")
+    with port.open_checkpoint(tmp_path / "base") as ckpt:
+        found = port.mapping_for(ckpt.config, mapping)
+        recipe = port.plan(port.skeleton(found, ckpt.config), found, ckpt.tensors, ckpt.config, {"data": 4, "model": 2})
+        assert ckpt.bytes_read == 0
+    leaves = {leaf.path: leaf for leaf in recipe.leaves}
+    prefix = "" if mapping else "vision."
+    assert leaves[f"{prefix}layers.attn.wq"].shape == (12, 12, 64, 768)
+    assert leaves[f"{prefix}head.attn.wo"].shape == (768, 12, 64)
+    assert leaves[f"{prefix}position_embeddings"].shape == (196, 768)
+    if mapping is None:
+        assert leaves["text.token_embeddings"].shape == (32000, 768)

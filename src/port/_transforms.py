@@ -195,12 +195,16 @@ def _sizes(x: Any) -> bool:
 
 def _value(x: Size, config: Mapping[str, Any]) -> int:
     """A size: an integer, or a config.json key, dotted for a sub-config's (`"vision_config.hidden_size"`:
-    a dual model's mapping names its towers' sizes so)."""
+    a dual model's mapping names its towers' sizes so), with `=default` for a key config.json may
+    leave out (`"text_config.hidden_size=768"`: the config class's default, which sparse Hub configs rely on)."""
+    name, _, default = x.partition("=") if isinstance(x, str) else ("", "", "")
     value: Any = config if isinstance(x, str) else x
-    for part in x.split(".") if isinstance(x, str) else ():
+    for part in name.split(".") if name else ():
         value = value.get(part) if isinstance(value, Mapping) else None
+    if value is None and default.isdigit():
+        value = int(default)
     if not _int(value):
-        raise ConfigError(f"config.json has no integer '{x}'")
+        raise ConfigError(f"config.json has no integer '{name or x}'")
     return value
 
 
