@@ -285,23 +285,26 @@ def test_bfloat16_compute_within_transformers_own_error(twins, loaded):
         assert error.mean() <= 2 * own.mean() and error.max() <= 2.5 * own.max(), (error.max(), own.max())
 
 
-def test_gradients_of_the_sigmoid_loss_match_pytorch(twins, loaded, tmp_path):
+@pytest.mark.parametrize("name", ["dual", "dual2"])
+def test_gradients_of_the_sigmoid_loss_match_pytorch(twins, loaded, name, tmp_path):
     """jax.grad of `sigmoid_loss` (transformers' `return_loss=True`) equals PyTorch's backward for
-    every parameter, logit scale and bias and the pooling head's fused in_proj included, by
-    checkpoint name (through `port.export`)."""
+    every parameter, logit scale and bias, the pooling head's fused in_proj and SigLIP 2's
+    resized position table included, by checkpoint name (through `port.export`)."""
     import torch
 
-    model, directory = twins("dual")
+    model, directory = twins(name)
     model.zero_grad()
-    given = dict(input_ids=IDS, pixel_values=PIXELS, attention_mask=MASK)
+    images = (PIXELS,) if name == "dual" else (PATCHES, PATCH_MASK, SPATIAL)
+    names = ("pixel_values",) if name == "dual" else ("pixel_values", "pixel_attention_mask", "spatial_shapes")
+    given = dict(input_ids=IDS, attention_mask=MASK, **dict(zip(names, images, strict=True)))
     out = model(**{k: torch.tensor(v) for k, v in given.items()}, return_loss=True)
     out.loss.backward()
     ours = loaded(directory, "1x1")
-    loss = eqx.filter_jit(lambda m: sigmoid_loss(m(IDS, PIXELS, attention_mask=MASK).T))
+    loss = eqx.filter_jit(lambda m: sigmoid_loss(m(IDS, *images, attention_mask=MASK).T))
     value, grads = eqx.filter_value_and_grad(loss)(ours)
     assert float(value) == pytest.approx(out.loss.item(), rel=1e-5)
     port.export(grads, tmp_path / "grads", directory)
-    exported = transformers_or_skip().SiglipModel.from_pretrained(tmp_path / "grads").state_dict()
+    exported = getattr(transformers_or_skip(), CASES[name][0]).from_pretrained(tmp_path / "grads").state_dict()
     theirs = {k: p.grad.numpy() for k, p in model.named_parameters() if p.grad is not None}
     assert {"logit_scale", "logit_bias", "vision_model.head.attention.in_proj_weight"} <= set(theirs)
     assert len(theirs) == len(list(model.parameters()))
