@@ -104,6 +104,8 @@ def test_several_mappings_of_one_model_type_are_chosen_by_the_class_config_json_
     assert pick(architectures=["PairVisionModel"]) == "m:Tower"
     assert pick() == pick(architectures=["SomethingElse"]) == "m:Full"
     assert port.mapping_for({"model_type": "pair"}, "pair_vision").model == "m:Tower"
+    tower = type("Tower", (), {"__module__": "m"})  # a model at hand (an export's): its own mapping first
+    assert port.mapping_for({"model_type": "pair", "architectures": ["PairModel"]}, built=tower).model == "m:Tower"
     assert port.load_mapping("pair_vision").source == str(tmp_path / "pair_vision.toml")
     with pytest.raises(port.MappingError, match=r"^pair_visio: no such mapping file, nor a shipped mapping of that "):
         port.load_mapping("pair_visio")

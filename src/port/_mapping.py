@@ -730,6 +730,7 @@ def mapping_for(
     mapping: str | os.PathLike | Mapping | None = None,
     *,
     keys: Iterable[str] | None = None,
+    built: type | None = None,
 ) -> Mapping:
     """The mapping to use for a checkpoint: `mapping` if given, else the shipped one for its `model_type`.
 
@@ -741,6 +742,9 @@ def mapping_for(
       does; of several, the one whose `architectures` name config.json's class, else the
       first by file name), or, for a multimodal wrapper none lists, the one that lists its
       `text_config`'s `model_type`.
+    - `built`: the class of a model at hand (`port export`'s): of the shipped mappings
+      listing the model_type, the one whose `model` it is goes first (a `T5Encoder`
+      loaded from a full T5 checkpoint exports by `t5_encoder.toml`).
     - `keys`: the checkpoint's tensor names. Given them, the mapping of a wrapper's language
       model (its `text_config`'s model type, not the wrapper's) is fitted to the wrapper's
       layout (`language_model`): the prefixes of its keys and the towers to ignore are
@@ -756,12 +760,14 @@ def mapping_for(
     elif mapping is not None:
         found = load_mapping(mapping)
     else:
-        found = _shipped_for(config)
+        found = _shipped_for(config, built)
     return found if keys is None else language_model(found, config, keys)
 
 
-def _shipped_for(config: AnyMapping[str, Any]) -> Mapping:
-    """The shipped mapping that lists `config`'s model_type, else its `text_config`'s; a `MappingError` otherwise."""
+def _shipped_for(config: AnyMapping[str, Any], built: type | None = None) -> Mapping:
+    """The shipped mapping that lists `config`'s model_type (of several, the one whose model is
+    `built`, else the one that `serves` it, else the first), else its `text_config`'s; a
+    `MappingError` otherwise."""
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise MappingError("config.json: no 'model_type'; give a mapping with mapping=")
@@ -778,7 +784,10 @@ def _shipped_for(config: AnyMapping[str, Any]) -> Mapping:
             by_text = mapping
         known.extend(mapping.model_types)
     if listing:  # several (a full model, its encoder, its towers): the one config.json's class is, else the first
-        return next((m for m in listing if m.serves(config)), listing[0])
+        named = None if built is None else f"{built.__module__}:{built.__qualname__}"
+        return next((m for m in listing if m.model == named), None) or next(
+            (m for m in listing if m.serves(config)), listing[0]
+        )
     if by_text is not None:
         return by_text
     nor = "" if text is None else f", nor has its {TEXT_CONFIG}'s model_type {quoted(text_type)}"

@@ -397,7 +397,8 @@ def _export(
     headers = found.headers
     config = dict(found.config if config is None else config)
     kept = found.output if mapping is None else None  # the output's own mapping: its `model` is not imported
-    mapping = mapping_for(config, mapping if kept is None else kept.mapping, keys=headers)
+    # Without a mapping, the shipped one whose model this is (an encoder alone exports as one).
+    mapping = mapping_for(config, mapping if kept is None else kept.mapping, keys=headers, built=type(model))
     mapping, headers, config = plain(mapping, headers, config)  # an adapter kept: the merged model's base
     inputs = (source,) if isinstance(source, (str, os.PathLike)) and Path(source).exists() else ()
     out = check_destination(out, force, inputs, ours=is_export, what=_EXPORT)
