@@ -387,13 +387,17 @@ def test_export_round_trip(twins, loaded, name, tmp_path):
     [
         ("headless-vision", "SiglipVisionModel.last_hidden_state (float32 [2, 16, 48]"),
         ("dual", "SiglipModel.logits_per_image"),
+        ("dual2", "Siglip2Model.logits_per_image"),
+        ("dual2 --mapping siglip2_vision", "Siglip2VisionModel.last_hidden_state (float32 [2, 16, 48]"),
     ],
 )
 def test_verify_through_the_command_line(twins, name, reference):
     """The installed `port verify --mesh 4x2`: pixels drawn for the vision tower; ids and pixels
-    (its `__call__`'s inputs without a default) for the dual model."""
+    (its `__call__`'s inputs without a default) for the dual model; SigLIP 2's NaFlex patches,
+    their mask and each image's grid drawn together (a full grid and a smaller, padded one)."""
+    name, *flags = name.split()
     _, directory = twins(name)
-    result = run_port("verify", directory, "--mesh", "4x2", "--length", "8")
+    result = run_port("verify", directory, "--mesh", "4x2", "--length", "8", *flags)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "Traceback" not in output

@@ -238,9 +238,14 @@ def input_features(config: dict, batch: int = 2, seed: int = 0) -> np.ndarray:
 def decoder_input_ids(config: dict, batch: int = 2, seq: int = 16, seed: int = 1) -> np.ndarray:
     """Random decoder token ids of an encoder-decoder, `(batch, seq)`, within its `vocab_size`;
     `seq` no more than its decoder's positions (`max_target_positions`, where it has them)."""
+    shape = decoder_shape(config, batch, seq)
+    return np.random.default_rng(seed).integers(0, _positive(config, "vocab_size", "decoder ids"), shape)
+
+
+def decoder_shape(config: dict, batch: int, seq: int) -> tuple[int, int]:
+    """The shape of an encoder-decoder's `decoder_input_ids`: `seq` no more than its decoder's positions."""
     limit = config.get("max_target_positions")
-    seq = min(seq, limit) if type(limit) is int and limit > 0 else seq
-    return np.random.default_rng(seed).integers(0, _positive(config, "vocab_size", "decoder ids"), (batch, seq))
+    return batch, min(seq, limit) if type(limit) is int and limit > 0 else seq
 
 
 INPUTS: dict[str, Callable[..., np.ndarray]] = {
@@ -253,10 +258,63 @@ INPUTS: dict[str, Callable[..., np.ndarray]] = {
 takes), or a parameter of its call without a default (an encoder-decoder's `decoder_input_ids`,
 a dual model's `pixel_values`)."""
 INPUT_DTYPES = {"input_ids": np.int64, "pixel_values": np.float32, "input_features": np.float32,
-                "decoder_input_ids": np.int64}  # fmt: skip
+                "decoder_input_ids": np.int64, "pixel_attention_mask": np.int32, "spatial_shapes": np.int64}  # fmt: skip
 """The dtype of each of `INPUTS`."""
 TOKENS = ("input_ids", "decoder_input_ids")
 """The `INPUTS` that are token ids (drawn `length` long)."""
+
+
+NAFLEX = ("pixel_values", "pixel_attention_mask", "spatial_shapes")
+"""SigLIP 2's variable-resolution image inputs: patches, which of them are real, each image's grid."""
+
+
+def naflex_shape(config: dict, batch: int) -> tuple[int, int, int]:
+    """The shape of NaFlex `pixel_values`: (batch, num_patches, num_channels * patch_size**2) of
+    `config` (or its `vision_config`)."""
+    config = vision(config)
+    patches = _positive(config, "num_patches", "NaFlex patches") if "num_patches" in config else 256
+    patch = _positive(config, "patch_size", "NaFlex patches") if "patch_size" in config else 16
+    channels = _positive(config, "num_channels", "NaFlex patches") if "num_channels" in config else 3
+    return batch, patches, channels * patch * patch
+
+
+def naflex(config: dict, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random NaFlex images: the first a full square grid of `num_patches`, each next one a
+    smaller grid of another aspect, its patches after the real ones zero and masked.
+
+    ```python
+    drawn = naflex({"num_patches": 16, "patch_size": 2}, batch=2)
+    drawn["spatial_shapes"]                 # [[4, 4], [3, 2]]
+    drawn["pixel_attention_mask"].sum(-1)   # [16, 6]
+    ```
+    """
+    batch, patches, pixels = naflex_shape(config, batch)
+    side = max(1, math.isqrt(patches))
+    grids = [(side, side)] + [(max(1, side - i), max(1, side // (i + 1))) for i in range(1, batch)]
+    mask = np.zeros((batch, patches), np.int32)
+    for i, (rows, columns) in enumerate(grids):
+        mask[i, : rows * columns] = 1
+    values = np.random.default_rng(seed).standard_normal((batch, patches, pixels)).astype(np.float32)
+    return {
+        "pixel_values": values * mask[..., None],
+        "pixel_attention_mask": mask,
+        "spatial_shapes": np.asarray(grids, np.int64),
+    }
+
+
+def input_shape(kind: str, config: dict, batch: int, length: int, together: bool) -> tuple[int, ...]:
+    """The shape of the input `kind` verify draws for `config`, `together` where the images are
+    NaFlex's; a one-line `ConfigError` for a config that cannot give it (nothing drawn yet)."""
+    if together and kind in NAFLEX:
+        shape = naflex_shape(config, batch)
+        return {"pixel_values": shape, "pixel_attention_mask": shape[:2], "spatial_shapes": (batch, 2)}[kind]
+    shapes = {
+        "input_ids": lambda: token_shape(config, batch, length),
+        "decoder_input_ids": lambda: decoder_shape(config, batch, length),
+        "pixel_values": lambda: pixel_shape(config, batch),
+        "input_features": lambda: feature_shape(config, batch),
+    }
+    return shapes[kind]()
 
 
 def draw(kind: str, config: dict, batch: int, length: int) -> np.ndarray:
@@ -268,7 +326,8 @@ def also_taken(call: Callable, first: str) -> list[str]:
     """The `INPUTS` a model's call takes besides its `first` (`input_kind`): its parameters
     without a default named as one of them (T5's `decoder_input_ids`, CLIP's `pixel_values`)."""
     params = list(inspect.signature(call).parameters.values())[1:]  # self
-    return [p.name for p in params if p.default is inspect.Parameter.empty and p.name in INPUTS and p.name != first]
+    known = {*INPUTS, *NAFLEX}
+    return [p.name for p in params if p.default is inspect.Parameter.empty and p.name in known and p.name != first]
 
 
 def input_kind(model_class: type) -> str:
@@ -503,12 +562,20 @@ def verify(
         takes = inspect.signature(type(skel).__call__).parameters
         if padding is not None and "attention_mask" not in takes:
             raise PortError(f"padding={padding!r}: {mapping.model} takes no attention_mask")
-        extras = {name: draw(name, own, batch, length) for name in also_taken(type(skel).__call__, kind)}
-        given = jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(INPUT_DTYPES[kind]))  # int32 without x64
-        abstract = {k: jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype)) for k, v in extras.items()}
-        output = eqx.filter_eval_shape(lambda m, x, e: m(x, **e), skel, given, abstract).shape
+        taken = also_taken(type(skel).__call__, kind)
+        together = {*NAFLEX} <= {kind, *taken}  # SigLIP 2's images: patches, their mask, each image's grid
+        shape = input_shape(kind, own, batch, length, together) if together else shape
+
+        def abstract(name: str) -> jax.ShapeDtypeStruct:  # int32 without x64
+            dtype = jax.dtypes.canonicalize_dtype(INPUT_DTYPES[name])
+            return jax.ShapeDtypeStruct(input_shape(name, own, batch, length, together), dtype)
+
+        given = jax.ShapeDtypeStruct(shape, jax.dtypes.canonicalize_dtype(INPUT_DTYPES[kind]))
+        output = eqx.filter_eval_shape(lambda m, x, e: m(x, **e), skel, given, {n: abstract(n) for n in taken}).shape
         _check_memory(ckpt, mesh, own, shape, output, named, padding is not None, available_host_bytes())
-        inputs = draw(kind, own, batch, length)
+        drawn = naflex(own, batch) if together else {}
+        extras = {name: drawn[name] if name in drawn else draw(name, own, batch, length) for name in taken}
+        inputs = drawn[kind] if kind in drawn else draw(kind, own, batch, length)
         mask = None if padding is None else padding_mask(inputs.shape, padding)
         # A decoder numbers a padded batch's positions as transformers' `generate` does (the mask's
         # cumulative sum, less one); its reference is given the same, which its forward alone would not.
