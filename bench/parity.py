@@ -3,6 +3,7 @@
     python bench/parity.py [--cases gpt2,llama-gqa,...] [--meshes 1x1,2x2,4x2,8x1] [--dtype bfloat16]
     python bench/parity.py --cases 2026 --meshes 1x1,4x2,data=2,expert=2,model=2
     python bench/parity.py --cases encoders-and-dense --meshes 1x1,4x2
+    python bench/parity.py --cases issue38 --meshes 1x1,4x2 [--dtype bfloat16]
 
 Each case writes a random-init checkpoint with `transformers` (float32) into a
 temporary directory and runs `port.verify` on it: convert onto the mesh, run the
@@ -13,6 +14,12 @@ and ViT, whose inputs are random pixel values [2, channels, height, width]).
 `--cases encoders-and-dense` runs issue 35's: RoBERTa, XLM-R, DistilBERT (sinusoidal),
 ModernBERT (global and local layers), Gemma 3, Gemma 4 (dense with shared keys and values,
 and MoE), OLMo 2, OLMo 3, SmolLM3 and Ministral 3, as tests/test_decoders.py configures them.
+
+`--cases issue38` runs issue 38's encoder-decoders and towers: T5's encoder alone, T5 (tied
+head), UMT5 and mT5 (gated-GeLU, untied), Whisper (logits for random `input_features` and
+decoder ids), CLIP and SigLIP dual models (`logits_per_image`), CLIP's vision tower, SigLIP 2
+with NaFlex images (a full grid and a smaller padded one), DINOv2 and DINOv2 with registers
+and SwiGLU (last hidden state).
 
 `--cases 2026` runs the 2026 families (Qwen3-MoE with a dense layer among MoE layers,
 DeepSeek-V3 with and without `q_lora_rank` and group-limited routing, gpt-oss, Llama 4,
@@ -89,6 +96,12 @@ DEEPSEEK = dict(
         mscale_all_dim=1.0,
     ),
 )
+T5_SMALL = dict(vocab_size=101, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                relative_attention_num_buckets=8, relative_attention_max_distance=16, decoder_start_token_id=0)  # fmt: skip
+CLIP_TEXT = dict(vocab_size=101, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=32)  # fmt: skip
+CLIP_VISION = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, image_size=32,
+                   patch_size=8)  # fmt: skip
 NEOX = dict(
     vocab_size=101,
     hidden_size=60,
@@ -347,7 +360,38 @@ CASES = {
              "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0,
              "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5}),
     ),
+    # Issue 38: encoder-decoders and towers (port verify draws their inputs: decoder ids, features, images).
+    "t5-encoder": (transformers.T5EncoderModel, transformers.T5Config, T5_SMALL),
+    "t5-tied": (transformers.T5ForConditionalGeneration, transformers.T5Config, T5_SMALL),
+    "umt5-gated-untied": (transformers.UMT5ForConditionalGeneration, transformers.UMT5Config,
+                          dict(T5_SMALL, feed_forward_proj="gated-gelu", tie_word_embeddings=False)),
+    "mt5-gated": (transformers.MT5ForConditionalGeneration, transformers.MT5Config,
+                  dict(T5_SMALL, feed_forward_proj="gated-gelu", tie_word_embeddings=False)),
+    "whisper": (transformers.WhisperForConditionalGeneration, transformers.WhisperConfig,
+                dict(vocab_size=101, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=16,
+                     max_source_positions=16, max_target_positions=32, pad_token_id=0, bos_token_id=1,
+                     eos_token_id=2, decoder_start_token_id=1)),
+    "clip": (transformers.CLIPModel, transformers.CLIPConfig,
+             dict(text_config=CLIP_TEXT, vision_config=CLIP_VISION, projection_dim=32)),
+    "clip-vision": (transformers.CLIPVisionModel, transformers.CLIPVisionConfig, CLIP_VISION),
+    "siglip": (transformers.SiglipModel, transformers.SiglipConfig,
+               dict(text_config=dict(CLIP_TEXT, hidden_act="gelu_pytorch_tanh"),
+                    vision_config=dict(CLIP_VISION, hidden_act="gelu_pytorch_tanh"))),
+    "siglip2-naflex": (transformers.Siglip2Model, transformers.Siglip2Config,
+                       dict(text_config=dict(CLIP_TEXT, hidden_act="gelu_pytorch_tanh"),
+                            vision_config=dict(CLIP_VISION, hidden_act="gelu_pytorch_tanh", num_patches=16,
+                                               image_size=None))),
+    "dinov2": (transformers.Dinov2Model, transformers.Dinov2Config,
+               dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2, image_size=32,
+                    patch_size=8, layerscale_value=0.5)),
+    "dinov2-registers-swiglu": (transformers.Dinov2WithRegistersModel, transformers.Dinov2WithRegistersConfig,
+                                dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, mlp_ratio=2,
+                                     image_size=32, patch_size=8, num_register_tokens=2, use_swiglu_ffn=True,
+                                     layerscale_value=0.5)),
 }  # fmt: skip
+ISSUE_38 = ["t5-encoder", "t5-tied", "umt5-gated-untied", "mt5-gated", "whisper", "clip", "clip-vision", "siglip",
+            "siglip2-naflex", "dinov2", "dinov2-registers-swiglu"]  # fmt: skip
 ENCODERS_AND_DENSE = [
     "roberta",
     "xlm-roberta",
@@ -369,7 +413,7 @@ NEW_2026 = [
     "llama4-nope-chunked",
     "qwen3-next-hybrid",
 ]
-DEFAULT = [c for c in CASES if c != "gpt2-small-124M" and c not in NEW_2026 + ENCODERS_AND_DENSE]
+DEFAULT = [c for c in CASES if c != "gpt2-small-124M" and c not in NEW_2026 + ENCODERS_AND_DENSE + ISSUE_38]
 
 
 def split_meshes(text: str) -> list[str]:
@@ -397,7 +441,7 @@ def main() -> None:
     parser.add_argument(
         "--cases",
         default=",".join(DEFAULT),
-        help=f"'2026', 'encoders-and-dense', 'all' (every group), or from {', '.join(CASES)}",
+        help=f"'2026', 'encoders-and-dense', 'issue38', 'all' (every group), or from {', '.join(CASES)}",
     )
     parser.add_argument(
         "--meshes",
@@ -408,8 +452,10 @@ def main() -> None:
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     meshes = split_meshes(args.meshes)
-    groups = {"2026": NEW_2026, "encoders-and-dense": ENCODERS_AND_DENSE}
-    cases = {**groups, "all": DEFAULT + NEW_2026 + ENCODERS_AND_DENSE}.get(args.cases) or args.cases.split(",")
+    groups = {"2026": NEW_2026, "encoders-and-dense": ENCODERS_AND_DENSE, "issue38": ISSUE_38}
+    cases = {**groups, "all": DEFAULT + NEW_2026 + ENCODERS_AND_DENSE + ISSUE_38}.get(args.cases) or args.cases.split(
+        ","
+    )
     print("| case | params | max abs reference | " + " | ".join(f"error {m}" for m in meshes) + " |")
     print("|---|---|---|" + "---|" * len(meshes))
     for case in cases:
