@@ -405,3 +405,13 @@ def test_a_leaf_without_elements_is_replicated():
     spec, notes = partition((3, 0, 8), ("layers", "heads", "embed"), rules, mesh)
     assert spec == P(None, None, None) and notes == ("no elements: replicated",)
     assert partition((3, 2, 8), ("layers", "heads", "embed"), rules, mesh) == (P(None, "model", "data"), ())
+
+
+@pytest.mark.slow
+def test_the_command_line_takes_a_shipped_mapping_by_name():
+    """`--mapping gpt2` names mappings/gpt2.toml; a name that is neither a file nor a shipped
+    mapping is one line listing the shipped ones."""
+    ok = run_port("plan", EXAMPLE, "--mapping", "gpt2")
+    assert ok.returncode == 0 and "mappings/gpt2.toml" in ok.stdout + ok.stderr, ok.stdout + ok.stderr
+    line = one_line(run_port("plan", EXAMPLE, "--mapping", "gtp2"), "gtp2: no such mapping file, nor a shipped mapping")
+    assert "t5_encoder" in line and "clip_vision" in line
