@@ -61,6 +61,15 @@ Models (bfloat16 copies of the weights, but for deepseek-v3-fp8):
                 384 experts, CSA / HCA layers, hash-routed first 3; see DEEPSEEK_V4_PRO), mesh 32x16
   modernbert-large  answerdotai/ModernBERT-large (ModernBertForMaskedLM), one file, mesh 2x2
   xlm-roberta-large  FacebookAI/xlm-roberta-large (XLMRobertaForMaskedLM), one file, mesh 2x2
+  dinov2-giant  facebook/dinov2-giant (Dinov2Model: SwiGLU, 40 layers of 1536), one file, mesh 2x2
+  t5-xxl-encoder  google/t5-v1_1-xxl's encoder alone (T5EncoderModel, as diffusion pipelines ship it:
+                `shared.weight` and `encoder.*`), reconstructed, mesh 4x2
+  umt5-xxl      google/umt5-xxl (UMT5ForConditionalGeneration, its untied `lm_head.weight`), reconstructed,
+                mesh 4x2
+  whisper-large-v3  openai/whisper-large-v3 (WhisperForConditionalGeneration, head tied), reconstructed,
+                mesh 2x2
+  siglip2-so400m  google/siglip2-so400m-patch14-384 (the dual SiglipModel: both So400m towers),
+                reconstructed, mesh 2x2
 
 `--quick` plans one model (qwen3-235b) once: a smoke check. `--breakdown` adds, per model, the
 worker's memory stage by stage, in one fresh process calling port's library the way
@@ -526,6 +535,134 @@ XLM_R_LARGE = {
     "position_embedding_type": "absolute",
     "type_vocab_size": 1,
     "vocab_size": 250002,
+}
+
+# facebook/dinov2-giant's config.json (float32 on the Hub, a bfloat16 copy here).
+DINOV2_GIANT = {
+    "architectures": ["Dinov2Model"],
+    "model_type": "dinov2",
+    "attention_probs_dropout_prob": 0.0,
+    "drop_path_rate": 0.0,
+    "hidden_act": "gelu",
+    "hidden_dropout_prob": 0.0,
+    "hidden_size": 1536,
+    "image_size": 518,
+    "initializer_range": 0.02,
+    "layer_norm_eps": 1e-06,
+    "layerscale_value": 1.0,
+    "mlp_ratio": 4,
+    "num_attention_heads": 24,
+    "num_channels": 3,
+    "num_hidden_layers": 40,
+    "patch_size": 14,
+    "qkv_bias": True,
+    "use_swiglu_ffn": True,
+}
+
+# google/t5-v1_1-xxl's config.json, reconstructed from its published sizes (T5 v1.1: gated GELU,
+# untied head), saved as its encoder alone (`T5EncoderModel`, as diffusion pipelines ship it:
+# `shared.weight` and `encoder.*`).
+T5_V1_1_XXL_ENCODER = {
+    "architectures": ["T5EncoderModel"],
+    "model_type": "t5",
+    "d_ff": 10240,
+    "d_kv": 64,
+    "d_model": 4096,
+    "decoder_start_token_id": 0,
+    "dropout_rate": 0.1,
+    "eos_token_id": 1,
+    "feed_forward_proj": "gated-gelu",
+    "initializer_factor": 1.0,
+    "is_encoder_decoder": True,
+    "layer_norm_epsilon": 1e-06,
+    "num_decoder_layers": 24,
+    "num_heads": 64,
+    "num_layers": 24,
+    "pad_token_id": 0,
+    "relative_attention_max_distance": 128,
+    "relative_attention_num_buckets": 32,
+    "tie_word_embeddings": False,
+    "vocab_size": 32128,
+}
+
+# google/umt5-xxl's config.json, reconstructed (UMT5: a relative position bias in every layer,
+# gated GELU, untied head, the 256k multilingual vocabulary).
+UMT5_XXL = {
+    "architectures": ["UMT5ForConditionalGeneration"],
+    "model_type": "umt5",
+    "d_ff": 10240,
+    "d_kv": 64,
+    "d_model": 4096,
+    "decoder_start_token_id": 0,
+    "dropout_rate": 0.1,
+    "eos_token_id": 1,
+    "feed_forward_proj": "gated-gelu",
+    "initializer_factor": 1.0,
+    "is_encoder_decoder": True,
+    "layer_norm_epsilon": 1e-06,
+    "num_decoder_layers": 24,
+    "num_heads": 64,
+    "num_layers": 24,
+    "pad_token_id": 0,
+    "relative_attention_max_distance": 128,
+    "relative_attention_num_buckets": 32,
+    "scalable_attention": True,
+    "tie_word_embeddings": False,
+    "vocab_size": 256384,
+}
+
+# openai/whisper-large-v3's config.json, reconstructed (128 mel bins, the 51,866-token vocabulary;
+# `proj_out` tied to the decoder's token embeddings, so not in the checkpoint).
+WHISPER_LARGE_V3 = {
+    "architectures": ["WhisperForConditionalGeneration"],
+    "model_type": "whisper",
+    "activation_function": "gelu",
+    "bos_token_id": 50257,
+    "d_model": 1280,
+    "decoder_attention_heads": 20,
+    "decoder_ffn_dim": 5120,
+    "decoder_layers": 32,
+    "decoder_start_token_id": 50258,
+    "encoder_attention_heads": 20,
+    "encoder_ffn_dim": 5120,
+    "encoder_layers": 32,
+    "eos_token_id": 50257,
+    "max_source_positions": 1500,
+    "max_target_positions": 448,
+    "num_hidden_layers": 32,
+    "num_mel_bins": 128,
+    "pad_token_id": 50256,
+    "scale_embedding": False,
+    "tie_word_embeddings": True,
+    "vocab_size": 51866,
+}
+
+# google/siglip2-so400m-patch14-384's config.json, reconstructed: the fixed-resolution SigLIP 2
+# checkpoints are `SiglipModel`s (model_type siglip) with Gemma's 256k vocabulary; both towers
+# are So400m (27 layers of 1152, 16 heads, MLP 4304), text sequences of 64.
+SIGLIP2_SO400M_384 = {
+    "architectures": ["SiglipModel"],
+    "model_type": "siglip",
+    "initializer_factor": 1.0,
+    "text_config": {
+        "model_type": "siglip_text_model",
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "max_position_embeddings": 64,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "projection_size": 1152,
+        "vocab_size": 256000,
+    },
+    "vision_config": {
+        "model_type": "siglip_vision_model",
+        "hidden_size": 1152,
+        "image_size": 384,
+        "intermediate_size": 4304,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+    },
 }
 
 
@@ -1013,6 +1150,26 @@ def deepseek_v4_shapes(c):
     return {k: ("I64", s) if k.endswith(".tid2eid") else s for k, s in shapes.items()}
 
 
+def untied_t5_shapes(c):
+    """transformers' tensors of a T5-family encoder-decoder (`transformers_shapes`) and the untied
+    `lm_head.weight` the Hub's T5 v1.1 / mT5 / UMT5 checkpoints hold: transformers 5 ties the head to
+    `shared` whatever `tie_word_embeddings` says, so its state dict drops the head."""
+    return transformers_shapes(c) | {"lm_head.weight": [c["vocab_size"], c["d_model"]]}
+
+
+def fresh_shapes(config: dict) -> dict[str, list[int]]:
+    """The tensors `save_pretrained` writes for a freshly built model (no conversion to revert): for a
+    dual model (SiglipModel) whose conversion mapping only renames standalone towers' checkpoints
+    (`PrefixChange` of `text_model.`), which `transformers_shapes`' revert would wrongly apply."""
+    import torch
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    with torch.device("meta"):
+        model = transformers_model(config)
+    state = remove_tied_weights_from_state_dict(model.state_dict(), model)
+    return {key: list(tensor.shape) for key, tensor in state.items()}
+
+
 # name: (what, config.json, its tensors, mesh, shard files as on the Hub; None: at most 5 GB each,
 # and one file named model.safetensors, without an index, as `save_pretrained` writes it)
 MODELS = {
@@ -1034,6 +1191,11 @@ MODELS = {
     "mistral-large4": ("Mistral-Large-4-1T-A52B", MISTRAL_LARGE4, transformers_shapes, "32x16", None),
     "modernbert-large": ("ModernBERT-large", MODERNBERT_LARGE, transformers_shapes, "2x2", None),
     "xlm-roberta-large": ("XLM-RoBERTa-large", XLM_R_LARGE, transformers_shapes, "2x2", None),
+    "dinov2-giant": ("DINOv2-giant", DINOV2_GIANT, transformers_shapes, "2x2", None),
+    "t5-xxl-encoder": ("T5-v1.1-XXL encoder", T5_V1_1_XXL_ENCODER, transformers_shapes, "4x2", None),
+    "umt5-xxl": ("UMT5-XXL", UMT5_XXL, untied_t5_shapes, "4x2", None),
+    "whisper-large-v3": ("Whisper-large-v3", WHISPER_LARGE_V3, transformers_shapes, "2x2", None),
+    "siglip2-so400m": ("SigLIP 2 So400m/14-384", SIGLIP2_SO400M_384, fresh_shapes, "2x2", None),
 }
 QUICK = "qwen3-235b"
 

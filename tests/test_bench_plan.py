@@ -70,6 +70,22 @@ def test_shapes_have_the_hubs_multimodal_prefixes():
     assert not any("lm_head" in key for key in shapes)
 
 
+def test_a_dual_models_shapes_keep_its_towers_prefixes(tmp_path):
+    """SiglipModel's checkpoint holds `text_model.*` and `vision_model.*`: `fresh_shapes` is what
+    `save_pretrained` writes (reverting transformers' conversion mapping, which renames standalone
+    towers' checkpoints, would double the prefixes)."""
+    transformers_or_skip()
+    small = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1}
+    config = PLAN.SIGLIP2_SO400M_384 | {
+        "text_config": PLAN.SIGLIP2_SO400M_384["text_config"] | small | {"vocab_size": 64, "projection_size": 32},
+        "vision_config": PLAN.SIGLIP2_SO400M_384["vision_config"] | small | {"image_size": 28},
+    }
+    shapes = PLAN.fresh_shapes(config)
+    assert shapes == saved_shapes(config, tmp_path)
+    assert {key.split(".")[0] for key in shapes} == {"text_model", "vision_model", "logit_scale", "logit_bias"}
+    assert shapes["text_model.embeddings.token_embedding.weight"] == [64, 32]
+
+
 # Each added model's parameters as published (the model card's rounded figure, or exact).
 PUBLISHED = {
     "gemma3-27b": (27.4e9, 0.05e9),
@@ -80,6 +96,9 @@ PUBLISHED = {
     "glm4.6": (355e9, 2e9),  # zai-org/GLM-4.6: "355B" with its MTP layer
     "minimax-m2": (230e9, 2e9),  # MiniMaxAI/MiniMax-M2: "230B"
     "deepseek-v32": (685e9, 1e9),  # deepseek-ai/DeepSeek-V3.2-Exp: "685B" with its MTP layer
+    "dinov2-giant": (1.1e9, 0.05e9),  # facebook/dinov2-giant: ViT-g/14, "1.1B"
+    "umt5-xxl": (13e9, 0.1e9),  # google/umt5-xxl: mT5-XXL's "13B" sizes, the untied head included
+    "whisper-large-v3": (1550e6, 10e6),  # openai/whisper-large-v3: "1550M"
 }
 
 
