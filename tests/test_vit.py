@@ -423,3 +423,17 @@ def test_head_dim_from_config():
     """transformers reads an explicit `head_dim` (heads x head_dim need not be hidden_size)."""
     config = ViTConfig.from_hf({**CONFIG, "hidden_size": 50, "head_dim": 8})
     assert config.head_dim == 8 and config.num_positions == 17
+
+
+def test_a_classifiers_backbone_exports_as_the_backbone(twins, loaded, tmp_path):
+    """A `ViTForImageClassification` checkpoint loads as the backbone (its head ignored), and
+    exports as what the module holds: config.json says `ViTModel`, the tensors are the
+    backbone's, bit for bit, under the checkpoint's own `vit.` names."""
+    from safetensors.numpy import load_file
+
+    directory, _, _ = twins("grey-classifier")
+    out = port.export(loaded("grey-classifier", "1x1"), tmp_path / "hf", directory)
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["ViTModel"]
+    source, written = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
+    assert set(written) == {k for k in source if not k.startswith("classifier.")}
+    assert all(np.array_equal(written[k], source[k]) for k in written)
