@@ -60,7 +60,7 @@ from jax.typing import ArrayLike
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._errors import ConfigError
-from port.models.vit import _pair, patch_embeddings
+from port.models.vit import patch_embeddings, size_pair
 from port.nn import MLP, Attention, GatedMLP, LayerNorm, cast, normal, scan, stacked
 from port.nn._inputs import batch_first, check_pixels
 from port.nn._resize import bicubic_resize
@@ -125,7 +125,7 @@ class DINOv2Config:
                     f"config.json: 'hidden_size' ({hidden}) must be divisible by 'num_attention_heads' ({heads})"
                 )
             head_dim = hidden // heads
-        image, patch = _pair(config, "image_size", 224), _pair(config, "patch_size", 14)
+        image, patch = size_pair(config, "image_size", 224), size_pair(config, "patch_size", 14)
         if image[0] < patch[0] or image[1] < patch[1]:
             raise ConfigError(f"config.json: 'image_size' {list(image)} is smaller than 'patch_size' {list(patch)}")
         if image[0] // patch[0] != image[1] // patch[1]:

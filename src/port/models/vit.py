@@ -53,8 +53,14 @@ POOLER_ACTIVATIONS: dict[str, Callable[[Array], Array]] = {"tanh": jnp.tanh, **A
 """The pooler's activations (`pooler_act`): transformers' default `tanh`, or any of `ACTIVATIONS`."""
 
 
-def _pair(config: dict, key: str, default: int) -> tuple[int, int]:
-    """`config[key]` as (height, width): one positive integer for both, or a list of two."""
+def size_pair(config: dict, key: str, default: int) -> tuple[int, int]:
+    """`config[key]` as (height, width): one positive integer for both, or a list of two.
+
+    ```python
+    size_pair({"image_size": 224}, "image_size", 224)          # (224, 224)
+    size_pair({"patch_size": [14, 16]}, "patch_size", 16)      # (14, 16)
+    ```
+    """
     value = config.get(key)
     if value is None:
         return default, default
@@ -143,7 +149,7 @@ class ViTConfig:
                     f"config.json: 'hidden_size' ({hidden}) must be divisible by 'num_attention_heads' ({heads})"
                 )
             head_dim = hidden // heads
-        image, patch = _pair(config, "image_size", 224), _pair(config, "patch_size", 16)
+        image, patch = size_pair(config, "image_size", 224), size_pair(config, "patch_size", 16)
         if image[0] < patch[0] or image[1] < patch[1]:
             raise ConfigError(f"config.json: 'image_size' {list(image)} is smaller than 'patch_size' {list(patch)}")
         pooled = get(config, "pooler_output_size", int, hidden)
