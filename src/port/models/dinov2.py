@@ -61,9 +61,8 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from port._errors import ConfigError
 from port.models.vit import patch_embeddings, size_pair
-from port.nn import MLP, Attention, GatedMLP, LayerNorm, cast, normal, scan, stacked
+from port.nn import MLP, Attention, GatedMLP, LayerNorm, bicubic_resize, cast, normal, scan, stacked
 from port.nn._inputs import batch_first, check_pixels
-from port.nn._resize import bicubic_resize
 from port.nn.config import MAX_LAYERS, ConfigFields, activation, check_model_type, get
 
 MODEL_TYPES = ("dinov2", "dinov2_with_registers")

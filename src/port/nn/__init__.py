@@ -73,6 +73,8 @@ from port.nn._norm import LayerNorm as LayerNorm
 from port.nn._norm import rms_norm as rms_norm
 from port.nn._pooler import Pooler as Pooler
 from port.nn._precision import cast as cast
+from port.nn._resize import bicubic_resize as bicubic_resize
+from port.nn._resize import bicubic_weights as bicubic_weights
 from port.nn._rope import Rope as Rope
 from port.nn._rope import apply_rope as apply_rope
 from port.nn._rope import read_rope as read_rope

@@ -87,6 +87,8 @@ def bicubic_weights(size_in: int, size_out: int, *, antialias: bool = False) -> 
     - `size_in`, `size_out`: the axis' length before and after (positive).
     - `antialias`: torch's `antialias=True` (see the module's docstring).
 
+    **Returns:** the matrix `W` such that `W @ x` resizes `x`'s first axis.
+
     ```python
     bicubic_weights(4, 4)           # the identity: same size, nothing moves
     bicubic_weights(4, 8).sum(1)    # ones: each output is a weighted mean
@@ -106,7 +108,8 @@ def bicubic_resize(
     - `size`: the new (rows, columns).
     - `antialias`: torch's `antialias=True`.
 
-    Computed in float32 and returned in `table`'s dtype, as DINOv2 interpolates in float32.
+    **Returns:** `[size[0], size[1], features]`, computed in float32 and returned in `table`'s
+    dtype, as DINOv2 interpolates in float32.
 
     ```python
     bicubic_resize(jnp.zeros((4, 4, 8)), (6, 5)).shape   # (6, 5, 8)
