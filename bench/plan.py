@@ -70,6 +70,8 @@ Models (bfloat16 copies of the weights, but for deepseek-v3-fp8):
                 mesh 2x2
   siglip2-so400m  google/siglip2-so400m-patch14-384 (the dual SiglipModel: both So400m towers),
                 reconstructed, mesh 2x2
+  siglip2-so400m-naflex  google/siglip2-so400m-patch16-naflex (the dual Siglip2Model, NaFlex),
+                reconstructed, mesh 2x2
 
 `--quick` plans one model (qwen3-235b) once: a smoke check. `--breakdown` adds, per model, the
 worker's memory stage by stage, in one fresh process calling port's library the way
@@ -665,6 +667,25 @@ SIGLIP2_SO400M_384 = {
     },
 }
 
+# google/siglip2-so400m-patch16-naflex's config.json, reconstructed: the variable-resolution
+# `Siglip2Model` (model_type siglip2): the So400m towers, a Linear patch embedding of 16 x 16 x 3
+# pixels and a 16 x 16 position table (num_patches 256) resized per image.
+SIGLIP2_SO400M_NAFLEX = {
+    "architectures": ["Siglip2Model"],
+    "model_type": "siglip2",
+    "initializer_factor": 1.0,
+    "text_config": {**SIGLIP2_SO400M_384["text_config"], "model_type": "siglip2_text_model"},
+    "vision_config": {
+        "model_type": "siglip2_vision_model",
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "num_patches": 256,
+        "patch_size": 16,
+    },
+}
+
 
 # deepseek-ai/DeepSeek-V3.2-Exp's config.json: DeepSeek-V3's (sure: the same sizes, FP8 left out as
 # above) and its sparse attention (sure: index_n_heads 64, index_head_dim 128, index_topk 2048).
@@ -1196,6 +1217,7 @@ MODELS = {
     "umt5-xxl": ("UMT5-XXL", UMT5_XXL, untied_t5_shapes, "4x2", None),
     "whisper-large-v3": ("Whisper-large-v3", WHISPER_LARGE_V3, transformers_shapes, "2x2", None),
     "siglip2-so400m": ("SigLIP 2 So400m/14-384", SIGLIP2_SO400M_384, fresh_shapes, "2x2", None),
+    "siglip2-so400m-naflex": ("SigLIP 2 So400m/16 NaFlex", SIGLIP2_SO400M_NAFLEX, fresh_shapes, "2x2", None),
 }
 QUICK = "qwen3-235b"
 
