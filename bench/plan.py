@@ -590,26 +590,10 @@ T5_V1_1_XXL_ENCODER = {
 # google/umt5-xxl's config.json, reconstructed (UMT5: a relative position bias in every layer,
 # gated GELU, untied head, the 256k multilingual vocabulary).
 UMT5_XXL = {
+    **T5_V1_1_XXL_ENCODER,  # T5-v1.1-XXL's sizes
     "architectures": ["UMT5ForConditionalGeneration"],
     "model_type": "umt5",
-    "d_ff": 10240,
-    "d_kv": 64,
-    "d_model": 4096,
-    "decoder_start_token_id": 0,
-    "dropout_rate": 0.1,
-    "eos_token_id": 1,
-    "feed_forward_proj": "gated-gelu",
-    "initializer_factor": 1.0,
-    "is_encoder_decoder": True,
-    "layer_norm_epsilon": 1e-06,
-    "num_decoder_layers": 24,
-    "num_heads": 64,
-    "num_layers": 24,
-    "pad_token_id": 0,
-    "relative_attention_max_distance": 128,
-    "relative_attention_num_buckets": 32,
     "scalable_attention": True,
-    "tie_word_embeddings": False,
     "vocab_size": 256384,
 }
 
