@@ -34,7 +34,10 @@ _EXPORTS = {
     "fill": "._fill",
     "save": "._output",
     "restore": "._output",
+    "restore_plan": "._output",
+    "RestorePlan": "._output",
     "export": "._export",
+    "ExportReport": "._export",
     # adapters: PEFT LoRA adapters attached (`port.nn.LoRA`) and written back
     "lora": "._adapters._lora",
     "export_adapter": "._adapters._export",
@@ -72,12 +75,12 @@ if TYPE_CHECKING:  # what the names are, for type checkers and IDEs; at run time
     from ._adapters._lora import lora
     from ._convert import Conversion, Progress, Report, convert, load
     from ._errors import CheckpointError, ConfigError, MappingError, OutputError, PlanError, PortError, RunError
-    from ._export import export
+    from ._export import ExportReport, export
     from ._fill import fill
     from ._mapping import Mapping, Param, load_mapping, mapping_for, parse_mapping
     from ._meshes import mesh_shape
     from ._model import Model
-    from ._output import restore, save
+    from ._output import RestorePlan, restore, restore_plan, save
     from ._place import place
     from ._plan import LeafPlan, Plan, plan
     from ._runtime import agree, initialize, make_mesh
@@ -91,6 +94,7 @@ __all__ = [  # the names of _EXPORTS, sorted: a literal list, so type checkers a
     "CheckpointError",
     "ConfigError",
     "Conversion",
+    "ExportReport",
     "LeafPlan",
     "Mapping",
     "MappingError",
@@ -102,6 +106,7 @@ __all__ = [  # the names of _EXPORTS, sorted: a literal list, so type checkers a
     "PortError",
     "Progress",
     "Report",
+    "RestorePlan",
     "RunError",
     "Verification",
     "agree",
@@ -123,6 +128,7 @@ __all__ = [  # the names of _EXPORTS, sorted: a literal list, so type checkers a
     "place",
     "plan",
     "restore",
+    "restore_plan",
     "save",
     "scaffold",
     "skeleton",

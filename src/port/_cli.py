@@ -495,11 +495,15 @@ def _export(
         ),
     ] = None,
     mesh: Annotated[
-        str,
+        str | None,
         typer.Option(
-            "--mesh", metavar="SPEC", show_default=False, help="mesh to restore DIR onto first (default: 1x1)"
+            "--mesh",
+            metavar="SPEC",
+            show_default=False,
+            help="mesh to restore DIR onto first (default: every device of the run on the model axis, 1xN; "
+            "1x1 for one process on one device)",
         ),
-    ] = "1x1",
+    ] = None,
     force: Annotated[bool, typer.Option("--force", help="replace --out if it is an earlier port export")] = False,
     adapter_only: Annotated[
         bool,

@@ -241,12 +241,13 @@ def _mapping_named(args: argparse.Namespace, path: Path | None):
 
 
 def _processes(args: argparse.Namespace) -> tuple[int, int]:
-    """The run's process count and each process's share of --mesh's devices, the flags checked."""
+    """The run's process count and each process's share of --mesh's devices, the flags checked
+    (no --mesh, `port export`'s default, the run's own devices: none simulated beyond one each)."""
     from ._meshes import devices_per_process, env_int, mesh_shape
 
-    shape = mesh_shape(args.mesh)
+    shape = None if args.mesh is None else mesh_shape(args.mesh)
     processes = args.num_processes if args.num_processes is not None else env_int("JAX_NUM_PROCESSES") or 1
-    count = devices_per_process(shape, processes, args.mesh)
+    count = 1 if shape is None else devices_per_process(shape, processes, args.mesh)
     if args.timeout <= 0:
         raise PortError(f"--timeout {args.timeout:g}: expected a positive number of seconds")
     return processes, count
@@ -447,14 +448,17 @@ def info_command(args: argparse.Namespace) -> int:
     return 0
 
 
+_REPORTED = ("process", "num_processes", "out", "mesh", "dtype", "quantize", "files", "bytes", "tensors", "params")
+"""The `port.export/1` fields that are the `ExportReport`'s own, as it names them."""
+
+
 def export_command(args: argparse.Namespace) -> int:
     """Write a `port convert` output back as a Hugging Face checkpoint directory."""
     import time
 
     from ._export import parse_size
     from ._memory import PeakMemory
-    from ._meshes import mesh_shape
-    from ._output import port_version, read_output
+    from ._output import read_output
 
     start = time.perf_counter()
     parse_size(args.max_shard_size)  # a bad size is told before anything is read
@@ -470,14 +474,14 @@ def export_command(args: argparse.Namespace) -> int:
     from ._export import export  # JAX's, as restore is: after every check of the flags and the output's metadata
     from ._output import restore
 
+    if args.mesh is None:  # the default, once the run is joined: all its devices
+        args.mesh = _spanning_mesh()
+
     report = _report_file(args)
     bar: Progress | Literal[False] | None = None  # False: asked for once, not wanted
 
-    last = None
-
     def progress(at) -> None:
-        nonlocal bar, last
-        last = at
+        nonlocal bar
         if bar is None:
             bar = _progress(args.progress, at.leaves, at.total) or False
             if bar:
@@ -492,7 +496,7 @@ def export_command(args: argparse.Namespace) -> int:
         if args.adapter_only:
             return _export_adapter_only(args, output, model)
         try:
-            out = export(
+            exported = export(
                 model,
                 args.out,
                 output if args.source is None else args.source,
@@ -506,41 +510,36 @@ def export_command(args: argparse.Namespace) -> int:
         finally:
             if bar:
                 bar.stop()
-    files = sorted(p.name for p in out.iterdir() if p.name.endswith(".safetensors"))
-    size = sum((out / name).stat().st_size for name in files)
-    written = last.done if last else 0
-    import jax
-
-    summary = {
+    figures = exported.to_json()
+    summary = {  # the report's figures; the time and the peak the whole command's, restore's included
         "schema": "port.export/1",
         "directory": str(output.directory),
-        "process": jax.process_index(),
-        "num_processes": jax.process_count(),
-        "out": str(out),
-        "mesh": mesh_shape(args.mesh),
-        "dtype": args.dtype,
-        "quantize": args.quantize,
-        "files": files,
-        "bytes": size,
-        "tensors": len(output.sources or ()),
-        "params": sum(leaf.size for leaf in output.leaves.values()),
+        **{k: figures[k] for k in _REPORTED},
         "seconds": round(time.perf_counter() - start, 3),
-        "bytes_read": _blocks_held(model),
-        "bytes_written": written,
+        "bytes_read": exported.bytes_held,  # DIR's blocks this process's devices hold: what restore read
+        "bytes_written": exported.bytes_written,
         "peak_host_bytes": peak.bytes,
-        "port_version": port_version(),
+        "port_version": exported.port_version,
     }
-    if _summarize(summary, report, out, args.json):
+    if _summarize(summary, report, exported.out, args.json):
         return 0
-    who, share = "", ""
-    if jax.process_count() > 1:  # each process wrote the blocks its devices hold
-        who = f"process {jax.process_index()}/{jax.process_count()}: "
+    who, share, written, files = "", "", exported.bytes_written, exported.files
+    if exported.num_processes > 1:  # each process wrote the blocks its devices hold
+        who = f"process {exported.process}/{exported.num_processes}: "
         share = f", this process wrote {size_text(written)} ({written} bytes)"
     say(
         f"{who}exported {args.dir}: {len(files)} safetensors file{'s' if len(files) > 1 else ''}, "
-        f"{size_text(size)}{share} -> {out}"
+        f"{size_text(exported.bytes)}{share} -> {exported.out}"
     )
     return 0
+
+
+def _spanning_mesh() -> str:
+    """`port export`'s default --mesh, in a joined run: every device of every process on the
+    model axis (`1x1` for one process on one device)."""
+    import jax
+
+    return f"1x{jax.device_count()}"
 
 
 def _adapted(leaves: Collection[str]) -> bool:
@@ -559,21 +558,6 @@ def _export_adapter_only(args: argparse.Namespace, output, model) -> int:
         return 0
     say(f"exported the adapter of {args.dir}: {', '.join(files)} -> {out}")
     return 0
-
-
-def _blocks_held(model) -> int:
-    """Bytes of the distinct blocks this process's devices hold of `model`'s arrays: what `restore`
-    read from the output (each distinct block once)."""
-    import jax
-
-    total = 0
-    for array in jax.tree.leaves(model):
-        if isinstance(array, jax.Array):
-            blocks = {
-                tuple((s.start, s.stop) for s in shard.index): shard.data.nbytes for shard in array.addressable_shards
-            }
-            total += sum(blocks.values())
-    return total
 
 
 def _dtype_short(name: str) -> str:

@@ -25,10 +25,12 @@ leaves nothing.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
 from collections.abc import Mapping as AnyMapping
 from dataclasses import dataclass
@@ -44,10 +46,11 @@ from .._destination import check_destination, check_free, make_partial, partial_
 from .._dtypes import dtype as dtype_named
 from .._errors import CheckpointError, ConfigError, OutputError, PlanError, PortError, RunError
 from .._mapping import CARRIED, Mapping, TextExport, mapping_for
+from .._memory import PeakMemory
 from .._model import is_model
 from .._output import Output, port_version, read_output
 from .._output._restore import model_class
-from .._plan import is_none, plan
+from .._plan import Plan, is_none, plan
 from .._runtime import exchange, num_processes
 from .._skeleton import describe_model, skeleton
 from .._sources import Checkpoint, TensorInfo, open_checkpoint, raw_header
@@ -55,9 +58,11 @@ from .._targets import is_nnx, leaves, target_of
 from .._text import quoted
 from ..nn._lora import merged
 from ._blocks import Block, block_data, blocks, extent, gather, local_shards
+from ._derive import derive
 from ._invert import Inverse, invert
 from ._quantize import Quantization, Target, plan_fp8, scales_reader, write_quantized
 from ._quantize_args import DEFAULT_BLOCK, check_method, parse_block
+from ._report import ExportReport, blocks_held, mesh_of
 from ._safetensors import INDEX, SINGLE, OutTensor, Writer, parse_size
 from ._staging import Staging
 
@@ -209,9 +214,11 @@ class _Source:
     """What export takes from its source: each tensor's shape and the dtype it is written in
     unquantized (a quantized tensor's: the checkpoint's dtype, as it loads), the config, the
     output (for a port output), and the checkpoint's own tensors (None for an output) with
-    the checkpoint, while it is kept open to read its FP8 scales."""
+    the checkpoint, while it is kept open to read its FP8 scales. `headers` is None where
+    there is no source to take them from (a model trained from scratch, a `port.save` output
+    recording no `sources`): `_export` derives them from the model (`_derive`)."""
 
-    headers: dict[str, tuple[tuple[int, ...], np.dtype]]
+    headers: dict[str, tuple[tuple[int, ...], np.dtype]] | None
     config: AnyMapping[str, Any]
     output: Output | None = None
     tensors: AnyMapping[str, TensorInfo] | None = None
@@ -220,7 +227,9 @@ class _Source:
 
 def read_source(source: Any, opened: contextlib.ExitStack | None) -> _Source:
     """The source's headers and config (see `_Source`); a checkpoint it opens is closed at once,
-    or kept open in `opened`."""
+    or kept open in `opened`. No source (None): no headers and no config (the caller's)."""
+    if source is None:
+        return _Source(None, {})
     if isinstance(source, Checkpoint):
         return _Source(_loaded(source), source.config, None, source.tensors, source)
     path = Path(source) if isinstance(source, (str, os.PathLike)) else None
@@ -228,13 +237,7 @@ def read_source(source: Any, opened: contextlib.ExitStack | None) -> _Source:
         path is not None and (path / "port").is_dir() and not (path / "config.json").exists()
     ):
         output = source if isinstance(source, Output) else read_output(source)
-        path = output.directory
-        if output.sources is None:
-            raise OutputError(
-                f"{path}: records no source tensors (written by port.save without `sources`); pass the "
-                "checkpoint it was converted from as the source"
-            )
-        return _Source(output.sources, output.config, output)
+        return _Source(output.sources, output.config, output)  # no sources (port.save's): derived
     if path is None and not isinstance(source, str):
         raise PortError(f"`source`: expected a checkpoint, a port output or a Checkpoint, got {quoted(source)}")
     if opened is None:
@@ -272,7 +275,7 @@ def _expected(model: Any, mapping: Mapping, config: AnyMapping[str, Any], output
 def _check_fits(model: Any, mapping: Mapping, config: AnyMapping[str, Any], source: Any, output: Output | None) -> None:
     """`PlanError` naming the first leaf where `model` differs from the module the source's config builds."""
     expected, where = _expected(model, mapping, config, output)
-    where = f"{where} of {quoted(str(source))}" if output is None else where
+    where = f"{where} of {quoted(str(source))}" if output is None and source is not None else where
     target = target_of(model)
     own = target.own(model)
     actual = {
@@ -303,6 +306,25 @@ def _check_fits(model: Any, mapping: Mapping, config: AnyMapping[str, Any], sour
         raise PlanError(sorted(problems))
 
 
+def _planned(
+    model: Any, mapping: Mapping, tensors: AnyMapping[str, TensorInfo], config: AnyMapping[str, Any], derived: bool
+) -> Plan:
+    """The forward plan of `model` from the source's headers; for derived ones, the check that
+    they give back every leaf (a `PlanError` then is port's derivation's, and says so)."""
+    try:
+        return plan(model, mapping, tensors, config, _mesh_axes(mapping))
+    except PlanError as e:
+        if not derived:
+            raise
+        raise PlanError(
+            [
+                f"the tensors derived from the model do not plan back to it (a bug in port's derivation: pass "
+                f"the checkpoint it came from as the source): {problem}"
+                for problem in e.problems
+            ]
+        ) from None
+
+
 def _mesh_axes(mapping: Mapping) -> dict[str, int]:
     """A one-device mesh shape with every axis the mapping's rules name: the plan is only walked backwards."""
     axes = {"data": 1, "model": 1}
@@ -314,7 +336,7 @@ def _mesh_axes(mapping: Mapping) -> dict[str, int]:
 def export(
     model: Any,
     out: str | os.PathLike,
-    source: str | os.PathLike | Checkpoint | Output,
+    source: str | os.PathLike | Checkpoint | Output | None = None,
     *,
     config: AnyMapping[str, Any] | None = None,
     mapping: str | os.PathLike | Mapping | None = None,
@@ -324,7 +346,7 @@ def export(
     quantize_block: str | int | tuple[int, int] | None = None,
     force: bool = False,
     progress: Callable[[Progress], None] | None = None,
-) -> Path:
+) -> ExportReport:
     """Write `model` as a Hugging Face checkpoint directory: `config.json` and safetensors, by the mapping.
 
     **Arguments:**
@@ -340,8 +362,14 @@ def export(
       an open `Checkpoint`) or a `port convert` output, which records them (its directory,
       or the `Output` `read_output` read from it). A quantized source's tensors are
       written in the checkpoint's dtype, and its `quantization_config` left out, unless
-      `quantize` says otherwise.
-    - `config`: the Hugging Face config written as `config.json` (default: the source's).
+      `quantize` says otherwise. None (a model trained from scratch, `Llama.from_config`):
+      each tensor's name, shape and dtype is derived from the mapping, `config` and the
+      model's leaves (`_export._derive` gives the rule; a transform whose inverse is
+      ambiguous, such as DINOv2's `cls_token` reshape, is refused in one line naming it),
+      then checked by planning the model from them. A `port.save` output that records no
+      source tensors (a from-scratch model's) is derived from in the same way.
+    - `config`: the Hugging Face config written as `config.json` (default: the source's);
+      required without a `source`: the config the model was built from.
     - `mapping`: a `Mapping` or a mapping file; default: the output's own (for a `port
       convert` output), else the shipped one for the config's `model_type`.
     - `max_shard_size`: the largest file, as `"5GB"`, `"500MB"` or bytes; a tensor larger
@@ -357,13 +385,18 @@ def export(
     - `progress`: called with a `Progress` (phase "write", bytes this process wrote of its
       share) as writing starts and after each block (or whole tensor) written.
 
-    Returns the absolute output path. A one-line `PortError` for bad input: `PlanError`
+    **Returns:** an `ExportReport`: the output directory (`.out`, absolute), the files, bytes,
+    tensors and params written, this process's share (`bytes_written`), seconds and peak
+    host memory, as `port export` prints them. It is `os.PathLike` for the directory, so
+    `Path(report)` and `transformers...from_pretrained(report)` take it as the path `export`
+    returned before. A one-line `PortError` for bad input: `PlanError`
     for a model that does not fit the mapping or a mapping that cannot be inverted (a
     fused tensor with a part no entry keeps), `OutputError` for `out`.
 
     ```python
     model = port.load("gpt2", mesh="4x2")
-    port.export(model, "gpt2-hf", "gpt2", max_shard_size="200MB")
+    report = port.export(model, "gpt2-hf", "gpt2", max_shard_size="200MB")
+    report.out, report.files             # Path('/.../gpt2-hf'), ('model-00001-of-00003.safetensors', ...)
     port.export(port.load("tiny-deepseek-fp8"), "again-fp8", "tiny-deepseek-fp8", quantize="fp8")
     ```
     """
@@ -374,10 +407,13 @@ def export(
     if quantize is not None:
         check_method(quantize)
     block = None if quantize is None else parse_block(DEFAULT_BLOCK if quantize_block is None else quantize_block)
-    with contextlib.ExitStack() as opened:  # the source checkpoint, open while its FP8 scales may be read
+    start = time.perf_counter()
+    # The source checkpoint, open while its FP8 scales may be read; host memory sampled throughout.
+    with PeakMemory() as peak, contextlib.ExitStack() as opened:
         found = read_source(source, opened if block is not None else None)
         source = source.directory if isinstance(source, Output) else source  # as messages name it
-        return _export(model, out, source, found, config, mapping, limit, dtype, block, force, progress)
+        report = _export(model, out, source, found, config, mapping, limit, dtype, block, force, progress)
+    return dataclasses.replace(report, seconds=round(time.perf_counter() - start, 3), peak_host_bytes=peak.bytes)
 
 
 def _export(
@@ -392,20 +428,29 @@ def _export(
     block: tuple[int, int] | None,
     force: bool,
     progress: Callable[[Progress], None] | None,
-) -> Path:
-    """`export` once its arguments are checked and its source read."""
-    headers = found.headers
+) -> ExportReport:
+    """`export` once its arguments are checked and its source read; the report's `seconds` and
+    `peak_host_bytes` are left for `export`, which measures the whole call."""
+    if source is None and config is None:
+        raise PortError(
+            "`config`: a model exported without a `source` (trained from scratch) needs the config it was "
+            "built from, config=..."
+        )
+    derived = found.headers is None  # no source tensors to take: derived from the model
     config = dict(found.config if config is None else config)
     kept = found.output if mapping is None else None  # the output's own mapping: its `model` is not imported
     # Without a mapping, the shipped one whose model this is (an encoder alone exports as one).
-    mapping = mapping_for(config, mapping if kept is None else kept.mapping, keys=headers, built=type(model))
-    mapping, headers, config = plain(mapping, headers, config)  # an adapter kept: the merged model's base
+    mapping = mapping_for(config, mapping if kept is None else kept.mapping, keys=found.headers, built=type(model))
+    # An adapter kept: the merged model's base.
+    mapping, headers, config = plain(mapping, found.headers or {}, config)
     inputs = (source,) if isinstance(source, (str, os.PathLike)) and Path(source).exists() else ()
     out = check_destination(out, force, inputs, ours=is_export, what=_EXPORT)
     _check_fits(model, mapping, config, source, kept)
+    if derived:
+        headers = derive(model, mapping, config)
     nowhere = Path("<source>")  # no tensor data is read: one path for every header
     tensors = {k: TensorInfo(k, nowhere, np.dtype(d), tuple(s), 0) for k, (s, d) in headers.items()}
-    recipe = plan(model, mapping, tensors, config, _mesh_axes(mapping))
+    recipe = _planned(model, mapping, tensors, config, derived)
     arrays = leaves(model)
     for leaf in recipe.leaves:
         array = arrays.get(leaf.path)
@@ -497,7 +542,23 @@ def _export(
                 raise OutputError(f"out={out}: the processes wrote {wrote}, not the {nbytes} bytes laid out")
             put_in_place(partial, out, force, ours=is_export, what=_EXPORT)
         exchange("export-done", "", "word that the export is in place")
-    return out
+    return ExportReport(
+        out=out,
+        process=me,
+        num_processes=processes,
+        mesh=mesh_of(arrays),
+        dtype=None if dtype is None else dtype.name,
+        quantize=None if block is None else "fp8",
+        files=tuple(sorted(writer.sizes)),
+        bytes=sum(writer.sizes.values()),
+        tensors=len(layout),
+        params=recipe.params,
+        bytes_held=blocks_held(model),
+        bytes_written=done,
+        seconds=0.0,
+        peak_host_bytes=0,
+        port_version=port_version(),
+    )
 
 
 def _text_only_config(config: AnyMapping[str, Any], text_only: TextExport, tied_head: bool) -> dict[str, Any]:

@@ -272,6 +272,10 @@ class Writer:
             headers.append(header)
             where.update((key, (name, offset)) for key, offset in offsets.items())
         self.offsets = {t.key: where[t.key] for t in tensors}
+        self.sizes = {
+            name: len(h) + sum(t.nbytes for t in shard) for name, shard, h in zip(self.files, self.shards, headers)
+        }
+        """Each file's size on disk, header included, by name."""
         keys = self.tensors.keys() if write is None else set(write)
         self._order = [t.key for t in tensors if t.key in keys]  # what close checks, in the given order
         self._pending = set(self._order)
@@ -287,8 +291,8 @@ class Writer:
             raise OutputError(f"{self.directory}: cannot open the output directory: {e.strerror or e}") from None
         try:
             needed = {self.offsets[key][0] for key in self._order}
-            for name, shard, header in zip(self.files, self.shards, headers):
-                size = len(header) + sum(t.nbytes for t in shard)
+            for name, header in zip(self.files, headers):
+                size = self.sizes[name]
                 if create:
                     self._create(name, header, size)
                 elif name in needed:

@@ -209,11 +209,13 @@ def restore_plan(
     - `mesh`: a `Mesh`, a spec such as `"2x4"`, or axis sizes such as `{"data": 2, "model": 4}`
       (default: one device).
 
-    Returns a `RestorePlan`. Raises `OutputError` when the output's mapping rules name a
-    mesh axis `mesh` does not have (its leaves cannot be placed on it).
+    **Returns:** a `RestorePlan`: each leaf's `LeafPlacement` (its `PartitionSpec`, notes on
+    what is replicated, bytes per device) and the totals. Raises `OutputError` when the
+    output's mapping rules name a mesh axis `mesh` does not have (its leaves cannot be
+    placed on it).
 
     ```python
-    plan = restore_plan("gpt2-jax", "2x4")
+    plan = port.restore_plan("gpt2-jax", "2x4")
     plan.leaves[0].spec       # PartitionSpec(None, 'data'): vocab 50257 not divisible by model=4
     plan.device_bytes         # bytes each device holds once restored
     ```
