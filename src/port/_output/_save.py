@@ -48,8 +48,8 @@ import numpy as np
 
 from .._destination import make_partial, partial_path, put_in_place, writing
 from .._disk import sync_directory, write_new
-from .._errors import OutputError, RunError
-from .._mapping import Mapping
+from .._errors import OutputError, PortError, RunError
+from .._mapping import Mapping, mapping_for
 from .._pipeline import InFlight
 from .._runtime import exchange, num_processes
 from .._targets import leaves, path_str, target_of
@@ -509,8 +509,8 @@ def _metadata_of(
 def save(
     model: Any,
     directory: str | os.PathLike,
-    mapping: Mapping,
-    config: AnyMapping[str, Any],
+    mapping: Mapping | str | os.PathLike | None = None,
+    config: AnyMapping[str, Any] | None = None,
     force: bool = False,
     sources: AnyMapping[str, Any] | None = None,
     include: Sequence[str] | None = None,
@@ -523,9 +523,12 @@ def save(
     - `model`: the module whose `jax.Array` leaves are saved (sharded as they are; each
       process writes its own shards).
     - `directory`: the output, a directory `save` creates (see the layout above).
-    - `mapping`: the `Mapping` the model was converted with; its text and each leaf's
-      logical axes go into `port/metadata`, for `restore` to shard the leaves on a new mesh.
-    - `config`: the checkpoint's `config.json`, from which `restore` rebuilds the module.
+    - `mapping`: the `Mapping` the model was converted with (or a mapping file); its text
+      and each leaf's logical axes go into `port/metadata`, for `restore` to shard the
+      leaves on a new mesh. Default: the shipped one for `config` (as `mapping_for` picks
+      it for the model's class): a model built from scratch needs only its config.
+    - `config`: the checkpoint's `config.json` (a model built from scratch: the config it
+      was built from), from which `restore` rebuilds the module; required.
     - `force`: replace an earlier port output at `directory` (and nothing else, see
       `check_out`); it stays complete until the new output is.
     - `sources`: the checkpoint's tensor headers (`Checkpoint.tensors`), recorded so that
@@ -545,8 +548,15 @@ def save(
     with port.open_checkpoint("ckpt/gpt2") as ckpt:
         model = port.load("ckpt/gpt2", mesh="4x2")
         save(model, "gpt2-jax", port.mapping_for(ckpt.config), ckpt.config)
+    save(Llama.from_config(config, key=jax.random.key(0)), "llama-jax", config=config)  # from scratch
     ```
+
+    An output saved without `sources` (a model built from scratch) exports all the same:
+    `port export` derives the tensors from the mapping, the config and the leaves.
     """
+    if config is None:
+        raise PortError("`config`: save needs the config.json the model is built from (config=...)")
+    mapping = mapping_for(config, mapping, built=type(model))
     directory = check_out(directory, force, name="directory")
     with Saving(directory, force, progress, name="directory") as saving:
         own = target_of(model).own(model)
