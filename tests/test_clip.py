@@ -340,7 +340,7 @@ def test_a_tower_of_the_dual_checkpoint_exports_as_its_class(twins, loaded, towe
 
     transformers = transformers_or_skip()
     model, directory = twins("dual")
-    out = port.export(loaded(directory, "4x2", tower), tmp_path / tower, directory, mapping=tower)
+    out = port.export(loaded(directory, "4x2", tower), tmp_path / tower, directory, mapping=tower).out
     config = json.loads((out / "config.json").read_text())
     vision = "vision" in tower
     assert config["model_type"] == ("clip_vision_model" if vision else "clip_text_model")
@@ -363,7 +363,7 @@ def test_export_round_trip(twins, loaded, name, tmp_path):
 
     transformers = transformers_or_skip()
     _, directory = twins(name)
-    out = port.export(loaded(directory, "4x2"), tmp_path / "hf", directory)
+    out = port.export(loaded(directory, "4x2"), tmp_path / "hf", directory).out
     with safe_open(directory / "model.safetensors", "np") as src, safe_open(out / "model.safetensors", "np") as dst:
         assert set(src.keys()) == set(dst.keys())
         for key in src.keys():

@@ -202,7 +202,7 @@ def test_export_round_trip(checkpoints, loaded, tmp_path, name):
     import torch
 
     directory, torch_lm, _ = checkpoints(name)
-    out = port.export(loaded(name, "4x2"), tmp_path / "hf", directory)
+    out = port.export(loaded(name, "4x2"), tmp_path / "hf", directory).out
     source, written = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert written.keys() == source.keys()
     for key, value in source.items():

@@ -233,7 +233,7 @@ def test_export_round_trip(twins, loaded, case, tmp_path):
     from safetensors.numpy import load_file
 
     model, directory = twins(case)
-    out = port.export(loaded(case, "4x2"), tmp_path / "hf", directory)
+    out = port.export(loaded(case, "4x2"), tmp_path / "hf", directory).out
     source, exported = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert exported.keys() == source.keys()
     for key, value in source.items():

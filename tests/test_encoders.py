@@ -203,7 +203,7 @@ def test_export_round_trip(family, name, tmp_path):
     import torch
 
     model, directory = family(name)
-    out = port.export(port.load(directory, mesh=port.make_mesh("4x2")), tmp_path / "hf", directory)
+    out = port.export(port.load(directory, mesh=port.make_mesh("4x2")), tmp_path / "hf", directory).out
     source, exported = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert exported.keys() == source.keys()
     for key, value in source.items():

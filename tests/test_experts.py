@@ -203,7 +203,7 @@ def test_export_writes_every_expert_back(workspace):
 
     root, source = workspace
     model = port.load(root / "ckpt", mapping=root / "experts.toml", mesh="data=2,expert=2,model=2")
-    out = port.export(model, root / "hf", root / "ckpt", mapping=root / "experts.toml")
+    out = port.export(model, root / "hf", root / "ckpt", mapping=root / "experts.toml").out
     written = load_file(out / "model.safetensors")
     assert written.keys() == source.keys()
     for key, value in source.items():

@@ -351,7 +351,7 @@ def test_a_model_changed_in_jax_exports_the_change(ported, name, tmp_path):
     model = port.load(source, mesh="4x2")
     doubled = eqx.apply_updates(model, eqx.filter(model, eqx.is_inexact_array))  # x + x == 2x exactly
     out = tmp_path / "hf"
-    written = port.export(doubled, out, source)
+    written = port.export(doubled, out, source).out
     assert isinstance(written, Path) and written.resolve() == out.resolve()
     class_name, kwargs = CASES[name]
     original, _ = from_pretrained(class_name, source, **kwargs)
@@ -370,12 +370,12 @@ def test_source_may_be_a_checkpoint_an_open_checkpoint_or_a_convert_output(porte
     run = ported("gpt2")
     model = port.restore(run.converted, mesh="4x2")
     written = {}
-    written["directory"] = port.export(model, tmp_path / "a", run.source)
+    written["directory"] = port.export(model, tmp_path / "a", run.source).out
     with port.open_checkpoint(run.source) as ckpt:
-        written["open"] = port.export(model, tmp_path / "b", ckpt)
-    written["convert output"] = port.export(model, tmp_path / "c", run.converted)
+        written["open"] = port.export(model, tmp_path / "b", ckpt).out
+    written["convert output"] = port.export(model, tmp_path / "c", run.converted).out
     config = {**config_of(run.source), "note": "mine"}
-    written["config"] = port.export(model, tmp_path / "d", run.source, config=config)
+    written["config"] = port.export(model, tmp_path / "d", run.source, config=config).out
     expected = (run.exported / "model.safetensors").read_bytes()
     for how, out in written.items():
         assert (out / "model.safetensors").read_bytes() == expected, how
@@ -431,7 +431,7 @@ def test_ignored_buffers_and_tied_duplicates_are_not_written(name, tmp_path):
     import torch
 
     model = with_extras(name, tmp_path / "source")
-    out = port.export(port.load(tmp_path / "source", mesh="4x2"), tmp_path / "hf", tmp_path / "source")
+    out = port.export(port.load(tmp_path / "source", mesh="4x2"), tmp_path / "hf", tmp_path / "source").out
     source, _ = read_model_dir(tmp_path / "source")
     tensors, _ = read_model_dir(out)
     dropped = set(source) - set(tensors)

@@ -63,7 +63,7 @@ def test_a_wrappers_language_model_exports_text_only(name, tmp_path):
     source = tmp_path / "source"
     torch_wrapper(name).save_pretrained(source)
     model = port.load(source, mesh="4x2")
-    out = port.export(model, tmp_path / "hf", source)
+    out = port.export(model, tmp_path / "hf", source).out
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == text_type and config["architectures"] == [text_class]
     assert "vision_config" not in config and "text_config" not in config

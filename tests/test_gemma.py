@@ -289,7 +289,7 @@ def test_export_round_trip_is_bit_identical(checkpoints, loaded, family, tmp_pat
 
     transformers = transformers_or_skip()
     source = checkpoints(family).directory
-    out = port.export(loaded(family, "4x2"), tmp_path / "hf", source)
+    out = port.export(loaded(family, "4x2"), tmp_path / "hf", source).out
     cls = getattr(transformers, f"{FAMILIES[family][0]}ForCausalLM")
     exported, info = cls.from_pretrained(out, output_loading_info=True)
     for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):

@@ -191,7 +191,7 @@ def test_export_round_trip_is_bit_identical(checkpoints, loaded, tmp_path):
 
     transformers = transformers_or_skip()
     source = checkpoints("text").directory
-    out = port.export(loaded("text", "4x2"), tmp_path / "hf", source)
+    out = port.export(loaded("text", "4x2"), tmp_path / "hf", source).out
     exported, info = transformers.Gemma3ForCausalLM.from_pretrained(out, output_loading_info=True)
     for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         assert not info[what], f"{what}: {info[what]}"
@@ -211,7 +211,7 @@ def test_a_wrappers_language_model_exports_as_a_text_only_checkpoint(checkpoints
     transformers = transformers_or_skip()
     source = checkpoints("wrapper").directory
     model = loaded("wrapper", "4x2")
-    out = port.export(model, tmp_path / "hf", source)
+    out = port.export(model, tmp_path / "hf", source).out
     config = json.loads((out / "config.json").read_text())
     wrapper = json.loads((source / "config.json").read_text())
     assert config["model_type"] == "gemma3_text" and config["architectures"] == ["Gemma3ForCausalLM"]
@@ -255,7 +255,7 @@ def test_the_wrapper_classs_own_key_names_load_and_export_too(checkpoints, tmp_p
     save_file(new, renamed / "model.safetensors", metadata={"format": "pt"})
     model = port.load(renamed)
     assert diff(model, checkpoints("wrapper").logits) < 1e-4
-    out = port.export(model, tmp_path / "hf", renamed)
+    out = port.export(model, tmp_path / "hf", renamed).out
     written = load_file(out / "model.safetensors")
     assert written.keys() == {k.replace("language_model.", "", 1) for k in new if k.startswith("model.language_model.")}
 

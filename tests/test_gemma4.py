@@ -213,7 +213,7 @@ def test_export_round_trip_is_bit_identical(checkpoints, loaded, name, tmp_path)
 
     transformers = transformers_or_skip()
     source = checkpoints(name).directory
-    out = port.export(loaded(name, "4x2"), tmp_path / "hf", source)
+    out = port.export(loaded(name, "4x2"), tmp_path / "hf", source).out
     exported, info = transformers.Gemma4ForCausalLM.from_pretrained(out, output_loading_info=True)
     for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         assert not info[what], f"{what}: {info[what]}"
@@ -232,7 +232,7 @@ def test_a_wrappers_language_model_exports_as_a_text_only_checkpoint(checkpoints
     transformers = transformers_or_skip()
     source = checkpoints("wrapper").directory
     model = loaded("wrapper", "4x2")
-    out = port.export(model, tmp_path / "hf", source)
+    out = port.export(model, tmp_path / "hf", source).out
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "gemma4_text" and config["architectures"] == ["Gemma4ForCausalLM"]
     written, read = load_file(out / "model.safetensors"), load_file(source / "model.safetensors")

@@ -241,7 +241,7 @@ def test_export_round_trip(checkpoints, name, tmp_path):
 
     transformers = transformers_or_skip()
     directory, original, _ = checkpoints(name)
-    out = port.export(port.load(directory, mesh="4x2"), tmp_path / "hf", directory)
+    out = port.export(port.load(directory, mesh="4x2"), tmp_path / "hf", directory).out
     exported, info = transformers.GPTNeoXForCausalLM.from_pretrained(out, output_loading_info=True)
     for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         assert not info[what], f"{what}: {info[what]}"

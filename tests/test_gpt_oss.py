@@ -292,7 +292,7 @@ def test_export_round_trip(checkpoint, tmp_path):
     import torch
 
     _, directory, _, model = checkpoint
-    out = port.export(model, tmp_path / "hf", directory)
+    out = port.export(model, tmp_path / "hf", directory).out
     source, written = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert written.keys() == source.keys()
     for key, value in source.items():

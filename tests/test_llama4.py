@@ -341,7 +341,7 @@ def test_export_round_trip(checkpoint, tmp_path):
     import torch
 
     torch_lm, directory, _, _ = checkpoint
-    out = port.export(port.load(directory, mesh="4x2"), tmp_path / "hf", directory)
+    out = port.export(port.load(directory, mesh="4x2"), tmp_path / "hf", directory).out
     source, written = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert written.keys() == source.keys()
     for key, value in source.items():

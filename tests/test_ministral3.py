@@ -121,7 +121,7 @@ def test_export_round_trip(checkpoints, tmp_path):
 
     transformers = transformers_or_skip()
     directory, original, _ = checkpoints("ministral3")
-    out = port.export(port.load(directory, mesh="4x2"), tmp_path / "hf", directory)
+    out = port.export(port.load(directory, mesh="4x2"), tmp_path / "hf", directory).out
     source, exported = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert exported.keys() == source.keys()
     for key, value in source.items():
@@ -142,7 +142,7 @@ def test_a_mistral3_language_model_exports_as_its_text_only_class(checkpoints, t
     transformers = transformers_or_skip()
     directory, _, expected = checkpoints(name)
     model = port.load(directory)
-    out = port.export(model, tmp_path / "hf", directory)
+    out = port.export(model, tmp_path / "hf", directory).out
     config = json.loads((out / "config.json").read_text())
     kind, cls = ("ministral3", "Ministral3ForCausalLM") if name == "mistral3" else ("mistral", "MistralForCausalLM")
     assert (config["model_type"], config["architectures"]) == (kind, [cls])

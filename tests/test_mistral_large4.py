@@ -239,7 +239,7 @@ def test_export_round_trip(checkpoints, loaded, tmp_path):
     from safetensors.numpy import load_file
 
     directory, _, _ = checkpoints("base")
-    out = port.export(loaded("base", "4x2"), tmp_path / "hf", directory)
+    out = port.export(loaded("base", "4x2"), tmp_path / "hf", directory).out
     source, written = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     ignored = ("vision_encoder.", "patch_merger.", "pre_mm_projector_norm.", "vision_language_adapter.")
     language = {k: v for k, v in source.items() if not k.startswith(ignored)}

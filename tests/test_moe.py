@@ -370,7 +370,7 @@ def test_export_round_trip(checkpoints, name, mesh, tmp_path):
 
     directory, _, _ = checkpoints(name)
     model = port.load(directory, mesh=mesh)
-    out = port.export(model, tmp_path / "hf", directory)
+    out = port.export(model, tmp_path / "hf", directory).out
     source, written = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert written.keys() == source.keys()
     for key, value in source.items():

@@ -188,7 +188,7 @@ def test_export_round_trip(checkpoints, family, tmp_path):
     transformers = transformers_or_skip()
     directory, original, _ = checkpoints(family)
     model = port.load(directory, mesh=port.make_mesh("4x2"))
-    out = port.export(model, tmp_path / "hf", directory)
+    out = port.export(model, tmp_path / "hf", directory).out
     source, exported = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert exported.keys() == source.keys()
     for key, value in source.items():

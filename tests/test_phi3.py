@@ -189,7 +189,7 @@ def test_export_rebuilds_the_fused_tensors(checkpoints, name, tmp_path):
     transformers = transformers_or_skip()
     directory, original, _ = checkpoints(name)
     model = port.load(directory, mesh=port.make_mesh("4x2"))
-    out = port.export(model, tmp_path / "hf", directory)
+    out = port.export(model, tmp_path / "hf", directory).out
     source, exported = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert exported.keys() == source.keys()
     assert exported["model.layers.1.self_attn.qkv_proj.weight"].shape == ((HEADS + 2 * KV) * HEAD_DIM, HIDDEN)

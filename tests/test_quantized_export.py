@@ -227,7 +227,9 @@ def test_assembled_whole_on_the_host_the_same_bytes(bf16_qwen3, fp8_export, tmp_
     import port._export._export as exporting
 
     monkeypatch.setattr(exporting, "blocks", lambda inverse, arrays: None)
-    out = port.export(port.load(bf16_qwen3, mesh="4x2"), tmp_path / "hf", bf16_qwen3, quantize="fp8", quantize_block=16)
+    out = port.export(
+        port.load(bf16_qwen3, mesh="4x2"), tmp_path / "hf", bf16_qwen3, quantize="fp8", quantize_block=16
+    ).out
     for name in ("config.json", "model.safetensors"):
         assert (out / name).read_bytes() == (fp8_export / name).read_bytes()
 
@@ -237,7 +239,7 @@ def test_progress_counts_the_bytes_written(bf16_qwen3, tmp_path):
     progress ends at the bytes written, values and scales."""
     seen = []
     model = port.load(bf16_qwen3, mesh="4x2")
-    out = port.export(model, tmp_path / "hf", bf16_qwen3, quantize="fp8", progress=seen.append)
+    out = port.export(model, tmp_path / "hf", bf16_qwen3, quantize="fp8", progress=seen.append).out
     written = sum(v.nbytes for v in tensors_of(out).values())
     assert seen[-1].done == seen[-1].total == written
     assert json.loads((out / "config.json").read_text())["quantization_config"]["weight_block_size"] == [128, 128]
@@ -249,7 +251,7 @@ def test_modules_to_not_convert_are_left_as_they_are(bf16_qwen3, tmp_path):
     skip = ["model.layers.1.mlp", "o_proj", "model.layers.*.self_attn.k_proj"]
     config["quantization_config"] = {"quant_method": "fp8", "modules_to_not_convert": skip}
     model = port.load(bf16_qwen3, mesh="1x1")
-    out = port.export(model, tmp_path / "hf", bf16_qwen3, config=config, quantize="fp8", quantize_block=BLOCK)
+    out = port.export(model, tmp_path / "hf", bf16_qwen3, config=config, quantize="fp8", quantize_block=BLOCK).out
     written = tensors_of(out)
     kept = {k for k, v in written.items() if k.endswith("_proj.weight") and v.dtype == BF16}
     assert kept == {
@@ -312,7 +314,7 @@ def test_an_fp8_source_exported_unchanged_is_written_back_byte_for_byte(fp8_sour
 
     source = fp8_sources(name, scale_dtype)
     model = port.load(source, mesh="4x2")
-    out = port.export(model, tmp_path / "hf", source, quantize="fp8", quantize_block=BLOCK)
+    out = port.export(model, tmp_path / "hf", source, quantize="fp8", quantize_block=BLOCK).out
     original, written = tensors_of(source), tensors_of(out)
     assert written.keys() == original.keys()
     for key, value in original.items():
@@ -350,7 +352,7 @@ def test_the_command_line_writes_the_source_back_given_source(fp8_sources, tmp_p
 def unquantized(fp8_sources, tmp_path_factory):
     """The uneven Qwen3's FP8 checkpoint loaded by port and exported without quantize."""
     source = fp8_sources("qwen3-uneven")
-    return port.export(port.load(source, mesh="1x1"), tmp_path_factory.mktemp("unquantized") / "hf", source)
+    return port.export(port.load(source, mesh="1x1"), tmp_path_factory.mktemp("unquantized") / "hf", source).out
 
 
 def test_an_fp8_source_exported_without_quantize_is_written_in_bfloat16(fp8_sources, unquantized):
@@ -465,7 +467,7 @@ def test_two_processes_quantize_the_blocks_they_hold(tmp_path):
     port.convert(EXAMPLE, mesh="1x1", out=converted)
     single = port.export(
         port.restore(converted, mesh="4x2"), tmp_path / "one", converted, quantize="fp8", quantize_block=BLOCK
-    )
+    ).out
 
     def run(out, *flags):
         address = f"127.0.0.1:{free_port()}"

@@ -170,7 +170,7 @@ def test_export_round_trip(checkpoint, tmp_path):
     import torch
 
     directory, _ = checkpoint
-    out = port.export(port.load(directory, mesh="4x2"), tmp_path / "hf", directory)
+    out = port.export(port.load(directory, mesh="4x2"), tmp_path / "hf", directory).out
     source, written = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert written.keys() == source.keys()
     for key, value in source.items():
@@ -430,7 +430,7 @@ def test_text_only_qwen3_5_export_round_trip(tmp_path, text_only, model_type):
     from safetensors.numpy import load_file
 
     directory, original, _ = text_only(model_type)
-    out = port.export(port.load(directory, mesh="4x2"), tmp_path / "hf", directory)
+    out = port.export(port.load(directory, mesh="4x2"), tmp_path / "hf", directory).out
     source, exported = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert exported.keys() == source.keys()
     for key, value in source.items():

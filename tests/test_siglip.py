@@ -348,7 +348,7 @@ def test_the_vision_tower_of_the_dual_checkpoint_exports_as_siglip_vision_model(
     transformers = transformers_or_skip()
     model, directory = twins("dual")
     tower = loaded(directory, "4x2", "siglip_vision")
-    out = port.export(tower, tmp_path / "vision", directory, mapping="siglip_vision")
+    out = port.export(tower, tmp_path / "vision", directory, mapping="siglip_vision").out
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "siglip_vision_model" and config["architectures"] == ["SiglipVisionModel"]
     assert config["hidden_size"] == 48 and "text_config" not in config
@@ -368,7 +368,7 @@ def test_export_round_trip(twins, loaded, name, tmp_path):
 
     transformers = transformers_or_skip()
     _, directory = twins(name)
-    out = port.export(loaded(directory, "4x2"), tmp_path / "hf", directory)
+    out = port.export(loaded(directory, "4x2"), tmp_path / "hf", directory).out
     with safe_open(directory / "model.safetensors", "np") as src, safe_open(out / "model.safetensors", "np") as dst:
         assert set(src.keys()) == set(dst.keys())
         for key in src.keys():

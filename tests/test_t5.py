@@ -216,7 +216,7 @@ def test_gradients_of_the_seq2seq_loss_match_pytorch(twins, name, tmp_path):
 
     value, grads = loss_and_grads(ours, ids, mask, dec, labels)
     assert float(value) == pytest.approx(loss.item(), rel=1e-5)
-    exported = load_file(port.export(grads, tmp_path / "grads", directory) / "model.safetensors")
+    exported = load_file(port.export(grads, tmp_path / "grads", directory).out / "model.safetensors")
     theirs = {k: p.grad.numpy() for k, p in model.named_parameters() if p.grad is not None}
     assert set(theirs) == set(exported), set(theirs) ^ set(exported)
     largest = max(np.abs(g).max() for g in theirs.values())
@@ -268,7 +268,7 @@ def test_export_round_trip(twins, loaded, name, tmp_path):
     """port.load on 4x2 -> port.export: the checkpoint's tensors bit for bit (no `lm_head.weight` for a
     tied head), read back by from_pretrained with no key missing or unexpected."""
     model, directory, _ = twins(name)
-    out = port.export(loaded(name, "4x2"), tmp_path / "hf", directory)
+    out = port.export(loaded(name, "4x2"), tmp_path / "hf", directory).out
     source, exported = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert exported.keys() == source.keys()
     assert ("lm_head.weight" in source) == CASES[name][4]
@@ -287,7 +287,9 @@ def test_encoder_of_a_full_checkpoint_exports_as_the_encoder_class(twins, loaded
     which loads back (the mapping chosen by `architectures`) to the same bytes."""
     transformers = transformers_or_skip()
     _, directory, (hidden, _) = twins(name)
-    out = port.export(loaded(name, "4x2", encoder=True), tmp_path / "encoder", directory)  # the mapping: the model's
+    out = port.export(
+        loaded(name, "4x2", encoder=True), tmp_path / "encoder", directory
+    ).out  # the mapping: the model's
     written = json.loads((out / "config.json").read_text())
     encoder_class = CASES[name][2]
     assert written["architectures"] == [encoder_class] and written["model_type"] == name
@@ -319,7 +321,7 @@ def test_a_model_without_a_head(tmp_path):
     ours = port.load(tmp_path / "bare", mesh=port.make_mesh("4x2"))
     assert isinstance(ours, T5Model)
     assert np.abs(np.asarray(logits(ours, ids, mask, dec, dec_mask)) - expected).max() < 1e-4
-    out = port.export(ours, tmp_path / "hf", tmp_path / "bare")
+    out = port.export(ours, tmp_path / "hf", tmp_path / "bare").out
     source, exported = load_file(tmp_path / "bare" / "model.safetensors"), load_file(out / "model.safetensors")
     assert exported.keys() == source.keys() and all(exported[k].tobytes() == source[k].tobytes() for k in source)
     assert json.loads((out / "config.json").read_text())["architectures"] == ["T5Model"]

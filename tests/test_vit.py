@@ -243,7 +243,7 @@ def test_export_round_trip(twins, loaded, case, tmp_path):
 
     transformers = transformers_or_skip()
     directory, _, _ = twins(case)
-    out = port.export(loaded(case, "4x2"), tmp_path / "hf", directory)
+    out = port.export(loaded(case, "4x2"), tmp_path / "hf", directory).out
     original = transformers.ViTModel.from_pretrained(directory)
     exported, info = transformers.ViTModel.from_pretrained(out, output_loading_info=True)
     for what in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
@@ -432,7 +432,7 @@ def test_a_classifiers_backbone_exports_as_the_backbone(twins, loaded, tmp_path)
     from safetensors.numpy import load_file
 
     directory, _, _ = twins("grey-classifier")
-    out = port.export(loaded("grey-classifier", "1x1"), tmp_path / "hf", directory)
+    out = port.export(loaded("grey-classifier", "1x1"), tmp_path / "hf", directory).out
     assert json.loads((out / "config.json").read_text())["architectures"] == ["ViTModel"]
     source, written = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert set(written) == {k for k in source if not k.startswith("classifier.")}

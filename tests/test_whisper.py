@@ -262,7 +262,7 @@ def test_export_round_trip(twins, loaded, case, mesh, tmp_path):
 
     transformers = transformers_or_skip()
     model, directory = twins(case)
-    out = port.export(loaded(case, mesh), tmp_path / "hf", directory)
+    out = port.export(loaded(case, mesh), tmp_path / "hf", directory).out
     source, exported = load_file(directory / "model.safetensors"), load_file(out / "model.safetensors")
     assert exported.keys() == source.keys()
     assert ("proj_out.weight" in source) == (case == "untied")

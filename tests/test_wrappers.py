@@ -168,7 +168,7 @@ def test_export_writes_a_text_only_deepseek_v3(kimi, loaded, layout, tmp_path):
     transformers' AutoModelForCausalLM loads with no missing or unexpected key and the same logits."""
     transformers = transformers_or_skip()
     directory = kimi[2][layout]
-    out = port.export(loaded(layout, "4x2"), tmp_path / "hf", directory)
+    out = port.export(loaded(layout, "4x2"), tmp_path / "hf", directory).out
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "deepseek_v3" and config["tie_word_embeddings"] is False
     assert "vision_config" not in config and config["num_hidden_layers"] == DEEPSEEK_V3["num_hidden_layers"]
@@ -195,7 +195,7 @@ def test_a_converted_language_model_restores_and_exports(kimi, tmp_path):
     port.convert(directory, mesh="2x2", out=tmp_path / "out")
     restored = port.restore(tmp_path / "out", "4x2")
     np.testing.assert_allclose(np.asarray(logits(restored, IDS)), kimi[1], atol=1e-4, rtol=0)
-    out = port.export(restored, tmp_path / "hf", tmp_path / "out")
+    out = port.export(restored, tmp_path / "hf", tmp_path / "out").out
     assert json.loads((out / "config.json").read_text())["model_type"] == "deepseek_v3"
     assert "lm_head.weight" in load_file(out / "model.safetensors")
 
