@@ -194,6 +194,28 @@ def test_two_processes_export_each_its_share(tmp_path):
     ]  # nothing half-written
 
 
+def test_two_processes_export_without_mesh_on_all_their_devices(tmp_path):
+    """No --mesh: the run's devices (one CPU device each, 1x2), each process writing its share;
+    the files are the one-process export's, byte for byte."""
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-gpt2"
+    converted, out, address = tmp_path / "jax", tmp_path / "hf", f"127.0.0.1:{free_port()}"
+    port.convert(example, mesh="1x1", out=converted)
+    single = port.export(port.restore(converted), tmp_path / "one", converted)
+    command = [sys.executable, "-m", "port", "export", str(converted), "--out", str(out), "--json"]
+    results = run_processes(
+        lambda i: command + ["--coordinator", address, "--num-processes", "2", "--process-id", str(i)]
+    )
+    documents = [json.loads(stdout) for _, stdout, _ in results]
+    assert [(d["process"], d["num_processes"], d["mesh"]) for d in documents] == [
+        (i, 2, {"data": 1, "model": 2}) for i in range(2)
+    ]
+    shares = [d["bytes_written"] for d in documents]
+    assert all(share > 0 for share in shares) and sum(shares) == single.bytes_written
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in single.out.iterdir())
+    for path in single.out.iterdir():
+        assert (out / path.name).read_bytes() == path.read_bytes(), path.name
+
+
 SCRIPT = textwrap.dedent("""
     import sys
     import equinox as eqx
