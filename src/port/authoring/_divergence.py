@@ -11,12 +11,19 @@ Both models run again on verify's inputs, each recording what its modules take a
   scan the callback fires once per layer, in order: the k-th call is the stack's row k.
 
 Each event of a module with a counterpart is an observation, compared where the shapes
-agree (padding left out) against the tolerance, scaled to the observation's own size.
-Walking the reference's events in order, the first observation beyond it (D) and the last
-that agreed before it (A) bracket the fault. Named are the reference's modules with
-parameters that ran wholly between A and D (the outermost of them), with where the mapping
-puts their parameters; when none did, the module whose input or output D is (its own
-code). The logits are the last observation. A counterpart that runs at another place
+agree (padding left out). Its difference is judged against its own scale: its relative
+difference, max |port - reference| over max |reference| there, against verify's relative
+tolerance (not against max(1, max |reference|): an attention's output of size 1e-3 that
+differs by 4e-5 is 4% off, however small next to the logits, and a post-norm after it
+scales that up to size 1). Walking the reference's events in order, the first observation
+beyond it is where the difference shows; where it started is found by how it grew: the
+observations just before it whose relative difference was already within a factor
+`GROWTH` of it carried it (under the tolerance, amplified after), so the first of that
+run (D) is where it started, and the observation before it (A), an order of magnitude
+smaller, where it had not. Named are the reference's modules with parameters that ran
+wholly between A and D (the outermost of them), with where the mapping puts their
+parameters; when none did, the module whose input or output D is (its own code). The
+logits are the last observation, judged as verify judges them. A counterpart that runs at another place
 among the others than its module does in the reference (the mapping pairs `h.0.ln_1` with
 port's `ln_2`) is no observation: the module is then named by what runs after it.
 
@@ -24,6 +31,7 @@ port's `ln_2`) is no observation: the module is then named by what runs after it
 found = first_divergence(model, plan, mapping, reference, call_model, call_reference, logits, factor)
 found.modules[0]       # Suspect('model.layers.0.input_layernorm', 'blocks.mlp_norm', 0)
 found.max_abs_diff     # 1.88, in the input of model.layers.0.self_attn
+found.relative_diff    # 0.42: of its max |reference| there, 4.5
 ```
 """
 
@@ -46,16 +54,32 @@ from .._plan import Plan, layer_groups
 from .._targets import path_str
 from .._text import size_text
 
+GROWTH = 10.0
+"""How much smaller an observation's relative difference is than the first beyond the tolerance's
+for the difference to count as not started there: within this factor of it, the observation
+already carried it (a difference under the tolerance that what followed amplified)."""
+
+SMALLEST_SCALE = 1e-6
+"""The least scale an observation is judged against: values whose max |reference| is smaller
+count as that size (below it, a difference is rounding of what is, next to 1, nothing)."""
+
 
 @dataclass(frozen=True)
 class Suspect:
     """A module of the reference, and where the mapping puts its parameters in port's model.
+
+    **Fields:**
 
     - `module`: its name in the reference (`"model.layers.0.input_layernorm"`; the class's
       name for the whole model).
     - `path`: the port module or leaf its parameters fill (their common path,
       `"blocks.attn_norm"`), or None where none of them is filled (tied, not mapped).
     - `layer`: the checkpoint layer, for a path in a layer stack (else None).
+
+    ```python
+    suspect = port.verify("checkpoint", mapping="draft.toml").first_divergence.modules[0]
+    str(suspect)   # 'model.layers.0.self_attn -> blocks.attn (layer 0)'
+    ```
     """
 
     module: str
@@ -69,26 +93,42 @@ class Suspect:
 
 @dataclass(frozen=True)
 class Divergence:
-    """The first place port's model and the reference part, in the reference's order.
+    """Where port's model and the reference part: the first of the reference's modules, in the
+    order they run, whose result port's model does not reproduce, each value judged against its
+    own scale (see the module's docstring).
 
-    - `modules`: the suspects, in the order they ran (one, unless several ran between the
-      last observation that agreed and the first that does not).
-    - `max_abs_diff`: the largest `|port - reference|` at the first observation beyond
-      the tolerance (`observed`: `"the input of model.layers.0.self_attn"`, `"the logits"`).
-    - `inputs_max_abs_diff`: at the last observation that agreed before it (None: the
+    **Fields:**
+
+    - `modules`: the suspects (`Suspect`), in the order they ran (one, unless several ran
+      between the last observation that agreed and the first that does not).
+    - `max_abs_diff`: the largest `|port - reference|` where the difference starts
+      (`observed`: `"the output of model.layers.0.self_attn"`, `"the logits"`).
+    - `max_abs_reference`: the largest `|reference|` there: the scale the difference is judged
+      against (`relative_diff`, their ratio).
+    - `inputs_max_abs_diff`: at the last observation before it, which agreed (None: the
       model's inputs, the same on both sides).
+    - `observed`: the value compared there.
     - `compared`: observations compared up to it.
 
     ```python
-    str(found)   # 'model.layers.0.input_layernorm -> blocks.mlp_norm (layer 0): max abs difference 0.31 ...'
+    found = port.verify("checkpoint", mapping="draft.toml").first_divergence
+    found.modules        # (Suspect('model.layers.0.self_attn', 'blocks.attn', 0),)
+    found.relative_diff  # 0.03: 3.8e-05 in an output of size 1.3e-03
+    str(found)           # 'model.layers.0.self_attn -> blocks.attn (layer 0): max abs difference 3.83e-05 ...'
     ```
     """
 
     modules: tuple[Suspect, ...]
     max_abs_diff: float
+    max_abs_reference: float
     inputs_max_abs_diff: float | None
     observed: str
     compared: int
+
+    @property
+    def relative_diff(self) -> float:
+        """`max_abs_diff` over `max_abs_reference` (as `SMALLEST_SCALE` at least)."""
+        return self.max_abs_diff / max(self.max_abs_reference, SMALLEST_SCALE)
 
     def __str__(self) -> str:
         names = ", ".join(map(str, self.modules))
@@ -99,7 +139,8 @@ class Divergence:
         )
         return (
             f"{'' if len(self.modules) == 1 else 'one of '}{names}: max abs difference {self.max_abs_diff:.3g} "
-            f"in {self.observed} ({agree})"
+            f"in {self.observed}, {self.relative_diff:.2g} of its max |reference| {self.max_abs_reference:.3g} "
+            f"({agree})"
         )
 
 
@@ -305,6 +346,33 @@ def _difference(ours: np.ndarray, theirs: np.ndarray, mask: np.ndarray | None) -
     return float(np.abs(ours - theirs).max()), float(np.abs(theirs).max())
 
 
+@dataclass(frozen=True)
+class _Observation:
+    """One value compared: its event's index in the reference's order, what it is, and
+    (max |port - reference|, max |reference|) there."""
+
+    at: int
+    observed: str
+    kind: str
+    name: str
+    diff: float
+    scale: float
+
+    @property
+    def relative(self) -> float:
+        """The difference judged against the value's own scale (at least `SMALLEST_SCALE`)."""
+        return self.diff / max(self.scale, SMALLEST_SCALE)
+
+
+def _started(seen: list[_Observation]) -> int:
+    """Where the difference the last of `seen` shows started: the first of the run of observations
+    before it whose relative differences are each within `GROWTH` of the last's (its index)."""
+    start, shown = len(seen) - 1, seen[-1].relative
+    while start and seen[start - 1].relative * GROWTH > shown:
+        start -= 1
+    return start
+
+
 def first_divergence(
     model: Any,
     plan: Plan,
@@ -326,7 +394,8 @@ def first_divergence(
     - `call_model(m)`: runs port's model `m` (with the `Recorder`s in) on verify's inputs.
     - `call_reference()`: runs `reference` on the same inputs.
     - `logits`: (max |difference|, max |reference|) of the outputs compared: the last observation.
-    - `factor`: the tolerance relative to max(1, max |reference|) of each observation.
+    - `factor`: the tolerance relative to each observation's own max |reference| (the logits':
+      to max(1, theirs), as verify's).
     - `mask`: the attention mask (`[batch, seq]`): padding positions are not compared.
     - `budget`: the bytes the recorded values of both models may take (None: any), and what a
       refusal names first (`batch=2 and length=16`): a `PortError` once they would take more.
@@ -350,7 +419,6 @@ def first_divergence(
             f"models, in more than the {size_text(limit.limit or 0)} available"
         )
 
-    rows = leaf_rows(plan, mapping)
     stack = {leaf.path: leaf.stack[0] if LAYER in leaf.pattern else 1 for leaf in plan.leaves}
 
     def calls(path: str) -> int:
@@ -362,31 +430,36 @@ def first_divergence(
         if all(len(recording.values.get((path, kind), [])) == calls(path) for kind in ("in", "out"))
     }
     usable -= _misplaced(pairs, usable, events, recording)
-    order = {event: i for i, event in enumerate(events)}
-    compared, agreed, agreed_at = 0, None, -1
-    found: tuple[str, str, float] | None = None
+    seen: list[_Observation] = []
     for i, (kind, name) in enumerate(events):
         if name not in usable or (name, kind) not in values:
             continue
         path, row = pairs[name]
-        ours = recording.values[(path, kind)][row or 0]
-        difference = _difference(ours, values[(name, kind)], mask)
-        if difference is None:
-            continue
-        compared += 1
-        if difference[0] > factor * max(1.0, difference[1]):
-            found = (kind, name, difference[0])
-            break
-        agreed, agreed_at = difference[0], i
-    if found is None:
+        difference = _difference(recording.values[(path, kind)][row or 0], values[(name, kind)], mask)
+        if difference is not None:
+            seen.append(
+                _Observation(i, f"the {'input' if kind == 'in' else 'output'} of {name}", kind, name, *difference)
+            )
+            if seen[-1].relative > factor:
+                break
+    if not seen or seen[-1].relative <= factor:  # every observation agrees: the logits differ, or nothing does
         if logits[0] <= factor * max(1.0, logits[1]):
             return None
-        kind, name, at, observed = "out", "", len(events), "the logits"
-        difference_at = logits[0]
-    else:
-        kind, name, difference_at = found
-        at, observed = order[(kind, name)], f"the {'input' if kind == 'in' else 'output'} of {name}"
-    modules = _reference_modules(reference, rows, mapping)
+        seen.append(_Observation(len(events), "the logits", "out", "", *logits))
+    start = _started(seen)
+    agreed_at, agreed = (seen[start - 1].at, seen[start - 1].diff) if start else (-1, None)
+    modules = _reference_modules(reference, leaf_rows(plan, mapping), mapping)
+    suspects = _suspects(modules, events, agreed_at, seen[start])
+    named = tuple(_suspect(modules[m], layer_groups(model), reference) for m in suspects)
+    compared = sum(1 for o in seen[: start + 1] if o.name)  # the logits aside
+    return Divergence(named, seen[start].diff, seen[start].scale, agreed, seen[start].observed, compared)
+
+
+def _suspects(modules: dict, events: list[tuple[str, str]], agreed_at: int, found: _Observation) -> list[str]:
+    """The reference's modules with parameters that ran wholly between the event `agreed_at` and
+    `found`'s (the outermost of them); when none did, the module whose input or output `found` is."""
+    order = {event: i for i, event in enumerate(events)}
+    kind, name, at = found.kind, found.name, found.at
     ran = [m for m in modules if m and modules[m].params and agreed_at < order.get(("in", m), -1)]
     ran = [m for m in ran if order.get(("out", m), len(events)) < at]
     suspects = [m for m in ran if not any(m.startswith(o + ".") for o in ran)]
@@ -398,9 +471,7 @@ def first_divergence(
         else:  # nothing ran since the last agreement: the code of the module around it
             around = [m for m in modules if order.get(("in", m), -1) < at < order.get(("out", m), -1)]
             suspects = [max(around, key=len) if around else ""]
-    groups = layer_groups(model)
-    named = tuple(_suspect(modules[m], groups, reference) for m in suspects)
-    return Divergence(named, difference_at, agreed, observed, compared)
+    return suspects
 
 
 def _run_reference(
