@@ -63,9 +63,10 @@ class Verification:
       independent 16-bit runs each carry.
     - `roundtrip`: with `verify(roundtrip=True)`, the export compared bit for bit (`Roundtrip`).
     - `first_divergence`: where the outputs differ beyond the tolerance, the first module of
-      the reference whose result port's model does not reproduce (`Divergence`: its
-      `.modules`, each a `Suspect`: the reference's module, port's path, the layer); None
-      when the outputs agree.
+      the reference whose result port's model does not reproduce, each value judged against
+      its own scale (`port.authoring.Divergence`: its `.modules`, each a
+      `port.authoring.Suspect`: the reference's module, port's path, the layer); None when
+      the outputs agree.
     - `bound`: the `tolerance` verify was given (None: the default, see `.tolerance`).
 
     ```python
