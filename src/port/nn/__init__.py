@@ -7,7 +7,8 @@ projection, a per-query `q_scale`), MLPs, the decoder layer (`Block`: norms befo
 branch), the routed mixture of experts, multi-head latent attention (DeepSeek-V3), Gated
 DeltaNet linear attention (Qwen3-Next), low-rank adapters (`LoRA`, merged layer by
 layer in the scan), the layer scan and layers of several kinds,
-inputs and masks, the key/value cache, greedy generation (decoders and encoder-decoders) and the losses live here. Every layer works on batch-first arrays
+inputs and masks, the key/value cache, greedy and sampled generation (decoders and encoder-decoders;
+transformers' logits processors: `process_logits`) and the losses live here. Every layer works on batch-first arrays
 (`[batch, seq, embed]`); models accept `(batch, seq)` ids or one `(seq,)` sequence.
 
 Reading config.json is `port.nn.config` (public): `get`, `check`, `activation`,
@@ -78,6 +79,12 @@ from port.nn._resize import bicubic_weights as bicubic_weights
 from port.nn._rope import Rope as Rope
 from port.nn._rope import apply_rope as apply_rope
 from port.nn._rope import read_rope as read_rope
+from port.nn._sampling import apply_temperature as apply_temperature
+from port.nn._sampling import keep_min_p as keep_min_p
+from port.nn._sampling import keep_top_k as keep_top_k
+from port.nn._sampling import keep_top_p as keep_top_p
+from port.nn._sampling import penalize_repetition as penalize_repetition
+from port.nn._sampling import process_logits as process_logits
 from port.nn._scan import scan as scan
 from port.nn._sparse import Indexer as Indexer
 from port.nn._sparse import SparseLatentAttention as SparseLatentAttention
