@@ -214,22 +214,27 @@ class _Source:
     """What export takes from its source: each tensor's shape and the dtype it is written in
     unquantized (a quantized tensor's: the checkpoint's dtype, as it loads), the config, the
     output (for a port output), and the checkpoint's own tensors (None for an output) with
-    the checkpoint, while it is kept open to read its FP8 scales. `headers` is None where
-    there is no source to take them from (a model trained from scratch, a `port.save` output
-    recording no `sources`): `_export` derives them from the model (`_derive`)."""
+    the checkpoint, while it is kept open to read its FP8 scales. `derived`: there is no
+    source to take the headers from (a model trained from scratch, a `port.save` output
+    recording no `sources`; `headers` is empty): `_export` derives them from the model."""
 
-    headers: dict[str, tuple[tuple[int, ...], np.dtype]] | None
+    headers: dict[str, tuple[tuple[int, ...], np.dtype]]
     config: AnyMapping[str, Any]
     output: Output | None = None
     tensors: AnyMapping[str, TensorInfo] | None = None
     checkpoint: Checkpoint | None = None
+    derived: bool = False
 
 
-def read_source(source: Any, opened: contextlib.ExitStack | None) -> _Source:
+def read_source(source: Any, opened: contextlib.ExitStack | None, *, derive: bool = False) -> _Source:
     """The source's headers and config (see `_Source`); a checkpoint it opens is closed at once,
-    or kept open in `opened`. No source (None): no headers and no config (the caller's)."""
+    or kept open in `opened`. With `derive` (an export, which can derive the headers from the
+    model), no source (None) and an output without source tensors give `derived` ones (no
+    headers; no config for None: the caller's); without, an output without them is refused."""
     if source is None:
-        return _Source(None, {})
+        if not derive:
+            raise PortError("`source`: expected a checkpoint, a port output or a Checkpoint, got None")
+        return _Source({}, {}, derived=True)
     if isinstance(source, Checkpoint):
         return _Source(_loaded(source), source.config, None, source.tensors, source)
     path = Path(source) if isinstance(source, (str, os.PathLike)) else None
@@ -237,7 +242,14 @@ def read_source(source: Any, opened: contextlib.ExitStack | None) -> _Source:
         path is not None and (path / "port").is_dir() and not (path / "config.json").exists()
     ):
         output = source if isinstance(source, Output) else read_output(source)
-        return _Source(output.sources, output.config, output)  # no sources (port.save's): derived
+        if output.sources is None and not derive:
+            raise OutputError(
+                f"{output.directory}: records no source tensors (written by port.save without `sources`); pass "
+                "the checkpoint it was converted from as the source"
+            )
+        if output.sources is None:  # port.save's of a model built from scratch: derived
+            return _Source({}, output.config, output, derived=True)
+        return _Source(output.sources, output.config, output)
     if path is None and not isinstance(source, str):
         raise PortError(f"`source`: expected a checkpoint, a port output or a Checkpoint, got {quoted(source)}")
     if opened is None:
@@ -410,7 +422,7 @@ def export(
     start = time.perf_counter()
     # The source checkpoint, open while its FP8 scales may be read; host memory sampled throughout.
     with PeakMemory() as peak, contextlib.ExitStack() as opened:
-        found = read_source(source, opened if block is not None else None)
+        found = read_source(source, opened if block is not None else None, derive=True)
         source = source.directory if isinstance(source, Output) else source  # as messages name it
         report = _export(model, out, source, found, config, mapping, limit, dtype, block, force, progress)
     return dataclasses.replace(report, seconds=round(time.perf_counter() - start, 3), peak_host_bytes=peak.bytes)
@@ -436,13 +448,13 @@ def _export(
             "`config`: a model exported without a `source` (trained from scratch) needs the config it was "
             "built from, config=..."
         )
-    derived = found.headers is None  # no source tensors to take: derived from the model
+    derived = found.derived  # no source tensors to take: derived from the model
     config = dict(found.config if config is None else config)
     kept = found.output if mapping is None else None  # the output's own mapping: its `model` is not imported
     # Without a mapping, the shipped one whose model this is (an encoder alone exports as one).
-    mapping = mapping_for(config, mapping if kept is None else kept.mapping, keys=found.headers, built=type(model))
-    # An adapter kept: the merged model's base.
-    mapping, headers, config = plain(mapping, found.headers or {}, config)
+    keys = None if derived else found.headers
+    mapping = mapping_for(config, mapping if kept is None else kept.mapping, keys=keys, built=type(model))
+    mapping, headers, config = plain(mapping, found.headers, config)  # an adapter kept: the merged model's base
     inputs = (source,) if isinstance(source, (str, os.PathLike)) and Path(source).exists() else ()
     out = check_destination(out, force, inputs, ours=is_export, what=_EXPORT)
     _check_fits(model, mapping, config, source, kept)
