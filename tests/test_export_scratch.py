@@ -93,6 +93,27 @@ def test_an_ambiguous_reshape_is_refused_naming_the_entry_and_the_transform():
     assert "\n" not in str(e.value)
 
 
+def test_a_bfloat16_model_derives_bfloat16_tensors():
+    """The dtype is the leaf's: a model trained in bfloat16 writes bfloat16."""
+    mapping = port.mapping_for(LLAMA)
+    model = jax.tree.map(lambda leaf: jax.ShapeDtypeStruct(leaf.shape, jnp.bfloat16), port.skeleton(mapping, LLAMA))
+    dtypes = {d.name for _, d in derive(model, mapping, LLAMA).values()}
+    assert dtypes == {"bfloat16"}
+
+
+def test_derived_tensors_that_do_not_plan_back_are_refused_as_a_derivation_bug(monkeypatch, tmp_path):
+    import port._export._export as export_module
+
+    model = port.skeleton(port.mapping_for(LLAMA), LLAMA)
+    wrong = derive(model, port.mapping_for(LLAMA), LLAMA)
+    wrong["model.norm.weight"] = ((65,), wrong["model.norm.weight"][1])
+    monkeypatch.setattr(export_module, "derive", lambda *args: wrong)
+    with pytest.raises(port.PlanError, match=r"^the tensors derived from the model do not plan back to it") as e:
+        port.export(model, tmp_path / "hf", config=LLAMA)
+    assert "entry 'norm.weight': shape mismatch: 'model.norm.weight' is [65]" in str(e.value)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_an_export_without_a_source_needs_the_config(tmp_path):
     model = port.skeleton(port.mapping_for(LLAMA), LLAMA)
     with pytest.raises(port.PortError, match=r"^`config`: a model exported without a `source`"):
