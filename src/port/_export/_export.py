@@ -410,6 +410,7 @@ def export(
     report = port.export(model, "gpt2-hf", "gpt2", max_shard_size="200MB")
     report.out, report.files             # Path('/.../gpt2-hf'), ('model-00001-of-00003.safetensors', ...)
     port.export(port.load("tiny-deepseek-fp8"), "again-fp8", "tiny-deepseek-fp8", quantize="fp8")
+    port.export(Llama.from_config(config, key=jax.random.key(0)), "llama-hf", config=config)  # from scratch
     ```
     """
     model = merged(model)  # a model with adapters attached (port.nn.LoRA): written merged
