@@ -1,14 +1,17 @@
-"""Benchmark: greedy decoding with port's key/value cache against re-running the whole prefix.
+"""Benchmark: greedy and sampled decoding with port's key/value cache against re-running the whole prefix.
 
     python bench/decode.py [--models llama,gpt2] [--batches 1,8] [--prompt 64] [--new 64]
                            [--repeats 3] [--layers N] [--out docs/decode.md]
 
-Two ways to add `--new` greedy tokens to a `--prompt`-token random prompt (random weights,
+Three ways to add `--new` tokens to a `--prompt`-token random prompt (random weights,
 float32; the models of bench/train.py, see `bench/_measure.py`):
 
-  cache      `port.nn.generate(model, ids, max_new_tokens=new)`: one jitted prefill of the
-             prompt into the cache, then `port.nn.decode_step` (jitted once: its shapes do
-             not change) for each further token.
+  cache      `port.nn.generate(model, ids, max_new_tokens=new)`, greedy: one jitted prefill
+             of the prompt into the cache, then one jitted decode step (the model and the
+             argmax; compiled once: its shapes do not change) for each further token.
+  sample     the same with `key=jax.random.key(0), temperature=0.7, top_k=50, top_p=0.9`:
+             each step also runs transformers' processors (a sort of the vocabulary for
+             top-k and one for top-p), the draw and the key's split, in the same jitted step.
   recompute  the baseline a user writes without a cache: one buffer of the final length
              (prompt + new, zero-padded on the right), one jitted function that runs the
              model on the whole buffer, takes the argmax of the logits at the current
@@ -20,7 +23,7 @@ float32; the models of bench/train.py, see `bench/_measure.py`):
 Each (model, method, batch) runs in a fresh process: one untimed call (it compiles; its
 seconds are the "first call" column), then `--repeats` timed calls, the median reported.
 tokens/s counts the new tokens of every sequence (batch x new / seconds); speedup is the
-recompute row's seconds over the row's. The two methods' tokens are compared, and a
+recompute row's seconds over the row's. The greedy methods' tokens are compared, and a
 mismatch is printed loudly (float rounding differs between the two programs, so a near-tie
 in the logits could flip an argmax; with these random weights none is expected).
 """
@@ -37,7 +40,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import _measure
 
-METHODS = ("cache", "recompute")
+METHODS = ("cache", "sample", "recompute")
+SAMPLING = dict(temperature=0.7, top_k=50, top_p=0.9)  # the `sample` method's processors
 
 
 def measure(spec: dict) -> dict:
@@ -58,6 +62,10 @@ def measure(spec: dict) -> dict:
 
         def run():
             return pnn.generate(model, ids, max_new_tokens=new)
+    elif spec["method"] == "sample":
+
+        def run():
+            return pnn.generate(model, ids, max_new_tokens=new, key=jax.random.key(0), **SAMPLING)
     else:
 
         @eqx.filter_jit
@@ -122,7 +130,7 @@ def table(title: str, results: dict, models: list[str], batches: list[int]) -> t
                     rows.append([model, method, str(batch), f"failed: {r}"])
                     continue
                 speedup = f"{base['seconds'] / r['seconds']:.1f}x" if isinstance(base, dict) else "-"
-                same = "-" if method == "recompute" or not isinstance(base, dict) else ("NO" if problem else "yes")
+                same = "-" if method != "cache" or not isinstance(base, dict) else ("NO" if problem else "yes")
                 rows.append(
                     [
                         model,
@@ -179,7 +187,7 @@ def main() -> None:
                 )
                 results[model, method, batch] = r
     depth = f", {args.layers} layers" if args.layers else ""
-    title = f"Greedy decoding: prompt {args.prompt}, {args.new} new tokens{depth}, float32, median of {args.repeats}"
+    title = f"Decoding: prompt {args.prompt}, {args.new} new tokens{depth}, float32, median of {args.repeats}"
     section, mismatches = table(title, results, models, batches)
     print(section)
     for m in mismatches:
@@ -187,7 +195,9 @@ def main() -> None:
     if args.out:
         notes = [
             (
-                "`cache` is `port.nn.generate` (jitted prefill, then `port.nn.decode_step` compiled once); "
+                "`cache` is `port.nn.generate`, greedy (jitted prefill, then one decode step compiled once); "
+                "`sample` the same with `key`, temperature 0.7, top-k 50, top-p 0.9 (transformers' processors, "
+                "the draw and the key's split inside the same compiled step); "
                 "`recompute` runs the whole zero-padded buffer of the final length through one jitted forward "
                 "per new token and takes the argmax at the current length (compiled once). Each row is a fresh "
                 "process; the first call compiles and is not in the median. tokens/s = batch x new tokens / "

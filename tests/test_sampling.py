@@ -142,7 +142,7 @@ def test_min_p_is_transformers(min_p):
 def test_process_logits_is_transformers_chain_in_its_order():
     """`process_logits` = transformers' `LogitsProcessorList` as `_get_logits_processor` builds
     it for sampling: penalty, temperature, top-k, top-p, min-p (bfloat16 logits processed in
-    float32, as `generate` casts them); the values may be traced."""
+    float32, as `generate` casts them); the values but top-k's may be traced."""
     transformers_or_skip()
     import torch
     from transformers.generation.logits_process import (
@@ -169,7 +169,8 @@ def test_process_logits_is_transformers_chain_in_its_order():
     settings = dict(repetition_penalty=1.2, temperature=0.8, top_k=12, top_p=0.8, min_p=0.1)
     ours = process_logits(jnp.asarray(logits), jnp.asarray(tokens), **settings)
     assert_processed_equal(ours, expected.numpy())
-    traced = jax.jit(lambda x, t, s: process_logits(x, t, **s))(logits, tokens, settings)
+    del settings["top_k"]  # a Python integer, static
+    traced = jax.jit(lambda x, t, s: process_logits(x, t, top_k=12, **s))(logits, tokens, settings)
     assert_processed_equal(traced, expected.numpy())
     assert process_logits(jnp.asarray(logits, jnp.bfloat16)).dtype == jnp.float32
 

@@ -125,7 +125,8 @@ def generate(
 
     Each decode step (model, processors, draw and key split) is one jitted function whose
     shapes do not change, so it compiles once; the settings are traced, so another
-    temperature or key does not recompile.
+    temperature or key does not recompile (another `top_k` does: `jax.lax.top_k` takes a
+    static k).
 
     **Arguments:**
 

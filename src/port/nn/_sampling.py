@@ -7,7 +7,9 @@ a filtered token's logit becomes `-inf`. `process_logits` runs them in transform
 order (`GenerationMixin._get_logits_processor`: the repetition penalty, then temperature,
 top-k, top-p, min-p), each only where transformers applies it; `port.generate` draws the
 next token from the result with `jax.random.categorical`. The values may be traced
-(arrays), so a jitted step does not recompile for another temperature.
+(arrays), so a jitted step does not recompile for another temperature; `top_k` is a
+Python integer (`jax.lax.top_k` takes a static k: far cheaper than sorting the
+vocabulary, which top-p must do).
 
 ```python
 logits = process_logits(logits, tokens, counted=mask, repetition_penalty=1.2,
@@ -84,7 +86,7 @@ def apply_temperature(logits: Float[ArrayLike, "batch vocab"], temperature: Numb
 
 
 def keep_top_k(
-    logits: Float[ArrayLike, "batch vocab"], top_k: Number, *, min_tokens_to_keep: int = 1
+    logits: Float[ArrayLike, "batch vocab"], top_k: int, *, min_tokens_to_keep: int = 1
 ) -> Float[Array, "batch vocab"]:
     """transformers' `TopKLogitsWarper`: `-inf` for every logit below the `top_k`-th largest
     (ties with it are kept).
@@ -92,7 +94,8 @@ def keep_top_k(
     **Arguments:**
 
     - `logits`: `[batch, vocab]`.
-    - `top_k`: how many to keep, at least 1; more than `vocab` keeps all.
+    - `top_k`: how many to keep, a Python integer (static under jit: `jax.lax.top_k`, not a
+      sort of the vocabulary), at least 1; more than `vocab` keeps all.
     - `min_tokens_to_keep`: `top_k` is raised to it (transformers' default 1).
 
     **Returns:** the filtered logits.
@@ -102,9 +105,7 @@ def keep_top_k(
     ```
     """
     logits = jnp.asarray(logits)
-    vocab = logits.shape[-1]
-    k = jnp.clip(jnp.maximum(top_k, min_tokens_to_keep), 1, vocab)
-    kth = jax.lax.dynamic_index_in_dim(jnp.sort(logits, axis=-1), vocab - k, axis=-1, keepdims=True)
+    kth = jax.lax.top_k(logits, min(max(int(top_k), min_tokens_to_keep), logits.shape[-1]))[0][..., -1:]
     return jnp.where(logits < kth, -jnp.inf, logits)
 
 
@@ -172,7 +173,7 @@ def process_logits(
     counted: Bool[ArrayLike, "batch seq"] | None = None,
     repetition_penalty: Number | None = None,
     temperature: Number | None = None,
-    top_k: Number | None = None,
+    top_k: int | None = None,
     top_p: Number | None = None,
     min_p: Number | None = None,
 ) -> Float[Array, "batch vocab"]:
@@ -187,7 +188,7 @@ def process_logits(
     - `counted`: `tokens`' shape, False where a token does not count (`penalize_repetition`).
     - `repetition_penalty`: `penalize_repetition`'s `penalty`.
     - `temperature`: `apply_temperature`'s.
-    - `top_k`: `keep_top_k`'s; 0 is off, as in transformers' `generate`.
+    - `top_k`: `keep_top_k`'s (a Python integer); 0 is off, as in transformers' `generate`.
     - `top_p`: `keep_top_p`'s.
     - `min_p`: `keep_min_p`'s.
 
@@ -206,7 +207,7 @@ def process_logits(
         logits = penalize_repetition(logits, tokens, repetition_penalty, counted=counted)
     if _applies(temperature, off=1.0):
         logits = apply_temperature(logits, temperature)
-    if _applies(top_k, off=0.0):
+    if top_k:  # None or 0: off
         logits = keep_top_k(logits, top_k)
     if _applies(top_p, off=1.0, above=True):
         logits = keep_top_p(logits, top_p)
@@ -227,12 +228,13 @@ def _applies(value: Number | None, *, off: float, above: bool = False) -> bool:
 
 class Sampling(eqx.Module):
     """How `generate` picks each token: its settings, checked, as arrays (so another value
-    does not recompile), None where off; the stop tokens and the padding after them."""
+    does not recompile; `top_k` static), None where off; the stop tokens and the padding
+    after them."""
 
     key: Array | None
     repetition_penalty: Array | None
     temperature: Array | None
-    top_k: Array | None
+    top_k: int | None = eqx.field(static=True)
     top_p: Array | None
     min_p: Array | None
     eos: tuple[int, ...] = eqx.field(static=True)
@@ -283,7 +285,7 @@ def sampling(
         key=key,
         repetition_penalty=_on(repetition_penalty, _applies(repetition_penalty, off=1.0)),
         temperature=_on(temperature, _applies(temperature, off=1.0)),
-        top_k=None if not _applies(top_k, off=0.0) else jnp.asarray(top_k, jnp.int32),
+        top_k=int(top_k) if top_k else None,  # checked: None or an integer, 0 off
         top_p=_on(top_p, _applies(top_p, off=1.0, above=True)),
         min_p=_on(min_p, min_p is not None),
         eos=_eos_ids(eos_token_id),
