@@ -173,6 +173,8 @@ def test_process_logits_is_transformers_chain_in_its_order():
     traced = jax.jit(lambda x, t, s: process_logits(x, t, top_k=12, **s))(logits, tokens, settings)
     assert_processed_equal(traced, expected.numpy())
     assert process_logits(jnp.asarray(logits, jnp.bfloat16)).dtype == jnp.float32
+    untied = chain(torch.tensor(tokens[UNTIED]), torch.tensor(logits[UNTIED])).numpy()  # top-p on the top-k alone
+    assert_processed_equal(process_logits(logits[UNTIED], tokens[UNTIED], top_k=12, **settings), untied)
 
 
 # ------------------------------------------------------------------ generation
