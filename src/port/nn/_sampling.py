@@ -219,7 +219,8 @@ def process_logits(
 def _top_k(logits: Array, k: int) -> tuple[Array, Array]:
     """`jax.lax.top_k`, kept one: without the barrier XLA (CPU) rewrites a top-k whose values
     are sliced into a sort of the whole vocabulary, 60x slower at 8 x 32000."""
-    return jax.lax.optimization_barrier(jax.lax.top_k(logits, k))
+    values, indices = jax.lax.optimization_barrier(jax.lax.top_k(logits, k))
+    return values, indices
 
 
 def _keep_top_p_after_top_k(logits: Array, top_p: Number, top_k: int) -> Array:
