@@ -447,12 +447,14 @@ def _convert(
 @_command(
     "export",
     CONVERT,
-    "Write a port convert output DIR back as a Hugging Face checkpoint in --out.",
+    "Write a port output DIR (port convert's, or port.save's of a model trained from scratch) back as a "
+    "Hugging Face checkpoint in --out.",
     "config.json and model.safetensors (or numbered shards and model.safetensors.index.json), with the "
-    "checkpoint's own tensor names, shapes and dtypes, as transformers' save_pretrained writes them.",
+    "checkpoint's own tensor names, shapes and dtypes, as transformers' save_pretrained writes them (derived "
+    "from the mapping, the config and the leaves where DIR records no source checkpoint).",
 )
 def _export(
-    dir: Annotated[Path, typer.Argument(metavar="DIR", show_default=False, help="a port convert output")],
+    dir: Annotated[Path, typer.Argument(metavar="DIR", show_default=False, help="a port convert or port.save output")],
     out: Annotated[Path, typer.Option("--out", metavar="HF_DIR", show_default=False, help="output directory")],
     max_shard_size: Annotated[
         str, typer.Option("--max-shard-size", metavar="SIZE", show_default=False, help="largest file (default: 5GB)")
@@ -491,7 +493,7 @@ def _export(
             show_default=False,
             help="the checkpoint DIR was converted from (directory, repo id or URL): the tensors' names, shapes "
             "and dtypes, and with --quantize fp8 its FP8 scales, kept where they give the weights back exactly "
-            "(default: what DIR records)",
+            "(default: what DIR records, else derived from its mapping and config)",
         ),
     ] = None,
     mesh: Annotated[
