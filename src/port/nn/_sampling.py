@@ -9,7 +9,10 @@ top-k, top-p, min-p), each only where transformers applies it; `port.generate` d
 next token from the result with `jax.random.categorical`. The values may be traced
 (arrays), so a jitted step does not recompile for another temperature; `top_k` is a
 Python integer (`jax.lax.top_k` takes a static k: far cheaper than sorting the
-vocabulary, which top-p must do).
+vocabulary), and top-p after top-k sorts only the k kept. "Equal" up to two things
+transformers leaves open: which of several logits tied at a cut is kept (PyTorch's sort
+is not stable), and 1 ulp where XLA's float32 division on CPU is not correctly rounded
+(temperature, the penalty).
 
 ```python
 logits = process_logits(logits, tokens, counted=mask, repetition_penalty=1.2,
