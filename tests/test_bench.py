@@ -49,6 +49,8 @@ SMOKE = {
     "moe.py": ["--tokens", "64", "--hidden", "32", "--inner", "16", "--experts", "4", "--repeats", "1"],
     "parity.py": ["--cases", "gpt2", "--meshes", "1x1,2x2"],
     "plan.py": ["--quick"],
+    "sampling.py": ["--batch", "4", "--vocab", "64"],
+    "scratch.py": ["--models", "llama", "--steps", "2"],
     "quantized.py": ["--formats", "fp8", "--size", "tiny", "--repeats", "1", "--workdir", "{tmp}"],
     "cold.py": ["--sizes", "tiny", "--repeats", "1", "--warm", "--workdir", "{tmp}"],
     "targets.py": ["--size", "tiny", "--repeats", "1", "--workdir", "{tmp}"],
