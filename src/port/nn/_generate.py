@@ -28,7 +28,7 @@ attention_mask=None)`, `decode(decoder_input_ids, *, cache)` -> `(logits, cache)
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -200,6 +200,7 @@ def generate(
     return out if batched else out[0]
 
 
+@final
 class _State(eqx.Module):
     """Where a generation stands: the tokens so far, in a buffer of the final length."""
 

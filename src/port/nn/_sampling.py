@@ -24,7 +24,7 @@ token = jax.random.categorical(key, logits, axis=-1)          # [batch]
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, final
 
 import equinox as eqx
 import jax
@@ -250,6 +250,7 @@ def _applies(value: Number | None, *, off: float, above: bool = False) -> bool:
     return True
 
 
+@final
 class Sampling(eqx.Module):
     """How `generate` picks each token: its settings, checked, as arrays (so another value
     does not recompile; `top_k` static), None where off; the stop tokens and the padding
