@@ -3,8 +3,8 @@ warns where two fields share a size.
 
 The module is a reader's own, written to a file (as `port scaffold --module` finds it);
 its sizes all come from config.json: the hidden size, heads, the positions, T5's
-`relative_attention_num_buckets` (no axis of port's vocabulary), and a codebook table
-sized by two keys port has never heard of.
+`relative_attention_num_buckets` (port's `buckets` axis), and a codebook table sized by
+two keys port has never heard of (no axis of port's vocabulary).
 """
 
 import importlib
@@ -73,7 +73,7 @@ WARNING = (
     "config with distinct sizes"
 )
 UNNAMED_NOTE = (
-    "# axis 0 of [8, {h}] is config.json's relative_attention_num_buckets (8), no axis of port's vocabulary "
+    "# axis 0 of [3, 5, {e}] is config.json's num_codebooks (3), no axis of port's vocabulary "
     '(port.nn.AXES): left unnamed (""), so replicated'
 )
 
@@ -159,13 +159,14 @@ def test_any_config_integer_names_an_axis_and_a_reshape_size(work):
     assert "# sizes shared" not in text and "# CHECK" not in text and "# TODO" not in text
     mapping = port.parse_mapping(text, "draft.toml")
     by_path = {p.path: p for p in mapping.params}
-    # relative_attention_num_buckets is no axis port knows: unnamed (replicated), the key in a comment.
-    assert by_path["relative_bias"].axes == (None, "heads")
-    assert UNNAMED_NOTE.format(h=2) in entry_block(text, "relative_bias")
+    # relative_attention_num_buckets is T5's `buckets`; the codebook's sizes are no axis port
+    # knows: unnamed (replicated), each key in a comment.
+    assert by_path["relative_bias"].axes == ("buckets", "heads")
+    assert UNNAMED_NOTE.format(e=12) in entry_block(text, "codebook")
     assert by_path["codebook"].axes == (None, None, "embed")
     assert by_path["codebook"].transforms == (Reshape(("num_codebooks", "codebook_dim", "hidden_size")),)
     assert by_path["wq"].transforms == (Reshape(("num_attention_heads", "head_dim", "hidden_size")),)
-    assert "" not in mapping.rules and set(mapping.rules) == {"embed", "heads", "head_dim", "positions", "vocab"}
+    assert "" not in mapping.rules and set(mapping.rules) == {"embed", "heads", "head_dim", "positions", "vocab", "buckets"}
 
     # The draft passes check unedited and converts: each leaf the checkpoint's tensor, reshaped.
     Net = reader_class()

@@ -3,9 +3,9 @@
 A dimension whose size is `hidden_size` is `embed`, `num_attention_heads` is
 `heads`, and so on; a size several axes share is settled by the leaf's name and
 the axes before it, and marked `# CHECK`, with a warning atop the draft. Any
-other integer of config.json names a dimension too: `relative_attention_num_buckets`
-is no axis of port's vocabulary (`port.nn.AXES`), so such a dimension is left
-unnamed (`""`: replicated), with the config name in a comment. A reshape's sizes
+other integer of config.json names a dimension too: one that is no axis of port's
+vocabulary (`port.nn.AXES`: a codebook count, say) is left unnamed (`""`: replicated),
+with the config name in a comment. A reshape's sizes
 are written back as the config names they come from, so that the mapping serves
 every size of the family; a literal left is a `# CHECK`.
 
@@ -67,6 +67,7 @@ _AXIS_KEYS: dict[str, tuple[str, ...]] = {
     "linear_v_heads": ("linear_num_value_heads",),
     "kernel": ("linear_conv_kernel_dim",),
     "channels": ("num_channels",),
+    "buckets": ("relative_attention_num_buckets",),
 }
 _AXIS_ORDER = (
     "embed",
@@ -84,6 +85,7 @@ _AXIS_ORDER = (
     "linear_v_heads",
     "kernel",
     "channels",
+    "buckets",
 )
 _KNOWN_KEYS = {key for keys in _AXIS_KEYS.values() for key in keys}
 # A config key of no known name, but whose words name an axis (TinyLM's `max_positions`).
