@@ -166,7 +166,8 @@ def test_any_config_integer_names_an_axis_and_a_reshape_size(work):
     assert by_path["codebook"].axes == (None, None, "embed")
     assert by_path["codebook"].transforms == (Reshape(("num_codebooks", "codebook_dim", "hidden_size")),)
     assert by_path["wq"].transforms == (Reshape(("num_attention_heads", "head_dim", "hidden_size")),)
-    assert "" not in mapping.rules and set(mapping.rules) == {"embed", "heads", "head_dim", "positions", "vocab", "buckets"}
+    assert "" not in mapping.rules
+    assert set(mapping.rules) == {"embed", "heads", "head_dim", "positions", "vocab", "buckets"}
 
     # The draft passes check unedited and converts: each leaf the checkpoint's tensor, reshaped.
     Net = reader_class()
