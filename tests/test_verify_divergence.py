@@ -160,6 +160,7 @@ def test_port_verify_prints_and_reports_the_first_divergence(llama):
     assert found["modules"] == [{"module": "model.layers.0.input_layernorm", "path": "blocks.mlp_norm", "layer": 0}]
     assert found["observed"] == "the input of model.layers.0.self_attn" and found["max_abs_difference"] > 0.1
     assert found["inputs_max_abs_difference"] < 1e-5 and found["compared"] >= 1
+    assert found["relative_difference"] == found["max_abs_difference"] / found["max_abs_reference"]
 
 
 # Issue 39 row 5: a difference judged against its own scale, and by how it grows.

@@ -891,6 +891,8 @@ def verify(args: argparse.Namespace) -> int:
                     "modules": [{"module": m.module, "path": m.path, "layer": m.layer} for m in found.modules],
                     "observed": found.observed,
                     "max_abs_difference": found.max_abs_diff,
+                    "max_abs_reference": found.max_abs_reference,
+                    "relative_difference": found.relative_diff,
                     "inputs_max_abs_difference": found.inputs_max_abs_diff,
                     "compared": found.compared,
                 },
