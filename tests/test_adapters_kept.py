@@ -7,6 +7,7 @@ non-zero A and B), in tmp_path; nothing is downloaded.
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ from port._errors import PlanError
 from port._transforms import Chain
 from port.nn import LoRA
 
-from helpers import transformers_or_skip
+from helpers import run_port, transformers_or_skip
 
 LINEAR = (
     "q_proj",
@@ -409,6 +410,12 @@ def test_a_kept_output_restores_with_its_adapter_and_exports_it_or_the_merged_mo
     np.testing.assert_allclose(
         torch_logits(merged, INPUT_IDS), torch_logits(peft_model, INPUT_IDS), rtol=1e-4, atol=1e-4
     )
+    # The command's bytes_read is what its restore read: the base and the factors A and B, not the
+    # merged weights export wrote from.
+    result = run_port("export", tmp_path / "out", "--out", tmp_path / "cli", "--json")
+    assert result.returncode == 0, result.stderr
+    held = sum(leaf.nbytes for leaf in jax.tree.leaves(port.restore(tmp_path / "out", mesh="1x1")))
+    assert json.loads(result.stdout)["bytes_read"] == held > json.loads(result.stdout)["bytes_written"]
 
 
 @pytest.fixture(scope="module")

@@ -471,7 +471,7 @@ def export_command(args: argparse.Namespace) -> int:
             "--adapter-only has nothing to write"
         )
     _join(args)
-    from ._export import export  # JAX's, as restore is: after every check of the flags and the output's metadata
+    from ._export import blocks_held, export  # JAX's, as restore is: after every check of the flags and the metadata
     from ._output import restore
 
     if args.mesh is None:  # the default, once the run is joined: all its devices
@@ -516,7 +516,7 @@ def export_command(args: argparse.Namespace) -> int:
         "directory": str(output.directory),
         **{k: figures[k] for k in _REPORTED},
         "seconds": round(time.perf_counter() - start, 3),
-        "bytes_read": exported.bytes_held,  # DIR's blocks this process's devices hold: what restore read
+        "bytes_read": blocks_held(model),  # DIR's blocks this process's devices hold: what restore read
         "bytes_written": exported.bytes_written,
         "peak_host_bytes": peak.bytes,
         "port_version": exported.port_version,

@@ -21,6 +21,7 @@ from .._lazy import lazy
 
 _EXPORTS = {
     "ExportReport": "._report",
+    "blocks_held": "._report",
     "export": "._export",
     "is_export": "._export",
     "Inverse": "._invert",
@@ -31,9 +32,17 @@ _EXPORTS = {
 if TYPE_CHECKING:  # what the names are, for type checkers; at run time they are imported when first used
     from ._export import export, is_export
     from ._invert import Inverse, invert
-    from ._report import ExportReport
+    from ._report import ExportReport, blocks_held
     from ._safetensors import parse_size
 
-__all__ = ["ExportReport", "Inverse", "export", "invert", "is_export", "parse_size"]  # the names of _EXPORTS, sorted
+__all__ = [
+    "ExportReport",
+    "Inverse",
+    "blocks_held",
+    "export",
+    "invert",
+    "is_export",
+    "parse_size",
+]  # the names of _EXPORTS, sorted
 
 __getattr__, __dir__ = lazy(globals(), _EXPORTS)
