@@ -148,11 +148,14 @@ deadline = time.monotonic() + 30
 while True:
     try:
         s = socket.create_connection((host, port), timeout=1)
-        break
+        if s.getsockname() != s.getpeername():
+            break
+        s.close()  # TCP's self-connect: nothing listened yet and the kernel gave it the port itself
     except OSError:
-        if time.monotonic() > deadline:
-            sys.exit(2)
-        time.sleep(0.02)
+        pass
+    if time.monotonic() > deadline:
+        sys.exit(2)
+    time.sleep(0.02)
 f = s.makefile("rb")
 def ask(request):
     s.sendall(json.dumps(request).encode() + b"\\n")
