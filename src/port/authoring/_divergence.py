@@ -129,7 +129,7 @@ class Divergence:
     @property
     def relative_diff(self) -> float:
         """`max_abs_diff` over `max_abs_reference` (as `SMALLEST_SCALE` at least)."""
-        return self.max_abs_diff / max(self.max_abs_reference, SMALLEST_SCALE)
+        return _relative(self.max_abs_diff, self.max_abs_reference)
 
     def __str__(self) -> str:
         names = ", ".join(map(str, self.modules))
@@ -347,22 +347,30 @@ def _difference(ours: np.ndarray, theirs: np.ndarray, mask: np.ndarray | None) -
     return float(np.abs(ours - theirs).max()), float(np.abs(theirs).max())
 
 
+def _relative(diff: float, scale: float) -> float:
+    """A difference judged against the value's own scale (at least `SMALLEST_SCALE`)."""
+    return diff / max(scale, SMALLEST_SCALE)
+
+
 @dataclass(frozen=True)
 class _Observation:
-    """One value compared: its event's index in the reference's order, what it is, and
-    (max |port - reference|, max |reference|) there."""
+    """One value compared: its event's index in the reference's order, which event it is (the
+    logits: `name` empty), and (max |port - reference|, max |reference|) there."""
 
     at: int
-    observed: str
     kind: str
     name: str
     diff: float
     scale: float
 
     @property
+    def observed(self) -> str:
+        """The value, as messages name it: `"the input of model.layers.0.self_attn"`, `"the logits"`."""
+        return f"the {'input' if self.kind == 'in' else 'output'} of {self.name}" if self.name else "the logits"
+
+    @property
     def relative(self) -> float:
-        """The difference judged against the value's own scale (at least `SMALLEST_SCALE`)."""
-        return self.diff / max(self.scale, SMALLEST_SCALE)
+        return _relative(self.diff, self.scale)
 
 
 def _started(seen: list[_Observation]) -> int:
@@ -438,15 +446,13 @@ def first_divergence(
         path, row = pairs[name]
         difference = _difference(recording.values[(path, kind)][row or 0], values[(name, kind)], mask)
         if difference is not None:
-            seen.append(
-                _Observation(i, f"the {'input' if kind == 'in' else 'output'} of {name}", kind, name, *difference)
-            )
+            seen.append(_Observation(i, kind, name, *difference))
             if seen[-1].relative > factor:
                 break
     if not seen or seen[-1].relative <= factor:  # every observation agrees: the logits differ, or nothing does
         if logits[0] <= factor * max(1.0, logits[1]):
             return None
-        seen.append(_Observation(len(events), "the logits", "out", "", *logits))
+        seen.append(_Observation(len(events), "out", "", *logits))
     start = _started(seen)
     agreed_at, agreed = (seen[start - 1].at, seen[start - 1].diff) if start else (-1, None)
     modules = _reference_modules(reference, leaf_rows(plan, mapping), mapping)
