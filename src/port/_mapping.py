@@ -773,16 +773,17 @@ def _shipped_for(config: AnyMapping[str, Any], built: type | None = None) -> Map
         raise MappingError("config.json: no 'model_type'; give a mapping with mapping=")
     text = config.get(TEXT_CONFIG)
     text_type = text.get("model_type") if isinstance(text, dict) else None
-    known: list[str] = []
     by_text = None
     listing: list[Mapping] = []
     for path in shipped_mappings():
-        mapping = load_mapping(path)
+        source = _read(path)
+        if not _may_list(source, (model_type, text_type)):
+            continue
+        mapping = parse_mapping(source, str(path))
         if model_type in mapping.model_types:
             listing.append(mapping)
         if by_text is None and text_type in mapping.model_types:
             by_text = mapping
-        known.extend(mapping.model_types)
     if listing:  # several (a full model, its encoder, its towers): the one config.json's class is, else the first
         named = None if built is None else f"{built.__module__}:{built.__qualname__}"
         return next((m for m in listing if m.model == named), None) or next(
@@ -790,11 +791,18 @@ def _shipped_for(config: AnyMapping[str, Any], built: type | None = None) -> Map
         )
     if by_text is not None:
         return by_text
+    known = [t for path in shipped_mappings() for t in load_mapping(path).model_types]
     nor = "" if text is None else f", nor has its {TEXT_CONFIG}'s model_type {quoted(text_type)}"
     raise MappingError(
         f"config.json: model_type {quoted(model_type)} has no mapping{nor} "
         f"(known: {', '.join(sorted(known)) or 'none'}); give one with mapping="
     )
+
+
+def _may_list(text: str, model_types: tuple[str | None, ...]) -> bool:
+    """Whether a mapping file's text may list one of `model_types` (it names one as a TOML string):
+    the shipped mappings are parsed only where it does, not all of them for every load."""
+    return any(t is not None and (f'"{t}"' in text or f"'{t}'" in text) for t in model_types)
 
 
 def language_model(mapping: Mapping, config: AnyMapping[str, Any], keys: Iterable[str]) -> Mapping:
