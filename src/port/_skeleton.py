@@ -83,6 +83,14 @@ def _no_eager_sharding() -> Iterator[None]:
         yield
 
 
+def _shapes_only() -> contextlib.AbstractContextManager[None]:
+    """`port.nn.shapes_only()` where port's layers are imported (the model may use them: their
+    initialisers then make zeros, not random numbers, which only the shapes of are kept);
+    otherwise the model uses none of them, and nothing is needed."""
+    layers = sys.modules.get("port.nn")
+    return contextlib.nullcontext() if layers is None else layers.shapes_only()
+
+
 def skeleton(model: Mapping | Any, config: AnyMapping[str, Any]) -> Any:
     """The module built from `config` as shapes only, under `eval_shape`: no memory used.
 
@@ -136,7 +144,7 @@ def skeleton(model: Mapping | Any, config: AnyMapping[str, Any]) -> Any:
         return arrays
 
     try:
-        with _no_eager_sharding():
+        with _no_eager_sharding(), _shapes_only():
             shapes = jax.eval_shape(traced)
     except _Refused as e:
         raise MappingError(str(e)) from None

@@ -54,6 +54,7 @@ from port.nn._generate import prefill as prefill
 from port.nn._hyper import HyperConnection as HyperConnection
 from port.nn._hyper import HyperHead as HyperHead
 from port.nn._init import normal as normal
+from port.nn._init import shapes_only as shapes_only
 from port.nn._init import stacked as stacked
 from port.nn._init import zeros_if as zeros_if
 from port.nn._layers import run_groups as run_groups
