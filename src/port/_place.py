@@ -7,9 +7,8 @@ reshapes or offsets the source region (the common case: no transpose, no cast),
 the region's bytes are read straight into the block's 64-byte-aligned buffer, so
 each byte is copied once; otherwise the region is read into a staging buffer and
 the chain's views over it are copied (casting on the way) into the block. On CPU,
-JAX adopts such a buffer as the device buffer without copying it; a device that
-shares its block with another (a replicated axis) gets its own copy of the block,
-not a second read. The blocks of one source tensor are read together, so runs
+JAX adopts such a buffer as the device buffer without copying it, and devices that
+share a block (a replicated axis) share that one buffer: no second read, no copy. The blocks of one source tensor are read together, so runs
 that lie end to end in the file (the column blocks of a matrix) share one
 `preadv`. `jax.make_array_from_callback` asks each process only for its own
 devices' blocks, so a process reads only what its devices hold.
@@ -273,19 +272,15 @@ def boxes(shape: tuple[int, ...], sharding: NamedSharding) -> list[Region]:
 
 
 def assemble(shape: tuple[int, ...], sharding: NamedSharding, blocks: dict[Region, np.ndarray]) -> jax.Array:
-    """The array of `shape` under `sharding` from its distinct blocks (64-byte aligned):
-    the first device holding a block adopts it (on CPU, without a copy), the others get copies."""
-    handed: set[Region] = set()
+    """The array of `shape` under `sharding` from its distinct blocks (64-byte aligned): every
+    device holding a block is handed that same block. On CPU, JAX adopts it without a copy, the
+    devices that share it (a replicated axis) share its memory, and XLA never writes into such
+    an adopted buffer, donated or not (it writes a donated step's result to new memory); an
+    accelerator copies it to each of them from the one host buffer."""
 
     def callback(index: tuple[slice, ...] | None) -> np.ndarray:
         assert index is not None  # JAX passes each device's index (and asserts so itself)
-        box = _box(index, shape)
-        if box not in handed:  # the first device adopts the block itself
-            handed.add(box)
-            return blocks[box]
-        copy = aligned_empty(blocks[box].shape, blocks[box].dtype)
-        np.copyto(copy, blocks[box])
-        return copy
+        return blocks[_box(index, shape)]
 
     return jax.make_array_from_callback(shape, sharding, callback)
 
