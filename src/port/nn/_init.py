@@ -31,6 +31,8 @@ def shapes_only() -> Iterator[None]:
     builds under it, since under `eval_shape` only the shapes are kept (the random number
     generator's first trace alone took 0.1-0.2 s of a GPT-2 medium load).
 
+    **Arguments:** none.
+
     **Returns:** a context manager.
 
     ```python
