@@ -1,7 +1,7 @@
 """Remote reads against the wire: `port.load` from a URL served by nginx, beside `curl` of the same bytes.
 
     python bench/remote.py [--checkpoints gpt2-medium] [--mesh 4x2] [--repeats 3] [--processes 2]
-                           [--hub] [--s3] [--workdir DIR] [--out FILE]
+                           [--hub] [--s3] [--max-over-read R] [--workdir DIR] [--out FILE]
 
 Checkpoints (written once into the work directory, random weights): `gpt2-small`,
 `gpt2-medium`, `gpt2-large` (`bench/make_gpt2.py`, one file), `gpt2-medium-x4` (the same in 4
@@ -16,8 +16,10 @@ fresh process, best of `--repeats`:
 - `port.load`: `port.load(URL, mesh=...)` onto the mesh (8 simulated CPU devices for
   4x2), port and JAX imported before the clock (`_measure.started`), the arrays ready when it stops; with
   its peak anonymous memory above the start (`RssAnon`, sampled; the arrays are in it,
-  since CPU devices hold them in host memory), the bytes it read (`bytes_read`), and the
-  CPU seconds it and the server (nginx's workers) spent: on this machine both share its cores.
+  since CPU devices hold them in host memory), the bytes it read (`bytes_read`), the bytes it
+  fetched over those (`bytes_over_read`, gaps between stretches it spanned, `--max-over-read`,
+  default port's: 2) as "fetched / needed", and the CPU seconds it and the server (nginx's
+  workers) spent: on this machine both share its cores.
 
 With `--hub`, nginx also serves the checkpoints as the Hub does (`/bench/NAME/resolve/main/FILE`,
 with `ETag` and `X-Repo-Commit`), and `port.load("hf://bench/NAME")` (`HF_ENDPOINT` set to it)
@@ -113,10 +115,11 @@ def measure(spec: dict) -> dict:
     _measure.back_memory(2 * spec["bytes"])
     stop = _measure.peak_memory()
     cpu, began = time.process_time(), time.perf_counter()
-    with port.open_checkpoint(spec["url"]) as ckpt:
+    with port.open_checkpoint(spec["url"], spec.get("max_over_read")) as ckpt:
         model = port.load(ckpt, mesh=mesh)
         jax.block_until_ready(jax.tree.leaves(model))
         read, sent = ckpt.bytes_read, getattr(getattr(ckpt, "transport", None), "sent", 0)
+        over = ckpt.bytes_over_read
         largest = max(info.nbytes for info in ckpt.tensors.values())
     seconds = time.perf_counter() - began
     arrays = sum(shard.data.nbytes for leaf in jax.tree.leaves(model) for shard in leaf.addressable_shards)
@@ -125,6 +128,7 @@ def measure(spec: dict) -> dict:
         "cpu": time.process_time() - cpu,
         "peak": stop(),
         "bytes_read": read,
+        "over_read": over,
         "arrays": arrays,
         "largest": largest,
         "requests": sent,
@@ -144,22 +148,24 @@ def measure_process(spec: dict) -> dict:
 
     multihost_utils.sync_global_devices("start")  # both processes start the clock together
     cpu, began = time.process_time(), time.perf_counter()
-    with port.open_checkpoint(spec["url"]) as ckpt:
+    with port.open_checkpoint(spec["url"], spec.get("max_over_read")) as ckpt:
         model = port.load(ckpt, mesh=mesh)
         jax.block_until_ready(jax.tree.leaves(model))
         read, sent = ckpt.bytes_read, getattr(getattr(ckpt, "transport", None), "sent", 0)
+        over = ckpt.bytes_over_read
     return {
         "seconds": time.perf_counter() - began,
         "cpu": time.process_time() - cpu,
         "bytes_read": read,
+        "over_read": over,
         "requests": sent,
     }
 
 
-def two_processes(url: str, mesh: str, nbytes: int) -> dict | str:
+def two_processes(spec: dict) -> dict | str:
     """`port.load(url)` in two processes (4 simulated devices each): the slower one's seconds, bytes each read."""
     coordinator = f"127.0.0.1:{free_port()}"
-    specs = [{"url": url, "mesh": mesh, "bytes": nbytes, "coordinator": coordinator, "process": i} for i in range(2)]
+    specs = [spec | {"coordinator": coordinator, "process": i} for i in range(2)]
     runs = [
         subprocess.Popen(
             [sys.executable, __file__, "--measure-process", json.dumps(spec)],
@@ -177,6 +183,7 @@ def two_processes(url: str, mesh: str, nbytes: int) -> dict | str:
         "seconds": max(r["seconds"] for r in results),
         "cpu": sum(r["cpu"] for r in results),
         "bytes_read": [r["bytes_read"] for r in results],
+        "over_read": [r["over_read"] for r in results],
         "requests": [r["requests"] for r in results],
     }
 
@@ -252,6 +259,7 @@ class Table:
         "server CPU s",
         "port peak anon memory above the arrays (x largest tensor)",
         "port bytes read",
+        "fetched / needed",
         "port requests",
     ]
 
@@ -286,12 +294,20 @@ class Table:
                 "" if server is None else f"{server:.2f}",
                 _above(best),
                 " + ".join(map(_measure.mb, read)) if isinstance(read, list) else _measure.mb(read),
+                _fetched(read, best.get("over_read", 0)),
                 " + ".join(map(str, best["requests"]))
                 if isinstance(best.get("requests"), list)
                 else str(best.get("requests", "")),
             ]
         )
         print(f"{what}: {how} {baseline:.3f} s, port.load {best['seconds']:.3f} s", file=sys.stderr, flush=True)
+
+
+def _fetched(read: int | list[int], over: int | list[int]) -> str:
+    """Bytes fetched over bytes needed (`bytes_read`, the opening's included), for each process."""
+    reads, overs = (read, over) if isinstance(read, list) else ([read], [over])
+    assert isinstance(overs, list)
+    return " + ".join(f"{(r + o) / r:.2f}" if r else "" for r, o in zip(reads, overs))
 
 
 def _above(result: dict) -> str:
@@ -400,6 +416,12 @@ def main() -> None:
         choices=(1, 2),
         help="2: also load the URL in two processes (4 devices each), each its share",
     )
+    parser.add_argument(
+        "--max-over-read",
+        type=float,
+        metavar="R",
+        help="a read may fetch up to R times the bytes it needs (default: port's, 2; 1: exact ranges)",
+    )
     args = parser.parse_args()
     if shutil.which("nginx") is None or shutil.which("curl") is None:
         print("bench/remote.py needs nginx and curl (apt-get install nginx-light curl)", file=sys.stderr)
@@ -418,13 +440,13 @@ def main() -> None:
             urls = [f"{base}/{name}/{f}" for f in files]
             curl(urls)  # the page cache and the server warm
             best_curl = min(curl(urls) for _ in range(args.repeats))
-            spec = {"url": f"{base}/{name}", "mesh": args.mesh, "bytes": total}
+            spec = {"url": f"{base}/{name}", "mesh": args.mesh, "bytes": total, "max_over_read": args.max_over_read}
             loads, cpu = best_of(args.repeats, server, lambda: _measure.isolated(__file__, spec))
             local = [_measure.isolated(__file__, spec | {"url": str(directory)}) for _ in range(args.repeats)]
             local_best = min((r["seconds"] for r in local if isinstance(r, dict)), default=float("nan"))
             table.add(title(name), total, best_curl, "curl", loads, cpu, local_best)
             if args.processes == 2:
-                pairs, cpu = best_of(args.repeats, server, lambda: two_processes(spec["url"], args.mesh, total))
+                pairs, cpu = best_of(args.repeats, server, lambda: two_processes(spec))
                 table.add(f"{title(name)}, 2 processes", total, best_curl, "curl", pairs, cpu)
             if args.hub:
                 os.environ.update(

@@ -166,6 +166,17 @@ def _number(text: Any) -> float:
         raise typer.BadParameter(f"expected a number, not {quoted(str(text), 40)}") from None
 
 
+def _ratio(text: Any) -> float:
+    """A number >= 1 (the type of --max-over-read)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1:
+        raise typer.BadParameter(f"expected a number >= 1 (1: exact ranges), not {quoted(str(text), 40)}")
+    return value
+
+
 def _positive(text: Any) -> int:
     """A positive integer (the type of --batch, --length)."""
     text = str(text)  # the default is an int
@@ -432,6 +443,16 @@ def _convert(
     force: Annotated[
         bool, typer.Option("--force", help="replace --out (and --report) if it is an earlier port output")
     ] = False,
+    max_over_read: Annotated[
+        float | None,
+        typer.Option(
+            "--max-over-read",
+            metavar="RATIO",
+            parser=_ratio,
+            help="a URL's reads may fetch up to RATIO times the bytes they need, one request spanning the gaps "
+            "between the stretches wanted (default: 2; 1: exact ranges; local files are read exactly)",
+        ),
+    ] = None,
     progress: ProgressFlag = None,
     json: Json = False,
     coordinator: Coordinator = None,

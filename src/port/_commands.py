@@ -322,6 +322,7 @@ def convert(args: argparse.Namespace) -> int:
             layers=layers,
             adapter=args.adapter,
             adapter_mode=args.adapter_mode or "merge",
+            max_over_read=args.max_over_read,
         )
     except PortError as e:  # the API's words for a range, as the flag was given
         if layers is not None:
@@ -339,10 +340,12 @@ def convert(args: argparse.Namespace) -> int:
     if figures.adapter is not None:
         how = "merged" if figures.adapter_mode == "merge" else "kept"
         adapted = f" with adapter {figures.adapter} ({how}, {size_text(figures.adapter_bytes_read)} read from it)"
+    over = f" (and {size_text(figures.bytes_over_read)} over-read)" if figures.bytes_over_read else ""
     say(
         f"{who}converted {_shown(args.model)}{adapted}: {count_text(figures.params)} params onto mesh {args.mesh} in "
         f"{figures.seconds:.1f} s (placing {figures.place_seconds:.1f} s, writing {figures.save_seconds:.1f} s); "
-        f"read {size_text(figures.bytes_read)}, {size_text(max(figures.device_bytes.values(), default=0))} per device, "
+        f"read {size_text(figures.bytes_read)}{over}, "
+        f"{size_text(max(figures.device_bytes.values(), default=0))} per device, "
         f"peak host memory {size_text(figures.peak_host_bytes)} -> {figures.out}"
     )
     return 0

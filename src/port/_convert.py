@@ -51,6 +51,7 @@ from ._skeleton import own_state
 from ._skeleton import skeleton as make_skeleton
 from ._sources import Checkpoint, open_checkpoint
 from ._sources._quantized import describe
+from ._sources._remote import over_read_ratio
 from ._targets import leaves
 
 
@@ -88,6 +89,7 @@ class Report:
     adapter: str | None = None  # the PEFT adapter loaded onto the checkpoint (`adapter=`), as named
     adapter_mode: str | None = None  # how: "merge" or "keep"
     adapter_bytes_read: int = 0  # of `bytes_read`, the bytes read from the adapter
+    bytes_over_read: int = 0  # fetched beside `bytes_read` and discarded: a remote source's gaps (`max_over_read`)
 
     def to_json(self) -> dict[str, Any]:
         """The report as `port convert --report` writes it."""
@@ -152,6 +154,7 @@ def convert(
     strict: bool = True,
     adapter: str | os.PathLike | None = None,
     adapter_mode: str = "merge",
+    max_over_read: float | None = None,
 ) -> Conversion:
     """Convert a checkpoint into a sharded model, and save it to `out` if given.
 
@@ -185,6 +188,10 @@ def convert(
       `base + scale * B @ A`, from only the factor rows and columns each block needs;
       `"keep"` gives the model `port.nn.LoRA` nodes at the adapted weights (the base
       frozen, the factors trainable). See docs/adapters.md.
+    - `max_over_read`: a URL's reads may fetch up to this many times the bytes they need,
+      one request spanning the gaps between the stretches wanted (a number >= 1; default 2;
+      1: exact ranges); `report.bytes_over_read` counts the discarded bytes. Local files
+      are read exactly; a `Checkpoint` already opened keeps `open_checkpoint`'s setting.
 
     Returns a `Conversion`: `.model`, `.plan`, `.report`.
 
@@ -194,9 +201,10 @@ def convert(
     """
     start = time.perf_counter()
     check_adapter_mode(adapter_mode)
+    ratio = None if max_over_read is None else over_read_ratio(max_over_read)
     owned = not isinstance(checkpoint, Checkpoint)
     with PeakMemory() as peak, contextlib.ExitStack() as stack:
-        ckpt = open_checkpoint(checkpoint) if owned else checkpoint
+        ckpt = open_checkpoint(checkpoint, ratio) if owned else checkpoint
         base, opened = ckpt, None
         try:
             if adapter is not None:
@@ -316,6 +324,7 @@ def convert(
         adapter=None if opened is None else opened.source,
         adapter_mode=None if opened is None else adapter_mode,
         adapter_bytes_read=0 if opened is None else opened.checkpoint.bytes_read,
+        bytes_over_read=base.bytes_over_read + (0 if opened is None else opened.checkpoint.bytes_over_read),
     )
     return Conversion(model, recipe, report)
 
@@ -422,6 +431,7 @@ def load(
     skeleton: Any = None,
     adapter: str | os.PathLike | None = None,
     adapter_mode: str = "merge",
+    max_over_read: float | None = None,
 ) -> Any:
     """A pretrained model from a checkpoint, sharded on `mesh`: `convert(...).model`.
 
@@ -441,6 +451,8 @@ def load(
     - `adapter`: a PEFT LoRA adapter (directory, Hub id or URL) applied to the checkpoint.
     - `adapter_mode`: `"merge"` (default: merged into the weights as they are read) or
       `"keep"` (`port.nn.LoRA` nodes at the adapted weights, the factors trainable).
+    - `max_over_read`: a URL's reads may fetch up to this many times the bytes they need
+      (default 2; 1: exact ranges; local files are read exactly).
 
     ```python
     model = load("gpt2", mesh="4x2")
@@ -459,4 +471,5 @@ def load(
         layers=layers,
         adapter=adapter,
         adapter_mode=adapter_mode,
+        max_over_read=max_over_read,
     ).model

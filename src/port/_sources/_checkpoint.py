@@ -144,6 +144,8 @@ class Checkpoint(abc.ABC):
     - `config`: its `config.json`, a dict.
     - `tensors`: each tensor's `TensorInfo`, by key.
     - `bytes_read`: the bytes read so far (for a remote checkpoint, transferred).
+    - `bytes_over_read`: bytes fetched beside them and discarded (a remote checkpoint's
+      gaps between stretches, within its `max_over_read`; 0 for local files, read exactly).
 
     A checkpoint is a context manager: leaving the block calls `close`.
 
@@ -157,6 +159,7 @@ class Checkpoint(abc.ABC):
     config: dict
     tensors: dict[str, TensorInfo]
     bytes_read: int
+    bytes_over_read: int = 0
 
     def read(self, key: str, region: Region, out: np.ndarray | None = None) -> np.ndarray:
         """Exactly `region` of tensor `key` as a C-contiguous array (`out`, if given).

@@ -15,11 +15,11 @@ import os
 from ._checkpoint import Checkpoint
 from ._directory import open_local
 from ._quantized import dequantized
-from ._remote import open_remote
+from ._remote import MAX_OVER_READ, open_remote, over_read_ratio
 from ._urls import is_url
 
 
-def open_checkpoint(model: str | os.PathLike) -> Checkpoint:
+def open_checkpoint(model: str | os.PathLike, max_over_read: float | None = None) -> Checkpoint:
     """Open a checkpoint, reading only its `config.json` and tensor headers.
 
     Every file is untrusted: headers are checked in full (offsets, sizes, dtypes) before
@@ -31,6 +31,10 @@ def open_checkpoint(model: str | os.PathLike) -> Checkpoint:
       their `model.safetensors.index.json`), or a Hugging Face repo id; or a URL of such
       a directory, read in place by byte range (`http(s)://`, `hf://org/name[@revision]`,
       `s3://`, `gs://`: see `port._sources._remote`).
+    - `max_over_read`: a URL's reads may fetch up to this many times the bytes they need,
+      one request spanning the gaps between the stretches wanted, the gaps discarded and
+      counted in `bytes_over_read` (a number >= 1; default 2; 1: exact ranges). Local
+      files are read exactly whatever it is (a positioned read costs no round trip).
 
     A checkpoint whose config.json has a `quantization_config` (FP8, MXFP4, int4, ...) is
     read as the unquantized checkpoint it stands for: see `port._sources._quantized`.
@@ -44,6 +48,7 @@ def open_checkpoint(model: str | os.PathLike) -> Checkpoint:
         ckpt.config["n_layer"], ckpt.tensors["wte.weight"].shape
     ```
     """
+    ratio = MAX_OVER_READ if max_over_read is None else over_read_ratio(max_over_read)
     if is_url(model) and not str(model).lower().startswith("file://"):
-        return dequantized(open_remote(str(model)))
+        return dequantized(open_remote(str(model), max_over_read=ratio))
     return dequantized(open_local(model))

@@ -5,16 +5,20 @@
 Nothing is downloaded whole: `config.json` and the shard index are read bounded in
 size; each safetensors file costs two small range requests (its 8-byte header length,
 with the file's size, then the header), validated by the same code as a local file
-(`_safetensors`); and `read_into` fetches exactly the byte ranges of the requested
-regions (`runs()`), runs that lie end to end merged into one request, at most
-`requests` requests in flight, over HTTP straight into the destination buffers.
+(`_safetensors`); and `read_into` fetches the byte ranges of the requested regions
+(`runs()`), runs that lie end to end merged into one request, at most `requests`
+requests in flight, over HTTP straight into the destination buffers. Where a gap
+between two stretches is small beside the stretch after it, one request spans both
+and the gap's bytes are discarded (`max_over_read`, default `MAX_OVER_READ`: a read
+fetches at most that many times the bytes it needs; 1 asks for exact ranges; see
+`_ranges.plan_ranges`).
 
 `RemoteCheckpoint` is composed around a `Transport` (`transport_for` picks it by the
 URL's scheme: `_http`, `_hub`, `_fsspec`), which sorts failures into transient and
 permanent; transient ones are retried with exponential backoff (`retried`), and what
 still fails is one `CheckpointError` naming the file's URL and the byte range.
 `bytes_read` counts the bytes transferred (headers, config, retried partial bodies
-included).
+included) but the discarded gaps, which `bytes_over_read` counts.
 
 Credentials come from the usual places: the Hub token (`HF_TOKEN`, `hf auth login`),
 sent to the Hub's host only; the cloud SDKs' environment (`AWS_*`, `FSSPEC_S3_*`,
@@ -27,6 +31,7 @@ ckpt = open_remote("https://example.com/models/gpt2")
 str(ckpt.tensors["wte.weight"].file)     # 'https://example.com/models/gpt2/model.safetensors'
 ckpt.read("wte.weight", ((0, 10), (0, 768)))
 ckpt.bytes_read                           # config + headers + 30720
+ckpt.bytes_over_read                      # 0: one region, no gap
 ```
 """
 
@@ -43,7 +48,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, PortError
 from .._text import quoted
 from ._checkpoint import Checkpoint, Region, TensorInfo, check_buffer
 from ._fsspec import FsspecTransport
@@ -74,7 +79,30 @@ NEIGHBOUR = 256 * 2**10
 """A tensor read whole and smaller than this may share a request with its neighbours in the file."""
 NEIGHBOURS = 4 * 2**20
 """Bytes of neighbouring small tensors one request asks for at most."""
+MAX_OVER_READ = 2.0
+"""A remote read fetches at most this many times the bytes it needs, unless told otherwise (`max_over_read`)."""
 _T = TypeVar("_T")
+
+
+def over_read_ratio(value: Any, name: str = "max_over_read") -> float:
+    """`value` as a `max_over_read` ratio, a number >= 1 (infinity allowed: any gap up to
+    `_ranges.MAX_GAP`); else a one-line PortError naming `name`.
+
+    ```python
+    over_read_ratio(2), over_read_ratio(1.5)   # (2.0, 1.5)
+    over_read_ratio(0.5)                       # PortError: max_over_read=0.5: expected a number >= 1 ...
+    ```
+    """
+    try:
+        ratio = float(value)
+    except (TypeError, ValueError):
+        ratio = float("nan")
+    if isinstance(value, bool) or not ratio >= 1:  # nan too
+        raise PortError(
+            f"{name}={value!r}: expected a number >= 1, the most bytes a remote read may fetch per byte it "
+            "needs (1: exact ranges)"
+        )
+    return ratio
 
 
 def transport_for(url: str) -> Transport:
@@ -103,7 +131,8 @@ class RemoteCheckpoint(Checkpoint):
     """A checkpoint read in place from a URL: `directory` is the URL (no credentials),
     each `TensorInfo.file` a `RemoteFile`; `read_into` fetches the regions' byte ranges
     through `transport`, at most `requests` at once, on its own threads (`close` stops
-    them and closes the transport's connections).
+    them and closes the transport's connections); fetching at most `max_over_read` times
+    the bytes each read needs, the gaps discarded and counted in `bytes_over_read`.
 
     ```python
     with open_remote("s3://bucket/gpt2") as ckpt:
@@ -116,7 +145,9 @@ class RemoteCheckpoint(Checkpoint):
     tensors: dict[str, TensorInfo]
     transport: Transport = field(repr=False)
     requests: int = REQUESTS
+    max_over_read: float = MAX_OVER_READ
     bytes_read: int = 0
+    bytes_over_read: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _pool: ThreadPoolExecutor = field(init=False, repr=False)
     _together: dict[str, _Neighbours] = field(default_factory=dict, repr=False)
@@ -128,6 +159,12 @@ class RemoteCheckpoint(Checkpoint):
     def _count(self, n: int) -> None:
         with self._lock:
             self.bytes_read += n
+
+    def _discarded(self, n: int) -> None:
+        """`n` bytes counted in `bytes_read` were a bridged gap's: counted in `bytes_over_read` instead."""
+        with self._lock:
+            self.bytes_read -= n
+            self.bytes_over_read += n
 
     def parallel(self, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
         """Run `jobs` on the request threads; the first failure is raised once none is running."""
@@ -184,8 +221,9 @@ class RemoteCheckpoint(Checkpoint):
 
     def read_into(self, key: str, requests: Sequence[tuple[Region, np.ndarray]]) -> None:
         """Read regions of tensor `key` into their buffers (see `Checkpoint.read_into`): one
-        request per stretch of runs lying end to end in the file, in parallel; a small tensor
-        `expect`ed whole, with its neighbours (`expect`)."""
+        request per stretch of runs lying end to end in the file (and the gaps `max_over_read`
+        allows between them), in parallel; a small tensor `expect`ed whole, with its
+        neighbours (`expect`)."""
         info = self.tensors[key]
         for region, out in requests:
             check_buffer(info, region, out)
@@ -193,7 +231,7 @@ class RemoteCheckpoint(Checkpoint):
         if together is not None and together.copy(self, info, requests):
             return
         for offsets, lengths, addresses in batches(info, requests):
-            ranges = plan_ranges(offsets, lengths, addresses, self.transport.chunk)
+            ranges = plan_ranges(offsets, lengths, addresses, self.transport.chunk, self.max_over_read)
             if self.transport.multipart:
                 groups = grouped(ranges)
             else:
@@ -206,18 +244,22 @@ class RemoteCheckpoint(Checkpoint):
         retried(what, lambda: self.transport.read(_file(info), start, ranges.pieces_of(i)))
 
     def _fetch_parts(self, info: TensorInfo, group: Ranges) -> None:
-        """Ranges in one request where the server answers several ranges, else one by one."""
+        """Ranges in one request where the server answers several ranges, else one by one; their
+        bridged gaps counted as over-read once they are in."""
         if len(group) > 1 and self.transport.multipart:
             what = (
                 f"{info.file}: {len(group)} ranges in bytes {int(group.starts[0])}-{int(group.stops[-1]) - 1} "
                 f"(tensor {quoted(info.key, 200)})"
             )
             try:
-                return retried(what, lambda: self.transport.read_parts(_file(info), group))
+                retried(what, lambda: self.transport.read_parts(_file(info), group))
+                self._discarded(group.over_read)
+                return
             except OneRangeOnly:
                 pass
         for i in range(len(group)):
             self._fetch(info, group, i)
+        self._discarded(group.over_read)
 
     def close(self) -> None:
         """Stop the request threads and close the connections."""
@@ -358,7 +400,7 @@ def _header_bytes(t: Transport, file: RemoteFile, n: int) -> bytes:
     return raw.tobytes()
 
 
-def open_remote(url: str, requests: int = REQUESTS) -> RemoteCheckpoint:
+def open_remote(url: str, requests: int = REQUESTS, max_over_read: float = MAX_OVER_READ) -> RemoteCheckpoint:
     """Open the checkpoint directory at `url`, reading only `config.json`, the index and the headers.
 
     **Arguments:**
@@ -366,14 +408,17 @@ def open_remote(url: str, requests: int = REQUESTS) -> RemoteCheckpoint:
     - `url`: `http(s)://host/dir`, `hf://org/name[@revision]`, `s3://bucket/prefix`,
       `gs://bucket/prefix` (or any fsspec URL).
     - `requests`: range requests in flight at once.
+    - `max_over_read`: a read fetches at most this many times the bytes it needs (a number
+      >= 1; 1 asks for exact ranges), see `over_read_ratio`.
 
     ```python
     with open_remote("hf://openai-community/gpt2") as ckpt:
         ckpt.config["n_layer"]
     ```
     """
+    ratio = over_read_ratio(max_over_read)
     transport = transport_for(url)
-    ckpt = RemoteCheckpoint(transport.display, {}, {}, transport=transport, requests=requests)
+    ckpt = RemoteCheckpoint(transport.display, {}, {}, transport=transport, requests=requests, max_over_read=ratio)
     try:
         raw = small_file(transport, "config.json", MAX_CONFIG, "config.json")
         if raw is None:
