@@ -12,11 +12,13 @@ process on 8 simulated CPU devices, and reports the median:
                  which also writes the Orbax checkpoint
   (b) recipe     `safetensors.numpy.load_file` of the whole file, rename / split / reshape /
                  stack in NumPy, `jax.device_put` with the shardings, `eqx.tree_at`
-  (c) floor      every tensor read into NumPy once and kept (`safetensors.numpy.load_file`,
-                 pread backend); "floor-streamed" reads each tensor and drops it before the next
+  (c) floor-per-tensor  every tensor read into a new NumPy array once and kept
+                 (`safetensors.numpy.load_file`, pread backend); "floor-per-tensor-streamed" reads
+                 each tensor and drops it before the next. Not the host's floor: that is
+                 bench/host.py's `floor` (every byte of the files once, `readinto` fresh buffers)
   (d) flax       transformers 4.x `FlaxGPT2LMHeadModel.from_pretrained(..., from_pt=True)`,
                  where installed
-  (e) floor-rw   each tensor read (streamed, as floor-streamed) and its bytes written to one
+  (e) floor-rw   each tensor read (streamed, as floor-per-tensor-streamed) and its bytes written to one
                  new file; "floor-rw+fsync" also fsyncs the file: port-convert's floors
   (f) port-restore  `port.restore(out, mesh=...)` of a `port convert` output that the
                  driver writes once, untimed, beside the checkpoint (`<dir>-out`);
@@ -54,8 +56,8 @@ METHODS = (
     "port-convert",
     "port-restore",
     "recipe",
-    "floor",
-    "floor-streamed",
+    "floor-per-tensor",
+    "floor-per-tensor-streamed",
     "floor-rw",
     "floor-rw+fsync",
     "floor-restore",
@@ -227,7 +229,7 @@ def _floor_restore(directory: Path, mesh):
     return None, sum(a.nbytes for a in arrays)
 
 
-def _floor(directory: Path, mesh):
+def _floor_per_tensor(directory: Path, mesh):
     from safetensors.numpy import load_file
 
     # backend="pread": the bytes land in NumPy memory (the default "mmap" returns views
@@ -236,7 +238,7 @@ def _floor(directory: Path, mesh):
     return None, sum(t.nbytes for t in tensors.values())
 
 
-def _floor_streamed(directory: Path, mesh):
+def _floor_per_tensor_streamed(directory: Path, mesh):
     from safetensors import safe_open
 
     total = 0
@@ -303,8 +305,8 @@ def measure(method: str, directory: Path, mesh_spec: str) -> dict:
         "port-convert": _port_convert,
         "port-restore": _port_restore,
         "recipe": _recipe,
-        "floor": _floor,
-        "floor-streamed": _floor_streamed,
+        "floor-per-tensor": _floor_per_tensor,
+        "floor-per-tensor-streamed": _floor_per_tensor_streamed,
         "floor-rw": _floor_rw,
         "floor-rw+fsync": _floor_rw_fsync,
         "floor-restore": _floor_restore,
@@ -412,10 +414,14 @@ def table(size: str, dtype: str, results: dict, largest: int) -> str:
         f"### GPT-2 {size}, {dtype}, mesh {MESH}",
         "",
         "| method | seconds | peak anon memory above start | bytes read | bytes per device "
-        "| x recipe (time) | x floor (time) | x floor-streamed (time) | x recipe (memory) |",
+        "| x recipe (time) | x floor-per-tensor (time) | x floor-per-tensor-streamed (time) | x recipe (memory) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    base, floor, streamed = results.get("recipe"), results.get("floor"), results.get("floor-streamed")
+    base, floor, streamed = (
+        results.get("recipe"),
+        results.get("floor-per-tensor"),
+        results.get("floor-per-tensor-streamed"),
+    )
     for method in METHODS:
         r = results.get(method)
         if not isinstance(r, dict):
@@ -438,7 +444,7 @@ def table(size: str, dtype: str, results: dict, largest: int) -> str:
             "",
             f"port: peak above start minus the arrays it produced ({_mb(p['total_device_bytes'])} on 8 "
             f"devices) = {_mb(overhead)}; the bound is 1.5 x the largest source tensor = {_mb(1.5 * largest)} "
-            f"({'holds' if overhead <= 1.5 * largest else 'EXCEEDED'}). Time vs floor: "
+            f"({'holds' if overhead <= 1.5 * largest else 'EXCEEDED'}). Time vs floor-per-tensor: "
             f"{p['seconds'] / floor['seconds']:.2f} (bound 1.5: "
             f"{'holds' if p['seconds'] <= 1.5 * floor['seconds'] else 'EXCEEDED'}).",
         ]
@@ -479,15 +485,15 @@ def _convert_line(results: dict, largest: int) -> list[str]:
 
 
 def _overlap_line(results: dict) -> list[str]:
-    """How much of the reading and the transfers port does at once: floor (reading alone) plus
+    """How much of the reading and the transfers port does at once: floor-per-tensor (reading alone) plus
     put (the transfers alone) against port."""
-    p, floor, put = results.get("port"), results.get("floor"), results.get("put")
+    p, floor, put = results.get("port"), results.get("floor-per-tensor"), results.get("put")
     if not all(isinstance(r, dict) for r in (p, floor, put)):
         return []
     both = floor["seconds"] + put["seconds"]
     return [
         "",
-        f"overlap: reading alone (floor) {floor['seconds']:.3f} s + the transfers alone (put) "
+        f"overlap: reading alone (floor-per-tensor) {floor['seconds']:.3f} s + the transfers alone (put) "
         f"{put['seconds']:.3f} s = {both:.3f} s, against port {p['seconds']:.3f} s: "
         f"{max(0.0, both - p['seconds']):.3f} s done at once.",
     ]
@@ -581,13 +587,14 @@ def main() -> None:
             "",
             "- `port` is the conversion: a sharded model, every parameter on its final `NamedSharding`. "
             "Its peak memory is the arrays it produces (the line under each table gives what is left "
-            "over) and it is compared with reading every tensor into NumPy (`floor`). `floor-streamed` "
+            "over) and it is compared with reading every tensor into a new NumPy array (`floor-per-tensor`; "
+            "the host's floor, every byte once into fresh buffers, is bench/host.py's). `floor-per-tensor-streamed` "
             "reads each tensor and drops it before the next, so it never holds the model and reuses "
             "one warm buffer: a lower bound no conversion that produces the model can reach.",
             "- `port-convert` is the whole `port convert` command: the same conversion, each leaf's "
             "chunk files written (and flushed to disk) by a pool of threads straight from the device "
             "buffers while the next leaves are placed, then the metadata and the rename into place.",
-            "- `floor-rw` reads each tensor (as `floor-streamed`) and writes its bytes to one new file "
+            "- `floor-rw` reads each tensor (as `floor-per-tensor-streamed`) and writes its bytes to one new file "
             "with a plain buffered write; `floor-rw+fsync` also fsyncs that file before the clock stops. "
             "port writes its output to disk and fsyncs it before renaming it into place, so "
             "`floor-rw+fsync` is `port-convert`'s like-for-like floor; the line under each table gives "

@@ -26,7 +26,19 @@ SMOKE = {
         "--mesh",
         "2x2",
         "--methods",
-        "port,port-convert,port-restore,recipe,floor,floor-restore,read+put,put",
+        "port,port-convert,port-restore,recipe,floor-per-tensor,floor-restore,read+put,put",
+        "--workdir",
+        "{tmp}",
+    ],
+    "host.py": [
+        "--checkpoints",
+        "llama-tiny",
+        "--rounds",
+        "1",
+        "--mesh",
+        "2x2",
+        "--methods",
+        "port,orbax,recipe,read+put,floor,floor-threads,h2d",
         "--workdir",
         "{tmp}",
     ],
@@ -74,7 +86,7 @@ SMOKE = {
 
 
 def test_every_script_has_a_smoke_run():
-    makers = {"make_gpt2.py", "make_bert.py"}  # run inside the others' smoke runs (remote.py's below)
+    makers = {"make_gpt2.py", "make_bert.py", "make_llama.py"}  # run inside the others' smoke runs (remote.py's below)
     scripts = {p.name for p in BENCH.glob("*.py") if not p.name.startswith("_")} - makers - {"remote.py"}
     assert scripts == set(SMOKE)
 
