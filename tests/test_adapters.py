@@ -465,3 +465,22 @@ def test_the_product_is_tiled_to_stay_on_the_calling_thread(shape, monkeypatch):
     monkeypatch.undo()
     np.testing.assert_allclose(got, b @ a, rtol=1e-5, atol=1e-4)
     assert max(sizes) <= max(_merged.SMALL_PRODUCT, rank)
+
+
+def test_a_block_of_the_product_is_the_whole_products_bit_for_bit():
+    """The merged delta of any block (interior tiles, edge tiles, odd cuts) equals that block of the
+    whole weight's delta exactly: BLAS rounds an element alike only within tiles of one shape."""
+    from port._adapters._merged import _product
+
+    rng = np.random.default_rng(0)
+    b = rng.standard_normal((300, 8)).astype(np.float32)
+    a = rng.standard_normal((8, 5000)).astype(np.float32)
+    whole = _product(b, a)
+    np.testing.assert_allclose(whole, b @ a, rtol=1e-5, atol=1e-5)
+    for (r0, r1), (c0, c1) in [
+        ((0, 150), (0, 2500)),
+        ((150, 300), (2500, 5000)),
+        ((7, 293), (1, 4999)),
+        ((0, 300), (2048, 4096)),
+    ]:
+        np.testing.assert_array_equal(_product(b[r0:r1], a[:, c0:c1], r0, c0), whole[r0:r1, c0:c1])

@@ -459,6 +459,10 @@ class UnionCheckpoint(Checkpoint):
     def bytes_read(self) -> int:  # pyright: ignore[reportIncompatibleVariableOverride]  # both checkpoints' counts
         return self.base.bytes_read + self.adapter.bytes_read
 
+    @property
+    def bytes_over_read(self) -> int:  # pyright: ignore[reportIncompatibleVariableOverride]  # both checkpoints' counts
+        return self.base.bytes_over_read + self.adapter.bytes_over_read
+
     def expect(self, reads: AnyMapping[str, Collection[Region]]) -> None:
         """Tell the base and the adapter the regions each will be asked for."""
         self.base.expect({k: r for k, r in reads.items() if k not in self.renames})

@@ -49,6 +49,10 @@ class MergedCheckpoint(Checkpoint):
     def bytes_read(self) -> int:  # pyright: ignore[reportIncompatibleVariableOverride]  # both checkpoints' counts
         return self.base.bytes_read + self.adapter.checkpoint.bytes_read
 
+    @property
+    def bytes_over_read(self) -> int:  # pyright: ignore[reportIncompatibleVariableOverride]  # both checkpoints' counts
+        return self.base.bytes_over_read + self.adapter.checkpoint.bytes_over_read
+
     def expect(self, reads: Mapping[str, Collection[Region]]) -> None:
         """Tell the base and the adapter the regions each will be asked for."""
         base: dict[str, set[Region]] = {}
@@ -111,7 +115,7 @@ class MergedCheckpoint(Checkpoint):
         (_, b_region), (_, a_region) = _factor_regions(target, outs, ins)
         b = self.adapter.checkpoint.read(target.b, b_region).astype(np.float32)
         a = self.adapter.checkpoint.read(target.a, a_region).astype(np.float32)
-        delta = _product(b, a)
+        delta = _product(b, a, outs[0], ins[0])
         delta *= np.float32(target.scale)
         return delta.T if target.kind in _TRANSPOSED else delta
 
@@ -146,16 +150,50 @@ thread (its `GEMM_MULTITHREAD_THRESHOLD` of 4 x 65536): larger ones start its ow
 of port's reading threads oversubscribe the cores (9x slower measured on 2 cores, docs/benchmarks.md)."""
 
 
-def _product(b: np.ndarray, a: np.ndarray) -> np.ndarray:
-    """`b @ a` (float32 `[out, rank] @ [rank, in]`) in tiles small enough to stay on this thread."""
+def _tile(rank: int) -> tuple[int, int]:
+    """The (rows, columns) of `_product`'s tiles for factors of `rank`: powers of two whose product
+    with the rank stays under `SMALL_PRODUCT`, so that block edges (halves, quarters) fall on them."""
+    width = 1 << max(0, (SMALL_PRODUCT // (rank * 8)).bit_length() - 1)
+    height = 1 << max(0, (SMALL_PRODUCT // (width * rank)).bit_length() - 1)
+    return height, width
+
+
+def _product(b: np.ndarray, a: np.ndarray, row: int = 0, column: int = 0) -> np.ndarray:
+    """`b @ a` (float32 `[out, rank] @ [rank, in]`, the rows from `row` and the columns from `column`
+    of the whole product) in tiles small enough to stay on this thread.
+
+    The tiles lie on one grid of the whole product, every one computed at its full size (the factors'
+    rows and columns beyond the block are zeros): BLAS computes an element alike in every tile of one
+    shape, but not in tiles of other shapes (OpenBLAS's edge kernels), so a block's elements are then
+    bit for bit those of the whole weight, however the weight is cut.
+
+    ```python
+    _product(b[16:48], a[:, 8:24], 16, 8)   # equal to (b @ a)[16:48, 8:24], bit for bit
+    ```
+    """
     rows, rank = b.shape
     columns = a.shape[1]
     out = np.empty((rows, columns), np.float32)
-    width = min(columns, max(1, SMALL_PRODUCT // (rank * 8)))
-    height = max(1, SMALL_PRODUCT // (width * rank))
-    for c in range(0, columns, width):
-        for r in range(0, rows, height):
-            np.matmul(b[r : r + height], a[:, c : c + width], out=out[r : r + height, c : c + width])
+    height, width = _tile(rank)
+    tile_b = np.zeros((height, rank), np.float32)
+    tile_a = np.zeros((rank, width), np.float32)
+    product = np.empty((height, width), np.float32)
+    for c in range(column - column % width, column + columns, width):
+        lo, hi = max(c, column), min(c + width, column + columns)  # this tile's columns in the block
+        tile_a[:] = 0
+        tile_a[:, lo - c : hi - c] = a[:, lo - column : hi - column]
+        whole = lo == c and hi == c + width
+        for r in range(row - row % height, row + rows, height):
+            top, bottom = max(r, row), min(r + height, row + rows)
+            if whole and top == r and bottom == r + height:  # a tile inside the block: straight into it
+                np.matmul(
+                    b[top - row : bottom - row], tile_a, out=out[top - row : bottom - row, lo - column : hi - column]
+                )
+                continue
+            tile_b[:] = 0
+            tile_b[top - r : bottom - r] = b[top - row : bottom - row]
+            np.matmul(tile_b, tile_a, out=product)
+            out[top - row : bottom - row, lo - column : hi - column] = product[top - r : bottom - r, lo - c : hi - c]
     return out
 
 

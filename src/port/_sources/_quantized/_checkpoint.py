@@ -65,6 +65,10 @@ class DequantizedCheckpoint(Checkpoint):
     def bytes_read(self) -> int:  # pyright: ignore[reportIncompatibleVariableOverride]  # the inner checkpoint's count
         return self.inner.bytes_read
 
+    @property
+    def bytes_over_read(self) -> int:  # pyright: ignore[reportIncompatibleVariableOverride]  # the inner checkpoint's count
+        return self.inner.bytes_over_read
+
     def expect(self, reads: Mapping[str, Collection[Region]]) -> None:
         """Tell the inner checkpoint the parts' regions each quantized region will read."""
         parts: dict[str, set[Region]] = {}
