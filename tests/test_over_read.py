@@ -4,7 +4,7 @@ With a ratio r > 1 one request spans two stretches of a file when the gap betwee
 at most r - 1 times the stretch after it: the gap's bytes are received and discarded, the
 requests fetch at most r times the bytes needed, and `bytes_over_read` counts the gaps
 (`bytes_read` stays the bytes needed). r = 1 asks for exact ranges, as before; local files
-are always read exactly. Served by the threaded test server of `test_remote`.
+are read exactly unless a ratio is given. Served by the threaded test server of `test_remote`.
 """
 
 import time
@@ -122,11 +122,26 @@ def test_two_process_shaped_reads_merge_over_http_and_say_what_they_over_read(se
     assert sent_2 <= 2 * needed and asked_2 < asked_1 and asked_2 <= 2, seen  # one stretch (under HTTP_CHUNK)
 
 
-def test_local_files_are_read_exactly_whatever_the_ratio(gpt2_checkpoints):
-    with port.open_checkpoint(gpt2_checkpoints[0]["lm"], max_over_read=4) as ckpt:
-        key, _, region = _column_half(ckpt)
-        block = ckpt.read(key, region)
-        assert ckpt.bytes_read == block.nbytes and ckpt.bytes_over_read == 0
+def test_local_files_are_read_exactly_unless_a_ratio_is_given(gpt2_checkpoints, monkeypatch):
+    """A local file's column half (every other stretch of each row) costs a `preadv` per row when
+    read exactly, the default; given a ratio, one `preadv` reads through the other half into the
+    sink, the same block comes out, and the bytes read through are counted as over-read."""
+    from port._sources import _local
+
+    calls = []
+    real = _local._preadv
+    monkeypatch.setattr(_local, "_preadv", lambda fd, iov, offset: calls.append(len(iov)) or real(fd, iov, offset))
+    seen = {}
+    for ratio in (None, 2):
+        with port.open_checkpoint(gpt2_checkpoints[0]["lm"], max_over_read=ratio) as ckpt:
+            key, rows, region = _column_half(ckpt)
+            calls.clear()
+            block = ckpt.read(key, region)
+            seen[ratio] = (block, len(calls), ckpt.bytes_read, ckpt.bytes_over_read)
+    (exact, exact_calls, exact_read, exact_over), (bridged, bridged_calls, read, over) = seen[None], seen[2]
+    np.testing.assert_array_equal(bridged, exact)
+    assert (exact_calls, exact_read, exact_over) == (rows, exact.nbytes, 0)
+    assert bridged_calls == 1 and read == exact.nbytes and over == (rows - 1) * exact.nbytes // rows
 
 
 @pytest.mark.parametrize("value", [0.5, 0, -1, float("nan"), "two", True])

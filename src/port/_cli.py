@@ -450,7 +450,7 @@ def _convert(
             metavar="RATIO",
             parser=_ratio,
             help="a URL's reads may fetch up to RATIO times the bytes they need, one request spanning the gaps "
-            "between the stretches wanted (default: 2; 1: exact ranges; local files are read exactly)",
+            "between the stretches wanted (default: 2 for a URL, 1 for local files: exact ranges)",
         ),
     ] = None,
     progress: ProgressFlag = None,

@@ -191,7 +191,8 @@ def convert(
     - `max_over_read`: a URL's reads may fetch up to this many times the bytes they need,
       one request spanning the gaps between the stretches wanted (a number >= 1; default 2;
       1: exact ranges); `report.bytes_over_read` counts the discarded bytes. Local files
-      are read exactly; a `Checkpoint` already opened keeps `open_checkpoint`'s setting.
+      are read exactly unless it is given; a `Checkpoint` already opened keeps
+      `open_checkpoint`'s setting.
 
     Returns a `Conversion`: `.model`, `.plan`, `.report`.
 
@@ -452,7 +453,7 @@ def load(
     - `adapter_mode`: `"merge"` (default: merged into the weights as they are read) or
       `"keep"` (`port.nn.LoRA` nodes at the adapted weights, the factors trainable).
     - `max_over_read`: a URL's reads may fetch up to this many times the bytes they need
-      (default 2; 1: exact ranges; local files are read exactly).
+      (default 2; 1: exact ranges; local files are read exactly unless it is given).
 
     ```python
     model = load("gpt2", mesh="4x2")

@@ -50,9 +50,10 @@ _BIN_INDEX = "pytorch_model.bin.index.json"
 _BIN_SINGLE = "pytorch_model.bin"
 
 
-def open_local(model: str | os.PathLike) -> LocalCheckpoint:
+def open_local(model: str | os.PathLike, max_over_read: float = 1.0) -> LocalCheckpoint:
     """Open a local checkpoint directory (or a `file://` URL, or a Hugging Face repo id fetched
-    through its cache), reading only its `config.json` and tensor headers.
+    through its cache), reading only its `config.json` and tensor headers. With `max_over_read`
+    > 1, a read's gaps between runs are read through (`LocalCheckpoint.max_over_read`).
 
     ```python
     with open_local("path/to/gpt2") as ckpt:
@@ -66,7 +67,9 @@ def open_local(model: str | os.PathLike) -> LocalCheckpoint:
     config = load_json(read_small(config_path, MAX_CONFIG, "a config.json"), str(config_path))
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path}: expected a JSON object")
-    return LocalCheckpoint(directory, config, _headers(directory, _weight_files(directory)))
+    return LocalCheckpoint(
+        directory, config, _headers(directory, _weight_files(directory)), max_over_read=max_over_read
+    )
 
 
 def resolve(model: str | os.PathLike) -> Path:

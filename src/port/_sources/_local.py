@@ -30,6 +30,7 @@ from .._errors import CheckpointError
 from .._files import IOV_MAX, libc_function, open_regular
 from .._text import quoted
 from ._checkpoint import Checkpoint, Region, TensorInfo, check_buffer
+from ._ranges import MAX_GAP, SINK
 from ._runs import batches
 
 _LIBC_PREADV = libc_function("preadv", [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64])
@@ -53,12 +54,36 @@ def _preadv(fd: int, iov: np.ndarray, offset: int) -> int:
     return os.preadv(fd, buffers, offset)
 
 
-def _read_runs(fd: int, offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray, info: TensorInfo) -> None:
-    """Read each run into its address: runs adjacent in the file share one `preadv`."""
+def _bridged(
+    offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray, ratio: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Runs in file order with the gaps worth reading through (at most `ratio - 1` times the run
+    after each, and `MAX_GAP`) as runs of their own into `SINK`, so that one `preadv` spans them;
+    and the bytes those gaps add."""
+    gaps = offsets[1:] - (offsets[:-1] + lengths[:-1])
+    bridge = (gaps > 0) & (gaps <= MAX_GAP) & (gaps <= (ratio - 1) * lengths[1:])
+    if not bridge.any():
+        return offsets, lengths, addresses, 0
+    at = np.flatnonzero(bridge) + 1  # each bridged gap goes before the run after it
+    offsets = np.insert(offsets, at, offsets[at] - gaps[at - 1])
+    lengths = np.insert(lengths, at, gaps[at - 1])
+    addresses = np.insert(addresses, at, np.uint64(SINK))
+    return offsets, lengths, addresses, int(gaps[bridge].sum())
+
+
+def _read_runs(
+    fd: int, offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray, info: TensorInfo, ratio: float = 1.0
+) -> int:
+    """Read each run into its address: runs adjacent in the file share one `preadv`, and with
+    `ratio` > 1 so do runs with a gap between them read into `SINK` (see `_bridged`). Returns
+    the bytes of such gaps read."""
     order = np.argsort(offsets, kind="stable")
-    offsets, lengths = offsets[order], lengths[order]
+    offsets, lengths, addresses = offsets[order], lengths[order], addresses[order]
+    over = 0
+    if ratio > 1 and len(offsets) > 1:
+        offsets, lengths, addresses, over = _bridged(offsets, lengths, addresses, ratio)
     iov = np.empty((len(offsets), 2), np.uint64)
-    iov[:, 0], iov[:, 1] = addresses[order], lengths
+    iov[:, 0], iov[:, 1] = addresses, lengths
     # Calls: a new one where a run does not start where the previous ended, and every IOV_MAX runs.
     starts = np.flatnonzero(np.concatenate(([True], offsets[1:] != offsets[:-1] + lengths[:-1])))
     starts = np.unique(np.concatenate([np.arange(a, b, IOV_MAX) for a, b in zip(starts, [*starts[1:], len(offsets)])]))
@@ -86,6 +111,7 @@ def _read_runs(fd: int, offsets: np.ndarray, lengths: np.ndarray, addresses: np.
             iov[first, 0] += np.uint64(used)
             iov[first, 1] -= np.uint64(used)
             position, size = position + got, size - got
+    return over
 
 
 @final
@@ -107,7 +133,9 @@ class LocalCheckpoint(Checkpoint):
     config: dict
     tensors: dict[str, TensorInfo]
     output: Path | None = None  # a port output's directory (`restore`): no link followed below it
+    max_over_read: float = 1.0  # > 1: a gap between runs read through into a sink (`_bridged`)
     bytes_read: int = 0
+    bytes_over_read: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def expect(self, reads: Mapping[str, Collection[Region]]) -> None:
@@ -128,13 +156,15 @@ class LocalCheckpoint(Checkpoint):
         if total == 0:
             return
         fd = _open(info, self.output)
+        over = 0
         try:
             for offsets, lengths, addresses in batches(info, requests):
-                _read_runs(fd, offsets, lengths, addresses, info)
+                over += _read_runs(fd, offsets, lengths, addresses, info, self.max_over_read)
         finally:
             os.close(fd)
         with self._lock:
             self.bytes_read += total
+            self.bytes_over_read += over
 
     def close(self) -> None:
         """Nothing to release: every read opens and closes its file."""

@@ -34,7 +34,9 @@ def open_checkpoint(model: str | os.PathLike, max_over_read: float | None = None
     - `max_over_read`: a URL's reads may fetch up to this many times the bytes they need,
       one request spanning the gaps between the stretches wanted, the gaps discarded and
       counted in `bytes_over_read` (a number >= 1; default 2; 1: exact ranges). Local
-      files are read exactly whatever it is (a positioned read costs no round trip).
+      files are read exactly unless it is given: a positioned read costs no round trip, but
+      several processes' interleaved rows cost a `preadv` each, which reading through the
+      other processes' bytes saves.
 
     A checkpoint whose config.json has a `quantization_config` (FP8, MXFP4, int4, ...) is
     read as the unquantized checkpoint it stands for: see `port._sources._quantized`.
@@ -48,7 +50,7 @@ def open_checkpoint(model: str | os.PathLike, max_over_read: float | None = None
         ckpt.config["n_layer"], ckpt.tensors["wte.weight"].shape
     ```
     """
-    ratio = MAX_OVER_READ if max_over_read is None else over_read_ratio(max_over_read)
     if is_url(model) and not str(model).lower().startswith("file://"):
+        ratio = MAX_OVER_READ if max_over_read is None else over_read_ratio(max_over_read)
         return dequantized(open_remote(str(model), max_over_read=ratio))
-    return dequantized(open_local(model))
+    return dequantized(open_local(model, 1.0 if max_over_read is None else over_read_ratio(max_over_read)))
