@@ -31,8 +31,11 @@ T = TypeVar("T")
 
 
 def default_workers() -> int:
-    """Reading threads when the caller names none: the CPU count, at most 8."""
-    return min(8, os.cpu_count() or 1)
+    """Reading threads when the caller names none: twice the CPU count, at most 8. A reader
+    spends part of its time in Python (planning its runs, holding the GIL) and waiting on its
+    page faults; a second one per core keeps the core copying meanwhile (GPT-2 medium on 2
+    cores: place 0.60-0.70 s with 2 readers, 0.55-0.57 s with 4)."""
+    return min(8, 2 * (os.cpu_count() or 1))
 
 
 class InFlight(Generic[T]):
@@ -97,7 +100,7 @@ class ReadAhead:
     - `ahead_bytes`: bytes the units in flight hold, beyond which the caller waits for
       the oldest before more are read (default: no bound; a unit larger than it is
       read alone).
-    - `workers`: reading threads (default: the CPU count, at most 8).
+    - `workers`: reading threads (default: twice the CPU count, at most 8).
     - `name`: the threads' name prefix.
 
     A context manager: leaving the block on an error (a failed read, the caller's, an

@@ -305,7 +305,7 @@ def place(
     - `mesh`: the `Mesh` the arrays are sharded over.
     - `placed`: called with each `LeafPlan` and its array once made (to show progress,
       or to start writing it while the next leaves are placed).
-    - `workers`: reading threads (default: the CPU count, at most 8).
+    - `workers`: reading threads (default: twice the CPU count, at most 8).
 
     Returns dotted module paths to arrays, for `port.fill`.
 

@@ -33,6 +33,10 @@ from ._checkpoint import Checkpoint, Region, TensorInfo, check_buffer
 from ._ranges import MAX_GAP, SINK
 from ._runs import batches
 
+HELD_FILES = 1024
+"""Files a checkpoint holds open between reads, at most (a 700B checkpoint has about 160 shards);
+one of more opens each file at every read."""
+
 _LIBC_PREADV = libc_function("preadv", [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64])
 
 
@@ -119,9 +123,12 @@ def _read_runs(
 class LocalCheckpoint(Checkpoint):
     """A checkpoint in local files: config, tensor headers, and counted positioned reads of regions.
 
-    It holds no file open between reads (each read opens, checks and closes its file), so
-    `close` has nothing to release. With `output` (a port output's directory, as `restore`
-    reads one) no link is followed below that directory.
+    A checkpoint of at most `HELD_FILES` files (a model's shards) opens each file once, at
+    its first read, checks it is the very file whose header was read, and reads it through
+    that descriptor until `close`: the file replaced meanwhile is never read, and one cut
+    short is a short read, one `CheckpointError`. One of more files (a port output's chunk
+    files, as `restore` reads them) opens, checks and closes its file at every read. With
+    `output` (a port output's directory) no link is followed below that directory.
 
     ```python
     with LocalCheckpoint(Path("gpt2"), config, tensors) as ckpt:
@@ -137,6 +144,8 @@ class LocalCheckpoint(Checkpoint):
     bytes_read: int = 0
     bytes_over_read: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _held: dict[Path, int] = field(default_factory=dict, repr=False)  # file -> its descriptor, once read
+    _holds: bool | None = field(default=None, repr=False)  # whether files are held open (few enough of them)
 
     def expect(self, reads: Mapping[str, Collection[Region]]) -> None:
         """Nothing to plan: a local file is read region by region as asked."""
@@ -155,19 +164,38 @@ class LocalCheckpoint(Checkpoint):
         total = sum(out.nbytes for _, out in requests)
         if total == 0:
             return
-        fd = _open(info, self.output)
+        fd, held = self._descriptor(info)
         over = 0
         try:
             for offsets, lengths, addresses in batches(info, requests):
                 over += _read_runs(fd, offsets, lengths, addresses, info, self.max_over_read)
         finally:
-            os.close(fd)
+            if not held:
+                os.close(fd)
         with self._lock:
             self.bytes_read += total
             self.bytes_over_read += over
 
+    def _descriptor(self, info: TensorInfo) -> tuple[int, bool]:
+        """A descriptor of `info`'s file (checked: see `_open`), and whether it is held open
+        (this checkpoint's, closed by `close`) rather than the caller's to close."""
+        if self._holds is None:
+            self._holds = self.output is None and len({t.file for t in self.tensors.values()}) <= HELD_FILES
+        if not self._holds:
+            return _open(info, self.output), False
+        assert isinstance(info.file, Path)  # a local checkpoint's tensors live in local files
+        with self._lock:
+            fd = self._held.get(info.file)
+            if fd is None:
+                fd = self._held[info.file] = _open(info)
+        return fd, True
+
     def close(self) -> None:
-        """Nothing to release: every read opens and closes its file."""
+        """Close the files held open (a read after it opens them again)."""
+        with self._lock:
+            held, self._held = list(self._held.values()), {}
+        for fd in held:
+            os.close(fd)
 
 
 def _open(info: TensorInfo, output: Path | None = None) -> int:
