@@ -112,6 +112,7 @@ def test_run_parses_in_this_process(capsys):
         "layers": None,
         "adapter": None,
         "adapter_mode": None,
+        "max_over_read": None,
         "force": False,
         "progress": False,
         "json": False,
