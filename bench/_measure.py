@@ -185,6 +185,22 @@ def isolated(script: str | Path, spec: dict, timeout: float | None = None) -> di
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def device_bytes(tree) -> tuple[int, int]:
+    """(the most bytes on one device, the bytes of distinct buffers on all devices) of the arrays in
+    `tree`: shards that share one buffer (a replicated block's copies, where the backend lets them
+    alias one host buffer) count once."""
+    import jax
+
+    per_device: dict = {}
+    buffers: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            for shard in leaf.addressable_shards:
+                per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+                buffers[(shard.device.platform, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
+    return (max(per_device.values()), sum(buffers.values())) if per_device else (0, 0)
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 

@@ -75,16 +75,6 @@ _AFTER: list[Callable[[], None]] = []
 # ---------------------------------------------------------------- measured process
 
 
-def _device_bytes(tree) -> int:
-    import jax
-
-    per_device: dict = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    return max(per_device.values()), sum(per_device.values())
-
-
 def _port(directory: Path, mesh):
     import jax
 
@@ -333,7 +323,7 @@ def measure(method: str, directory: Path, mesh_spec: str) -> dict:
     if report:  # port convert: the arrays are gone once written; its report has the device bytes
         per_device, total_device = max(report[0]["device_bytes"].values()), sum(report[0]["device_bytes"].values())
     elif result is not None and method != "flax":
-        per_device, total_device = _device_bytes(result)
+        per_device, total_device = _measure.device_bytes(result)
     else:
         per_device, total_device = 0, 0
     return {

@@ -123,22 +123,6 @@ def _rchar() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
 
 
-def _device_bytes(tree) -> tuple[int, int]:
-    """(the most bytes on one device, the bytes of distinct buffers on all devices) of the arrays in
-    `tree`: shards that share one buffer (a replicated block's copies, where the backend lets them
-    alias one host buffer) count once."""
-    import jax
-
-    per_device: dict = {}
-    buffers: dict = {}
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array):
-            for shard in leaf.addressable_shards:
-                per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-                buffers[(shard.device.platform, shard.data.unsafe_buffer_pointer())] = shard.data.nbytes
-    return (max(per_device.values()), sum(buffers.values())) if per_device else (0, 0)
-
-
 def _plan(directory: Path, mesh):
     import port
 
@@ -434,7 +418,7 @@ def measure(spec: dict) -> dict:
     if method.startswith("floor"):  # its buffers are what it produces, in host memory on any backend
         per_device, total_device, on_host = 0, sum(buffer.nbytes for buffer in result), True
     else:
-        per_device, total_device = _device_bytes(result)
+        per_device, total_device = _measure.device_bytes(result)
         on_host = jax.default_backend() == "cpu" and method != "h2d"
     return {
         "seconds": seconds,

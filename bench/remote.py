@@ -122,7 +122,7 @@ def measure(spec: dict) -> dict:
         over = ckpt.bytes_over_read
         largest = max(info.nbytes for info in ckpt.tensors.values())
     seconds = time.perf_counter() - began
-    arrays = sum(shard.data.nbytes for leaf in jax.tree.leaves(model) for shard in leaf.addressable_shards)
+    _, arrays = _measure.device_bytes(model)  # shards sharing one host buffer counted once
     return {
         "seconds": seconds,
         "cpu": time.process_time() - cpu,
