@@ -45,9 +45,8 @@ def check_host_memory(device_bytes: int, mesh: Any, label: str) -> None:
     CPU devices of `mesh` (their memory is the host's) that take more than the host has
     available; `label` names the mesh in the message (`mesh=data=4,model=2`).
 
-    A replicated dimension costs a copy per device (`port plan` shows bytes per device), so a
-    mesh of many simulated devices multiplies a model: `mesh="16x32"` is 512 copies of what
-    each block replicates.
+    It counts `device_bytes` once per device (`port plan` shows bytes per device): an upper
+    bound, since the devices that hold one replicated block share its buffer (`place`).
     """
     import jax
 
