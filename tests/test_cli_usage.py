@@ -4,6 +4,7 @@ Exit status 0 done, 1 bad input or a failed check (one `port: error:` line), 2 a
 error (with the usage message); never a traceback.
 """
 
+import re
 from importlib.metadata import version
 from pathlib import Path
 
@@ -180,13 +181,11 @@ def test_help_shows_flags_plainly():
     assert result.returncode == 0, result.stderr
     text = result.stdout
     assert text.split()[:5] == ["Usage:", "port", "convert", "[OPTIONS]", "MODEL"]
-    assert (
-        "--force" in text
-        and "--progress      --no-progress" in text
-        and "--dtype                          DTYPE" in text
-    )
+    assert "--force" in text
+    assert re.search(r"--progress +--no-progress ", text) and re.search(r"--dtype +DTYPE ", text), text
     assert "<bool>" not in text and "<str>" not in text and "{" not in text, text
-    assert "cast floating parameters to float32, bfloat16" in text
+    words = " ".join(text.replace("│", " ").split())  # the help's words, however the columns wrap them
+    assert "cast floating parameters to float32, bfloat16" in words
     assert "╭─ Multi-process run" in text and text.index("╭─ Multi-process run") < text.index("│ --coordinator")
     assert max(len(line) for line in text.splitlines()) == 100
     assert run_port("convert", "-h", env={"COLUMNS": "200"}).stdout == text
