@@ -30,7 +30,7 @@ from .._errors import CheckpointError
 from .._files import IOV_MAX, libc_function, open_regular
 from .._text import quoted
 from ._checkpoint import Checkpoint, Region, TensorInfo, check_buffer
-from ._ranges import MAX_GAP, SINK
+from ._ranges import bridge_gaps
 from ._runs import batches
 
 HELD_FILES = 1024
@@ -58,34 +58,18 @@ def _preadv(fd: int, iov: np.ndarray, offset: int) -> int:
     return os.preadv(fd, buffers, offset)
 
 
-def _bridged(
-    offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray, ratio: float
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
-    """Runs in file order with the gaps worth reading through (at most `ratio - 1` times the run
-    after each, and `MAX_GAP`) as runs of their own into `SINK`, so that one `preadv` spans them;
-    and the bytes those gaps add."""
-    gaps = offsets[1:] - (offsets[:-1] + lengths[:-1])
-    bridge = (gaps > 0) & (gaps <= MAX_GAP) & (gaps <= (ratio - 1) * lengths[1:])
-    if not bridge.any():
-        return offsets, lengths, addresses, 0
-    at = np.flatnonzero(bridge) + 1  # each bridged gap goes before the run after it
-    offsets = np.insert(offsets, at, offsets[at] - gaps[at - 1])
-    lengths = np.insert(lengths, at, gaps[at - 1])
-    addresses = np.insert(addresses, at, np.uint64(SINK))
-    return offsets, lengths, addresses, int(gaps[bridge].sum())
-
-
 def _read_runs(
     fd: int, offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray, info: TensorInfo, ratio: float = 1.0
 ) -> int:
     """Read each run into its address: runs adjacent in the file share one `preadv`, and with
-    `ratio` > 1 so do runs with a gap between them read into `SINK` (see `_bridged`). Returns
-    the bytes of such gaps read."""
+    `ratio` > 1 so do runs with a gap between them read into `SINK` (see `bridge_gaps`).
+    Returns the bytes of such gaps read."""
     order = np.argsort(offsets, kind="stable")
     offsets, lengths, addresses = offsets[order], lengths[order], addresses[order]
     over = 0
     if ratio > 1 and len(offsets) > 1:
-        offsets, lengths, addresses, over = _bridged(offsets, lengths, addresses, ratio)
+        offsets, lengths, addresses, gaps = bridge_gaps(offsets, lengths, addresses, ratio)
+        over = 0 if gaps is None else int(lengths[gaps].sum())
     iov = np.empty((len(offsets), 2), np.uint64)
     iov[:, 0], iov[:, 1] = addresses, lengths
     # Calls: a new one where a run does not start where the previous ended, and every IOV_MAX runs.
@@ -140,7 +124,7 @@ class LocalCheckpoint(Checkpoint):
     config: dict
     tensors: dict[str, TensorInfo]
     output: Path | None = None  # a port output's directory (`restore`): no link followed below it
-    max_over_read: float = 1.0  # > 1: a gap between runs read through into a sink (`_bridged`)
+    max_over_read: float = 1.0  # > 1: a gap between runs read through into a sink (`bridge_gaps`)
     bytes_read: int = 0
     bytes_over_read: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -192,7 +192,7 @@ def plan_ranges(
     addresses = addresses[order].astype(np.int64)
     sink = None
     if max_over_read > 1 and len(offsets) > 1:
-        offsets, lengths, addresses, sink = _bridged(offsets, lengths, addresses, max_over_read, chunk)
+        offsets, lengths, addresses, sink = bridge_gaps(offsets, lengths, addresses, max_over_read, chunk - 1)
     ends = offsets + lengths
     new = np.ones(len(offsets), bool)  # a run that does not continue the one before starts a stretch
     new[1:] = offsets[1:] != ends[:-1]
@@ -224,18 +224,25 @@ def plan_ranges(
     return Ranges(offsets[firsts[:-1]], stops, firsts, iovecs(addresses, ends - offsets))
 
 
-def _bridged(
-    offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray, ratio: float, chunk: int
+def bridge_gaps(
+    offsets: np.ndarray, lengths: np.ndarray, addresses: np.ndarray, ratio: float, largest: int = MAX_GAP
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """Runs (in file order) with a run at `SINK` filling each gap worth fetching: one of at
-    most `ratio - 1` times the stretch of runs after it (its bytes lying end to end), at most
-    `MAX_GAP` bytes and less than `chunk`; and which runs are such gaps (None: no gap is)."""
+    """Runs (in file order) with a run at `SINK` filling each gap worth reading through: one of at
+    most `ratio - 1` times the stretch of runs after it (its bytes lying end to end) and at most
+    `largest` bytes (`MAX_GAP` or less); and which runs are such gaps (None: no gap is). Each gap
+    is charged to the stretch after it, so the runs then span at most `ratio` times their bytes.
+
+    ```python
+    bridge_gaps(np.array([0, 16]), np.array([8, 8]), np.array([a, b]), 2.0)
+    # offsets [0, 8, 16], lengths [8, 8, 8], addresses [a, SINK, b], gaps [False, True, False]
+    ```
+    """
     ends = offsets + lengths
     gaps = offsets[1:] - ends[:-1]
     starts = np.flatnonzero(np.concatenate(([True], gaps != 0)))  # each stretch's first run
     sizes = np.add.reduceat(lengths, starts)  # each stretch's bytes
     before = gaps[starts[1:] - 1]  # the gap before each stretch but the first
-    bridge = (before > 0) & (before <= min(MAX_GAP, chunk - 1)) & (before <= (ratio - 1) * sizes[1:])
+    bridge = (before > 0) & (before <= min(MAX_GAP, largest)) & (before <= (ratio - 1) * sizes[1:])
     at = starts[1:][bridge]
     if not len(at):
         return offsets, lengths, addresses, None
